@@ -1,0 +1,32 @@
+# ampwatch: one entry point for newcomers and CI.
+#   make test   run the whole test suite (creates .venv on first use)
+#   make demo   run the demo (ARGS=... is passed through)
+#   make bench  run the benchmarks (ARGS=--quick for a short run)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ampwatch-installed
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+# torch first, pinned: an unpinned torch (or one pulled in by a package) downloads a multi-GB CUDA build.
+$(STAMP): agent/pyproject.toml server/pyproject.toml dashboards/pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ./agent -e ./server -e ./dashboards -r requirements-dev.txt
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) examples/ddp_train.py $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache data artifacts

@@ -1,0 +1,64 @@
+"""A bounded, thread-safe buffer of events between the training thread and the sender."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from typing import Any
+
+__all__ = ["EventBuffer"]
+
+
+class EventBuffer:
+    """Events waiting for delivery; the oldest are dropped first when full.
+
+    The training thread calls :meth:`append` (a lock-free deque append plus a
+    counter); the sender thread calls :meth:`drain`. Every event gets an ``id``
+    that increases by one per event within this process (incarnation), so the
+    collector can recognise an event it has already applied.
+
+    >>> buf = EventBuffer(capacity=2)
+    >>> for i in range(3):
+    ...     _ = buf.append({"kind": "skip", "iteration": i})
+    >>> [e["iteration"] for e in buf.drain()], buf.dropped
+    ([1, 2], 1)
+    """
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.dropped = 0  # events discarded because the buffer was full
+
+    def append(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Add ``event`` (stamped with ``id`` and ``time``) and return it."""
+        event["id"] = next(self._ids)
+        event.setdefault("time", time.time())
+        with self._lock:
+            if len(self._queue) >= self.capacity:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(event)
+        return event
+
+    def drain(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Remove and return up to ``limit`` of the oldest events (all when ``None``)."""
+        with self._lock:
+            n = len(self._queue) if limit is None else min(limit, len(self._queue))
+            return [self._queue.popleft() for _ in range(n)]
+
+    def requeue(self, events: list[dict[str, Any]]) -> None:
+        """Put events taken by :meth:`drain` back at the front (delivery failed), keeping the cap."""
+        with self._lock:
+            room = self.capacity - len(self._queue)
+            keep = events[-room:] if room > 0 else []
+            self.dropped += len(events) - len(keep)
+            self._queue.extendleft(reversed(keep))
+
+    def __len__(self) -> int:
+        return len(self._queue)
