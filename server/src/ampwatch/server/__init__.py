@@ -1,3 +1,6 @@
-"""The ampwatch collector: ingest, storage, Prometheus metrics (filled by the collector issue)."""
+"""The ampwatch collector: ingest agent batches, keep them in SQLite, expose them to Prometheus."""
 
-__all__: list[str] = []
+from ._app import VERSION, create_app
+from ._config import ServerConfig
+
+__all__ = ["create_app", "ServerConfig", "VERSION"]

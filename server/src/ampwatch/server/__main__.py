@@ -1,11 +1,60 @@
-"""Command-line entry point of the collector."""
+"""Command line: ``ampwatch-server [serve] [options]`` (more subcommands may join ``serve``)."""
 
+from __future__ import annotations
+
+import argparse
+import logging
+import os
 import sys
+from typing import Callable, Optional, Sequence
+
+__all__ = ["main", "build_parser"]
 
 
-def main() -> int:
-    print("ampwatch-server: not implemented yet", file=sys.stderr)
-    return 2
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of ``ampwatch-server serve`` (also used when no subcommand is given)."""
+    from ._config import add_arguments
+    parser = argparse.ArgumentParser(
+        prog="ampwatch-server",
+        description="Run the ampwatch collector: agents POST batches to /v1/ingest, Prometheus scrapes "
+                    "/metrics, and /v1/runs answers questions about runs. Usage: ampwatch-server [serve] "
+                    "[options]. Every option can also be set with the AMPWATCH_SERVER_* variable shown.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def serve(argv: Sequence[str]) -> int:
+    """Parse options and run the collector until interrupted."""
+    import uvicorn
+
+    from ._app import create_app
+    from ._config import config_from_args
+    args = build_parser().parse_args(list(argv))
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"ampwatch-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ampwatch.server").info(
+        "ampwatch collector listening on http://%s:%d (metrics at /metrics), storing data in %s",
+        config.host, config.port, os.path.abspath(config.db))
+    # One worker on purpose: the per-rank state lives in this process.
+    uvicorn.run(create_app(config), host=config.host, port=config.port, workers=1, log_level=config.log_level,
+                access_log=False, timeout_graceful_shutdown=10)
+    return 0
+
+
+SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"serve": serve}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Dispatch to a subcommand; without one, ``serve``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[args[0]](args[1:])
+    return serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,242 @@
+"""Evaluate the ampwatch alert conditions from per-rank snapshots, as the Prometheus rules do, without Prometheus.
+
+Pure and dependency-free: thresholds come in as an object with the fields of
+``ampwatch.dashboards.thresholds.AlertThresholds`` (the one config the rules
+are generated from), times are plain Unix seconds passed in by the caller.
+
+Windowed conditions (``increase(x[w])`` in PromQL) compare a rank's current
+snapshot with the one it had ``w`` seconds ago, kept by :class:`RankHistory`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any, Iterable, Mapping, Optional
+
+from ._alert_text import annotations_for
+
+__all__ = [
+    "OptimizerCounters", "RankSnapshot", "RankHistory", "ActiveAlert",
+    "rank_alerts", "run_alerts", "evaluate", "ALERT_NAMES",
+]
+
+ALERT_NAMES = (
+    "AmpConsecutiveSkippedSteps", "AmpSustainedLossScaleBackoff", "AmpLossScaleCollapsed",
+    "AmpLossScaleDesync", "AmpHighSkippedStepRatio", "AmpRankSilent", "AmpSchedulerStepsOnSkipped",
+    "AmpPoisonedStep",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerCounters:
+    """Cumulative counters of one optimizer of one rank (totals over the rank's incarnations)."""
+
+    steps: int = 0
+    skipped: int = 0
+    consecutive_skipped: int = 0
+    streaks_reached: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """Skip streaks that reached at least L consecutive skips, by L on the streak ladder."""
+    scheduler_steps_after_skip: int = 0
+    poisoned_steps: int = 0
+
+
+_NO_OPTIMIZER = OptimizerCounters()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankSnapshot:
+    """What the collector knows about one rank right after a batch was applied."""
+
+    run: str
+    rank: int
+    last_seen: float
+    """Unix time the collector received the batch."""
+    iteration: int = 0
+    loss_scale: Optional[float] = None
+    scaler_enabled: bool = True
+    backoffs: int = 0
+    growths: int = 0
+    closed: bool = False
+    optimizers: Mapping[str, OptimizerCounters] = dataclasses.field(default_factory=dict)
+
+
+_ZERO = RankSnapshot(run="", rank=0, last_seen=0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ActiveAlert:
+    """A condition that holds now; the state machine applies its ``for_s`` before it fires."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+    for_s: float
+    annotations: Mapping[str, str]
+
+    @property
+    def key(self) -> tuple:
+        """Return the identity of the alert (name and labels)."""
+        return (self.name, tuple(sorted(self.labels.items())))
+
+    @property
+    def group(self) -> tuple:
+        """Return the evaluation group that produced it: ``(run, rank)`` or ``(run,)``."""
+        run = self.labels["run"]
+        return (run, self.labels["rank"]) if "rank" in self.labels else (run,)
+
+
+class RankHistory:
+    """Hold one rank's recent snapshots, thinned to ``resolution_s`` and pruned to ``horizon_s`` (bounded memory)."""
+
+    __slots__ = ("run", "rank", "_times", "_snapshots", "_horizon_s", "_resolution_s",
+                 "calibration_backoffs", "_calibrated", "_origin")
+
+    def __init__(self, run: str, rank: int, horizon_s: float, resolution_s: float = 5.0) -> None:
+        self.run, self.rank = run, rank
+        self._times: list[float] = []
+        self._snapshots: list[RankSnapshot] = []
+        self._horizon_s, self._resolution_s = horizon_s, resolution_s
+        self.calibration_backoffs = 0
+        """Backoffs the rank made while the scale calibrated (iteration <= calibration_iterations)."""
+        self._calibrated = False
+        self._origin: Optional[RankSnapshot] = None
+
+    @property
+    def current(self) -> RankSnapshot:
+        """Return the latest snapshot."""
+        return self._snapshots[-1]
+
+    def record(self, snapshot: RankSnapshot, calibration_iterations: int) -> None:
+        """Add a snapshot (the latest one always replaces a too-close predecessor)."""
+        if self._origin is None:
+            # A rank first seen while young started from zero counters; one first seen later (e.g. after a
+            # collector restart) has a past we did not watch, so its first snapshot is the baseline.
+            self._origin = _ZERO if snapshot.iteration <= calibration_iterations else snapshot
+        if not self._calibrated:
+            if snapshot.iteration <= calibration_iterations:
+                self.calibration_backoffs = snapshot.backoffs
+            else:
+                self._calibrated = True
+        # Keep the previous latest as a window baseline only if it is far enough from the one before it.
+        if len(self._times) >= 2 and self._times[-1] - self._times[-2] < self._resolution_s:
+            self._times[-1], self._snapshots[-1] = snapshot.last_seen, snapshot
+        else:
+            self._times.append(snapshot.last_seen)
+            self._snapshots.append(snapshot)
+        # Keep exactly one sample at or before the horizon: it is the baseline of the longest window.
+        cut = bisect.bisect_right(self._times, snapshot.last_seen - self._horizon_s) - 1
+        if cut > 0:
+            del self._times[:cut], self._snapshots[:cut]
+
+    def baseline(self, now: float, window_s: float) -> RankSnapshot:
+        """Return the snapshot the rank had ``window_s`` seconds before ``now`` (its origin if it is younger)."""
+        i = bisect.bisect_right(self._times, now - window_s) - 1
+        # Pruning always keeps a sample at or before the horizon, so i < 0 means the rank was first seen
+        # inside the window.
+        return self._snapshots[i] if i >= 0 else self._origin  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self._snapshots)
+
+
+def _alert(name: str, labels: dict, value: float, for_s: float) -> ActiveAlert:
+    return ActiveAlert(name=name, labels=labels, value=value, for_s=for_s,
+                       annotations=annotations_for(name, labels, value))
+
+
+def _streak_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
+    cur = h.current
+    base = h.baseline(now, t.skip_streak_window_s)
+    for opt_name, opt in cur.optimizers.items():
+        before = base.optimizers.get(opt_name, _NO_OPTIMIZER)
+        for severity, threshold in (("warning", t.skip_streak_warning), ("critical", t.skip_streak_critical)):
+            # A streak that reached the threshold and ended between two batches shows only in the ladder.
+            reached = opt.streaks_reached.get(threshold, 0) - before.streaks_reached.get(threshold, 0)
+            if opt.consecutive_skipped >= threshold or reached > 0:
+                labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name, "severity": severity}
+                yield _alert("AmpConsecutiveSkippedSteps", labels, max(opt.consecutive_skipped, threshold), 0)
+
+
+def _window_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
+    cur = h.current
+    ratio_base = h.baseline(now, t.skip_ratio_window_s)
+    sched_base = h.baseline(now, t.scheduler_window_s)
+    poison_base = h.baseline(now, t.poisoned_window_s)
+    for opt_name, opt in cur.optimizers.items():
+        labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
+        before = ratio_base.optimizers.get(opt_name, _NO_OPTIMIZER)
+        skipped, stepped = opt.skipped - before.skipped, opt.steps - before.steps
+        calls = skipped + stepped
+        if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
+            yield _alert("AmpHighSkippedStepRatio", {**labels, "severity": "warning"},
+                         skipped / calls, t.skip_ratio_for_s)
+        sched = opt.scheduler_steps_after_skip - sched_base.optimizers.get(opt_name, _NO_OPTIMIZER)\
+            .scheduler_steps_after_skip
+        if sched > 0:
+            yield _alert("AmpSchedulerStepsOnSkipped", {**labels, "severity": "warning"}, sched, 0)
+        poisoned = opt.poisoned_steps - poison_base.optimizers.get(opt_name, _NO_OPTIMIZER).poisoned_steps
+        if poisoned > 0:
+            yield _alert("AmpPoisonedStep", {**labels, "severity": "critical"}, poisoned, 0)
+
+
+def rank_alerts(h: RankHistory, now: float, t: Any) -> list[ActiveAlert]:
+    """Return the alerts of one rank that hold at ``now`` (streaks, ratio, collapse, silence, scheduler, poison)."""
+    cur = h.current
+    labels = {"run": cur.run, "rank": str(cur.rank)}
+    found = list(_streak_alerts(h, now, t))
+    found.extend(_window_alerts(h, now, t))
+    if cur.closed:
+        # A rank that closed cleanly is finished: its last scale and silence are not trouble.
+        return found
+    if cur.scaler_enabled and cur.loss_scale is not None and cur.loss_scale < t.collapsed_loss_scale:
+        found.append(_alert("AmpLossScaleCollapsed", {**labels, "severity": "critical"},
+                            cur.loss_scale, t.collapsed_for_s))
+    silent_for = now - cur.last_seen
+    if silent_for > t.silent_after_s:
+        found.append(_alert("AmpRankSilent", {**labels, "severity": "warning"}, silent_for, t.silent_for_s))
+    return found
+
+
+def _open(h: RankHistory, now: float, t: Any) -> bool:
+    cur = h.current
+    return not cur.closed and now - cur.last_seen <= t.silent_after_s
+
+
+def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: Any) -> list[ActiveAlert]:
+    """Return the alerts of one run across its open ranks (sustained backoff, scale desync)."""
+    open_ranks = [h for h in ranks if _open(h, now, t)]
+    if not open_ranks:
+        return []
+    found = []
+    backing_off = 0
+    for h in open_ranks:
+        cur, base = h.current, h.baseline(now, t.backoff_window_s)
+        if cur.iteration <= t.calibration_iterations:
+            continue
+        # Calibration backoffs at start-up are normal (GRADSCALER.md claim 11): count only those after it.
+        backoffs = cur.backoffs - max(base.backoffs, h.calibration_backoffs)
+        if backoffs >= t.backoff_min_count and cur.growths == base.growths:
+            backing_off += 1
+    share = backing_off / len(open_ranks)
+    if backing_off and share >= t.backoff_rank_share:
+        found.append(_alert("AmpSustainedLossScaleBackoff", {"run": run, "severity": "warning"},
+                            share, t.backoff_for_s))
+    scales = [h.current.loss_scale for h in open_ranks
+              if h.current.scaler_enabled and h.current.loss_scale is not None]
+    if len(scales) >= 2 and max(scales) / min(scales) >= t.desync_scale_ratio:
+        found.append(_alert("AmpLossScaleDesync", {"run": run, "severity": "warning"},
+                            max(scales) / min(scales), t.desync_for_s))
+    return found
+
+
+def evaluate(histories: Iterable[RankHistory], now: float, t: Any) -> list[ActiveAlert]:
+    """Return every alert that holds at ``now`` over all ranks and runs."""
+    by_run: dict[str, list[RankHistory]] = {}
+    found: list[ActiveAlert] = []
+    for h in histories:
+        by_run.setdefault(h.run, []).append(h)
+        found.extend(rank_alerts(h, now, t))
+    for run, ranks in by_run.items():
+        found.extend(run_alerts(run, ranks, now, t))
+    return found

@@ -1,0 +1,117 @@
+"""The FastAPI application: ingest, /metrics, the query API, health, and the retirement loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from ._config import ServerConfig
+from ._ingest import IngestService
+from ._metrics import CONTENT_TYPE, SelfMetrics, scrape
+from ._query import router as query_router
+from ._recovery import delete_history_job, load_ranks
+from ._state import CollectorState, Limits
+from ._store import Store
+
+__all__ = ["create_app", "VERSION"]
+
+VERSION = "0.1.0"
+log = logging.getLogger("ampwatch.server")
+
+
+def _limits(config: ServerConfig) -> Limits:
+    return Limits(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
+                  max_optimizers_per_rank=config.max_optimizers_per_rank, max_label_length=config.max_label_length)
+
+
+async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
+    """Drop quiet ranks and finished runs from memory; prune old history from the database hourly."""
+    state, store = app.state.collector_state, app.state.store
+    period = max(0.05, min(15.0, config.silent_after / 4, config.run_retention / 4 or 15.0))
+    last_prune = 0.0
+    while True:
+        now = time.time()
+        gone = state.retire(now, config.expire_after, config.run_retention)
+        if gone:
+            log.info("%d ranks left /metrics (quiet past --expire-after or run retired)", len(gone))
+        if now - last_prune >= 3600:
+            last_prune = now
+            try:
+                pruned = await store.submit(delete_history_job(now - config.db_retention))
+                if pruned:
+                    log.info("deleted the history of %d runs older than --db-retention", pruned)
+            except Exception:
+                log.exception("pruning old history failed; will retry in an hour")
+        await asyncio.sleep(period)
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """Build the collector app; the database opens at startup and closes at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(config.db)
+        state = CollectorState(_limits(config))
+        horizon = time.time() - max(config.expire_after, config.run_retention)
+        for rank in await asyncio.to_thread(load_ranks, store, seen_after=horizon):
+            state.adopt(rank)
+        state.retire(time.time(), config.expire_after, config.run_retention)
+        own = SelfMetrics(state, store.size_bytes, VERSION)
+        app.state.store, app.state.collector_state, app.state.own = store, state, own
+        app.state.ingest = IngestService(config, state, store, own)
+        task = asyncio.create_task(_retire_loop(app, config))
+        app.state.ready = True
+        log.info("state rebuilt from %s: %d runs, %d ranks", store.path, len(state.runs), state.rank_count())
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await asyncio.to_thread(store.close)
+
+    app = FastAPI(title="ampwatch collector", version=VERSION, lifespan=lifespan,
+                  description="Receives GradScaler skip and loss-scale batches from ampwatch agents "
+                              "(protocol v1, docs/protocol.md) and exposes them to Prometheus at /metrics.")
+    app.state.ready = False
+    app.state.config = config
+
+    @app.post("/v1/ingest", tags=["ingest"], summary="Apply one agent batch (protocol v1)",
+              responses={200: {"description": '{"applied": true} or {"applied": false, "duplicate": true}'},
+                         400: {"description": "malformed JSON"}, 401: {"description": "token missing"},
+                         403: {"description": "token wrong"}, 413: {"description": "body too large"},
+                         422: {"description": "schema error or name too long"},
+                         429: {"description": "over a cardinality limit"}, 503: {"description": "retry"}})
+    async def ingest(request: Request) -> JSONResponse:
+        """Validate the batch, store it, answer once it is committed."""
+        return await request.app.state.ingest.handle(request)
+
+    @app.get("/metrics", tags=["metrics"], response_class=PlainTextResponse,
+             summary="Prometheus exposition (text format 0.0.4)")
+    async def metrics(request: Request) -> PlainTextResponse:
+        """Render every series from the current state."""
+        body = scrape(request.app.state.collector_state, request.app.state.own, config.silent_after)
+        return PlainTextResponse(body, media_type=CONTENT_TYPE)
+
+    @app.get("/healthz", tags=["health"], summary="The process is alive")
+    async def healthz() -> dict:
+        """Answer 200 while the process serves requests."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="State rebuilt and database writable")
+    async def readyz(request: Request) -> JSONResponse:
+        """Answer 200 once state is rebuilt and the database writer runs, else 503."""
+        store = getattr(request.app.state, "store", None)
+        if request.app.state.ready and store is not None and store.healthy:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    app.include_router(query_router)
+    return app

@@ -1,0 +1,115 @@
+"""Collector configuration: one dataclass, each field also an ``AMPWATCH_SERVER_*`` variable and a CLI option."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+__all__ = ["ServerConfig", "add_arguments", "config_from_args", "ENV_PREFIX"]
+
+ENV_PREFIX = "AMPWATCH_SERVER_"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    """Everything the collector process needs; build it from the CLI with :func:`config_from_args`."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 to accept agents from other machines)."""
+    port: int = 9457
+    """TCP port (not 9400: NVIDIA dcgm-exporter uses it on GPU nodes)."""
+    db: str = "ampwatch.db"
+    """SQLite database file; created if missing; WAL mode."""
+    token: Optional[str] = None
+    """Bearer token agents must send to ingest (none: ingest is open)."""
+    silent_after: float = 60.0
+    """Seconds without a batch after which a rank no longer counts in ampwatch_run_ranks_reporting."""
+    expire_after: float = 3600.0
+    """Seconds without a batch after which a rank disappears from /metrics (keep it above your silence alert's window)."""
+    run_retention: float = 3600.0
+    """Seconds a run whose ranks all closed cleanly stays in /metrics after its last close."""
+    db_retention: float = 30 * 86400.0
+    """Seconds of history kept in the database (runs last seen earlier are deleted)."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest accepted ingest body (413 above)."""
+    max_runs: int = 1000
+    """Runs held at once (429 for a batch of a new run above)."""
+    max_ranks_per_run: int = 4096
+    """Ranks per run (429 above)."""
+    max_optimizers_per_rank: int = 16
+    """Optimizers per rank (429 above)."""
+    max_label_length: int = 128
+    """Longest run, optimizer or parameter name exposed as a label (422 above; parameter names are cut)."""
+    log_level: str = "info"
+    """Log level: debug, info, warning, error."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("port", 0 <= self.port <= 65535, "must be between 0 and 65535"),
+            ("db", bool(self.db), "must name a file"),
+            ("silent_after", self.silent_after > 0, "must be > 0 seconds"),
+            ("expire_after", self.expire_after >= self.silent_after, "must be >= silent_after"),
+            ("run_retention", self.run_retention >= 0, "must be >= 0 seconds"),
+            ("db_retention", self.db_retention >= self.expire_after, "must be >= expire_after"),
+            ("max_body_bytes", self.max_body_bytes >= 1024, "must be >= 1024"),
+            ("max_runs", self.max_runs >= 1, "must be >= 1"),
+            ("max_ranks_per_run", self.max_ranks_per_run >= 1, "must be >= 1"),
+            ("max_optimizers_per_rank", self.max_optimizers_per_rank >= 1, "must be >= 1"),
+            ("max_label_length", 1 <= self.max_label_length <= 128, "must be between 1 and 128"),
+            ("log_level", self.log_level in ("debug", "info", "warning", "error"),
+             "must be one of debug, info, warning, error"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} {rule} "
+                                 f"(set by --{name.replace('_', '-')} or {ENV_PREFIX}{name.upper()})")
+
+
+# Short forms of the field docstrings above, for --help.
+_DOCS = {
+    "host": "address to listen on (0.0.0.0 accepts agents from other machines)",
+    "port": "TCP port (9457; not 9400, which NVIDIA dcgm-exporter uses)",
+    "db": "SQLite database file, created if missing (WAL mode)",
+    "token": "bearer token agents must send to /v1/ingest (default: none, ingest open)",
+    "silent_after": "seconds without a batch before a rank stops counting as reporting",
+    "expire_after": "seconds without a batch before a rank leaves /metrics "
+                    "(keep above the silence alert's threshold + for)",
+    "run_retention": "seconds a cleanly closed run stays in /metrics",
+    "db_retention": "seconds of history kept in the database",
+    "max_body_bytes": "largest ingest body in bytes (413 above)",
+    "max_runs": "runs held at once (429 above)",
+    "max_ranks_per_run": "ranks per run (429 above)",
+    "max_optimizers_per_rank": "optimizers per rank (429 above)",
+    "max_label_length": "longest run/optimizer name (422 above; parameter names are cut to it)",
+    "log_level": "debug, info, warning or error",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Add one ``--option`` per config field, defaulting to its ``AMPWATCH_SERVER_*`` variable."""
+    env = os.environ if environ is None else environ
+    for field in dataclasses.fields(ServerConfig):
+        var = ENV_PREFIX + field.name.upper()
+        kind: Any = {"int": int, "float": float}.get(str(field.type), str)
+        default = field.default
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"), dest=field.name, type=kind, default=env.get(var, default),
+            metavar={int: "N", float: "SECONDS"}.get(kind, field.name.split("_")[-1].upper()),
+            help=f"{_DOCS[field.name]} [env {var}; default {default}]")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Build a validated config from parsed arguments (env values are converted here)."""
+    values = {}
+    for field in dataclasses.fields(ServerConfig):
+        raw = getattr(args, field.name)
+        kind = {"int": int, "float": float}.get(str(field.type))
+        if raw is not None and kind is not None and isinstance(raw, str):
+            try:
+                raw = kind(raw)
+            except ValueError:
+                raise ValueError(f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+        values[field.name] = raw if raw != "" else None if field.name == "token" else raw
+    return ServerConfig(**values)

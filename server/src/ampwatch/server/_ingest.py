@@ -1,0 +1,139 @@
+"""POST /v1/ingest: authenticate, bound, validate, apply idempotently, answer after COMMIT."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import Any, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ._config import ServerConfig
+from ._metrics import SelfMetrics
+from ._recovery import load_ranks
+from ._schema import Batch, ValidationError, describe_errors, parse_batch
+from ._state import CollectorState, LimitExceeded, RankState, next_incarnation
+from ._store import Store, StoreClosed
+
+__all__ = ["IngestService"]
+
+log = logging.getLogger("ampwatch.server")
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, reason: str, message: str, detail: Optional[list[str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.detail = status, reason, message, detail
+
+
+class IngestService:
+    """Applies batches to the in-memory state and the store; one per app."""
+
+    def __init__(self, config: ServerConfig, state: CollectorState, store: Store, own: SelfMetrics) -> None:
+        self.config, self.state, self.store, self.own = config, state, store, own
+        self._expected = f"Bearer {config.token}".encode() if config.token else None
+        self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
+
+    async def handle(self, request: Request) -> JSONResponse:
+        """Answer one ingest request."""
+        started = time.perf_counter()
+        try:
+            status, body = await self._ingest(request)
+        except _Refused as refused:
+            self.own.rejected.labels(refused.reason).inc()
+            status, body = refused.status, {"error": refused.reason, "message": refused.message}
+            if refused.detail:
+                body["detail"] = refused.detail
+        except StoreClosed as exc:
+            status, body = 503, {"error": "unavailable", "message": f"{exc}; retry later"}
+        except Exception:
+            log.exception("ingest failed")
+            status, body = 500, {"error": "internal", "message": "the collector failed to store the batch; "
+                                                                  "retry later and check the collector's log"}
+        self.own.requests.labels(str(status)).inc()
+        self.own.latency.observe(time.perf_counter() - started)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def _ingest(self, request: Request) -> tuple[int, dict[str, Any]]:
+        self._authenticate(request)
+        batch = self._parse(await self._read_body(request))
+        key = (batch.run, batch.rank)
+        # One batch per rank at a time: the duplicate check and the install must see each other.
+        while (busy := self._busy.get(key)) is not None:
+            await asyncio.wait([busy])
+        done = asyncio.get_running_loop().create_future()
+        self._busy[key] = done
+        try:
+            return await self._apply(batch)
+        finally:
+            del self._busy[key]
+            done.set_result(None)
+
+    def _authenticate(self, request: Request) -> None:
+        if self._expected is None:
+            return
+        given = request.headers.get("authorization")
+        if not given:
+            raise _Refused(401, "auth", "this collector requires a token: set AMPWATCH_TOKEN on the agent "
+                                        "(sent as 'Authorization: Bearer <token>')")
+        if not hmac.compare_digest(given.encode(), self._expected):
+            raise _Refused(403, "auth", "the token is wrong: AMPWATCH_TOKEN on the agent must equal the "
+                                        "collector's --token / AMPWATCH_SERVER_TOKEN")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_large = _Refused(413, "too_large", f"the batch is larger than this collector's limit of {limit} "
+                                               f"bytes: send fewer events per batch or raise --max-body-bytes")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def _parse(body: bytes) -> Batch:
+        try:
+            return parse_batch(body)
+        except ValidationError as exc:
+            if any(e["type"] == "json_invalid" for e in exc.errors(include_url=False)):
+                raise _Refused(400, "json", "the body is not valid JSON: " + describe_errors(exc)[0]) from None
+            raise _Refused(422, "schema", "the batch does not follow protocol v1 (docs/protocol.md)",
+                           describe_errors(exc)) from None
+
+    async def _apply(self, batch: Batch) -> tuple[int, dict[str, Any]]:
+        rank = self.state.get(batch.run, batch.rank)
+        if rank is None:  # new, or back after it left memory: its history decides the totals
+            found = await asyncio.to_thread(load_ranks, self.store, run=batch.run, rank=batch.rank)
+            rank = found[0] if found else None
+        try:
+            self.state.check_limits(batch, rank)
+        except LimitExceeded as exc:
+            raise _Refused(exc.status, "cardinality", exc.message) from None
+        events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
+                   getattr(e, "optimizer", None), e.model_dump_json()) for e in batch.events]
+        old = rank.incarnations.get(batch.incarnation) if rank else None
+        if old is not None and batch.seq <= old.last_seq:
+            # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
+            self.own.duplicates.inc()
+            if events:
+                self.own.events.inc(await self.store.submit(self.store.insert_events(events)))
+            return 200, {"applied": False, "duplicate": True}
+        new = next_incarnation(old, batch, time.time(), self.config.max_label_length)
+        added = await self.store.submit(
+            self.store.write_incarnation(batch.run, batch.rank, new.to_row(), events))
+        if rank is None:
+            rank = RankState(batch.run, batch.rank)
+        rank.install(new)
+        self.state.adopt(rank)
+        self.own.batches.inc()
+        self.own.events.inc(added)
+        return 200, {"applied": True}

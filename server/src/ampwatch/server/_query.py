@@ -1,0 +1,106 @@
+"""The JSON query API: runs, ranks with their current state, and the event history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Literal, Optional
+
+from fastapi import APIRouter, HTTPException, Query, Request
+
+from ._recovery import load_ranks
+from ._schema import STREAK_LADDER
+from ._state import DELIVERY_COUNTERS, RANK_COUNTERS, RankState
+
+__all__ = ["router", "rank_summary"]
+
+router = APIRouter(prefix="/v1", tags=["query"])
+
+EventKind = Literal["skip", "streak_end", "scale_change", "scheduler_after_skip", "poisoned_step", "warning",
+                    "scaler_disabled", "close"]
+
+
+def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
+    """Describe a rank: identity, gauges of its newest process, totals over all its processes."""
+    batch = rank.current.batch
+    totals = rank.totals.get("", {})
+    optimizers = {}
+    for name in rank.optimizers():
+        t = rank.totals[name]
+        now = batch.state.optimizers.get(name)
+        optimizers[name] = {
+            "steps": t.get("steps", 0), "skipped": t.get("skipped", 0),
+            "consecutive_skipped": now.consecutive_skipped if now else 0,
+            "longest_streak": rank.longest_streak(name), "streaks": t.get("streaks", 0),
+            "streaks_reached": {length: t.get("reached_" + length, 0) for length in STREAK_LADDER},
+            "scheduler_steps_after_skip": t.get("scheduler_steps_after_skip", 0),
+            "poisoned_steps": t.get("poisoned_steps", 0),
+            "latest_nonfinite_parameter": rank.latest_nonfinite(name),
+        }
+    return {
+        "rank": rank.rank, "host": batch.host, "local_rank": batch.local_rank, "world_size": batch.world_size,
+        "pid": batch.pid, "incarnation": rank.current.id, "incarnations": len(rank.incarnations),
+        "last_seen": rank.last_seen, "closed": rank.closed, "in_metrics": in_metrics,
+        "iteration": batch.state.iteration, "loss_scale": batch.state.loss_scale,
+        "scaler": batch.scaler.model_dump(), "agent": batch.agent.model_dump(),
+        **{name: totals.get(name, 0) for name in RANK_COUNTERS},
+        "delivery": {name: totals.get(name, 0) for name in DELIVERY_COUNTERS},
+        "optimizers": optimizers,
+    }
+
+
+@router.get("/runs", summary="List runs, most recently seen first")
+async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+    """Return every run in the database with its rank count and first/last seen times."""
+    store = request.app.state.store
+    rows = await asyncio.to_thread(
+        store.query, "SELECT run, count(DISTINCT rank) AS ranks, min(first_seen) AS first_seen, "
+                     "max(last_seen) AS last_seen FROM incarnations GROUP BY run ORDER BY last_seen DESC LIMIT ?",
+        (limit,))
+    held = request.app.state.collector_state.runs
+    return {"runs": [dict(row, in_metrics=row["run"] in held) for row in rows]}
+
+
+@router.get("/runs/{run}", summary="One run: its ranks with their current state")
+async def get_run(request: Request, run: str) -> dict[str, Any]:
+    """Return the run's ranks (from memory when shown in /metrics, else rebuilt from the database)."""
+    held = request.app.state.collector_state.runs.get(run, {})
+    stored = await asyncio.to_thread(load_ranks, request.app.state.store, run=run)
+    ranks = {r.rank: (r, False) for r in stored}
+    ranks.update({r.rank: (r, True) for r in held.values() if r.current is not None})
+    if not ranks:
+        raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
+    summaries = [rank_summary(r, shown) for _, (r, shown) in sorted(ranks.items())]
+    return {"run": run, "closed": all(s["closed"] for s in summaries), "ranks": summaries}
+
+
+@router.get("/runs/{run}/events", summary="A run's events, oldest first, paginated")
+async def list_events(
+    request: Request, run: str,
+    kind: Optional[EventKind] = Query(None, description="only this event kind"),
+    rank: Optional[int] = Query(None, ge=0, description="only this rank"),
+    optimizer: Optional[str] = Query(None, description="only events of this optimizer"),
+    since: Optional[float] = Query(None, description="only events at or after this Unix time"),
+    after: int = Query(0, ge=0, description="the 'next' cursor of the previous page"),
+    limit: int = Query(100, ge=1, le=1000),
+) -> dict[str, Any]:
+    """Return events (skips with offending parameters, scale changes, warnings...) and the next page's cursor."""
+    where, params = ["run = ?", "rowid > ?"], [run, after]
+    for column, value in (("kind", kind), ("rank", rank), ("optimizer", optimizer)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            params.append(value)
+    if since is not None:
+        where.append("time >= ?")
+        params.append(since)
+    store = request.app.state.store
+    sql = (f"SELECT rowid AS cursor, rank, incarnation, body FROM events WHERE {' AND '.join(where)} "
+           f"ORDER BY rowid LIMIT ?")
+    rows = await asyncio.to_thread(store.query, sql, (*params, limit + 1))
+    if not rows and after == 0:
+        known = await asyncio.to_thread(store.query, "SELECT 1 FROM incarnations WHERE run = ? LIMIT 1", (run,))
+        if not known:
+            raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
+    page = rows[:limit]
+    events = [dict(json.loads(row["body"]), rank=row["rank"], incarnation=row["incarnation"]) for row in page]
+    return {"events": events, "next": page[-1]["cursor"] if len(rows) > limit else None}

@@ -1,0 +1,207 @@
+"""The wire protocol v1 batch as pydantic models: the server's single definition of docs/protocol.md."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "PROTOCOL_VERSION", "STREAK_LADDER", "MAX_EVENTS", "Batch", "Event", "parse_batch", "describe_errors",
+    "ValidationError",
+]
+
+PROTOCOL_VERSION = 1
+STREAK_LADDER: tuple[str, ...] = tuple(str(2 ** i) for i in range(11))  # "1", "2", ..., "1024"
+MAX_EVENTS = 10_000
+MAX_PARAMS = 16
+
+Count = Annotated[int, Field(ge=0)]
+Label = Annotated[str, Field(min_length=1, max_length=128)]
+LadderKey = Literal[STREAK_LADDER]  # type: ignore[valid-type]
+
+
+class _Model(BaseModel):
+    # Unknown fields from a newer agent are ignored; floats must be finite (JSON has no inf/NaN anyway).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
+
+
+class AgentInfo(_Model):
+    version: str = Field(max_length=64)
+    torch: Optional[str] = Field(default=None, max_length=64)
+
+
+class ScalerInfo(_Model):
+    enabled: bool
+    kind: str = Field(max_length=128)
+    init_scale: Optional[float] = None
+    growth_factor: Optional[float] = None
+    backoff_factor: Optional[float] = None
+    growth_interval: Optional[int] = None
+
+
+class OptimizerCounters(_Model):
+    steps: Count
+    skipped: Count
+    consecutive_skipped: Count
+    longest_streak: Count
+    streaks: Count
+    streaks_reached: dict[LadderKey, Count] = Field(default_factory=dict)
+    scheduler_steps_after_skip: Count = 0
+    poisoned_steps: Count = 0
+
+
+class Delivery(_Model):
+    dropped_events: Count = 0
+    send_failures: Count = 0
+    rejected_batches: Count = 0
+    agent_errors: Count = 0
+
+
+class RankState(_Model):
+    iteration: Count
+    loss_scale: Optional[Annotated[float, Field(gt=0)]]
+    backoffs: Count
+    growths: Count
+    manual_sets: Count = 0
+    optimizers: dict[Label, OptimizerCounters]
+    delivery: Delivery = Field(default_factory=Delivery)
+
+
+class ParamDetail(_Model):
+    name: str = Field(max_length=512)
+    inf: Count = 0
+    nan: Count = 0
+
+
+class _EventBase(_Model):
+    id: Annotated[int, Field(ge=1)]
+    time: float
+    iteration: Count
+
+
+class SkipEvent(_EventBase):
+    kind: Literal["skip"]
+    optimizer: Label
+    streak: Annotated[int, Field(ge=1)]
+    params: list[ParamDetail] = Field(default_factory=list, max_length=MAX_PARAMS)
+    params_total: Optional[Count] = None
+    inspected: bool = True
+
+
+class StreakEndEvent(_EventBase):
+    kind: Literal["streak_end"]
+    optimizer: Label
+    start_iteration: Count
+    length: Annotated[int, Field(ge=1)]
+
+
+class ScaleChangeEvent(_EventBase):
+    kind: Literal["scale_change"]
+    cause: Literal["backoff", "growth", "manual"]
+    before: Optional[float]
+    after: Optional[float]
+
+
+class SchedulerAfterSkipEvent(_EventBase):
+    kind: Literal["scheduler_after_skip"]
+    optimizer: Label
+    scheduler: str = Field(max_length=256)
+
+
+class PoisonedStepEvent(_EventBase):
+    kind: Literal["poisoned_step"]
+    optimizer: Label
+    params: list[ParamDetail] = Field(default_factory=list, max_length=MAX_PARAMS)
+    params_total: Optional[Count] = None
+    reason: Literal["nonfinite_grad", "nonfinite_param"]
+
+
+class WarningEvent(_EventBase):
+    kind: Literal["warning"]
+    code: str = Field(max_length=128)
+    message: str = Field(max_length=4096)
+    optimizer: Optional[Label] = None
+
+
+class ScalerDisabledEvent(_EventBase):
+    kind: Literal["scaler_disabled"]
+
+
+class CloseEvent(_EventBase):
+    kind: Literal["close"]
+
+
+Event = Annotated[
+    Union[SkipEvent, StreakEndEvent, ScaleChangeEvent, SchedulerAfterSkipEvent, PoisonedStepEvent,
+          WarningEvent, ScalerDisabledEvent, CloseEvent],
+    Field(discriminator="kind"),
+]
+
+
+class Batch(_Model):
+    """One POST /v1/ingest body (docs/protocol.md)."""
+
+    protocol: int
+    agent: AgentInfo
+    run: Label
+    rank: Count
+    world_size: Annotated[int, Field(ge=1)]
+    local_rank: Count
+    host: str = Field(max_length=255)
+    pid: Count
+    incarnation: str = Field(min_length=8, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")
+    seq: Annotated[int, Field(ge=1)]
+    sent_at: float
+    scaler: ScalerInfo
+    state: RankState
+    events: list[Event] = Field(default_factory=list, max_length=MAX_EVENTS)
+    closed: bool = False
+
+    @field_validator("protocol")
+    @classmethod
+    def _supported_protocol(cls, value: int) -> int:
+        if value != PROTOCOL_VERSION:
+            raise ValueError(f"protocol version {value} is not supported; this collector speaks "
+                             f"version {PROTOCOL_VERSION}: upgrade the collector or pin the agent")
+        return value
+
+    @field_validator("run", "host")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        if not value.isprintable():
+            raise ValueError("must not contain control characters")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Batch":
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        last = 0
+        for event in self.events:
+            if event.id <= last:
+                raise ValueError(f"events must be ordered by increasing id; id {event.id} follows {last}")
+            last = event.id
+        for name in self.state.optimizers:
+            if not name.isprintable():
+                raise ValueError(f"optimizer name {name!r} must not contain control characters")
+        return self
+
+
+_BATCH = TypeAdapter(Batch)
+
+
+def parse_batch(body: bytes) -> Batch:
+    """Parse and validate a raw request body in one pass (raises ``ValidationError``)."""
+    return _BATCH.validate_json(body)
+
+
+def describe_errors(error: ValidationError, limit: int = 10) -> list[str]:
+    """Turn a pydantic error into short ``"field.path: message"`` lines a user can act on."""
+    lines = []
+    for item in error.errors(include_url=False)[:limit]:
+        where = ".".join(str(p) for p in item["loc"]) or "body"
+        lines.append(f"{where}: {item['msg']}")
+    if error.error_count() > limit:
+        lines.append(f"... and {error.error_count() - limit} more errors")
+    return lines

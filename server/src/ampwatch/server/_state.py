@@ -1,0 +1,234 @@
+"""In-memory per-rank state: applying batches idempotently, totals across incarnations, expiry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterable, Optional
+
+from ._schema import Batch, SkipEvent
+
+__all__ = ["Incarnation", "RankState", "CollectorState", "LimitExceeded", "RANK_SCOPE", "OPTIMIZER_COUNTERS",
+           "RANK_COUNTERS", "DELIVERY_COUNTERS", "escape_label"]
+
+RANK_SCOPE = ""  # key of rank-level counters in Incarnation.counters (optimizer names are non-empty)
+RANK_COUNTERS = ("backoffs", "growths", "manual_sets")
+DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
+OPTIMIZER_COUNTERS = ("steps", "skipped", "streaks", "scheduler_steps_after_skip", "poisoned_steps")
+
+Counters = dict[str, dict[str, int]]
+
+
+def escape_label(value: str) -> str:
+    """Escape a label value for the Prometheus text format."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def counters_of(batch: Batch) -> Counters:
+    """Flatten a batch's cumulative counters into ``{scope: {name: value}}``."""
+    state = batch.state
+    rank = {name: getattr(state, name) for name in RANK_COUNTERS}
+    for name in DELIVERY_COUNTERS:
+        rank[name] = getattr(state.delivery, name)
+    out = {RANK_SCOPE: rank}
+    for optimizer, values in state.optimizers.items():
+        fields = {name: getattr(values, name) for name in OPTIMIZER_COUNTERS}
+        for length, count in values.streaks_reached.items():
+            fields["reached_" + length] = count
+        out[optimizer] = fields
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class Incarnation:
+    """The last applied state of one agent process of a rank."""
+
+    id: str
+    first_seen: float
+    last_seen: float
+    last_seq: int
+    max_event_id: int
+    closed: bool
+    batch: Batch  # the last applied batch, for gauges and identity (its events are not used)
+    counters: Counters  # cumulative, never lower than a previously applied value (a buggy agent cannot undo)
+    longest: dict[str, int]
+    nonfinite: dict[str, tuple[int, str]]  # optimizer -> (event id, latest offending parameter)
+
+    def to_row(self) -> dict:
+        """Return the database row that restores this incarnation."""
+        return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
+                "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
+                "batch": self.batch.model_dump_json(exclude={"events"}),
+                "counters": json.dumps({"counters": self.counters, "longest": self.longest,
+                                        "nonfinite": self.nonfinite}, separators=(",", ":"))}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Incarnation":
+        """Rebuild from :meth:`to_row` output."""
+        extra = json.loads(row["counters"])
+        return cls(id=row["incarnation"], first_seen=row["first_seen"], last_seen=row["last_seen"],
+                   last_seq=row["last_seq"], max_event_id=row["max_event_id"], closed=bool(row["closed"]),
+                   batch=Batch.model_validate_json(row["batch"]), counters=extra["counters"],
+                   longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()})
+
+
+def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int) -> Incarnation:
+    """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed)."""
+    counters = counters_of(batch)
+    longest = {name: values.longest_streak for name, values in batch.state.optimizers.items()}
+    nonfinite: dict[str, tuple[int, str]] = {}
+    max_event_id = 0
+    closed = batch.closed
+    if old is not None:
+        for scope, fields in old.counters.items():
+            merged = counters.setdefault(scope, {})
+            for name, value in fields.items():
+                if merged.get(name, 0) < value:
+                    merged[name] = value
+        for name, value in old.longest.items():
+            longest[name] = max(longest.get(name, 0), value)
+        nonfinite.update(old.nonfinite)
+        max_event_id = old.max_event_id
+        closed = closed or old.closed
+    newest = max_event_id
+    for event in batch.events:
+        if event.id <= max_event_id:
+            continue  # already applied (a reordered or repeated batch); the store ignores it too
+        newest = event.id
+        if isinstance(event, SkipEvent) and event.params:
+            nonfinite[event.optimizer] = (event.id, event.params[0].name[:max_label_length])
+        elif event.kind == "close":
+            closed = True
+    return Incarnation(id=batch.incarnation, first_seen=old.first_seen if old else now, last_seen=now,
+                       last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch,
+                       counters=counters, longest=longest, nonfinite=nonfinite)
+
+
+class RankState:
+    """One (run, rank): its incarnations and the totals over all of them."""
+
+    __slots__ = ("run", "rank", "incarnations", "current", "totals", "labels", "optimizer_labels", "version")
+
+    def __init__(self, run: str, rank: int) -> None:
+        self.run, self.rank = run, rank
+        self.incarnations: dict[str, Incarnation] = {}
+        self.current: Optional[Incarnation] = None  # the newest process; its gauges are the rank's gauges
+        self.totals: Counters = {}
+        self.labels = f'run="{escape_label(run)}",rank="{rank}"'
+        self.optimizer_labels: dict[str, str] = {}
+        self.version = 0
+
+    def install(self, new: Incarnation) -> None:
+        """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
+        old = self.incarnations.get(new.id)
+        for scope, fields in new.counters.items():
+            total = self.totals.setdefault(scope, {})
+            before = old.counters.get(scope, {}) if old else {}
+            for name, value in fields.items():
+                total[name] = total.get(name, 0) + value - before.get(name, 0)
+            if scope and scope not in self.optimizer_labels:
+                self.optimizer_labels[scope] = f'{self.labels},optimizer="{escape_label(scope)}"'
+        self.incarnations[new.id] = new
+        if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
+            self.current = new
+        self.version += 1
+
+    @property
+    def last_seen(self) -> float:
+        return max(inc.last_seen for inc in self.incarnations.values())
+
+    @property
+    def closed(self) -> bool:
+        return self.current is not None and self.current.closed
+
+    def longest_streak(self, optimizer: str) -> int:
+        """Longest skip streak of ``optimizer`` over every incarnation."""
+        return max((inc.longest.get(optimizer, 0) for inc in self.incarnations.values()), default=0)
+
+    def latest_nonfinite(self, optimizer: str) -> Optional[str]:
+        """The latest parameter named on a skip of ``optimizer``, newest incarnation first."""
+        best = None
+        for inc in self.incarnations.values():
+            hit = inc.nonfinite.get(optimizer)
+            if hit is not None and (best is None or (inc.first_seen, hit[0]) > best[0]):
+                best = ((inc.first_seen, hit[0]), hit[1])
+        return best[1] if best else None
+
+    def optimizers(self) -> Iterable[str]:
+        return self.optimizer_labels.keys()
+
+
+class LimitExceeded(Exception):
+    """A batch would exceed a cardinality limit; ``status`` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclasses.dataclass(slots=True)
+class Limits:
+    max_runs: int = 1000
+    max_ranks_per_run: int = 4096
+    max_optimizers_per_rank: int = 16
+    max_label_length: int = 128
+
+
+class CollectorState:
+    """Every rank shown in /metrics, grouped by run."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.runs: dict[str, dict[int, RankState]] = {}
+
+    def get(self, run: str, rank: int) -> Optional[RankState]:
+        ranks = self.runs.get(run)
+        return ranks.get(rank) if ranks else None
+
+    def rank_count(self) -> int:
+        return sum(len(ranks) for ranks in self.runs.values())
+
+    def check_limits(self, batch: Batch, known: Optional[RankState]) -> None:
+        """Raise :class:`LimitExceeded` when ``batch`` would grow the state past a limit."""
+        lim = self.limits
+        too_long = [name for name in (batch.run, *batch.state.optimizers) if len(name) > lim.max_label_length]
+        if too_long:
+            raise LimitExceeded(422, f"name {too_long[0][:40]!r}... is {len(too_long[0])} characters, over this "
+                                     f"collector's label limit of {lim.max_label_length}: use a shorter run or "
+                                     f"optimizer name, or raise --max-label-length")
+        ranks = self.runs.get(batch.run)
+        if ranks is None and len(self.runs) >= lim.max_runs:
+            raise LimitExceeded(429, f"this collector already holds {len(self.runs)} runs (--max-runs "
+                                     f"{lim.max_runs}); retry later, when finished runs retire, or raise the limit")
+        if known is None and ranks is not None and len(ranks) >= lim.max_ranks_per_run:
+            raise LimitExceeded(429, f"run {batch.run!r} already has {len(ranks)} ranks (--max-ranks-per-run "
+                                     f"{lim.max_ranks_per_run}); send this rank to another collector or raise "
+                                     f"the limit")
+        names = set(batch.state.optimizers)
+        if known is not None:
+            names.update(known.optimizers())
+        if len(names) > lim.max_optimizers_per_rank:
+            raise LimitExceeded(429, f"rank {batch.rank} of run {batch.run!r} would have {len(names)} optimizers "
+                                     f"(--max-optimizers-per-rank {lim.max_optimizers_per_rank}); watch fewer "
+                                     f"optimizers or raise the limit")
+
+    def adopt(self, rank: RankState) -> None:
+        """Hold ``rank`` (new, or restored from the database)."""
+        self.runs.setdefault(rank.run, {})[rank.rank] = rank
+
+    def retire(self, now: float, expire_after: float, run_retention: float) -> list[tuple[str, int]]:
+        """Drop ranks silent past ``expire_after`` and runs closed for ``run_retention``; return what left."""
+        gone = []
+        for run, ranks in list(self.runs.items()):
+            if ranks and all(r.closed for r in ranks.values()) and \
+                    max(r.last_seen for r in ranks.values()) + run_retention <= now:
+                gone.extend((run, rank) for rank in ranks)
+                del self.runs[run]
+                continue
+            for rank_id, rank in list(ranks.items()):
+                if not rank.closed and rank.last_seen + expire_after <= now:
+                    gone.append((run, rank_id))
+                    del ranks[rank_id]
+            if not ranks:
+                del self.runs[run]
+        return gone

@@ -1,0 +1,204 @@
+"""SQLite storage: one writer thread with group commit, and read connections for queries and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import sqlite3
+import threading
+from typing import Any, Callable, Optional
+
+__all__ = ["Store", "StoreClosed"]
+
+log = logging.getLogger("ampwatch.server")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS incarnations (
+    run TEXT NOT NULL, rank INTEGER NOT NULL, incarnation TEXT NOT NULL,
+    first_seen REAL NOT NULL, last_seen REAL NOT NULL, last_seq INTEGER NOT NULL,
+    max_event_id INTEGER NOT NULL, closed INTEGER NOT NULL,
+    batch TEXT NOT NULL,     -- last applied batch without events (identity, scaler, gauges)
+    counters TEXT NOT NULL,  -- clamped cumulative counters, longest streaks, latest offending parameters
+    PRIMARY KEY (run, rank, incarnation)
+);
+CREATE INDEX IF NOT EXISTS incarnations_last_seen ON incarnations (last_seen);
+CREATE TABLE IF NOT EXISTS events (
+    run TEXT NOT NULL, rank INTEGER NOT NULL, incarnation TEXT NOT NULL, id INTEGER NOT NULL,
+    kind TEXT NOT NULL, time REAL NOT NULL, iteration INTEGER NOT NULL, optimizer TEXT,
+    body TEXT NOT NULL,
+    UNIQUE (run, rank, incarnation, id)
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run);
+"""
+
+_UPSERT = """
+INSERT INTO incarnations (run, rank, incarnation, first_seen, last_seen, last_seq, max_event_id, closed,
+                          batch, counters)
+VALUES (:run, :rank, :incarnation, :first_seen, :last_seen, :last_seq, :max_event_id, :closed, :batch, :counters)
+ON CONFLICT (run, rank, incarnation) DO UPDATE SET
+    last_seen = excluded.last_seen, last_seq = excluded.last_seq, max_event_id = excluded.max_event_id,
+    closed = excluded.closed, batch = excluded.batch, counters = excluded.counters
+"""
+
+_INSERT_EVENT = """
+INSERT OR IGNORE INTO events (run, rank, incarnation, id, kind, time, iteration, optimizer, body)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+
+Job = Callable[[sqlite3.Connection], Any]
+
+
+class StoreClosed(RuntimeError):
+    """The store was closed or its writer died; the collector answers 503 and the agent retries."""
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    # FULL: a COMMIT is on disk before we answer 2xx (NORMAL could lose the last commits on power loss).
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+class Store:
+    """Durable history; :meth:`submit` queues a write and returns a future resolved after COMMIT."""
+
+    def __init__(self, path: str, max_group: int = 512) -> None:
+        self.path = os.path.abspath(path)
+        self.max_group = max_group
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = _connect(self.path)
+        self._writer.executescript(_SCHEMA)
+        self._local = threading.local()
+        self._closed = False
+        self.commits = 0  # transactions committed (a group commit counts once)
+        self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
+        self._thread.start()
+
+    # writes --------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> "asyncio.Future[Any]":
+        """Run ``job(conn)`` in the next transaction; the future resolves once it is committed."""
+        if self._closed or not self._thread.is_alive():
+            raise StoreClosed("the database writer is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put((job, loop, future))
+        return future
+
+    def write_incarnation(self, run: str, rank: int, row: dict, events: list[tuple]) -> Job:
+        """Return a job that upserts one incarnation row and inserts events (duplicates ignored)."""
+        params = dict(row, run=run, rank=rank)
+
+        def job(conn: sqlite3.Connection) -> int:
+            conn.execute(_UPSERT, params)
+            if not events:
+                return 0
+            before = conn.total_changes
+            conn.executemany(_INSERT_EVENT, events)
+            return conn.total_changes - before
+        return job
+
+    @staticmethod
+    def insert_events(events: list[tuple]) -> Job:
+        """Return a job that inserts events, ignoring those already stored; it returns how many were new."""
+        def job(conn: sqlite3.Connection) -> int:
+            before = conn.total_changes
+            conn.executemany(_INSERT_EVENT, events)
+            return conn.total_changes - before
+        return job
+
+    def _write_loop(self) -> None:
+        conn = self._writer
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            group = [item]
+            while len(group) < self.max_group:  # group commit: take whatever queued up meanwhile
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                group.append(nxt)
+            results: list[tuple[Any, Optional[BaseException]]] = []
+            try:
+                conn.execute("BEGIN")
+                for job, _, _ in group:
+                    conn.execute("SAVEPOINT job")
+                    try:
+                        results.append((job(conn), None))
+                        conn.execute("RELEASE job")
+                    except Exception as exc:  # one bad job must not sink the group
+                        conn.execute("ROLLBACK TO job")
+                        conn.execute("RELEASE job")
+                        results.append((None, exc))
+                conn.execute("COMMIT")
+                self.commits += 1
+            except Exception as exc:
+                log.exception("database commit failed; %d batches not applied", len(group))
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                results = [(None, exc)] * len(group)
+            by_loop: dict[Any, list] = {}
+            for (_, loop, future), result in zip(group, results):
+                by_loop.setdefault(loop, []).append((future, result))
+            for loop, done in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_resolve, done)
+                except RuntimeError:
+                    pass  # the loop closed while we committed; nobody waits any more
+        conn.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued writes and stop the writer (bounded by ``timeout``)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("database writer still busy after %.0fs at shutdown; queued batches are not acknowledged",
+                        timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    # reads ---------------------------------------------------------------------------------------
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = _connect(self.path)
+        return conn
+
+    def query(self, sql: str, params: Any = ()) -> list[dict]:
+        """Run a read query on this thread's connection (call it from a worker thread)."""
+        return [dict(row) for row in self._reader().execute(sql, params).fetchall()]
+
+    def size_bytes(self) -> int:
+        """Database file plus its WAL, in bytes."""
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.path.getsize(self.path + suffix)
+            except OSError:
+                pass
+        return total
+
+
+def _resolve(done: list) -> None:
+    for future, (value, error) in done:
+        if future.cancelled():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
