@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import os
-from typing import Sequence
+import urllib.parse
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["AgentConfig"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -14,6 +20,11 @@ class AgentConfig:
     """Everything the agent needs besides the scaler and optimizers.
 
     Build it with :meth:`from_env`; explicit arguments win over the environment.
+    Every field is validated in ``__post_init__``; a bad value raises a
+    ``ValueError`` naming the variable and saying what is accepted.
+
+    >>> AgentConfig.from_env(collector="http://a:1, http://b:2", environ={}).collectors
+    ('http://a:1', 'http://b:2')
     """
 
     collectors: tuple[str, ...] = ()
@@ -26,20 +37,112 @@ class AgentConfig:
     """Seconds between batches (``AMPWATCH_PUSH_INTERVAL``)."""
     spool_dir: str | None = None
     """Directory for an on-disk spool of unsent batches (``AMPWATCH_SPOOL_DIR``)."""
+    spool_max_bytes: int = 64 * 1024 * 1024
+    """Cap on the spool's size; the oldest batches go first (``AMPWATCH_SPOOL_MAX_BYTES``)."""
     disabled: bool = False
     """``AMPWATCH_DISABLED=1``: ``watch()`` returns a do-nothing object."""
+    timeout: float = 5.0
+    """Seconds one HTTP request may take before it counts as failed (``AMPWATCH_TIMEOUT``)."""
+    max_backoff: float = 30.0
+    """Cap on the wait between retries, in seconds (``AMPWATCH_MAX_BACKOFF``)."""
+    close_timeout: float = 5.0
+    """Seconds ``close()`` and interpreter exit may spend flushing (``AMPWATCH_CLOSE_TIMEOUT``)."""
+    max_events: int = 10_000
+    """Events held in memory while undelivered; the oldest are dropped first (``AMPWATCH_MAX_EVENTS``)."""
+
+    def __post_init__(self) -> None:
+        for url in self.collectors:
+            _check_url(url)
+        if self.run is not None and not (1 <= len(self.run) <= 128 and self.run.isprintable()):
+            raise ValueError(f"AMPWATCH_RUN / run= must be 1-128 printable characters, got {self.run!r}")
+        for name, var in (("push_interval", "AMPWATCH_PUSH_INTERVAL"), ("timeout", "AMPWATCH_TIMEOUT"),
+                          ("max_backoff", "AMPWATCH_MAX_BACKOFF")):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{var} / {name}= must be a positive number of seconds, got {value!r}")
+        if not (math.isfinite(self.close_timeout) and self.close_timeout >= 0):
+            raise ValueError(f"AMPWATCH_CLOSE_TIMEOUT must be >= 0 seconds, got {self.close_timeout!r}")
+        if self.spool_max_bytes < 1:
+            raise ValueError(f"AMPWATCH_SPOOL_MAX_BYTES must be a positive integer, got {self.spool_max_bytes!r}")
+        if self.max_events < 1:
+            raise ValueError(f"AMPWATCH_MAX_EVENTS must be a positive integer, got {self.max_events!r}")
+
+    @property
+    def sends(self) -> bool:
+        """Return whether a collector is configured (otherwise the agent only records)."""
+        return bool(self.collectors) and not self.disabled
+
+    def collector_for(self, run: str, rank: int) -> str:
+        """Return the one collector this rank reports to: a stable hash of run and rank picks it.
+
+        Every process computes the same answer, so several collectors split the
+        ranks of a job between them without talking to each other.
+        """
+        if not self.collectors:
+            raise ValueError("no collector configured: set AMPWATCH_URL or pass collector=")
+        digest = hashlib.sha1(f"{run}\x00{rank}".encode()).digest()
+        return self.collectors[int.from_bytes(digest[:8], "big") % len(self.collectors)]
 
     @classmethod
     def from_env(cls, *, collector: str | Sequence[str] | None = None, run: str | None = None,
                  token: str | None = None, push_interval: float | None = None,
-                 spool_dir: str | None = None, environ: dict[str, str] | None = None) -> "AgentConfig":
-        """Merge explicit arguments over ``AMPWATCH_*`` variables (placeholder; delivery work fills it)."""
+                 spool_dir: str | None = None, environ: Mapping[str, str] | None = None,
+                 **overrides: Any) -> "AgentConfig":
+        """Merge explicit arguments (and ``overrides`` of other fields) over ``AMPWATCH_*`` variables."""
         env = os.environ if environ is None else environ
         raw = collector if collector is not None else env.get("AMPWATCH_URL", "")
-        urls = tuple(u.strip().rstrip("/") for u in ([raw] if isinstance(raw, str) else raw)
-                     for u in u.split(",") if u.strip()) if raw else ()
-        return cls(collectors=urls, run=run or env.get("AMPWATCH_RUN") or None,
-                   token=token or env.get("AMPWATCH_TOKEN") or None,
-                   push_interval=push_interval if push_interval is not None else 1.0,
-                   spool_dir=spool_dir or env.get("AMPWATCH_SPOOL_DIR") or None,
-                   disabled=env.get("AMPWATCH_DISABLED", "") not in ("", "0", "false", "no"))
+        parts = [raw] if isinstance(raw, str) else list(raw)
+        urls = tuple(u.strip().rstrip("/") for part in parts for u in part.split(",") if u.strip())
+        fields = {
+            "collectors": urls,
+            "run": run or env.get("AMPWATCH_RUN") or None,
+            "token": token or env.get("AMPWATCH_TOKEN") or None,
+            "push_interval": push_interval if push_interval is not None
+            else _number(env, "AMPWATCH_PUSH_INTERVAL", float, 1.0),
+            "spool_dir": spool_dir or env.get("AMPWATCH_SPOOL_DIR") or None,
+            "spool_max_bytes": _number(env, "AMPWATCH_SPOOL_MAX_BYTES", int, 64 * 1024 * 1024),
+            "disabled": _flag(env, "AMPWATCH_DISABLED"),
+            "timeout": _number(env, "AMPWATCH_TIMEOUT", float, 5.0),
+            "max_backoff": _number(env, "AMPWATCH_MAX_BACKOFF", float, 30.0),
+            "close_timeout": _number(env, "AMPWATCH_CLOSE_TIMEOUT", float, 5.0),
+            "max_events": _number(env, "AMPWATCH_MAX_EVENTS", int, 10_000),
+        }
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise TypeError(f"unknown AgentConfig field(s): {', '.join(sorted(unknown))}")
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _check_url(url: str) -> None:
+    """Raise a ValueError unless ``url`` is an http(s) base URL with a host."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"AMPWATCH_URL / collector= must be http(s)://host[:port] URLs separated by commas, "
+                         f"got {url!r}")
+    try:
+        parsed.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"AMPWATCH_URL / collector= has a bad port in {url!r}") from None
+
+
+def _number(env: Mapping[str, str], var: str, kind: Callable[[str], Any], default: Any) -> Any:
+    """Parse ``env[var]`` as ``kind``, or return ``default`` when unset or empty."""
+    text = env.get(var, "").strip()
+    if not text:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{var} must be {what}, got {text!r}") from None
+
+
+def _flag(env: Mapping[str, str], var: str) -> bool:
+    """Parse ``env[var]`` as a boolean flag."""
+    text = env.get(var, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{var} must be one of 1/0, true/false, yes/no, on/off, got {text!r}")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
 __all__ = ["EventBuffer"]
@@ -34,12 +36,13 @@ class EventBuffer:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.dropped = 0  # events discarded because the buffer was full
+        _live.add(self)
 
     def append(self, event: dict[str, Any]) -> dict[str, Any]:
         """Add ``event`` (stamped with ``id`` and ``time``) and return it."""
-        event["id"] = next(self._ids)
         event.setdefault("time", time.time())
         with self._lock:
+            event["id"] = next(self._ids)  # under the lock: ids follow queue order whoever appends
             if len(self._queue) >= self.capacity:
                 self._queue.popleft()
                 self.dropped += 1
@@ -62,3 +65,16 @@ class EventBuffer:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+
+_live: "weakref.WeakSet[EventBuffer]" = weakref.WeakSet()
+
+
+def _fresh_locks_in_child() -> None:
+    """After fork, in the child: replace locks the parent's sender thread may have held at fork time."""
+    for buffer in list(_live):
+        buffer._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_in_child)

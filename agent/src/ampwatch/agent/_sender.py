@@ -1,32 +1,324 @@
-"""Background delivery of batches to the collector (placeholder API; the delivery work implements it)."""
+"""Background delivery of batches to the collector: one daemon thread per process."""
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import random
+import threading
+import time
+import weakref
 from typing import Any, Callable
 
+from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
 from ._config import AgentConfig
+from ._errors import AgentErrors
 from ._events import EventBuffer
+from ._http import IngestClient, Outcome, classify
 from ._identity import Identity
+from ._outbox import MemoryOutbox, Pending
+from ._spool import SpoolOutbox
 
 __all__ = ["Sender"]
+
+log = logging.getLogger("ampwatch.agent")
+
+_WAKE_GAP = 0.05  # seconds: a burst of wake() calls yields one batch, not one per call
+_BACKOFF_BASE_MAX = 1.0  # seconds: the first retry waits at most this (or the push interval if shorter)
 
 
 class Sender:
     """Sends ``snapshot()`` + drained events to the collector from a daemon thread.
 
-    ``snapshot()`` returns ``{"scaler": {...}, "state": {...}}`` as in docs/protocol.md,
-    without ``state["delivery"]``, which the sender fills in itself.
+    ``snapshot()`` returns ``{"scaler": {...}, "state": {...}}`` as in
+    docs/protocol.md, without ``state["delivery"]``, which the sender fills in
+    itself; an optional top-level ``"agent_errors"`` (int) is the recorder's own
+    count of internal failures and is added to the sender's. ``snapshot`` is
+    called on the sender thread, so it must be safe to call from there.
+
+    The calling (training) thread only ever sets an event (:meth:`wake`) or,
+    in :meth:`close`, waits at most ``timeout`` seconds. Nothing here raises
+    into the caller: failures are logged once and counted in ``agent_errors``.
     """
 
     def __init__(self, config: AgentConfig, identity: Identity,
                  snapshot: Callable[[], dict[str, Any]], events: EventBuffer) -> None:
         self.config, self.identity, self.snapshot, self.events = config, identity, snapshot, events
+        self.errors = AgentErrors()
+        self.send_failures = 0  # attempts without a usable answer (no answer, 5xx, 408, 429)
+        self.rejected_batches = 0  # batches the collector refused for good (other 4xx): dropped
+        self.batches_acked = 0
+        self._pid = os.getpid()
+        self._seq = 0  # seq of the last batch built
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._deadline: float | None = None  # monotonic time by which close() gives up
+        self._thread: threading.Thread | None = None
+        self._outbox: MemoryOutbox | SpoolOutbox = MemoryOutbox()
+        self._lost_by_outboxes = 0  # events dropped by an outbox we had to replace
+        self._clients: dict[str, IngestClient] = {}
+        self._failures_in_row = 0
+        self._retry_at = 0.0
+        self._last_build = float("-inf")
+        self._closed_built = False
+        self._backlog = False  # the last batch was full and more events wait
+        self._said: set[str] = set()
+        self._last_snapshot: dict[str, Any] = {}
+        _live.add(self)
+
+    # -- called from the training thread -------------------------------------------------
 
     def start(self) -> None:
-        """Start the background thread (no-op without collectors)."""
+        """Start the background thread (no-op without collectors, or in a forked child)."""
+        if self._thread is not None or not self.config.sends or self._in_forked_child():
+            return
+        try:
+            if self.config.spool_dir:
+                self._outbox = SpoolOutbox(self.config.spool_dir, self.identity.incarnation,
+                                           self.config.spool_max_bytes)
+        except OSError as exc:
+            self.errors.report(f"opening the spool in {self.config.spool_dir!r} (sending without it)", exc)
+        self._thread = threading.Thread(target=self._run, name="ampwatch-sender", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
 
     def wake(self) -> None:
         """Ask for a batch soon (e.g. a new skip streak started); never blocks."""
+        self._wake.set()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Send a final batch with ``closed: true`` and stop, waiting at most ``timeout`` seconds."""
+    def close(self, timeout: float | None = None) -> None:
+        """Send a final batch with ``closed: true`` and stop, waiting at most ``timeout`` seconds.
+
+        ``timeout`` defaults to ``AMPWATCH_CLOSE_TIMEOUT``. With a spool, what is
+        still undelivered then stays on disk for the next agent to replay.
+        """
+        thread = self._thread
+        if thread is None or self._in_forked_child():
+            return
+        timeout = self.config.close_timeout if timeout is None else max(0.0, timeout)
+        if not self._stop.is_set():
+            self._deadline = time.monotonic() + timeout
+            self._stop.set()
+            self._wake.set()
+        thread.join(timeout)
+        atexit.unregister(self._at_exit)
+
+    @property
+    def delivery(self) -> dict[str, int]:
+        """Return the delivery counters as sent in ``state.delivery`` (without the recorder's errors)."""
+        return {
+            "dropped_events": self.events.dropped + self._outbox.dropped_events + self._lost_by_outboxes,
+            "send_failures": self.send_failures,
+            "rejected_batches": self.rejected_batches,
+            "agent_errors": self.errors.count,
+        }
+
+    # -- the sender thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Build a batch every push interval (or soon after wake()), deliver oldest first, until closed."""
+        next_push = time.monotonic()  # the first batch right away: the rank shows up at once
+        while True:
+            try:
+                closing = self._stop.is_set()
+                now = time.monotonic()
+                if self._wake.is_set() and not closing:
+                    self._wake.clear()
+                    next_push = min(next_push, max(now, self._last_build + _WAKE_GAP))
+                if closing or now >= next_push:
+                    self._build(closing)
+                    next_push = max(now, self._last_build) + self.config.push_interval
+                self._deliver()
+                if closing and self._finished(now):
+                    break
+                if self._backlog and self._outbox.head() is None:
+                    next_push = time.monotonic()  # more events than one batch holds: send the rest now
+                    continue
+                wait = next_push - time.monotonic()
+                if self._outbox.head() is not None:
+                    wait = min(wait, self._retry_at - time.monotonic())
+                if closing:
+                    wait = min(wait, self._deadline_left())
+                self._wake.wait(max(0.0, min(wait, self.config.push_interval)))
+            except Exception as exc:  # never let the thread die: count, pause, carry on
+                self.errors.report("the sender thread", exc)
+                if self._stop.wait(min(1.0, self.config.push_interval)) and self._deadline_left() <= 0:
+                    break
+        self._shutdown()
+
+    def _build(self, closing: bool) -> None:
+        """Put the next batch in the outbox when there is room: cumulative state plus waiting events."""
+        if self._outbox.full() or self._closed_built:
+            return
+        if self._failures_in_row and not closing and not len(self.events):
+            return  # collector unreachable: a heartbeat would only repeat state the next batch carries
+        events = self.events.drain(MAX_BATCH_EVENTS)
+        self._backlog = len(events) == MAX_BATCH_EVENTS and len(self.events) > 0
+        snapshot = self._take_snapshot()
+        closed = closing and not len(self.events)
+        delivery = self.delivery
+        delivery["agent_errors"] += _int(snapshot.get("agent_errors"))
+        self._seq += 1
+        batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=delivery,
+                            events=events, closed=closed)
+        pending = Pending(seq=self._seq, events=len(events), run=self.identity.run, rank=self.identity.rank,
+                          body=encode_batch(batch))
+        try:
+            self._outbox.put(pending)
+        except OSError as exc:
+            # The disk is full or gone: keep delivering from memory rather than not at all.
+            self.errors.report("writing to the spool (continuing without it)", exc)
+            self._replace_outbox_with_memory()
+            self._outbox.put(pending)
+        self._last_build = time.monotonic()
+        self._closed_built = closed
+
+    def _deliver(self) -> None:
+        """Send outbox batches oldest first until it is empty, one fails, or a backoff is due."""
+        while (pending := self._outbox.head()) is not None and not self._in_forked_child():
+            now = time.monotonic()
+            if now < self._retry_at:
+                return
+            timeout = min(self.config.timeout, self._deadline_left())
+            if timeout <= 0:
+                return
+            try:
+                body = pending.load()
+            except OSError as exc:
+                self.errors.report("reading a spooled batch (dropped)", exc)
+                self._outbox.pop()
+                continue
+            url = self.config.collector_for(pending.run, pending.rank)
+            status, detail = self._client(url).post(body, timeout)
+            outcome = classify(status)
+            if outcome is Outcome.ACKED:
+                self._outbox.pop()
+                self.batches_acked += 1
+                if self._failures_in_row:
+                    log.info("ampwatch: delivery to %s resumed after %d failed attempt(s)",
+                             url, self._failures_in_row)
+                self._failures_in_row = 0
+            elif outcome is Outcome.REJECTED:
+                self._outbox.pop()
+                self.rejected_batches += 1
+                self._say_once(f"rejected {status}", "ampwatch: %s refused batch seq=%d with HTTP %s (%s); "
+                               "it is dropped and counted in rejected_batches. %s",
+                               url, pending.seq, status, detail.strip()[:200], _advice(status))
+            else:
+                self.send_failures += 1
+                self._failures_in_row += 1
+                delay = min(self.config.max_backoff,
+                            min(_BACKOFF_BASE_MAX, self.config.push_interval) * 2 ** (self._failures_in_row - 1))
+                self._retry_at = time.monotonic() + delay * random.uniform(0.5, 1.0)  # jitter: ranks spread out
+                self._say_once("retry", "ampwatch: cannot deliver to %s (%s); retrying with backoff, training "
+                               "is not affected. Check that the collector runs and AMPWATCH_URL is right.",
+                               url, f"HTTP {status}" if status is not None else detail)
+                return
+
+    def _finished(self, now: float) -> bool:
+        """Return whether closing is done: the closed batch was delivered, or time is up."""
+        return (self._closed_built and self._outbox.head() is None) or self._deadline_left() <= 0
+
+    def _shutdown(self) -> None:
+        """Release connections and the spool (undelivered spooled batches stay for replay)."""
+        for client in self._clients.values():
+            client.close()
+        try:
+            self._outbox.close()
+        except OSError as exc:
+            self.errors.report("closing the spool", exc)
+        if self._outbox.head() is not None:
+            log.warning("ampwatch: %d batch(es) undelivered at close%s", len(self._outbox),
+                        " (kept in the spool for the next run)" if isinstance(self._outbox, SpoolOutbox) else "")
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _take_snapshot(self) -> dict[str, Any]:
+        """Call ``snapshot()``; on failure count it and reuse the last good one."""
+        try:
+            self._last_snapshot = dict(self.snapshot())
+        except Exception as exc:
+            self.errors.report("snapshot()", exc)
+        return self._last_snapshot
+
+    def _client(self, url: str) -> IngestClient:
+        """Return the kept-alive client for ``url``."""
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = IngestClient(url, self.config.token)
+        return client
+
+    def _replace_outbox_with_memory(self) -> None:
+        """Fall back to an in-memory outbox, counting the events stranded in the old one."""
+        old = self._outbox
+        self._lost_by_outboxes += old.dropped_events
+        try:
+            old.close()
+        except OSError:
+            pass
+        self._outbox = MemoryOutbox()
+
+    def _deadline_left(self) -> float:
+        """Return seconds left before close() gives up (infinite while not closing)."""
+        return float("inf") if self._deadline is None else self._deadline - time.monotonic()
+
+    def _in_forked_child(self) -> bool:
+        """Return whether this process is a fork of the one that made the sender (it must never send)."""
+        return os.getpid() != self._pid
+
+    def _say_once(self, key: str, message: str, *args: Any) -> None:
+        """Log ``message`` the first time ``key`` comes up."""
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(message, *args)
+
+    def _at_exit(self) -> None:
+        """Flush at interpreter exit, bounded by ``close_timeout``."""
+        try:
+            self.close()
+        except Exception as exc:  # pragma: no cover - exit must never fail because of the agent
+            self.errors.report("the exit flush", exc)
+
+    def _after_fork_in_child(self) -> None:
+        """Forget the parent's thread and spool: a forked child never sends."""
+        self._thread = None
+        self.errors._lock = threading.Lock()  # the parent's thread may have held it at fork time
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._outbox.after_fork_in_child()
+        self._clients.clear()
+
+
+def _int(value: Any) -> int:
+    """Return ``value`` as a non-negative int (0 when absent or not a number)."""
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _advice(status: int | None) -> str:
+    """Say what the user can do about a refused batch."""
+    if status in (401, 403):
+        return "Set AMPWATCH_TOKEN (or token=) to the collector's token."
+    if status == 404:
+        return "Check AMPWATCH_URL: it should be the collector's base URL, e.g. http://host:9457."
+    if status == 413:
+        return "Raise the collector's body size limit."
+    if status == 422:
+        return "The collector speaks another protocol version, or the agent sent a bad batch: upgrade both."
+    return "See the collector's log."
+
+
+_live: "weakref.WeakSet[Sender]" = weakref.WeakSet()
+
+
+def _forget_senders_in_child() -> None:
+    """After fork, in the child: disarm every sender inherited from the parent."""
+    for sender in list(_live):
+        sender._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_senders_in_child)

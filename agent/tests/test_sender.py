@@ -1,0 +1,214 @@
+"""The Sender against a real HTTP server on a free loopback port: shape, retries, outages, refusals, timing."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from delivery_harness import make_sender
+from recording_collector import RecordingCollector
+
+from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
+from ampwatch.agent._config import AgentConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def collector():
+    with RecordingCollector() as server:
+        yield server
+
+
+@pytest.fixture
+def senders():
+    """Collect senders made by a test and close them even when it fails."""
+    made = []
+    yield made
+    for sender in made:
+        sender.close(1.0)
+
+
+def test_batches_arrive_with_identity_cumulative_state_events_and_a_closed_flag(collector, senders):
+    sender, recorder = make_sender(collector.url, token="s3cret")
+    senders.append(sender)
+    for _ in range(3):
+        recorder.skip()
+    sender.wake()
+    assert collector.wait_for(lambda s: len(s.event_ids()) == 3)
+    sender.close(5)
+
+    batches = collector.acked
+    assert [b["seq"] for b in batches] == list(range(1, len(batches) + 1))
+    first, last = batches[0], batches[-1]
+    assert first["protocol"] == 1 and first["agent"]["torch"]
+    assert (first["run"], first["rank"], first["world_size"], first["local_rank"]) == ("test-run", 0, 1, 0)
+    assert first["pid"] == sender.identity.pid and len(first["incarnation"]) == 32
+    assert {b["incarnation"] for b in batches} == {sender.identity.incarnation}
+    assert last["state"]["optimizers"]["opt"]["skipped"] == 3
+    assert set(last["state"]["delivery"]) == set(DELIVERY_COUNTERS)
+    assert last["scaler"]["kind"] == "GradScaler"
+    assert [b["closed"] for b in batches] == [False] * (len(batches) - 1) + [True]
+    assert collector.event_ids() == [1, 2, 3]
+    assert {h["Authorization"] for h in collector.headers} == {"Bearer s3cret"}
+
+
+def test_a_batch_follows_wake_without_waiting_for_the_push_interval(collector, senders):
+    sender, recorder = make_sender(collector.url, push_interval=30.0)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)  # the first batch goes out at start
+    recorder.skip()
+    sender.wake()
+    assert collector.wait_for(lambda s: s.event_ids() == [1], timeout=5), "wake() did not trigger a batch"
+
+
+def test_a_retried_batch_repeats_its_incarnation_seq_and_body(collector, senders):
+    collector.status = 503
+    sender, recorder = make_sender(collector.url)
+    senders.append(sender)
+    recorder.skip()
+    assert collector.wait_for(lambda s: len(s.received) >= 3)
+    collector.status = 200
+    assert collector.wait_for(lambda s: len(s.acked) >= 2)
+
+    first_seq = [b for b in collector.received if b["seq"] == 1]
+    assert len(first_seq) >= 3, "the failing batch was not retried"
+    assert all(b == first_seq[0] for b in first_seq), "a retry must resend the very same body"
+    assert collector.acked[0] == first_seq[0]
+    assert collector.acked[1]["seq"] == 2
+    assert collector.acked[1]["state"]["delivery"]["send_failures"] >= 2
+
+
+def test_retries_back_off_exponentially_up_to_the_cap(collector, senders):
+    collector.status = 500
+    sender, _ = make_sender(collector.url, push_interval=0.05, max_backoff=0.4)
+    senders.append(sender)
+    time.sleep(2.0)
+    attempts = len(collector.received)
+    # Without backoff 2 s / 0.05 s = 40 attempts; with it (0.05, 0.1, 0.2, then 0.4 capped, jittered 50-100%)
+    # about 6-10. A loose bound on both sides, so scheduling noise cannot fail it.
+    assert 4 <= attempts <= 20, attempts
+
+
+def test_a_short_outage_then_recovery_loses_no_event(collector, senders):
+    sender, recorder = make_sender(collector.url)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) >= 1)
+    collector.stop()
+    for _ in range(100):
+        recorder.skip()
+    time.sleep(0.3)
+    collector.start()
+    sender.close(5)
+    assert sorted(collector.event_ids()) == list(range(1, 101))
+    assert collector.acked[-1]["closed"] is True
+    assert collector.acked[-1]["state"]["delivery"]["dropped_events"] == 0
+
+
+def test_without_a_spool_a_long_outage_drops_the_oldest_events_and_reports_the_count(senders):
+    server = RecordingCollector()  # down from the start
+    sender, recorder = make_sender(server.url, max_events=10)
+    senders.append(sender)
+    deadline = time.monotonic() + 5
+    while sender.send_failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.send_failures > 0  # the first (empty) batch is now stuck waiting for the collector
+    for _ in range(50):
+        recorder.skip()
+    with server:
+        sender.close(5)
+        assert server.event_ids() == list(range(41, 51)), "the newest events must survive, oldest dropped"
+        assert server.acked[-1]["state"]["delivery"]["dropped_events"] == 40
+        assert server.acked[-1]["closed"] is True
+
+
+def test_a_refused_batch_is_dropped_counted_and_never_resent(collector, senders, caplog):
+    collector.status = 401
+    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
+        sender, recorder = make_sender(collector.url)
+        senders.append(sender)
+        recorder.skip()
+        assert collector.wait_for(lambda s: len(s.received) >= 3)
+        collector.status = 200
+        assert collector.wait_for(lambda s: len(s.acked) >= 1)
+    refused = [b for b in collector.received if b not in collector.acked]
+    seqs = [b["seq"] for b in refused]
+    assert len(seqs) == len(set(seqs)), "a refused batch was sent again"
+    assert collector.acked[0]["state"]["delivery"]["rejected_batches"] == len(refused)
+    assert "AMPWATCH_TOKEN" in caplog.text
+    assert caplog.text.count("refused batch") == 1, "the refusal should be logged once, then counted"
+
+
+def test_a_slow_collector_never_blocks_the_calling_thread_and_close_keeps_its_timeout(collector, senders):
+    collector.delay = 3.0
+    sender, recorder = make_sender(collector.url, timeout=10.0)
+    senders.append(sender)
+    time.sleep(0.2)  # the first batch is now hanging on the slow collector
+    slowest = 0.0
+    for _ in range(200):
+        started = time.perf_counter()
+        recorder.skip()
+        sender.wake()
+        slowest = max(slowest, time.perf_counter() - started)
+    assert slowest < 0.05, f"a call on the training thread took {slowest:.3f} s"
+    started = time.monotonic()
+    sender.close(0.5)
+    took = time.monotonic() - started
+    assert took < 0.5 + 0.3, f"close(0.5) took {took:.2f} s"
+
+
+def test_close_sends_every_waiting_event_in_a_final_closed_batch(collector, senders):
+    sender, recorder = make_sender(collector.url, push_interval=30.0)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    for _ in range(5):
+        recorder.skip()
+    sender.close(5)
+    assert collector.acked[-1]["closed"] is True
+    assert [e["id"] for e in collector.acked[-1]["events"]] == [1, 2, 3, 4, 5]
+
+
+def test_more_events_than_one_batch_holds_go_out_in_several_batches(collector, senders):
+    total = MAX_BATCH_EVENTS * 2 + 500
+    sender, recorder = make_sender(collector.url, push_interval=30.0, max_events=total)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    for _ in range(total):
+        recorder.skip()
+    sender.close(20)
+    assert max(len(b["events"]) for b in collector.acked) == MAX_BATCH_EVENTS
+    assert collector.event_ids() == list(range(1, total + 1))
+    assert collector.acked[-1]["closed"] is True
+
+
+def test_a_failing_snapshot_is_counted_as_an_agent_error_not_raised(collector, senders):
+    sender, recorder = make_sender(collector.url)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) >= 1)
+    recorder.fail_snapshots = True
+    assert collector.wait_for(lambda s: s.acked[-1]["state"]["delivery"]["agent_errors"] >= 1)
+    assert sender._thread.is_alive()
+
+
+def test_each_rank_reports_to_the_one_collector_its_run_and_rank_hash_to(senders):
+    with RecordingCollector() as a, RecordingCollector() as b:
+        config = AgentConfig.from_env(collector=[a.url, b.url], environ={})
+        expected = {rank: config.collector_for("pinned-run", rank) for rank in range(8)}
+        assert set(expected.values()) == {a.url, b.url}, "8 ranks should land on both collectors"
+        for rank in range(8):
+            sender, _ = make_sender([a.url, b.url], run="pinned-run", rank=rank, world_size=8)
+            senders.append(sender)
+        for sender in senders:
+            sender.close(5)
+        for server in (a, b):
+            ranks = {batch["rank"] for batch in server.acked}
+            assert ranks == {r for r, url in expected.items() if url == server.url}
+
+
+def test_nothing_is_started_without_a_collector():
+    sender, recorder = make_sender(None)
+    recorder.skip()
+    sender.wake()
+    sender.close(1)
+    assert sender._thread is None

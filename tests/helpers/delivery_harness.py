@@ -1,0 +1,70 @@
+"""Build a real Sender around a stand-in recorder (a counting snapshot and a real EventBuffer)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ampwatch.agent._config import AgentConfig
+from ampwatch.agent._events import EventBuffer
+from ampwatch.agent._identity import resolve_identity
+from ampwatch.agent._sender import Sender
+
+__all__ = ["StandInRecorder", "make_sender", "FAST"]
+
+FAST = {"push_interval": 0.05, "max_backoff": 0.2, "timeout": 2.0, "close_timeout": 5.0}
+"""Delivery settings that keep tests quick: short interval, short backoff cap."""
+
+
+class StandInRecorder:
+    """Plays the recorder's side of the Sender contract: ``snapshot()`` and ``events``.
+
+    Each ``skip()`` appends a skip event and bumps the cumulative counters the
+    snapshot reports, as the real recorder does.
+    """
+
+    def __init__(self, max_events: int = 10_000) -> None:
+        self.events = EventBuffer(capacity=max_events)
+        self.iteration = 0
+        self.skipped = 0
+        self.fail_snapshots = False
+        self._lock = threading.Lock()
+
+    def skip(self) -> dict[str, Any]:
+        """Record one skipped step of optimizer ``opt`` and return its event."""
+        with self._lock:
+            self.iteration += 1
+            self.skipped += 1
+            iteration = self.iteration
+        return self.events.append({"kind": "skip", "iteration": iteration, "optimizer": "opt", "streak": 1,
+                                   "params": [], "params_total": None, "inspected": False})
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return the cumulative state, as the real recorder's snapshot() does."""
+        if self.fail_snapshots:
+            raise RuntimeError("stand-in snapshot failure")
+        with self._lock:
+            return {
+                "scaler": {"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
+                           "backoff_factor": 0.5, "growth_interval": 2000},
+                "state": {"iteration": self.iteration, "loss_scale": 1024.0, "backoffs": self.skipped,
+                          "growths": 0, "manual_sets": 0,
+                          "optimizers": {"opt": {"steps": self.iteration - self.skipped, "skipped": self.skipped,
+                                                 "consecutive_skipped": 0, "longest_streak": 1,
+                                                 "streaks": self.skipped, "streaks_reached": {},
+                                                 "scheduler_steps_after_skip": 0, "poisoned_steps": 0}}},
+            }
+
+
+def make_sender(collector: str | list[str] | None, *, run: str = "test-run", rank: int = 0,
+                world_size: int = 1, max_events: int = 10_000, recorder: StandInRecorder | None = None,
+                **overrides: Any) -> tuple[Sender, StandInRecorder]:
+    """Return a started Sender for ``rank`` and its stand-in recorder; ``overrides`` tune AgentConfig."""
+    settings = {**FAST, **overrides}
+    config = AgentConfig.from_env(collector=collector or "", run=run, environ={}, max_events=max_events,
+                                  **settings)
+    identity = resolve_identity(config.run, environ={"RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    recorder = recorder or StandInRecorder(max_events)
+    sender = Sender(config, identity, recorder.snapshot, recorder.events)
+    sender.start()
+    return sender, recorder

@@ -1,0 +1,155 @@
+"""A real HTTP server on a free loopback port that records ingest batches and misbehaves on request.
+
+Not the collector: a test double at the network boundary, so agent tests can
+see exactly what went over the wire (including retries the real collector
+would deduplicate), and make the far end fail, hang, or vanish.
+
+>>> with RecordingCollector() as server:
+...     server.url.startswith("http://127.0.0.1:")
+True
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+__all__ = ["RecordingCollector", "free_port"]
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RecordingCollector:
+    """Records every POST to ``/v1/ingest``; answers ``status`` after ``delay`` seconds.
+
+    ``received`` holds every decoded body in arrival order, retries included;
+    ``acked`` only those answered 2xx. Change ``status``/``delay`` at any time;
+    :meth:`stop` and :meth:`start` make it go down and come back on the same port.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.status = 200
+        self.delay = 0.0
+        self.received: list[dict[str, Any]] = []
+        self.acked: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.changed = threading.Condition()
+        self._connections: set[socket.socket] = set()
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "RecordingCollector":
+        """Listen on ``self.port`` (again)."""
+        handler = _handler_for(self)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+                break
+            except OSError:  # the old socket may linger a moment after stop()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop listening and drop open connections (an outage)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        with self.changed:
+            connections, self._connections = list(self._connections), set()
+        for conn in connections:  # kept-alive connections would otherwise outlive the "outage"
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> bool:
+        """Wait until ``predicate(self)`` holds; return whether it did within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not predicate(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(left)
+        return True
+
+    def event_ids(self) -> list[int]:
+        """Return the ids of every event in acknowledged batches, in arrival order."""
+        return [e["id"] for batch in self.acked for e in batch["events"]]
+
+    def __enter__(self) -> "RecordingCollector":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequestHandler]:
+    """Make a request handler class bound to ``server``."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, like the real collector under uvicorn
+
+        def setup(self) -> None:
+            super().setup()
+            with server.changed:
+                server._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with server.changed:
+                server._connections.discard(self.connection)
+            try:
+                super().finish()
+            except OSError:
+                pass
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            status, delay = server.status, server.delay
+            if delay:
+                time.sleep(delay)
+            batch = json.loads(body)
+            with server.changed:
+                server.received.append(batch)
+                server.headers.append(dict(self.headers))
+                if 200 <= status < 300 and self.path == "/v1/ingest":
+                    server.acked.append(batch)
+                server.changed.notify_all()
+            if self.path != "/v1/ingest":
+                status = 404
+            answer = json.dumps({"applied": 200 <= status < 300}).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+            except OSError:  # the client gave up waiting
+                pass
+
+        def log_message(self, *args: Any) -> None:
+            """Keep test output quiet."""
+
+    return Handler
