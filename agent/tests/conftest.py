@@ -1,0 +1,97 @@
+"""Shared pieces for the agent's recording tests: a real AMP loop on CPU and bit-exact ground truth."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+
+class AmpLoop:
+    """Drive a real ``torch.amp.GradScaler("cpu")`` under bfloat16 autocast and observe the ground truth."""
+
+    @staticmethod
+    def bits(params) -> list[torch.Tensor]:
+        """Copy the bit patterns of ``params`` (NaN compares equal to itself this way)."""
+        return [p.detach().view(torch.int32).clone() for p in params]
+
+    @staticmethod
+    def changed(before: list[torch.Tensor], params) -> bool:
+        """Tell whether any parameter's bits differ from ``before``."""
+        return any(not torch.equal(b, p.detach().view(torch.int32)) for b, p in zip(before, params))
+
+    @staticmethod
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Return a float32 loss computed under bfloat16 autocast."""
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().pow(2).mean()
+
+    @staticmethod
+    def poison_grad(param: torch.Tensor, value: float = float("inf")) -> None:
+        """Put one non-finite value into ``param.grad``."""
+        param.grad.view(-1)[0] = value
+
+    def iteration(self, model: nn.Module, scaler: torch.amp.GradScaler, optimizers: list,
+                  x: torch.Tensor, *, after_backward: Callable[[], None] | None = None,
+                  new_scale: float | None = None) -> dict[int, bool]:
+        """Run scale -> backward -> step each -> update; return {id(opt): parameters changed}."""
+        for opt in optimizers:
+            opt.zero_grad()
+        scaler.scale(self.forward(model, x)).backward()
+        if after_backward is not None:
+            after_backward()
+        truth = {}
+        for opt in optimizers:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            before = self.bits(params)
+            scaler.step(opt)
+            truth[id(opt)] = self.changed(before, params)
+        scaler.update(new_scale) if new_scale is not None else scaler.update()
+        return truth
+
+
+@pytest.fixture
+def amp() -> AmpLoop:
+    """Return the AMP loop helpers."""
+    torch.manual_seed(0)
+    return AmpLoop()
+
+
+@pytest.fixture
+def no_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make sure the agent records locally and sends nothing, whatever the environment says."""
+    for var in ("AMPWATCH_URL", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def watching(no_collector) -> Iterator[Callable]:
+    """Return ``agent.watch`` that closes every watch it made at the end of the test, even on failure."""
+    from ampwatch import agent
+
+    made = []
+
+    def make(*args, **kwargs):
+        kwargs.setdefault("run", "test-run")
+        handle = agent.watch(*args, **kwargs)
+        made.append(handle)
+        return handle
+
+    yield make
+    for handle in made:
+        with contextlib.suppress(Exception):
+            handle.close(timeout=1.0)
+
+
+def drain(watch_handle) -> list[dict]:
+    """Return the events recorded so far (test-only access to the event buffer)."""
+    return watch_handle._recorder.events.drain()
+
+
+@pytest.fixture
+def events() -> Callable:
+    """Return a function that takes the recorded events of a watch."""
+    return drain
