@@ -87,7 +87,7 @@ class ActiveAlert:
 
 
 class RankHistory:
-    """Hold one rank's recent snapshots, thinned to ``resolution_s`` and pruned to ``horizon_s`` (bounded memory)."""
+    """Hold one rank's recent snapshots, thinned to about ``resolution_s`` apart, back to ``horizon_s`` (bounded)."""
 
     __slots__ = ("run", "rank", "_times", "_snapshots", "_horizon_s", "_resolution_s",
                  "calibration_backoffs", "_calibrated", "_origin")
@@ -118,8 +118,9 @@ class RankHistory:
                 self.calibration_backoffs = snapshot.backoffs
             else:
                 self._calibrated = True
-        # Keep the previous latest as a window baseline only if it is far enough from the one before it.
-        if len(self._times) >= 2 and self._times[-1] - self._times[-2] < self._resolution_s:
+        # The latest snapshot always stays; the previous latest stays as a window baseline only if the new one
+        # is at least resolution_s after the sample before it (so any two kept samples apart are that far).
+        if len(self._times) >= 2 and snapshot.last_seen - self._times[-2] < self._resolution_s:
             self._times[-1], self._snapshots[-1] = snapshot.last_seen, snapshot
         else:
             self._times.append(snapshot.last_seen)

@@ -1,0 +1,327 @@
+"""The built-in alert evaluator: each alert fires when it should and stays silent when it should not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS as T
+from ampwatch.server._alerting import ALERT_NAMES, OptimizerCounters, RankSnapshot
+from ampwatch.server._alerting_states import BuiltinAlerts
+
+LADDER = tuple(2 ** i for i in range(11))
+
+
+class FakeRank:
+    """Counters of one rank driven like the agent would count them (not a mock: the evaluator's input)."""
+
+    def __init__(self, alerts: BuiltinAlerts, run: str = "exp", rank: int = 0, scale: float = 65536.0) -> None:
+        self.alerts, self.run, self.rank = alerts, run, rank
+        self.iteration = self.backoffs = self.growths = 0
+        self.scale = scale
+        self.steps = self.skipped = self.streak = 0
+        self.reached: dict[int, int] = {}
+        self.scheduler = self.poisoned = 0
+        self.closed = False
+
+    def iterate(self, skipped: bool = False) -> None:
+        """One training iteration of the single optimizer "gen" (a skip backs off the scale)."""
+        self.iteration += 1
+        if skipped:
+            self.skipped += 1
+            self.streak += 1
+            if self.streak in LADDER:
+                self.reached[self.streak] = self.reached.get(self.streak, 0) + 1
+            self.backoffs += 1
+            self.scale /= 2
+        else:
+            self.steps += 1
+            self.streak = 0
+
+    def snapshot(self, now: float) -> RankSnapshot:
+        opt = OptimizerCounters(steps=self.steps, skipped=self.skipped, consecutive_skipped=self.streak,
+                                streaks_reached=dict(self.reached), scheduler_steps_after_skip=self.scheduler,
+                                poisoned_steps=self.poisoned)
+        return RankSnapshot(run=self.run, rank=self.rank, last_seen=now, iteration=self.iteration,
+                            loss_scale=self.scale, backoffs=self.backoffs, growths=self.growths,
+                            closed=self.closed, optimizers={"gen": opt})
+
+    def send(self, now: float) -> list:
+        """Deliver a batch to the evaluator; return the transitions of this rank's alerts."""
+        return self.alerts.observe(self.snapshot(now), now)
+
+
+def names(alerts) -> list[tuple[str, str, str]]:
+    return sorted((a.name, a.status, a.labels.get("severity", "")) for a in alerts)
+
+
+def firing_names(alerts: BuiltinAlerts) -> set[str]:
+    return {a.name for a in alerts.firing()}
+
+
+def test_consecutive_skip_warning_fires_at_the_ingest_where_the_streak_reaches_the_threshold():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    for i in range(200):
+        r.iterate()
+    assert r.send(1000.0) == []
+    for _ in range(T.skip_streak_warning - 1):
+        r.iterate(skipped=True)
+    assert r.send(1001.0) == []
+    r.iterate(skipped=True)
+    fired = r.send(1001.5)
+    assert names(fired) == [("AmpConsecutiveSkippedSteps", "firing", "warning")]
+    alert = fired[0]
+    assert dict(alert.labels) == {"run": "exp", "rank": "0", "optimizer": "gen", "severity": "warning"}
+    assert alert.starts_at == 1001.5
+    assert "gen" in alert.annotations["description"] and "exp" in alert.annotations["summary"]
+    assert alert.annotations["runbook_url"].endswith("ampconsecutiveskippedsteps")
+
+
+def test_critical_streak_fires_beside_the_warning_and_both_resolve_after_the_window():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=2.0 ** 80)
+    for i in range(200):
+        r.iterate()
+    r.send(0.0)
+    for _ in range(T.skip_streak_critical):
+        r.iterate(skipped=True)
+    assert names(r.send(1.0)) == [("AmpConsecutiveSkippedSteps", "firing", "critical"),
+                                  ("AmpConsecutiveSkippedSteps", "firing", "warning")]
+    r.iterate()
+    # The streak ended, but the ladder keeps both alerts up for the window, as the Prometheus rule does.
+    assert r.send(2.0) == []
+    assert names(r.send(T.skip_streak_window_s - 1.0)) == []
+    assert names(r.send(T.skip_streak_window_s + 5.0)) == [
+        ("AmpConsecutiveSkippedSteps", "resolved", "critical"), ("AmpConsecutiveSkippedSteps", "resolved", "warning")]
+    assert alerts.firing() == [] and len(alerts.resolved()) == 2
+
+
+def test_a_streak_that_began_and_ended_between_two_batches_still_fires():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    for i in range(200):
+        r.iterate()
+    r.send(0.0)
+    for _ in range(T.skip_streak_warning + 2):
+        r.iterate(skipped=True)
+    for _ in range(5):
+        r.iterate()
+    assert r.streak == 0
+    assert names(r.send(1.0)) == [("AmpConsecutiveSkippedSteps", "firing", "warning")]
+
+
+def test_one_isolated_skip_fires_nothing():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    now = 0.0
+    for second in range(600):
+        for _ in range(2):
+            r.iterate(skipped=(second == 300))
+        now = float(second)
+        assert r.send(now) == []
+    assert alerts.evaluate(now) == [] and alerts.firing() == []
+
+
+def test_early_calibration_backoffs_do_not_count_as_sustained_backoff():
+    # Two ranks back off 8 times in their first iterations (init 2**16 calibrating), then train cleanly.
+    alerts = BuiltinAlerts(T)
+    ranks = [FakeRank(alerts, rank=i) for i in range(2)]
+    for second in range(400):
+        for r in ranks:
+            r.iterate(skipped=r.iteration < 8)
+            r.send(float(second))
+        assert alerts.evaluate(float(second)) == []
+    assert ranks[0].backoffs == 8 and ranks[0].growths == 0
+
+
+def _backoff_storm(alerts: BuiltinAlerts, ranks: list, bad: list, seconds: int, start: float = 0.0) -> list:
+    """Train ranks one iteration a second; ranks in ``bad`` skip every 30th iteration after calibration."""
+    changes = []
+    for second in range(seconds):
+        now = start + second
+        for r in ranks:
+            r.iterate(skipped=r.rank in bad and r.iteration > T.calibration_iterations and r.iteration % 30 == 0)
+            changes += r.send(now)
+        changes += alerts.evaluate(now)
+    return changes
+
+
+def test_sustained_backoff_on_most_ranks_fires_after_its_for_duration_and_resolves_on_growth():
+    alerts = BuiltinAlerts(T)
+    ranks = [FakeRank(alerts, rank=i) for i in range(4)]
+    changes = _backoff_storm(alerts, ranks, bad=[0, 1, 2], seconds=T.calibration_iterations + 30 * T.backoff_min_count)
+    assert "AmpSustainedLossScaleBackoff" not in {a.name for a in changes}  # condition true, still pending
+    changes = _backoff_storm(alerts, ranks, bad=[0, 1, 2], seconds=T.backoff_for_s + 2,
+                             start=T.calibration_iterations + 30.0 * T.backoff_min_count)
+    fired = [a for a in changes if a.name == "AmpSustainedLossScaleBackoff"]
+    assert [(a.status, dict(a.labels)) for a in fired] == [("firing", {"run": "exp", "severity": "warning"})]
+    assert fired[0].value == pytest.approx(0.75)
+    for r in ranks:
+        r.growths += 1
+        r.scale *= 2
+        r.send(5000.0)
+    resolved = [a for a in alerts.evaluate(5000.0) if a.name == "AmpSustainedLossScaleBackoff"]
+    assert [a.status for a in resolved] == ["resolved"]
+
+
+def test_repeated_backoff_on_a_single_rank_of_four_does_not_fire_the_run_alert():
+    alerts = BuiltinAlerts(T)
+    ranks = [FakeRank(alerts, rank=i) for i in range(4)]
+    changes = _backoff_storm(alerts, ranks, bad=[3], seconds=T.calibration_iterations + 30 * 10 + T.backoff_for_s)
+    assert ranks[3].backoffs >= 10
+    assert "AmpSustainedLossScaleBackoff" not in {a.name for a in changes}
+
+
+def test_a_collector_restart_does_not_mistake_old_backoffs_for_new_ones():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    for _ in range(5000):
+        r.iterate(skipped=(_ % 500 == 499))
+    assert r.backoffs >= T.backoff_min_count
+    for second in range(T.backoff_for_s + 10):
+        r.iterate()
+        r.send(float(second))
+        assert alerts.evaluate(float(second)) == []
+
+
+def test_collapsed_scale_fires_only_after_lasting_its_for_duration():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=0.5)
+    for _ in range(200):
+        r.iterate()
+    assert r.send(0.0) == []
+    assert r.send(T.collapsed_for_s - 1.0) == []
+    fired = r.send(float(T.collapsed_for_s))
+    assert names(fired) == [("AmpLossScaleCollapsed", "firing", "critical")]
+    assert fired[0].value == 0.5
+    r.scale = 4.0
+    assert names(r.send(T.collapsed_for_s + 1.0)) == [("AmpLossScaleCollapsed", "resolved", "critical")]
+
+
+def test_a_single_ranks_transient_scale_blip_does_not_fire_desync_but_a_lasting_one_does():
+    alerts = BuiltinAlerts(T)
+    a, b = FakeRank(alerts, rank=0), FakeRank(alerts, rank=1)
+    for second in range(40):
+        for r in (a, b):
+            r.iterate()
+        b.scale = 65536.0 / 4 if 10 <= second < 20 else 65536.0  # rank 1 lags for 10 s, then agrees again
+        a.send(float(second)), b.send(float(second))
+        assert alerts.evaluate(float(second)) == []
+    b.scale = 65536.0 / 4
+    fired = []
+    for second in range(40, 40 + T.desync_for_s + 1):
+        a.send(float(second)), b.send(float(second))
+        fired += alerts.evaluate(float(second))
+    assert names(fired) == [("AmpLossScaleDesync", "firing", "warning")]
+    assert fired[0].value == 4.0 and dict(fired[0].labels) == {"run": "exp", "severity": "warning"}
+
+
+def test_a_high_skipped_step_ratio_fires_but_not_below_the_minimum_number_of_steps():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=2.0 ** 100)
+    r.send(-1.0)
+    for i in range(T.skip_ratio_min_steps - 1):
+        r.iterate(skipped=i % 4 == 0)  # 25% skipped, but too few calls to judge
+    assert r.send(0.0) == []
+    assert r.send(T.skip_ratio_for_s + 1.0) == []
+    for i in range(10):
+        r.iterate(skipped=i % 4 == 0)
+    assert r.send(T.skip_ratio_for_s + 2.0) == []  # now pending
+    fired = r.send(2 * T.skip_ratio_for_s + 3.0)
+    assert names(fired) == [("AmpHighSkippedStepRatio", "firing", "warning")]
+    assert fired[0].value == pytest.approx(r.skipped / (r.skipped + r.steps))
+
+
+def test_a_silent_rank_fires_after_silence_plus_for_and_resolves_when_it_reports_again():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    r.iterate()
+    r.send(0.0)
+    for second in range(1, T.silent_after_s + T.silent_for_s + 1):  # evaluated every second, as the collector does
+        assert alerts.evaluate(float(second)) == []
+    fired = alerts.evaluate(T.silent_after_s + T.silent_for_s + 1.0)
+    assert names(fired) == [("AmpRankSilent", "firing", "warning")]
+    assert dict(fired[0].labels) == {"run": "exp", "rank": "0", "severity": "warning"}
+    assert names(r.send(1000.0)) == [("AmpRankSilent", "resolved", "warning")]
+
+
+def test_a_run_that_closed_cleanly_raises_neither_silence_nor_desync():
+    alerts = BuiltinAlerts(T)
+    a, b = FakeRank(alerts, rank=0), FakeRank(alerts, rank=1)
+    for r in (a, b):
+        r.iterate()
+        r.closed = True
+    b.scale = 1.0
+    a.send(0.0), b.send(0.0)
+    for now in (10.0, 400.0, 4000.0):
+        assert alerts.evaluate(now) == []
+
+
+def test_scheduler_steps_after_skips_and_poisoned_steps_fire_at_once_and_resolve_after_their_windows():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    r.iterate()
+    r.send(0.0)
+    r.scheduler, r.poisoned = 1, 2
+    fired = r.send(1.0)
+    assert names(fired) == [("AmpPoisonedStep", "firing", "critical"), ("AmpSchedulerStepsOnSkipped", "firing", "warning")]
+    assert {a.name: a.value for a in fired} == {"AmpPoisonedStep": 2, "AmpSchedulerStepsOnSkipped": 1}
+    assert names(r.send(T.scheduler_window_s + 10.0)) == [("AmpSchedulerStepsOnSkipped", "resolved", "warning")]
+    assert names(r.send(T.poisoned_window_s + 10.0)) == [("AmpPoisonedStep", "resolved", "critical")]
+
+
+def test_an_unchanged_firing_alert_is_announced_once():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=0.25)
+    r.iterate()
+    r.send(0.0)
+    changes = []
+    for second in range(1, 300):
+        changes += r.send(float(second)) + alerts.evaluate(float(second))
+    assert names(changes) == [("AmpLossScaleCollapsed", "firing", "critical")]
+
+
+def test_forgetting_an_expired_rank_resolves_its_alerts():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=0.25)
+    r.iterate()
+    r.send(0.0)
+    r.send(float(T.collapsed_for_s))
+    assert firing_names(alerts) == {"AmpLossScaleCollapsed"}
+    assert names(alerts.forget("exp", 0, now=100.0)) == [("AmpLossScaleCollapsed", "resolved", "critical")]
+    assert alerts.evaluate(101.0) == []
+
+
+def test_a_ranks_history_stays_bounded_however_long_it_reports():
+    alerts = BuiltinAlerts(T, resolution_s=5.0)
+    r = FakeRank(alerts)
+    for tenth in range(100_000):  # ten batches a second for almost three hours
+        r.iterate()
+        r.send(tenth / 10)
+    history = alerts._ranks[("exp", 0)]
+    horizon = max(T.skip_streak_window_s, T.backoff_window_s, T.skip_ratio_window_s,
+                  T.scheduler_window_s, T.poisoned_window_s)
+    assert len(history) <= 2 * horizon / 5.0 + 3
+
+
+def test_every_alert_has_severity_summary_description_and_runbook():
+    alerts = BuiltinAlerts(dataclasses.replace(T, silent_for_s=0, collapsed_for_s=0, desync_for_s=0))
+    a, b = FakeRank(alerts, rank=0, scale=0.25), FakeRank(alerts, rank=1)
+    seen = []
+    for r in (a, b):
+        seen += r.send(-1.0)
+        for _ in range(200):
+            r.iterate()
+    a.scheduler = a.poisoned = 1
+    for _ in range(T.skip_streak_warning):
+        a.iterate(skipped=True)
+    seen += a.send(0.0) + b.send(0.0) + alerts.evaluate(0.0) + alerts.evaluate(T.silent_after_s + 1.0)
+    assert {x.name for x in seen} >= {"AmpConsecutiveSkippedSteps", "AmpLossScaleCollapsed", "AmpLossScaleDesync",
+                                       "AmpRankSilent", "AmpSchedulerStepsOnSkipped", "AmpPoisonedStep"}
+    for x in seen:
+        assert x.name in ALERT_NAMES
+        assert x.labels["severity"] in ("warning", "critical")
+        assert set(x.annotations) == {"summary", "description", "runbook_url"}
+        assert x.labels["run"] in x.annotations["description"]
