@@ -87,13 +87,14 @@ class Recorder:
         self.backoffs = self.growths = self.manual_sets = 0
         self.agent_errors = 0
         self.active: OptimizerRecord | None = None  # the record inside scaler.step right now
+        # A disabled scaler has no scaling settings at all: report them as null.
         self.scaler_info = {
             "enabled": self.enabled,
             "kind": type(scaler).__name__,
-            "init_scale": _device.init_scale(scaler),
-            "growth_factor": float(scaler.get_growth_factor()),
-            "backoff_factor": float(scaler.get_backoff_factor()),
-            "growth_interval": int(scaler.get_growth_interval()),
+            "init_scale": _device.init_scale(scaler) if self.enabled else None,
+            "growth_factor": float(scaler.get_growth_factor()) if self.enabled else None,
+            "backoff_factor": float(scaler.get_backoff_factor()) if self.enabled else None,
+            "growth_interval": int(scaler.get_growth_interval()) if self.enabled else None,
         }
         self._skipped_this_iteration = False
         self._inspected_this_iteration = False
@@ -339,7 +340,7 @@ class Recorder:
     def _read_scale(self, iteration: int, manual: bool) -> None:
         live = _device.scale_tensor(self.scaler)
         rare = (manual or self._skipped_this_iteration
-                or self._clean_iterations % max(1, self.scaler_info["growth_interval"]) == 0)
+                or self._clean_iterations % max(1, self.scaler_info["growth_interval"] or 1) == 0)
         if live is None:
             if rare:  # public fallback: get_scale() syncs, so only when a transition is possible
                 self._resolve_scale(None, iteration, manual, value=float(self.scaler.get_scale()))
