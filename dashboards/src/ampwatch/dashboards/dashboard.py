@@ -1,0 +1,244 @@
+"""Build the ampwatch Grafana dashboard (bare dashboard model for file provisioning) with grafanalib.
+
+Every panel queries the collector's per-rank series through the Prometheus data
+source with the fixed uid :data:`DATASOURCE_UID`, filtered by the template
+variables ``run``, ``rank`` and ``optimizer``. Threshold lines come from the same
+:class:`~ampwatch.dashboards.thresholds.AlertThresholds` as the alert rules.
+
+Example::
+
+    from ampwatch.dashboards.dashboard import render_dashboard
+    open("ampwatch.json", "w").write(render_dashboard())
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from grafanalib._gen import DashboardEncoder
+from grafanalib.core import (
+    Dashboard, GridPos, RowPanel, Stat, Table, Target, Template, Templating, Time, TimeSeries,
+)
+
+from . import _metrics as m
+from .thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+
+__all__ = [
+    "DASHBOARD_UID",
+    "DATASOURCE_UID",
+    "build_dashboard",
+    "dashboard_json",
+    "panel_queries",
+    "render_dashboard",
+]
+
+#: uid of the Prometheus data source the dashboard queries; Grafana's provisioning
+#: (deploy/grafana/provisioning/datasources/) creates it with this uid.
+DATASOURCE_UID = "ampwatch-prometheus"
+#: uid of the dashboard itself, stable so that links to it survive re-provisioning.
+DASHBOARD_UID = "ampwatch-overview"
+
+_DATASOURCE = {"type": "prometheus", "uid": DATASOURCE_UID}
+_RANK = 'run=~"$run", rank=~"$rank"'
+_OPTIMIZER = 'run=~"$run", rank=~"$rank", optimizer=~"$optimizer"'
+_OPEN = f"on (run, rank) {m.RANK_CLOSED} == 0"
+_WIDTH = 24  # Grafana's grid is 24 units wide
+
+
+def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
+    """Return the grafanalib dashboard, panels laid out and numbered."""
+    sections = [
+        ("Overview", 5, [
+            (_stat("Ranks reporting / silent", [
+                (f"count by (run) ((time() - {m.RANK_LAST_SEEN}{{{_RANK}}} <= {t.silent_after_s}) and {_OPEN})",
+                 "{{run}} reporting"),
+                # "or 0 * ..." turns "no silent rank" into a 0 rather than no data.
+                (f"count by (run) ((time() - {m.RANK_LAST_SEEN}{{{_RANK}}} > {t.silent_after_s}) and {_OPEN})"
+                 f" or on (run) (0 * count by (run) ({m.RANK_CLOSED}{{{_RANK}}}))", "{{run}} silent"),
+            ], f"Ranks seen within {t.silent_after_s}s and not closed, and ranks silent longer than that "
+               "without closing (AmpRankSilent)."), 6),
+            (_stat("Poisoned steps", [
+                (f"sum by (run, optimizer) ({m.OPTIMIZER_POISONED_STEPS}{{{_OPTIMIZER}}})", "{{run}} {{optimizer}}"),
+            ], "Steps that updated parameters with non-finite gradients, or left them non-finite "
+               "(AmpPoisonedStep). Anything above 0 means the weights are likely NaN.", red_from=1), 6),
+            (_table("Firing ampwatch alerts", [
+                ('ALERTS{alertname=~"Amp.*", alertstate="firing"}', ""),
+            ], "Alerts from the ampwatch rules firing now, with their labels.",
+                hide=["Time", "Value", "__name__", "alertstate"]), 12),
+        ]),
+        ("Loss scale", 8, [
+            (_series("Loss scale per rank", [
+                (f"{m.LOSS_SCALE}{{{_RANK}}}", "{{run}} rank {{rank}}"),
+            ], "The loss scale after the last update() of each rank, on a log2 axis: halvings are "
+               "backoffs, doublings growths. Below 1 is a collapse (AmpLossScaleCollapsed).",
+                log2=True, threshold=t.collapsed_loss_scale, step=True), 12),
+            (_series("Scale spread across ranks (largest / smallest)", [
+                (f"max by (run) ({m.LOSS_SCALE}{{run=~\"$run\"}} and {_OPEN})"
+                 f" / min by (run) ({m.LOSS_SCALE}{{run=~\"$run\"}} and {_OPEN})", "{{run}}"),
+            ], "1 when every open rank of a run has the same loss scale; at or above the line for "
+               f"{t.desync_for_s}s the ranks are out of sync (AmpLossScaleDesync).",
+                threshold=t.desync_scale_ratio, step=True), 12),
+            (_series("Backoffs vs growths per rank", [
+                (f"sum by (run, rank) (increase({m.LOSS_SCALE_BACKOFFS}{{{_RANK}}}[$__rate_interval]))",
+                 "backoff {{run}} rank {{rank}}"),
+                (f"sum by (run, rank) (increase({m.LOSS_SCALE_GROWTHS}{{{_RANK}}}[$__rate_interval]))",
+                 "growth {{run}} rank {{rank}}"),
+            ], "Scale transitions per interval. Backoffs on many ranks with no growth for "
+               f"{t.backoff_window_s}s is sustained backoff (AmpSustainedLossScaleBackoff).", bars=True), 12),
+            (_series("Iterations per second per rank", [
+                (f"rate({m.ITERATION}{{{_RANK}}}[$__rate_interval])", "{{run}} rank {{rank}}"),
+            ], "scaler.update() calls per second: a rank that stops advancing is stuck or gone.",
+                unit="ops"), 12),
+        ]),
+        ("Skipped steps", 8, [
+            (_series("Skipped steps per optimizer", [
+                (f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))",
+                 "{{run}} rank {{rank}} {{optimizer}}"),
+            ], "scaler.step(optimizer) calls skipped because the optimizer's unscaled gradients held inf/NaN.",
+                bars=True), 12),
+            (_series("Skip ratio per optimizer", [
+                (f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))"
+                 f" / sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval])"
+                 f" + increase({m.OPTIMIZER_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))",
+                 "{{run}} rank {{rank}} {{optimizer}}"),
+            ], "Share of scaler.step() calls that skipped. The line is the AmpHighSkippedStepRatio "
+               f"threshold (judged over {t.skip_ratio_window_s}s).",
+                unit="percentunit", threshold=t.skip_ratio), 12),
+            (_series("Consecutive-skip streaks", [
+                (f"{m.OPTIMIZER_CONSECUTIVE_SKIPPED}{{{_OPTIMIZER}}}", "current {{run}} rank {{rank}} {{optimizer}}"),
+                (f"{m.OPTIMIZER_LONGEST_SKIP_STREAK}{{{_OPTIMIZER}}}", "longest {{run}} rank {{rank}} {{optimizer}}"),
+            ], "Length of the current skip streak and the longest so far. The line is the warning "
+               f"threshold ({t.skip_streak_warning}); a streak shorter than a scrape interval only "
+               "shows in 'longest' and in the alert.", threshold=t.skip_streak_warning, step=True), 12),
+            (_series("Scheduler steps after skips", [
+                (f"sum by (run, rank, optimizer) ({m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP}{{{_OPTIMIZER}}})",
+                 "{{run}} rank {{rank}} {{optimizer}}"),
+            ], "LR scheduler steps taken right after a skipped step (AmpSchedulerStepsOnSkipped): "
+               "gate scheduler.step() with watch.stepped(optimizer).", step=True), 12),
+            (_table("Offending parameters", [
+                (f"{m.NONFINITE_GRADIENT_INFO}{{{_OPTIMIZER}}}", ""),
+            ], "The latest parameter named as holding non-finite gradients on a skip, per rank and "
+               "optimizer. Start the investigation here.",
+                hide=["Time", "Value", "__name__", "job", "instance"]), 24),
+        ]),
+        ("Collector and agents", 7, [
+            (_series("Collector ingest requests by status", [
+                (f"sum by (instance, code) (rate({m.COLLECTOR_INGEST_REQUESTS}[$__rate_interval]))",
+                 "{{instance}} {{code}}"),
+                (f"sum by (instance, reason) (rate({m.COLLECTOR_REJECTED_BATCHES}[$__rate_interval]))",
+                 "{{instance}} rejected {{reason}}"),
+            ], "Batches received per second by HTTP status, and batches refused by reason.", unit="reqps"), 8),
+            (_series("Collector ingest latency (p99)", [
+                (f"histogram_quantile(0.99, sum by (instance, le) "
+                 f"(rate({m.COLLECTOR_INGEST_DURATION}_bucket[$__rate_interval])))", "{{instance}}"),
+            ], "Time from request to durable answer (the agent's batches wait this long).", unit="s"), 8),
+            (_series("Agent delivery trouble per rank", [
+                (f"sum by (run, rank) (increase({m.AGENT_SEND_FAILURES}{{{_RANK}}}[$__rate_interval]))",
+                 "send failures {{run}} rank {{rank}}"),
+                (f"sum by (run, rank) (increase({m.AGENT_DROPPED_EVENTS}{{{_RANK}}}[$__rate_interval]))",
+                 "dropped events {{run}} rank {{rank}}"),
+            ], "Failed deliveries and events dropped by a full agent buffer.", bars=True), 8),
+        ]),
+    ]
+    panels = _layout(sections)
+    return Dashboard(
+        title="ampwatch: AMP loss scale and skipped steps",
+        uid=DASHBOARD_UID,
+        description="GradScaler skips, loss-scale transitions and rank health across every rank of a run.",
+        tags=["ampwatch", "amp", "pytorch"],
+        timezone="browser",
+        refresh="10s",
+        time=Time("now-1h", "now"),
+        schemaVersion=39,
+        panels=panels,
+        templating=Templating(list=[
+            _variable("run", f"label_values({m.RANK_INFO}, run)"),
+            _variable("rank", f'label_values({m.RANK_INFO}{{run=~"$run"}}, rank)'),
+            _variable("optimizer", f'label_values({m.OPTIMIZER_STEPS}{{run=~"$run"}}, optimizer)'),
+        ]),
+    ).auto_panel_ids()
+
+
+def dashboard_json(t: AlertThresholds = DEFAULT_THRESHOLDS) -> dict[str, Any]:
+    """Return the dashboard model as plain JSON data."""
+    return json.loads(json.dumps(build_dashboard(t).to_json_data(), cls=DashboardEncoder))
+
+
+def render_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> str:
+    """Render the dashboard JSON file for Grafana's file provisioning."""
+    return json.dumps(dashboard_json(t), indent=2, sort_keys=True) + "\n"
+
+
+def panel_queries(model: dict[str, Any]) -> list[tuple[str, str]]:
+    """List ``(panel title, PromQL)`` for every query of every panel of a dashboard model."""
+    return [(panel["title"], target["expr"])
+            for panel in model["panels"] for target in panel.get("targets", [])]
+
+
+def _targets(queries: list[tuple[str, str]], instant: bool = False, table: bool = False) -> list[Target]:
+    return [Target(expr=expr, legendFormat=legend, refId=chr(ord("A") + i), datasource=_DATASOURCE,
+                   instant=instant, format="table" if table else "time_series")
+            for i, (expr, legend) in enumerate(queries)]
+
+
+def _steps(threshold: float | None, red_from: float | None = None) -> list[dict[str, Any]]:
+    steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
+    if threshold is not None:
+        steps.append({"color": "red", "value": threshold})
+    if red_from is not None:
+        steps.append({"color": "red", "value": red_from})
+    return steps
+
+
+def _series(title: str, queries: list[tuple[str, str]], description: str, *, log2: bool = False,
+            threshold: float | None = None, unit: str = "short", bars: bool = False,
+            step: bool = False) -> TimeSeries:
+    return TimeSeries(
+        title=title, description=description, dataSource=_DATASOURCE, targets=_targets(queries),
+        unit=unit, scaleDistributionType="log" if log2 else "linear", scaleDistributionLog=2,
+        drawStyle="bars" if bars else "line", fillOpacity=60 if bars else 0,
+        lineInterpolation="stepAfter" if step else "linear",
+        thresholds=_steps(threshold), thresholdsStyleMode="line" if threshold is not None else "off",
+        legendDisplayMode="list", tooltipMode="multi",
+    )
+
+
+def _stat(title: str, queries: list[tuple[str, str]], description: str,
+          red_from: float | None = None) -> Stat:
+    return Stat(title=title, description=description, dataSource=_DATASOURCE,
+                targets=_targets(queries, instant=True), reduceCalc="lastNotNull",
+                graphMode="none", thresholds=_steps(None, red_from), noValue="0")
+
+
+def _table(title: str, queries: list[tuple[str, str]], description: str, hide: list[str]) -> Table:
+    return Table(
+        title=title, description=description, dataSource=_DATASOURCE,
+        targets=_targets(queries, instant=True, table=True), filterable=True,
+        transformations=[{"id": "organize", "options": {"excludeByName": {name: True for name in hide}}}],
+    )
+
+
+def _variable(name: str, query: str) -> Template:
+    return Template(name=name, label=name, query=query, dataSource=_DATASOURCE,
+                    includeAll=True, multi=True, allValue=".*", default="All", refresh=2)
+
+
+def _layout(sections: list[tuple[str, int, list[tuple[Any, int]]]]) -> list[Any]:
+    # Flow panels left to right in rows of 24 units, each section under its own row header.
+    panels, y = [], 0
+    for title, height, members in sections:
+        panels.append(RowPanel(title=title, gridPos=GridPos(h=1, w=_WIDTH, x=0, y=y)))
+        y, x = y + 1, 0
+        for panel, width in members:
+            if x + width > _WIDTH:
+                y, x = y + height, 0
+            panels.append(_with_pos(panel, GridPos(h=height, w=width, x=x, y=y)))
+            x += width
+        y += height
+    return panels
+
+
+def _with_pos(panel: Any, pos: GridPos) -> Any:
+    panel.gridPos = pos
+    return panel

@@ -1,0 +1,169 @@
+"""Thresholds and windows of every ampwatch alert, as plain data.
+
+This module is the single source of truth for alert thresholds: the
+Prometheus rules in ``dashboards/generated/`` are generated from it, and the
+collector's built-in alert evaluator imports it too. It uses the standard
+library only, so importing it pulls in neither grafanalib nor PyYAML.
+
+Durations are whole seconds (``*_s``) so that Python code can use them
+directly; :func:`promql_duration` renders them for PromQL.
+
+Example::
+
+    from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+    strict = AlertThresholds(skip_streak_warning=8, skip_streak_window_s=300)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = [
+    "STREAK_LADDER",
+    "AlertThresholds",
+    "DEFAULT_THRESHOLDS",
+    "promql_duration",
+]
+
+#: Streak lengths the agent counts in ``streaks_reached`` (wire protocol v1) and
+#: the collector exposes as ``ampwatch_optimizer_skip_streaks_total{min_length=...}``.
+#: A streak threshold must be one of them, or a streak that began and ended
+#: between two scrapes could not be seen.
+STREAK_LADDER: tuple[int, ...] = tuple(2**i for i in range(11))
+
+
+@dataclass(frozen=True)
+class AlertThresholds:
+    """Hold the thresholds and windows of the ampwatch alerts (validated on creation)."""
+
+    calibration_iterations: int = 100
+    """Iterations at the start of a rank during which loss-scale backoffs are the
+    normal calibration of a dynamic scale (init 2**16) and never count as
+    sustained backoff (GRADSCALER.md claim 11)."""
+
+    skip_streak_warning: int = 16
+    """Consecutive skipped steps of one optimizer that raise a warning. 16 because a
+    start-up calibration from the default init_scale 2**16 that does not end in a
+    collapse (scale < 1, its own alert) skips fewer than 16 times in a row.
+    Must be on STREAK_LADDER."""
+
+    skip_streak_critical: int = 64
+    """Consecutive skipped steps of one optimizer that raise a critical alert: the
+    model has made no update for this many iterations. Must be on STREAK_LADDER
+    and above skip_streak_warning."""
+
+    skip_streak_window_s: int = 600
+    """How long a streak that reached a threshold keeps the alert firing, so that a
+    streak that began and ended between two scrapes is still reported."""
+
+    backoff_window_s: int = 900
+    """Window over which backoffs and growths of each rank are counted for
+    sustained backoff."""
+
+    backoff_min_count: int = 3
+    """Backoffs of one rank within backoff_window_s (and no growth) that make the
+    rank count as backing off repeatedly."""
+
+    backoff_rank_share: float = 0.5
+    """Share of a run's open ranks that must be backing off repeatedly for the
+    run to alert; 0.5 keeps a single bad rank of a large job from paging
+    (DDP ranks see the same all-reduced gradients and back off together)."""
+
+    backoff_for_s: int = 120
+    """How long sustained backoff must hold before the alert fires."""
+
+    collapsed_loss_scale: float = 1.0
+    """A loss scale below this means the scale has collapsed: gradients are not
+    scaled up any more and AMP is fighting a real numerical problem."""
+
+    collapsed_for_s: int = 60
+    """How long a collapsed scale must last before the alert fires."""
+
+    desync_scale_ratio: float = 2.0
+    """Largest / smallest loss scale across the open ranks of one run at or above
+    which the ranks disagree (2.0 = one backoff apart)."""
+
+    desync_for_s: int = 300
+    """How long ranks must disagree before the alert fires; the agent reads the
+    scale without a device sync, so ranks may differ for an iteration."""
+
+    skip_ratio: float = 0.1
+    """Share of scaler.step() calls of one optimizer that were skipped, over
+    skip_ratio_window_s, at or above which the alert fires."""
+
+    skip_ratio_window_s: int = 1800
+    """Window of the skipped-step ratio."""
+
+    skip_ratio_min_steps: int = 200
+    """scaler.step() calls in the window below which the ratio is not judged: one
+    isolated skip in a handful of steps is not a high ratio, and a calibration
+    (< 16 skips) stays under 10% of 200 calls."""
+
+    skip_ratio_for_s: int = 600
+    """How long a high skip ratio must last before the alert fires."""
+
+    silent_after_s: int = 120
+    """Seconds without a batch from a rank that has not closed after which it is
+    silent (the agent sends from a background thread, so a busy or paused
+    training loop still reports)."""
+
+    silent_for_s: int = 60
+    """How long a rank must stay silent before the alert fires."""
+
+    scheduler_window_s: int = 900
+    """How long a scheduler step after a skipped step keeps its alert firing."""
+
+    poisoned_window_s: int = 1800
+    """How long a poisoned step (an update with non-finite gradients) keeps its
+    critical alert firing."""
+
+    def __post_init__(self) -> None:
+        for name in ("skip_streak_warning", "skip_streak_critical"):
+            value = getattr(self, name)
+            if value not in STREAK_LADDER:
+                raise ValueError(
+                    f"{name}={value!r} is not on the collector's streak ladder; "
+                    f"use one of {', '.join(map(str, STREAK_LADDER))} (powers of two up to 1024)"
+                )
+        if self.skip_streak_critical <= self.skip_streak_warning:
+            raise ValueError(
+                f"skip_streak_critical={self.skip_streak_critical} must be above "
+                f"skip_streak_warning={self.skip_streak_warning}"
+            )
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{field.name}={value!r} must be a number")
+            if field.name.endswith("_s") and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{field.name}={value!r} must be a whole number of seconds >= 0")
+        for name in ("skip_streak_window_s", "backoff_window_s", "skip_ratio_window_s",
+                     "scheduler_window_s", "poisoned_window_s", "silent_after_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
+        for name in ("calibration_iterations", "backoff_min_count", "skip_ratio_min_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 0")
+        if not 0 < self.backoff_rank_share <= 1:
+            raise ValueError(f"backoff_rank_share={self.backoff_rank_share!r} must be in (0, 1]")
+        if not 0 < self.skip_ratio <= 1:
+            raise ValueError(f"skip_ratio={self.skip_ratio!r} must be in (0, 1]")
+        if self.collapsed_loss_scale <= 0:
+            raise ValueError(f"collapsed_loss_scale={self.collapsed_loss_scale!r} must be > 0")
+        if self.desync_scale_ratio <= 1:
+            raise ValueError(f"desync_scale_ratio={self.desync_scale_ratio!r} must be > 1")
+
+
+#: The thresholds the committed rules in ``dashboards/generated/`` are built from.
+DEFAULT_THRESHOLDS = AlertThresholds()
+
+
+def promql_duration(seconds: int) -> str:
+    """Render whole seconds as a PromQL duration (``900`` -> ``"15m"``)."""
+    if seconds < 0:
+        raise ValueError(f"duration {seconds!r} must be >= 0 seconds")
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

@@ -1,0 +1,148 @@
+"""The generated Prometheus rules: in sync with the code, valid, and unit-tested with promtool."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ampwatch.dashboards.generate import RULES_FILE, stale_files
+from ampwatch.dashboards.rules import ALERT_NAMES, RecordedSeries, render_rules, rule_groups
+from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+
+REPO = Path(__file__).resolve().parents[2]
+GENERATED = REPO / "dashboards" / "generated"
+RULE_TESTS = Path(__file__).resolve().parent / "rules"
+RULE_TEST_FILES = sorted(RULE_TESTS.glob("*.test.yaml"))
+PER_OPTIMIZER = {"AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio", "AmpSchedulerStepsOnSkipped",
+                 "AmpPoisonedStep"}
+PER_RANK = PER_OPTIMIZER | {"AmpLossScaleCollapsed", "AmpRankSilent"}
+
+
+def _rules() -> list[dict]:
+    return [rule for group in rule_groups()["groups"] for rule in group["rules"]]
+
+
+def _alerts() -> list[dict]:
+    return [rule for rule in _rules() if "alert" in rule]
+
+
+def test_the_committed_generated_files_match_the_code():
+    assert stale_files(GENERATED) == [], "run `ampwatch-dashboards generate` and commit dashboards/generated/"
+
+
+def test_promtool_check_rules_accepts_the_generated_rules(run_tool):
+    result = run_tool("promtool", "check", "rules", str(GENERATED / RULES_FILE), cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
+
+
+@pytest.mark.parametrize("test_file", RULE_TEST_FILES, ids=lambda p: p.name)
+def test_promtool_unit_tests_pass(test_file, run_tool):
+    result = run_tool("promtool", "test", "rules", str(test_file), cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_unit_test_that_fires_and_one_that_stays_silent():
+    fires, silent = set(), set()
+    for test_file in RULE_TEST_FILES:
+        for case in yaml.safe_load(test_file.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                (fires if check.get("exp_alerts") else silent).add(check["alertname"])
+    assert set(ALERT_NAMES) <= fires, f"no firing case for {sorted(set(ALERT_NAMES) - fires)}"
+    assert set(ALERT_NAMES) <= silent, f"no silent case for {sorted(set(ALERT_NAMES) - silent)}"
+
+
+def test_the_rule_unit_tests_load_the_committed_generated_rules():
+    for test_file in RULE_TEST_FILES:
+        rule_files = yaml.safe_load(test_file.read_text())["rule_files"]
+        assert [(test_file.parent / f).resolve() for f in rule_files] == [GENERATED / RULES_FILE]
+
+
+def test_every_alert_has_for_severity_summary_description_and_runbook_url():
+    alerts = _alerts()
+    assert sorted({a["alert"] for a in alerts}) == sorted(ALERT_NAMES)
+    for alert in alerts:
+        assert re.fullmatch(r"\d+[smh]", alert["for"]), alert
+        assert alert["labels"]["severity"] in {"warning", "critical"}
+        assert set(alert["annotations"]) == {"summary", "description", "runbook_url"}
+        assert alert["annotations"]["runbook_url"].endswith("#" + alert["alert"].lower())
+
+
+def test_descriptions_name_the_run_rank_optimizer_and_value_the_alert_carries():
+    for alert in _alerts():
+        description, name = alert["annotations"]["description"], alert["alert"]
+        assert "{{ $labels.run }}" in description and "$value" in description, name
+        assert ("{{ $labels.rank }}" in description) == (name in PER_RANK), name
+        assert ("{{ $labels.optimizer }}" in description) == (name in PER_OPTIMIZER), name
+
+
+def test_consecutive_skips_have_a_warning_and_a_critical_rule_on_the_streak_ladder():
+    streak = [a for a in _alerts() if a["alert"] == "AmpConsecutiveSkippedSteps"]
+    assert [a["labels"]["severity"] for a in streak] == ["warning", "critical"]
+    for alert, threshold in zip(streak, (DEFAULT_THRESHOLDS.skip_streak_warning,
+                                         DEFAULT_THRESHOLDS.skip_streak_critical)):
+        assert f'ampwatch_optimizer_skip_streaks_total{{min_length="{threshold}"}}' in alert["expr"]
+        assert f"ampwatch_optimizer_consecutive_skipped_steps >= {threshold}" in alert["expr"]
+
+
+def test_changing_a_threshold_changes_the_ladder_series_and_windows_the_rules_read():
+    text = render_rules(AlertThresholds(skip_streak_warning=8, skip_streak_critical=32, skip_streak_window_s=120))
+    assert 'min_length="8"}[2m]' in text and 'min_length="32"}[2m]' in text
+    assert 'min_length="16"' not in text
+
+
+def test_rules_never_read_a_collectors_run_level_convenience_series():
+    assert "ampwatch_run_" not in (GENERATED / RULES_FILE).read_text()
+
+
+def test_every_collector_metric_the_rules_read_is_in_the_metrics_contract():
+    contract = set(re.findall(r"`(ampwatch_[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text()))
+    recorded = {rule["record"] for rule in _rules() if "record" in rule}
+    used = set(re.findall(r"(?<![:\w])(ampwatch_[a-z_]+)", (GENERATED / RULES_FILE).read_text()))
+    used -= {name.split(":")[1] for name in recorded}  # the metric part of a recorded name
+    assert used and used <= contract, sorted(used - contract)
+
+
+def test_recording_rules_are_named_level_metric_operation():
+    for rule in _rules():
+        if "record" in rule:
+            level, metric, operation = rule["record"].split(":")
+            assert re.fullmatch(r"run(_rank)?(_optimizer)?", level), rule["record"]
+            assert metric.startswith("ampwatch_") and re.fullmatch(r"[a-z0-9_]+", operation), rule["record"]
+    assert RecordedSeries(DEFAULT_THRESHOLDS).backoffs == "run_rank:ampwatch_loss_scale_backoffs:increase15m"
+
+
+def test_every_runbook_url_points_at_a_section_of_docs_alerts_md():
+    headings = re.findall(r"^#+ (.+)$", (REPO / "docs" / "alerts.md").read_text(), flags=re.M)
+    anchors = {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+    for alert in _alerts():
+        assert alert["annotations"]["runbook_url"].rsplit("#", 1)[1] in anchors, alert["alert"]
+
+
+def _run_tests_against(run_tool, tmp_path: Path, rules_text: str, test_file: Path):
+    (tmp_path / "rules.yaml").write_text(rules_text)
+    case = yaml.safe_load(test_file.read_text())
+    case["rule_files"] = ["rules.yaml"]
+    (tmp_path / test_file.name).write_text(yaml.safe_dump(case, sort_keys=False))
+    return run_tool("promtool", "test", "rules", str(tmp_path / test_file.name), cwd=tmp_path)
+
+
+def test_the_unit_tests_catch_rules_that_count_calibration_backoffs(tmp_path, run_tool):
+    result = _run_tests_against(run_tool, tmp_path, render_rules(AlertThresholds(calibration_iterations=0)),
+                                RULE_TESTS / "sustained_loss_scale_backoff.test.yaml")
+    assert result.returncode != 0
+    assert "early calibration backoffs at start-up stay silent" in result.stdout + result.stderr
+
+
+def test_the_unit_tests_catch_rules_that_miss_streaks_between_scrapes(tmp_path, run_tool):
+    # Keep only the gauge branch: what a naive "consecutive >= N" rule would see.
+    naive = render_rules().replace('increase(ampwatch_optimizer_skip_streaks_total{min_length="16"}[10m]) > 0',
+                                   "vector(0) > 1")
+    naive = naive.replace('(ampwatch_optimizer_skip_streaks_total{min_length="16"} > 0 unless', "(vector(0) > 1 unless")
+    assert naive != render_rules()
+    result = _run_tests_against(run_tool, tmp_path, naive, RULE_TESTS / "consecutive_skipped_steps.test.yaml")
+    assert result.returncode != 0
+    assert "a streak that began and ended between two scrapes fires" in result.stdout + result.stderr
