@@ -128,7 +128,7 @@ def test_early_calibration_backoffs_do_not_count_as_sustained_backoff():
     # Two ranks back off 8 times in their first iterations (init 2**16 calibrating), then train cleanly.
     alerts = BuiltinAlerts(T)
     ranks = [FakeRank(alerts, rank=i) for i in range(2)]
-    for second in range(400):
+    for second in range(T.calibration_iterations + T.backoff_window_s + T.backoff_for_s + 60):
         for r in ranks:
             r.iterate(skipped=r.iteration < 8)
             r.send(float(second))
@@ -151,10 +151,11 @@ def _backoff_storm(alerts: BuiltinAlerts, ranks: list, bad: list, seconds: int, 
 def test_sustained_backoff_on_most_ranks_fires_after_its_for_duration_and_resolves_on_growth():
     alerts = BuiltinAlerts(T)
     ranks = [FakeRank(alerts, rank=i) for i in range(4)]
-    changes = _backoff_storm(alerts, ranks, bad=[0, 1, 2], seconds=T.calibration_iterations + 30 * T.backoff_min_count)
-    assert "AmpSustainedLossScaleBackoff" not in {a.name for a in changes}  # condition true, still pending
-    changes = _backoff_storm(alerts, ranks, bad=[0, 1, 2], seconds=T.backoff_for_s + 2,
-                             start=T.calibration_iterations + 30.0 * T.backoff_min_count)
+    # A rank counts once its whole window is past calibration, as in the rules; then for_s must pass.
+    before = T.calibration_iterations + T.backoff_window_s + T.backoff_for_s - 5
+    changes = _backoff_storm(alerts, ranks, bad=[0, 1, 2], seconds=before)
+    assert "AmpSustainedLossScaleBackoff" not in {a.name for a in changes}
+    changes = _backoff_storm(alerts, ranks, bad=[0, 1, 2], seconds=10, start=float(before))
     fired = [a for a in changes if a.name == "AmpSustainedLossScaleBackoff"]
     assert [(a.status, dict(a.labels)) for a in fired] == [("firing", {"run": "exp", "severity": "warning"})]
     assert fired[0].value == pytest.approx(0.75)
@@ -169,7 +170,8 @@ def test_sustained_backoff_on_most_ranks_fires_after_its_for_duration_and_resolv
 def test_repeated_backoff_on_a_single_rank_of_four_does_not_fire_the_run_alert():
     alerts = BuiltinAlerts(T)
     ranks = [FakeRank(alerts, rank=i) for i in range(4)]
-    changes = _backoff_storm(alerts, ranks, bad=[3], seconds=T.calibration_iterations + 30 * 10 + T.backoff_for_s)
+    changes = _backoff_storm(alerts, ranks, bad=[3],
+                             seconds=T.calibration_iterations + T.backoff_window_s + T.backoff_for_s + 60)
     assert ranks[3].backoffs >= 10
     assert "AmpSustainedLossScaleBackoff" not in {a.name for a in changes}
 

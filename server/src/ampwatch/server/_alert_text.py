@@ -6,15 +6,16 @@ from typing import Mapping
 
 __all__ = ["annotations_for", "RUNBOOK_BASE"]
 
-RUNBOOK_BASE = "https://github.com/ampwatch/ampwatch/blob/main/README.md#runbook-"
-"""Runbook sections live in the README; the anchor is the lower-cased alert name."""
+RUNBOOK_BASE = "https://github.com/ampwatch/ampwatch/blob/main/docs/alerts.md#"
+"""Runbook sections live in docs/alerts.md, as the Prometheus rules link them; the anchor is the lower-cased name."""
 
 # {run}, {rank}, {optimizer} and {value} are filled from the alert's labels and value.
 _TEXT: Mapping[str, tuple[str, str]] = {
     "AmpConsecutiveSkippedSteps": (
-        "Optimizer {optimizer} skipped {value:g} steps in a row on rank {rank} of run {run}",
-        "GradScaler skipped scaler.step({optimizer}) at least {value:g} consecutive times on rank {rank} "
-        "of run {run}: its unscaled gradients hold inf/NaN and the parameters are not updated."),
+        "Optimizer {optimizer} skipped {threshold} or more steps in a row on rank {rank} of run {run}",
+        "GradScaler skipped scaler.step({optimizer}) at least {threshold} consecutive times on rank {rank} "
+        "of run {run} (current streak: {value:g}): its unscaled gradients hold inf/NaN and the parameters "
+        "are not updated."),
     "AmpSustainedLossScaleBackoff": (
         "Loss scale keeps backing off on {value:.0%} of the ranks of run {run}",
         "{value:.0%} of the open ranks of run {run} backed off the loss scale repeatedly with no growth: "
@@ -37,19 +38,19 @@ _TEXT: Mapping[str, tuple[str, str]] = {
         "may have died or hung, or cannot reach the collector."),
     "AmpSchedulerStepsOnSkipped": (
         "LR scheduler stepped after skipped steps of {optimizer} on rank {rank} of run {run}",
-        "An LR scheduler advanced {value:g} times right after scaler.step({optimizer}) skipped on rank "
-        "{rank} of run {run}; gate it with watch.stepped({optimizer})."),
+        "An LR scheduler stepped right after scaler.step({optimizer}) skipped on rank {rank} of run {run} "
+        "({value:g} times so far): gate it with watch.stepped({optimizer})."),
     "AmpPoisonedStep": (
         "Optimizer {optimizer} updated with non-finite gradients on rank {rank} of run {run}",
-        "{value:g} steps of {optimizer} on rank {rank} of run {run} updated parameters with non-finite "
-        "gradients or left them non-finite; clip per optimizer after unscale_."),
+        "Optimizer {optimizer} on rank {rank} of run {run} updated parameters with non-finite gradients or "
+        "left them non-finite ({value:g} poisoned steps so far): clip per optimizer after unscale_."),
 }
 
 
-def annotations_for(name: str, labels: Mapping[str, str], value: float) -> dict[str, str]:
+def annotations_for(name: str, labels: Mapping[str, str], value: float, threshold: object = "") -> dict[str, str]:
     """Return the summary, description and runbook_url of alert ``name``."""
     summary, description = _TEXT[name]
-    fields = {"run": "", "rank": "", "optimizer": "", **labels, "value": value}
+    fields = {"run": "", "rank": "", "optimizer": "", **labels, "value": value, "threshold": threshold}
     return {
         "summary": summary.format(**fields),
         "description": description.format(**fields),

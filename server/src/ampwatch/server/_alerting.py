@@ -18,14 +18,21 @@ from ._alert_text import annotations_for
 
 __all__ = [
     "OptimizerCounters", "RankSnapshot", "RankHistory", "ActiveAlert",
-    "rank_alerts", "run_alerts", "evaluate", "ALERT_NAMES",
+    "rank_alerts", "run_alerts", "evaluate", "ALERT_NAMES", "RULES",
 ]
 
-ALERT_NAMES = (
-    "AmpConsecutiveSkippedSteps", "AmpSustainedLossScaleBackoff", "AmpLossScaleCollapsed",
-    "AmpLossScaleDesync", "AmpHighSkippedStepRatio", "AmpRankSilent", "AmpSchedulerStepsOnSkipped",
-    "AmpPoisonedStep",
-)
+# name -> (severity, the thresholds field holding its ``for:``); the streak alert has both severities.
+RULES: Mapping[str, tuple[Optional[str], Optional[str]]] = {
+    "AmpConsecutiveSkippedSteps": (None, None),
+    "AmpSustainedLossScaleBackoff": ("warning", "backoff_for_s"),
+    "AmpLossScaleCollapsed": ("critical", "collapsed_for_s"),
+    "AmpLossScaleDesync": ("warning", "desync_for_s"),
+    "AmpHighSkippedStepRatio": ("warning", "skip_ratio_for_s"),
+    "AmpRankSilent": ("warning", "silent_for_s"),
+    "AmpSchedulerStepsOnSkipped": ("warning", None),
+    "AmpPoisonedStep": ("critical", None),
+}
+ALERT_NAMES = tuple(RULES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,16 +97,13 @@ class RankHistory:
     """Hold one rank's recent snapshots, thinned to about ``resolution_s`` apart, back to ``horizon_s`` (bounded)."""
 
     __slots__ = ("run", "rank", "_times", "_snapshots", "_horizon_s", "_resolution_s",
-                 "calibration_backoffs", "_calibrated", "_origin")
+                 "_origin")
 
     def __init__(self, run: str, rank: int, horizon_s: float, resolution_s: float = 5.0) -> None:
         self.run, self.rank = run, rank
         self._times: list[float] = []
         self._snapshots: list[RankSnapshot] = []
         self._horizon_s, self._resolution_s = horizon_s, resolution_s
-        self.calibration_backoffs = 0
-        """Backoffs the rank made while the scale calibrated (iteration <= calibration_iterations)."""
-        self._calibrated = False
         self._origin: Optional[RankSnapshot] = None
 
     @property
@@ -113,11 +117,6 @@ class RankHistory:
             # A rank first seen while young started from zero counters; one first seen later (e.g. after a
             # collector restart) has a past we did not watch, so its first snapshot is the baseline.
             self._origin = _ZERO if snapshot.iteration <= calibration_iterations else snapshot
-        if not self._calibrated:
-            if snapshot.iteration <= calibration_iterations:
-                self.calibration_backoffs = snapshot.backoffs
-            else:
-                self._calibrated = True
         # The latest snapshot always stays; the previous latest stays as a window baseline only if the new one
         # is at least resolution_s after the sample before it (so any two kept samples apart are that far).
         if len(self._times) >= 2 and snapshot.last_seen - self._times[-2] < self._resolution_s:
@@ -141,9 +140,12 @@ class RankHistory:
         return len(self._snapshots)
 
 
-def _alert(name: str, labels: dict, value: float, for_s: float) -> ActiveAlert:
-    return ActiveAlert(name=name, labels=labels, value=value, for_s=for_s,
-                       annotations=annotations_for(name, labels, value))
+def _alert(name: str, labels: dict, value: float, t: Any, threshold: object = "",
+           severity: Optional[str] = None) -> ActiveAlert:
+    rule_severity, for_field = RULES[name]
+    labels["severity"] = severity or rule_severity
+    return ActiveAlert(name=name, labels=labels, value=value, for_s=getattr(t, for_field) if for_field else 0,
+                       annotations=annotations_for(name, labels, value, threshold))
 
 
 def _streak_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
@@ -154,9 +156,9 @@ def _streak_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
         for severity, threshold in (("warning", t.skip_streak_warning), ("critical", t.skip_streak_critical)):
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
             reached = opt.streaks_reached.get(threshold, 0) - before.streaks_reached.get(threshold, 0)
-            if opt.consecutive_skipped >= threshold or reached > 0:
-                labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name, "severity": severity}
-                yield _alert("AmpConsecutiveSkippedSteps", labels, max(opt.consecutive_skipped, threshold), 0)
+            if reached > 0 or (opt.consecutive_skipped >= threshold and not cur.closed):
+                labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
+                yield _alert("AmpConsecutiveSkippedSteps", labels, opt.consecutive_skipped, t, threshold, severity)
 
 
 def _window_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
@@ -170,15 +172,14 @@ def _window_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
         skipped, stepped = opt.skipped - before.skipped, opt.steps - before.steps
         calls = skipped + stepped
         if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
-            yield _alert("AmpHighSkippedStepRatio", {**labels, "severity": "warning"},
-                         skipped / calls, t.skip_ratio_for_s)
+            yield _alert("AmpHighSkippedStepRatio", dict(labels), skipped / calls, t)
         sched = opt.scheduler_steps_after_skip - sched_base.optimizers.get(opt_name, _NO_OPTIMIZER)\
             .scheduler_steps_after_skip
         if sched > 0:
-            yield _alert("AmpSchedulerStepsOnSkipped", {**labels, "severity": "warning"}, sched, 0)
+            yield _alert("AmpSchedulerStepsOnSkipped", dict(labels), opt.scheduler_steps_after_skip, t)
         poisoned = opt.poisoned_steps - poison_base.optimizers.get(opt_name, _NO_OPTIMIZER).poisoned_steps
         if poisoned > 0:
-            yield _alert("AmpPoisonedStep", {**labels, "severity": "critical"}, poisoned, 0)
+            yield _alert("AmpPoisonedStep", dict(labels), opt.poisoned_steps, t)
 
 
 def rank_alerts(h: RankHistory, now: float, t: Any) -> list[ActiveAlert]:
@@ -191,43 +192,38 @@ def rank_alerts(h: RankHistory, now: float, t: Any) -> list[ActiveAlert]:
         # A rank that closed cleanly is finished: its last scale and silence are not trouble.
         return found
     if cur.scaler_enabled and cur.loss_scale is not None and cur.loss_scale < t.collapsed_loss_scale:
-        found.append(_alert("AmpLossScaleCollapsed", {**labels, "severity": "critical"},
-                            cur.loss_scale, t.collapsed_for_s))
+        found.append(_alert("AmpLossScaleCollapsed", dict(labels), cur.loss_scale, t))
     silent_for = now - cur.last_seen
     if silent_for > t.silent_after_s:
-        found.append(_alert("AmpRankSilent", {**labels, "severity": "warning"}, silent_for, t.silent_for_s))
+        found.append(_alert("AmpRankSilent", dict(labels), silent_for, t))
     return found
 
 
-def _open(h: RankHistory, now: float, t: Any) -> bool:
-    cur = h.current
-    return not cur.closed and now - cur.last_seen <= t.silent_after_s
-
-
 def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: Any) -> list[ActiveAlert]:
-    """Return the alerts of one run across its open ranks (sustained backoff, scale desync)."""
-    open_ranks = [h for h in ranks if _open(h, now, t)]
+    """Return the alerts of one run across its open ranks (sustained backoff, scale desync).
+
+    Open means not closed cleanly (a silent rank still counts until the collector expires it), as in the rules.
+    """
+    open_ranks = [h for h in ranks if not h.current.closed]
     if not open_ranks:
         return []
     found = []
     backing_off = 0
     for h in open_ranks:
         cur, base = h.current, h.baseline(now, t.backoff_window_s)
-        if cur.iteration <= t.calibration_iterations:
+        # Calibration backoffs at start-up are normal (GRADSCALER.md claim 11): a rank counts only once its
+        # whole window is past calibration (a rank younger than the window has a zero baseline).
+        if base.iteration < t.calibration_iterations:
             continue
-        # Calibration backoffs at start-up are normal (GRADSCALER.md claim 11): count only those after it.
-        backoffs = cur.backoffs - max(base.backoffs, h.calibration_backoffs)
-        if backoffs >= t.backoff_min_count and cur.growths == base.growths:
+        if cur.backoffs - base.backoffs >= t.backoff_min_count and cur.growths == base.growths:
             backing_off += 1
     share = backing_off / len(open_ranks)
     if backing_off and share >= t.backoff_rank_share:
-        found.append(_alert("AmpSustainedLossScaleBackoff", {"run": run, "severity": "warning"},
-                            share, t.backoff_for_s))
+        found.append(_alert("AmpSustainedLossScaleBackoff", {"run": run}, share, t))
     scales = [h.current.loss_scale for h in open_ranks
               if h.current.scaler_enabled and h.current.loss_scale is not None]
     if len(scales) >= 2 and max(scales) / min(scales) >= t.desync_scale_ratio:
-        found.append(_alert("AmpLossScaleDesync", {"run": run, "severity": "warning"},
-                            max(scales) / min(scales), t.desync_for_s))
+        found.append(_alert("AmpLossScaleDesync", {"run": run}, max(scales) / min(scales), t))
     return found
 
 
