@@ -191,6 +191,14 @@ def test_a_failing_snapshot_is_counted_as_an_agent_error_not_raised(collector, s
     assert sender._thread.is_alive()
 
 
+def test_the_recorders_own_agent_errors_add_to_the_senders(collector, senders):
+    sender, recorder = make_sender(collector.url)
+    senders.append(sender)
+    recorder.agent_errors = 2
+    recorder.fail_snapshots = False
+    assert collector.wait_for(lambda s: s.acked and s.acked[-1]["state"]["delivery"]["agent_errors"] == 2)
+
+
 def test_each_rank_reports_to_the_one_collector_its_run_and_rank_hash_to(senders):
     with RecordingCollector() as a, RecordingCollector() as b:
         config = AgentConfig.from_env(collector=[a.url, b.url], environ={})

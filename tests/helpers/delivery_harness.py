@@ -28,6 +28,7 @@ class StandInRecorder:
         self.iteration = 0
         self.skipped = 0
         self.fail_snapshots = False
+        self.agent_errors = 0  # the recorder's own internal failures, reported in state.delivery
         self._lock = threading.Lock()
 
     def skip(self) -> dict[str, Any]:
@@ -52,7 +53,8 @@ class StandInRecorder:
                           "optimizers": {"opt": {"steps": self.iteration - self.skipped, "skipped": self.skipped,
                                                  "consecutive_skipped": 0, "longest_streak": 1,
                                                  "streaks": self.skipped, "streaks_reached": {},
-                                                 "scheduler_steps_after_skip": 0, "poisoned_steps": 0}}},
+                                                 "scheduler_steps_after_skip": 0, "poisoned_steps": 0}},
+                          "delivery": {"agent_errors": self.agent_errors}},
             }
 
 

@@ -46,6 +46,10 @@ class MemoryOutbox:
             raise RuntimeError("MemoryOutbox holds one batch at a time")
         self._batch = pending
 
+    def make_room(self, size: int) -> bool:
+        """Return ``False``: an in-memory outbox drops nothing (``full()`` holds new batches back)."""
+        return False
+
     def head(self) -> Pending | None:
         """Return the oldest unanswered batch, or ``None``."""
         return self._batch

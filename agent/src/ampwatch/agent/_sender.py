@@ -32,10 +32,9 @@ class Sender:
     """Sends ``snapshot()`` + drained events to the collector from a daemon thread.
 
     ``snapshot()`` returns ``{"scaler": {...}, "state": {...}}`` as in
-    docs/protocol.md, without ``state["delivery"]``, which the sender fills in
-    itself; an optional top-level ``"agent_errors"`` (int) is the recorder's own
-    count of internal failures and is added to the sender's. ``snapshot`` is
-    called on the sender thread, so it must be safe to call from there.
+    docs/protocol.md. ``state["delivery"]`` is optional and partial: counts the
+    recorder keeps there (its ``agent_errors``) are added to the sender's own.
+    ``snapshot`` is called on the sender thread, so it must be safe to call there.
 
     The calling (training) thread only ever sets an event (:meth:`wake`) or,
     in :meth:`close`, waits at most ``timeout`` seconds. Nothing here raises
@@ -157,14 +156,13 @@ class Sender:
         self._backlog = len(events) == MAX_BATCH_EVENTS and len(self.events) > 0
         snapshot = self._take_snapshot()
         closed = closing and not len(self.events)
-        delivery = self.delivery
-        delivery["agent_errors"] += _int(snapshot.get("agent_errors"))
         self._seq += 1
-        batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=delivery,
-                            events=events, closed=closed)
+        body = self._encode(snapshot, events, closed)
         pending = Pending(seq=self._seq, events=len(events), run=self.identity.run, rank=self.identity.rank,
-                          body=encode_batch(batch))
+                          body=body)
         try:
+            if self._outbox.make_room(len(body)):
+                pending.body = self._encode(snapshot, events, closed)  # so it reports the drops it just caused
             self._outbox.put(pending)
         except OSError as exc:
             # The disk is full or gone: keep delivering from memory rather than not at all.
@@ -173,6 +171,16 @@ class Sender:
             self._outbox.put(pending)
         self._last_build = time.monotonic()
         self._closed_built = closed
+
+    def _encode(self, snapshot: dict[str, Any], events: list[dict[str, Any]], closed: bool) -> bytes:
+        """Encode batch ``self._seq`` with the delivery counters as they are now."""
+        delivery = self.delivery
+        from_recorder = (snapshot.get("state") or {}).get("delivery") or {}
+        for key in delivery:  # the recorder's own counts (e.g. its agent_errors) add to the sender's
+            delivery[key] += _int(from_recorder.get(key))
+        batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=delivery,
+                            events=events, closed=closed)
+        return encode_batch(batch)
 
     def _deliver(self) -> None:
         """Send outbox batches oldest first until it is empty, one fails, or a backoff is due."""

@@ -56,6 +56,11 @@ class SpoolOutbox:
         os.replace(tmp, path)
         self._enqueue(Pending(seq=pending.seq, events=pending.events, run=pending.run,
                               rank=pending.rank, path=path, size=len(body)))
+        self._drop_oldest_past(self.max_bytes, keep=1)  # only if make_room() was not asked first
+
+    def make_room(self, size: int) -> bool:
+        """Drop the oldest batches so that ``size`` more bytes fit; return whether any were dropped."""
+        return self._drop_oldest_past(self.max_bytes - size, keep=0)
         while self._bytes > self.max_bytes and len(self._queue) > 1:
             self.dropped_events += self._queue[0].events
             self.pop()
@@ -119,11 +124,18 @@ class SpoolOutbox:
                 self._enqueue(pending)
             if self._held[folder] <= 0:
                 self._remove(folder)
-        while self._bytes > self.max_bytes and len(self._queue) > 1:
-            self.dropped_events += self._queue[0].events
-            self.pop()
+        self._drop_oldest_past(self.max_bytes, keep=0)
         if self._queue:
             log.info("ampwatch: replaying %d spooled batch(es) from earlier processes", len(self._queue))
+
+    def _drop_oldest_past(self, limit: int, *, keep: int) -> bool:
+        """Drop the oldest batches (keeping the newest ``keep``) until at most ``limit`` bytes remain."""
+        dropped = False
+        while self._bytes > limit and len(self._queue) > keep:
+            self.dropped_events += self._queue[0].events
+            self.pop()
+            dropped = True
+        return dropped
 
     def _enqueue(self, pending: Pending) -> None:
         """Append ``pending`` to the queue and account for its size and folder."""

@@ -1,0 +1,73 @@
+"""AgentConfig: AMPWATCH_* variables, explicit arguments winning, clear errors, collector pinning."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import pytest
+
+from ampwatch.agent._config import AgentConfig
+
+
+def test_every_variable_is_read_from_the_environment():
+    config = AgentConfig.from_env(environ={
+        "AMPWATCH_URL": "http://a:9457/, http://b:9457", "AMPWATCH_RUN": "exp-42", "AMPWATCH_TOKEN": "t",
+        "AMPWATCH_PUSH_INTERVAL": "2.5", "AMPWATCH_SPOOL_DIR": "/tmp/spool", "AMPWATCH_SPOOL_MAX_BYTES": "1000",
+        "AMPWATCH_TIMEOUT": "3", "AMPWATCH_MAX_BACKOFF": "10", "AMPWATCH_CLOSE_TIMEOUT": "0",
+        "AMPWATCH_MAX_EVENTS": "50", "AMPWATCH_DISABLED": "0"})
+    assert config.collectors == ("http://a:9457", "http://b:9457")
+    assert (config.run, config.token, config.push_interval, config.spool_dir) == ("exp-42", "t", 2.5, "/tmp/spool")
+    assert (config.spool_max_bytes, config.timeout, config.max_backoff, config.close_timeout) == (1000, 3, 10, 0)
+    assert config.max_events == 50 and config.disabled is False and config.sends is True
+
+
+def test_explicit_arguments_win_over_the_environment():
+    env = {"AMPWATCH_URL": "http://env:1", "AMPWATCH_RUN": "env-run", "AMPWATCH_TOKEN": "env",
+           "AMPWATCH_PUSH_INTERVAL": "9", "AMPWATCH_SPOOL_DIR": "/env"}
+    config = AgentConfig.from_env(collector=["http://arg:1"], run="arg-run", token="arg", push_interval=0.5,
+                                  spool_dir="/arg", environ=env)
+    assert (config.collectors, config.run, config.token, config.push_interval, config.spool_dir) == (
+        ("http://arg:1",), "arg-run", "arg", 0.5, "/arg")
+
+
+def test_without_a_collector_the_agent_records_but_does_not_send():
+    config = AgentConfig.from_env(environ={})
+    assert config.collectors == () and config.sends is False
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_ampwatch_disabled_accepts_the_usual_true_spellings(value):
+    config = AgentConfig.from_env(environ={"AMPWATCH_DISABLED": value, "AMPWATCH_URL": "http://a:1"})
+    assert config.disabled is True and config.sends is False
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"AMPWATCH_PUSH_INTERVAL": "soon"}, "AMPWATCH_PUSH_INTERVAL must be a number"),
+    ({"AMPWATCH_PUSH_INTERVAL": "0"}, "AMPWATCH_PUSH_INTERVAL / push_interval= must be a positive"),
+    ({"AMPWATCH_TIMEOUT": "-1"}, "AMPWATCH_TIMEOUT"),
+    ({"AMPWATCH_MAX_BACKOFF": "nan"}, "AMPWATCH_MAX_BACKOFF"),
+    ({"AMPWATCH_CLOSE_TIMEOUT": "-2"}, "AMPWATCH_CLOSE_TIMEOUT must be >= 0"),
+    ({"AMPWATCH_SPOOL_MAX_BYTES": "1.5"}, "AMPWATCH_SPOOL_MAX_BYTES must be an integer"),
+    ({"AMPWATCH_MAX_EVENTS": "0"}, "AMPWATCH_MAX_EVENTS must be a positive integer"),
+    ({"AMPWATCH_DISABLED": "maybe"}, "AMPWATCH_DISABLED must be one of"),
+    ({"AMPWATCH_URL": "127.0.0.1:9457"}, "AMPWATCH_URL / collector= must be http(s)://host[:port]"),
+    ({"AMPWATCH_URL": "http://a:notaport"}, "bad port"),
+    ({"AMPWATCH_RUN": "a\nb"}, "AMPWATCH_RUN / run= must be 1-128 printable"),
+])
+def test_a_bad_value_raises_a_value_error_naming_the_variable(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AgentConfig.from_env(environ=env)
+
+
+def test_each_rank_is_pinned_to_one_collector_by_a_stable_hash_of_run_and_rank():
+    urls = [f"http://c{i}:9457" for i in range(3)]
+    config = AgentConfig.from_env(collector=urls, environ={})
+    again = AgentConfig.from_env(collector=",".join(urls), environ={})
+    choice = [config.collector_for("exp-42", rank) for rank in range(300)]
+    assert choice == [again.collector_for("exp-42", rank) for rank in range(300)]
+    counts = [choice.count(url) for url in urls]
+    assert min(counts) > 60, f"300 ranks should spread over 3 collectors, got {counts}"
+    # sha1 of "exp-42\0<rank>": a fixed answer, so every process (and every Python) agrees
+    assert config.collector_for("exp-42", 0) == urls[
+        int.from_bytes(hashlib.sha1(b"exp-42\x000").digest()[:8], "big") % 3]

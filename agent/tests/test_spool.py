@@ -1,0 +1,105 @@
+"""The on-disk spool: survives outages longer than memory holds, replays after a restart, stays bounded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from delivery_harness import make_sender
+from recording_collector import RecordingCollector
+
+from ampwatch.agent._outbox import Pending
+from ampwatch.agent._spool import SpoolOutbox
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _wait_for_failure(sender, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sender.send_failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.send_failures > 0
+
+
+def _batch_files(root):
+    return sorted(p.name for p in root.rglob("*.json"))
+
+
+def test_an_outage_longer_than_memory_holds_loses_no_event_with_a_spool(tmp_path):
+    server = RecordingCollector()  # down
+    sender, recorder = make_sender(server.url, max_events=10, spool_dir=str(tmp_path))
+    try:
+        _wait_for_failure(sender)
+        for _ in range(12):  # 60 events in all, never more than 5 waiting in the 10-event buffer
+            for _ in range(5):
+                recorder.skip()
+            time.sleep(0.15)  # a few push intervals: the waiting events move to disk
+        assert _batch_files(tmp_path), "nothing was spooled during the outage"
+        with server:
+            sender.close(10)
+            assert sorted(server.event_ids()) == list(range(1, 61))
+            assert server.acked[-1]["state"]["delivery"]["dropped_events"] == 0
+            assert server.acked[-1]["closed"] is True
+    finally:
+        sender.close(1)
+    assert not _batch_files(tmp_path), "acknowledged batches must be deleted from the spool"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spooled_batches_are_replayed_by_the_next_process_with_their_original_identity(tmp_path):
+    server = RecordingCollector()  # down while the first process runs
+    first, recorder = make_sender(server.url, spool_dir=str(tmp_path))
+    _wait_for_failure(first)
+    for _ in range(3):
+        recorder.skip()
+    first.close(0.3)  # gives up: what is left stays on disk
+    assert _batch_files(tmp_path)
+
+    with server:
+        second, _ = make_sender(server.url, spool_dir=str(tmp_path))
+        second.close(10)
+        old = [b for b in server.acked if b["incarnation"] == first.identity.incarnation]
+        new = [b for b in server.acked if b["incarnation"] == second.identity.incarnation]
+        assert sorted(e["id"] for b in old for e in b["events"]) == [1, 2, 3]
+        assert old[-1]["closed"] is True and old[-1]["pid"] == first.identity.pid
+        assert server.acked.index(old[-1]) < server.acked.index(new[0]), "replay comes before new batches"
+        assert [b["seq"] for b in old] == sorted(b["seq"] for b in old)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_spool_drops_its_oldest_batches_past_its_size_cap_and_counts_their_events(tmp_path):
+    server = RecordingCollector()  # down
+    sender, recorder = make_sender(server.url, spool_dir=str(tmp_path), spool_max_bytes=8_000)
+    try:
+        _wait_for_failure(sender)
+        for _ in range(20):
+            for _ in range(5):
+                recorder.skip()
+            time.sleep(0.12)
+        spooled = sum(p.stat().st_size for p in tmp_path.rglob("*.json"))
+        assert spooled <= 8_000 + 3_000  # the cap, plus at most the batch being written
+        with server:
+            sender.close(10)
+            delivered = server.event_ids()
+            dropped = server.acked[-1]["state"]["delivery"]["dropped_events"]
+            assert dropped > 0
+            assert len(delivered) + dropped == 100
+            assert delivered == sorted(delivered) and delivered[-1] == 100, "the newest events survive"
+    finally:
+        sender.close(1)
+
+
+def test_a_live_process_spool_is_not_adopted_but_a_dead_ones_is(tmp_path):
+    alive = SpoolOutbox(tmp_path, "a" * 32, max_bytes=1 << 20)
+    alive.put(Pending(seq=1, events=0, run="r", rank=0, body=b'{"run": "r", "rank": 0}'))
+    other = SpoolOutbox(tmp_path, "b" * 32, max_bytes=1 << 20)
+    assert len(other) == 0, "a live process's spool was taken over"
+    other.close()
+    alive.close()  # undelivered: the folder stays, unlocked
+    successor = SpoolOutbox(tmp_path, "c" * 32, max_bytes=1 << 20)
+    head = successor.head()
+    assert head is not None and (head.seq, head.run, head.rank) == (1, "r", 0)
+    assert head.load() == b'{"run": "r", "rank": 0}'
+    successor.pop()
+    successor.close()
+    assert list(tmp_path.iterdir()) == []
