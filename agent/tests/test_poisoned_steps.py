@@ -1,0 +1,117 @@
+"""Poisoned steps (issue 8): an optimizer that stepped with non-finite gradients, or was left non-finite."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TwoPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def setup(watching):
+    model = TwoPart()
+    opt_a = torch.optim.AdamW(model.a.parameters())
+    opt_b = torch.optim.SGD(model.b.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    w = watching(scaler, {"a": opt_a, "b": opt_b}, model=model)
+    return model, opt_a, opt_b, scaler, w
+
+
+def all_finite(module: nn.Module) -> bool:
+    return all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_whole_model_clipping_that_spreads_nan_is_caught_on_the_iteration_it_happens(amp, watching, events):
+    """The issue's reproduction: b's NaN reaches a's gradients after a's inf check; a steps with NaN."""
+    model, opt_a, opt_b, scaler, w = setup(watching)
+
+    def nan_then_clip_whole_model():
+        model.b.bias.grad[0] = float("nan")
+        scaler.unscale_(opt_a)
+        scaler.unscale_(opt_b)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8), after_backward=nan_then_clip_whole_model)
+    assert not all_finite(model.a) and all_finite(model.b)  # ground truth: a was poisoned, b skipped
+    assert w.stepped(opt_a) is True and w.stepped(opt_b) is False
+    (poisoned,) = [e for e in events(w) if e["kind"] == "poisoned_step"]
+    assert (poisoned["optimizer"], poisoned["iteration"], poisoned["reason"]) == ("a", 0, "nonfinite_grad")
+    assert poisoned["params"] == [{"name": "a.weight", "inf": 0, "nan": 64}, {"name": "a.bias", "inf": 0, "nan": 8}]
+    assert poisoned["params_total"] == 2
+    counters = w.snapshot()["state"]["optimizers"]
+    assert counters["a"]["poisoned_steps"] == 1 and counters["b"]["poisoned_steps"] == 0
+
+
+def test_a_poisoned_optimizer_is_reported_once_though_it_skips_ever_after(amp, watching, events):
+    model, opt_a, opt_b, scaler, w = setup(watching)
+
+    def nan_then_clip_whole_model():
+        model.b.bias.grad[0] = float("nan")
+        scaler.unscale_(opt_a)
+        scaler.unscale_(opt_b)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8), after_backward=nan_then_clip_whole_model)
+    for _ in range(3):
+        truth = amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8))
+        assert truth == {id(opt_a): False, id(opt_b): False}  # NaN weights: every step skips now
+    assert len([e for e in events(w) if e["kind"] == "poisoned_step"]) == 1
+    assert w.snapshot()["state"]["optimizers"]["a"]["poisoned_steps"] == 1
+
+
+def test_per_optimizer_clipping_produces_no_poisoned_step(amp, watching, events):
+    """The safe pattern: clip each optimizer's own parameters after its unscale_."""
+    model, opt_a, opt_b, scaler, w = setup(watching)
+
+    def nan_then_clip_each():
+        model.b.bias.grad[0] = float("nan")
+        for opt, part in ((opt_a, model.a), (opt_b, model.b)):
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(part.parameters(), 1.0)
+
+    for i in range(3):
+        amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8),
+                      after_backward=nan_then_clip_each if i == 0 else None)
+    assert all_finite(model)
+    recorded = events(w)
+    assert [e["optimizer"] for e in recorded if e["kind"] == "skip"] == ["b"]
+    assert not [e for e in recorded if e["kind"] == "poisoned_step"]
+    assert w.snapshot()["state"]["optimizers"]["a"]["poisoned_steps"] == 0
+
+
+def test_a_step_that_leaves_weights_non_finite_is_caught_when_its_skips_begin(amp, watching, events):
+    """The other cheap signal: the first skip of a streak finds the weights already non-finite."""
+    model = TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)  # finite gradients, overflowing update
+    scaler = torch.amp.GradScaler("cpu")
+    w = watching(scaler, {"net": opt}, model=model)
+    truth = amp.iteration(model, scaler, [opt], torch.randn(4, 8) * 1e3)
+    assert truth[id(opt)] is True and not all_finite(model)
+    truth = amp.iteration(model, scaler, [opt], torch.randn(4, 8))
+    assert truth[id(opt)] is False
+    (poisoned,) = [e for e in events(w) if e["kind"] == "poisoned_step"]
+    assert (poisoned["optimizer"], poisoned["iteration"], poisoned["reason"]) == ("net", 0, "nonfinite_param")
+    assert poisoned["params_total"] >= 1 and poisoned["params"][0]["inf"] + poisoned["params"][0]["nan"] > 0
+
+
+def test_clean_iterations_report_no_poisoned_step(amp, no_collector):
+    """No false alarm; that the check adds no sync to clean iterations is proven in test_recording_cost."""
+    from ampwatch import agent
+
+    model = TwoPart()
+    opt_a = torch.optim.AdamW(model.a.parameters())
+    opt_b = torch.optim.SGD(model.b.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with agent.watch(scaler, {"a": opt_a, "b": opt_b}, model=model, run="t") as w:
+        for _ in range(5):
+            amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8))
+        kinds = {e["kind"] for e in w._recorder.events.drain()}
+    assert "poisoned_step" not in kinds and "skip" not in kinds
