@@ -1,0 +1,73 @@
+"""Two real ranks over gloo: run the agent under DDP, independent models and ShardedGradScaler.
+
+Run as a script (``python ddp_worker.py OUT_DIR PORT``); each rank writes
+``OUT_DIR/rank{r}.json`` with, per scenario and iteration, the ground truth
+(did this rank's parameters change?) and what the agent reported. Used by
+test_recording_ddp.py, which owns the time limit and the cleanup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn.parallel import DistributedDataParallel
+
+ITERATIONS = 4
+INJECT_AT = 2  # iteration at which rank 1 feeds an inf into its input
+WORLD_SIZE = 2
+
+
+def bits(params):
+    return [p.detach().view(torch.int32).clone() for p in params]
+
+
+def scenario(rank: int, kind: str) -> dict:
+    from ampwatch import agent
+
+    torch.manual_seed(0)  # same initial weights on both ranks
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = DistributedDataParallel(net) if kind == "ddp" else net
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu") if kind == "sharded" else torch.amp.GradScaler("cpu")
+    truth, reported = [], []
+    with agent.watch(scaler, {"net": opt}, model=net, collector=(), run=f"ddp-{kind}") as w:
+        for i in range(ITERATIONS):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i))
+            if rank == 1 and i == INJECT_AT:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            before = bits(net.parameters())
+            scaler.step(opt)
+            truth.append(any(not torch.equal(b, p.detach().view(torch.int32))
+                             for b, p in zip(before, net.parameters())))
+            reported.append(w.stepped(opt))
+            scaler.update()
+        snapshot = w.snapshot()
+    return {"truth": truth, "reported": reported, "state": snapshot["state"], "scaler": snapshot["scaler"],
+            "scale": scaler.get_scale()}
+
+
+def main(rank: int, out_dir: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AMPWATCH_RUN="ddp-test")
+    os.environ.pop("AMPWATCH_URL", None)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        results = {kind: scenario(rank, kind) for kind in ("ddp", "independent", "sharded")}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(sys.argv[1], int(sys.argv[2])), nprocs=WORLD_SIZE, join=True)
