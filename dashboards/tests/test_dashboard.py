@@ -1,0 +1,114 @@
+"""The Grafana dashboard model: modern panels, one fixed data source, valid queries on contract metrics."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from ampwatch.dashboards.dashboard import DATASOURCE_UID, dashboard_json, panel_queries
+from ampwatch.dashboards.thresholds import AlertThresholds
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = dashboard_json()
+PANELS = [p for p in MODEL["panels"] if p["type"] != "row"]
+REQUIRED_TITLES = [
+    "Loss scale per rank", "Skipped steps per optimizer", "Skip ratio per optimizer", "Consecutive-skip streaks",
+    "Backoffs vs growths per rank", "Ranks reporting / silent", "Scale spread across ranks (largest / smallest)",
+    "Offending parameters", "Scheduler steps after skips", "Poisoned steps", "Firing ampwatch alerts",
+    "Collector ingest requests by status", "Collector ingest latency (p99)",
+]
+# What Grafana substitutes before a query reaches Prometheus.
+GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m"}
+
+
+def _panel(title: str) -> dict:
+    (panel,) = [p for p in PANELS if p["title"] == title]
+    return panel
+
+
+def test_the_dashboard_has_every_required_panel():
+    titles = [p["title"] for p in PANELS]
+    assert [t for t in REQUIRED_TITLES if t not in titles] == []
+
+
+def test_panels_are_modern_time_series_stat_or_table_never_angular_graph():
+    assert {p["type"] for p in PANELS} <= {"timeseries", "stat", "table"}
+    assert {p["type"] for p in PANELS} == {"timeseries", "stat", "table"}
+
+
+def test_every_panel_query_and_variable_uses_the_fixed_data_source_uid():
+    expected = {"type": "prometheus", "uid": DATASOURCE_UID}
+    for panel in PANELS:
+        assert panel["datasource"] == expected, panel["title"]
+        assert panel["targets"] and all(t["datasource"] == expected for t in panel["targets"]), panel["title"]
+    for variable in MODEL["templating"]["list"]:
+        assert variable["datasource"] == expected
+
+
+def test_the_dashboard_has_run_rank_and_optimizer_variables_that_filter_every_per_rank_query():
+    assert [v["name"] for v in MODEL["templating"]["list"]] == ["run", "rank", "optimizer"]
+    for title, expr in panel_queries(MODEL):
+        if "ampwatch_collector_" in expr or expr.startswith("ALERTS"):
+            continue
+        assert '$run"' in expr, title
+        if "ampwatch_optimizer_" in expr or "ampwatch_nonfinite" in expr:
+            assert '$optimizer"' in expr, title
+
+
+def test_the_loss_scale_panel_has_a_log2_axis():
+    scale = _panel("Loss scale per rank")["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
+    assert scale == {"type": "log", "log": 2}
+
+
+def test_threshold_lines_come_from_the_alert_thresholds():
+    model = dashboard_json(AlertThresholds(skip_streak_warning=8, skip_streak_critical=32, skip_ratio=0.25))
+    def steps(title):
+        (panel,) = [p for p in model["panels"] if p["title"] == title]
+        return [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+    assert steps("Consecutive-skip streaks") == [None, 8]
+    assert steps("Skip ratio per optimizer") == [None, 0.25]
+
+
+def test_the_alerts_panel_lists_firing_ampwatch_alerts():
+    (expr,) = [t["expr"] for t in _panel("Firing ampwatch alerts")["targets"]]
+    assert expr == 'ALERTS{alertname=~"Amp.*", alertstate="firing"}'
+
+
+def test_every_panel_query_is_valid_promql(tmp_path, run_tool):
+    # promtool parses PromQL offline when the queries are recording rules.
+    rules = [{"record": f"panel:query:{i}", "expr": _substitute(expr)}
+             for i, (_, expr) in enumerate(panel_queries(MODEL))]
+    (tmp_path / "panels.yaml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    result = run_tool("promtool", "check", "rules", str(tmp_path / "panels.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_metric_a_panel_reads_is_in_the_metrics_contract():
+    contract = set(re.findall(r"`(ampwatch_[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text()))
+    used = {re.sub(r"_bucket$", "", name)
+            for _, expr in panel_queries(MODEL) for name in re.findall(r"ampwatch_[a-z_]+", expr)}
+    assert used and used <= contract, sorted(used - contract)
+    assert not any(name.startswith("ampwatch_run_") for name in used)
+
+
+def test_panels_fit_the_grid_without_overlapping():
+    cells = set()
+    for panel in MODEL["panels"]:
+        pos = panel["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        area = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not area & cells, panel["title"]
+        cells |= area
+
+
+def test_panel_ids_are_unique():
+    ids = [p["id"] for p in MODEL["panels"]]
+    assert len(ids) == len(set(ids)) and None not in ids
+
+
+def _substitute(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
