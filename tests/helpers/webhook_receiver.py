@@ -1,0 +1,103 @@
+"""A real HTTP receiver on a free loopback port that records POSTed JSON and can fail, hang or be down on demand."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+from typing import Any, Callable, Optional
+
+__all__ = ["WebhookReceiver", "free_port"]
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class WebhookReceiver:
+    """Record every POST (path, JSON body, monotonic time); answer ``status`` or hang while ``hold`` is clear.
+
+    >>> with WebhookReceiver() as r:   # doctest: +SKIP
+    ...     post(r.url + "/hook", {...}); r.wait_for(lambda reqs: len(reqs) == 1)
+    """
+
+    def __init__(self, port: Optional[int] = None) -> None:
+        self.port = port or free_port()
+        self.requests: list[dict[str, Any]] = []
+        self.attempts: list[float] = []  # every POST, answered or not
+        self.status = 200
+        self.fail_next = 0  # answer 503 to this many POSTs first
+        self.hold = threading.Event()
+        self.hold.set()  # cleared: requests block until it is set again
+        self.arrived = threading.Event()
+        self._cond = threading.Condition()
+        self._server: Optional[http.server.ThreadingHTTPServer] = None
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "WebhookReceiver":
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with receiver._cond:
+                    receiver.attempts.append(time.monotonic())
+                receiver.arrived.set()
+                receiver.hold.wait(30)
+                with receiver._cond:
+                    if receiver.fail_next > 0:
+                        receiver.fail_next -= 1
+                        code = 503
+                    else:
+                        code = receiver.status
+                        if code < 300:
+                            receiver.requests.append({"path": self.path, "body": json.loads(body or b"null"),
+                                                      "time": time.monotonic(),
+                                                      "content_type": self.headers.get("Content-Type")})
+                    receiver._cond.notify_all()
+                self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.hold.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def wait_for(self, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Wait until ``done(requests)`` holds; return the requests (AssertionError after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not done(self.requests):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"receiver condition not met in {timeout}s; got {self.requests!r}")
+                self._cond.wait(left)
+            return list(self.requests)
+
+    def __enter__(self) -> "WebhookReceiver":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
