@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -15,7 +15,7 @@ from ._config import ServerConfig
 from ._ingest import IngestService
 from ._metrics import CONTENT_TYPE, SelfMetrics, scrape
 from ._query import router as query_router
-from ._recovery import delete_history_job, load_ranks
+from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState, Limits
 from ._store import Store
 
@@ -43,12 +43,24 @@ async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
         if now - last_prune >= 3600:
             last_prune = now
             try:
-                pruned = await store.submit(delete_history_job(now - config.db_retention))
+                pruned = set(await store.submit(delete_history_job(now - config.db_retention)))
                 if pruned:
-                    log.info("deleted the history of %d runs older than --db-retention", pruned)
+                    state.stored = {key for key in state.stored if key[0] not in pruned}
+                    log.info("deleted the history of %d runs older than --db-retention", len(pruned))
             except Exception:
                 log.exception("pruning old history failed; will retry in an hour")
         await asyncio.sleep(period)
+
+
+class _CollectorApp(FastAPI):
+    """FastAPI, except that ingest goes straight to its handler (no routing or dependency solving per batch)."""
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/ingest" and scope["method"] == "POST" \
+                and self.state.ready:
+            await self.state.ingest(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -59,6 +71,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         store = Store(config.db)
         state = CollectorState(_limits(config))
         horizon = time.time() - max(config.expire_after, config.run_retention)
+        state.stored = await asyncio.to_thread(stored_ranks, store)
         for rank in await asyncio.to_thread(load_ranks, store, seen_after=horizon):
             state.adopt(rank)
         state.retire(time.time(), config.expire_after, config.run_retention)
@@ -77,7 +90,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 await task
             await asyncio.to_thread(store.close)
 
-    app = FastAPI(title="ampwatch collector", version=VERSION, lifespan=lifespan,
+    app = _CollectorApp(title="ampwatch collector", version=VERSION, lifespan=lifespan,
                   description="Receives GradScaler skip and loss-scale batches from ampwatch agents "
                               "(protocol v1, docs/protocol.md) and exposes them to Prometheus at /metrics.")
     app.state.ready = False
@@ -91,7 +104,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                          429: {"description": "over a cardinality limit"}, 503: {"description": "retry"}})
     async def ingest(request: Request) -> JSONResponse:
         """Validate the batch, store it, answer once it is committed."""
-        return await request.app.state.ingest.handle(request)
+        # Reached only before startup completes: once ready, _CollectorApp answers ingest itself.
+        return JSONResponse({"error": "unavailable", "message": "the collector is starting; retry"}, 503)
 
     @app.get("/metrics", tags=["metrics"], response_class=PlainTextResponse,
              summary="Prometheus exposition (text format 0.0.4)")

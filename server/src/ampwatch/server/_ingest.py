@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
-from typing import Any, Optional
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from typing import Any, Callable, Optional
 
 from ._config import ServerConfig
 from ._metrics import SelfMetrics
@@ -37,11 +35,11 @@ class IngestService:
         self._expected = f"Bearer {config.token}".encode() if config.token else None
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
 
-    async def handle(self, request: Request) -> JSONResponse:
-        """Answer one ingest request."""
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Answer one ``POST /v1/ingest`` as a bare ASGI app (the hot path skips the framework's routing)."""
         started = time.perf_counter()
         try:
-            status, body = await self._ingest(request)
+            status, body = await self._ingest(dict(scope["headers"]), receive)
         except _Refused as refused:
             self.own.rejected.labels(refused.reason).inc()
             status, body = refused.status, {"error": refused.reason, "message": refused.message}
@@ -53,14 +51,18 @@ class IngestService:
             log.exception("ingest failed")
             status, body = 500, {"error": "internal", "message": "the collector failed to store the batch; "
                                                                   "retry later and check the collector's log"}
+        payload = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
         self.own.requests.labels(str(status)).inc()
         self.own.latency.observe(time.perf_counter() - started)
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return JSONResponse(body, status_code=status, headers=headers)
 
-    async def _ingest(self, request: Request) -> tuple[int, dict[str, Any]]:
-        self._authenticate(request)
-        batch = self._parse(await self._read_body(request))
+    async def _ingest(self, headers: dict[bytes, bytes], receive: Callable) -> tuple[int, dict[str, Any]]:
+        self._authenticate(headers.get(b"authorization"))
+        batch = self._parse(await self._read_body(headers.get(b"content-length"), receive))
         key = (batch.run, batch.rank)
         # One batch per rank at a time: the duplicate check and the install must see each other.
         while (busy := self._busy.get(key)) is not None:
@@ -73,30 +75,33 @@ class IngestService:
             del self._busy[key]
             done.set_result(None)
 
-    def _authenticate(self, request: Request) -> None:
+    def _authenticate(self, given: Optional[bytes]) -> None:
         if self._expected is None:
             return
-        given = request.headers.get("authorization")
         if not given:
             raise _Refused(401, "auth", "this collector requires a token: set AMPWATCH_TOKEN on the agent "
                                         "(sent as 'Authorization: Bearer <token>')")
-        if not hmac.compare_digest(given.encode(), self._expected):
+        if not hmac.compare_digest(given, self._expected):
             raise _Refused(403, "auth", "the token is wrong: AMPWATCH_TOKEN on the agent must equal the "
                                         "collector's --token / AMPWATCH_SERVER_TOKEN")
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, declared: Optional[bytes], receive: Callable) -> bytes:
         limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
         too_large = _Refused(413, "too_large", f"the batch is larger than this collector's limit of {limit} "
                                                f"bytes: send fewer events per batch or raise --max-body-bytes")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Refused(400, "json", "the client disconnected before sending the whole body")
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise too_large
             chunks.append(chunk)
+            more = message.get("more_body", False)
         return b"".join(chunks)
 
     @staticmethod
@@ -111,7 +116,7 @@ class IngestService:
 
     async def _apply(self, batch: Batch) -> tuple[int, dict[str, Any]]:
         rank = self.state.get(batch.run, batch.rank)
-        if rank is None:  # new, or back after it left memory: its history decides the totals
+        if rank is None and (batch.run, batch.rank) in self.state.stored:  # back after it left memory
             found = await asyncio.to_thread(load_ranks, self.store, run=batch.run, rank=batch.rank)
             rank = found[0] if found else None
         try:

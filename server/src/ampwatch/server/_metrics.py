@@ -134,10 +134,13 @@ def render_ranks(state: CollectorState, now: float, silent_after: float) -> str:
                 add(f"{family.name}{{{labels}}} {value(r, opt)}\n")
     add(STREAKS.header)
     for r in ranks:
-        for opt, labels in r.optimizer_labels.items():
-            totals = r.totals[opt]
-            for length in STREAK_LADDER:  # every rung from the start: increase() needs the 0 before the 1
-                add(f'{STREAKS.name}{{{labels},min_length="{length}"}} {totals.get("reached_" + length, 0)}\n')
+        version, text = r.ladder_text
+        if version != r.ladder_version:  # these lines rarely change: format them only when they do
+            text = "".join(f'{STREAKS.name}{{{labels},min_length="{length}"}} {r.totals[opt].get("reached_" + length, 0)}\n'
+                           for opt, labels in r.optimizer_labels.items()
+                           for length in STREAK_LADDER)  # every rung from the start: increase() needs the 0
+            r.ladder_text = (r.ladder_version, text)
+        add(text)
     add(NONFINITE.header)
     for r in ranks:
         for opt, labels in r.optimizer_labels.items():

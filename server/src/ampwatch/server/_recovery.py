@@ -7,7 +7,7 @@ from typing import Optional
 from ._state import Incarnation, RankState
 from ._store import Store
 
-__all__ = ["load_ranks", "delete_history_job"]
+__all__ = ["load_ranks", "stored_ranks", "delete_history_job"]
 
 
 def load_ranks(store: Store, *, seen_after: Optional[float] = None, run: Optional[str] = None,
@@ -36,13 +36,18 @@ def load_ranks(store: Store, *, seen_after: Optional[float] = None, run: Optiona
     return list(ranks.values())
 
 
+def stored_ranks(store: Store) -> set[tuple[str, int]]:
+    """Return every (run, rank) with history in the database (blocking)."""
+    return {(row["run"], row["rank"]) for row in store.query("SELECT DISTINCT run, rank FROM incarnations")}
+
+
 def delete_history_job(cutoff: float):
     """Return a store job deleting every run last seen before ``cutoff`` (Unix seconds)."""
     def job(conn) -> int:
         old = [r[0] for r in conn.execute(
             "SELECT run FROM incarnations GROUP BY run HAVING max(last_seen) < ?", (cutoff,)).fetchall()]
-        for run in old:
+        for run in old:  # the history of a run goes as a whole
             conn.execute("DELETE FROM events WHERE run = ?", (run,))
             conn.execute("DELETE FROM incarnations WHERE run = ?", (run,))
-        return len(old)
+        return old
     return job

@@ -107,7 +107,8 @@ def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_l
 class RankState:
     """One (run, rank): its incarnations and the totals over all of them."""
 
-    __slots__ = ("run", "rank", "incarnations", "current", "totals", "labels", "optimizer_labels", "version")
+    __slots__ = ("run", "rank", "incarnations", "current", "totals", "labels", "optimizer_labels", "version",
+                 "ladder_version", "ladder_text")
 
     def __init__(self, run: str, rank: int) -> None:
         self.run, self.rank = run, rank
@@ -117,6 +118,8 @@ class RankState:
         self.labels = f'run="{escape_label(run)}",rank="{rank}"'
         self.optimizer_labels: dict[str, str] = {}
         self.version = 0
+        self.ladder_version = 0  # bumped when a streak ladder counter moves (rare): /metrics caches its lines
+        self.ladder_text: tuple[int, str] = (-1, "")
 
     def install(self, new: Incarnation) -> None:
         """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
@@ -125,9 +128,16 @@ class RankState:
             total = self.totals.setdefault(scope, {})
             before = old.counters.get(scope, {}) if old else {}
             for name, value in fields.items():
-                total[name] = total.get(name, 0) + value - before.get(name, 0)
+                delta = value - before.get(name, 0)
+                if delta:
+                    total[name] = total.get(name, 0) + delta
+                    if name[0] == "r" and name.startswith("reached_"):
+                        self.ladder_version += 1
+                elif name not in total:
+                    total[name] = 0
             if scope and scope not in self.optimizer_labels:
                 self.optimizer_labels[scope] = f'{self.labels},optimizer="{escape_label(scope)}"'
+                self.ladder_version += 1
         self.incarnations[new.id] = new
         if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
             self.current = new
@@ -180,6 +190,9 @@ class CollectorState:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.runs: dict[str, dict[int, RankState]] = {}
+        # (run, rank) with history in the database but not held here: only these need a database read
+        # when a batch arrives (a brand-new rank does not).
+        self.stored: set[tuple[str, int]] = set()
 
     def get(self, run: str, rank: int) -> Optional[RankState]:
         ranks = self.runs.get(run)
@@ -215,6 +228,7 @@ class CollectorState:
     def adopt(self, rank: RankState) -> None:
         """Hold ``rank`` (new, or restored from the database)."""
         self.runs.setdefault(rank.run, {})[rank.rank] = rank
+        self.stored.discard((rank.run, rank.rank))
 
     def retire(self, now: float, expire_after: float, run_retention: float) -> list[tuple[str, int]]:
         """Drop ranks silent past ``expire_after`` and runs closed for ``run_retention``; return what left."""
@@ -231,4 +245,5 @@ class CollectorState:
                     del ranks[rank_id]
             if not ranks:
                 del self.runs[run]
+        self.stored.update(gone)
         return gone

@@ -126,27 +126,11 @@ class Store:
                     self._queue.put(None)
                     break
                 group.append(nxt)
-            results: list[tuple[Any, Optional[BaseException]]] = []
             try:
-                conn.execute("BEGIN")
-                for job, _, _ in group:
-                    conn.execute("SAVEPOINT job")
-                    try:
-                        results.append((job(conn), None))
-                        conn.execute("RELEASE job")
-                    except Exception as exc:  # one bad job must not sink the group
-                        conn.execute("ROLLBACK TO job")
-                        conn.execute("RELEASE job")
-                        results.append((None, exc))
-                conn.execute("COMMIT")
-                self.commits += 1
-            except Exception as exc:
-                log.exception("database commit failed; %d batches not applied", len(group))
-                try:
-                    conn.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-                results = [(None, exc)] * len(group)
+                results = self._commit([job for job, _, _ in group])
+            except Exception:
+                # Something in the group failed: run each job alone so one bad job cannot sink the others.
+                results = [self._commit_one(job) for job, _, _ in group]
             by_loop: dict[Any, list] = {}
             for (_, loop, future), result in zip(group, results):
                 by_loop.setdefault(loop, []).append((future, result))
@@ -156,6 +140,25 @@ class Store:
                 except RuntimeError:
                     pass  # the loop closed while we committed; nobody waits any more
         conn.close()
+
+    def _commit(self, jobs: list[Job]) -> list[tuple[Any, Optional[BaseException]]]:
+        conn = self._writer
+        conn.execute("BEGIN")
+        try:
+            results = [(job(conn), None) for job in jobs]
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        self.commits += 1
+        return results
+
+    def _commit_one(self, job: Job) -> tuple[Any, Optional[BaseException]]:
+        try:
+            return self._commit([job])[0]
+        except Exception as exc:
+            log.exception("database write failed; the batch is not applied (the agent will retry)")
+            return None, exc
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued writes and stop the writer (bounded by ``timeout``)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of ampwatch (``make bench``, i.e. ``python -m bench``)."""
