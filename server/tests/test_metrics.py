@@ -1,0 +1,110 @@
+"""/metrics: names and values from the state, promtool-clean, per-run views, streak ladder, docs agree."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+from ampwatch.server._harness import make_batch, optimizer, skip_event, value
+from ampwatch.server._metrics import FAMILIES
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _two_ranks(client):
+    client.post("/v1/ingest", json=make_batch(
+        rank=0, iteration=12, loss_scale=32768.0, backoffs=1, growths=2, send_failures=0,
+        optimizers={"gen": optimizer(steps=10, skipped=2, consecutive=2, longest=2, streaks=1,
+                                     reached={"1": 1, "2": 1}),
+                    "disc": optimizer(steps=12)},
+        events=[skip_event(1, params=("decoder.fc.weight",)), skip_event(2, streak=2, params=("enc.bias",))]))
+    client.post("/v1/ingest", json=make_batch(rank=1, incarnation="c" * 32, iteration=12, loss_scale=8192.0,
+                                              optimizers={"gen": optimizer(steps=12), "disc": optimizer(steps=12)}))
+
+
+def test_metrics_show_each_ranks_counters_and_gauges(client):
+    _two_ranks(client)
+    answer = client.get("/metrics", follow_redirects=False)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    text = answer.text
+    r0 = {"run": "exp-42", "rank": "0"}
+    assert value(text, "ampwatch_optimizer_steps_total", optimizer="gen", **r0) == 10
+    assert value(text, "ampwatch_optimizer_skipped_steps_total", optimizer="gen", **r0) == 2
+    assert value(text, "ampwatch_optimizer_consecutive_skipped_steps", optimizer="gen", **r0) == 2
+    assert value(text, "ampwatch_optimizer_longest_skip_streak", optimizer="gen", **r0) == 2
+    assert value(text, "ampwatch_optimizer_skip_streaks_total", optimizer="gen", min_length="2", **r0) == 1
+    assert value(text, "ampwatch_optimizer_skip_streaks_total", optimizer="gen", min_length="4", **r0) == 0
+    assert value(text, "ampwatch_loss_scale", **r0) == 32768.0
+    assert value(text, "ampwatch_loss_scale_backoffs_total", **r0) == 1
+    assert value(text, "ampwatch_loss_scale_growths_total", **r0) == 2
+    assert value(text, "ampwatch_iteration", **r0) == 12
+    assert value(text, "ampwatch_rank_closed", **r0) == 0
+    # Only the latest offending parameter: one series per rank and optimizer.
+    assert value(text, "ampwatch_nonfinite_gradient_info", optimizer="gen", parameter="enc.bias", **r0) == 1
+    assert "decoder.fc.weight" not in text
+    assert value(text, "ampwatch_rank_info", host="node-a", local_rank="0", world_size="2", scaler_enabled="true",
+                 scaler_kind="GradScaler", agent_version="0.1.0", **r0) == 1
+    assert 'job="' not in text and 'instance="' not in text
+
+
+def test_per_run_views_count_reporting_ranks_streaks_and_the_scale_spread(client):
+    _two_ranks(client)
+    text = client.get("/metrics").text
+    assert value(text, "ampwatch_run_ranks_reporting", run="exp-42") == 2
+    assert value(text, "ampwatch_run_ranks_in_skip_streak", run="exp-42") == 1
+    assert value(text, "ampwatch_run_loss_scale_min", run="exp-42") == 8192.0
+    assert value(text, "ampwatch_run_loss_scale_max", run="exp-42") == 32768.0
+    assert value(text, "ampwatch_collector_batches_applied_total") == 2
+    assert value(text, "ampwatch_collector_events_applied_total") == 2
+    assert value(text, "ampwatch_collector_ranks_tracked") == 2
+    assert value(text, "ampwatch_collector_database_size_bytes") > 0
+
+
+def test_a_disabled_scaler_exposes_no_loss_scale(client):
+    batch = make_batch(loss_scale=None)
+    batch["scaler"]["enabled"] = False
+    client.post("/v1/ingest", json=batch)
+    text = client.get("/metrics").text
+    assert value(text, "ampwatch_loss_scale", run="exp-42", rank="0") is None
+    assert value(text, "ampwatch_optimizer_steps_total", run="exp-42", rank="0", optimizer="gen") == 0
+
+
+def test_the_exposition_passes_promtool_check_metrics(client):
+    promtool = pytest.importorskip("shutil").which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found: install the Debian package 'prometheus' (.ci/run does)")
+    _two_ranks(client)
+    result = subprocess.run([promtool, "check", "metrics"], input=client.get("/metrics").text, text=True,
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr
+
+
+def test_every_exposed_family_is_documented_in_docs_metrics_and_every_documented_rank_series_is_exposed(client):
+    from prometheus_client.parser import text_string_to_metric_families
+    doc = (ROOT / "docs/metrics.md").read_text()
+    documented = set(re.findall(r"^\| `(ampwatch_[a-z_]+)`", doc, re.M))
+    documented |= set(re.findall(r"`(ampwatch_run_loss_scale_m(?:in|ax))`", doc))
+    _two_ranks(client)
+    exposed = set()
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        exposed |= {s.name for s in family.samples if not s.name.endswith(("_created", "_bucket", "_count", "_sum"))}
+    exposed |= {f.name for f in FAMILIES}
+    assert exposed - documented == set()
+    assert {n for n in documented if not n.startswith("ampwatch_collector")} - exposed == set()
+
+
+def test_scraping_1024_ranks_with_two_optimizers_takes_well_under_a_second(client):
+    # Loose sanity bound only (the benchmark measures it): catches work proportional to history.
+    import time
+    for rank in range(1024):
+        client.post("/v1/ingest", json=make_batch(rank=rank, world_size=1024, incarnation=f"{rank:032x}",
+                                                  optimizers={"gen": optimizer(steps=5), "disc": optimizer()}))
+    started = time.perf_counter()
+    text = client.get("/metrics").text
+    assert time.perf_counter() - started < 2.0
+    assert value(text, "ampwatch_run_ranks_reporting", run="exp-42") == 1024

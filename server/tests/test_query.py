@@ -1,0 +1,63 @@
+"""The JSON query API: runs, one run's ranks, events with filters and pagination; health."""
+
+from __future__ import annotations
+
+import time
+
+from ampwatch.server._harness import make_batch, optimizer, skip_event
+
+
+def _events(n: int, start: int = 1) -> list[dict]:
+    out = []
+    for i in range(start, start + n):
+        if i % 2:
+            out.append(skip_event(i, optimizer="gen" if i % 4 == 1 else "disc", iteration=i))
+        else:
+            out.append({"id": i, "kind": "scale_change", "time": time.time(), "iteration": i, "cause": "backoff",
+                        "before": 2.0 ** 16, "after": 2.0 ** 15})
+    return out
+
+
+def test_runs_and_a_runs_ranks_describe_the_current_state(client):
+    client.post("/v1/ingest", json=make_batch(optimizers={"gen": optimizer(steps=3, skipped=1)},
+                                              events=[skip_event(1, params=("head.weight",))]))
+    client.post("/v1/ingest", json=make_batch(run="exp-43"))
+    runs = client.get("/v1/runs").json()["runs"]
+    assert {r["run"] for r in runs} == {"exp-42", "exp-43"} and all(r["in_metrics"] for r in runs)
+    run = client.get("/v1/runs/exp-42").json()
+    gen = run["ranks"][0]["optimizers"]["gen"]
+    assert (gen["steps"], gen["skipped"], gen["latest_nonfinite_parameter"]) == (3, 1, "head.weight")
+    missing = client.get("/v1/runs/nope")
+    assert missing.status_code == 404 and "GET /v1/runs" in missing.json()["detail"]
+
+
+def test_events_filter_by_kind_rank_optimizer_and_since(client):
+    client.post("/v1/ingest", json=make_batch(events=_events(8)))
+    client.post("/v1/ingest", json=make_batch(rank=1, incarnation="f" * 32, events=_events(2)))
+    get = lambda **q: client.get("/v1/runs/exp-42/events", params=q).json()["events"]  # noqa: E731
+    assert len(get()) == 10
+    assert {e["kind"] for e in get(kind="skip")} == {"skip"} and len(get(kind="skip")) == 5
+    assert [e["id"] for e in get(rank=1)] == [1, 2]
+    assert [e["id"] for e in get(rank=0, optimizer="gen")] == [1, 5]
+    assert get(since=time.time() + 60) == []
+    assert client.get("/v1/runs/exp-42/events", params={"kind": "nonsense"}).status_code == 422
+
+
+def test_events_come_in_pages_that_add_up_to_all_of_them(client):
+    client.post("/v1/ingest", json=make_batch(events=_events(25)))
+    seen, after = [], 0
+    while True:
+        page = client.get("/v1/runs/exp-42/events", params={"limit": 10, "after": after}).json()
+        seen += [e["id"] for e in page["events"]]
+        if page["next"] is None:
+            break
+        after = page["next"]
+    assert seen == list(range(1, 26))
+
+
+def test_health_ready_and_openapi_docs_answer(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").status_code == 200
+    assert client.get("/docs").status_code == 200
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/ingest", "/v1/runs", "/v1/runs/{run}", "/v1/runs/{run}/events", "/metrics"} <= set(paths)
