@@ -15,6 +15,7 @@ __all__ = [
     "PendingRead",
     "fused_found_inf",
     "found_inf_from_scaler",
+    "host_scalar",
     "init_scale",
     "nonfinite_counts",
     "read_later",
@@ -116,6 +117,14 @@ class PendingRead:
                 self._value = self._source.cpu().reshape(-1).tolist()
             self._host = self._event = self._source = None
         return self._value
+
+
+def host_scalar(tensor: torch.Tensor) -> float:
+    """Return the first element of a CPU tensor (no ``aten._local_scalar_dense``, so no sync)."""
+    value = tensor.tolist()
+    while isinstance(value, list):
+        value = value[0]
+    return float(value)
 
 
 def read_later(tensor: torch.Tensor) -> PendingRead:

@@ -100,6 +100,8 @@ class Recorder:
         self._inspected_this_iteration = False
         self._clean_iterations = 0  # since the last skip; growth is possible every growth_interval
         self._scale_pending: collections.deque = collections.deque()
+        self._scale_source: torch.Tensor | None = None
+        self._scale_device: str | None = None
         self._with_pending: set[int] = set()
         self._error_sites: set[str] = set()
         self._warned: set[int] = set()
@@ -212,7 +214,7 @@ class Recorder:
             if record.pending:
                 self._resolve_oldest(record, all_of_them=True)
         while self._scale_pending:
-            self._resolve_scale(*self._scale_pending.popleft(), wait=True)
+            self._resolve_scale(*self._scale_pending.popleft())
         for record in self.records:
             if record.consecutive:
                 self._end_streak(record)
@@ -339,24 +341,31 @@ class Recorder:
 
     def _read_scale(self, iteration: int, manual: bool) -> None:
         live = _device.scale_tensor(self.scaler)
+        if live is not self._scale_source:  # look at the device once per scale tensor, not per iteration
+            self._scale_source = live
+            self._scale_device = None if live is None else live.device.type
+        if self._scale_device == "cpu":
+            self._apply_scale(_device.host_scalar(live), iteration, manual)
+            return
+        if self._scale_device == "cuda":
+            self._scale_pending.append((_device.read_later(live), iteration, manual))
+            while self._scale_pending and self._scale_pending[0][0].done():
+                self._resolve_scale(*self._scale_pending.popleft())
+            if len(self._scale_pending) > _MAX_PENDING:
+                self._resolve_scale(*self._scale_pending.popleft())
+            return
+        # No asynchronous path: read (one sync) only when a transition is possible.
         rare = (manual or self._skipped_this_iteration
                 or self._clean_iterations % max(1, self.scaler_info["growth_interval"] or 1) == 0)
-        if live is None:
-            if rare:  # public fallback: get_scale() syncs, so only when a transition is possible
-                self._resolve_scale(None, iteration, manual, value=float(self.scaler.get_scale()))
-            return
-        if live.device.type in ("cpu", "cuda"):
-            self._scale_pending.append((_device.read_later(live), iteration, manual))
-        elif rare:
-            self._resolve_scale(_device.read_later(live), iteration, manual, wait=True)
-        while self._scale_pending and self._scale_pending[0][0].done():
-            self._resolve_scale(*self._scale_pending.popleft())
-        if len(self._scale_pending) > _MAX_PENDING:
-            self._resolve_scale(*self._scale_pending.popleft(), wait=True)
+        if rare:
+            value = (float(self.scaler.get_scale()) if live is None
+                     else float(_device.read_later(live).wait()[0]))
+            self._apply_scale(value, iteration, manual)
 
-    def _resolve_scale(self, read: _device.PendingRead | None, iteration: int, manual: bool,
-                       wait: bool = False, value: float | None = None) -> None:
-        after = value if read is None else float(read.wait()[0])
+    def _resolve_scale(self, read: _device.PendingRead, iteration: int, manual: bool) -> None:
+        self._apply_scale(float(read.wait()[0]), iteration, manual)
+
+    def _apply_scale(self, after: float, iteration: int, manual: bool) -> None:
         before = self.loss_scale
         self.loss_scale = after
         if before is None or after == before and not manual:
