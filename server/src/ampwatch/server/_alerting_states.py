@@ -140,6 +140,11 @@ class BuiltinAlerts:
             group = (run, str(rank))
             return self._states.advance((), now, lambda g: g == group)
 
+    def ranks(self) -> list[tuple[str, int]]:
+        """Return the ``(run, rank)`` pairs being watched."""
+        with self._lock:
+            return list(self._ranks)
+
     def firing(self) -> list[Alert]:
         """Return the alerts firing now."""
         with self._lock:

@@ -11,12 +11,15 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from ._alert_service import AlertService, NotificationMetrics, router as alerts_router
 from ._config import ServerConfig
 from ._ingest import IngestService
 from ._metrics import CONTENT_TYPE, SelfMetrics, scrape
+from ._notify import parse_targets
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState, Limits
+from ._status_page import mount_status_page
 from ._store import Store
 
 __all__ = ["create_app", "VERSION"]
@@ -78,6 +81,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         own = SelfMetrics(state, store.size_bytes, VERSION)
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         app.state.ingest = IngestService(config, state, store, own)
+        alerts = app.state.alert_service = AlertService(parse_targets(config.webhook))
+        own.registry.register(NotificationMetrics(alerts.notifier))
+        app.state.ingest.on_applied = alerts.observe
+        alert_task = asyncio.create_task(alerts.run(state))
         task = asyncio.create_task(_retire_loop(app, config))
         app.state.ready = True
         log.info("state rebuilt from %s: %d runs, %d ranks", store.path, len(state.runs), state.rank_count())
@@ -86,8 +93,12 @@ def create_app(config: ServerConfig) -> FastAPI:
         finally:
             app.state.ready = False
             task.cancel()
+            alert_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            with contextlib.suppress(asyncio.CancelledError):
+                await alert_task
+            await asyncio.to_thread(alerts.close)
             await asyncio.to_thread(store.close)
 
     app = _CollectorApp(title="ampwatch collector", version=VERSION, lifespan=lifespan,
@@ -128,4 +139,6 @@ def create_app(config: ServerConfig) -> FastAPI:
         return JSONResponse({"status": "not ready"}, status_code=503)
 
     app.include_router(query_router)
+    app.include_router(alerts_router)
+    mount_status_page(app)
     return app

@@ -44,6 +44,8 @@ class ServerConfig:
     """Longest run, optimizer or parameter name exposed as a label (422 above; parameter names are cut)."""
     log_level: str = "info"
     """Log level: debug, info, warning, error."""
+    webhook: Optional[str] = None
+    """Built-in alert notification targets, comma-separated ``kind:url`` (kinds webhook, alertmanager, slack)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -65,6 +67,9 @@ class ServerConfig:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {rule} "
                                  f"(set by --{name.replace('_', '-')} or {ENV_PREFIX}{name.upper()})")
+        if self.webhook:
+            from ._notify import parse_targets
+            parse_targets(self.webhook)  # a bad entry raises a ValueError saying what to write
 
 
 # Short forms of the field docstrings above, for --help.
@@ -84,6 +89,8 @@ _DOCS = {
     "max_optimizers_per_rank": "optimizers per rank (429 above)",
     "max_label_length": "longest run/optimizer name (422 above; parameter names are cut to it)",
     "log_level": "debug, info, warning or error",
+    "webhook": "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager "
+               "webhook payload), alertmanager (its base URL; v2 API) or slack (incoming webhook)",
 }
 
 

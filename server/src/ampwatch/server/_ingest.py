@@ -34,6 +34,7 @@ class IngestService:
         self.config, self.state, self.store, self.own = config, state, store, own
         self._expected = f"Bearer {config.token}".encode() if config.token else None
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
+        self.on_applied: Optional[Callable[[RankState], None]] = None  # built-in alerts; must not raise or block
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Answer one ``POST /v1/ingest`` as a bare ASGI app (the hot path skips the framework's routing)."""
@@ -139,6 +140,8 @@ class IngestService:
             rank = RankState(batch.run, batch.rank)
         rank.install(new)
         self.state.adopt(rank)
+        if self.on_applied is not None:
+            self.on_applied(rank)
         self.own.batches.inc()
         self.own.events.inc(added)
         return 200, {"applied": True}

@@ -1,0 +1,321 @@
+// ampwatch status page: reads the collector's JSON API and redraws itself every few seconds.
+// Every user-provided string (run ids, hosts, parameter names) goes through textContent or
+// setAttribute, never as HTML, so nothing a rank sends can become markup.
+"use strict";
+
+const REFRESH_MS = 3000;
+const RECENT_S = 3600;          // recent events shown: the last hour
+const MAX_EVENTS_SHOWN = 200;
+const MAX_PAGES = 20;            // per refresh and kind: bounded work however long the run
+const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
+const SVG = "http://www.w3.org/2000/svg";
+
+const runCache = new Map();  // run -> {scale: Map, recent: Map, scaleSince, recentSince}
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+async function getJSON(path) {
+  const answer = await fetch(path, {headers: {Accept: "application/json"}, cache: "no-store"});
+  if (!answer.ok) throw new Error(`${path}: HTTP ${answer.status}`);
+  return answer.json();
+}
+
+function ago(seconds) {
+  if (seconds === null || seconds === undefined) return "";
+  const s = Math.max(0, Date.now() / 1000 - seconds);
+  if (s < 60) return `${Math.round(s)} s ago`;
+  if (s < 3600) return `${Math.round(s / 60)} min ago`;
+  if (s < 86400) return `${(s / 3600).toFixed(1)} h ago`;
+  return `${(s / 86400).toFixed(1)} d ago`;
+}
+
+function clock(seconds) {
+  return new Date(seconds * 1000).toLocaleTimeString();
+}
+
+function scaleText(scale) {
+  if (scale === null || scale === undefined) return "unknown";
+  const exponent = Math.log2(scale);
+  return Number.isInteger(exponent) ? `2^${exponent} (${scale})` : String(scale);
+}
+
+function fill(tbody, rows) {
+  tbody.replaceChildren(...rows);
+}
+
+function currentRun() {
+  const match = /^#run=(.*)$/.exec(location.hash);
+  return match ? decodeURIComponent(match[1]) : null;
+}
+
+function runLink(run) {
+  return el("a", {href: "#run=" + encodeURIComponent(run), class: "run-link"}, run);
+}
+
+// ---- alerts -----------------------------------------------------------------------------------
+
+function alertRow(alert, when) {
+  const labels = alert.labels || {};
+  const severity = labels.severity || "";
+  const title = el("td", {}, alert.name);
+  const runbook = (alert.annotations || {}).runbook_url;
+  if (runbook && /^https?:\/\//.test(runbook)) title.append(" ", el("a", {href: runbook, rel: "noopener"}, "runbook"));
+  return el("tr", {class: "alert", "data-alert": alert.name},
+    title,
+    el("td", {}, el("span", {class: "badge sev-" + severity.replace(/[^a-z]/g, "")}, severity)),
+    el("td", {}, labels.run ? runLink(labels.run) : ""),
+    el("td", {}, labels.rank ?? ""),
+    el("td", {}, labels.optimizer ?? ""),
+    el("td", {title: (alert.annotations || {}).description || ""}, (alert.annotations || {}).summary || ""),
+    el("td", {}, when));
+}
+
+async function refreshAlerts() {
+  let body;
+  try {
+    body = await getJSON("v1/alerts");
+  } catch (error) {
+    document.getElementById("no-firing").textContent = "Built-in alerts are not available on this collector.";
+    return;
+  }
+  const firing = body.firing || [], resolved = body.resolved || [];
+  fill(document.querySelector("#firing tbody"), firing.map(a => alertRow(a, ago(a.starts_at))));
+  document.getElementById("firing").hidden = firing.length === 0;
+  document.getElementById("no-firing").hidden = firing.length !== 0;
+  document.getElementById("no-firing").textContent = "Nothing firing.";
+  fill(document.querySelector("#resolved tbody"), resolved.map(a => alertRow(a, ago(a.ends_at))));
+  document.getElementById("resolved-count").textContent = String(resolved.length);
+}
+
+// ---- runs list --------------------------------------------------------------------------------
+
+async function refreshRuns() {
+  const body = await getJSON("v1/runs");
+  const runs = body.runs || [];
+  fill(document.querySelector("#runs tbody"), runs.map(r => el("tr", {class: "run", "data-run": r.run},
+    el("td", {}, runLink(r.run)),
+    el("td", {class: "num"}, r.ranks),
+    el("td", {}, ago(r.first_seen)),
+    el("td", {}, ago(r.last_seen)),
+    el("td", {}, r.in_metrics ? "yes" : "no"))));
+  document.getElementById("no-runs").hidden = runs.length !== 0;
+}
+
+// ---- one run ----------------------------------------------------------------------------------
+
+function optimizerCell(rank) {
+  const cell = el("td", {});
+  for (const [name, o] of Object.entries(rank.optimizers || {})) {
+    const line = el("div", {class: "optimizer", "data-optimizer": name});
+    line.append(el("b", {}, name), `: ${o.skipped} / ${o.steps}, streak `);
+    line.append(el("span", {class: o.consecutive_skipped > 0 ? "streak" : ""}, String(o.consecutive_skipped)));
+    line.append(` (${o.longest_streak})`);
+    if (o.latest_nonfinite_parameter) line.append(" · last non-finite: ", el("span", {class: "params"}, o.latest_nonfinite_parameter));
+    cell.append(line);
+  }
+  return cell;
+}
+
+function rankRow(rank) {
+  const enabled = rank.scaler && rank.scaler.enabled;
+  return el("tr", {class: "rank", "data-rank": rank.rank},
+    el("td", {class: "num"}, rank.rank),
+    el("td", {}, rank.host),
+    el("td", {class: enabled ? "" : "disabled"}, enabled ? (rank.scaler.kind || "enabled") : "disabled (nothing checked)"),
+    el("td", {class: "num loss-scale"}, enabled ? scaleText(rank.loss_scale) : "-"),
+    el("td", {class: "num"}, rank.iteration),
+    optimizerCell(rank),
+    el("td", {class: "num"}, `${rank.backoffs ?? 0} / ${rank.growths ?? 0}`),
+    el("td", {}, rank.closed ? `closed, ${ago(rank.last_seen)}` : ago(rank.last_seen)));
+}
+
+function eventKey(e) {
+  return `${e.rank}/${e.incarnation}/${e.id}`;
+}
+
+async function fetchEvents(run, query, into) {
+  // Pages through /events for this query; returns the newest event time seen.
+  let after = 0, newest = 0;
+  for (let page = 0; page < MAX_PAGES; page++) {
+    const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/events?limit=1000&after=${after}&${query}`);
+    for (const e of body.events || []) {
+      into.set(eventKey(e), e);
+      newest = Math.max(newest, e.time);
+    }
+    if (body.next === null || body.next === undefined) break;
+    after = body.next;
+  }
+  return newest;
+}
+
+async function refreshRunEvents(run) {
+  let cache = runCache.get(run);
+  if (!cache) {
+    cache = {scale: new Map(), recent: new Map(), scaleSince: 0, recentSince: Date.now() / 1000 - RECENT_S};
+    runCache.set(run, cache);
+  }
+  // Re-read a minute back: agent clocks differ and batches arrive late; keys make it idempotent.
+  const scaleNewest = await fetchEvents(run, `kind=scale_change&since=${cache.scaleSince}`, cache.scale);
+  const recentNewest = await fetchEvents(run, `since=${cache.recentSince}`, cache.recent);
+  if (scaleNewest) cache.scaleSince = Math.max(cache.scaleSince, scaleNewest - 60);
+  if (recentNewest) cache.recentSince = Math.max(cache.recentSince, recentNewest - 60);
+  const horizon = Date.now() / 1000 - RECENT_S;
+  for (const [key, e] of cache.recent) if (e.time < horizon) cache.recent.delete(key);
+  return cache;
+}
+
+function eventDetails(e) {
+  const cell = el("td", {});
+  switch (e.kind) {
+    case "skip":
+    case "poisoned_step": {
+      const names = (e.params || []).map(p => `${p.name} (inf ${p.inf}, nan ${p.nan})`);
+      if (e.kind === "skip") cell.append(`streak ${e.streak}`, names.length ? " · " : "");
+      else cell.append(`${e.reason}`, names.length ? " · " : "");
+      if (names.length) cell.append(el("span", {class: "params"}, names.join(", ")));
+      if (e.params_total && e.params_total > names.length) cell.append(` … ${e.params_total} parameters in all`);
+      if (e.inspected === false) cell.append(" (not inspected: skip storm)");
+      break;
+    }
+    case "scale_change": cell.append(`${e.cause}: ${scaleText(e.before)} → ${scaleText(e.after)}`); break;
+    case "streak_end": cell.append(`streak of ${e.length} from iteration ${e.start_iteration} ended`); break;
+    case "scheduler_after_skip": cell.append(`scheduler ${e.scheduler} stepped after a skip`); break;
+    case "warning": cell.append(`${e.code}: ${e.message}`); break;
+    case "scaler_disabled": cell.append("GradScaler(enabled=False): nothing is checked"); break;
+    case "close": cell.append("closed cleanly"); break;
+    default: cell.append("");
+  }
+  return cell;
+}
+
+function drawChart(container, ranks, scaleEvents, recentEvents) {
+  // Loss scale per rank as a step line on a log2 axis; red dots mark skipped steps.
+  const W = 900, H = 260, L = 56, R = 12, T = 12, B = 28;
+  const byRank = new Map(ranks.map(r => [r.rank, []]));
+  for (const e of scaleEvents) if (byRank.has(e.rank)) byRank.get(e.rank).push(e);
+  const lines = [];
+  let maxIt = 1, minY = Infinity, maxY = -Infinity;
+  for (const rank of ranks) {
+    if (!rank.scaler || !rank.scaler.enabled) continue;
+    const changes = byRank.get(rank.rank).sort((a, b) => a.iteration - b.iteration || a.id - b.id);
+    const points = [];
+    let scale = changes.length ? changes[0].before : rank.loss_scale;
+    if (scale === null || scale === undefined) scale = rank.loss_scale;
+    if (scale === null || scale === undefined) continue;
+    points.push([0, scale]);
+    for (const c of changes) {
+      if (c.after === null || c.after === undefined) continue;
+      points.push([c.iteration, scale], [c.iteration, c.after]);
+      scale = c.after;
+    }
+    points.push([Math.max(rank.iteration, points[points.length - 1][0]), scale]);
+    for (const [x, y] of points) {
+      maxIt = Math.max(maxIt, x);
+      minY = Math.min(minY, Math.log2(y));
+      maxY = Math.max(maxY, Math.log2(y));
+    }
+    lines.push({rank: rank.rank, points});
+  }
+  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "loss scale over iterations per rank"});
+  if (!lines.length) {
+    root.append(svg("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}, "no loss scale reported yet"));
+    container.replaceChildren(root);
+    return;
+  }
+  minY = Math.floor(minY) - 1;
+  maxY = Math.ceil(maxY) + 1;
+  const px = x => L + (x / maxIt) * (W - L - R);
+  const py = y => T + (1 - (Math.log2(y) - minY) / (maxY - minY)) * (H - T - B);
+  const step = Math.max(1, Math.ceil((maxY - minY) / 8));
+  for (let e = minY; e <= maxY; e += step) {
+    const y = py(2 ** e);
+    root.append(svg("line", {x1: L, x2: W - R, y1: y, y2: y, stroke: "#eef1f4"}));
+    root.append(svg("text", {x: L - 6, y: y + 4, "text-anchor": "end"}, `2^${e}`));
+  }
+  root.append(svg("text", {x: L, y: H - 8}, "0"));
+  root.append(svg("text", {x: W - R, y: H - 8, "text-anchor": "end"}, `iteration ${maxIt}`));
+  lines.forEach((line, i) => {
+    const color = PALETTE[i % PALETTE.length];
+    const d = line.points.map(([x, y], j) => `${j ? "L" : "M"}${px(x).toFixed(1)},${py(y).toFixed(1)}`).join("");
+    root.append(svg("path", {d, fill: "none", stroke: color, "stroke-width": 2, class: "scale-line", "data-rank": line.rank}));
+    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend"}, `rank ${line.rank}`);
+    legend.style.fill = color;  // CSSOM, not a style attribute: allowed by the page's CSP
+    root.append(legend);
+  });
+  // Skips: a dot on the rank's line at the iteration it skipped (the scale then in force).
+  const lineOf = new Map(lines.map(l => [l.rank, l.points]));
+  for (const e of recentEvents) {
+    if (e.kind !== "skip" || !lineOf.has(e.rank)) continue;
+    const points = lineOf.get(e.rank);
+    let scale = points[0][1];
+    for (const [x, y] of points) { if (x <= e.iteration) scale = y; else break; }
+    const dot = svg("circle", {cx: px(e.iteration), cy: py(scale), r: 3.5, fill: "#c62828", class: "skip-mark"});
+    dot.append(svg("title", {}, `rank ${e.rank} skipped ${e.optimizer} at iteration ${e.iteration}`));
+    root.append(dot);
+  }
+  container.replaceChildren(root);
+}
+
+async function refreshRun(run) {
+  let body;
+  try {
+    body = await getJSON(`v1/runs/${encodeURIComponent(run)}`);
+  } catch (error) {
+    document.getElementById("run-name").textContent = run;
+    document.getElementById("run-state").textContent = "unknown run";
+    fill(document.querySelector("#ranks tbody"), []);
+    return;
+  }
+  document.getElementById("run-name").textContent = body.run;
+  const state = document.getElementById("run-state");
+  state.textContent = body.closed ? "closed" : "live";
+  state.className = "badge " + (body.closed ? "state-closed" : "state-live");
+  fill(document.querySelector("#ranks tbody"), body.ranks.map(rankRow));
+  const cache = await refreshRunEvents(run);
+  const recent = [...cache.recent.values()].sort((a, b) => b.time - a.time || b.id - a.id);
+  drawChart(document.getElementById("chart"), body.ranks, [...cache.scale.values()], recent);
+  const shown = recent.slice(0, MAX_EVENTS_SHOWN);
+  fill(document.querySelector("#events tbody"), shown.map(e => el("tr", {class: "event", "data-kind": e.kind},
+    el("td", {}, clock(e.time)), el("td", {class: "num"}, e.rank), el("td", {class: "num"}, e.iteration),
+    el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), eventDetails(e))));
+  document.getElementById("no-events").hidden = shown.length !== 0;
+}
+
+// ---- loop -------------------------------------------------------------------------------------
+
+let timer = null;
+
+async function refresh() {
+  clearTimeout(timer);
+  const run = currentRun();
+  document.getElementById("run-view").hidden = run === null;
+  const banner = document.getElementById("error");
+  try {
+    await Promise.all([refreshAlerts(), refreshRuns(), run === null ? null : refreshRun(run)]);
+    banner.hidden = true;
+    document.getElementById("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (error) {
+    banner.textContent = `Cannot reach the collector (${error.message}); retrying.`;
+    banner.hidden = false;
+  }
+  document.body.dataset.loaded = "true";
+  timer = setTimeout(refresh, REFRESH_MS);
+}
+
+window.addEventListener("hashchange", refresh);
+refresh();

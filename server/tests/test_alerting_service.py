@@ -1,0 +1,70 @@
+"""The collector evaluates its built-in alerts as batches land, lists them at /v1/alerts and notifies targets."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from webhook_receiver import WebhookReceiver
+
+from ampwatch.server import ServerConfig, create_app
+from ampwatch.server._harness import make_batch, optimizer, value
+
+
+@pytest.fixture
+def receiver():
+    with WebhookReceiver() as r:
+        yield r
+
+
+def test_a_skip_streak_alert_is_listed_and_sent_at_the_ingest_that_crosses_the_threshold(config_for, receiver):
+    with TestClient(create_app(config_for(webhook=f"webhook:{receiver.url}/hook"))) as client:
+        streak = {"gen": optimizer(steps=200, skipped=15, consecutive=15, longest=15, streaks=1,
+                                   reached={"1": 1, "2": 1, "4": 1, "8": 1})}
+        assert client.post("/v1/ingest", json=make_batch(seq=1, iteration=215, optimizers=streak)).status_code == 200
+        assert client.get("/v1/alerts").json()["firing"] == []
+        streak = {"gen": optimizer(steps=200, skipped=16, consecutive=16, longest=16, streaks=1,
+                                   reached={"1": 1, "2": 1, "4": 1, "8": 1, "16": 1})}
+        assert client.post("/v1/ingest", json=make_batch(seq=2, iteration=216, optimizers=streak)).status_code == 200
+        # No tick in between: the answer to this very ingest already has the alert firing.
+        (alert,) = client.get("/v1/alerts").json()["firing"]
+        got = receiver.wait_for(lambda reqs: len(reqs) == 1)
+        deadline = time.monotonic() + 10
+        while value(client.get("/metrics").text, "ampwatch_collector_notifications_total",
+                    target=f"webhook:127.0.0.1:{receiver.port}", outcome="sent") != 1.0:
+            assert time.monotonic() < deadline, "the sent notification was never counted in /metrics"
+            time.sleep(0.05)
+    assert alert["name"] == "AmpConsecutiveSkippedSteps" and alert["status"] == "firing"
+    assert alert["labels"] == {"run": "exp-42", "rank": "0", "optimizer": "gen", "severity": "warning"}
+    assert alert["value"] == 16 and alert["ends_at"] is None
+    (sent,) = got[0]["body"]["alerts"]
+    assert got[0]["path"] == "/hook" and sent["labels"]["alertname"] == "AmpConsecutiveSkippedSteps"
+    assert sent["fingerprint"] == alert["fingerprint"]
+
+
+def test_a_clean_run_has_no_alerts_and_no_notification(config_for, receiver):
+    with TestClient(create_app(config_for(webhook=receiver.url))) as client:
+        for seq in range(1, 4):
+            batch = make_batch(seq=seq, iteration=100 * seq, optimizers={"gen": optimizer(steps=100 * seq)})
+            assert client.post("/v1/ingest", json=batch).status_code == 200
+        time.sleep(1.2)  # let one periodic evaluation pass as well
+        assert client.get("/v1/alerts").json() == {"firing": [], "resolved": []}
+    assert receiver.attempts == []
+
+
+def test_a_bad_webhook_setting_is_refused_with_what_to_write(tmp_path):
+    with pytest.raises(ValueError, match="kind 'teams' is unknown; use one of webhook, alertmanager, slack"):
+        ServerConfig(db=str(tmp_path / "a.db"), webhook="teams:http://x")
+
+
+def test_the_status_page_and_its_files_are_served_with_a_strict_content_policy(client):
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    assert '<script src="static/app.js">' in page.text
+    assert "//" not in page.text.split("<body>")[0]  # nothing loaded from another origin (no CDN)
+    script = client.get("/static/app.js")
+    assert script.status_code == 200
+    assert not any(sink in script.text for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"))
+    assert client.get("/static/style.css").status_code == 200
