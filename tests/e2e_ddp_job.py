@@ -1,0 +1,86 @@
+"""A 2-rank gloo DDP job watched by the ampwatch agent, with overflow injected at chosen iterations.
+
+Run by tests/test_prometheus_e2e.py as a separate process:
+
+    python tests/e2e_ddp_job.py --collector URL --run RUN --iterations 150 --overflow-at 30-37 --sleep 0.05
+
+On an overflow iteration rank 0's input holds an inf; DDP's all-reduce spreads it to
+both ranks' gradients, so both ranks skip both optimizers and back the scale off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ampwatch import agent
+
+
+def _iterations(spec: str) -> set[int]:
+    # "30-37,50,60" -> {30, ..., 37, 50, 60}
+    found: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
+
+
+def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1)))
+    body, head = model.module[0], model.module[2]
+    opt_body = torch.optim.AdamW(body.parameters(), lr=1e-3)
+    opt_head = torch.optim.SGD(head.parameters(), lr=1e-2)
+    # A long growth interval: the scale only moves by backoffs here.
+    scaler = torch.amp.GradScaler("cpu", growth_interval=100_000)
+    watch = agent.watch(scaler, {"body": opt_body, "head": opt_head}, model=model.module,
+                        collector=args.collector, run=args.run, push_interval=0.2)
+    overflow = _iterations(args.overflow_at)
+    data = torch.Generator().manual_seed(rank)
+    for iteration in range(args.iterations):
+        x = torch.randn(16, 8, generator=data)
+        if rank == 0 and iteration in overflow:
+            x[0, 0] = float("inf")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        opt_body.zero_grad(set_to_none=True)
+        opt_head.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt_body)
+        scaler.step(opt_head)
+        scaler.update()
+        time.sleep(args.sleep)  # pace the job so that Prometheus scrapes it while it runs
+    watch.close()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    """Spawn the two ranks and wait for them."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--collector", required=True)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--iterations", type=int, required=True)
+    parser.add_argument("--overflow-at", default="", help="iterations with an inf input, e.g. 30-37,50")
+    parser.add_argument("--sleep", type=float, default=0.05, help="seconds to sleep after each iteration")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_rank, args=(port, args), nprocs=2, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""End to end with the real programs: 2-rank gloo jobs -> collector -> Prometheus (generated rules) -> Alertmanager -> webhook.
+
+Everything listens on 127.0.0.1. The rules are generated from the same code as the
+committed ones, with thresholds and windows shortened to seconds so the whole chain runs
+in well under two minutes. Every process started here is stopped in a finalizer, even
+when a test fails.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from ampwatch.dashboards import _metrics
+from ampwatch.dashboards.dashboard import dashboard_json, panel_queries
+from ampwatch.dashboards.rules import render_rules
+from ampwatch.dashboards.thresholds import AlertThresholds
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "tests" / "e2e_ddp_job.py"
+RUN_STREAK, RUN_BACKOFF = "e2e-streak", "e2e-backoff"
+# Seconds instead of minutes; the alert logic is the committed one.
+THRESHOLDS = AlertThresholds(
+    calibration_iterations=5, skip_streak_warning=4, skip_streak_critical=16, skip_streak_window_s=6,
+    backoff_window_s=6, backoff_min_count=3, backoff_for_s=1, collapsed_for_s=1, desync_for_s=5,
+    skip_ratio_window_s=10, skip_ratio_for_s=1, silent_after_s=30, silent_for_s=1,
+    scheduler_window_s=6, poisoned_window_s=6,
+)
+GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run .ci/run (it installs it from Debian)")
+    return path
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def _wait_until(predicate: Callable[[], Any], timeout: float, what: Callable[[], str] | str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = predicate()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for: {what() if callable(what) else what}")
+
+
+class _Receiver:
+    """Record the JSON payloads Alertmanager's webhook POSTs to a loopback HTTP server."""
+
+    def __init__(self) -> None:
+        self.payloads: list[dict] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with receiver.lock:
+                    receiver.payloads.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def alerts(self, alertname: str, status: str, **labels: str) -> list[dict]:
+        with self.lock:
+            return [a for p in self.payloads for a in p["alerts"]
+                    if a["labels"].get("alertname") == alertname and a["status"] == status
+                    and all(a["labels"].get(k) == v for k, v in labels.items())]
+
+    def summary(self) -> str:
+        with self.lock:
+            return "; ".join(f'{a["status"]} {a["labels"].get("alertname")} run={a["labels"].get("run")} '
+                             f'optimizer={a["labels"].get("optimizer")}'
+                             for p in self.payloads for a in p["alerts"]) or "nothing received"
+
+
+class _Processes:
+    """Start processes in their own session and stop each of them (by its id) at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs, self.started = logs, []
+
+    def start(self, name: str, args: list[str], **kwargs: Any) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "wb")
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
+        self.started.append((name, process, log))
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def stop_all(self) -> None:
+        for _, process, log in reversed(self.started):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)  # the session this test started for it
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(timeout=10)
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """Start collector, Alertmanager, Prometheus and the two jobs; yield what the tests need."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    processes = _Processes(tmp)
+    receiver = _Receiver()
+    try:
+        collector_port, am_port, prom_port = _free_port(), _free_port(), _free_port()
+        collector = f"http://127.0.0.1:{collector_port}"
+        processes.start("collector", [str(Path(sys.executable).parent / "ampwatch-server"), "--host", "127.0.0.1",
+                                      "--port", str(collector_port), "--db", str(tmp / "ampwatch.db"),
+                                      "--silent-after", "30"])
+        (tmp / "alertmanager.yml").write_text(yaml.safe_dump({
+            "route": {"receiver": "test", "group_by": ["alertname", "run", "optimizer"],
+                      "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
+            "receivers": [{"name": "test", "webhook_configs": [{"url": receiver.url, "send_resolved": True}]}],
+        }))
+        processes.start("alertmanager", [_binary("prometheus-alertmanager"),
+                                         f"--config.file={tmp / 'alertmanager.yml'}",
+                                         f"--storage.path={tmp / 'alertmanager'}",
+                                         f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="])
+        (tmp / "rules.yaml").write_text(render_rules(THRESHOLDS))
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": ["rules.yaml"],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
+            "scrape_configs": [{"job_name": "ampwatch",
+                                "static_configs": [{"targets": [f"127.0.0.1:{collector_port}"]}]}],
+        }))
+        processes.start("prometheus", [_binary("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
+                                       f"--storage.tsdb.path={tmp / 'prometheus'}",
+                                       f"--web.listen-address=127.0.0.1:{prom_port}"])
+        prometheus = f"http://127.0.0.1:{prom_port}"
+        _wait_until(lambda: _get(collector + "/readyz"), 30, lambda: "collector ready\n" + processes.log("collector"))
+        _wait_until(lambda: _get(f"http://127.0.0.1:{am_port}/-/ready"), 30,
+                    lambda: "alertmanager ready\n" + processes.log("alertmanager"))
+        _wait_until(lambda: _get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
+        # One malformed batch, so the collector-health panel's "rejected" series has data too.
+        bad = urllib.request.Request(collector + "/v1/ingest", data=b"{not json", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(bad, timeout=5)
+        started = time.time()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        # A streak of 8 skips in a row; then repeated single skips (backoff on both ranks, no streak).
+        jobs = [
+            processes.start("job-streak", [sys.executable, str(JOB), "--collector", collector, "--run", RUN_STREAK,
+                                           "--iterations", "200", "--overflow-at", "40-47"], env=env),
+            processes.start("job-backoff", [sys.executable, str(JOB), "--collector", collector, "--run", RUN_BACKOFF,
+                                            "--iterations", "260", "--overflow-at", "140,144,148,152,156,160"],
+                            env=env),
+        ]
+        yield {"prometheus": prometheus, "collector": collector, "receiver": receiver, "jobs": jobs,
+               "processes": processes, "started": started}
+    finally:
+        processes.stop_all()
+        receiver.server.shutdown()
+
+
+def _wait_for_jobs(stack: dict) -> None:
+    for job in stack["jobs"]:
+        job.wait(timeout=120)
+    for name in ("job-streak", "job-backoff"):
+        assert [j.returncode for j in stack["jobs"]] == [0, 0], stack["processes"].log(name)
+
+
+def test_a_skip_streak_fires_amp_consecutive_skipped_steps_with_run_and_optimizer_then_resolves(stack):
+    receiver = stack["receiver"]
+    for optimizer in ("body", "head"):
+        fired = _wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "firing",
+                                                    run=RUN_STREAK, optimizer=optimizer), 60, receiver.summary)
+        assert {a["labels"]["severity"] for a in fired} >= {"warning"}
+        assert {a["labels"]["rank"] for a in fired} <= {"0", "1"}
+        assert "skipped at least 4 consecutive steps" in fired[0]["annotations"]["description"]
+        assert fired[0]["annotations"]["runbook_url"].endswith("#ampconsecutiveskippedsteps")
+    _wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "resolved", run=RUN_STREAK), 60,
+                receiver.summary)
+
+
+def test_repeated_backoff_on_both_ranks_fires_amp_sustained_loss_scale_backoff(stack):
+    receiver = stack["receiver"]
+    fired = _wait_until(lambda: receiver.alerts("AmpSustainedLossScaleBackoff", "firing", run=RUN_BACKOFF), 90,
+                        receiver.summary)
+    assert "100% of the open ranks of run e2e-backoff" in fired[0]["annotations"]["description"]
+    _wait_for_jobs(stack)
+    # Its skips never came two in a row, so the streak alert stayed silent for that run.
+    assert receiver.alerts("AmpConsecutiveSkippedSteps", "firing", run=RUN_BACKOFF) == []
+
+
+def _query_range(prometheus: str, expr: str, start: float) -> list[dict]:
+    params = urllib.parse.urlencode({"query": expr, "start": start, "end": time.time(), "step": "1"})
+    answer = json.loads(_get(f"{prometheus}/api/v1/query_range?{params}"))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def test_every_dashboard_panel_query_returns_data_from_prometheus(stack):
+    _wait_until(lambda: stack["receiver"].alerts("AmpSustainedLossScaleBackoff", "firing"), 90,
+                stack["receiver"].summary)
+    _wait_for_jobs(stack)
+    time.sleep(2)  # one more scrape after the ranks closed
+    empty = []
+    for title, expr in panel_queries(dashboard_json(THRESHOLDS)):
+        for name, value in GRAFANA_VARIABLES.items():
+            expr = expr.replace(name, value)
+        if not _query_range(stack["prometheus"], expr, stack["started"]):
+            empty.append(f"{title}: {expr}")
+    assert empty == [], "panel queries without data:\n" + "\n".join(empty)
+
+
+def test_every_metric_the_rules_and_panels_read_is_exposed_by_the_collector(stack):
+    _wait_for_jobs(stack)
+    exposed = set(re.findall(r"^(ampwatch_[a-z_]+?)(?:_bucket|_count|_sum)?[{ ]",
+                             _get(stack["collector"] + "/metrics").decode(), flags=re.M))
+    read = {value for name, value in vars(_metrics).items() if name.isupper() and isinstance(value, str)}
+    assert read - exposed == set()
