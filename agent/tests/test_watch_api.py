@@ -165,3 +165,20 @@ def test_snapshot_has_the_protocol_shape(amp, watching):
     assert set(snap["state"]["optimizers"]["gen"]) == {
         "steps", "skipped", "consecutive_skipped", "longest_streak", "streaks", "streaks_reached",
         "scheduler_steps_after_skip", "poisoned_steps"}
+
+
+def test_a_watched_scaler_pickles_and_copies_as_a_plain_unwatched_one(amp, watching):
+    import copy
+    import pickle
+
+    model, sgd, _ = optimizers()
+    scaler = torch.amp.GradScaler("cpu")
+    sched = torch.optim.lr_scheduler.StepLR(sgd, 1)
+    w = watching(scaler, sgd, schedulers=sched)
+    amp.iteration(model, scaler, [sgd], torch.randn(2, 4), after_backward=lambda: amp.poison_grad(model[0].bias))
+    for clone in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        assert not {"step", "update", "__getstate__"} & set(vars(clone))
+        assert clone.get_scale() == scaler.get_scale() == 32768.0
+    assert not {"step", "__getstate__"} & set(vars(copy.deepcopy(sched)))
+    amp.iteration(model, scaler, [sgd], torch.randn(2, 4))  # the original is still watched
+    assert w.snapshot()["state"]["iteration"] == 2

@@ -40,6 +40,9 @@ class Attachment:
                 record.optimizer.register_step_pre_hook(self._pre_hook(record)))
         for record, label, scheduler in self._schedulers:
             self._patch(scheduler, "step", self._wrap_scheduler_step(scheduler.step, record, label))
+        for owner in {id(o): o for o, *_ in self._patched}.values():
+            if callable(getattr(owner, "__getstate__", None)):
+                self._patch(owner, "__getstate__", self._wrap_getstate(owner, owner.__getstate__))
         self.attached = True
 
     def detach(self) -> None:
@@ -109,6 +112,22 @@ class Attachment:
         update.__wrapped__ = original  # type: ignore[attr-defined]
         update.__doc__ = original.__doc__
         return update
+
+    def _wrap_getstate(self, owner: Any, original: Callable[[], Any]) -> Callable[[], Any]:
+        # A pickled or deep-copied scaler/scheduler must be a plain, unwatched one: leave our wrappers out.
+        def getstate() -> Any:
+            state = original()
+            if isinstance(state, dict):
+                state = dict(state)
+                for patched_owner, attr, previous, wrapper in self._patched:
+                    if patched_owner is owner and state.get(attr) is wrapper:
+                        if previous is _MISSING:
+                            del state[attr]
+                        else:
+                            state[attr] = previous
+            return state
+
+        return getstate
 
     def _pre_hook(self, record: OptimizerRecord) -> Callable[..., None]:
         recorder = self.recorder
