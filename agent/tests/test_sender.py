@@ -151,7 +151,7 @@ def test_a_slow_collector_never_blocks_the_calling_thread_and_close_keeps_its_ti
         recorder.skip()
         sender.wake()
         slowest = max(slowest, time.perf_counter() - started)
-    assert slowest < 0.05, f"a call on the training thread took {slowest:.3f} s"
+    assert slowest < 0.1, f"a call on the training thread took {slowest:.3f} s"
     started = time.monotonic()
     sender.close(0.5)
     took = time.monotonic() - started
