@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser, environ: Optional[Mapping[str
         kind: Any = {"int": int, "float": float}.get(str(field.type), str)
         default = field.default
         parser.add_argument(
-            "--" + field.name.replace("_", "-"), dest=field.name, type=kind, default=env.get(var, default),
+            # No type= here: values (flag or env) are converted in config_from_args, whose error names both.
+            "--" + field.name.replace("_", "-"), dest=field.name, default=env.get(var, default),
             metavar={int: "N", float: "SECONDS"}.get(kind, field.name.split("_")[-1].upper()),
             help=f"{_DOCS[field.name]} [env {var}; default {default}]")
 
@@ -117,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             try:
                 raw = kind(raw)
             except ValueError:
-                raise ValueError(f"{ENV_PREFIX}{field.name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+                raise ValueError(f"--{field.name.replace('_', '-')} / {ENV_PREFIX}{field.name.upper()}={raw!r} is not "
+                                 f"a valid {kind.__name__}") from None
         values[field.name] = raw if raw != "" else None if field.name == "token" else raw
     return ServerConfig(**values)

@@ -1,0 +1,41 @@
+"""The command line: --help explains options and their env variables; env and flags configure; bad values explain."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ampwatch.server._config import config_from_args
+from ampwatch.server.__main__ import build_parser
+
+
+def test_help_names_every_option_with_its_environment_variable():
+    out = subprocess.run([sys.executable, "-m", "ampwatch.server", "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    for option in ("--host", "--port", "--db", "--token", "--expire-after", "--run-retention", "--db-retention"):
+        assert option in out
+        assert "AMPWATCH_SERVER_" + option[2:].replace("-", "_").upper() in out
+    assert "[serve]" in out and "9457" in out
+
+
+def test_environment_variables_configure_and_flags_win(monkeypatch):
+    monkeypatch.setenv("AMPWATCH_SERVER_PORT", "9999")
+    monkeypatch.setenv("AMPWATCH_SERVER_TOKEN", "abc")
+    config = config_from_args(build_parser().parse_args([]))
+    assert (config.port, config.token) == (9999, "abc")
+    config = config_from_args(build_parser().parse_args(["--port", "9458"]))
+    assert config.port == 9458
+
+
+def test_bad_values_say_which_option_and_variable_to_fix(monkeypatch):
+    monkeypatch.setenv("AMPWATCH_SERVER_EXPIRE_AFTER", "soon")
+    with pytest.raises(ValueError, match="--expire-after / AMPWATCH_SERVER_EXPIRE_AFTER='soon' is not a valid float"):
+        config_from_args(build_parser().parse_args([]))
+    monkeypatch.delenv("AMPWATCH_SERVER_EXPIRE_AFTER")
+    with pytest.raises(ValueError, match="expire_after=1.0 must be >= silent_after.*--expire-after"):
+        config_from_args(build_parser().parse_args(["--expire-after", "1", "--silent-after", "5"]))
+    result = subprocess.run([sys.executable, "-m", "ampwatch.server", "serve", "--max-runs", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "max_runs=0 must be >= 1" in result.stderr
