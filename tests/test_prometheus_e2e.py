@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ampwatch.dashboards import _metrics
 from ampwatch.dashboards.dashboard import dashboard_json, panel_queries
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "e2e_ddp_job.py"
-RUN_STREAK, RUN_BACKOFF = "e2e-streak", "e2e-backoff"
+RUN_STREAK = "e2e-streak"
 # Seconds instead of minutes; the alert logic is the committed one.
 THRESHOLDS = AlertThresholds(
     calibration_iterations=5, skip_streak_warning=4, skip_streak_critical=16, skip_streak_window_s=6,
@@ -149,11 +150,11 @@ def stack(tmp_path_factory):
     processes = _Processes(tmp)
     receiver = _Receiver()
     try:
-        collector_port, am_port, prom_port = _free_port(), _free_port(), _free_port()
-        collector = f"http://127.0.0.1:{collector_port}"
-        processes.start("collector", [str(Path(sys.executable).parent / "ampwatch-server"), "--host", "127.0.0.1",
-                                      "--port", str(collector_port), "--db", str(tmp / "ampwatch.db"),
-                                      "--silent-after", "30"])
+        collector_port, second_port, am_port, prom_port = (_free_port() for _ in range(4))
+        collector, second = f"http://127.0.0.1:{collector_port}", f"http://127.0.0.1:{second_port}"
+        for name, port in (("collector", collector_port), ("collector-2", second_port)):
+            processes.start(name, [str(Path(sys.executable).parent / "ampwatch-server"), "--host", "127.0.0.1",
+                                   "--port", str(port), "--db", str(tmp / f"{name}.db"), "--silent-after", "30"])
         (tmp / "alertmanager.yml").write_text(yaml.safe_dump({
             "route": {"receiver": "test", "group_by": ["alertname", "run", "optimizer"],
                       "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
@@ -169,13 +170,15 @@ def stack(tmp_path_factory):
             "rule_files": ["rules.yaml"],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
             "scrape_configs": [{"job_name": "ampwatch",
-                                "static_configs": [{"targets": [f"127.0.0.1:{collector_port}"]}]}],
+                                "static_configs": [{"targets": [f"127.0.0.1:{collector_port}",
+                                                                 f"127.0.0.1:{second_port}"]}]}],
         }))
         processes.start("prometheus", [_binary("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
                                        f"--storage.tsdb.path={tmp / 'prometheus'}",
                                        f"--web.listen-address=127.0.0.1:{prom_port}"])
         prometheus = f"http://127.0.0.1:{prom_port}"
-        _wait_until(lambda: _get(collector + "/readyz"), 30, lambda: "collector ready\n" + processes.log("collector"))
+        for url, name in ((collector, "collector"), (second, "collector-2")):
+            _wait_until(lambda: _get(url + "/readyz"), 30, lambda: f"{name} ready\n" + processes.log(name))
         _wait_until(lambda: _get(f"http://127.0.0.1:{am_port}/-/ready"), 30,
                     lambda: "alertmanager ready\n" + processes.log("alertmanager"))
         _wait_until(lambda: _get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
@@ -186,15 +189,19 @@ def stack(tmp_path_factory):
             urllib.request.urlopen(bad, timeout=5)
         started = time.time()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        # A streak of 8 skips in a row; then repeated single skips (backoff on both ranks, no streak).
+        # A streak of 8 skips in a row; then repeated single skips (backoff on both ranks, no streak)
+        # in a run whose two ranks the agent pins to different collectors.
+        run_split = _run_split_across(collector, second)
         jobs = [
             processes.start("job-streak", [sys.executable, str(JOB), "--collector", collector, "--run", RUN_STREAK,
                                            "--iterations", "200", "--overflow-at", "40-47"], env=env),
-            processes.start("job-backoff", [sys.executable, str(JOB), "--collector", collector, "--run", RUN_BACKOFF,
+            processes.start("job-backoff", [sys.executable, str(JOB), "--collector", f"{collector},{second}",
+                                            "--run", run_split,
                                             "--iterations", "260", "--overflow-at", "140,144,148,152,156,160"],
                             env=env),
         ]
-        yield {"prometheus": prometheus, "collector": collector, "receiver": receiver, "jobs": jobs,
+        yield {"prometheus": prometheus, "collector": collector, "collectors": [collector, second],
+               "run_split": run_split, "receiver": receiver, "jobs": jobs,
                "processes": processes, "started": started}
     finally:
         processes.stop_all()
@@ -221,14 +228,35 @@ def test_a_skip_streak_fires_amp_consecutive_skipped_steps_with_run_and_optimize
                 receiver.summary)
 
 
-def test_repeated_backoff_on_both_ranks_fires_amp_sustained_loss_scale_backoff(stack):
-    receiver = stack["receiver"]
-    fired = _wait_until(lambda: receiver.alerts("AmpSustainedLossScaleBackoff", "firing", run=RUN_BACKOFF), 90,
+def test_repeated_backoff_on_both_ranks_fires_amp_sustained_loss_scale_backoff_across_two_collectors(stack):
+    receiver, run = stack["receiver"], stack["run_split"]
+    fired = _wait_until(lambda: receiver.alerts("AmpSustainedLossScaleBackoff", "firing", run=run), 90,
                         receiver.summary)
-    assert "100% of the open ranks of run e2e-backoff" in fired[0]["annotations"]["description"]
+    assert f"100% of the open ranks of run {run}" in fired[0]["annotations"]["description"]
+    # Each collector held one rank; only Prometheus saw both, and counted both as backing off.
+    ranks = [_ranks_held(url, run) for url in stack["collectors"]]
+    assert sorted(map(sorted, ranks)) == [["0"], ["1"]], ranks
+    counted = _query_range(stack["prometheus"], f'run:ampwatch_ranks_sustained_backoff:count6s{{run="{run}"}}',
+                           stack["started"])
+    assert max(float(v) for _, v in counted[0]["values"]) == 2
     _wait_for_jobs(stack)
     # Its skips never came two in a row, so the streak alert stayed silent for that run.
-    assert receiver.alerts("AmpConsecutiveSkippedSteps", "firing", run=RUN_BACKOFF) == []
+    assert receiver.alerts("AmpConsecutiveSkippedSteps", "firing", run=run) == []
+
+
+def _ranks_held(collector: str, run: str) -> set[str]:
+    """Return the ranks of ``run`` a collector exposes in /metrics."""
+    families = text_string_to_metric_families(_get(collector + "/metrics").decode())
+    return {sample.labels["rank"] for family in families if family.name == "ampwatch_iteration"
+            for sample in family.samples if sample.labels.get("run") == run}
+
+
+def _run_split_across(first: str, second: str) -> str:
+    """Return a run id whose rank 0 and rank 1 the agent pins to different collectors."""
+    from ampwatch.agent._config import AgentConfig  # the agent's own pinning, not a copy of it
+    config = AgentConfig.from_env(collector=[first, second], run="probe")
+    return next(run for run in (f"e2e-split-{i}" for i in range(100))
+                if config.collector_for(run, 0) != config.collector_for(run, 1))
 
 
 def _query_range(prometheus: str, expr: str, start: float) -> list[dict]:
