@@ -5,7 +5,7 @@
 
 const REFRESH_MS = 3000;
 const RECENT_S = 3600;          // recent events shown: the last hour
-const MAX_EVENTS_SHOWN = 200;
+const MAX_EVENTS_SHOWN = 100;
 const MAX_PAGES = 20;            // per refresh and kind: bounded work however long the run
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const SVG = "http://www.w3.org/2000/svg";
