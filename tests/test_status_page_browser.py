@@ -69,7 +69,8 @@ def test_the_status_page_shows_the_run_its_ranks_skips_and_the_streak_alert_with
                 assert any("0.weight (inf 0, nan" in text for text in named), named[:5]
                 assert any("2.weight (inf 0, nan" in text for text in named), named[:5]
                 ARTIFACTS.mkdir(exist_ok=True)
-                page.screenshot(path=str(ARTIFACTS / "status-page.png"), full_page=True)
+                page.screenshot(path=str(ARTIFACTS / "status-page.png"))
+                page.screenshot(path=str(ARTIFACTS / "status-page-full.png"), full_page=True)
             finally:
                 browser.close()
     assert problems == []
