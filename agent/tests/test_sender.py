@@ -220,3 +220,16 @@ def test_nothing_is_started_without_a_collector():
     sender.wake()
     sender.close(1)
     assert sender._thread is None
+
+
+def test_closing_against_a_down_collector_waits_out_its_timeout_without_spinning(senders):
+    server = RecordingCollector()  # down
+    sender, recorder = make_sender(server.url, max_backoff=2.0)
+    senders.append(sender)
+    recorder.skip()
+    time.sleep(0.2)
+    cpu, wall = time.process_time(), time.monotonic()
+    sender.close(1.0)
+    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    assert 0.9 < wall < 1.3
+    assert cpu < 0.3, f"close() burned {cpu:.2f} s of CPU in {wall:.2f} s waiting for a down collector"

@@ -122,14 +122,14 @@ class Sender:
             try:
                 closing = self._stop.is_set()
                 now = time.monotonic()
-                if self._wake.is_set() and not closing:
-                    self._wake.clear()
+                if self._wake.is_set():
+                    self._wake.clear()  # always: a set flag would turn the wait below into a busy loop
                     next_push = min(next_push, max(now, self._last_build + _WAKE_GAP))
                 if closing or now >= next_push:
                     self._build(closing)
                     next_push = max(now, self._last_build) + self.config.push_interval
                 self._deliver()
-                if closing and self._finished(now):
+                if closing and self._finished():
                     break
                 if self._backlog and self._outbox.head() is None:
                     next_push = time.monotonic()  # more events than one batch holds: send the rest now
@@ -142,8 +142,10 @@ class Sender:
                 self._wake.wait(max(0.0, min(wait, self.config.push_interval)))
             except Exception as exc:  # never let the thread die: count, pause, carry on
                 self.errors.report("the sender thread", exc)
-                if self._stop.wait(min(1.0, self.config.push_interval)) and self._deadline_left() <= 0:
-                    break
+                if self._stop.wait(min(1.0, self.config.push_interval)):
+                    if self._deadline_left() <= 0:
+                        break
+                    time.sleep(0.05)  # closing: keep trying until the deadline, but not in a tight loop
         self._shutdown()
 
     def _build(self, closing: bool) -> None:
@@ -224,7 +226,7 @@ class Sender:
                                url, f"HTTP {status}" if status is not None else detail)
                 return
 
-    def _finished(self, now: float) -> bool:
+    def _finished(self) -> bool:
         """Return whether closing is done: the closed batch was delivered, or time is up."""
         return (self._closed_built and self._outbox.head() is None) or self._deadline_left() <= 0
 
