@@ -31,7 +31,7 @@ class AgentConfig:
     """Collector base URLs (``AMPWATCH_URL``, comma-separated). Empty: record only, send nothing."""
     run: str | None = None
     """Run id shared by all ranks (``AMPWATCH_RUN``); resolved from the launcher when ``None``."""
-    token: str | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)  # a secret never lands in a log
     """Bearer token for ingest (``AMPWATCH_TOKEN``)."""
     push_interval: float = 1.0
     """Seconds between batches (``AMPWATCH_PUSH_INTERVAL``)."""

@@ -38,11 +38,13 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("ampwatch.server").info(
-        "ampwatch collector listening on http://%s:%d (metrics at /metrics), storing data in %s",
-        config.host, config.port, os.path.abspath(config.db))
+        "ampwatch collector listening on %s://%s:%d (metrics at /metrics), storing data in %s",
+        "https" if config.ssl_certfile else "http", config.host, config.port, os.path.abspath(config.db))
     # One worker on purpose: the per-rank state lives in this process.
+    # access_log off: request lines carry client addresses and paths, never needed, and must never carry tokens.
     uvicorn.run(create_app(config), host=config.host, port=config.port, workers=1, log_level=config.log_level,
-                access_log=False, timeout_graceful_shutdown=10)
+                access_log=False, timeout_graceful_shutdown=10, ssl_certfile=config.ssl_certfile,
+                ssl_keyfile=config.ssl_keyfile)
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from ._access import AccessGuard, AccessMetrics
 from ._alert_service import AlertService, NotificationMetrics, router as alerts_router
 from ._config import ServerConfig
 from ._ingest import IngestService
@@ -59,6 +60,9 @@ class _CollectorApp(FastAPI):
     """FastAPI, except that ingest goes straight to its handler (no routing or dependency solving per batch)."""
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and (refusal := self.state.guard.refusal(scope)) is not None:
+            await self.state.guard.refuse(send, *refusal)
+            return
         if scope["type"] == "http" and scope["path"] == "/v1/ingest" and scope["method"] == "POST" \
                 and self.state.ready:
             await self.state.ingest(scope, receive, send)
@@ -83,6 +87,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.ingest = IngestService(config, state, store, own)
         alerts = app.state.alert_service = AlertService(parse_targets(config.webhook))
         own.registry.register(NotificationMetrics(alerts.notifier))
+        own.registry.register(AccessMetrics(app.state.guard))
         app.state.ingest.on_applied = alerts.observe
         alert_task = asyncio.create_task(alerts.run(state))
         task = asyncio.create_task(_retire_loop(app, config))
@@ -106,6 +111,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                               "(protocol v1, docs/protocol.md) and exposes them to Prometheus at /metrics.")
     app.state.ready = False
     app.state.config = config
+    app.state.guard = AccessGuard(config.read_token, config.rate_limit)
 
     @app.post("/v1/ingest", tags=["ingest"], summary="Apply one agent batch (protocol v1)",
               responses={200: {"description": '{"applied": true} or {"applied": false, "duplicate": true}'},

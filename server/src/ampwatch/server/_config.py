@@ -22,8 +22,16 @@ class ServerConfig:
     """TCP port (not 9400: NVIDIA dcgm-exporter uses it on GPU nodes)."""
     db: str = "ampwatch.db"
     """SQLite database file; created if missing; WAL mode."""
-    token: Optional[str] = None
+    token: Optional[str] = dataclasses.field(default=None, repr=False)  # repr=False: a secret never lands in a log
     """Bearer token agents must send to ingest (none: ingest is open)."""
+    read_token: Optional[str] = dataclasses.field(default=None, repr=False)
+    """Bearer token readers must send to /metrics and the /v1 query API (none: reading is open)."""
+    rate_limit: float = 0.0
+    """Requests per second one client address may make on average, bursts up to twice that (0: no limit)."""
+    ssl_certfile: Optional[str] = None
+    """PEM certificate (chain) to serve HTTPS with; needs ssl_keyfile (none: plain HTTP)."""
+    ssl_keyfile: Optional[str] = None
+    """PEM private key of ssl_certfile."""
     silent_after: float = 60.0
     """Seconds without a batch after which a rank no longer counts in ampwatch_run_ranks_reporting."""
     expire_after: float = 3600.0
@@ -60,6 +68,9 @@ class ServerConfig:
             ("max_ranks_per_run", self.max_ranks_per_run >= 1, "must be >= 1"),
             ("max_optimizers_per_rank", self.max_optimizers_per_rank >= 1, "must be >= 1"),
             ("max_label_length", 1 <= self.max_label_length <= 128, "must be between 1 and 128"),
+            ("rate_limit", self.rate_limit >= 0, "must be >= 0 requests per second (0 turns the limit off)"),
+            ("ssl_keyfile", bool(self.ssl_certfile) == bool(self.ssl_keyfile),
+             "and ssl_certfile must be given together"),
             ("log_level", self.log_level in ("debug", "info", "warning", "error"),
              "must be one of debug, info, warning, error"),
         ]
@@ -72,12 +83,20 @@ class ServerConfig:
             parse_targets(self.webhook)  # a bad entry raises a ValueError saying what to write
 
 
+# Text options where an empty value (e.g. AMPWATCH_SERVER_TOKEN="") means "not set".
+_OPTIONAL_TEXT = ("token", "read_token", "ssl_certfile", "ssl_keyfile", "webhook")
+
 # Short forms of the field docstrings above, for --help.
 _DOCS = {
     "host": "address to listen on (0.0.0.0 accepts agents from other machines)",
     "port": "TCP port (9457; not 9400, which NVIDIA dcgm-exporter uses)",
     "db": "SQLite database file, created if missing (WAL mode)",
     "token": "bearer token agents must send to /v1/ingest (default: none, ingest open)",
+    "read_token": "bearer token readers (Prometheus, scripts) must send to /metrics and /v1/* "
+                  "(default: none, reading open)",
+    "rate_limit": "requests per second per client address, bursts up to twice that; 429 above (0: off)",
+    "ssl_certfile": "PEM certificate to serve HTTPS (with --ssl-keyfile)",
+    "ssl_keyfile": "PEM private key for --ssl-certfile",
     "silent_after": "seconds without a batch before a rank stops counting as reporting",
     "expire_after": "seconds without a batch before a rank leaves /metrics "
                     "(keep above the silence alert's threshold + for)",
@@ -120,5 +139,5 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             except ValueError:
                 raise ValueError(f"--{field.name.replace('_', '-')} / {ENV_PREFIX}{field.name.upper()}={raw!r} is not "
                                  f"a valid {kind.__name__}") from None
-        values[field.name] = raw if raw != "" else None if field.name == "token" else raw
+        values[field.name] = None if raw == "" and field.name in _OPTIONAL_TEXT else raw
     return ServerConfig(**values)

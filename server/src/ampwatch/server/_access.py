@@ -1,0 +1,110 @@
+"""Who may do what, before any route runs: the optional read token and the per-client rate limit."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Callable, Optional
+
+__all__ = ["AccessGuard", "AccessMetrics", "RateLimiter", "READ_PREFIXES"]
+
+# Paths that reveal what the collector holds; the status page's files and health checks stay open.
+READ_PREFIXES = ("/metrics", "/v1/")
+_INGEST = "/v1/ingest"
+
+
+class RateLimiter:
+    """A token bucket per client address: ``rate`` requests per second on average, bursts up to ``2 * rate``.
+
+    At most ``max_clients`` buckets are kept; when full, buckets that refilled (idle clients) go first,
+    so a flood of spoofed or many distinct addresses cannot grow memory without bound.
+    """
+
+    def __init__(self, rate: float, max_clients: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.max_clients, self.clock = rate, 2.0 * rate, max_clients, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, time of last refill)
+
+    def allow(self, client: str) -> bool:
+        """Take one token for ``client``; return False when its bucket is empty."""
+        now = self.clock()
+        tokens, then = self._buckets.get(client, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if client not in self._buckets and len(self._buckets) >= self.max_clients:
+            self._forget_idle(now)
+        if tokens < 1.0:
+            self._buckets[client] = (tokens, now)
+            return False
+        self._buckets[client] = (tokens - 1.0, now)
+        return True
+
+    def retry_after(self, client: str) -> int:
+        """Whole seconds until ``client`` has a token again (at least 1)."""
+        tokens, _ = self._buckets.get(client, (0.0, 0.0))
+        return max(1, int((1.0 - tokens) / self.rate + 0.999))
+
+    def _forget_idle(self, now: float) -> None:
+        full = [c for c, (t, then) in self._buckets.items() if t + (now - then) * self.rate >= self.burst]
+        for client in full or list(self._buckets)[: max(1, len(self._buckets) // 10)]:
+            del self._buckets[client]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class AccessGuard:
+    """Refuse a request before routing: over the client's rate (429), or reading without the read token (401/403)."""
+
+    def __init__(self, read_token: Optional[str], rate_limit: float) -> None:
+        self._expected = f"Bearer {read_token}".encode() if read_token else None
+        self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
+        self.refused: dict[str, int] = {"rate": 0, "read_auth": 0}  # exposed in /metrics
+
+    def refusal(self, scope: dict) -> Optional[tuple[int, dict, list[tuple[bytes, bytes]]]]:
+        """Return ``(status, body, extra headers)`` when the request must be refused, else None."""
+        if self.limiter is not None:
+            client = (scope.get("client") or ("unknown", 0))[0]
+            if not self.limiter.allow(client):
+                self.refused["rate"] += 1
+                wait = self.limiter.retry_after(client)
+                return 429, {"error": "rate", "message": f"too many requests from {client}: this collector allows "
+                             f"{self.limiter.rate:g} per second per client address (--rate-limit); retry in "
+                             f"{wait} s"}, [(b"retry-after", str(wait).encode())]
+        path = scope.get("path", "")
+        if self._expected is None or path == _INGEST or not path.startswith(READ_PREFIXES):
+            return None
+        given = dict(scope.get("headers") or ()).get(b"authorization")
+        if not given:
+            self.refused["read_auth"] += 1
+            return 401, {"error": "auth", "message": "this collector requires a read token: send 'Authorization: "
+                         "Bearer <token>' (Prometheus: authorization.credentials in the scrape config)"}, \
+                [(b"www-authenticate", b"Bearer")]
+        if not hmac.compare_digest(given, self._expected):
+            self.refused["read_auth"] += 1
+            return 403, {"error": "auth", "message": "the read token is wrong: it must equal the collector's "
+                         "--read-token / AMPWATCH_SERVER_READ_TOKEN"}, []
+        return None
+
+    async def refuse(self, send: Callable, status: int, body: dict, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the refusal as a JSON answer."""
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode()), *headers]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+class AccessMetrics:
+    """A prometheus_client Collector exposing the guard's refusals (read at scrape time)."""
+
+    def __init__(self, guard: AccessGuard) -> None:
+        self.guard = guard
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's Collector protocol
+        from prometheus_client.core import CounterMetricFamily
+        family = CounterMetricFamily("ampwatch_collector_refused_requests",
+                                     "Requests refused before routing, by reason (rate, read_auth).",
+                                     labels=["reason"])
+        for reason, count in self.guard.refused.items():
+            family.add_metric([reason], count)
+        yield family
