@@ -104,3 +104,14 @@ def test_a_live_process_spool_is_not_adopted_but_a_dead_ones_is(tmp_path):
     successor.pop()
     successor.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unusable_spool_dir_is_counted_and_delivery_goes_on_from_memory(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with RecordingCollector() as server:
+        sender, recorder = make_sender(server.url, spool_dir=str(not_a_folder))
+        recorder.skip()
+        sender.close(5)
+        assert server.event_ids() == [1]
+        assert server.acked[-1]["state"]["delivery"]["agent_errors"] == 1

@@ -72,12 +72,6 @@ class Sender:
         """Start the background thread (no-op without collectors, or in a forked child)."""
         if self._thread is not None or not self.config.sends or self._in_forked_child():
             return
-        try:
-            if self.config.spool_dir:
-                self._outbox = SpoolOutbox(self.config.spool_dir, self.identity.incarnation,
-                                           self.config.spool_max_bytes)
-        except OSError as exc:
-            self.errors.report(f"opening the spool in {self.config.spool_dir!r} (sending without it)", exc)
         self._thread = threading.Thread(target=self._run, name="ampwatch-sender", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
@@ -117,6 +111,7 @@ class Sender:
 
     def _run(self) -> None:
         """Build a batch every push interval (or soon after wake()), deliver oldest first, until closed."""
+        self._open_spool()  # here, not in start(): adopting a big spool must not delay training
         next_push = time.monotonic()  # the first batch right away: the rank shows up at once
         while True:
             try:
@@ -243,6 +238,16 @@ class Sender:
                         " (kept in the spool for the next run)" if isinstance(self._outbox, SpoolOutbox) else "")
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _open_spool(self) -> None:
+        """Use the on-disk spool when configured (adopting earlier processes' batches), else memory."""
+        if not self.config.spool_dir:
+            return
+        try:
+            self._outbox = SpoolOutbox(self.config.spool_dir, self.identity.incarnation,
+                                       self.config.spool_max_bytes)
+        except OSError as exc:
+            self.errors.report(f"opening the spool in {self.config.spool_dir!r} (sending without it)", exc)
 
     def _take_snapshot(self) -> dict[str, Any]:
         """Call ``snapshot()``; on failure count it and reuse the last good one."""
