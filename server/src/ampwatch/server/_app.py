@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ._access import AccessGuard, AccessMetrics
 from ._alert_service import AlertService, NotificationMetrics, router as alerts_router
+from ._alert_thresholds import load_thresholds
 from ._config import ServerConfig
 from ._ingest import IngestService
 from ._metrics import CONTENT_TYPE, SelfMetrics, scrape
@@ -85,7 +86,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         own = SelfMetrics(state, store.size_bytes, VERSION)
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         app.state.ingest = IngestService(config, state, store, own)
-        alerts = app.state.alert_service = AlertService(parse_targets(config.webhook))
+        alerts = app.state.alert_service = AlertService(parse_targets(config.webhook),
+                                                         thresholds=load_thresholds(config.alert_thresholds))
         own.registry.register(NotificationMetrics(alerts.notifier))
         own.registry.register(AccessMetrics(app.state.guard))
         app.state.ingest.on_applied = alerts.observe

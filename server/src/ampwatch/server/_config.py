@@ -54,6 +54,8 @@ class ServerConfig:
     """Log level: debug, info, warning, error."""
     webhook: Optional[str] = None
     """Built-in alert notification targets, comma-separated ``kind:url`` (kinds webhook, alertmanager, slack)."""
+    alert_thresholds: Optional[str] = None
+    """Thresholds of the built-in alerts: a profile (``default``, ``demo``) or a JSON file of overrides."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -81,6 +83,8 @@ class ServerConfig:
         if self.webhook:
             from ._notify import parse_targets
             parse_targets(self.webhook)  # a bad entry raises a ValueError saying what to write
+        from ._alert_thresholds import load_thresholds
+        load_thresholds(self.alert_thresholds)  # a bad file raises a ValueError naming the field
 
 
 # Text options where an empty value (e.g. AMPWATCH_SERVER_TOKEN="") means "not set".
@@ -108,6 +112,8 @@ _DOCS = {
     "max_optimizers_per_rank": "optimizers per rank (429 above)",
     "max_label_length": "longest run/optimizer name (422 above; parameter names are cut to it)",
     "log_level": "debug, info, warning or error",
+    "alert_thresholds": "thresholds of the built-in alerts: 'demo' (seconds-long windows, for `make demo`) "
+                        "or a JSON file of ampwatch.dashboards.thresholds fields to override",
     "webhook": "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager "
                "webhook payload), alertmanager (its base URL; v2 API) or slack (incoming webhook)",
 }

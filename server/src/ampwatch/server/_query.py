@@ -61,20 +61,9 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) ->
     return {"runs": [dict(row, in_metrics=row["run"] in held) for row in rows]}
 
 
-@router.get("/runs/{run}", summary="One run: its ranks with their current state")
-async def get_run(request: Request, run: str) -> dict[str, Any]:
-    """Return the run's ranks (from memory when shown in /metrics, else rebuilt from the database)."""
-    held = request.app.state.collector_state.runs.get(run, {})
-    stored = await asyncio.to_thread(load_ranks, request.app.state.store, run=run)
-    ranks = {r.rank: (r, False) for r in stored}
-    ranks.update({r.rank: (r, True) for r in held.values() if r.current is not None})
-    if not ranks:
-        raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
-    summaries = [rank_summary(r, shown) for _, (r, shown) in sorted(ranks.items())]
-    return {"run": run, "closed": all(s["closed"] for s in summaries), "ranks": summaries}
-
-
-@router.get("/runs/{run}/events", summary="A run's events, oldest first, paginated")
+# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events
+# route comes first, or the run route's {run:path} would take "<run>/events" as a run id.
+@router.get("/runs/{run:path}/events", summary="A run's events, oldest first, paginated")
 async def list_events(
     request: Request, run: str,
     kind: Optional[EventKind] = Query(None, description="only this event kind"),
@@ -104,3 +93,16 @@ async def list_events(
     page = rows[:limit]
     events = [dict(json.loads(row["body"]), rank=row["rank"], incarnation=row["incarnation"]) for row in page]
     return {"events": events, "next": page[-1]["cursor"] if len(rows) > limit else None}
+
+
+@router.get("/runs/{run:path}", summary="One run: its ranks with their current state")
+async def get_run(request: Request, run: str) -> dict[str, Any]:
+    """Return the run's ranks (from memory when shown in /metrics, else rebuilt from the database)."""
+    held = request.app.state.collector_state.runs.get(run, {})
+    stored = await asyncio.to_thread(load_ranks, request.app.state.store, run=run)
+    ranks = {r.rank: (r, False) for r in stored}
+    ranks.update({r.rank: (r, True) for r in held.values() if r.current is not None})
+    if not ranks:
+        raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
+    summaries = [rank_summary(r, shown) for _, (r, shown) in sorted(ranks.items())]
+    return {"run": run, "closed": all(s["closed"] for s in summaries), "ranks": summaries}
