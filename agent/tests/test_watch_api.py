@@ -122,6 +122,20 @@ def test_close_ends_open_streaks_and_emits_close(amp, watching, events):
     assert w.closed
 
 
+def test_ampwatch_max_events_bounds_the_event_buffer_of_watch(amp, watching, events, monkeypatch):
+    monkeypatch.setenv("AMPWATCH_MAX_EVENTS", "3")
+    model, sgd, _ = optimizers()
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
+    w = watching(scaler, {"gen": sgd})
+    for _ in range(4):  # each iteration: one skip and one backoff event
+        amp.iteration(model, scaler, [sgd], torch.randn(2, 4),
+                      after_backward=lambda: amp.poison_grad(model[0].bias))
+    kept = events(w)
+    assert len(kept) == 3
+    assert w._recorder.events.dropped == 5
+    assert kept[-1]["iteration"] == 3  # the oldest were dropped first
+
+
 def test_after_close_the_loop_runs_untouched(amp, watching):
     model, sgd, _ = optimizers()
     scaler = torch.amp.GradScaler("cpu")

@@ -83,8 +83,11 @@ class Watch:
                          f"{c['scheduler_steps_after_skip']} scheduler steps after a skip")
         return "\n".join(lines)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop watching: restore the scaler, flush what is left (waiting at most ``timeout`` s)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop watching: restore the scaler, flush what is left (waiting at most ``timeout`` s).
+
+        ``timeout`` defaults to ``AMPWATCH_CLOSE_TIMEOUT`` (5 s).
+        """
         with self._close_lock:
             if self._closed:
                 return
@@ -128,7 +131,7 @@ class DisabledWatch:
         """Say that the agent is disabled."""
         return "ampwatch agent disabled (AMPWATCH_DISABLED)"
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Do nothing."""
 
     def __enter__(self) -> "DisabledWatch":
@@ -166,7 +169,7 @@ def watch(scaler: torch.amp.GradScaler,
             raise ValueError("this scaler is already watched; close() the earlier watch before watching it again")
         _watched.add(id(scaler))
     try:
-        events = EventBuffer()
+        events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
         sender_ref: list[Sender] = []
         recorder = Recorder(scaler, records, names, events,
