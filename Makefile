@@ -1,6 +1,6 @@
 # ampwatch: one entry point for newcomers and CI.
 #   make test   run the whole test suite (creates .venv on first use)
-#   make demo   run the demo (ARGS=... is passed through)
+#   make demo   collector + 2-rank DDP job with an overflow, live (ARGS=--once exits at the end; ARGS=--help)
 #   make bench  run the benchmarks (ARGS=--quick for a short run)
 
 PYTHON ?= python3
@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) examples/ddp_train.py $(ARGS)
+	$(PY) examples/demo.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)

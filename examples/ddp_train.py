@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--push-interval", type=float, default=None,
                         help="seconds between batches to the collector (default: AMPWATCH_PUSH_INTERVAL or 1)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (the same on every rank)")
+    parser.add_argument("--sleep", type=float, default=0.0,
+                        help="seconds to pause after each iteration (paces the job so a collector sees it live)")
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.iterations < 1 or args.inject_for < 0:
         parser.error("--ranks and --iterations must be >= 1, --inject-for >= 0")
@@ -100,6 +102,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         scaler.update()
         if watch.stepped(opt_body):  # a skipped step must not advance the LR schedule
             schedule.step()
+        if args.sleep:
+            time.sleep(args.sleep)
     elapsed = time.perf_counter() - started
     watch.close()
     _print_in_rank_order(rank, world_size, f"rank {rank} ({elapsed:.1f} s, {args.iterations} iterations)\n"

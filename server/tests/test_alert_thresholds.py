@@ -73,3 +73,24 @@ def test_the_demo_profile_fires_the_streak_alert_at_four_skips_where_the_default
                 assert client.post("/v1/ingest", json=batch).status_code == 200
                 firing = [a for a in client.get("/v1/alerts").json()["firing"] if a["labels"]["run"] == run]
                 assert len(firing) == (length == fires_at), (profile, length, firing)
+
+
+def test_with_seconds_long_windows_a_streak_alert_resolves_one_window_after_the_streak_not_later():
+    from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
+    from ampwatch.server._alerting_states import BuiltinAlerts
+
+    demo = load_thresholds("demo")
+    alerts = BuiltinAlerts(demo)
+    resolved_at = None
+    for tick in range(0, 100):  # a batch every 0.25 s for 25 s; a 4-skip streak at t = 10 s
+        now = tick * 0.25
+        reached = {1: 1, 2: 1, 4: 1} if now >= 10 else {}
+        snapshot = RankSnapshot(run="r", rank=0, last_seen=now, iteration=100 + tick,
+                                optimizers={"gen": OptimizerCounters(steps=tick, skipped=4 * (now >= 10),
+                                                                     streaks_reached=reached)})
+        for change in alerts.observe(snapshot, now=now):
+            if change.status == "resolved":
+                resolved_at = now
+    # The ladder counter rose at t = 10; it leaves the window at 10 + window (+ one batch, + a tenth of the window).
+    assert resolved_at is not None
+    assert demo.skip_streak_window_s + 10 <= resolved_at <= demo.skip_streak_window_s * 1.1 + 10.25, resolved_at

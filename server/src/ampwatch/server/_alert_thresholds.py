@@ -16,7 +16,7 @@ def _profiles() -> Mapping[str, Any]:
         # Seconds instead of minutes, so a job of a minute (`make demo`) shows alerts firing AND resolving.
         # Never for production: a 5 s streak window forgets a streak before a 15 s scrape sees it.
         "demo": dataclasses.replace(
-            DEFAULT_THRESHOLDS, calibration_iterations=20, skip_streak_warning=4, skip_streak_critical=16,
+            DEFAULT_THRESHOLDS, calibration_iterations=10, skip_streak_warning=4, skip_streak_critical=16,
             skip_streak_window_s=5, backoff_window_s=5, backoff_min_count=3, backoff_for_s=1,
             collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
             silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30),

@@ -101,12 +101,16 @@ class BuiltinAlerts:
     """
 
     def __init__(self, thresholds: Any = None, *, resolved_retention_s: float = 900.0,
-                 resolution_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+                 resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time) -> None:
         self.thresholds = thresholds if thresholds is not None else default_thresholds()
         t = self.thresholds
         self._horizon_s = max(t.skip_streak_window_s, t.backoff_window_s, t.skip_ratio_window_s,
                               t.scheduler_window_s, t.poisoned_window_s)
-        self._resolution_s = resolution_s
+        shortest = min(t.skip_streak_window_s, t.backoff_window_s, t.skip_ratio_window_s,
+                       t.scheduler_window_s, t.poisoned_window_s)
+        # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
+        # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.
+        self._resolution_s = resolution_s if resolution_s is not None else min(5.0, shortest / 10)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
         self._states = AlertStates(resolved_retention_s)
