@@ -16,7 +16,9 @@ STREAK_LADDER: tuple[str, ...] = tuple(str(2 ** i) for i in range(11))  # "1", "
 MAX_EVENTS = 10_000
 MAX_PARAMS = 16
 
-Count = Annotated[int, Field(ge=0)]
+# SQLite stores integers as 64-bit signed: a larger one would fail at COMMIT (a 500) instead of a 422.
+MAX_INT = 2 ** 63 - 1
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 Label = Annotated[str, Field(min_length=1, max_length=128)]
 LadderKey = Literal[STREAK_LADDER]  # type: ignore[valid-type]
 
@@ -75,7 +77,7 @@ class ParamDetail(_Model):
 
 
 class _EventBase(_Model):
-    id: Annotated[int, Field(ge=1)]
+    id: Annotated[int, Field(ge=1, le=MAX_INT)]
     time: float
     iteration: Count
 
@@ -83,7 +85,7 @@ class _EventBase(_Model):
 class SkipEvent(_EventBase):
     kind: Literal["skip"]
     optimizer: Label
-    streak: Annotated[int, Field(ge=1)]
+    streak: Annotated[int, Field(ge=1, le=MAX_INT)]
     params: list[ParamDetail] = Field(default_factory=list, max_length=MAX_PARAMS)
     params_total: Optional[Count] = None
     inspected: bool = True
@@ -93,7 +95,7 @@ class StreakEndEvent(_EventBase):
     kind: Literal["streak_end"]
     optimizer: Label
     start_iteration: Count
-    length: Annotated[int, Field(ge=1)]
+    length: Annotated[int, Field(ge=1, le=MAX_INT)]
 
 
 class ScaleChangeEvent(_EventBase):
@@ -146,12 +148,12 @@ class Batch(_Model):
     agent: AgentInfo
     run: Label
     rank: Count
-    world_size: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=1, le=MAX_INT)]
     local_rank: Count
     host: str = Field(max_length=255)
     pid: Count
     incarnation: str = Field(min_length=8, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")
-    seq: Annotated[int, Field(ge=1)]
+    seq: Annotated[int, Field(ge=1, le=MAX_INT)]
     sent_at: float
     scaler: ScalerInfo
     state: RankState
