@@ -30,6 +30,7 @@ def serve(argv: Sequence[str]) -> int:
 
     from ._app import create_app
     from ._config import config_from_args
+    from ._gc import tune_gc
     args = build_parser().parse_args(list(argv))
     try:
         config = config_from_args(args)
@@ -42,7 +43,9 @@ def serve(argv: Sequence[str]) -> int:
         "https" if config.ssl_certfile else "http", config.host, config.port, os.path.abspath(config.db))
     # One worker on purpose: the per-rank state lives in this process.
     # access_log off: request lines carry client addresses and paths, never needed, and must never carry tokens.
-    uvicorn.run(create_app(config), host=config.host, port=config.port, workers=1, log_level=config.log_level,
+    app = create_app(config)
+    tune_gc()  # the collector's own process only: tests that build apps in-process keep the defaults
+    uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level=config.log_level,
                 access_log=False, timeout_graceful_shutdown=10, ssl_certfile=config.ssl_certfile,
                 ssl_keyfile=config.ssl_keyfile)
     return 0

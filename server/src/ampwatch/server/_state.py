@@ -54,11 +54,12 @@ class Incarnation:
     longest: dict[str, int]
     nonfinite: dict[str, tuple[int, str]]  # optimizer -> (event id, latest offending parameter)
 
-    def to_row(self) -> dict:
-        """Return the database row that restores this incarnation."""
+    def to_row(self, batch_json: Optional[str] = None) -> dict:
+        """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
+        # Re-serialising the batch was a tenth of the ingest CPU; an event-free body restores to the same model.
         return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
-                "batch": self.batch.model_dump_json(exclude={"events"}),
+                "batch": batch_json or self.batch.model_dump_json(exclude={"events"}),
                 "counters": json.dumps({"counters": self.counters, "longest": self.longest,
                                         "nonfinite": self.nonfinite}, separators=(",", ":"))}
 
