@@ -12,22 +12,20 @@ import http.server
 import json
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from prometheus_stack import Processes, binary, get, query_range, start_prometheus, wait_until
+from webhook_receiver import free_port
 
 from ampwatch.dashboards import _metrics
 from ampwatch.dashboards.dashboard import dashboard_json, panel_queries
@@ -47,37 +45,6 @@ THRESHOLDS = AlertThresholds(
     scheduler_window_s=6, poisoned_window_s=6,
 )
 GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _binary(name: str) -> str:
-    path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
-    if path is None:
-        pytest.fail(f"{name} is not installed: run .ci/run (it installs it from Debian)")
-    return path
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read()
-
-
-def _wait_until(predicate: Callable[[], Any], timeout: float, what: Callable[[], str] | str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = predicate()
-        except OSError:
-            result = None
-        if result:
-            return result
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for: {what() if callable(what) else what}")
 
 
 class _Receiver:
@@ -116,41 +83,14 @@ class _Receiver:
                              for p in self.payloads for a in p["alerts"]) or "nothing received"
 
 
-class _Processes:
-    """Start processes in their own session and stop each of them (by its id) at the end."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs, self.started = logs, []
-
-    def start(self, name: str, args: list[str], **kwargs: Any) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "wb")
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **kwargs)
-        self.started.append((name, process, log))
-        return process
-
-    def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    def stop_all(self) -> None:
-        for _, process, log in reversed(self.started):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)  # the session this test started for it
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait(timeout=10)
-            log.close()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """Start collector, Alertmanager, Prometheus and the two jobs; yield what the tests need."""
     tmp = tmp_path_factory.mktemp("e2e")
-    processes = _Processes(tmp)
+    processes = Processes(tmp)
     receiver = _Receiver()
     try:
-        collector_port, second_port, am_port, prom_port = (_free_port() for _ in range(4))
+        collector_port, second_port, am_port, prom_port = (free_port() for _ in range(4))
         collector, second = f"http://127.0.0.1:{collector_port}", f"http://127.0.0.1:{second_port}"
         for name, port in (("collector", collector_port), ("collector-2", second_port)):
             processes.start(name, [str(Path(sys.executable).parent / "ampwatch-server"), "--host", "127.0.0.1",
@@ -160,28 +100,18 @@ def stack(tmp_path_factory):
                       "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
             "receivers": [{"name": "test", "webhook_configs": [{"url": receiver.url, "send_resolved": True}]}],
         }))
-        processes.start("alertmanager", [_binary("prometheus-alertmanager"),
+        processes.start("alertmanager", [binary("prometheus-alertmanager"),
                                          f"--config.file={tmp / 'alertmanager.yml'}",
                                          f"--storage.path={tmp / 'alertmanager'}",
                                          f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="])
-        (tmp / "rules.yaml").write_text(render_rules(THRESHOLDS))
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": ["rules.yaml"],
-            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-            "scrape_configs": [{"job_name": "ampwatch",
-                                "static_configs": [{"targets": [f"127.0.0.1:{collector_port}",
-                                                                 f"127.0.0.1:{second_port}"]}]}],
-        }))
-        processes.start("prometheus", [_binary("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
-                                       f"--storage.tsdb.path={tmp / 'prometheus'}",
-                                       f"--web.listen-address=127.0.0.1:{prom_port}"])
-        prometheus = f"http://127.0.0.1:{prom_port}"
+        prometheus = start_prometheus(processes, tmp, prom_port, render_rules(THRESHOLDS),
+                                      [f"127.0.0.1:{collector_port}", f"127.0.0.1:{second_port}"],
+                                      alertmanager=f"127.0.0.1:{am_port}")
         for url, name in ((collector, "collector"), (second, "collector-2")):
-            _wait_until(lambda: _get(url + "/readyz"), 30, lambda: f"{name} ready\n" + processes.log(name))
-        _wait_until(lambda: _get(f"http://127.0.0.1:{am_port}/-/ready"), 30,
+            wait_until(lambda: get(url + "/readyz"), 30, lambda: f"{name} ready\n" + processes.log(name))
+        wait_until(lambda: get(f"http://127.0.0.1:{am_port}/-/ready"), 30,
                     lambda: "alertmanager ready\n" + processes.log("alertmanager"))
-        _wait_until(lambda: _get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
+        wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
         # One malformed batch, so the collector-health panel's "rejected" series has data too.
         bad = urllib.request.Request(collector + "/v1/ingest", data=b"{not json", method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -218,25 +148,25 @@ def _wait_for_jobs(stack: dict) -> None:
 def test_a_skip_streak_fires_amp_consecutive_skipped_steps_with_run_and_optimizer_then_resolves(stack):
     receiver = stack["receiver"]
     for optimizer in ("body", "head"):
-        fired = _wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "firing",
+        fired = wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "firing",
                                                     run=RUN_STREAK, optimizer=optimizer), 60, receiver.summary)
         assert {a["labels"]["severity"] for a in fired} >= {"warning"}
         assert {a["labels"]["rank"] for a in fired} <= {"0", "1"}
         assert "skipped at least 4 consecutive steps" in fired[0]["annotations"]["description"]
         assert fired[0]["annotations"]["runbook_url"].endswith("#ampconsecutiveskippedsteps")
-    _wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "resolved", run=RUN_STREAK), 60,
+    wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "resolved", run=RUN_STREAK), 60,
                 receiver.summary)
 
 
 def test_repeated_backoff_on_both_ranks_fires_amp_sustained_loss_scale_backoff_across_two_collectors(stack):
     receiver, run = stack["receiver"], stack["run_split"]
-    fired = _wait_until(lambda: receiver.alerts("AmpSustainedLossScaleBackoff", "firing", run=run), 90,
+    fired = wait_until(lambda: receiver.alerts("AmpSustainedLossScaleBackoff", "firing", run=run), 90,
                         receiver.summary)
     assert f"100% of the open ranks of run {run}" in fired[0]["annotations"]["description"]
     # Each collector held one rank; only Prometheus saw both, and counted both as backing off.
     ranks = [_ranks_held(url, run) for url in stack["collectors"]]
     assert sorted(map(sorted, ranks)) == [["0"], ["1"]], ranks
-    counted = _query_range(stack["prometheus"], f'run:ampwatch_ranks_sustained_backoff:count6s{{run="{run}"}}',
+    counted = query_range(stack["prometheus"], f'run:ampwatch_ranks_sustained_backoff:count6s{{run="{run}"}}',
                            stack["started"])
     assert max(float(v) for _, v in counted[0]["values"]) == 2
     _wait_for_jobs(stack)
@@ -246,7 +176,7 @@ def test_repeated_backoff_on_both_ranks_fires_amp_sustained_loss_scale_backoff_a
 
 def _ranks_held(collector: str, run: str) -> set[str]:
     """Return the ranks of ``run`` a collector exposes in /metrics."""
-    families = text_string_to_metric_families(_get(collector + "/metrics").decode())
+    families = text_string_to_metric_families(get(collector + "/metrics").decode())
     return {sample.labels["rank"] for family in families if family.name == "ampwatch_iteration"
             for sample in family.samples if sample.labels.get("run") == run}
 
@@ -259,15 +189,8 @@ def _run_split_across(first: str, second: str) -> str:
                 if config.collector_for(run, 0) != config.collector_for(run, 1))
 
 
-def _query_range(prometheus: str, expr: str, start: float) -> list[dict]:
-    params = urllib.parse.urlencode({"query": expr, "start": start, "end": time.time(), "step": "1"})
-    answer = json.loads(_get(f"{prometheus}/api/v1/query_range?{params}"))
-    assert answer["status"] == "success", answer
-    return answer["data"]["result"]
-
-
 def test_every_dashboard_panel_query_returns_data_from_prometheus(stack):
-    _wait_until(lambda: stack["receiver"].alerts("AmpSustainedLossScaleBackoff", "firing"), 90,
+    wait_until(lambda: stack["receiver"].alerts("AmpSustainedLossScaleBackoff", "firing"), 90,
                 stack["receiver"].summary)
     _wait_for_jobs(stack)
     time.sleep(2)  # one more scrape after the ranks closed
@@ -275,7 +198,7 @@ def test_every_dashboard_panel_query_returns_data_from_prometheus(stack):
     for title, expr in panel_queries(dashboard_json(THRESHOLDS)):
         for name, value in GRAFANA_VARIABLES.items():
             expr = expr.replace(name, value)
-        if not _query_range(stack["prometheus"], expr, stack["started"]):
+        if not query_range(stack["prometheus"], expr, stack["started"]):
             empty.append(f"{title}: {expr}")
     assert empty == [], "panel queries without data:\n" + "\n".join(empty)
 
@@ -283,6 +206,6 @@ def test_every_dashboard_panel_query_returns_data_from_prometheus(stack):
 def test_every_metric_the_rules_and_panels_read_is_exposed_by_the_collector(stack):
     _wait_for_jobs(stack)
     exposed = set(re.findall(r"^(ampwatch_[a-z_]+?)(?:_bucket|_count|_sum)?[{ ]",
-                             _get(stack["collector"] + "/metrics").decode(), flags=re.M))
+                             get(stack["collector"] + "/metrics").decode(), flags=re.M))
     read = {value for name, value in vars(_metrics).items() if name.isupper() and isinstance(value, str)}
     assert read - exposed == set()

@@ -1,0 +1,182 @@
+"""Parity: one scripted batch stream, two evaluators: the real Prometheus with the generated rules and the built-in one.
+
+Both read the same thresholds (shortened to seconds): Prometheus gets the rules
+``render_rules`` generates from them, the collector gets them as its
+``--alert-thresholds`` file. Eight runs, each scripted to trip one alert (or
+none), stream protocol v1 batches into one real collector for about 20 s; then
+the alerts that fired (name, run, rank, optimizer, severity) must be the same on
+both sides, and equal to what each run was scripted to trip.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from prometheus_stack import Processes, get, query_range, start_prometheus, wait_until
+from webhook_receiver import free_port
+
+from ampwatch.dashboards.rules import render_rules
+from ampwatch.dashboards.thresholds import AlertThresholds
+from ampwatch.server._alert_thresholds import thresholds_json
+from ampwatch.server._harness import CollectorProcess, make_batch, optimizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+THRESHOLDS = AlertThresholds(
+    calibration_iterations=0, skip_streak_warning=4, skip_streak_critical=16, skip_streak_window_s=6,
+    backoff_window_s=6, backoff_min_count=3, backoff_for_s=1, collapsed_for_s=1, desync_for_s=2,
+    skip_ratio=0.3, skip_ratio_window_s=10, skip_ratio_for_s=1, skip_ratio_min_steps=20,
+    silent_after_s=4, silent_for_s=1, scheduler_window_s=6, poisoned_window_s=6,
+)
+BATCHES = 40  # one every 0.5 s per rank
+PERIOD_S = 0.5
+ITERATIONS_PER_BATCH = 2
+TROUBLE = range(10, 13)  # the batches in which scripted trouble happens
+
+# What each run was scripted to trip: (alert, run, rank, optimizer, severity); "" where a label is absent.
+EXPECTED = {
+    *{("AmpConsecutiveSkippedSteps", "p-streak", str(r), "gen", "warning") for r in (0, 1)},
+    ("AmpSustainedLossScaleBackoff", "p-streak", "", "", "warning"),
+    ("AmpHighSkippedStepRatio", "p-ratio", "0", "gen", "warning"),
+    ("AmpSustainedLossScaleBackoff", "p-ratio", "", "", "warning"),
+    ("AmpLossScaleCollapsed", "p-collapse", "0", "", "critical"),
+    ("AmpLossScaleDesync", "p-desync", "", "", "warning"),
+    ("AmpSchedulerStepsOnSkipped", "p-sched", "0", "gen", "warning"),
+    ("AmpPoisonedStep", "p-poison", "0", "gen", "critical"),
+    ("AmpRankSilent", "p-silent", "0", "", "warning"),
+}
+
+
+class ScriptedRank:
+    """One rank's cumulative counters, advanced batch by batch as a real agent would report them."""
+
+    def __init__(self, run: str, rank: int, world_size: int, scale: float = 2.0 ** 16, iteration: int = 0) -> None:
+        self.run, self.rank, self.world_size = run, rank, world_size
+        self.seq, self.iteration, self.scale = 0, iteration, scale
+        self.backoffs = 0
+        self.opts = {name: optimizer() for name in ("gen", "disc")}
+
+    def close(self) -> dict:
+        """Return the last batch of a rank that closed cleanly."""
+        batch = self.step()
+        batch["closed"] = True
+        return batch
+
+    def step(self, skip_gen: Iterator[bool] = iter(()), **gen_extra: int) -> dict:
+        """Advance ITERATIONS_PER_BATCH iterations (``skip_gen`` says which skip ``gen``) and return the batch."""
+        for _ in range(ITERATIONS_PER_BATCH):
+            self.iteration += 1
+            skipped = next(skip_gen, False)
+            for name, o in self.opts.items():
+                if name == "gen" and skipped:
+                    o["skipped"] += 1
+                    o["consecutive_skipped"] += 1
+                    o["longest_streak"] = max(o["longest_streak"], o["consecutive_skipped"])
+                    if o["consecutive_skipped"] == 1:
+                        o["streaks"] += 1
+                    if o["consecutive_skipped"] & (o["consecutive_skipped"] - 1) == 0:  # a power of two: on the ladder
+                        key = str(o["consecutive_skipped"])
+                        o["streaks_reached"][key] = o["streaks_reached"].get(key, 0) + 1
+                else:
+                    o["steps"] += 1
+                    o["consecutive_skipped"] = 0
+            if skipped:  # a skip backs the scale off once per update, as GradScaler does
+                self.backoffs += 1
+                self.scale /= 2
+        for key, value in gen_extra.items():
+            self.opts["gen"][key] += value
+        self.seq += 1
+        return make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
+                          seq=self.seq, incarnation=f"parity-{self.run}-{self.rank}", sent_at=time.time(),
+                          iteration=self.iteration, loss_scale=self.scale, backoffs=self.backoffs,
+                          optimizers={k: dict(v, streaks_reached=dict(v["streaks_reached"]))
+                                      for k, v in self.opts.items()})
+
+
+def _post(url: str, batch: dict) -> None:
+    request = urllib.request.Request(url + "/v1/ingest", data=json.dumps(batch).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        assert answer.status == 200
+
+
+def _stream(url: str) -> None:
+    """Send every run's batches, PERIOD_S apart, for BATCHES periods."""
+    ranks = {
+        "p-clean": [ScriptedRank("p-clean", r, 2) for r in (0, 1)],
+        "p-streak": [ScriptedRank("p-streak", r, 2) for r in (0, 1)],
+        # Started high: half its updates back off, yet it must not collapse (below 1) within the test.
+        "p-ratio": [ScriptedRank("p-ratio", 0, 1, scale=2.0 ** 64)],
+        # Joined late with its scale already collapsed (its backoffs happened before the collector saw it).
+        "p-collapse": [ScriptedRank("p-collapse", 0, 1, scale=0.5, iteration=500)],
+        "p-desync": [ScriptedRank("p-desync", 0, 2), ScriptedRank("p-desync", 1, 2, scale=2.0 ** 14)],
+        "p-sched": [ScriptedRank("p-sched", 0, 1)],
+        "p-poison": [ScriptedRank("p-poison", 0, 1)],
+        "p-silent": [ScriptedRank("p-silent", 0, 1)],
+    }
+    for batch in range(BATCHES):
+        started = time.monotonic()
+        trouble = batch in TROUBLE
+        for rank in ranks["p-clean"] + ranks["p-desync"] + ranks["p-collapse"]:
+            _post(url, rank.step())
+        for rank in ranks["p-streak"]:  # 6 skips in a row: a streak over the warning threshold (4), 6 backoffs
+            _post(url, rank.step(iter([trouble] * ITERATIONS_PER_BATCH)))
+        # Every other iteration skips: half the steps (over skip_ratio 0.3), never two in a row.
+        _post(url, ranks["p-ratio"][0].step(iter([True, False])))
+        first = batch == TROUBLE.start
+        _post(url, ranks["p-sched"][0].step(iter([first]), scheduler_steps_after_skip=int(first)))
+        _post(url, ranks["p-poison"][0].step(poisoned_steps=int(first)))
+        if batch < 8:  # then it goes quiet without closing
+            _post(url, ranks["p-silent"][0].step())
+        time.sleep(max(0.0, PERIOD_S - (time.monotonic() - started)))
+    for run, run_ranks in ranks.items():
+        for rank in run_ranks:
+            if run != "p-silent":  # the others close cleanly, so that only p-silent counts as silent
+                _post(url, rank.close())
+
+
+def _fired_in_prometheus(prometheus: str, start: float) -> set[tuple]:
+    series = query_range(prometheus, 'ALERTS{alertstate="firing"}', start)
+    return {(s["metric"]["alertname"], s["metric"].get("run", ""), s["metric"].get("rank", ""),
+             s["metric"].get("optimizer", ""), s["metric"].get("severity", "")) for s in series}
+
+
+def _fired_built_in(collector: str) -> set[tuple]:
+    alerts = json.loads(get(collector + "/v1/alerts"))
+    return {(a["name"], a["labels"].get("run", ""), a["labels"].get("rank", ""), a["labels"].get("optimizer", ""),
+             a["labels"].get("severity", "")) for a in alerts["firing"] + alerts["resolved"]}
+
+
+def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_run_rank_and_optimizer(
+        tmp_path: Path):
+    (tmp_path / "thresholds.json").write_text(thresholds_json(THRESHOLDS))
+    processes = Processes(tmp_path)
+    collector = CollectorProcess(str(tmp_path / "ampwatch.db"),
+                                 args=["--alert-thresholds", str(tmp_path / "thresholds.json")])
+    try:
+        collector.start()
+        prometheus = start_prometheus(processes, tmp_path, free_port(), render_rules(THRESHOLDS),
+                                      [f"127.0.0.1:{collector.port}"])
+        wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
+        # Let Prometheus scrape the empty collector once, so every run's series is born inside the test.
+        wait_until(lambda: query_range(prometheus, "up", time.time() - 5), 30, "a first scrape")
+        start = time.time()
+        _stream(collector.url)
+        # Prometheus lags by a scrape and an evaluation; the silent rank needs silent_after_s + for.
+        wait_until(lambda: _fired_in_prometheus(prometheus, start) >= EXPECTED
+                   and _fired_built_in(collector.url) >= EXPECTED, 20,
+                   lambda: f"both evaluators to fire everything scripted:\n  expected   {sorted(EXPECTED)}\n"
+                           f"  prometheus {sorted(_fired_in_prometheus(prometheus, start))}\n"
+                           f"  built-in   {sorted(_fired_built_in(collector.url))}")
+        in_prometheus, built_in = _fired_in_prometheus(prometheus, start), _fired_built_in(collector.url)
+    finally:
+        processes.stop_all()
+        collector.kill()
+    assert built_in == in_prometheus, (f"only built-in: {sorted(built_in - in_prometheus)}; "
+                                       f"only Prometheus: {sorted(in_prometheus - built_in)}")
+    assert built_in == EXPECTED  # and nothing for p-clean
