@@ -1,0 +1,160 @@
+"""Faults at the far end, seen from a real training loop with the real agent.
+
+* The collector is unreachable for a stretch (not started yet, then SIGKILLed and restarted): training
+  keeps its pace, and with a spool every event arrives; without one, drops are bounded and counted.
+* The collector accepts connections but answers very slowly, or with 5xx: training keeps its pace and
+  the agent's memory stays bounded.
+
+Iteration times are compared as ratios within the test's own run (printed; asserted loosely).
+SIGKILL mid 2-rank DDP run: tests/test_collector_e2e.py. Sender-level outages: agent/tests/test_sender.py,
+agent/tests/test_spool.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import urllib.request
+
+import httpx
+import pytest
+from fault_training import Trainer
+from recording_collector import RecordingCollector
+
+from ampwatch.server._harness import CollectorProcess, value
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+PHASE_S = 1.5
+# Loose: a 2-core machine runs the collector, pytest and the loop at once; a blocked loop would be >10x.
+MAX_SLOWDOWN = 1.5
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    monkeypatch.setenv("AMPWATCH_MAX_BACKOFF", "0.3")
+    monkeypatch.setenv("AMPWATCH_TIMEOUT", "2")
+    monkeypatch.setenv("AMPWATCH_CLOSE_TIMEOUT", "20")
+    monkeypatch.delenv("AMPWATCH_SPOOL_DIR", raising=False)
+
+
+def _events(url: str, run: str) -> list[dict]:
+    found, after = [], 0
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while True:
+            page = client.get(f"/v1/runs/{run}/events", params={"after": after, "limit": 1000}).json()
+            found += page["events"]
+            if page["next"] is None:
+                return found
+            after = page["next"]
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def _outage_run(collector: CollectorProcess, run: str) -> Trainer:
+    """Down (never started) -> up -> down (SIGKILL) -> up; then close."""
+    trainer = Trainer(collector=collector.url, run=run, push_interval=0.1)
+    try:
+        trainer.run_for(PHASE_S, "down")
+        collector.start()
+        trainer.run_for(PHASE_S, "up")
+        collector.kill(signal.SIGKILL)
+        trainer.run_for(PHASE_S, "down-again")
+        collector.start()
+        trainer.run_for(PHASE_S, "up-again")
+    finally:
+        trainer.watch.close(timeout=20)
+    return trainer
+
+
+def _report(trainer: Trainer, what: str) -> float:
+    ratio = trainer.median("down", "down-again") / trainer.median("up", "up-again")
+    print(f"\n{what}: {trainer.iteration} iterations, {len(trainer.skipped_at)} skipped; median iteration "
+          f"{trainer.median('up', 'up-again') * 1e3:.2f} ms with the collector up, "
+          f"{trainer.median('down', 'down-again') * 1e3:.2f} ms while it was down: ratio {ratio:.2f}")
+    return ratio
+
+
+def _assert_counters_exact(text: str, trainer: Trainer, run: str) -> None:
+    labels = {"run": run, "rank": "0"}
+    main = dict(labels, optimizer="main")
+    assert value(text, "ampwatch_optimizer_skipped_steps_total", **main) == len(trainer.skipped_at)
+    assert value(text, "ampwatch_optimizer_steps_total", **main) == trainer.steps
+    assert value(text, "ampwatch_loss_scale_backoffs_total", **labels) == trainer.backoffs
+    assert value(text, "ampwatch_loss_scale_growths_total", **labels) == trainer.growths
+    assert value(text, "ampwatch_iteration", **labels) == trainer.iteration
+    assert value(text, "ampwatch_rank_closed", **labels) == 1
+
+
+def test_an_outage_with_a_spool_loses_no_event_and_does_not_slow_training(tmp_path, fast_retries, monkeypatch):
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
+    monkeypatch.setenv("AMPWATCH_MAX_EVENTS", "64")  # far less than an outage makes: the spool must hold them
+    collector = CollectorProcess(str(tmp_path / "ampwatch.db"))
+    try:
+        trainer = _outage_run(collector, "outage-spool")
+        ratio = _report(trainer, "outage with a spool")
+        text = _metrics(collector.url)
+        events = _events(collector.url, "outage-spool")
+    finally:
+        collector.kill()
+    _assert_counters_exact(text, trainer, "outage-spool")
+    assert value(text, "ampwatch_agent_dropped_events_total", run="outage-spool", rank="0") == 0
+    assert value(text, "ampwatch_agent_send_failures_total", run="outage-spool", rank="0") > 0
+    ids = [e["id"] for e in events]
+    assert ids == list(range(1, max(ids) + 1)), "an event is missing or doubled"
+    assert [e["iteration"] for e in events if e["kind"] == "skip"] == trainer.skipped_at
+    assert sum(e["kind"] == "scale_change" for e in events) == trainer.backoffs + trainer.growths
+    assert ratio < MAX_SLOWDOWN
+
+
+def test_an_outage_without_a_spool_drops_a_bounded_counted_number_of_events_and_counts_stay_exact(
+        tmp_path, fast_retries, monkeypatch):
+    monkeypatch.setenv("AMPWATCH_MAX_EVENTS", "64")
+    collector = CollectorProcess(str(tmp_path / "ampwatch.db"))
+    try:
+        trainer = _outage_run(collector, "outage-memory")
+        ratio = _report(trainer, "outage without a spool")
+        text = _metrics(collector.url)
+        events = _events(collector.url, "outage-memory")
+    finally:
+        collector.kill()
+    _assert_counters_exact(text, trainer, "outage-memory")  # cumulative counters: exact despite the drops
+    made = max(e["id"] for e in events)  # the close event is the last one made, and it is delivered
+    dropped = value(text, "ampwatch_agent_dropped_events_total", run="outage-memory", rank="0")
+    print(f"events made {made}, received {len(events)}, dropped and counted {dropped:.0f}")
+    assert len({e["id"] for e in events}) == len(events), "an event arrived twice"
+    assert dropped > 0 and made - len(events) == dropped, "every lost event is counted, no more, no less"
+    assert ratio < MAX_SLOWDOWN
+
+
+@pytest.mark.parametrize("misbehaviour", ["slow", "5xx"])
+def test_a_slow_or_failing_collector_neither_slows_training_nor_grows_the_agents_memory(misbehaviour, fast_retries,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("AMPWATCH_MAX_EVENTS", "64")
+    with RecordingCollector() as far_end:
+        trainer = Trainer(collector=far_end.url, run="misbehaving", push_interval=0.05)
+        try:
+            trainer.run_for(PHASE_S, "up")
+            if misbehaviour == "slow":
+                far_end.delay = 30.0  # accepts, reads, then sits on the answer (past the agent's 2 s timeout)
+            else:
+                far_end.status = 503
+            sender, buffer = trainer.watch._sender, trainer.watch._recorder.events
+            held = []
+            for _ in range(6):  # ~3 s, several hundred events: far more than the 64 the buffer holds
+                trainer.run_for(PHASE_S / 3, "down")
+                held.append(len(buffer))
+            trainer.run_for(0.01, "up-again")
+        finally:
+            far_end.delay, far_end.status = 0.0, 200
+            trainer.watch.close(timeout=10)
+        ratio = trainer.median("down") / trainer.median("up")
+        print(f"\n{misbehaviour}: median iteration {trainer.median('up') * 1e3:.2f} ms healthy, "
+              f"{trainer.median('down') * 1e3:.2f} ms misbehaving: ratio {ratio:.2f}; events held {held}, "
+              f"dropped {buffer.dropped}, send failures {sender.send_failures}")
+        assert max(held) <= 64 and buffer.dropped > 0
+        assert len(sender._outbox) <= 1  # one batch in flight at most, whatever the far end does
+        assert sender.send_failures > 0
+        assert ratio < MAX_SLOWDOWN
