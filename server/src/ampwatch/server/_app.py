@@ -142,7 +142,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def readyz(request: Request) -> JSONResponse:
         """Answer 200 once state is rebuilt and the database writer runs, else 503."""
         store = getattr(request.app.state, "store", None)
-        if request.app.state.ready and store is not None and store.healthy:
+        if request.app.state.ready and store is not None and store.healthy and store.failing is None:
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "not ready"}, status_code=503)
 

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sqlite3
 import time
 from typing import Any, Callable, Optional
 
@@ -54,6 +55,10 @@ class IngestService:
                 body["detail"] = refused.detail
         except StoreClosed as exc:
             status, body = 503, {"error": "unavailable", "message": f"{exc}; retry later"}
+        except sqlite3.DatabaseError as exc:  # disk full, read-only, I/O error: logged once by the store
+            status, body = 503, {"error": "storage", "message": f"the collector cannot write its database ({exc}); "
+                                 "the batch is not applied: retry later. Operator: free disk space or make the "
+                                 "database writable (see the collector's log)"}
         except Exception:
             log.exception("ingest failed")
             status, body = 500, {"error": "internal", "message": "the collector failed to store the batch; "

@@ -75,6 +75,7 @@ class Store:
         self._local = threading.local()
         self._closed = False
         self.commits = 0  # transactions committed (a group commit counts once)
+        self.failing: Optional[str] = None  # the last write error, until a write succeeds again
         self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
         self._thread.start()
 
@@ -148,16 +149,26 @@ class Store:
             results = [(job(conn), None) for job in jobs]
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite rolls back by itself on some errors (e.g. disk full)
+                conn.execute("ROLLBACK")
             raise
         self.commits += 1
+        if self.failing is not None:
+            log.warning("database writes to %s succeed again (the failing batches were not acknowledged; "
+                        "agents resend them)", self.path)
+            self.failing = None
         return results
 
     def _commit_one(self, job: Job) -> tuple[Any, Optional[BaseException]]:
         try:
             return self._commit([job])[0]
         except Exception as exc:
-            log.exception("database write failed; the batch is not applied (the agent will retry)")
+            # Logged once per kind of failure: a full disk must not also fill the log with a trace per batch.
+            if str(exc) != self.failing:
+                self.failing = str(exc)
+                log.error("database write to %s failed (%s); batches are not applied and get 503 until a write "
+                          "succeeds (agents retry): free disk space or make the file writable. Further failures "
+                          "like this one are not logged", self.path, exc, exc_info=exc)
             return None, exc
 
     def close(self, timeout: float = 10.0) -> None:
