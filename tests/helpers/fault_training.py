@@ -39,13 +39,13 @@ class Trainer:
         self.backoffs = self.growths = 0
         self.seconds: dict[str, list[float]] = {}  # phase -> iteration times
 
-    def step(self, phase: str) -> None:
-        """Run one iteration (poisoned when its index says so) and time it."""
+    def step(self, phase: str, x: torch.Tensor | None = None) -> None:
+        """Run one iteration on ``x`` (default: a fixed batch), poisoned when its index says so; time it."""
         poison = self.iteration % POISON_EVERY == POISON_EVERY - 1
         began = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = self.model(self.x).float().pow(2).mean()
+            loss = self.model(self.x if x is None else x).float().pow(2).mean()
         self.scaler.scale(loss).backward()
         if poison:
             self.model[0].weight.grad.view(-1)[0] = float("inf")
@@ -69,6 +69,11 @@ class Trainer:
     def median(self, *phases: str) -> float:
         """Median iteration time over ``phases``."""
         return statistics.median(t for p in phases for t in self.seconds[p])
+
+    def truth(self) -> dict[str, Any]:
+        """What a collector must end up showing for this rank."""
+        return {"iterations": self.iteration, "skipped_at": self.skipped_at, "steps": self.steps,
+                "backoffs": self.backoffs, "growths": self.growths}
 
     @property
     def steps(self) -> int:
