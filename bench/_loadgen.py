@@ -1,0 +1,277 @@
+"""Bounded load generator (its own process): N simulated ranks push one update each per interval.
+
+The same generator drives the ampwatch collector (``POST /v1/ingest``, a protocol v1 batch) and the
+Prometheus Pushgateway (``PUT /metrics/job/<run>/rank/<rank>``, the same counters in the text format).
+Each rank keeps one keep-alive connection and sends one request at a time, as an agent does; latency
+is from send to the full answer. Bodies are built from a template so the generator stays cheap, and it
+reports how late its own sends were (``lag``) and its own CPU, so a slow generator shows up as such.
+
+    python -m bench._loadgen --target ampwatch --port P --ranks 1024 --seconds 10
+    python -m bench._loadgen --target pushgateway --port P --ranks 1024 --seconds 10 --saturate 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from typing import Callable
+
+__all__ = ["ampwatch_body", "pushgateway_body", "run", "main"]
+
+SKIP_EVERY = 50  # default: one skip and one backoff every 50th update: realistic, and it exercises the event path
+_OPT = ("gen", "disc")
+_every = [SKIP_EVERY]  # this process's event rate (set from --skip-every)
+
+
+def _counters(seq: int, every: int) -> dict:
+    skips = seq // every
+    return {"seq": seq, "iteration": seq * 10, "steps": seq - skips, "skips": skips, "backoffs": skips}
+
+
+def ampwatch_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) -> Callable[[int], bytes]:
+    """Return ``seq -> body`` of a protocol v1 batch for one rank (two optimizers)."""
+    incarnation = uuid.uuid4().hex
+    head = {"protocol": 1, "agent": {"version": "0.1.0", "torch": "2.13.0"}, "run": run, "rank": rank,
+            "world_size": ranks, "local_rank": rank % 8, "host": f"node-{rank // 8}", "pid": 1000 + rank,
+            "incarnation": incarnation}
+    scaler = {"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
+              "backoff_factor": 0.5, "growth_interval": 2000}
+    delivery = {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0, "agent_errors": 0}
+    prefix = json.dumps(head)[:-1]
+
+    def body(seq: int) -> bytes:
+        c = _counters(seq, every)
+        skips, now = c["skips"], time.time()
+        gen = {"steps": c["steps"], "skipped": skips, "consecutive_skipped": 0, "longest_streak": min(skips, 1),
+               "streaks": skips, "streaks_reached": {"1": skips} if skips else {}, "scheduler_steps_after_skip": 0,
+               "poisoned_steps": 0}
+        events = []
+        if seq % every == 0:
+            events = [{"id": 2 * skips - 1, "kind": "skip", "time": now, "iteration": seq, "optimizer": "gen",
+                       "streak": 1, "params": [{"name": "decoder.layers.11.mlp.fc2.weight", "inf": 3, "nan": 0}],
+                       "params_total": 1, "inspected": True},
+                      {"id": 2 * skips, "kind": "scale_change", "time": now, "iteration": seq, "cause": "backoff",
+                       "before": 65536.0, "after": 32768.0}]
+        rest = {"seq": seq, "sent_at": now, "scaler": scaler,
+                "state": {"iteration": c["iteration"], "loss_scale": 32768.0, "backoffs": skips, "growths": 0,
+                          "manual_sets": 0,
+                          "optimizers": {"gen": gen, "disc": dict(gen, skipped=0, streaks=0, streaks_reached={})},
+                          "delivery": delivery},
+                "events": events, "closed": False}
+        return (prefix + ", " + json.dumps(rest)[1:]).encode()
+    return body
+
+
+def pushgateway_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) -> Callable[[int], bytes]:
+    """Return ``seq -> body``: the same counters as the batch, as a Pushgateway group in the text format."""
+    def body(seq: int) -> bytes:
+        c = _counters(seq, every)
+        skips = c["skips"]
+        per_opt = {"gen": (c["steps"], skips, skips), "disc": (c["steps"], 0, 0)}
+        lines = []
+        for name, kind, index in (("ampwatch_optimizer_steps_total", "counter", 0),
+                                  ("ampwatch_optimizer_skipped_steps_total", "counter", 1),
+                                  ("ampwatch_optimizer_skip_streaks_total", "counter", 2)):
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(f'{name}{{optimizer="{o}"}} {v[index]}' for o, v in per_opt.items())
+        lines.append("# TYPE ampwatch_optimizer_consecutive_skipped_steps gauge")
+        lines.extend(f'ampwatch_optimizer_consecutive_skipped_steps{{optimizer="{o}"}} 0' for o in _OPT)
+        lines.append("# TYPE ampwatch_optimizer_longest_skip_streak gauge")
+        lines.extend(f'ampwatch_optimizer_longest_skip_streak{{optimizer="{o}"}} {min(skips, 1) if o == "gen" else 0}'
+                     for o in _OPT)
+        for name, kind, value in (("ampwatch_loss_scale", "gauge", 32768.0),
+                                  ("ampwatch_loss_scale_backoffs_total", "counter", skips),
+                                  ("ampwatch_loss_scale_growths_total", "counter", 0),
+                                  ("ampwatch_iteration", "gauge", c["iteration"])):
+            lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name} {value}")
+        return ("\n".join(lines) + "\n").encode()
+    return body
+
+
+def ampwatch_body(run: str, rank: int, ranks: int, seq: int) -> bytes:
+    """One protocol v1 batch (for tests and one-off use)."""
+    return ampwatch_template(run, rank, ranks)(seq)
+
+
+def pushgateway_body(run: str, rank: int, ranks: int, seq: int) -> bytes:
+    """One Pushgateway group body (for tests and one-off use)."""
+    return pushgateway_template(run, rank, ranks)(seq)
+
+
+def _request(target: str, run: str, rank: int) -> bytes:
+    if target == "ampwatch":
+        return b"POST /v1/ingest HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    return (f"PUT /metrics/job/{run}/rank/{rank} HTTP/1.1\r\nHost: bench\r\n"
+            f"Content-Type: text/plain; version=0.0.4\r\n").encode()
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, body: bytes) -> int:
+    writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    status = int((await reader.readline()).split(b" ")[1])
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        if line[:15].lower() == b"content-length:":
+            length = int(line[15:])
+    if length:
+        await reader.readexactly(length)
+    return status
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.latency: list[float] = []  # seconds, steady state only (after each rank's first 2 updates)
+        self.latency_all: list[float] = []  # seconds, every answered update (first contact included)
+        self.missed = 0  # update slots a rank skipped because the answers came too slowly
+        self.unanswered = 0  # requests still unanswered at the end of the grace period
+        self.lag: list[float] = []      # seconds the send started after its schedule (generator or server behind)
+        self.answered = 0
+        self.failures: dict[int, int] = {}
+        self.first_send = float("inf")
+        self.last_answer = 0.0
+
+
+async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, start: float, seconds: int,
+                      grace: float, tally: _Tally) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    build = (ampwatch_template if target == "ampwatch" else pushgateway_template)(run, rank, ranks, _every[0])
+    head = _request(target, run, rank)
+    hard_stop = start + seconds + grace
+    seq = slot = 0
+    try:
+        while (due := start + rank / ranks + slot) < start + seconds:  # ranks spread evenly over each second
+            now = time.perf_counter()
+            if now - due >= 1.0:
+                # A whole interval behind: skip to the current slot, as an agent sends its latest state, not a backlog.
+                behind = int(now - due)
+                slot += behind
+                tally.missed += behind
+                continue
+            if due > now:
+                await asyncio.sleep(due - now)
+            seq += 1
+            slot += 1
+            body = build(seq)
+            sent = time.perf_counter()
+            try:
+                status = await asyncio.wait_for(_exchange(reader, writer, head, body), max(0.001, hard_stop - sent))
+            except asyncio.TimeoutError:
+                tally.unanswered += 1
+                tally.latency.append(hard_stop - sent)  # censored: at least this long
+                return
+            done = time.perf_counter()
+            tally.first_send = min(tally.first_send, sent)
+            tally.last_answer = max(tally.last_answer, done)
+            tally.latency_all.append(done - sent)
+            if seq > 2:
+                tally.latency.append(done - sent)
+                tally.lag.append(max(0.0, sent - due))
+            if 200 <= status < 300:
+                tally.answered += 1
+            else:
+                tally.failures[status] = tally.failures.get(status, 0) + 1
+    finally:
+        writer.close()
+
+
+async def _saturating_connection(target: str, port: int, run: str, ranks: list[int], world: int, until: float,
+                                 grace: float, tally: _Tally) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    builders = {r: ((ampwatch_template if target == "ampwatch" else pushgateway_template)(run, r, world, _every[0]),
+                    _request(target, run, r)) for r in ranks}
+    seq = 0
+    try:
+        while time.perf_counter() < until:
+            seq += 1
+            for r in ranks:  # back to back: the next request goes as soon as the answer is in
+                build, head = builders[r]
+                sent = time.perf_counter()
+                try:
+                    status = await asyncio.wait_for(_exchange(reader, writer, head, build(seq)),
+                                                    max(0.001, until + grace - sent))
+                except asyncio.TimeoutError:
+                    tally.unanswered += 1
+                    return
+                done = time.perf_counter()
+                tally.first_send = min(tally.first_send, sent)
+                tally.last_answer = max(tally.last_answer, done)
+                tally.latency.append(done - sent)
+                tally.latency_all.append(done - sent)
+                if 200 <= status < 300:
+                    tally.answered += 1
+                else:
+                    tally.failures[status] = tally.failures.get(status, 0) + 1
+                if done >= until:
+                    break
+    finally:
+        writer.close()
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, grace: float) -> dict:
+    tally = _Tally()
+    run = f"bench-{ranks}"
+    cpu0 = time.process_time()
+    if saturate:
+        until = time.perf_counter() + seconds
+        groups = [list(range(c, ranks, saturate)) for c in range(min(saturate, ranks))]
+        await asyncio.gather(*(_saturating_connection(target, port, run, g, ranks, until, grace, tally) for g in groups))
+    else:
+        start = time.perf_counter() + 0.5
+        await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally)
+                               for r in range(ranks)))
+    elapsed = max(1e-9, tally.last_answer - min(tally.first_send, tally.last_answer))
+    ms = 1000.0
+    return {"target": target, "ranks": ranks, "seconds": seconds, "mode": "saturate" if saturate else "paced",
+            "connections": saturate or ranks, "answered": tally.answered, "failures": tally.failures,
+            "elapsed_s": round(elapsed, 3), "updates_per_s": round(tally.answered / elapsed, 1),
+            "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
+            "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
+            "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
+            "offered_per_s": None if saturate else ranks, "missed_slots": tally.missed,
+            "unanswered": tally.unanswered,
+            "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
+            "generator_cpu_s": round(time.process_time() - cpu0, 2)}
+
+
+def run(target: str, port: int, ranks: int, seconds: int, saturate: int = 0, grace: float = 5.0) -> dict:
+    """Drive ``target`` on ``port`` (in this process); return throughput, latency and the generator's own cost."""
+    try:
+        import uvloop  # the server side has it too; a cheaper loop keeps the generator out of the measurement
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    return runner(_run(target, port, ranks, seconds, saturate, grace))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one load level and print its result as one JSON line."""
+    parser = argparse.ArgumentParser(prog="python -m bench._loadgen", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", choices=("ampwatch", "pushgateway"), required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--seconds", type=int, required=True)
+    parser.add_argument("--skip-every", type=int, default=SKIP_EVERY,
+                        help="a skip and a backoff event every this many updates of a rank")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds after the last slot before unanswered requests are given up (bounds the run)")
+    parser.add_argument("--saturate", type=int, default=0, metavar="CONNECTIONS",
+                        help="instead of one update per rank per second, send back to back on this many connections")
+    args = parser.parse_args(argv)
+    _every[0] = args.skip_every
+    print(json.dumps(run(args.target, args.port, args.ranks, args.seconds, args.saturate, args.grace)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

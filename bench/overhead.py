@@ -1,0 +1,295 @@
+"""Per-iteration cost of skip detection: bare loop vs ampwatch vs Accelerate vs the forum recipe.
+
+Four identical setups (same model, same data, two optimizers, ``GradScaler("cpu")`` + bfloat16 autocast)
+live in one process; blocks of iterations rotate between them so machine drift hits all alike, and each
+variant's cost is the median of its per-block ratios to the bare block of the same round.
+
+- ``bare``: the loop, nothing else.
+- ``ampwatch``: ``ampwatch.agent.watch`` attached, a real collector on loopback, default push interval;
+  the loop also asks ``watch.stepped(opt)`` for both optimizers every iteration.
+- ``accelerate``: Hugging Face Accelerate's own ``AcceleratedOptimizer`` (its wrapper, not a copy); its
+  ``step()`` runs ``scaler.step`` and ``scaler.update`` and reads ``step_was_skipped`` (what
+  ``Accelerator.optimizer_step_was_skipped`` returns).
+- ``forum``: ``scaler.get_scale()`` before and after ``update()``; a drop means a skip.
+
+Also: host-device syncs (``aten._local_scalar_dense``) per iteration on clean and on skipping iterations,
+and whether each method's answer matches the truth in a skip storm, for foreach and fused AdamW.
+
+    python -m bench.overhead [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["VARIANTS", "measure", "main"]
+
+VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
+
+
+class SyncCounter(TorchDispatchMode):
+    """Count ``aten._local_scalar_dense`` calls (a host-device sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mlp() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+    groups = [list(model[0].parameters()), list(model[2].parameters()) + list(model[4].parameters())]
+    return model, groups, lambda: model(x).float().pow(2).mean()
+
+
+def _transformer() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
+    block = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True, dropout=0.0)
+    head = nn.Linear(64, 8)
+    model = nn.ModuleDict({"block": block, "head": head})
+    x = torch.randn(8, 16, 64)
+    return model, [list(block.parameters()), list(head.parameters())], lambda: head(block(x)).float().pow(2).mean()
+
+
+MODELS = {"mlp": _mlp, "transformer": _transformer}
+
+
+class Setup:
+    """One model, two optimizers, one scaler and one way of telling skips."""
+
+    def __init__(self, variant: str, model: str, fused: bool, collector: Optional[str]) -> None:
+        torch.manual_seed(0)
+        self.variant = variant
+        self.model, groups, self.loss = MODELS[model]()
+        kw = {"fused": True} if fused else {"foreach": True}
+        self.opts = [torch.optim.AdamW(g, lr=1e-4, **kw) for g in groups]
+        self.scaler = torch.amp.GradScaler("cpu")
+        self.storm = False  # when set, the first optimizer's gradients are non-finite (it skips every step)
+        first = groups[0][0]
+        first.register_hook(lambda g: g * float("inf") if self.storm else g)
+        self.skipped: list[bool] = [False, False]  # the method's answer for the last iteration, per optimizer
+        self.watch = None
+        if variant == "ampwatch":
+            from ampwatch import agent
+            self.watch = agent.watch(self.scaler, {"body": self.opts[0], "head": self.opts[1]}, model=self.model,
+                                     collector=collector, run=f"bench-overhead-{model}")
+        elif variant == "accelerate":
+            from accelerate import Accelerator
+            from accelerate.optimizer import AcceleratedOptimizer
+            Accelerator(cpu=True)  # AcceleratedOptimizer reads the process-wide state that this initialises
+            self.wrapped = [AcceleratedOptimizer(o, device_placement=False, scaler=self.scaler) for o in self.opts]
+        self.iterate = getattr(self, "_" + variant)
+
+    def _forward_backward(self) -> None:
+        for opt in self.opts:
+            opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = self.loss()
+        self.scaler.scale(loss).backward()
+
+    def _bare(self, n: int) -> None:
+        for _ in range(n):
+            self._forward_backward()
+            for opt in self.opts:
+                self.scaler.step(opt)
+            self.scaler.update()
+
+    def _ampwatch(self, n: int) -> None:
+        for _ in range(n):
+            self._forward_backward()
+            for opt in self.opts:
+                self.scaler.step(opt)
+            self.scaler.update()
+            self.skipped = [self.watch.stepped(opt) is False for opt in self.opts]
+
+    def _accelerate(self, n: int) -> None:
+        for _ in range(n):
+            self._forward_backward()
+            for opt in self.wrapped:
+                opt.step()  # scaler.step + scaler.update inside, once per optimizer
+            self.skipped = [opt.step_was_skipped for opt in self.wrapped]
+
+    def _forum(self, n: int) -> None:
+        for _ in range(n):
+            self._forward_backward()
+            before = self.scaler.get_scale()
+            for opt in self.opts:
+                self.scaler.step(opt)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before  # one answer for the iteration, not per optimizer
+            self.skipped = [skipped, skipped]
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _syncs(setup: Setup, n: int) -> float:
+    with SyncCounter() as counter:
+        setup.iterate(n)
+    return counter.syncs / n
+
+
+def _updates_per_iter(setup: Setup, n: int) -> float:
+    scaler, calls = setup.scaler, [0]
+    had_own = "update" in vars(scaler)
+    inner = scaler.update
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+    scaler.update = counting
+    try:
+        setup.iterate(n)
+    finally:
+        if had_own:
+            scaler.update = inner
+        else:
+            del scaler.update
+    return calls[0] / n
+
+
+def _answers(setup: Setup, n: int) -> dict:
+    """Check the method's answers against the truth on ``n`` storm and ``n`` clean iterations."""
+    out = {"checked_iterations": n, "storm_flagged": 0, "storm_per_optimizer_right": 0, "clean_false_alarms": 0}
+    setup.storm = True
+    try:
+        for _ in range(n):
+            setup.iterate(1)
+            out["storm_flagged"] += any(setup.skipped)  # the iteration is seen to have skipped
+            out["storm_per_optimizer_right"] += setup.skipped == [True, False]  # truth: first skips, second steps
+    finally:
+        setup.storm = False
+    for _ in range(n):
+        setup.iterate(1)
+        out["clean_false_alarms"] += any(setup.skipped)
+    return out
+
+
+def measure(model: str, fused: bool, rounds: int, block: int, collector: Optional[str]) -> dict:
+    """Time every variant on ``model`` in rotating blocks; count syncs; check answers in a skip storm."""
+    setups = {v: Setup(v, model, fused, collector) for v in VARIANTS}
+    try:
+        for s in setups.values():
+            s.iterate(10)  # warm-up (allocator, autocast caches, the agent's first batch)
+        # CPU time of the process (the agent's sender thread included) is the primary measure: on a shared
+        # machine, wall time also counts the moments another job held the core.
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for i in range(rounds):
+            order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
+            for v in order:
+                cpu, wall = time.process_time(), time.perf_counter()
+                setups[v].iterate(block)
+                times[v].append((time.process_time() - cpu) / block)
+                walls[v].append((time.perf_counter() - wall) / block)
+        out = {"model": model, "optimizer": "AdamW(fused=True)" if fused else "AdamW(foreach=True)",
+               "rounds": rounds, "block": block, "variants": {}}
+        for v in VARIANTS:
+            ratios = [t / b for t, b in zip(times[v], times["bare"])]
+            wall_ratios = [t / b for t, b in zip(walls[v], walls["bare"])]
+            entry = {"cpu_us_per_iter": round(statistics.median(times[v]) * 1e6, 1),
+                     "wall_us_per_iter": round(statistics.median(walls[v]) * 1e6, 1),
+                     "wall_ratio": round(statistics.median(wall_ratios), 4),
+                     "ratio": round(statistics.median(ratios), 4),
+                     "ratio_p25": round(_pct(ratios, .25), 4), "ratio_p75": round(_pct(ratios, .75), 4),
+                     "extra_us_per_iter": round((statistics.median(times[v]) - statistics.median(times["bare"]))
+                                                * 1e6, 1),
+                     "syncs_per_clean_iter": _syncs(setups[v], 10)}
+            setups[v].storm = True
+            entry["syncs_per_storm_iter"] = _syncs(setups[v], 10)
+            setups[v].storm = False
+            if v != "bare":
+                entry.update(_answers(setups[v], 20))
+            out["variants"][v] = entry
+        for v in VARIANTS:  # Accelerate updates the scaler inside every wrapped step: once per optimizer
+            out["variants"][v]["updates_per_iter"] = _updates_per_iter(setups[v], 5)
+        return out
+    finally:
+        for s in setups.values():
+            s.close()
+
+
+def agent_host_cost_us(rounds: int, block: int, collector: Optional[str]) -> dict:
+    """The agent's own host CPU per iteration: watched minus bare on a 4-wide MLP, where compute is tiny."""
+    def tiny() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        x = torch.randn(2, 4)
+        return model, [list(model[0].parameters()), list(model[1].parameters())], lambda: model(x).float().sum()
+    MODELS["tiny"] = tiny
+    try:
+        bare, watched = Setup("bare", "tiny", False, collector), Setup("ampwatch", "tiny", False, collector)
+        try:
+            bare.iterate(20)
+            watched.iterate(20)
+            diffs, bare_t = [], []
+            for i in range(rounds):
+                pair = []
+                for s in ((bare, watched) if i % 2 == 0 else (watched, bare)):
+                    start = time.process_time()
+                    s.iterate(block)
+                    pair.append(((time.process_time() - start) / block, s is bare))
+                b = next(t for t, is_bare in pair if is_bare)
+                w = next(t for t, is_bare in pair if not is_bare)
+                diffs.append(w - b)
+                bare_t.append(b)
+            return {"agent_host_us_per_iter": round(statistics.median(diffs) * 1e6, 1),
+                    "agent_host_us_p25": round(_pct(diffs, .25) * 1e6, 1),
+                    "agent_host_us_p75": round(_pct(diffs, .75) * 1e6, 1),
+                    "tiny_bare_cpu_us_per_iter": round(statistics.median(bare_t) * 1e6, 1)}
+        finally:
+            bare.close()
+            watched.close()
+    finally:
+        del MODELS["tiny"]
+
+
+@contextlib.contextmanager
+def _collector() -> Iterator[str]:
+    from bench._servers import collector
+    with collector() as srv:
+        yield srv.url
+
+
+def run(quick: bool) -> dict:
+    """Run the whole overhead section; return its results."""
+    torch.set_num_threads(1)  # less scheduler noise on a shared machine; every variant alike
+    rounds, block = (8, 10) if quick else (40, 25)
+    with _collector() as url:
+        results = {"rounds": rounds, "block": block, "collector": "real, loopback, push interval 1 s",
+                   "measurements": [measure(m, False, rounds, block, url) for m in MODELS]}
+        results["storm_fused"] = measure("mlp", True, max(4, rounds // 4), block, url)
+        results["host_cost"] = agent_host_cost_us(rounds * 2, block * 4, url)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run and print the results as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few seconds")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.quick), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
