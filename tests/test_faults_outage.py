@@ -25,8 +25,9 @@ from ampwatch.server._harness import CollectorProcess, value
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 PHASE_S = 1.5
-# Loose: a 2-core machine runs the collector, pytest and the loop at once; a blocked loop would be >10x.
-MAX_SLOWDOWN = 1.5
+# Loose: 2 cores run the collector (or the in-process test double), pytest and the loop at once; a loop
+# that waited on the network even once per push would be >10x (the "slow" far end sits 30 s on each answer).
+MAX_SLOWDOWN = 2.0
 
 
 @pytest.fixture
