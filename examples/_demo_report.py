@@ -191,4 +191,6 @@ def _event_text(key: tuple) -> str:
 
 
 def _alert_text(alert: dict) -> str:
-    return f"{alert['name']} [{alert['labels'].get('severity')}]: {alert['annotations'].get('summary', '')}"
+    where = " ".join(f"{key} {alert['labels'][key]}" for key in ("rank", "optimizer") if key in alert["labels"])
+    return (f"{alert['name']} [{alert['labels'].get('severity')}]{' ' + where if where else ''}: "
+            f"{alert['annotations'].get('summary', '')}")

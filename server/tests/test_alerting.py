@@ -75,7 +75,7 @@ def test_consecutive_skip_warning_fires_at_the_ingest_where_the_streak_reaches_t
     alert = fired[0]
     assert dict(alert.labels) == {"run": "exp", "rank": "0", "optimizer": "gen", "severity": "warning"}
     assert alert.starts_at == 1001.5
-    assert "gen" in alert.annotations["description"] and "exp" in alert.annotations["summary"]
+    assert "gen" in alert.annotations["description"] and "run exp" in alert.annotations["description"]
     assert alert.annotations["runbook_url"].endswith("ampconsecutiveskippedsteps")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from . import _metrics as m
 from ._yaml import dump_yaml
+from .alert_text import DEFAULT_RUNBOOK_BASE_URL, prometheus_annotations
 from .thresholds import DEFAULT_THRESHOLDS, AlertThresholds, promql_duration as dur
 
 __all__ = [
@@ -30,9 +31,6 @@ __all__ = [
     "rule_groups",
 ]
 
-#: Where ``runbook_url`` points; each alert appends ``#<alertname in lower case>``,
-#: the anchor of its section in docs/alerts.md.
-DEFAULT_RUNBOOK_BASE_URL = "https://github.com/ampwatch/ampwatch/blob/main/docs/alerts.md"
 
 #: Every alert the rules define (the two severities of a streak share one name).
 ALERT_NAMES = (
@@ -109,8 +107,6 @@ def alerting_rules(
 ) -> list[dict[str, Any]]:
     """Return the alerting rules, each with for, severity, summary, description and runbook_url."""
     r = RecordedSeries(t)
-    where = "optimizer {{ $labels.optimizer }} on rank {{ $labels.rank }} of run {{ $labels.run }}"
-    on_rank = "rank {{ $labels.rank }} of run {{ $labels.run }}"
     rules = []
     for severity, threshold in (("warning", t.skip_streak_warning), ("critical", t.skip_streak_critical)):
         streaks = f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length="{threshold}"}}'
@@ -128,80 +124,32 @@ def alerting_rules(
             f"  {m.OPTIMIZER_CONSECUTIVE_SKIPPED} >= {threshold}\n"
             f"  unless on (run, rank) {m.RANK_CLOSED} == 1\n"
             f")",
-            f"An optimizer skipped {threshold} or more steps in a row",
-            f"The {where} skipped at least {threshold} consecutive steps within the last "
-            f"{dur(t.skip_streak_window_s)}: its parameters were not updated (current streak: "
-            "{{ $value }} skipped steps).",
-            runbook_base_url,
+            prometheus_annotations("AmpConsecutiveSkippedSteps", t, threshold, runbook_base_url),
         ))
-    rules += [
-        _alert(
-            "AmpSustainedLossScaleBackoff", "warning", t.backoff_for_s,
-            f"{r.ranks_backing_off} / {r.ranks_open} >= {t.backoff_rank_share}",
-            "Many ranks of a run keep backing off the loss scale",
-            f"{{{{ $value | humanizePercentage }}}} of the open ranks of run {{{{ $labels.run }}}} "
-            f"backed the loss scale off at least {t.backoff_min_count} times in the last "
-            f"{dur(t.backoff_window_s)} without any growth: gradients keep overflowing.",
-            runbook_base_url,
-        ),
-        _alert(
-            "AmpLossScaleCollapsed", "critical", t.collapsed_for_s,
-            f"{m.LOSS_SCALE} < {_num(t.collapsed_loss_scale)}\n"
-            f"unless on (run, rank) {m.RANK_CLOSED} == 1",
-            "The loss scale collapsed below " + _num(t.collapsed_loss_scale),
-            f"The loss scale of {on_rank} is {{{{ $value }}}}, below {_num(t.collapsed_loss_scale)}: "
-            "backoffs keep halving it, so gradients are non-finite at any scale.",
-            runbook_base_url,
-        ),
-        _alert(
-            "AmpLossScaleDesync", "warning", t.desync_for_s,
-            f"{r.scale_spread} >= {_num(t.desync_scale_ratio)}",
-            "Ranks of a run disagree on the loss scale",
-            "The largest loss scale among the open ranks of run {{ $labels.run }} is "
-            "{{ $value }} times the smallest: the ranks no longer see the same gradients "
-            "or scaler state.",
-            runbook_base_url,
-        ),
-        _alert(
-            "AmpHighSkippedStepRatio", "warning", t.skip_ratio_for_s,
-            f"{r.skip_ratio} >= {_num(t.skip_ratio)}\n"
-            f"and on (run, rank, optimizer) {r.step_calls} >= {t.skip_ratio_min_steps}",
-            "An optimizer skips a large share of its steps",
-            f"The {where} skipped {{{{ $value | humanizePercentage }}}} of its steps over the last "
-            f"{dur(t.skip_ratio_window_s)}.",
-            runbook_base_url,
-        ),
-        _alert(
-            "AmpRankSilent", "warning", t.silent_for_s,
-            f"(time() - {m.RANK_LAST_SEEN} > {t.silent_after_s})\n"
-            f"and on (run, rank) {_OPEN}",
-            "A rank stopped reporting without closing",
-            f"No batch from {on_rank} for {{{{ $value | humanizeDuration }}}} and it did not close: "
-            "the process died, hung, or cannot reach the collector.",
-            runbook_base_url,
-        ),
-        _alert(
-            "AmpSchedulerStepsOnSkipped", "warning", 0,
-            f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP}\n"
-            f"and on (run, rank, optimizer)\n"
-            f"{_counter_rose(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP, t.scheduler_window_s)}",
-            "An LR scheduler stepped after a skipped optimizer step",
-            f"The LR scheduler of {where} stepped right after skipped steps "
-            "(so far: {{ $value }}): the schedule runs ahead of the real updates.",
-            runbook_base_url,
-        ),
-        _alert(
-            "AmpPoisonedStep", "critical", 0,
-            f"{m.OPTIMIZER_POISONED_STEPS}\n"
-            f"and on (run, rank, optimizer)\n"
-            f"{_counter_rose(m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s)}",
-            "An optimizer updated its parameters with non-finite gradients",
-            f"The {where} stepped although its gradients were non-finite, or its parameters "
-            "became non-finite (poisoned steps so far: {{ $value }}): the weights are likely "
-            "NaN for good.",
-            runbook_base_url,
-        ),
+    expressions = [
+        ("AmpSustainedLossScaleBackoff", "warning", t.backoff_for_s,
+         f"{r.ranks_backing_off} / {r.ranks_open} >= {t.backoff_rank_share}"),
+        ("AmpLossScaleCollapsed", "critical", t.collapsed_for_s,
+         f"{m.LOSS_SCALE} < {_num(t.collapsed_loss_scale)}\n"
+         f"unless on (run, rank) {m.RANK_CLOSED} == 1"),
+        ("AmpLossScaleDesync", "warning", t.desync_for_s, f"{r.scale_spread} >= {_num(t.desync_scale_ratio)}"),
+        ("AmpHighSkippedStepRatio", "warning", t.skip_ratio_for_s,
+         f"{r.skip_ratio} >= {_num(t.skip_ratio)}\n"
+         f"and on (run, rank, optimizer) {r.step_calls} >= {t.skip_ratio_min_steps}"),
+        ("AmpRankSilent", "warning", t.silent_for_s,
+         f"(time() - {m.RANK_LAST_SEEN} > {t.silent_after_s})\n"
+         f"and on (run, rank) {_OPEN}"),
+        ("AmpSchedulerStepsOnSkipped", "warning", 0,
+         f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP}\n"
+         f"and on (run, rank, optimizer)\n"
+         f"{_counter_rose(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP, t.scheduler_window_s)}"),
+        ("AmpPoisonedStep", "critical", 0,
+         f"{m.OPTIMIZER_POISONED_STEPS}\n"
+         f"and on (run, rank, optimizer)\n"
+         f"{_counter_rose(m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s)}"),
     ]
+    for name, severity, for_s, expr in expressions:
+        rules.append(_alert(name, severity, for_s, expr, prometheus_annotations(name, t, None, runbook_base_url)))
     return rules
 
 
@@ -240,18 +188,13 @@ def _record(name: str, expr: str) -> dict[str, Any]:
     return {"record": name, "expr": expr}
 
 
-def _alert(name: str, severity: str, for_s: int, expr: str, summary: str,
-           description: str, runbook_base_url: str) -> dict[str, Any]:
+def _alert(name: str, severity: str, for_s: int, expr: str, annotations: dict[str, str]) -> dict[str, Any]:
     return {
         "alert": name,
         "expr": expr,
         "for": dur(for_s),
         "labels": {"severity": severity},
-        "annotations": {
-            "summary": summary,
-            "description": description,
-            "runbook_url": f"{runbook_base_url}#{name.lower()}",
-        },
+        "annotations": annotations,
     }
 
 

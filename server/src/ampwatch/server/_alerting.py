@@ -145,7 +145,7 @@ def _alert(name: str, labels: dict, value: float, t: Any, threshold: object = ""
     rule_severity, for_field = RULES[name]
     labels["severity"] = severity or rule_severity
     return ActiveAlert(name=name, labels=labels, value=value, for_s=getattr(t, for_field) if for_field else 0,
-                       annotations=annotations_for(name, labels, value, threshold))
+                       annotations=annotations_for(name, labels, value, threshold, t))
 
 
 def _streak_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
