@@ -25,6 +25,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)
 
+# About 10 minutes on 2 cores (ARGS=--quick: about a minute); writes docs/benchmarks.md and .json.
 bench: $(STAMP)
 	$(PY) -m bench $(ARGS)
 

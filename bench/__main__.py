@@ -1,8 +1,131 @@
-"""Run the benchmarks: ``python -m bench [--quick]``."""
+"""Run the benchmarks: ``python -m bench [--quick] [--only SECTION ...]`` (``make bench``).
 
+Full run: about 10 minutes on a 2-core machine; writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
+``--quick`` (about a minute) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
 import sys
+import time
+import traceback
+from importlib import metadata
 
-from bench import ingest
+from bench import footprint, ingest, overhead, report, scrape, tail
+
+SECTIONS = ("overhead", "ingest", "scrape", "footprint", "tail")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+NOTES = [
+    "- Everything runs on this machine over loopback: a real collector (`python -m ampwatch.server`), the "
+    "Debian `prometheus-pushgateway` as people run it (in memory, no persistence file), and the load "
+    "generator `bench/_loadgen.py` in a process of its own (uvloop, bodies from templates; it reports its "
+    "own CPU and how late its sends were, so a slow generator would show).",
+    "- Same information per update: the collector gets a protocol v1 batch (two optimizers' steps, skips, "
+    "streaks, scale, backoffs, growths, iteration, a skip and a backoff event every 50th batch); the "
+    "Pushgateway gets the same counters as a text-format group per rank (`PUT /metrics/job/<run>/rank/<rank>`). "
+    "The collector also validates, deduplicates and commits every batch to SQLite (synchronous=FULL) before "
+    "answering; the Pushgateway keeps it in memory only.",
+    "- Server CPU and memory: utime+stime from `/proc/<pid>/stat` over the load, VmRSS/VmHWM from "
+    "`/proc/<pid>/status`.",
+    "- Agent overhead: CPU time of the training process, not wall time, is the primary measure, since "
+    "on a shared machine the wall clock also counts time another job held the core; wall ratios are shown "
+    "too. Host-device syncs are counted as `aten._local_scalar_dense` calls (each is a sync on a GPU; on "
+    "CPU they are cheap but counted alike). Accelerate: its own `AcceleratedOptimizer` wrapper (accelerate "
+    "installed in the venv by `make bench`), given the CPU GradScaler; its `step()` runs `scaler.step` and "
+    "`scaler.update()` per optimizer, so two optimizers update the scale twice per iteration.",
+    "- Skip storm: the first optimizer's gradients are made non-finite every iteration (a hook multiplies "
+    "them by inf); the truth is then 'first optimizer skipped, second stepped'.",
+]
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "accelerate", "fastapi", "uvicorn", "pydantic", "prometheus-client", "uvloop",
+                 "httptools"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    import sqlite3
+    import subprocess
+    out["sqlite"] = sqlite3.sqlite_version
+    try:
+        first = subprocess.run([scrape._servers.PUSHGATEWAY, "--version"], capture_output=True, text=True,
+                               timeout=10).stdout.splitlines() or ["?"]
+        out["pushgateway"] = first[0].split("version ")[-1].split(" ")[0]
+    except OSError:
+        out["pushgateway"] = "not installed"
+    return out
+
+
+def _environment() -> dict:
+    cpu = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kib = int(f.readline().split()[1])
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu,
+            "cores": os.cpu_count(), "memory_gib": round(mem_kib / 2 ** 20, 1), "kernel": platform.release(),
+            "loadavg_start": round(os.getloadavg()[0], 2), "versions": _versions()}
+
+
+def _section(name: str, quick: bool) -> object:
+    if name == "overhead":
+        return overhead.run(quick)
+    if name == "ingest":
+        if quick:
+            return ingest.run((64, 1024), 3, saturate_levels=(1024,), saturate_seconds=3)
+        return ingest.run()
+    if name == "scrape":
+        return scrape.run((1, 1024), 3) if quick else scrape.run()
+    if name == "footprint":
+        return footprint.run(64, 3, 8, skip_every=2) if quick else footprint.run()
+    return [tail.profile(1024, 4 if quick else 10, tuned) for tuned in (False, True)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections, then write the JSON results and the Markdown page."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="about a minute; short runs, wide spread")
+    parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
+    parser.add_argument("--out", metavar="PREFIX",
+                        help="write PREFIX.md and PREFIX.json (default docs/benchmarks, or artifacts/bench-quick)")
+    args = parser.parse_args(argv)
+    prefix = args.out or os.path.join(ROOT, "artifacts/bench-quick" if args.quick else "docs/benchmarks")
+    started = time.perf_counter()
+    results: dict = {"command": "python -m bench" + " ".join([""] + (argv if argv is not None else sys.argv[1:])),
+                     "quick": args.quick, "environment": _environment(), "notes": NOTES}
+    for name in args.only or SECTIONS:
+        print(f"bench: {name} ...", flush=True)
+        t = time.perf_counter()
+        try:
+            results[name] = _section(name, args.quick)
+        except Exception as exc:  # one failed section must not lose the others' figures
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", flush=True)
+    results["environment"]["loadavg_end"] = round(os.getloadavg()[0], 2)
+    results["duration_s"] = round(time.perf_counter() - started, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(prefix + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    page = report.render(results).replace("](benchmarks.json)", f"]({os.path.basename(prefix)}.json)")
+    with open(prefix + ".md", "w") as f:
+        f.write(page)
+    print(page.split("## 1.")[0])
+    print(f"bench: wrote {prefix}.md and {prefix}.json in {results['duration_s']:.0f} s")
+    failed = [name for name in SECTIONS if isinstance(results.get(name), dict) and "error" in results[name]]
+    return 1 if failed else 0
+
 
 if __name__ == "__main__":
-    sys.exit(ingest.main(sys.argv[1:]))
+    sys.exit(main())

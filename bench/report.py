@@ -1,0 +1,229 @@
+"""Render the benchmark results (one JSON document) as ``docs/benchmarks.md``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+__all__ = ["render", "BEFORE_AFTER"]
+
+BEFORE_AFTER = os.path.join(os.path.dirname(__file__), "tail_before_after.json")  # written by hand-run bench.tail
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _find(rows: list[dict], **match: Any) -> Optional[dict]:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _ratio(a: Optional[float], b: Optional[float], digits: int = 1) -> str:
+    if not a or not b:
+        return "-"
+    return f"{a / b:,.{digits}f}x"
+
+
+def _summary(res: dict) -> list[str]:
+    out = ["| what | ampwatch | peer | ratio / verdict |", "|---|---|---|---|"]
+    ov = res.get("overhead")
+    if ov and "measurements" in ov:
+        for m in ov["measurements"]:
+            v = m["variants"]
+            aw, acc, forum = v["ampwatch"], v["accelerate"], v["forum"]
+            out.append(f"| training iteration, {m['model']} (CPU time vs bare loop) | "
+                       f"{aw['ratio']:.3f} [{aw['ratio_p25']:.3f}-{aw['ratio_p75']:.3f}] | Accelerate {acc['ratio']:.3f}, "
+                       f"get_scale recipe {forum['ratio']:.3f} | extra syncs per clean iteration: ampwatch "
+                       f"{aw['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f}, Accelerate "
+                       f"{acc['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f}, recipe "
+                       f"{forum['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f} |")
+        if "host_cost" in ov:
+            h = ov["host_cost"]
+            out.append(f"| agent host CPU per iteration (2 optimizers) | {h['agent_host_us_per_iter']} us "
+                       f"[{h['agent_host_us_p25']}-{h['agent_host_us_p75']}] | - | on a {h['tiny_bare_cpu_us_per_iter']} us "
+                       f"iteration |")
+        fused = ov.get("storm_fused", {}).get("variants")
+        if fused:
+            out.append(f"| skip storm, fused AdamW: iterations whose skip was reported | "
+                       f"{fused['ampwatch']['storm_flagged']}/{fused['ampwatch']['checked_iterations']} | Accelerate "
+                       f"{fused['accelerate']['storm_flagged']}/{fused['accelerate']['checked_iterations']} | "
+                       f"Accelerate's step hook fires although the fused kernel skipped |")
+    ing = res.get("ingest")
+    if ing and "paced" in ing:
+        for ranks in (1024, 4096):
+            a = _find(ing["paced"], target="ampwatch", ranks=ranks)
+            p = _find(ing["paced"], target="pushgateway", ranks=ranks)
+            if a and p:
+                out.append(f"| ingest, {ranks:,} ranks x 1 update/s: sustained updates/s (p99 ms) | "
+                           f"{_fmt(a['updates_per_s'])} ({_fmt(a['p99_ms'])}) | Pushgateway {_fmt(p['updates_per_s'])} "
+                           f"({_fmt(p['p99_ms'])}) | {_ratio(a['updates_per_s'], p['updates_per_s'])} |")
+        for s in ing.get("saturated", []):
+            if s["target"] == "ampwatch":
+                p = _find(ing["saturated"], target="pushgateway", ranks=s["ranks"])
+                if p:
+                    out.append(f"| ingest capacity, {s['ranks']:,} ranks, back to back: updates/s | "
+                               f"{_fmt(s['updates_per_s'])} | Pushgateway {_fmt(p['updates_per_s'])} | "
+                               f"{_ratio(s['updates_per_s'], p['updates_per_s'])} |")
+    sc = res.get("scrape")
+    if sc and "levels" in sc:
+        for ranks in (1024, 4096):
+            a = _find(sc["levels"], target="ampwatch", ranks=ranks)
+            p = _find(sc["levels"], target="pushgateway", ranks=ranks)
+            if a and p:
+                out.append(f"| /metrics at {ranks:,} ranks x 2 optimizers: ms (MB) | {_fmt(a['scrape_median_ms'])} "
+                           f"({a['bytes'] / 1e6:.1f}) | Pushgateway {_fmt(p['scrape_median_ms'])} "
+                           f"({p['bytes'] / 1e6:.1f}) | {_ratio(p['scrape_median_ms'], a['scrape_median_ms'])} faster |")
+        a = _find(sc["levels"], target="ampwatch", ranks=4096) or _find(sc["levels"], target="ampwatch", ranks=1024)
+        if a and a.get("rss_kib_per_rank") is not None:
+            p = _find(sc["levels"], target="pushgateway", ranks=a["ranks"])
+            out.append(f"| resident memory per rank ({a['ranks']:,} ranks) | {a['rss_kib_per_rank']} KiB | "
+                       f"Pushgateway {p['rss_kib_per_rank'] if p else '-'} KiB | |")
+    fp = res.get("footprint")
+    if fp and "bytes_per_event_on_disk" in fp:
+        out.append(f"| database growth | {fp['bytes_per_event_on_disk']:.0f} B per event; 0 B per event-free "
+                   f"batch | Pushgateway keeps no history | bounded by `--db-retention` |")
+    return out
+
+
+def _overhead(ov: dict) -> list[str]:
+    out = [f"Per-iteration process CPU time (the agent's sender thread included), median of {ov['rounds']} "
+           f"rotating rounds of {ov['block']} iterations per variant; ratio = median of per-round ratios to the "
+           f"bare block of the same round [p25-p75]. Collector: {ov['collector']}.", ""]
+    out += ["| model | optimizer | variant | CPU us/iter | ratio [p25-p75] | wall ratio | syncs/clean iter | "
+            "syncs/storm iter | update() per iter | storm: skipped iterations seen | storm: per-optimizer right | "
+            "clean: false alarms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in ov["measurements"] + ([ov["storm_fused"]] if "storm_fused" in ov else []):
+        for name, v in m["variants"].items():
+            n = v.get("checked_iterations")
+            out.append(f"| {m['model']} | {m['optimizer']} | {name} | {v['cpu_us_per_iter']} | {v['ratio']:.3f} "
+                       f"[{v['ratio_p25']:.3f}-{v['ratio_p75']:.3f}] | {v['wall_ratio']:.3f} | "
+                       f"{v['syncs_per_clean_iter']:g} | {v['syncs_per_storm_iter']:g} | {v['updates_per_iter']:g} | "
+                       + (f"{v['storm_flagged']}/{n} | {v['storm_per_optimizer_right']}/{n} | "
+                          f"{v['clean_false_alarms']}/{n} |" if n else "- | - | - |"))
+    h = ov.get("host_cost")
+    if h:
+        out += ["", f"Agent host CPU per iteration (watched minus bare on a 4-wide, 2-optimizer model whose bare "
+                    f"iteration costs {h['tiny_bare_cpu_us_per_iter']} us): **{h['agent_host_us_per_iter']} us** "
+                    f"(p25 {h['agent_host_us_p25']}, p75 {h['agent_host_us_p75']})."]
+    return out
+
+
+def _ingest(ing: dict) -> list[str]:
+    out = [f"Paced: every rank sends one update per second for {ing['seconds']} s (offered rate = ranks/s); "
+           "latency from send to full answer (ampwatch: committed to SQLite with synchronous=FULL; Pushgateway: "
+           "held in memory). p50/p99 leave out each rank's first 2 updates; *unanswered* requests were still "
+           "open 5 s after the last slot (their latency counts as at least that); *missed* slots were skipped "
+           "by ranks whose previous answer came too late. Saturated: "
+           f"{ing['saturate_connections']} connections sending back to back for {ing['saturate_seconds']} s.", "",
+           "| server | mode | ranks | updates/s | p50 ms | p99 ms | p99 incl. first contact | max ms | unanswered | "
+           "missed | server CPU % | server CPU us/update | server RSS MiB | generator CPU s | generator lag p99 ms "
+           "| load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ing["paced"] + ing["saturated"]:
+        out.append(f"| {r['target']} | {r['mode']} | {r['ranks']:,} | {_fmt(r['updates_per_s'])} | {_fmt(r['p50_ms'])} "
+                   f"| {_fmt(r['p99_ms'])} | {_fmt(r.get('p99_all_ms'))} | {_fmt(r['max_ms'])} | {r['unanswered']} | "
+                   f"{r['missed_slots']} | {r['server_cpu_pct']} | {_fmt(r['server_cpu_us_per_update'])} | "
+                   f"{r.get('vmrss', 0) / 1024:.0f} | {r['generator_cpu_s']} | {_fmt(r.get('lag_p99_ms'))} | "
+                   f"{r['loadavg_1m']} |")
+    return out
+
+
+def _scrape(sc: dict) -> list[str]:
+    out = [f"Median of {sc['scrapes']} uncompressed scrapes after one warm-up. The Pushgateway holds exactly the "
+           f"series the collector exposed, pushed in groups of {sc['pushgateway_group_size']} ranks (it adds its "
+           "`job`/`group` labels and `push_time_seconds` per group).", "",
+           "| server | ranks | scrape ms (median) | min | max | bytes | samples | RSS after fill MiB | "
+           "RSS per rank KiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sc["levels"]:
+        out.append(f"| {r['target']} | {r['ranks']:,} | {r['scrape_median_ms']} | {r['scrape_min_ms']} | "
+                   f"{r['scrape_max_ms']} | {r['bytes']:,} | {r['samples']:,} | {r['rss_kib_after'] / 1024:.0f} | "
+                   f"{_fmt(r['rss_kib_per_rank'])} |")
+    return out
+
+
+def _footprint(fp: dict) -> list[str]:
+    s, l_ = fp["short"], fp["long"]
+    return [f"Two fresh collectors, {s['ranks']} ranks at one batch per second for {s['seconds']} s and "
+            f"{l_['seconds']} s, a skip and a backoff event every {fp['skip_every']} batches (on purpose many, to "
+            "measure them); database size after a WAL checkpoint.", "",
+            "| run | batches | events | incarnation rows | database bytes |", "|---|---|---|---|---|",
+            f"| short | {s['answered']:,} | {s['events']:,} | {s['incarnations']} | {s['file_bytes']:,} |",
+            f"| long | {l_['answered']:,} | {l_['events']:,} | {l_['incarnations']} | {l_['file_bytes']:,} |", "",
+            f"- **{fp['bytes_per_event_on_disk']:.0f} bytes per stored event** (skip with one offending parameter, "
+            f"or scale change); an event-free batch adds nothing: it rewrites its rank's row "
+            f"(~{fp['bytes_per_incarnation_row']:.0f} bytes, one per rank and process).",
+            f"- At this event rate ({fp['events_per_rank_hour']:,.0f} events per rank-hour): "
+            f"{fp['bytes_per_rank_hour'] / 1e6:.2f} MB per rank-hour. A healthy run (a skip and a backoff every "
+            f"few thousand iterations) grows by a few KB per rank-hour; a skip storm adds one skip event per "
+            f"skipped step per optimizer (e.g. 10 skipped steps/s: "
+            f"{10 * 3600 * fp['bytes_per_event_on_disk'] / 1e6:.0f} MB per rank-hour).",
+            "- What keeps it bounded: `--db-retention` (default 30 days) deletes the history of runs last seen "
+            "earlier (checked hourly); memory holds only ranks in `/metrics` (`--expire-after`, "
+            "`--run-retention`), and the agent caps the events it keeps between batches."]
+
+
+def _tail(tail: list[dict], before_after: Optional[dict]) -> list[str]:
+    out = ["`python -m bench.tail --profile`: the collector in-process under 1,024 paced ranks, with the "
+           "default garbage-collector settings and with the collector's own (`ampwatch.server._gc`: freeze the "
+           "start-up heap, young collections every 5,000 allocations).", "",
+           "| GC | updates/s | p50 ms | p99 ms | GC CPU ms (gen0/1/2) | longest GC pause ms | loop lag max ms | "
+           "lags > 50 ms | commit max ms | mean group | alert tick ms | load avg |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in tail:
+        g, load = t["gc_pauses_cpu"], t["load"]
+        gc_ms = "/".join(_fmt(g[k].get("total_ms", 0.0)) for k in ("gen0", "gen1", "gen2"))
+        longest = max(g[k].get("max_ms", 0.0) for k in g)
+        out.append(f"| {'tuned' if t['gc_tuned'] else 'default'} | {_fmt(load.get('updates_per_s'))} | "
+                   f"{_fmt(load.get('p50_ms'))} | {_fmt(load.get('p99_ms'))} | {gc_ms} | {longest} | "
+                   f"{t['loop_lag'].get('max_ms')} | {t['loop_lag'].get('over_50ms')} | {t['commits'].get('max_ms')} | "
+                   f"{t['commits'].get('mean_group')} | {t['alert_tick_cpu'].get('p50_ms')} | {t['loadavg_1m']} |")
+    if before_after:
+        out += ["", before_after.get("note", ""), "", "| version | mode | updates/s | p50 ms | p99 ms | max ms | "
+                "server CPU us/update | load avg |", "|---|---|---|---|---|---|---|---|"]
+        for r in before_after["runs"]:
+            out.append(f"| {r['version']} | {r['mode']} | {_fmt(r['updates_per_s'])} | {_fmt(r['p50_ms'])} | "
+                       f"{_fmt(r['p99_ms'])} | {_fmt(r['max_ms'])} | {_fmt(r['server_cpu_us_per_update'])} | "
+                       f"{r['loadavg_1m']} |")
+    return out
+
+
+def render(res: dict) -> str:
+    """Return the Markdown page for ``res`` (the document ``python -m bench`` writes as JSON)."""
+    env = res["environment"]
+    lines = ["# Benchmarks", "",
+             f"Generated by `{res['command']}` on {env['date']} in {res['duration_s']:.0f} s"
+             f"{' (quick mode: short runs, wide spread)' if res['quick'] else ''}; raw figures in "
+             f"[`benchmarks.json`](benchmarks.json). Do not edit by hand: run `make bench`.", "",
+             "## Summary", ""]
+    lines += _summary(res)
+    lines += ["", f"Machine: {env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB, Linux {env['kernel']}; "
+              f"load average {env['loadavg_start']} at start, {env['loadavg_end']} at the end (other jobs shared "
+              "the machine: absolute times drift, so every comparison is a ratio from the same run, with "
+              "alternating order).", "",
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
+    sections = [("overhead", "1. Agent overhead per training iteration", _overhead),
+                ("ingest", "2. Ingest throughput and latency vs the Pushgateway", _ingest),
+                ("scrape", "3. Scrape cost", _scrape),
+                ("footprint", "4. Collector footprint", _footprint)]
+    for key, title, fn in sections:
+        if key in res:
+            lines += [f"## {title}", ""]
+            lines += fn(res[key]) if "error" not in res[key] else [f"Failed: `{res[key]['error']}`"]
+            lines += [""]
+    if "tail" in res:
+        lines += ["## 5. The ingest tail at 1,024 ranks", ""]
+        before_after = None
+        if os.path.exists(BEFORE_AFTER):
+            with open(BEFORE_AFTER) as f:
+                before_after = json.load(f)
+        lines += (_tail(res["tail"], before_after) if isinstance(res["tail"], list)
+                  else [f"Failed: `{res['tail']['error']}`"])
+        lines += [""]
+    lines += ["## How it is measured", "", *res["notes"], ""]
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Smoke tests of the benchmarks (``bench/``): each piece runs briefly against the real servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import _servers, scrape
+from bench.overhead import Setup, _answers, _syncs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_pushgateway = pytest.mark.skipif(not os.path.exists(_servers.PUSHGATEWAY),
+                                       reason="prometheus-pushgateway is not installed (.ci/run installs it)")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@needs_pushgateway
+@pytest.mark.timeout(60)
+def test_load_generator_gets_every_update_answered_by_both_servers():
+    for kind in ("ampwatch", "pushgateway"):
+        with _servers.server(kind) as srv:
+            result = _servers.load(srv, ranks=32, seconds=2)
+        assert result["failures"] == {} and result["unanswered"] == 0, result
+        assert result["answered"] == 64, result  # 32 ranks x 2 slots, none missed
+        assert result["server_cpu_s"] > 0 and result["vmrss"] > 0, result
+
+
+@needs_pushgateway
+@pytest.mark.timeout(60)
+def test_pushgateway_is_given_exactly_the_series_the_collector_exposed():
+    collector, exposition = scrape.level("ampwatch", 64, scrapes=1)
+    peer, _ = scrape.level("pushgateway", 64, scrapes=1, exposition=exposition)
+    names = {line.split("{")[0].split(" ")[0] for line in exposition.splitlines() if line and line[0] != "#"}
+    assert len(names) > 10
+    # Every collector sample is there, plus the Pushgateway's own push_time/push_failure_time per group.
+    groups = len(scrape.pushgateway_groups(exposition))
+    assert peer["samples"] >= collector["samples"] + 2 * groups, (peer, collector)
+    assert collector["rss_kib_per_rank"] is not None
+
+
+@pytest.mark.timeout(60)
+def test_ampwatch_answers_right_per_optimizer_and_adds_no_sync_unlike_the_get_scale_recipe():
+    bare, watched, recipe = (Setup(v, "mlp", False, collector=()) for v in ("bare", "ampwatch", "forum"))
+    try:
+        for s in (bare, watched, recipe):
+            s.iterate(3)
+        clean = _syncs(bare, 3)
+        assert _syncs(watched, 3) == clean
+        assert _syncs(recipe, 3) == clean + 2  # get_scale() before and after update() each read the scale
+        checked = _answers(watched, 5)
+        assert checked["storm_per_optimizer_right"] == 5 and checked["clean_false_alarms"] == 0
+        recipe_checked = _answers(recipe, 5)
+        assert recipe_checked["storm_flagged"] == 5 and recipe_checked["storm_per_optimizer_right"] == 0
+    finally:
+        for s in (bare, watched, recipe):
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_accelerate_misses_skips_of_fused_optimizers_and_updates_the_scale_per_optimizer():
+    from bench.overhead import _updates_per_iter
+    fused = Setup("accelerate", "mlp", True, collector=None)
+    plain = Setup("accelerate", "mlp", False, collector=None)
+    try:
+        assert _answers(fused, 4)["storm_flagged"] == 0  # its step hook fires although the fused kernel skipped
+        assert _answers(plain, 4)["storm_per_optimizer_right"] == 4
+        assert _updates_per_iter(plain, 2) == 2.0
+    finally:
+        fused.close()
+        plain.close()
+
+
+@pytest.mark.timeout(90)
+def test_quick_bench_writes_the_page_and_json(tmp_path):
+    prefix = str(tmp_path / "bench")
+    out = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only", "footprint", "--out", prefix],
+                         cwd=ROOT, capture_output=True, text=True, timeout=80)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads(open(prefix + ".json").read())
+    fp = results["footprint"]
+    assert fp["long"]["events"] > fp["short"]["events"] > 0
+    assert 100 < fp["bytes_per_event_on_disk"] < 5000
+    page = open(prefix + ".md").read()
+    assert "## Summary" in page and "bytes per stored event" in page
