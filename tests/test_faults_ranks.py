@@ -118,6 +118,7 @@ def test_a_killed_rank_is_exposed_as_silent_and_alerted_while_the_other_rank_car
                 return [a for a in firing if a["name"] == "AmpRankSilent"]
             _wait_for(lambda: silent_alert(), timeout=20)
             alerts, text = silent_alert(), _metrics(collector.url)
+            print(f"\nAmpRankSilent fired {time.time() - killed_at:.1f} s after the SIGKILL")
             running = value(text, "ampwatch_iteration", run=run, rank="0")
             _wait_for(lambda: value(_metrics(collector.url), "ampwatch_iteration", run=run, rank="0") > running)
             pathlib.Path(stop).touch()
@@ -154,6 +155,8 @@ def test_dataloader_workers_forked_from_a_watched_process_never_send_and_no_even
         text = _metrics(collector.url)
         summary = httpx.get(f"{collector.url}/v1/runs/{run}", timeout=10).json()["ranks"]
         events = httpx.get(f"{collector.url}/v1/runs/{run}/events", params={"limit": 1000}, timeout=10).json()
+    print(f"\n{len(truth['worker_pids'])} workers forked; {truth['iterations']} iterations; "
+          f"{len(events['events'])} events, each once")
     assert len(truth["worker_pids"]) >= 2 and truth["pid"] not in truth["worker_pids"]
     assert truth["worker_senders"] == 0, "a forked worker has a running sender"
     assert truth["parent_senders"] == 1, "exactly one sender in the training process"
