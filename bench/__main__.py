@@ -56,8 +56,9 @@ def _versions() -> dict[str, str]:
     import subprocess
     out["sqlite"] = sqlite3.sqlite_version
     try:
-        first = subprocess.run([scrape._servers.PUSHGATEWAY, "--version"], capture_output=True, text=True,
-                               timeout=10).stdout.splitlines() or ["?"]
+        answer = subprocess.run([scrape._servers.PUSHGATEWAY, "--version"], capture_output=True, text=True,
+                                timeout=10)
+        first = (answer.stdout + answer.stderr).splitlines() or ["?"]  # it prints its version on stderr
         out["pushgateway"] = first[0].split("version ")[-1].split(" ")[0]
     except OSError:
         out["pushgateway"] = "not installed"
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     with open(prefix + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    page = report.render(results).replace("](benchmarks.json)", f"]({os.path.basename(prefix)}.json)")
+    page = report.render(results, os.path.basename(prefix) + ".json")
     with open(prefix + ".md", "w") as f:
         f.write(page)
     print(page.split("## 1.")[0])

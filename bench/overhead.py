@@ -279,6 +279,8 @@ def run(quick: bool) -> dict:
                    "measurements": [measure(m, False, rounds, block, url) for m in MODELS]}
         results["storm_fused"] = measure("mlp", True, max(4, rounds // 4), block, url)
         results["host_cost"] = agent_host_cost_us(rounds * 2, block * 4, url)
+    from bench.agent_overhead import agent_hot_path_us
+    results["host_cost"]["hot_path_us_per_iter"] = agent_hot_path_us()  # the recorder's calls alone, best of 5
     return results
 
 

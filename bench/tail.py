@@ -4,11 +4,12 @@
 can stall an answer: garbage-collector pauses (thread CPU time per generation), event-loop lag (a
 10 ms ticker's overshoot), SQLite commit time and group size in the writer thread, the built-in alert
 tick, and the load generator's own lateness and CPU. ``--before DIR`` runs a collector from another
-source tree (e.g. a ``git worktree`` of an older commit: ``DIR`` = its ``server/src``) alternately with
+source tree (e.g. ``git archive`` of an older commit: ``DIR`` = its ``server/src``) alternately with
 this one, under the same paced load, for a before/after comparison in one run.
 
     python -m bench.tail --profile
-    git worktree add /tmp/before <commit> && python -m bench.tail --before /tmp/before/server/src
+    mkdir /tmp/before && git archive <commit> server/src | tar -x -C /tmp/before
+    python -m bench.tail --before /tmp/before/server/src
 """
 
 from __future__ import annotations
