@@ -225,7 +225,8 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
     if saturate:
         until = time.perf_counter() + seconds
         groups = [list(range(c, ranks, saturate)) for c in range(min(saturate, ranks))]
-        await asyncio.gather(*(_saturating_connection(target, port, run, g, ranks, until, grace, tally) for g in groups))
+        await asyncio.gather(*(_saturating_connection(target, port, run, g, ranks, until, grace, tally)
+                               for g in groups))
     else:
         start = time.perf_counter() + 0.5
         await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally)

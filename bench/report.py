@@ -39,14 +39,16 @@ def _summary(res: dict) -> list[str]:
             v = m["variants"]
             aw, acc, forum = v["ampwatch"], v["accelerate"], v["forum"]
             out.append(f"| training iteration, {m['model']} (CPU time vs bare loop) | "
-                       f"{aw['ratio']:.3f} [{aw['ratio_p25']:.3f}-{aw['ratio_p75']:.3f}] | Accelerate {acc['ratio']:.3f}, "
+                       f"{aw['ratio']:.3f} [{aw['ratio_p25']:.3f}-{aw['ratio_p75']:.3f}] | "
+                       f"Accelerate {acc['ratio']:.3f}, "
                        f"get_scale recipe {forum['ratio']:.3f} | extra syncs per clean iteration: ampwatch "
                        f"{aw['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f}, Accelerate "
                        f"{acc['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f}, recipe "
                        f"{forum['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f} |")
         if "host_cost" in ov:
             h = ov["host_cost"]
-            out.append(f"| agent host CPU per iteration (2 optimizers) | hot path {h.get('hot_path_us_per_iter', '-')} us; "
+            out.append(f"| agent host CPU per iteration (2 optimizers) | "
+                       f"hot path {h.get('hot_path_us_per_iter', '-')} us; "
                        f"whole agent {h['agent_host_us_per_iter']} us [{h['agent_host_us_p25']}-"
                        f"{h['agent_host_us_p75']}] | - | on a {h['tiny_bare_cpu_us_per_iter']} us iteration |")
         fused = ov.get("storm_fused", {}).get("variants")
@@ -79,7 +81,8 @@ def _summary(res: dict) -> list[str]:
             if a and p:
                 out.append(f"| /metrics at {ranks:,} ranks x 2 optimizers: ms (MB) | {_fmt(a['scrape_median_ms'])} "
                            f"({a['bytes'] / 1e6:.1f}) | Pushgateway {_fmt(p['scrape_median_ms'])} "
-                           f"({p['bytes'] / 1e6:.1f}) | {_ratio(p['scrape_median_ms'], a['scrape_median_ms'])} faster |")
+                           f"({p['bytes'] / 1e6:.1f}) | "
+                           f"{_ratio(p['scrape_median_ms'], a['scrape_median_ms'])} faster |")
         a = _find(sc["levels"], target="ampwatch", ranks=4096) or _find(sc["levels"], target="ampwatch", ranks=1024)
         if a and a.get("rss_kib_per_rank") is not None:
             p = _find(sc["levels"], target="pushgateway", ranks=a["ranks"])
