@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import http.server
 import json
-import socket
 import threading
 import time
 from typing import Any, Callable, Optional
 
+from ports import free_port
+
 __all__ = ["WebhookReceiver", "free_port"]
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class WebhookReceiver:
