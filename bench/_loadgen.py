@@ -232,6 +232,8 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
         await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally)
                                for r in range(ranks)))
     elapsed = max(1e-9, tally.last_answer - min(tally.first_send, tally.last_answer))
+    if not tally.latency:  # a run too short for steady state: every answer counts
+        tally.latency = tally.latency_all
     ms = 1000.0
     return {"target": target, "ranks": ranks, "seconds": seconds, "mode": "saturate" if saturate else "paced",
             "connections": saturate or ranks, "answered": tally.answered, "failures": tally.failures,

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = tuple(args.ranks or ((64, 1024) if args.quick else LEVELS))
     seconds = args.seconds or (3 if args.quick else 10)
-    results = run(levels, seconds, peer=not args.no_peer, saturate_levels=(1024,) if args.quick else (64, 1024),
+    saturate_levels = tuple(args.ranks) if args.ranks else (1024,) if args.quick else (64, 1024)
+    results = run(levels, seconds, peer=not args.no_peer, saturate_levels=saturate_levels,
                   saturate_seconds=3 if args.quick else 6)
     print(json.dumps(results, indent=1)) if args.json else _print(results)
     return 0
