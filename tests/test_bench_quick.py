@@ -26,6 +26,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @needs_pushgateway
 @pytest.mark.timeout(60)
 def test_load_generator_gets_answers_from_both_servers_and_accounts_for_every_slot():
@@ -83,6 +84,7 @@ def test_accelerate_misses_skips_of_fused_optimizers_and_updates_the_scale_per_o
         plain.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_quick_bench_writes_the_page_and_json(tmp_path):
     prefix = str(tmp_path / "bench")
