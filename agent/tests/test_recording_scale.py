@@ -76,7 +76,10 @@ def test_unchanged_scale_is_not_reported_as_a_skip(amp, watching, events):
 
 
 def test_manual_update_new_scale_is_a_manual_transition_not_a_backoff(amp, watching, events):
-    """Claim 9: update(new_scale=...) sets the scale by hand, even in an iteration that overflowed."""
+    """Claim 9: update(new_scale=...) sets the scale by hand, even in an iteration that overflowed.
+
+    Setting the value the scale already has changes nothing and is not counted.
+    """
     model, opt_a, _ = model_and_two_optimizers()
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt_a)
@@ -85,6 +88,7 @@ def test_manual_update_new_scale_is_a_manual_transition_not_a_backoff(amp, watch
                           after_backward=lambda: amp.poison_grad(model[0].weight))
     assert truth[id(opt_a)] is False and scaler.get_scale() == 128.0
     amp.iteration(model, scaler, [opt_a], torch.randn(4, 8))  # keyword-free default update
+    amp.iteration(model, scaler, [opt_a], torch.randn(4, 8), new_scale=128.0)  # sets what it already was
     assert transitions(events(w)) == [("manual", 65536.0, 1024.0, 0), ("manual", 1024.0, 128.0, 1)]
     state = w.snapshot()["state"]
     assert (state["manual_sets"], state["backoffs"], state["optimizers"]["SGD"]["skipped"]) == (2, 0, 1)

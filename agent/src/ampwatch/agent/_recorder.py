@@ -368,8 +368,8 @@ class Recorder:
     def _apply_scale(self, after: float, iteration: int, manual: bool) -> None:
         before = self.loss_scale
         self.loss_scale = after
-        if before is None or after == before and not manual:
-            return
+        if before is None or after == before:
+            return  # unchanged: no transition, not even for update(new_scale=<the same value>)
         if manual:
             cause = "manual"
             self.manual_sets += 1
