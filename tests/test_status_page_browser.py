@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from ampwatch.server._harness import CollectorProcess
+from headless_browser import needs_browser, open_page
 
-playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (requirements-dev.txt)")
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 JOB = pathlib.Path(__file__).with_name("e2e_ddp_job.py")
 ARTIFACTS = pathlib.Path(__file__).resolve().parents[1] / "artifacts"
 # Markup in the run id: the page must show it as text, never build elements from it.
 RUN = "<img src=x onerror=alert(1)>&1"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (Debian package chromium)")]
+pytestmark = [pytest.mark.slow, needs_browser]
 
 
 @pytest.mark.timeout(240)
@@ -34,43 +28,34 @@ def test_the_status_page_shows_the_run_its_ranks_skips_and_the_streak_alert_with
                              capture_output=True, timeout=180)
         assert job.returncode == 0, job.stdout.decode()[-3000:] + job.stderr.decode()[-3000:]
 
-        problems: list[str] = []
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
-                page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
-                page.on("pageerror", lambda e: problems.append(str(e)))
-                page.goto(collector.url + "/")
-                page.wait_for_selector("tr.run a.run-link", timeout=15_000)
-                links = page.locator("tr.run a.run-link")
-                assert links.count() == 1 and links.first.text_content() == RUN
-                assert page.locator("img").count() == 0  # the markup stayed text: no element was built from it
-                links.first.click()
-                page.wait_for_selector("circle.skip-mark", timeout=15_000)
+        with open_page(collector.url + "/") as (page, problems):
+            page.wait_for_selector("tr.run a.run-link", timeout=15_000)
+            links = page.locator("tr.run a.run-link")
+            assert links.count() == 1 and links.first.text_content() == RUN
+            assert page.locator("img").count() == 0  # the markup stayed text: no element was built from it
+            links.first.click()
+            page.wait_for_selector("circle.skip-mark", timeout=15_000)
 
-                assert page.locator("#run-name").text_content() == RUN
-                ranks = page.locator("#ranks tr.rank")
-                assert ranks.count() == 2
-                for i in range(2):
-                    row = ranks.nth(i).text_content()
-                    # 20 backoffs from 2^16, no growth: the scale ends at 2^-4.
-                    assert "2^-4" in row and "GradScaler" in row and "closed" in row, row
-                    assert "body: 20 / 40" in row and "head: 20 / 40" in row, row
-                alerts = page.locator("#firing tr.alert[data-alert=AmpConsecutiveSkippedSteps]")
-                assert alerts.count() == 4  # 2 ranks x 2 optimizers, severity warning
-                assert {alerts.nth(i).locator("td").nth(1).text_content() for i in range(4)} == {"warning"}
-                # Skip marks: one per rank, optimizer and skipped iteration (the last hour's events).
-                assert page.locator("circle.skip-mark").count() == 2 * 2 * 20
-                assert page.locator("path.scale-line").count() == 2
-                skips = page.locator("#events tr.event[data-kind=skip]")
-                # Offending parameters are named (the first skips were inspected; a storm rate-limits later ones).
-                named = [skips.nth(i).text_content() for i in range(skips.count())]
-                assert any("0.weight (inf 0, nan" in text for text in named), named[:5]
-                assert any("2.weight (inf 0, nan" in text for text in named), named[:5]
-                ARTIFACTS.mkdir(exist_ok=True)
-                page.screenshot(path=str(ARTIFACTS / "status-page.png"))
-                page.screenshot(path=str(ARTIFACTS / "status-page-full.png"), full_page=True)
-            finally:
-                browser.close()
+            assert page.locator("#run-name").text_content() == RUN
+            ranks = page.locator("#ranks tr.rank")
+            assert ranks.count() == 2
+            for i in range(2):
+                row = ranks.nth(i).text_content()
+                # 20 backoffs from 2^16, no growth: the scale ends at 2^-4.
+                assert "2^-4" in row and "GradScaler" in row and "closed" in row, row
+                assert "body: 20 / 40" in row and "head: 20 / 40" in row, row
+            alerts = page.locator("#firing tr.alert[data-alert=AmpConsecutiveSkippedSteps]")
+            assert alerts.count() == 4  # 2 ranks x 2 optimizers, severity warning
+            assert {alerts.nth(i).locator("td").nth(1).text_content() for i in range(4)} == {"warning"}
+            # Skip marks: one per rank, optimizer and skipped iteration (the last hour's events).
+            assert page.locator("circle.skip-mark").count() == 2 * 2 * 20
+            assert page.locator("path.scale-line").count() == 2
+            skips = page.locator("#events tr.event[data-kind=skip]")
+            # Offending parameters are named (the first skips were inspected; a storm rate-limits later ones).
+            named = [skips.nth(i).text_content() for i in range(skips.count())]
+            assert any("0.weight (inf 0, nan" in text for text in named), named[:5]
+            assert any("2.weight (inf 0, nan" in text for text in named), named[:5]
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "status-page.png"))
+            page.screenshot(path=str(ARTIFACTS / "status-page-full.png"), full_page=True)
     assert problems == []
