@@ -9,6 +9,11 @@ const MAX_EVENTS_SHOWN = 100;
 const MAX_PAGES = 20;            // per refresh and kind: bounded work however long the run
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const SVG = "http://www.w3.org/2000/svg";
+// poisoned_step reasons (docs/protocol.md) in words.
+const POISON_REASONS = {
+  nonfinite_grad: "stepped with non-finite gradients",
+  nonfinite_param: "parameters non-finite after the step",
+};
 
 const runCache = new Map();  // run -> {scale: Map, recent: Map, scaleSince, recentSince}
 
@@ -125,6 +130,12 @@ function optimizerCell(rank) {
     line.append(el("b", {}, name), `: ${o.skipped} / ${o.steps}, streak `);
     line.append(el("span", {class: o.consecutive_skipped > 0 ? "streak" : ""}, String(o.consecutive_skipped)));
     line.append(` (${o.longest_streak})`);
+    if (o.poisoned_steps > 0) {
+      // A poisoned optimizer's weights are likely NaN for good: say so loudly, and only then.
+      line.append(" · ", el("span", {class: "poisoned", title: "steps that updated parameters with non-finite " +
+        "gradients or left them non-finite (AmpPoisonedStep): restore from a checkpoint"},
+        `poisoned ${o.poisoned_steps}`));
+    }
     if (o.latest_nonfinite_parameter) line.append(" · last non-finite: ", el("span", {class: "params"}, o.latest_nonfinite_parameter));
     cell.append(line);
   }
@@ -186,7 +197,7 @@ function eventDetails(e) {
     case "poisoned_step": {
       const names = (e.params || []).map(p => `${p.name} (inf ${p.inf}, nan ${p.nan})`);
       if (e.kind === "skip") cell.append(`streak ${e.streak}`, names.length ? " · " : "");
-      else cell.append(`${e.reason}`, names.length ? " · " : "");
+      else cell.append(`${POISON_REASONS[e.reason] || "poisoned"} (${e.reason})`, names.length ? " · " : "");
       if (names.length) cell.append(el("span", {class: "params"}, names.join(", ")));
       if (e.params_total && e.params_total > names.length) cell.append(` … ${e.params_total} parameters in all`);
       if (e.inspected === false) cell.append(" (not inspected: skip storm)");
