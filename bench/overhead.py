@@ -13,7 +13,8 @@ variant's cost is the median of its per-block ratios to the bare block of the sa
 - ``forum``: ``scaler.get_scale()`` before and after ``update()``; a drop means a skip.
 
 Also: host-device syncs (``aten._local_scalar_dense``) per iteration on clean and on skipping iterations,
-and whether each method's answer matches the truth in a skip storm, for foreach and fused AdamW.
+and whether each method's answer matches the truth in a skip storm, for foreach and fused AdamW; the
+agent's whole host CPU per iteration on a tiny model, and its recorder's calls alone (best of 5).
 
     python -m bench.overhead [--quick]
 """
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["VARIANTS", "measure", "main"]
+__all__ = ["VARIANTS", "agent_host_cost_us", "agent_hot_path_us", "measure", "main"]
 
 VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
 
@@ -65,7 +66,16 @@ def _transformer() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], to
     return model, [list(block.parameters()), list(head.parameters())], lambda: head(block(x)).float().pow(2).mean()
 
 
-MODELS = {"mlp": _mlp, "transformer": _transformer}
+def _tiny() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
+    # Compute so small that the agent's fixed host cost per iteration stands out.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    return model, [list(model[0].parameters()), list(model[1].parameters())], lambda: model(x).float().sum()
+
+
+MODELS = {"mlp": _mlp, "transformer": _transformer, "tiny": _tiny}
+COMPARED = ("mlp", "transformer")
+"""The models every variant is timed on; ``tiny`` only measures the agent's own host cost."""
 
 
 class Setup:
@@ -231,36 +241,50 @@ def measure(model: str, fused: bool, rounds: int, block: int, collector: Optiona
 
 def agent_host_cost_us(rounds: int, block: int, collector: Optional[str]) -> dict:
     """The agent's own host CPU per iteration: watched minus bare on a 4-wide MLP, where compute is tiny."""
-    def tiny() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        x = torch.randn(2, 4)
-        return model, [list(model[0].parameters()), list(model[1].parameters())], lambda: model(x).float().sum()
-    MODELS["tiny"] = tiny
+    bare, watched = Setup("bare", "tiny", False, collector), Setup("ampwatch", "tiny", False, collector)
     try:
-        bare, watched = Setup("bare", "tiny", False, collector), Setup("ampwatch", "tiny", False, collector)
-        try:
-            bare.iterate(20)
-            watched.iterate(20)
-            diffs, bare_t = [], []
-            for i in range(rounds):
-                pair = []
-                for s in ((bare, watched) if i % 2 == 0 else (watched, bare)):
-                    start = time.process_time()
-                    s.iterate(block)
-                    pair.append(((time.process_time() - start) / block, s is bare))
-                b = next(t for t, is_bare in pair if is_bare)
-                w = next(t for t, is_bare in pair if not is_bare)
-                diffs.append(w - b)
-                bare_t.append(b)
-            return {"agent_host_us_per_iter": round(statistics.median(diffs) * 1e6, 1),
-                    "agent_host_us_p25": round(_pct(diffs, .25) * 1e6, 1),
-                    "agent_host_us_p75": round(_pct(diffs, .75) * 1e6, 1),
-                    "tiny_bare_cpu_us_per_iter": round(statistics.median(bare_t) * 1e6, 1)}
-        finally:
-            bare.close()
-            watched.close()
+        bare.iterate(20)
+        watched.iterate(20)
+        diffs, bare_t = [], []
+        for i in range(rounds):
+            pair = []
+            for s in ((bare, watched) if i % 2 == 0 else (watched, bare)):
+                start = time.process_time()
+                s.iterate(block)
+                pair.append(((time.process_time() - start) / block, s is bare))
+            b = next(t for t, is_bare in pair if is_bare)
+            w = next(t for t, is_bare in pair if not is_bare)
+            diffs.append(w - b)
+            bare_t.append(b)
+        return {"agent_host_us_per_iter": round(statistics.median(diffs) * 1e6, 1),
+                "agent_host_us_p25": round(_pct(diffs, .25) * 1e6, 1),
+                "agent_host_us_p75": round(_pct(diffs, .75) * 1e6, 1),
+                "tiny_bare_cpu_us_per_iter": round(statistics.median(bare_t) * 1e6, 1)}
     finally:
-        del MODELS["tiny"]
+        bare.close()
+        watched.close()
+
+
+def agent_hot_path_us(repeats: int = 5, n: int = 5000) -> float:
+    """Time the recorder's own calls per iteration (two optimizers) on a real, attached recorder; best of repeats."""
+    # Noise on a busy machine hides a few microseconds in a whole iteration; the calls alone it cannot hide.
+    setup = Setup("ampwatch", "tiny", False, collector=())
+    try:
+        setup.iterate(2)
+        recorder = setup.watch._recorder
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(n):
+                for record in recorder.records:  # what the step wrapper and pre-hook do on a clean step
+                    recorder.before_step(record)
+                    recorder.on_optimizer_step(record)
+                    recorder.after_step(record)
+                recorder.after_update(False)  # what the update wrapper does
+            best = min(best, (time.perf_counter() - start) / n)
+        return round(best * 1e6, 2)
+    finally:
+        setup.close()
 
 
 @contextlib.contextmanager
@@ -276,10 +300,9 @@ def run(quick: bool) -> dict:
     rounds, block = (8, 10) if quick else (40, 25)
     with _collector() as url:
         results = {"rounds": rounds, "block": block, "collector": "real, loopback, push interval 1 s",
-                   "measurements": [measure(m, False, rounds, block, url) for m in MODELS]}
+                   "measurements": [measure(m, False, rounds, block, url) for m in COMPARED]}
         results["storm_fused"] = measure("mlp", True, max(4, rounds // 4), block, url)
         results["host_cost"] = agent_host_cost_us(rounds * 2, block * 4, url)
-    from bench.agent_overhead import agent_hot_path_us
     results["host_cost"]["hot_path_us_per_iter"] = agent_hot_path_us()  # the recorder's calls alone, best of 5
     return results
 

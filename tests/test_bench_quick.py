@@ -97,3 +97,10 @@ def test_quick_bench_writes_the_page_and_json(tmp_path):
     assert 100 < fp["bytes_per_event_on_disk"] < 5000
     page = open(prefix + ".md").read()
     assert "## Summary" in page and "bytes per stored event" in page
+
+
+@pytest.mark.timeout(60)
+def test_the_hot_path_timer_runs_the_recorder_calls_of_a_real_attached_agent():
+    from bench.overhead import agent_hot_path_us
+    # A loose sanity bound only: the figure itself belongs to docs/benchmarks.md.
+    assert 0 < agent_hot_path_us(repeats=1, n=200) < 1000
