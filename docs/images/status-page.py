@@ -2,15 +2,14 @@
 
     .venv/bin/python docs/images/status-page.py docs/images/status-page.png
 
-Uses Debian's chromium through Playwright, as tests/test_status_page_browser.py does.
+Uses Debian's chromium through Playwright, with the tests' own launcher (tests/helpers/headless_browser.py).
 """
-import os, re, shutil, signal, subprocess, sys, tempfile, time
+import os, re, signal, subprocess, sys, tempfile, time
 from pathlib import Path
-from playwright.sync_api import sync_playwright
 
 REPO = Path(__file__).resolve().parents[2]
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
+from headless_browser import open_page  # noqa: E402
 out_path = sys.argv[1]
 demo = subprocess.Popen([sys.executable, f"{REPO}/examples/demo.py", "--port", "0", "--data", tempfile.mkdtemp(prefix="ampwatch-shot-"),
                          "--run", "demo-readme"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -25,14 +24,10 @@ try:
         if "ALERT FIRING   AmpSustainedLossScaleBackoff" in line:
             break
     time.sleep(1.5)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=ARGS)
-        page = browser.new_page(viewport={"width": 1200, "height": 860})
-        page.goto(url + "/#run=demo-readme")
+    with open_page(url + "/#run=demo-readme", width=1200, height=860) as (page, _problems):
         page.wait_for_selector("circle.skip-mark", timeout=15000)
         time.sleep(1.0)
         page.screenshot(path=out_path)
-        browser.close()
 finally:
     os.killpg(demo.pid, signal.SIGINT)
     try:
