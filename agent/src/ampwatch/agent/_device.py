@@ -83,11 +83,14 @@ class PendingRead:
         self._host: torch.Tensor | None = None
         self._event: Any = None
         self._source: torch.Tensor | None = None
+        device = tensor.device.type
+        if device == "cpu":
+            # tolist() on a CPU tensor does not go through aten._local_scalar_dense (and needs no detach).
+            value = tensor.tolist() if tensor.dim() < 2 else tensor.reshape(-1).tolist()
+            self._value = value if isinstance(value, list) else [value]
+            return
         tensor = tensor.detach()
-        if tensor.device.type == "cpu":
-            # tolist() on a CPU tensor does not go through aten._local_scalar_dense.
-            self._value = tensor.reshape(-1).tolist()
-        elif tensor.device.type == "cuda":
+        if device == "cuda":
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
