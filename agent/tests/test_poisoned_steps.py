@@ -25,6 +25,14 @@ def setup(watching):
     return model, opt_a, opt_b, scaler, w
 
 
+def nan_in_b_then_clip_whole_model(model: TwoPart, scaler, opt_a, opt_b) -> None:
+    """The unsafe recipe: unscale both optimizers, then clip the whole model at once."""
+    model.b.bias.grad[0] = float("nan")
+    scaler.unscale_(opt_a)
+    scaler.unscale_(opt_b)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
 def all_finite(module: nn.Module) -> bool:
     return all(torch.isfinite(p).all() for p in module.parameters())
 
@@ -32,14 +40,8 @@ def all_finite(module: nn.Module) -> bool:
 def test_whole_model_clipping_that_spreads_nan_is_caught_on_the_iteration_it_happens(amp, watching, events):
     """The issue's reproduction: b's NaN reaches a's gradients after a's inf check; a steps with NaN."""
     model, opt_a, opt_b, scaler, w = setup(watching)
-
-    def nan_then_clip_whole_model():
-        model.b.bias.grad[0] = float("nan")
-        scaler.unscale_(opt_a)
-        scaler.unscale_(opt_b)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-
-    amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8), after_backward=nan_then_clip_whole_model)
+    amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8),
+                  after_backward=lambda: nan_in_b_then_clip_whole_model(model, scaler, opt_a, opt_b))
     assert not all_finite(model.a) and all_finite(model.b)  # ground truth: a was poisoned, b skipped
     assert w.stepped(opt_a) is True and w.stepped(opt_b) is False
     (poisoned,) = [e for e in events(w) if e["kind"] == "poisoned_step"]
@@ -52,14 +54,8 @@ def test_whole_model_clipping_that_spreads_nan_is_caught_on_the_iteration_it_hap
 
 def test_a_poisoned_optimizer_is_reported_once_though_it_skips_ever_after(amp, watching, events):
     model, opt_a, opt_b, scaler, w = setup(watching)
-
-    def nan_then_clip_whole_model():
-        model.b.bias.grad[0] = float("nan")
-        scaler.unscale_(opt_a)
-        scaler.unscale_(opt_b)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-
-    amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8), after_backward=nan_then_clip_whole_model)
+    amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8),
+                  after_backward=lambda: nan_in_b_then_clip_whole_model(model, scaler, opt_a, opt_b))
     for _ in range(3):
         truth = amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8))
         assert truth == {id(opt_a): False, id(opt_b): False}  # NaN weights: every step skips now
