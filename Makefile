@@ -25,8 +25,11 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)
 
-# About 10 minutes on 2 cores (ARGS=--quick: about a minute); writes docs/benchmarks.md and .json.
+# About 8 minutes on 2 cores (ARGS=--quick: about a minute); writes docs/benchmarks.md and .json.
+# Drives Debian's prometheus-pushgateway and valgrind (apt-get install prometheus-pushgateway valgrind).
 bench: $(STAMP)
+	@for tool in prometheus-pushgateway valgrind; do command -v $$tool >/dev/null || \
+	  echo "make bench: $$tool is missing (apt-get install $$tool); its sections will report an error"; done
 	$(PY) -m bench $(ARGS)
 
 clean:

@@ -1,6 +1,6 @@
 """Run the benchmarks: ``python -m bench [--quick] [--only SECTION ...]`` (``make bench``).
 
-Full run: about 10 minutes on a 2-core machine; writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
+Full run: about 8 minutes on a 2-core machine (valgrind included); writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 ``--quick`` (about a minute) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
 """
 
@@ -16,9 +16,10 @@ import time
 import traceback
 from importlib import metadata
 
-from bench import footprint, ingest, overhead, report, scrape, tail
+from bench import footprint, ingest, instructions, overhead, report, scrape, tail
 
-SECTIONS = ("overhead", "ingest", "scrape", "footprint", "tail")
+SECTIONS = ("overhead", "instructions", "ingest", "scrape", "footprint", "tail")
+FULL_ONLY = ("instructions",)  # minutes under valgrind: left out of --quick unless asked for with --only
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NOTES = [
@@ -99,6 +100,8 @@ def _section(name: str, quick: bool) -> object:
         return scrape.run((1, 1024), 3) if quick else scrape.run()
     if name == "footprint":
         return footprint.run(64, 3, 8, skip_every=2) if quick else footprint.run()
+    if name == "instructions":
+        return instructions.run(50 if quick else 200)
     return [tail.profile(1024, 4 if quick else 10, tuned) for tuned in (False, True)]
 
 
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results: dict = {"command": "python -m bench" + " ".join([""] + (argv if argv is not None else sys.argv[1:])),
                      "quick": args.quick, "environment": _environment(), "notes": NOTES}
-    for name in args.only or SECTIONS:
+    chosen = args.only or [name for name in SECTIONS if not (args.quick and name in FULL_ONLY)]
+    for name in chosen:
         print(f"bench: {name} ...", flush=True)
         t = time.perf_counter()
         try:

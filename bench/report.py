@@ -57,6 +57,12 @@ def _summary(res: dict) -> list[str]:
                        f"{fused['ampwatch']['storm_flagged']}/{fused['ampwatch']['checked_iterations']} | Accelerate "
                        f"{fused['accelerate']['storm_flagged']}/{fused['accelerate']['checked_iterations']} | "
                        f"Accelerate's step hook fires although the fused kernel skipped |")
+    ins = res.get("instructions")
+    if ins and "rows" in ins:
+        for r in ins["rows"]:
+            out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} (callgrind, exact) | "
+                       f"{r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per iteration) | - | "
+                       f"{(r['ratio'] - 1) * 100:.2f}% |")
     ing = res.get("ingest")
     if ing and "paced" in ing:
         for ranks in (1024, 4096):
@@ -117,6 +123,19 @@ def _overhead(ov: dict) -> list[str]:
                     f"included): **{h['agent_host_us_per_iter']} us** (p25 {h['agent_host_us_p25']}, p75 "
                     f"{h['agent_host_us_p75']}). The recorder's own calls per iteration alone "
                     f"(`agent_hot_path_us` in `bench/overhead.py`, best of 5): **{h.get('hot_path_us_per_iter', '-')} us**."]
+    return out
+
+
+def _instructions(ins: dict) -> list[str]:
+    out = ["Instructions executed by the training process over the measured iterations, counted by valgrind's "
+           "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
+           f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the count "
+           "does not move with the machine's load, so it can answer a 1% question on a shared machine.", "",
+           "| model | optimizer | iterations | bare instructions/iter | watched instructions/iter | agent | ratio |",
+           "|---|---|---|---|---|---|---|"]
+    for r in ins["rows"]:
+        out.append(f"| {r['model']} | {r['optimizer']} | {r['iterations']} | {r['bare_per_iter']:,} | "
+                   f"{r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | {r['ratio']:.4f} |")
     return out
 
 
@@ -213,6 +232,7 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
               "alternating order).", "",
               "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
     sections = [("overhead", "1. Agent overhead per training iteration", _overhead),
+                ("instructions", "1b. Agent overhead in CPU instructions (exact)", _instructions),
                 ("ingest", "2. Ingest throughput and latency vs the Pushgateway", _ingest),
                 ("scrape", "3. Scrape cost", _scrape),
                 ("footprint", "4. Collector footprint", _footprint)]

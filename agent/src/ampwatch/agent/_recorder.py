@@ -145,6 +145,10 @@ class Recorder:
             # Non-fused: the scaler calls optimizer.step() only when found_inf is 0 (it already synced).
             self._outcome(record, record.hook_fired, self.iteration)
             return
+        if not record.pending and found_inf.device.type == "cpu":
+            # Already on the host: read it now (no sync) and skip the deferred-read bookkeeping.
+            self._outcome(record, not _device.host_scalar(found_inf), self.iteration)
+            return
         read = _device.read_later(found_inf)
         record.pending.append((read, self.iteration))
         self._resolve_ready(record)

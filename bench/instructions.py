@@ -1,0 +1,96 @@
+"""The agent's overhead in CPU instructions per training iteration: a count that machine load cannot blur.
+
+Timing ratios on a shared 2-core machine spread by several percent from run to run, which hides a 1%
+question. Valgrind's callgrind counts the instructions the process executes instead. Each variant runs in
+its own process under callgrind; the counters are zeroed right before the measured iterations (the
+process calls ``os.getppid()``, i.e. libc ``getppid``: ``--zero-before=getppid``) and dumped right after
+(``os.getpgrp()``: ``--dump-before=getpgrp``), so imports, set-up and warm-up are left out. The loops are
+``bench.overhead.Setup``'s: the same model, data, two optimizers, ``GradScaler("cpu")`` and bfloat16
+autocast; the watched loop also asks ``watch.stepped()`` for both optimizers every iteration. No collector:
+the sender thread sleeps between pushes and is measured apart (its CPU time is a few milliseconds per minute).
+
+    python -m bench.instructions [--iterations N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["CASES", "run"]
+
+CASES = (("mlp", False), ("mlp", True))
+"""(model, fused) pairs measured; the tiny MLP is where a fixed per-iteration cost weighs most."""
+WARMUP = 20
+
+
+def _child(variant: str, model: str, fused: bool, iterations: int) -> None:
+    from bench.overhead import Setup
+
+    setup = Setup(variant, model, fused, None)
+    setup.iterate(WARMUP)
+    os.getppid()  # callgrind zeroes its counters here
+    setup.iterate(iterations)
+    os.getpgrp()  # ... and dumps them here
+    if setup.watch is not None:
+        setup.watch.close(timeout=0)
+
+
+def _count(variant: str, model: str, fused: bool, iterations: int, workdir: str) -> int:
+    """Return the instructions of ``iterations`` measured iterations of one variant."""
+    out = os.path.join(workdir, f"{variant}-{model}-{'fused' if fused else 'foreach'}.cg")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
+    env["OMP_NUM_THREADS"] = "1"  # one compute thread: the same work in the same order every run
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--zero-before=getppid",
+               "--dump-before=getpgrp", sys.executable, "-m", "bench.instructions", "--child", variant, model,
+               str(int(fused)), str(iterations)]
+    subprocess.run(command, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   check=True, capture_output=True, timeout=900)
+    dumps = sorted(glob.glob(out + ".*"))  # the dump taken before getpgrp: only the measured iterations
+    if not dumps:
+        raise RuntimeError(f"callgrind wrote no dump for {variant} ({out}.*): was getpgrp ever called?")
+    with open(dumps[0]) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise RuntimeError(f"no instruction total in {dumps[0]}")
+
+
+def run(iterations: int = 200) -> dict:
+    """Count instructions per iteration, bare vs watched, for each case (two processes at a time)."""
+    if shutil.which("valgrind") is None:
+        raise RuntimeError("valgrind is not installed (Debian package valgrind)")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ampwatch-callgrind-") as workdir, ThreadPoolExecutor(2) as pool:
+        for model, fused in CASES:
+            bare, watched = pool.map(lambda v: _count(v, model, fused, iterations, workdir), ("bare", "ampwatch"))
+            rows.append({"model": model, "optimizer": "AdamW(fused=True)" if fused else "AdamW(foreach=True)",
+                         "iterations": iterations, "bare_per_iter": round(bare / iterations),
+                         "watched_per_iter": round(watched / iterations),
+                         "agent_per_iter": round((watched - bare) / iterations),
+                         "ratio": round(watched / bare, 4)})
+    return {"rows": rows, "warmup": WARMUP}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=200, help="measured iterations per variant")
+    parser.add_argument("--child", nargs=4, metavar=("VARIANT", "MODEL", "FUSED", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        variant, model, fused, n = args.child
+        _child(variant, model, fused == "1", int(n))
+        return 0
+    print(json.dumps(run(args.iterations), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
