@@ -25,7 +25,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)
 
-# About 8 minutes on 2 cores (ARGS=--quick: about a minute); writes docs/benchmarks.md and .json.
+# About 11 minutes on 2 cores (ARGS=--quick: about a minute); writes docs/benchmarks.md and .json.
 # Drives Debian's prometheus-pushgateway and valgrind (apt-get install prometheus-pushgateway valgrind).
 bench: $(STAMP)
 	@for tool in prometheus-pushgateway valgrind; do command -v $$tool >/dev/null || \

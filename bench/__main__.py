@@ -1,6 +1,6 @@
 """Run the benchmarks: ``python -m bench [--quick] [--only SECTION ...]`` (``make bench``).
 
-Full run: about 8 minutes on a 2-core machine (valgrind included); writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
+Full run: about 11 minutes on a 2-core machine (5 of them under valgrind); writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 ``--quick`` (about a minute) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
 """
 
