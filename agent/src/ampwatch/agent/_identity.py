@@ -10,6 +10,8 @@ import time
 import uuid
 from typing import Mapping
 
+from ._config import _number
+
 __all__ = ["Identity", "resolve_identity", "launcher_run_id", "new_run_id"]
 
 log = logging.getLogger("ampwatch.agent")
@@ -58,7 +60,7 @@ def resolve_identity(run: str | None = None, *, environ: Mapping[str, str] | Non
     """
     env = os.environ if environ is None else environ
     rank, world_size = _rank_and_world(env)
-    local_rank = _env_int(env, "LOCAL_RANK", rank if world_size > 1 else 0)
+    local_rank = _number(env, "LOCAL_RANK", int, rank if world_size > 1 else 0)
     if local_rank < 0:
         raise ValueError(f"LOCAL_RANK must be >= 0, got {local_rank}")
     run = run or env.get("AMPWATCH_RUN") or launcher_run_id(env) or _agree_on_run(world_size)
@@ -71,8 +73,8 @@ def _rank_and_world(env: Mapping[str, str]) -> tuple[int, int]:
     dist = _initialised_dist()
     if dist is not None:
         return dist.get_rank(), dist.get_world_size()
-    world_size = _env_int(env, "WORLD_SIZE", 1)
-    rank = _env_int(env, "RANK", 0)
+    world_size = _number(env, "WORLD_SIZE", int, 1)
+    rank = _number(env, "RANK", int, 0)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} and WORLD_SIZE={world_size} are inconsistent: "
                          f"need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE")
@@ -99,14 +101,3 @@ def _initialised_dist():
     except ImportError:  # pragma: no cover - torch builds without distributed
         return None
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _env_int(env: Mapping[str, str], var: str, default: int) -> int:
-    """Parse ``env[var]`` as an integer, or return ``default`` when unset."""
-    text = env.get(var, "").strip()
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{var} must be an integer, got {text!r}") from None
