@@ -10,8 +10,22 @@ import torch
 from torch import nn
 
 
+class TwoPart(nn.Module):
+    """Two linear layers, so that two optimizers can each own one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
 class AmpLoop:
     """Drive a real ``torch.amp.GradScaler("cpu")`` under bfloat16 autocast and observe the ground truth."""
+
+    TwoPart = TwoPart
 
     @staticmethod
     def bits(params) -> list[torch.Tensor]:

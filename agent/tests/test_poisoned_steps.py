@@ -6,18 +6,8 @@ import torch
 from torch import nn
 
 
-class TwoPart(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-def setup(watching):
-    model = TwoPart()
+def setup(amp, watching):
+    model = amp.TwoPart()
     opt_a = torch.optim.AdamW(model.a.parameters())
     opt_b = torch.optim.SGD(model.b.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
@@ -25,7 +15,7 @@ def setup(watching):
     return model, opt_a, opt_b, scaler, w
 
 
-def nan_in_b_then_clip_whole_model(model: TwoPart, scaler, opt_a, opt_b) -> None:
+def nan_in_b_then_clip_whole_model(model: nn.Module, scaler, opt_a, opt_b) -> None:
     """The unsafe recipe: unscale both optimizers, then clip the whole model at once."""
     model.b.bias.grad[0] = float("nan")
     scaler.unscale_(opt_a)
@@ -39,7 +29,7 @@ def all_finite(module: nn.Module) -> bool:
 
 def test_whole_model_clipping_that_spreads_nan_is_caught_on_the_iteration_it_happens(amp, watching, events):
     """The issue's reproduction: b's NaN reaches a's gradients after a's inf check; a steps with NaN."""
-    model, opt_a, opt_b, scaler, w = setup(watching)
+    model, opt_a, opt_b, scaler, w = setup(amp, watching)
     amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8),
                   after_backward=lambda: nan_in_b_then_clip_whole_model(model, scaler, opt_a, opt_b))
     assert not all_finite(model.a) and all_finite(model.b)  # ground truth: a was poisoned, b skipped
@@ -53,7 +43,7 @@ def test_whole_model_clipping_that_spreads_nan_is_caught_on_the_iteration_it_hap
 
 
 def test_a_poisoned_optimizer_is_reported_once_though_it_skips_ever_after(amp, watching, events):
-    model, opt_a, opt_b, scaler, w = setup(watching)
+    model, opt_a, opt_b, scaler, w = setup(amp, watching)
     amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8),
                   after_backward=lambda: nan_in_b_then_clip_whole_model(model, scaler, opt_a, opt_b))
     for _ in range(3):
@@ -65,7 +55,7 @@ def test_a_poisoned_optimizer_is_reported_once_though_it_skips_ever_after(amp, w
 
 def test_per_optimizer_clipping_produces_no_poisoned_step(amp, watching, events):
     """The safe pattern: clip each optimizer's own parameters after its unscale_."""
-    model, opt_a, opt_b, scaler, w = setup(watching)
+    model, opt_a, opt_b, scaler, w = setup(amp, watching)
 
     def nan_then_clip_each():
         model.b.bias.grad[0] = float("nan")
@@ -85,7 +75,7 @@ def test_per_optimizer_clipping_produces_no_poisoned_step(amp, watching, events)
 
 def test_a_step_that_leaves_weights_non_finite_is_caught_when_its_skips_begin(amp, watching, events):
     """The other cheap signal: the first skip of a streak finds the weights already non-finite."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=1e38)  # finite gradients, overflowing update
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"net": opt}, model=model)
@@ -102,7 +92,7 @@ def test_clean_iterations_report_no_poisoned_step(amp, no_collector):
     """No false alarm; that the check adds no sync to clean iterations is proven in test_recording_cost."""
     from ampwatch import agent
 
-    model = TwoPart()
+    model = amp.TwoPart()
     opt_a = torch.optim.AdamW(model.a.parameters())
     opt_b = torch.optim.SGD(model.b.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")

@@ -12,19 +12,7 @@ import torch
 from torch import nn
 
 
-class TwoPart(nn.Module):
-    """Two linear layers, so that two optimizers can each own one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-def two_optimizers(model: TwoPart, fused: bool = False):
+def two_optimizers(model: nn.Module, fused: bool = False):
     opt_a = torch.optim.AdamW(model.a.parameters(), lr=1e-3, fused=fused or None)
     opt_b = torch.optim.SGD(model.b.parameters(), lr=0.01)
     return opt_a, opt_b
@@ -35,7 +23,7 @@ def counters(w, name):
 
 
 def test_clean_step_is_reported_as_stepped(amp, watching):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt_a, opt_b = two_optimizers(model)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"a": opt_a, "b": opt_b}, model=model)
@@ -45,8 +33,8 @@ def test_clean_step_is_reported_as_stepped(amp, watching):
     assert counters(w, "a")["steps"] == 1 and counters(w, "a")["skipped"] == 0
 
 
-def test_stepped_is_none_before_the_first_step(watching):
-    model = TwoPart()
+def test_stepped_is_none_before_the_first_step(amp, watching):
+    model = amp.TwoPart()
     opt_a, opt_b = two_optimizers(model)
     w = watching(torch.amp.GradScaler("cpu"), [opt_a, opt_b])
     assert w.stepped(opt_a) is None
@@ -54,7 +42,7 @@ def test_stepped_is_none_before_the_first_step(watching):
 
 def test_one_optimizer_skips_while_the_other_steps_in_the_same_iteration(amp, watching, events):
     """Claim 4: the decision is per optimizer."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt_a, opt_b = two_optimizers(model)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"a": opt_a, "b": opt_b}, model=model)
@@ -70,7 +58,7 @@ def test_one_optimizer_skips_while_the_other_steps_in_the_same_iteration(amp, wa
 @pytest.mark.parametrize("poisoned", ["a", "b"])
 def test_fused_adamw_skip_is_reported_although_its_step_is_called(amp, watching, poisoned):
     """Fused optimizers are stepped even on a skip (hooks fire), so the agent reads found_inf."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt_a, opt_b = two_optimizers(model, fused=True)
     stepped_calls = []
     opt_a.register_step_post_hook(lambda *a: stepped_calls.append(1))
@@ -85,7 +73,7 @@ def test_fused_adamw_skip_is_reported_although_its_step_is_called(amp, watching,
 
 
 def test_fused_adamw_clean_steps_are_counted(amp, watching):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt_a, opt_b = two_optimizers(model, fused=True)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"a": opt_a, "b": opt_b})
@@ -97,7 +85,7 @@ def test_fused_adamw_clean_steps_are_counted(amp, watching):
 
 def test_explicit_unscale_and_clipping_still_skip_on_the_recorded_inf(amp, watching):
     """Claim 5: clipping after unscale_ does not prevent the skip."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt, model=model)
@@ -117,7 +105,7 @@ def test_explicit_unscale_and_clipping_still_skip_on_the_recorded_inf(amp, watch
 
 def test_second_unscale_still_raises_with_the_agent_attached(amp, watching):
     """Claim 6: unscale_ twice per step raises RuntimeError, with or without the agent."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     watching(scaler, opt)
@@ -128,7 +116,7 @@ def test_second_unscale_still_raises_with_the_agent_attached(amp, watching):
 
 
 def test_second_step_before_update_still_raises_and_is_not_counted(amp, watching):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt)
@@ -140,7 +128,7 @@ def test_second_step_before_update_still_raises_and_is_not_counted(amp, watching
 
 
 def test_gradient_accumulation_over_micro_batches_is_one_step_or_one_skip(amp, watching):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt)
@@ -161,7 +149,7 @@ def test_gradient_accumulation_over_micro_batches_is_one_step_or_one_skip(amp, w
 
 def test_nan_loss_skips_the_step(amp, watching):
     """Claim 2: a NaN loss usually gives NaN gradients, hence a skip."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt)
@@ -203,7 +191,7 @@ def test_large_loss_with_finite_gradients_is_not_a_skip(amp, watching):
 
 def test_zero_learning_rate_step_is_not_a_skip(amp, watching):
     """Claim 1: unchanged weights because of the learning rate are a step, not a skip."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.Adam(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt)
@@ -221,7 +209,7 @@ class SGDReturningMarker(torch.optim.SGD):
 
 def test_scaler_step_returns_the_optimizers_value_and_none_does_not_mean_skipped(amp, watching):
     """Claim 7: scaler.step returns optimizer.step()'s value; SGD returns None even when it steps."""
-    model = TwoPart()
+    model = amp.TwoPart()
     marker = SGDReturningMarker(model.a.parameters(), lr=0.1)
     plain = torch.optim.SGD(model.b.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
@@ -236,7 +224,7 @@ def test_scaler_step_returns_the_optimizers_value_and_none_does_not_mean_skipped
 
 
 def test_consecutive_skips_form_a_streak_with_start_length_and_end(amp, watching, events):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"net": opt})
@@ -253,7 +241,7 @@ def test_consecutive_skips_form_a_streak_with_start_length_and_end(amp, watching
 
 
 def test_streaks_reached_counts_each_ladder_length_when_the_streak_reaches_it(amp, watching):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"net": opt})
@@ -268,7 +256,7 @@ def test_streaks_reached_counts_each_ladder_length_when_the_streak_reaches_it(am
 
 def test_skip_names_the_offending_parameters_with_inf_and_nan_counts(amp, watching, events):
     """Claim 12: name the first non-finite parameters of the skipping optimizer."""
-    model = TwoPart()
+    model = amp.TwoPart()
     opt_a, opt_b = two_optimizers(model)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"a": opt_a, "b": opt_b}, model=model)
@@ -284,7 +272,7 @@ def test_skip_names_the_offending_parameters_with_inf_and_nan_counts(amp, watchi
 
 
 def test_parameters_are_named_by_optimizer_position_without_a_model(amp, watching, events):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt)
@@ -294,7 +282,7 @@ def test_parameters_are_named_by_optimizer_position_without_a_model(amp, watchin
 
 
 def test_named_parameters_argument_names_parameters(amp, watching, events):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt, named_parameters=[("head.bias", model.b.bias)])
@@ -317,7 +305,7 @@ def test_at_most_sixteen_offending_parameters_are_named_but_all_are_counted(amp,
 
 
 def test_a_skip_storm_inspects_only_exponentially_spaced_skips(amp, watching, events):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100)  # stays large through the storm
     w = watching(scaler, opt)
@@ -330,7 +318,7 @@ def test_a_skip_storm_inspects_only_exponentially_spaced_skips(amp, watching, ev
 
 
 def test_new_streak_starts_are_inspected_at_most_once_per_interval(amp, watching, events):
-    model = TwoPart()
+    model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt)
@@ -345,7 +333,7 @@ def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):
 
     def train(watched: bool) -> list[torch.Tensor]:
         torch.manual_seed(1)
-        model = TwoPart()
+        model = amp.TwoPart()
         opt_a, opt_b = two_optimizers(model)
         fused = torch.optim.AdamW(model.b.parameters(), lr=1e-3, fused=True)
         scaler = torch.amp.GradScaler("cpu", growth_interval=3)
@@ -368,7 +356,7 @@ def test_a_failure_inside_the_agent_never_reaches_the_training_loop(amp, watchin
     def broken(*args, **kwargs):
         raise RuntimeError("injected agent fault")
 
-    model = TwoPart()
+    model = amp.TwoPart()
     opt_a, opt_b = two_optimizers(model, fused=True)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"a": opt_a, "b": opt_b}, model=model)
