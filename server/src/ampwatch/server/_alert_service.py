@@ -14,13 +14,14 @@ from prometheus_client.registry import Collector
 from ._alerting import OptimizerCounters, RankSnapshot
 from ._alerting_states import BuiltinAlerts
 from ._notify import NOTIFICATIONS_METRIC, Notifier, NotifyConfig, Target
+from ._schema import STREAK_LADDER
 from ._state import CollectorState, RankState
 
 __all__ = ["AlertService", "snapshot_of", "router", "NotificationMetrics"]
 
 log = logging.getLogger("ampwatch.server.alerts")
 router = APIRouter(prefix="/v1", tags=["alerts"])
-_LADDER = tuple(2 ** i for i in range(11))
+_LADDER = tuple((int(length), "reached_" + length) for length in STREAK_LADDER)  # (rung, totals key)
 
 
 def snapshot_of(rank: RankState) -> RankSnapshot:
@@ -34,7 +35,7 @@ def snapshot_of(rank: RankState) -> RankSnapshot:
         optimizers[name] = OptimizerCounters(
             steps=t.get("steps", 0), skipped=t.get("skipped", 0),
             consecutive_skipped=now.consecutive_skipped if now else 0,
-            streaks_reached={n: t.get(f"reached_{n}", 0) for n in _LADDER if t.get(f"reached_{n}")},
+            streaks_reached={n: t[key] for n, key in _LADDER if t.get(key)},
             scheduler_steps_after_skip=t.get("scheduler_steps_after_skip", 0),
             poisoned_steps=t.get("poisoned_steps", 0))
     return RankSnapshot(run=rank.run, rank=rank.rank, last_seen=rank.last_seen, iteration=batch.state.iteration,
