@@ -99,11 +99,6 @@ class PendingRead:
             # Keep a copy so later in-place updates (e.g. of the scale) do not change what we read.
             self._source = tensor.clone()
 
-    @property
-    def is_async(self) -> bool:
-        """Whether the value arrives without a sync (CPU or CUDA)."""
-        return self._source is None
-
     def done(self) -> bool:
         """Tell, without blocking, whether :meth:`value` can be read without a sync."""
         if self._value is not None:
