@@ -92,14 +92,11 @@ class Store:
     def write_incarnation(self, run: str, rank: int, row: dict, events: list[tuple]) -> Job:
         """Return a job that upserts one incarnation row and inserts events (duplicates ignored)."""
         params = dict(row, run=run, rank=rank)
+        insert = self.insert_events(events) if events else None
 
         def job(conn: sqlite3.Connection) -> int:
             conn.execute(_UPSERT, params)
-            if not events:
-                return 0
-            before = conn.total_changes
-            conn.executemany(_INSERT_EVENT, events)
-            return conn.total_changes - before
+            return insert(conn) if insert else 0
         return job
 
     @staticmethod
