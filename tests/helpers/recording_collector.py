@@ -18,14 +18,12 @@ import threading
 import time
 from typing import Any
 
-from ports import free_port
+from ports import LoopbackServer, free_port
 
 __all__ = ["RecordingCollector", "free_port"]
 
 
-
-
-class RecordingCollector:
+class RecordingCollector(LoopbackServer):
     """Records every POST to ``/v1/ingest``; answers ``status`` after ``delay`` seconds.
 
     ``received`` holds every decoded body in arrival order, retries included;
@@ -34,8 +32,7 @@ class RecordingCollector:
     """
 
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(port)
         self.status = 200
         self.delay = 0.0
         self.received: list[dict[str, Any]] = []
@@ -43,33 +40,15 @@ class RecordingCollector:
         self.headers: list[dict[str, str]] = []
         self.changed = threading.Condition()
         self._connections: set[socket.socket] = set()
-        self._server: http.server.ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> "RecordingCollector":
         """Listen on ``self.port`` (again)."""
-        handler = _handler_for(self)
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)
-                break
-            except OSError:  # the old socket may linger a moment after stop()
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
-        self._thread.start()
+        self._serve(_handler_for(self))
         return self
 
     def stop(self) -> None:
         """Stop listening and drop open connections (an outage)."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        self._shut_down()
         with self.changed:
             connections, self._connections = list(self._connections), set()
         for conn in connections:  # kept-alive connections would otherwise outlive the "outage"
@@ -77,9 +56,6 @@ class RecordingCollector:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
 
     def wait_for(self, predicate, timeout: float = 10.0) -> bool:
         """Wait until ``predicate(self)`` holds; return whether it did within ``timeout``."""
@@ -95,12 +71,6 @@ class RecordingCollector:
     def event_ids(self) -> list[int]:
         """Return the ids of every event in acknowledged batches, in arrival order."""
         return [e["id"] for batch in self.acked for e in batch["events"]]
-
-    def __enter__(self) -> "RecordingCollector":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequestHandler]:

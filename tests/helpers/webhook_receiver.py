@@ -8,12 +8,12 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ports import free_port
+from ports import LoopbackServer, free_port
 
 __all__ = ["WebhookReceiver", "free_port"]
 
 
-class WebhookReceiver:
+class WebhookReceiver(LoopbackServer):
     """Record every POST (path, JSON body, monotonic time); answer ``status`` or hang while ``hold`` is clear.
 
     >>> with WebhookReceiver() as r:   # doctest: +SKIP
@@ -21,7 +21,7 @@ class WebhookReceiver:
     """
 
     def __init__(self, port: Optional[int] = None) -> None:
-        self.port = port or free_port()
+        super().__init__(port)
         self.requests: list[dict[str, Any]] = []
         self.attempts: list[float] = []  # every POST, answered or not
         self.status = 200
@@ -30,12 +30,6 @@ class WebhookReceiver:
         self.hold.set()  # cleared: requests block until it is set again
         self.arrived = threading.Event()
         self._cond = threading.Condition()
-        self._server: Optional[http.server.ThreadingHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "WebhookReceiver":
         receiver = self
@@ -65,19 +59,12 @@ class WebhookReceiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
-        self._thread.start()
+        self._serve(Handler)
         return self
 
     def stop(self) -> None:
         self.hold.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        self._shut_down()
 
     def wait_for(self, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 10.0) -> list[dict[str, Any]]:
         """Wait until ``done(requests)`` holds; return the requests (AssertionError after ``timeout``)."""
@@ -90,8 +77,3 @@ class WebhookReceiver:
                 self._cond.wait(left)
             return list(self.requests)
 
-    def __enter__(self) -> "WebhookReceiver":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
