@@ -104,13 +104,12 @@ class BuiltinAlerts:
                  resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time) -> None:
         self.thresholds = thresholds if thresholds is not None else default_thresholds()
         t = self.thresholds
-        self._horizon_s = max(t.skip_streak_window_s, t.backoff_window_s, t.skip_ratio_window_s,
-                              t.scheduler_window_s, t.poisoned_window_s)
-        shortest = min(t.skip_streak_window_s, t.backoff_window_s, t.skip_ratio_window_s,
-                       t.scheduler_window_s, t.poisoned_window_s)
+        windows = (t.skip_streak_window_s, t.backoff_window_s, t.skip_ratio_window_s, t.scheduler_window_s,
+                   t.poisoned_window_s)
+        self._horizon_s = max(windows)
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
         # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.
-        self._resolution_s = resolution_s if resolution_s is not None else min(5.0, shortest / 10)
+        self._resolution_s = resolution_s if resolution_s is not None else min(5.0, min(windows) / 10)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
         self._states = AlertStates(resolved_retention_s)
