@@ -102,7 +102,6 @@ class Recorder:
         self._scale_pending: collections.deque = collections.deque()
         self._scale_source: torch.Tensor | None = None
         self._scale_device: str | None = None
-        self._with_pending: set[int] = set()
         self._error_sites: set[str] = set()
         self._warned: set[int] = set()
         self.loss_scale: float | None = None
@@ -152,10 +151,8 @@ class Recorder:
         read = _device.read_later(found_inf)
         record.pending.append((read, self.iteration))
         self._resolve_ready(record)
-        if record.pending:
-            self._with_pending.add(id(record))
-            if len(record.pending) > _MAX_PENDING:
-                self._resolve_oldest(record)
+        if len(record.pending) > _MAX_PENDING:
+            self._resolve_oldest(record)
 
     def after_update(self, manual: bool) -> None:
         """Account for one ``scaler.update()``: scale transition, poisoned-step check, next iteration."""
@@ -170,11 +167,8 @@ class Recorder:
             self._read_scale(iteration, manual)
         for record in self.records:
             record.stepped_this_iteration = False
-        if self._with_pending:
-            for record in self.records:
-                if record.pending:
-                    self._resolve_ready(record)
-            self._with_pending = {id(r) for r in self.records if r.pending}
+            if record.pending:
+                self._resolve_ready(record)
         self._skipped_this_iteration = self._inspected_this_iteration = False
         self.iteration = iteration + 1
 
