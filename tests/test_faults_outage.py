@@ -70,6 +70,16 @@ def _outage_run(collector: CollectorProcess, run: str) -> Trainer:
     return trainer
 
 
+def _outage(tmp_path, run: str, what: str) -> tuple[Trainer, float, str, list[dict]]:
+    """Run :func:`_outage_run` against a fresh collector; return the trainer, the slowdown, /metrics and the events."""
+    collector = CollectorProcess(str(tmp_path / "ampwatch.db"))
+    try:
+        trainer = _outage_run(collector, run)
+        return trainer, _report(trainer, what), _metrics(collector.url), _events(collector.url, run)
+    finally:
+        collector.kill()
+
+
 def _report(trainer: Trainer, what: str) -> float:
     ratio = trainer.median("down", "down-again") / trainer.median("up", "up-again")
     print(f"\n{what}: {trainer.iteration} iterations, {len(trainer.skipped_at)} skipped; median iteration "
@@ -92,14 +102,7 @@ def _assert_counters_exact(text: str, trainer: Trainer, run: str) -> None:
 def test_an_outage_with_a_spool_loses_no_event_and_does_not_slow_training(tmp_path, fast_retries, monkeypatch):
     monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
     monkeypatch.setenv("AMPWATCH_MAX_EVENTS", "64")  # far less than an outage makes: the spool must hold them
-    collector = CollectorProcess(str(tmp_path / "ampwatch.db"))
-    try:
-        trainer = _outage_run(collector, "outage-spool")
-        ratio = _report(trainer, "outage with a spool")
-        text = _metrics(collector.url)
-        events = _events(collector.url, "outage-spool")
-    finally:
-        collector.kill()
+    trainer, ratio, text, events = _outage(tmp_path, "outage-spool", "outage with a spool")
     _assert_counters_exact(text, trainer, "outage-spool")
     assert value(text, "ampwatch_agent_dropped_events_total", run="outage-spool", rank="0") == 0
     assert value(text, "ampwatch_agent_send_failures_total", run="outage-spool", rank="0") > 0
@@ -113,14 +116,7 @@ def test_an_outage_with_a_spool_loses_no_event_and_does_not_slow_training(tmp_pa
 def test_an_outage_without_a_spool_drops_a_bounded_counted_number_of_events_and_counts_stay_exact(
         tmp_path, fast_retries, monkeypatch):
     monkeypatch.setenv("AMPWATCH_MAX_EVENTS", "64")
-    collector = CollectorProcess(str(tmp_path / "ampwatch.db"))
-    try:
-        trainer = _outage_run(collector, "outage-memory")
-        ratio = _report(trainer, "outage without a spool")
-        text = _metrics(collector.url)
-        events = _events(collector.url, "outage-memory")
-    finally:
-        collector.kill()
+    trainer, ratio, text, events = _outage(tmp_path, "outage-memory", "outage without a spool")
     _assert_counters_exact(text, trainer, "outage-memory")  # cumulative counters: exact despite the drops
     made = max(e["id"] for e in events)  # the close event is the last one made, and it is delivered
     dropped = value(text, "ampwatch_agent_dropped_events_total", run="outage-memory", rank="0")
