@@ -157,6 +157,9 @@ class Recorder:
     def after_update(self, manual: bool) -> None:
         """Account for one ``scaler.update()``: scale transition, poisoned-step check, next iteration."""
         iteration = self.iteration
+        for record in self.records:
+            if record.pending:  # fused outcomes that have landed count toward the iteration they belong to
+                self._resolve_ready(record)
         if self._skipped_this_iteration:
             self._clean_iterations = 0
             if self._inspected_this_iteration:
@@ -167,8 +170,6 @@ class Recorder:
             self._read_scale(iteration, manual)
         for record in self.records:
             record.stepped_this_iteration = False
-            if record.pending:
-                self._resolve_ready(record)
         self._skipped_this_iteration = self._inspected_this_iteration = False
         self.iteration = iteration + 1
 
