@@ -108,7 +108,7 @@ def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_l
 class RankState:
     """One (run, rank): its incarnations and the totals over all of them."""
 
-    __slots__ = ("run", "rank", "incarnations", "current", "totals", "labels", "optimizer_labels",
+    __slots__ = ("run", "rank", "incarnations", "current", "totals", "labels", "optimizer_labels", "version",
                  "ladder_version", "ladder_text")
 
     def __init__(self, run: str, rank: int) -> None:
@@ -118,6 +118,7 @@ class RankState:
         self.totals: Counters = {}
         self.labels = f'run="{escape_label(run)}",rank="{rank}"'
         self.optimizer_labels: dict[str, str] = {}
+        self.version = 0
         self.ladder_version = 0  # bumped when a streak ladder counter moves (rare): /metrics caches its lines
         self.ladder_text: tuple[int, str] = (-1, "")
 
@@ -141,6 +142,7 @@ class RankState:
         self.incarnations[new.id] = new
         if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
             self.current = new
+        self.version += 1
 
     @property
     def last_seen(self) -> float:
