@@ -39,11 +39,10 @@ def tiny_disk(tmp_path):
 def _fill(disk) -> str:
     """Write a file until the disk is full; return its path."""
     path = str(disk / "filler")
-    with open(path, "wb") as filler:
+    with open(path, "wb", buffering=0) as filler:  # unbuffered: close() has nothing left to write
         try:
             while True:
                 filler.write(b"\0" * 65536)
-                filler.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
     return path
