@@ -1,4 +1,10 @@
-"""Wrap one scaler's ``step``/``update``, hook its optimizers and schedulers; undo it all on :meth:`detach`."""
+"""Wrap one scaler's methods, hook its optimizers and schedulers; undo it all on ``detach``.
+
+Two parts, so that nothing the agent keeps for the optimizers holds the scaler:
+:class:`ScalerPatch` lives on the scaler (and can move to another one with
+``Watch.rebind``); :class:`OptimizerHooks` lives on the optimizers and
+schedulers, which outlive a scaler that a resume replaced.
+"""
 
 from __future__ import annotations
 
@@ -8,49 +14,38 @@ import torch
 
 from ._recorder import OptimizerRecord, Recorder
 
-__all__ = ["Attachment"]
+__all__ = ["OptimizerHooks", "ScalerPatch"]
 
 _MISSING = object()
 
 
-class Attachment:
-    """Route ``scaler.step``, ``scaler.update``, optimizer step pre-hooks and scheduler steps to a Recorder.
+class _Patches:
+    """Instance attributes set on users' objects, with what was there before; nothing of it reaches their state.
 
-    Only instance attributes are patched (never the classes), so other scalers
-    are untouched; :meth:`detach` restores whatever was there before. Whatever
-    goes wrong inside the agent, the wrapped call still happens exactly once.
+    Only instance attributes are patched (never classes), so other objects are
+    untouched. Each owner's ``__getstate__`` (pickle, deepcopy) and, where it
+    copies the instance dict (LR schedulers), ``state_dict`` are wrapped too,
+    so that checkpoints and copies hold a plain, unwatched object.
     """
 
-    def __init__(self, scaler: Any, recorder: Recorder,
-                 schedulers: list[tuple[OptimizerRecord, str, Any]]) -> None:
-        self.scaler = scaler
-        self.recorder = recorder
-        self.attached = False
-        self._by_id = {id(r.optimizer): r for r in recorder.records}
+    def __init__(self) -> None:
         self._patched: list[tuple[Any, str, Any, Callable[..., Any]]] = []
-        self._hook_handles: list[Any] = []
-        self._schedulers = schedulers
 
-    def attach(self) -> None:
-        """Install the wrappers and hooks."""
-        self._patch(self.scaler, "step", self._wrap_step(self.scaler.step))
-        self._patch(self.scaler, "update", self._wrap_update(self.scaler.update))
-        for record in self.recorder.records:
-            self._hook_handles.append(
-                record.optimizer.register_step_pre_hook(self._pre_hook(record)))
-        for record, label, scheduler in self._schedulers:
-            self._patch(scheduler, "step", self._wrap_scheduler_step(scheduler.step, record, label))
-        for owner in {id(o): o for o, *_ in self._patched}.values():
-            if callable(getattr(owner, "__getstate__", None)):
-                self._patch(owner, "__getstate__", self._wrap_getstate(owner, owner.__getstate__))
-        self.attached = True
+    def set(self, owner: Any, attr: str, wrapper: Callable[..., Any]) -> None:
+        """Set ``owner.attr = wrapper``, remembering what to restore."""
+        previous = vars(owner).get(attr, _MISSING)
+        setattr(owner, attr, wrapper)
+        self._patched.append((owner, attr, previous, wrapper))
 
-    def detach(self) -> None:
-        """Remove hooks and restore patched attributes (left alone if someone re-patched them since)."""
-        self.attached = False
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+    def hide_from_state(self, owner: Any, *, state_dict: bool) -> None:
+        """Keep our wrappers out of ``owner``'s pickles, deep copies and (if asked) ``state_dict()``."""
+        if callable(getattr(owner, "__getstate__", None)):
+            self.set(owner, "__getstate__", self._clean(owner, owner.__getstate__))
+        if state_dict and callable(getattr(owner, "state_dict", None)):
+            self.set(owner, "state_dict", self._clean(owner, owner.state_dict))
+
+    def restore(self) -> None:
+        """Put back what was there (left alone where someone patched again on top of us)."""
         for owner, attr, previous, wrapper in reversed(self._patched):
             if vars(owner).get(attr) is not wrapper:
                 continue  # patched again on top of us; our wrapper passes through once detached
@@ -60,16 +55,68 @@ class Attachment:
                 setattr(owner, attr, previous)
         self._patched.clear()
 
-    def _patch(self, owner: Any, attr: str, wrapper: Callable[..., Any]) -> None:
-        previous = vars(owner).get(attr, _MISSING)
-        setattr(owner, attr, wrapper)
-        self._patched.append((owner, attr, previous, wrapper))
+    def _clean(self, owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        def clean(*args: Any, **kwargs: Any) -> Any:
+            state = original(*args, **kwargs)
+            if isinstance(state, dict):
+                ours = [(attr, previous) for patched_owner, attr, previous, wrapper in self._patched
+                        if patched_owner is owner and state.get(attr) is wrapper]
+                if ours:
+                    state = dict(state)
+                    for attr, previous in ours:
+                        if previous is _MISSING:
+                            del state[attr]
+                        else:
+                            state[attr] = previous
+            return state
 
-    def _wrap_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        recorder, by_id = self.recorder, self._by_id
+        clean.__wrapped__ = original  # type: ignore[attr-defined]
+        clean.__doc__ = original.__doc__
+        return clean
+
+
+def _all_or_nothing(patches: _Patches, install: Callable[[], None], undo: Callable[[], None]) -> None:
+    """Run ``install``; if it fails part-way, undo what it did and re-raise."""
+    try:
+        install()
+    except BaseException:
+        undo()
+        patches.restore()
+        raise
+
+
+class ScalerPatch:
+    """Route ``scaler.step``, ``scaler.update`` and ``scaler.load_state_dict`` to a Recorder.
+
+    Whatever goes wrong inside the agent, the wrapped call still happens exactly once.
+    """
+
+    def __init__(self, scaler: Any, recorder: Recorder) -> None:
+        self.scaler = scaler
+        self.recorder = recorder
+        self._patches = _Patches()
+
+    def attach(self, by_id: dict[int, OptimizerRecord]) -> None:
+        """Install the wrappers (all of them or, on failure, none)."""
+        scaler, patches = self.scaler, self._patches
+
+        def install() -> None:
+            patches.set(scaler, "step", self._wrap_step(scaler.step, by_id))
+            patches.set(scaler, "update", self._wrap_update(scaler.update))
+            patches.set(scaler, "load_state_dict", self._wrap_load_state_dict(scaler.load_state_dict))
+            patches.hide_from_state(scaler, state_dict=False)  # GradScaler.state_dict() lists its keys
+
+        _all_or_nothing(patches, install, lambda: None)
+
+    def detach(self) -> None:
+        """Restore the scaler's attributes."""
+        self._patches.restore()
+
+    def _wrap_step(self, original: Callable[..., Any], by_id: dict[int, OptimizerRecord]) -> Callable[..., Any]:
+        recorder = self.recorder
 
         def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if not self.attached:
+            if not recorder.attached:
                 return original(optimizer, *args, **kwargs)
             record = by_id.get(id(optimizer))
             try:
@@ -101,7 +148,7 @@ class Attachment:
 
         def update(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            if self.attached:
+            if recorder.attached:
                 try:
                     new_scale = args[0] if args else kwargs.get("new_scale")
                     recorder.after_update(manual=new_scale is not None)
@@ -113,21 +160,56 @@ class Attachment:
         update.__doc__ = original.__doc__
         return update
 
-    def _wrap_getstate(self, owner: Any, original: Callable[[], Any]) -> Callable[[], Any]:
-        # A pickled or deep-copied scaler/scheduler must be a plain, unwatched one: leave our wrappers out.
-        def getstate() -> Any:
-            state = original()
-            if isinstance(state, dict):
-                state = dict(state)
-                for patched_owner, attr, previous, wrapper in self._patched:
-                    if patched_owner is owner and state.get(attr) is wrapper:
-                        if previous is _MISSING:
-                            del state[attr]
-                        else:
-                            state[attr] = previous
-            return state
+    def _wrap_load_state_dict(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self.recorder
 
-        return getstate
+        def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(state_dict, *args, **kwargs)
+            if recorder.attached:
+                try:
+                    recorder.restored(state_dict)
+                except Exception as error:  # noqa: BLE001
+                    recorder.internal_error("scaler.load_state_dict", error)
+            return result
+
+        load_state_dict.__wrapped__ = original  # type: ignore[attr-defined]
+        load_state_dict.__doc__ = original.__doc__
+        return load_state_dict
+
+
+class OptimizerHooks:
+    """Step pre-hooks on the watched optimizers and wrappers on their per-step LR schedulers.
+
+    Holds no reference to the scaler.
+    """
+
+    def __init__(self, recorder: Recorder, schedulers: list[tuple[OptimizerRecord, str, Any]]) -> None:
+        self.recorder = recorder
+        self._schedulers = schedulers
+        self._handles: list[Any] = []
+        self._patches = _Patches()
+
+    def attach(self) -> None:
+        """Register the hooks and wrap the schedulers (all of them or, on failure, none)."""
+        def install() -> None:
+            for record in self.recorder.records:
+                self._handles.append(record.optimizer.register_step_pre_hook(self._pre_hook(record)))
+            for record, label, scheduler in self._schedulers:
+                self._patches.set(scheduler, "step", self._wrap_scheduler_step(scheduler.step, record, label))
+            for scheduler in {id(s): s for _, _, s in self._schedulers}.values():
+                self._patches.hide_from_state(scheduler, state_dict=True)
+
+        _all_or_nothing(self._patches, install, self._remove_handles)
+
+    def detach(self) -> None:
+        """Remove the hooks and restore the schedulers."""
+        self._remove_handles()
+        self._patches.restore()
+
+    def _remove_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def _pre_hook(self, record: OptimizerRecord) -> Callable[..., None]:
         recorder = self.recorder
@@ -145,7 +227,7 @@ class Attachment:
         recorder = self.recorder
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            if self.attached:
+            if recorder.attached:
                 try:
                     recorder.on_scheduler_step(record, label)
                 except Exception as error:  # noqa: BLE001

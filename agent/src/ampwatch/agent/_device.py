@@ -15,6 +15,8 @@ __all__ = [
     "PendingRead",
     "fused_found_inf",
     "found_inf_from_scaler",
+    "growth_tracker",
+    "has_step_hooks",
     "host_scalar",
     "init_scale",
     "nonfinite_counts",
@@ -27,6 +29,11 @@ __all__ = [
 def steps_with_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
     """Tell whether the scaler calls ``optimizer.step()`` even on a skip (fused / AMP-aware optimizers)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Tell whether ``optimizer`` can take step hooks (its ``Optimizer.__init__`` ran; wrappers may skip it)."""
+    return isinstance(getattr(optimizer, "_optimizer_step_pre_hooks", None), dict)
 
 
 def fused_found_inf(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -57,6 +64,18 @@ def scale_tensor(scaler: Any) -> torch.Tensor | None:
     """Return the scaler's live scale tensor (no sync), or None when absent or not yet created."""
     scale = getattr(scaler, "_scale", None)
     return scale if isinstance(scale, torch.Tensor) else None
+
+
+def growth_tracker(scaler: Any) -> int:
+    """Return how many clean iterations the scaler has counted toward its next growth (0 when unknown).
+
+    Reads the live tracker (one sync on a GPU): call it at ``watch()``/``rebind()`` only.
+    """
+    live = getattr(scaler, "_growth_tracker", None)
+    if isinstance(live, torch.Tensor):
+        return int(read_later(live).wait()[0])
+    value = getattr(scaler, "_init_growth_tracker", 0)
+    return value if isinstance(value, int) else 0
 
 
 def init_scale(scaler: Any) -> float:

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import logging
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from . import _device
 from ._events import EventBuffer
 from ._params import NonfiniteReport, ParameterNames, scan_optimizers
+from ._scale import LossScale
 
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
 
@@ -76,42 +78,45 @@ class Recorder:
     def __init__(self, scaler: Any, records: list[OptimizerRecord], names: ParameterNames,
                  events: EventBuffer, *, on_streak_start: Callable[[], None] = lambda: None,
                  inspect_interval: float = 1.0) -> None:
-        self.scaler = scaler
         self.records = records
         self.names = names
         self.events = events
         self.on_streak_start = on_streak_start
         self.inspect_interval = inspect_interval
-        self.enabled = bool(scaler.is_enabled())
         self.iteration = 0
-        self.backoffs = self.growths = self.manual_sets = 0
         self.agent_errors = 0
+        self.attached = False  # the wrappers and hooks pass straight through while False
         self.active: OptimizerRecord | None = None  # the record inside scaler.step right now
-        # A disabled scaler has no scaling settings at all: report them as null.
-        self.scaler_info = {
-            "enabled": self.enabled,
-            "kind": type(scaler).__name__,
-            "init_scale": _device.init_scale(scaler) if self.enabled else None,
-            "growth_factor": float(scaler.get_growth_factor()) if self.enabled else None,
-            "backoff_factor": float(scaler.get_backoff_factor()) if self.enabled else None,
-            "growth_interval": int(scaler.get_growth_interval()) if self.enabled else None,
-        }
+        self.scale = LossScale(events)
+        self._scaler: weakref.ref = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
+        self.scale.bind(scaler, self.iteration)
         self._skipped_this_iteration = False
         self._inspected_this_iteration = False
-        self._clean_iterations = 0  # since the last skip; growth is possible every growth_interval
-        self._scale_pending: collections.deque = collections.deque()
-        self._scale_source: torch.Tensor | None = None
-        self._scale_device: str | None = None
         self._error_sites: set[str] = set()
         self._warned: set[int] = set()
-        self.loss_scale: float | None = None
-        if self.enabled:
-            live = _device.scale_tensor(scaler)
-            # Reading a live scale at attach time may sync once; the hot path never does.
-            self.loss_scale = (_device.read_later(live).wait()[0] if live is not None
-                               else self.scaler_info["init_scale"])
-        else:
-            self.events.append({"kind": "scaler_disabled", "iteration": 0})
+        self._warned_outside = False
+        self.orphaned = False  # the scaler was garbage-collected: the hooks only warn, once
+
+    @property
+    def scaler(self) -> Any:
+        """The watched scaler, or None once it has been garbage-collected."""
+        return self._scaler()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the watched scaler scales at all (``enabled=False`` checks and skips nothing)."""
+        return self.scale.enabled
+
+    def rebind(self, scaler: Any) -> None:
+        """Follow ``scaler`` from now on; its settings and scale replace the old one's (``restored``)."""
+        self._scaler = weakref.ref(scaler)
+        self.scale.bind(scaler, self.iteration)
+
+    def restored(self, state_dict: Any) -> None:
+        """Account for ``scaler.load_state_dict(state_dict)``: a ``restored`` transition, not a backoff or growth."""
+        scaler = self.scaler
+        if scaler is not None:
+            self.scale.restored(scaler, state_dict, self.iteration)
 
     # ----- hooks called from the training thread -------------------------------------------
 
@@ -127,6 +132,25 @@ class Recorder:
             record.hook_fired = True
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
+        elif self.active is None and not self._warned_outside:
+            self._stepped_outside_scaler(record)
+
+    def _stepped_outside_scaler(self, record: OptimizerRecord) -> None:
+        # Typically resume code that made a new GradScaler: the watch would go quiet without a word.
+        self._warned_outside = True
+        if self.orphaned:
+            message = (f"optimizer {record.name!r} stepped after the GradScaler ampwatch watched was "
+                       "garbage-collected, so its steps and skips are no longer reported. If the job made a new "
+                       "GradScaler (e.g. when resuming), keep the watch and call watch.rebind(new_scaler), or "
+                       "call ampwatch.agent.watch() with the new scaler.")
+        else:
+            message = (f"optimizer {record.name!r} stepped outside the watched GradScaler's step(), so this and "
+                       "later such steps are not reported. If the job made a new GradScaler (e.g. when "
+                       "resuming), call watch.rebind(new_scaler) to carry the watch over to it.")
+        log.warning("ampwatch: %s", message)
+        if not self.orphaned:
+            self.events.append({"kind": "warning", "iteration": self.iteration, "optimizer": record.name,
+                                "code": "stepped_outside_scaler", "message": message})
 
     def after_step(self, record: OptimizerRecord) -> None:
         """Decide whether the ``scaler.step`` that just returned updated ``record``'s parameters."""
@@ -139,7 +163,7 @@ class Recorder:
         found_inf = record.found_inf
         record.found_inf = None
         if found_inf is None and record.hook_fired and _device.steps_with_amp_scaling(record.optimizer):
-            found_inf = _device.found_inf_from_scaler(self.scaler, record.optimizer)
+            found_inf = _device.found_inf_from_scaler(self._scaler(), record.optimizer)
         if found_inf is None:
             # Non-fused: the scaler calls optimizer.step() only when found_inf is 0 (it already synced).
             self._outcome(record, record.hook_fired, self.iteration)
@@ -161,13 +185,11 @@ class Recorder:
             if record.pending:  # fused outcomes that have landed count toward the iteration they belong to
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
-            self._clean_iterations = 0
             if self._inspected_this_iteration:
                 self._check_poisoned_steps(iteration)
-        else:
-            self._clean_iterations += 1
-        if self.enabled:
-            self._read_scale(iteration, manual)
+        scaler = self._scaler()
+        if scaler is not None:
+            self.scale.after_update(scaler, iteration, manual=manual, skipped=self._skipped_this_iteration)
         for record in self.records:
             record.stepped_this_iteration = False
         self._skipped_this_iteration = self._inspected_this_iteration = False
@@ -212,8 +234,7 @@ class Recorder:
         for record in self.records:
             if record.pending:
                 self._resolve_oldest(record, all_of_them=True)
-        while self._scale_pending:
-            self._resolve_scale(*self._scale_pending.popleft())
+        self.scale.close()
         for record in self.records:
             if record.consecutive:
                 self._end_streak(record)
@@ -223,14 +244,15 @@ class Recorder:
 
     def snapshot(self) -> dict[str, Any]:
         """Return ``{"scaler": ..., "state": ...}`` as in docs/protocol.md (plain values only)."""
+        scale = self.scale
         return {
-            "scaler": dict(self.scaler_info),
+            "scaler": dict(scale.settings),
             "state": {
                 "iteration": self.iteration,
-                "loss_scale": self.loss_scale if self.enabled else None,
-                "backoffs": self.backoffs,
-                "growths": self.growths,
-                "manual_sets": self.manual_sets,
+                "loss_scale": scale.value if scale.enabled else None,
+                "backoffs": scale.backoffs,
+                "growths": scale.growths,
+                "manual_sets": scale.manual_sets,
                 "optimizers": {r.name: r.counters() for r in self.records},
                 # Partial: the sender adds its own delivery counters to this one.
                 "delivery": {"agent_errors": self.agent_errors},
@@ -335,48 +357,3 @@ class Recorder:
         record.poisoned += 1
         self.events.append({"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
                             "params": report.params, "params_total": report.total, "reason": reason})
-
-    # ----- loss scale ----------------------------------------------------------------------
-
-    def _read_scale(self, iteration: int, manual: bool) -> None:
-        live = _device.scale_tensor(self.scaler)
-        if live is not self._scale_source:  # look at the device once per scale tensor, not per iteration
-            self._scale_source = live
-            self._scale_device = None if live is None else live.device.type
-        if self._scale_device == "cpu":
-            self._apply_scale(_device.host_scalar(live), iteration, manual)
-            return
-        if self._scale_device == "cuda":
-            self._scale_pending.append((_device.read_later(live), iteration, manual))
-            while self._scale_pending and self._scale_pending[0][0].done():
-                self._resolve_scale(*self._scale_pending.popleft())
-            if len(self._scale_pending) > _MAX_PENDING:
-                self._resolve_scale(*self._scale_pending.popleft())
-            return
-        # No asynchronous path: read (one sync) only when a transition is possible.
-        rare = (manual or self._skipped_this_iteration
-                or self._clean_iterations % max(1, self.scaler_info["growth_interval"] or 1) == 0)
-        if rare:
-            value = (float(self.scaler.get_scale()) if live is None
-                     else float(_device.read_later(live).wait()[0]))
-            self._apply_scale(value, iteration, manual)
-
-    def _resolve_scale(self, read: _device.PendingRead, iteration: int, manual: bool) -> None:
-        self._apply_scale(float(read.wait()[0]), iteration, manual)
-
-    def _apply_scale(self, after: float, iteration: int, manual: bool) -> None:
-        before = self.loss_scale
-        self.loss_scale = after
-        if before is None or after == before:
-            return  # unchanged: no transition, not even for update(new_scale=<the same value>)
-        if manual:
-            cause = "manual"
-            self.manual_sets += 1
-        elif after < before:
-            cause = "backoff"
-            self.backoffs += 1
-        else:
-            cause = "growth"
-            self.growths += 1
-        self.events.append({"kind": "scale_change", "iteration": iteration, "cause": cause,
-                            "before": before, "after": after})

@@ -64,6 +64,7 @@ class Sender:
         self._backlog = False  # the last batch was full and more events wait
         self._said: set[str] = set()
         self._last_snapshot: dict[str, Any] = {}
+        self._finish: Callable[[], None] | None = None
         _live.add(self)
 
     # -- called from the training thread -------------------------------------------------
@@ -74,28 +75,33 @@ class Sender:
             return
         self._thread = threading.Thread(target=self._run, name="ampwatch-sender", daemon=True)
         self._thread.start()
-        atexit.register(self._at_exit)
+        _register_exit_flush()
 
     def wake(self) -> None:
         """Ask for a batch soon (e.g. a new skip streak started); never blocks."""
         self._wake.set()
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, wait: bool = True,
+              finish: Callable[[], None] | None = None) -> None:
         """Send a final batch with ``closed: true`` and stop, waiting at most ``timeout`` seconds.
 
-        ``timeout`` defaults to ``AMPWATCH_CLOSE_TIMEOUT``. With a spool, what is
-        still undelivered then stays on disk for the next agent to replay.
+        ``timeout`` defaults to ``AMPWATCH_CLOSE_TIMEOUT``; it also bounds the
+        thread's own work when ``wait`` is False (then this returns at once).
+        ``finish`` runs on the sender thread before the final batch is built
+        (e.g. the recorder's close, when closing from a finalizer). With a
+        spool, what is still undelivered then stays on disk for the next agent.
         """
         thread = self._thread
         if thread is None or self._in_forked_child():
             return
         timeout = self.config.close_timeout if timeout is None else max(0.0, timeout)
         if not self._stop.is_set():
+            self._finish = finish
             self._deadline = time.monotonic() + timeout
             self._stop.set()
             self._wake.set()
-        thread.join(timeout)
-        atexit.unregister(self._at_exit)
+        if wait:
+            thread.join(timeout)
 
     @property
     def delivery(self) -> dict[str, int]:
@@ -116,6 +122,9 @@ class Sender:
         while True:
             try:
                 closing = self._stop.is_set()
+                if closing and self._finish is not None:
+                    finish, self._finish = self._finish, None
+                    finish()
                 now = time.monotonic()
                 if self._wake.is_set():
                     self._wake.clear()  # always: a set flag would turn the wait below into a busy loop
@@ -288,13 +297,6 @@ class Sender:
             self._said.add(key)
             log.warning(message, *args)
 
-    def _at_exit(self) -> None:
-        """Flush at interpreter exit, bounded by ``close_timeout``."""
-        try:
-            self.close()
-        except Exception as exc:  # pragma: no cover - exit must never fail because of the agent
-            self.errors.report("the exit flush", exc)
-
     def _after_fork_in_child(self) -> None:
         """Forget the parent's thread and spool: a forked child never sends."""
         self._thread = None
@@ -327,6 +329,37 @@ def _advice(status: int | None) -> str:
 
 
 _live: "weakref.WeakSet[Sender]" = weakref.WeakSet()
+
+
+def close_all_senders() -> None:
+    """Stop every sender still running and wait for their final batches within ONE close timeout in all.
+
+    Runs at interpreter exit: ten unclosed watches wait as long as one, not ten times as long.
+    """
+    senders = [s for s in list(_live) if s._thread is not None and not s._in_forked_child()]
+    if not senders:
+        return
+    for sender in senders:
+        try:
+            sender.close(wait=False)
+        except Exception as exc:  # noqa: BLE001 - exit must never fail because of the agent
+            sender.errors.report("the exit flush", exc)
+    deadline = time.monotonic() + max(s.config.close_timeout for s in senders)
+    for sender in senders:
+        thread = sender._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_exit_flush_registered = False
+
+
+def _register_exit_flush() -> None:
+    """Register :func:`close_all_senders` at exit once, when the first sender starts."""
+    global _exit_flush_registered
+    if not _exit_flush_registered:
+        _exit_flush_registered = True
+        atexit.register(close_all_senders)
 
 
 def _forget_senders_in_child() -> None:

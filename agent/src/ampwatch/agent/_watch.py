@@ -5,17 +5,19 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import weakref
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from ._attach import Attachment
+from . import _device
+from ._attach import OptimizerHooks, ScalerPatch
 from ._config import AgentConfig
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._params import ParameterNames
 from ._recorder import OptimizerRecord, Recorder
-from ._sender import Sender
+from ._sender import Sender, close_all_senders
 
 __all__ = ["DisabledWatch", "Watch", "watch"]
 
@@ -23,10 +25,78 @@ log = logging.getLogger("ampwatch.agent")
 
 _watched: set[int] = set()  # ids of scalers with an open Watch
 _watched_lock = threading.Lock()
+_open: "weakref.WeakSet[_Session]" = weakref.WeakSet()  # for the exit flush; holds no watch alive
+
+
+class _Session:
+    """What one watch runs, and its ending: recorder, optimizer hooks, sender. Holds no reference to the scaler.
+
+    A scaler's finalizer may hold a session (see :func:`watch`), so that a watch
+    whose scaler is garbage-collected ends too, without keeping the scaler alive.
+    """
+
+    def __init__(self, recorder: Recorder, hooks: OptimizerHooks, sender: Sender, scaler_id: int) -> None:
+        self.recorder, self.hooks, self.sender, self.scaler_id = recorder, hooks, sender, scaler_id
+        self.closed = False
+        self._lock = threading.Lock()
+        _open.add(self)
+
+    def close(self, timeout: float | None = None, *, wait: bool = True) -> bool:
+        """Detach, end open streaks, send the final batch; return False if it was already closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+        self.recorder.attached = False
+        try:
+            self.hooks.detach()
+            self.recorder.close()
+        except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
+            self.recorder.internal_error("close", error)
+        finally:
+            _watched.discard(self.scaler_id)
+        self.sender.close(timeout, wait=wait)
+        return True
+
+    def scaler_collected(self) -> None:
+        """End the watch of a scaler that was garbage-collected (a finalizer: sets flags, never blocks).
+
+        The hooks stay on the optimizers, inert, to say once if they keep
+        stepping (removing them here could break a loop iterating over them);
+        the sender thread does the closing work and sends the final batch.
+        """
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.recorder.attached = False
+        self.recorder.orphaned = True
+        _watched.discard(self.scaler_id)
+        self.sender.close(wait=False, finish=self.recorder.close)
+
+
+def _close_open_watches() -> None:
+    """At exit: end every watch still open, then wait for all their final batches within one timeout."""
+    for session in list(_open):
+        try:
+            session.close(wait=False)
+        except Exception:  # noqa: BLE001 - exit must never fail because of the agent
+            pass
+    close_all_senders()
+
+
+def _register_exit_flush() -> None:
+    """(Re-)register :func:`_close_open_watches` after the senders' exit flush: exit handlers run last-in first."""
+    atexit.unregister(_close_open_watches)
+    atexit.register(_close_open_watches)
 
 
 class Watch:
     """The agent attached to one scaler: ask :meth:`stepped`, then :meth:`close` (or use ``with``).
+
+    Closing is optional: a watch whose scaler is garbage-collected ends by
+    itself, and watches still open at exit are flushed, within one
+    ``AMPWATCH_CLOSE_TIMEOUT`` for all of them.
 
     >>> import torch
     >>> from ampwatch import agent
@@ -40,18 +110,17 @@ class Watch:
     True
     """
 
-    def __init__(self, recorder: Recorder, attachment: Attachment, sender: Sender) -> None:
-        self._recorder = recorder
-        self._attachment = attachment
-        self._sender = sender
-        self._by_id = {id(r.optimizer): r for r in recorder.records}
-        self._closed = False
-        self._close_lock = threading.Lock()
+    def __init__(self, session: _Session, patch: ScalerPatch, by_id: dict[int, OptimizerRecord]) -> None:
+        self._session = session
+        self._recorder = session.recorder
+        self._patch = patch
+        self._by_id = by_id
+        self._finalizer = _finalize_with(patch.scaler, session)
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run."""
-        return self._closed
+        return self._session.closed
 
     def stepped(self, optimizer: torch.optim.Optimizer) -> bool | None:
         """Tell whether the last ``scaler.step(optimizer)`` updated its parameters; None before the first.
@@ -66,6 +135,36 @@ class Watch:
             raise ValueError(f"stepped() got a {type(optimizer).__name__} that this watch does not know; "
                              f"watched optimizers: {names}. Pass it to ampwatch.agent.watch().")
         return self._recorder.stepped(record)
+
+    def rebind(self, scaler: torch.amp.GradScaler) -> None:
+        """Carry this watch over to ``scaler``, e.g. a new GradScaler made when resuming from a checkpoint.
+
+        Counters, streaks and the connection to the collector carry on; the new
+        scaler's settings are reported, and its scale, if it differs, as a
+        ``restored`` transition (never a backoff or growth). Reads the new
+        scale once (one device sync on a GPU).
+        """
+        if self.closed:
+            raise RuntimeError("this watch is closed; call ampwatch.agent.watch() with the new scaler instead")
+        _check_scaler(scaler)
+        if scaler is self._patch.scaler:
+            return
+        with _watched_lock:
+            if id(scaler) in _watched:
+                raise ValueError("this scaler is already watched; close() the other watch before rebind()")
+            _watched.add(id(scaler))
+        patch = ScalerPatch(scaler, self._recorder)
+        try:
+            patch.attach(self._by_id)
+        except BaseException:
+            _watched.discard(id(scaler))
+            raise
+        self._finalizer.detach()
+        self._patch.detach()
+        _watched.discard(self._session.scaler_id)
+        self._patch, self._session.scaler_id = patch, id(scaler)
+        self._recorder.rebind(scaler)
+        self._finalizer = _finalize_with(scaler, self._session)
 
     def snapshot(self) -> dict[str, Any]:
         """Return the counters as sent to the collector (``{"scaler": ..., "state": ...}``)."""
@@ -88,20 +187,11 @@ class Watch:
 
         ``timeout`` defaults to ``AMPWATCH_CLOSE_TIMEOUT`` (5 s).
         """
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        atexit.unregister(self.close)
-        try:
-            self._attachment.detach()
-            self._recorder.close()
-        except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
-            self._recorder.internal_error("close", error)
-        finally:
-            with _watched_lock:
-                _watched.discard(id(self._recorder.scaler))
-        self._sender.close(timeout)
+        self._finalizer.detach()
+        if not self._session.closed:
+            self._recorder.attached = False
+            self._patch.detach()
+        self._session.close(timeout)
 
     def __enter__(self) -> "Watch":
         return self
@@ -111,7 +201,15 @@ class Watch:
 
     def __repr__(self) -> str:
         names = ", ".join(r.name for r in self._recorder.records)
-        return f"<ampwatch Watch of {type(self._recorder.scaler).__name__} [{names}]{' closed' if self._closed else ''}>"
+        kind = type(self._patch.scaler).__name__
+        return f"<ampwatch Watch of {kind} [{names}]{' closed' if self.closed else ''}>"
+
+
+def _finalize_with(scaler: Any, session: _Session) -> weakref.finalize:
+    """End ``session`` when ``scaler`` is garbage-collected (not at exit: the exit flush does that)."""
+    finalizer = weakref.finalize(scaler, session.scaler_collected)
+    finalizer.atexit = False
+    return finalizer
 
 
 class DisabledWatch:
@@ -162,29 +260,34 @@ def watch(scaler: torch.amp.GradScaler,
     _check_scaler(scaler)
     named = _named_optimizers(optimizers)
     names = ParameterNames(_named_params(model, named_parameters))
-    records = [OptimizerRecord(name=n, optimizer=o) for n, o in named.items()]
+    records = [OptimizerRecord(name=n, optimizer=o) for n, (o, _) in named.items()]
+    by_id = {id(alias): record for record, (_, aliases) in zip(records, named.values())
+             for alias in (record.optimizer, *aliases)}
     scheduler_list = _schedulers(schedulers, {r.name: r for r in records})
     with _watched_lock:
         if id(scaler) in _watched:
             raise ValueError("this scaler is already watched; close() the earlier watch before watching it again")
         _watched.add(id(scaler))
+    hooks = patch = None
     try:
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
-        sender_ref: list[Sender] = []
-        recorder = Recorder(scaler, records, names, events,
-                            on_streak_start=lambda: sender_ref[0].wake() if sender_ref else None)
+        recorder = Recorder(scaler, records, names, events)
         sender = Sender(config, identity, recorder.snapshot, events)
-        sender_ref.append(sender)
-        attachment = Attachment(scaler, recorder, scheduler_list)
-        attachment.attach()
+        recorder.on_streak_start = sender.wake
+        hooks = OptimizerHooks(recorder, scheduler_list)
+        hooks.attach()
+        patch = ScalerPatch(scaler, recorder)
+        patch.attach(by_id)
+        recorder.attached = True
     except BaseException:
-        with _watched_lock:
-            _watched.discard(id(scaler))
+        if hooks is not None:
+            hooks.detach()
+        _watched.discard(id(scaler))
         raise
-    handle = Watch(recorder, attachment, sender)
+    handle = Watch(_Session(recorder, hooks, sender, id(scaler)), patch, by_id)
     sender.start()
-    atexit.register(handle.close)
+    _register_exit_flush()
     return handle
 
 
@@ -194,31 +297,58 @@ def _check_scaler(scaler: Any) -> None:
                         f"got {type(scaler).__name__}")
 
 
-def _named_optimizers(optimizers: Any) -> dict[str, torch.optim.Optimizer]:
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = [optimizers]
+def _named_optimizers(optimizers: Any) -> dict[str, tuple[torch.optim.Optimizer, list[Any]]]:
+    """Return ``{name: (optimizer that steps, [wrappers around it])}``."""
     if isinstance(optimizers, Mapping):
-        named = dict(optimizers)
-        for name, opt in named.items():
+        named = {}
+        for name, opt in optimizers.items():
             if not isinstance(name, str) or not 1 <= len(name) <= 128 or not name.isprintable():
                 raise ValueError(f"optimizers: names must be printable strings of 1-128 characters, got {name!r}")
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"optimizers[{name!r}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
-    elif isinstance(optimizers, (list, tuple)):
-        for i, opt in enumerate(optimizers):
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"optimizers[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
-        classes = [type(o).__name__ for o in optimizers]
+            named[name] = _unwrap_optimizer(opt, f"optimizers[{name!r}]")
+    elif isinstance(optimizers, (list, tuple)) or _looks_like_optimizer(optimizers):
+        items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        single = not isinstance(optimizers, (list, tuple))
+        unwrapped = [_unwrap_optimizer(o, "optimizers" if single else f"optimizers[{i}]")
+                     for i, o in enumerate(items)]
+        classes = [type(o).__name__ for o, _ in unwrapped]
         unique = len(set(classes)) == len(classes)
-        named = {(c if unique else f"optimizer{i}"): o for i, (c, o) in enumerate(zip(classes, optimizers))}
+        named = {(c if unique else f"optimizer{i}"): pair for i, (c, pair) in enumerate(zip(classes, unwrapped))}
     else:
         raise TypeError("optimizers must be a torch.optim.Optimizer, a list of them, or a dict "
                         f"{{name: optimizer}}, got {type(optimizers).__name__}")
     if not named:
         raise ValueError("optimizers is empty: pass at least one optimizer to watch")
-    if len({id(o) for o in named.values()}) != len(named):
+    if len({id(o) for o, _ in named.values()}) != len(named):
         raise ValueError("optimizers: the same optimizer is listed twice; pass each optimizer once")
     return named
+
+
+def _looks_like_optimizer(value: Any) -> bool:
+    return isinstance(value, torch.optim.Optimizer) or isinstance(getattr(value, "optimizer", None),
+                                                                  torch.optim.Optimizer)
+
+
+def _unwrap_optimizer(value: Any, where: str) -> tuple[torch.optim.Optimizer, list[Any]]:
+    """Return the optimizer that actually steps behind ``value`` and the wrappers around it.
+
+    Framework wrappers (Accelerate's AcceleratedOptimizer, Lightning's
+    LightningOptimizer, anything exposing the real optimizer as ``.optimizer``)
+    are unwrapped: the scaler steps the optimizer inside them.
+    """
+    wrappers: list[Any] = []
+    while len(wrappers) < 8:
+        inner = getattr(value, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is value:
+            break
+        wrappers.append(value)
+        value = inner
+    if not isinstance(value, torch.optim.Optimizer):
+        raise TypeError(f"{where} must be a torch.optim.Optimizer (or a wrapper exposing one as .optimizer), "
+                        f"got {type(value).__name__}")
+    if not _device.has_step_hooks(value):
+        raise TypeError(f"{where} is a {type(value).__name__} whose Optimizer.__init__ never ran, so it cannot be "
+                        "hooked: pass the torch.optim.Optimizer that actually steps (the one it wraps)")
+    return value, wrappers
 
 
 def _named_params(model: Any, named_parameters: Any) -> list[tuple[str, torch.Tensor]]:
@@ -238,10 +368,14 @@ def _named_params(model: Any, named_parameters: Any) -> list[tuple[str, torch.Te
     return pairs
 
 
+_INTERVALS = ("step", "epoch")
+
+
 def _schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) -> list[tuple[OptimizerRecord, str, Any]]:
+    """Return ``(record, label, scheduler)`` for each per-step scheduler; per-epoch ones are checked, not watched."""
     if schedulers is None:
         return []
-    if not isinstance(schedulers, Mapping):
+    if not isinstance(schedulers, Mapping) or _is_scheduler_config(schedulers):
         if len(records) != 1:
             raise ValueError("schedulers must be a dict {optimizer name: scheduler} when watching several "
                              f"optimizers (names: {', '.join(records)})")
@@ -252,14 +386,36 @@ def _schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) -> list[tu
             raise ValueError(f"schedulers: {name!r} is not the name of a watched optimizer "
                              f"(names: {', '.join(records)})")
         items = list(value) if isinstance(value, (list, tuple)) else [value]
-        classes = [type(s).__name__ for s in items]
-        for i, scheduler in enumerate(items):
-            if not callable(getattr(scheduler, "step", None)):
-                raise TypeError(f"schedulers[{name!r}] must be an LR scheduler with a step() method, "
-                                f"got {type(scheduler).__name__}")
+        entries = [_scheduler_and_interval(item, f"schedulers[{name!r}]") for item in items]
+        classes = [type(s).__name__ for s, _ in entries]
+        for i, (scheduler, interval) in enumerate(entries):
             owner = getattr(scheduler, "optimizer", None)
             if owner is not None and owner is not records[name].optimizer:
                 raise ValueError(f"schedulers[{name!r}] schedules a different optimizer than optimizers[{name!r}]")
-            label = classes[i] if classes.count(classes[i]) == 1 else f"{classes[i]}{i}"
-            result.append((records[name], label, scheduler))
+            if interval == "step":  # a per-epoch scheduler stepped after a skip ran nothing ahead
+                label = classes[i] if classes.count(classes[i]) == 1 else f"{classes[i]}{i}"
+                result.append((records[name], label, scheduler))
     return result
+
+
+def _is_scheduler_config(value: Any) -> bool:
+    return isinstance(value, Mapping) and "scheduler" in value
+
+
+def _scheduler_and_interval(item: Any, where: str) -> tuple[Any, str]:
+    """Accept a scheduler (stepped per optimizer step) or ``{"scheduler": s, "interval": "step" | "epoch"}``.
+
+    The dict is Lightning's ``lr_scheduler`` config; an object with ``.scheduler``
+    and ``.interval`` attributes (Lightning's ``LRSchedulerConfig``) works too.
+    """
+    if _is_scheduler_config(item):
+        scheduler, interval = item["scheduler"], item.get("interval", "step")
+    elif hasattr(item, "scheduler") and hasattr(item, "interval") and not callable(getattr(item, "step", None)):
+        scheduler, interval = item.scheduler, item.interval
+    else:
+        scheduler, interval = item, "step"
+    if interval not in _INTERVALS:
+        raise ValueError(f"{where}: interval must be 'step' or 'epoch', got {interval!r}")
+    if not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"{where} must be an LR scheduler with a step() method, got {type(scheduler).__name__}")
+    return scheduler, interval
