@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -174,6 +175,33 @@ def test_scheduler_guarded_by_stepped_is_never_counted(amp, watching):
             sched.step()
     assert w.snapshot()["state"]["optimizers"]["SGD"]["scheduler_steps_after_skip"] == 0
     assert sched.last_epoch == 2
+
+
+def test_a_per_epoch_scheduler_stepped_after_the_epochs_last_iteration_skipped_is_not_counted(amp, watching, events):
+    """Issue 11, item 9: an epoch scheduler ran nothing ahead of a skipped step; a per-step one did."""
+    model, opt_a, _ = model_and_two_optimizers()
+    per_epoch = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5)
+    per_step = torch.optim.lr_scheduler.LambdaLR(opt_a, lambda i: 1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    w = watching(scaler, opt_a, schedulers=[{"scheduler": per_epoch, "interval": "epoch"},
+                                             {"scheduler": per_step, "interval": "step"}])
+    for epoch in range(2):
+        for i in range(3):
+            last = i == 2
+            amp.iteration(model, scaler, [opt_a], torch.randn(4, 8),
+                          after_backward=(lambda: amp.poison_grad(model[0].bias)) if last else None)
+            per_step.step()
+        per_epoch.step()
+    assert w.snapshot()["state"]["optimizers"]["SGD"]["scheduler_steps_after_skip"] == 2
+    assert {e["scheduler"] for e in events(w) if e["kind"] == "scheduler_after_skip"} == {"LambdaLR"}
+    assert "step" not in vars(per_epoch)
+
+
+def test_a_scheduler_interval_other_than_step_or_epoch_is_refused(watching):
+    _, opt_a, _ = model_and_two_optimizers()
+    sched = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1)
+    with pytest.raises(ValueError, match="interval must be 'step' or 'epoch'"):
+        watching(torch.amp.GradScaler("cpu"), opt_a, schedulers={"scheduler": sched, "interval": "batch"})
 
 
 def test_close_restores_the_scheduler_and_scaler_methods(amp, watching):

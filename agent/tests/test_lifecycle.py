@@ -1,0 +1,182 @@
+"""A watch's life in real jobs: all-or-nothing attach, wrapper optimizers, forgotten close(), sweeps and exit."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+
+import pytest
+import torch
+from recording_collector import RecordingCollector
+
+from ampwatch import agent
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def small_job(amp):
+    model = amp.TwoPart()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01), torch.amp.GradScaler("cpu")
+
+
+def untouched(scaler, *optimizers) -> bool:
+    """The scaler and optimizers carry nothing of the agent, and the scaler still saves."""
+    torch.save(scaler, io.BytesIO())
+    return (not {"step", "update", "load_state_dict", "__getstate__"} & set(vars(scaler))
+            and not any(o._optimizer_step_pre_hooks for o in optimizers))
+
+
+# ----- all-or-nothing attach and wrapper optimizers (item 7) ----------------------------------------
+
+class HalfMadeOptimizer(torch.optim.Optimizer):
+    """A wrapper that subclasses Optimizer but never runs Optimizer.__init__, and exposes nothing."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.param_groups = inner.param_groups
+
+
+def test_a_half_initialised_optimizer_is_refused_naming_what_to_pass_and_nothing_is_left_patched(amp, watching):
+    model, opt, scaler = small_job(amp)
+    with pytest.raises(TypeError, match="pass the torch.optim.Optimizer that actually steps"):
+        watching(scaler, {"ok": torch.optim.SGD(model.a.parameters(), lr=0.1),
+                          "bad": HalfMadeOptimizer(torch.optim.SGD(model.b.parameters(), lr=0.1))})
+    assert untouched(scaler, opt)
+
+
+def test_a_failure_part_way_through_attaching_leaves_scaler_optimizers_and_schedulers_untouched(amp, watching):
+    class FrozenStepLR(torch.optim.lr_scheduler.StepLR):
+        def __setattr__(self, name, value):
+            if name == "state_dict":
+                raise AttributeError("this scheduler's attributes are frozen")
+            super().__setattr__(name, value)
+
+    model, opt, scaler = small_job(amp)
+    sched = FrozenStepLR(opt, 1)
+    with pytest.raises(AttributeError, match="frozen"):
+        watching(scaler, opt, schedulers=sched)
+    assert untouched(scaler, opt)
+    assert not {"step", "__getstate__"} & set(vars(sched))
+    w = watching(scaler, opt)  # nothing is left claiming the scaler either
+    amp.iteration(model, scaler, [opt], torch.randn(4, 8))
+    assert w.stepped(opt) is True
+
+
+def test_accelerates_wrapped_optimizer_is_unwrapped_and_its_skips_counted(amp, watching):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # AcceleratedOptimizer reads the process-wide state this initialises
+    model, opt, scaler = small_job(amp)
+    wrapped = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)
+    w = watching(scaler, wrapped, model=model)
+    assert list(w.snapshot()["state"]["optimizers"]) == ["AdamW"]
+    for poison in (True, False, False):
+        wrapped.zero_grad()
+        scaler.scale(amp.forward(model, torch.randn(4, 8))).backward()
+        if poison:
+            amp.poison_grad(model.a.weight)
+        wrapped.step()  # runs scaler.step(opt) and scaler.update() itself
+    counters = w.snapshot()["state"]["optimizers"]["AdamW"]
+    assert (counters["skipped"], counters["steps"]) == (1, 2)
+    assert w.stepped(wrapped) is True and w.stepped(opt) is True
+
+
+# ----- forgotten close() (item 6) -------------------------------------------------------------------
+
+def _sweep_trial(amp, watch_kwargs):
+    """One trial of a sweep: build, watch (never closed), train, drop everything; return weak references."""
+    model, opt, scaler = small_job(amp)
+    w = agent.watch(scaler, opt, model=model, run="sweep", **watch_kwargs)
+    amp.iteration(model, scaler, [opt], torch.randn(4, 8), after_backward=lambda: amp.poison_grad(model.a.weight))
+    return weakref.ref(model.a.weight), weakref.ref(scaler), weakref.ref(w)
+
+
+def collect_garbage() -> None:
+    """Two passes: the first frees the scaler, whose finalizer then lets go of the rest for the second."""
+    gc.collect()
+    gc.collect()
+
+
+def test_unclosed_watches_of_dropped_jobs_free_their_models(amp, no_collector):
+    refs = [_sweep_trial(amp, {"collector": ()}) for _ in range(5)]
+    collect_garbage()
+    assert [r() for trial in refs for r in trial] == [None] * 15, "an unclosed watch kept its job alive"
+
+
+def test_an_unclosed_watch_whose_scaler_is_collected_closes_itself_and_flushes(amp, no_collector):
+    with RecordingCollector() as server:
+        weight, scaler, _ = _sweep_trial(amp, {"collector": server.url, "push_interval": 30.0})
+        collect_garbage()
+        assert scaler() is None
+        assert server.wait_for(lambda s: any(b["closed"] for b in s.acked), timeout=30)
+        final = [b for b in server.acked if b["closed"]][-1]
+        assert final["state"]["optimizers"]["AdamW"]["skipped"] == 1
+        kinds = [e["kind"] for b in server.acked for e in b["events"]]
+        assert kinds.count("skip") == 1 and kinds[-1] == "close"
+    for _ in range(100):  # the sender thread lets go of the job once it has sent the final batch
+        collect_garbage()
+        if weight() is None:
+            break
+        time.sleep(0.1)
+    assert weight() is None
+
+
+def test_a_kept_watch_keeps_its_scaler_alive(amp, watching):
+    model, opt, scaler = small_job(amp)
+    w = watching(scaler, opt)
+    scaler_ref = weakref.ref(scaler)
+    del scaler
+    gc.collect()
+    assert scaler_ref() is not None and not w.closed
+
+
+def test_a_collected_scalers_optimizer_stepping_on_says_so_once(amp, no_collector, caplog):
+    model, opt, scaler = small_job(amp)
+    agent.watch(scaler, opt, collector=(), run="r")  # the handle is dropped at once
+    del scaler
+    gc.collect()
+    new = torch.amp.GradScaler("cpu")
+    with caplog.at_level("WARNING", logger="ampwatch.agent"):
+        for _ in range(3):
+            amp.iteration(model, new, [opt], torch.randn(4, 8))
+    said = [r.getMessage() for r in caplog.records if "garbage-collected" in r.getMessage()]
+    assert len(said) == 1 and "rebind" in said[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_exit_with_several_unclosed_watches_and_a_hanging_collector_waits_one_close_timeout():
+    with RecordingCollector() as server:
+        server.delay = 30.0
+        script = textwrap.dedent("""
+            import atexit, sys, time
+            import torch
+            from ampwatch import agent
+            exit_began = []
+            atexit.register(lambda: print(f"flush took {time.monotonic() - exit_began[0]:.3f}"))
+            jobs = []
+            for i in range(5):
+                model = torch.nn.Linear(4, 4)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                scaler = torch.amp.GradScaler("cpu")
+                jobs.append((model, opt, scaler, agent.watch(scaler, opt, collector=sys.argv[1], run=f"r{i}")))
+            time.sleep(0.5)  # every first batch is now hanging on the collector
+            exit_began.append(time.monotonic())
+        """)
+        env = {**os.environ, "AMPWATCH_CLOSE_TIMEOUT": "1", "AMPWATCH_TIMEOUT": "60",
+               "AMPWATCH_PUSH_INTERVAL": "30"}
+        done = subprocess.run([sys.executable, "-c", script, server.url], env=env, capture_output=True,
+                              text=True, timeout=100)
+        assert done.returncode == 0, done.stderr
+        took = float(done.stdout.split("flush took ")[1])
+        # Each watch waited its own close timeout in turn before: 5 watches took 5+ s.
+        assert took < 3.0, f"the exit flush of 5 unclosed watches took {took:.2f} s with close_timeout=1"
