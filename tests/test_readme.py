@@ -55,8 +55,8 @@ def _run(snippet: str, monkeypatch) -> dict:
     return namespace
 
 
-def test_the_readme_shows_four_agent_snippets():
-    assert len(_snippets()) == 4
+def test_the_readme_shows_five_agent_snippets():
+    assert len(_snippets()) == 5
 
 
 @pytest.mark.timeout(120)
@@ -98,3 +98,12 @@ for x, y in loader:
     ns = _run(_snippets()[3] + loop, monkeypatch)
     assert ns["opt"].defaults["fused"] is True
     assert "AdamW: 5 stepped, 1 skipped" in ns["watch"].summary(), ns["watch"].summary()
+
+
+def test_the_checkpoint_snippet_saves_resumes_and_rebinds_without_a_false_transition(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    ns = _run(_snippets()[4], monkeypatch)
+    state = ns["watch"].snapshot()["state"]
+    assert state["backoffs"] == 1 and state["growths"] == 0, "the restore was booked as a transition"
+    assert state["optimizers"]["SGD"]["skipped"] == 1 and state["optimizers"]["SGD"]["steps"] == 5
+    assert ns["watch"]._patch.scaler is ns["scaler"], "rebind did not carry the watch over"
