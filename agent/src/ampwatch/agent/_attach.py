@@ -144,37 +144,35 @@ class ScalerPatch:
         return step
 
     def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def account(args: tuple, kwargs: dict) -> None:
+            new_scale = args[0] if args else kwargs.get("new_scale")
+            self.recorder.after_update(manual=new_scale is not None)
+
+        return self._then(original, "scaler.update", account)
+
+    def _wrap_load_state_dict(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def account(args: tuple, kwargs: dict) -> None:
+            self.recorder.restored(args[0] if args else kwargs["state_dict"])
+
+        return self._then(original, "scaler.load_state_dict", account)
+
+    def _then(self, original: Callable[..., Any], site: str,
+              account: Callable[[tuple, dict], None]) -> Callable[..., Any]:
+        """Wrap ``original`` so that ``account(args, kwargs)`` runs after it returns, failures counted."""
         recorder = self.recorder
 
-        def update(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
             if recorder.attached:
                 try:
-                    new_scale = args[0] if args else kwargs.get("new_scale")
-                    recorder.after_update(manual=new_scale is not None)
-                except Exception as error:  # noqa: BLE001
-                    recorder.internal_error("scaler.update", error)
+                    account(args, kwargs)
+                except Exception as error:  # noqa: BLE001 - the agent must never break the loop
+                    recorder.internal_error(site, error)
             return result
 
-        update.__wrapped__ = original  # type: ignore[attr-defined]
-        update.__doc__ = original.__doc__
-        return update
-
-    def _wrap_load_state_dict(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        recorder = self.recorder
-
-        def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(state_dict, *args, **kwargs)
-            if recorder.attached:
-                try:
-                    recorder.restored(state_dict)
-                except Exception as error:  # noqa: BLE001
-                    recorder.internal_error("scaler.load_state_dict", error)
-            return result
-
-        load_state_dict.__wrapped__ = original  # type: ignore[attr-defined]
-        load_state_dict.__doc__ = original.__doc__
-        return load_state_dict
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__doc__ = original.__doc__
+        return wrapper
 
 
 class OptimizerHooks:
