@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
+
+from ._floats import NONFINITE_STRINGS
 
 __all__ = [
-    "PROTOCOL_VERSION", "STREAK_LADDER", "MAX_EVENTS", "Batch", "Event", "parse_batch", "describe_errors",
-    "ValidationError",
+    "PROTOCOL_VERSION", "STREAK_LADDER", "MAX_EVENTS", "SCALE_CAUSES", "Batch", "Event", "parse_batch",
+    "describe_errors", "ValidationError",
 ]
 
 PROTOCOL_VERSION = 1
@@ -23,9 +26,28 @@ Label = Annotated[str, Field(min_length=1, max_length=128)]
 LadderKey = Literal[STREAK_LADDER]  # type: ignore[valid-type]
 
 
+# JSON has no NaN or infinity, yet a GradScaler's float32 scale can hold them (and 0.0, after ~166 backoffs
+# in a row). Fields that carry what the scaler holds (ScaleFloat) take the strings "NaN", "Infinity" and
+# "-Infinity"; the bare tokens NaN/Infinity that Python's json module writes are accepted too. Every other
+# float must be finite.
+def _scale_value(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return NONFINITE_STRINGS[value]
+        except KeyError:
+            raise ValueError('must be a number, null, or one of the strings "NaN", "Infinity", "-Infinity"') \
+                from None
+    return value
+
+
+ScaleFloat = Annotated[float, Field(allow_inf_nan=True), BeforeValidator(_scale_value)]
+"""A value a GradScaler holds (scale, growth/backoff factor): any float, non-finite ones as strings."""
+
+
 class _Model(BaseModel):
-    # Unknown fields from a newer agent are ignored; floats must be finite (JSON has no inf/NaN anyway).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
+    # Unknown fields from a newer agent are ignored; floats must be finite except ScaleFloat fields, which
+    # serialise NaN/infinities as the protocol's strings (so a stored batch or event reads back the same).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True, ser_json_inf_nan="strings")
 
 
 class AgentInfo(_Model):
@@ -36,9 +58,9 @@ class AgentInfo(_Model):
 class ScalerInfo(_Model):
     enabled: bool
     kind: str = Field(max_length=128)
-    init_scale: Optional[float] = None
-    growth_factor: Optional[float] = None
-    backoff_factor: Optional[float] = None
+    init_scale: Optional[ScaleFloat] = None
+    growth_factor: Optional[ScaleFloat] = None
+    backoff_factor: Optional[ScaleFloat] = None
     growth_interval: Optional[int] = None
 
 
@@ -62,7 +84,7 @@ class Delivery(_Model):
 
 class RankState(_Model):
     iteration: Count
-    loss_scale: Optional[Annotated[float, Field(gt=0)]]
+    loss_scale: Optional[ScaleFloat]  # any value the scaler holds: 0, subnormal, negative, NaN, infinite
     backoffs: Count
     growths: Count
     manual_sets: Count = 0
@@ -98,11 +120,16 @@ class StreakEndEvent(_EventBase):
     length: Annotated[int, Field(ge=1, le=MAX_INT)]
 
 
+SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
+"""Why the scale changed: in update() by backoff_factor or growth_factor, update(new_scale=...), or outside
+update() (scaler.load_state_dict() on resume, or a new scaler bound with watch.rebind())."""
+
+
 class ScaleChangeEvent(_EventBase):
     kind: Literal["scale_change"]
-    cause: Literal["backoff", "growth", "manual"]
-    before: Optional[float]
-    after: Optional[float]
+    cause: Literal[SCALE_CAUSES]  # type: ignore[valid-type]
+    before: Optional[ScaleFloat]
+    after: Optional[ScaleFloat]
 
 
 class SchedulerAfterSkipEvent(_EventBase):
