@@ -13,6 +13,7 @@ from ._attach import Attachment
 from ._config import AgentConfig
 from ._events import EventBuffer
 from ._identity import resolve_identity
+from ._limits import warn_past_collector_limits
 from ._params import ParameterNames
 from ._recorder import OptimizerRecord, Recorder
 from ._sender import Sender
@@ -171,6 +172,7 @@ def watch(scaler: torch.amp.GradScaler,
     try:
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
+        warn_past_collector_limits(len(records), identity.world_size, sending=config.sends)
         sender_ref: list[Sender] = []
         recorder = Recorder(scaler, records, names, events,
                             on_streak_start=lambda: sender_ref[0].wake() if sender_ref else None)
