@@ -11,6 +11,7 @@ from recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
 from ampwatch.agent._config import AgentConfig
+from ampwatch.agent._sender import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,6 +236,23 @@ def test_more_events_than_one_batch_holds_go_out_in_several_batches(collector, s
     assert max(len(b["events"]) for b in collector.acked) == MAX_BATCH_EVENTS
     assert collector.event_ids() == list(range(1, total + 1))
     assert collector.acked[-1]["closed"] is True
+
+
+def test_a_batch_over_a_default_collectors_body_limit_is_split_and_every_event_arrives(collector, senders):
+    # 1,200 inspected skips naming 16 parameters of 512 characters: ~10 MiB of JSON, over the 8 MiB a
+    # collector accepts by default (413, refused for good). The sender splits the events over two batches.
+    sender, recorder = make_sender(collector.url, push_interval=30.0)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    params = [{"name": f"{i}." + "n" * 508, "inf": 1, "nan": 0} for i in range(16)]
+    for i in range(1200):
+        recorder.events.append({"kind": "skip", "iteration": i, "optimizer": "opt", "streak": 1, "params": params,
+                                "params_total": 16, "inspected": True})
+    sender.close(20)
+    sizes = [int(h["Content-Length"]) for h in collector.headers]
+    assert max(sizes) <= MAX_BODY_BYTES and sum(sizes) > MAX_BODY_BYTES
+    assert collector.event_ids() == list(range(1, 1201))
+    assert sender.rejected_batches == 0 and collector.acked[-1]["closed"] is True
 
 
 def test_a_failing_snapshot_is_counted_as_an_agent_error_not_raised(collector, senders):

@@ -43,6 +43,7 @@ COLLECTOR_DEFAULTS = {
     "max_optimizers_per_rank": 16,  # past it: refused for good (422), the rank's optimizers do not change
     "max_ranks_per_run": 4096,      # past it: refused for good (422)
     "max_runs": 1000,               # past it: back-pressure (429, Retry-After), clears as finished runs retire
+    "max_body_bytes": 8 * 1024 * 1024,  # past it: 413; the sender splits a batch's events to stay under it
 }
 """A collector's cardinality limits with default settings (its ``--max-*`` options)."""
 

@@ -12,6 +12,7 @@ import weakref
 from typing import Any, Callable
 
 from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
+from ._limits import COLLECTOR_DEFAULTS
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
@@ -26,6 +27,7 @@ log = logging.getLogger("ampwatch.agent")
 
 _WAKE_GAP = 0.05  # seconds: a burst of wake() calls yields one batch, not one per call
 _BACKOFF_BASE_MAX = 1.0  # seconds: the first retry waits at most this (or the push interval if shorter)
+MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"]  # a batch is split to stay under a default collector's limit
 
 
 class Sender:
@@ -150,11 +152,18 @@ class Sender:
         if self._failures_in_row and not closing and not len(self.events):
             return  # collector unreachable: a heartbeat would only repeat state the next batch carries
         events = self.events.drain(MAX_BATCH_EVENTS)
-        self._backlog = len(events) == MAX_BATCH_EVENTS and len(self.events) > 0
+        full = len(events) == MAX_BATCH_EVENTS
         snapshot = self._take_snapshot()
         closed = closing and not len(self.events)
         self._seq += 1
         body = self._encode(snapshot, events, closed)
+        while len(body) > MAX_BODY_BYTES and len(events) > 1:
+            # A collector with default settings refuses a larger body for good (413): the later half of the
+            # events goes back to the buffer's front for the next batch (rare: long names in a long outage).
+            self.events.requeue(events[len(events) // 2:])
+            events, full, closed = events[:len(events) // 2], True, False
+            body = self._encode(snapshot, events, closed)
+        self._backlog = full and len(self.events) > 0
         pending = Pending(seq=self._seq, events=len(events), run=self.identity.run, rank=self.identity.rank,
                           body=body)
         try:
