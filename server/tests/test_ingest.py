@@ -86,6 +86,9 @@ def test_schema_errors_get_422_naming_the_field(client):
     unknown = make_batch(events=[{"id": 1, "kind": "teleport", "time": 1.0, "iteration": 0}])
     assert client.post("/v1/ingest", json=unknown).status_code == 422
     assert client.post("/v1/ingest", json=make_batch(rank=2, world_size=2)).status_code == 422
+    # true and 1.0 are not integers (a lax reading would apply them as rank 1, seq 1).
+    assert client.post("/v1/ingest", json=make_batch(rank=True)).status_code == 422
+    assert client.post("/v1/ingest", json=make_batch(seq=1.0)).status_code == 422
     assert client.get("/v1/runs").json()["runs"] == []
 
 

@@ -21,7 +21,9 @@ MAX_PARAMS = 16
 
 # SQLite stores integers as 64-bit signed: a larger one would fail at COMMIT (a 500) instead of a 422.
 MAX_INT = 2 ** 63 - 1
-Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+# Integers are strict: a JSON true or 3.0 is not a count (lax mode would read them as 1 and 3).
+Count = Annotated[int, Field(ge=0, le=MAX_INT, strict=True)]
+Positive = Annotated[int, Field(ge=1, le=MAX_INT, strict=True)]
 Label = Annotated[str, Field(min_length=1, max_length=128)]
 LadderKey = Literal[STREAK_LADDER]  # type: ignore[valid-type]
 
@@ -61,7 +63,7 @@ class ScalerInfo(_Model):
     init_scale: Optional[ScaleFloat] = None
     growth_factor: Optional[ScaleFloat] = None
     backoff_factor: Optional[ScaleFloat] = None
-    growth_interval: Optional[int] = None
+    growth_interval: Optional[Annotated[int, Field(strict=True)]] = None
 
 
 class OptimizerCounters(_Model):
@@ -99,7 +101,7 @@ class ParamDetail(_Model):
 
 
 class _EventBase(_Model):
-    id: Annotated[int, Field(ge=1, le=MAX_INT)]
+    id: Positive
     time: float
     iteration: Count
 
@@ -107,7 +109,7 @@ class _EventBase(_Model):
 class SkipEvent(_EventBase):
     kind: Literal["skip"]
     optimizer: Label
-    streak: Annotated[int, Field(ge=1, le=MAX_INT)]
+    streak: Positive
     params: list[ParamDetail] = Field(default_factory=list, max_length=MAX_PARAMS)
     params_total: Optional[Count] = None
     inspected: bool = True
@@ -117,7 +119,7 @@ class StreakEndEvent(_EventBase):
     kind: Literal["streak_end"]
     optimizer: Label
     start_iteration: Count
-    length: Annotated[int, Field(ge=1, le=MAX_INT)]
+    length: Positive
 
 
 SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
@@ -171,16 +173,16 @@ Event = Annotated[
 class Batch(_Model):
     """One POST /v1/ingest body (docs/protocol.md)."""
 
-    protocol: int
+    protocol: Annotated[int, Field(strict=True)]
     agent: AgentInfo
     run: Label
     rank: Count
-    world_size: Annotated[int, Field(ge=1, le=MAX_INT)]
+    world_size: Positive
     local_rank: Count
     host: str = Field(max_length=255)
     pid: Count
     incarnation: str = Field(min_length=8, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")
-    seq: Annotated[int, Field(ge=1, le=MAX_INT)]
+    seq: Positive
     sent_at: float
     scaler: ScalerInfo
     state: RankState
