@@ -12,12 +12,12 @@ import weakref
 from typing import Any, Callable
 
 from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
-from ._limits import COLLECTOR_DEFAULTS
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._http import Answer, IngestClient, Outcome
 from ._identity import Identity
+from ._limits import COLLECTOR_DEFAULTS
 from ._outbox import MemoryOutbox, Pending
 from ._spool import SpoolOutbox
 
@@ -335,12 +335,12 @@ def _int(value: Any) -> int:
 def _advice(answer: Answer) -> str:
     """Say what the user can do about a refused batch, where the collector's own message may not."""
     status = answer.status
+    if answer.body.get("message"):
+        return ""  # the collector said what was wrong and what to do
     if status in (401, 403):
         return " Set AMPWATCH_TOKEN (or token=) to the collector's token."
     if status == 404:
         return " Check AMPWATCH_URL: it should be the collector's base URL, e.g. http://host:9457."
-    if answer.body.get("message"):
-        return ""  # the collector said what was wrong and what to do
     if status == 413:
         return " Raise the collector's body size limit."
     if status == 422:
