@@ -119,6 +119,6 @@ def run(amp: Amp, quick: bool) -> list[dict]:
                  f"(GradScaler's own inf check) {ms['bare_skip_ms']} ms; skip watched and inspected "
                  f"{ms['watched_skip_ms']} ms (+{ms['watched_skip_ms'] - ms['bare_skip_ms']:.3f} ms); syncs over "
                  f"the skip: bare {bare_syncs}, watched {watched_syncs[0]} ({extra:+d}; target +1, one bounded "
-                 f"copy; {sync_method(amp.cuda)})",
+                 f"copy{'' if amp.cuda else ', which on CPU is no sync'}; {sync_method(amp.cuda)})",
                  tensors=n, repeats=repeats, bare_syncs=bare_syncs, watched_syncs=watched_syncs[0], **ms)
     return [names, cost]

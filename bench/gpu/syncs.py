@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from bench.gpu._amp import Amp, CleanLoop
-from bench.gpu._checks import check, verdict
+from bench.gpu._checks import check, guarded, verdict
 from bench.gpu._syncs import SyncTrace, count_syncs, sync_debug, sync_method
 
 __all__ = ["run", "trace"]
@@ -55,6 +57,12 @@ def _error_mode(amp: Amp, iterations: int) -> dict:
                              "so counts are compared instead")
     problems = [f"the watched loop raised under debug mode 'error': {raised[True]}"] if True in raised else []
     problems += _watched_ok(states[True], WARMUP + iterations)
+    try:  # else a debug mode that catches nothing would pass
+        with sync_debug("error"):
+            torch.zeros((), device=amp.device).item()
+        problems.append("debug mode 'error' did not raise on a deliberate .item(): this check proves nothing here")
+    except RuntimeError:
+        pass
     return verdict("syncs", "fused-error-mode", problems,
                    f"{iterations} clean iterations, 3 fused optimizers, watched, under "
                    "torch.cuda.set_sync_debug_mode('error'): no sync, no agent error")
@@ -71,6 +79,9 @@ def _counted(amp: Amp, kind: str, iterations: int, note: str = "") -> dict:
         amp.sync()
         state = loop.close() or state
     problems = []
+    if kind == "foreach" and not counts[False]:  # else a counter that sees nothing would pass
+        problems.append("the counter saw no sync in the bare foreach loop, where the scaler reads found_inf once per "
+                        "step: counting does not work here")
     if counts[True] != counts[False]:
         problems.append(f"{counts[True]} syncs watched vs {counts[False]} bare over {iterations} clean iterations")
     problems += _watched_ok(state, WARMUP + iterations)
@@ -83,8 +94,10 @@ def _counted(amp: Amp, kind: str, iterations: int, note: str = "") -> dict:
 def run(amp: Amp, quick: bool) -> list[dict]:
     """Run the zero-sync checks for this device."""
     iterations = 10 if quick else 50
-    checks = [_error_mode(amp, iterations)] if amp.cuda else []
-    return checks + [_counted(amp, "fused", iterations), _counted(amp, "foreach", iterations)]
+    checks = guarded("syncs", "fused-error-mode", lambda: [_error_mode(amp, iterations)]) if amp.cuda else []
+    for kind in ("fused", "foreach"):
+        checks += guarded("syncs", f"{kind}-counted", lambda: [_counted(amp, kind, iterations)])
+    return checks
 
 
 def trace(amp: Amp, quick: bool) -> list[dict]:
@@ -109,6 +122,8 @@ def trace(amp: Amp, quick: bool) -> list[dict]:
             amp.sync()
             loop.close()
         problems = [] if seen[True] == seen[False] else [f"watched {seen[True]} != bare {seen[False]}"]
+        if kind == "foreach" and not seen[False].get("stream"):  # the scaler's .item() per step is one
+            problems.append("the trace saw no stream synchronisation in the bare foreach loop: the hooks do not work")
         checks.append(verdict("sync-trace", f"{kind}-all-synchronisations", problems,
                               f"{iterations} clean iterations, 3 {kind} optimizers, stream/event/device "
                               f"synchronisations: bare {seen[False] or 'none'}, watched {seen[True] or 'none'}",
