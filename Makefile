@@ -2,13 +2,14 @@
 #   make test   run the whole test suite (creates .venv on first use)
 #   make demo   collector + 2-rank DDP job with an overflow, live (ARGS=--once exits at the end; ARGS=--help)
 #   make bench  run the benchmarks (ARGS=--quick for a short run)
+#   make bench-gpu  check the agent on a GPU: truth, syncs, overhead (ARGS="--device cpu --quick": CPU smoke run)
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ampwatch-installed
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -31,6 +32,12 @@ bench: $(STAMP)
 	@for tool in prometheus-pushgateway valgrind; do command -v $$tool >/dev/null || \
 	  echo "make bench: $$tool is missing (apt-get install $$tool); its sections will report an error"; done
 	$(PY) -m bench $(ARGS)
+
+# Needs only torch and the agent's source, so it runs with any python that has torch (a GPU machine may have
+# no venv): the venv's python when there is one, else $(PYTHON). Writes artifacts/gpu/gpu.json and gpu.md.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+bench-gpu:
+	PYTHONPATH=agent/src $(GPU_PYTHON) -m bench.gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache data artifacts

@@ -33,9 +33,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["VARIANTS", "agent_host_cost_us", "agent_hot_path_us", "measure", "main"]
+__all__ = ["VARIANTS", "Setup", "SyncCounter", "agent_host_cost_us", "agent_hot_path_us", "compare", "measure",
+           "rotate", "main"]
 
 VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
+"""Compared on CPU. ``bench.gpu`` adds ``ampwatch_unasked``: the agent attached, ``stepped()`` never asked."""
+
+ModelBuilder = Callable[[torch.device], tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]]
 
 
 class SyncCounter(TorchDispatchMode):
@@ -51,63 +55,74 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _mlp() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-    x = torch.randn(32, 64)
+def _mlp(device: torch.device) -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+    x = torch.randn(32, 64).to(device)
     groups = [list(model[0].parameters()), list(model[2].parameters()) + list(model[4].parameters())]
     return model, groups, lambda: model(x).float().pow(2).mean()
 
 
-def _transformer() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
+def _transformer(device: torch.device) -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
     block = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True, dropout=0.0)
     head = nn.Linear(64, 8)
-    model = nn.ModuleDict({"block": block, "head": head})
-    x = torch.randn(8, 16, 64)
+    model = nn.ModuleDict({"block": block, "head": head}).to(device)
+    x = torch.randn(8, 16, 64).to(device)
     return model, [list(block.parameters()), list(head.parameters())], lambda: head(block(x)).float().pow(2).mean()
 
 
-def _tiny() -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
+def _tiny(device: torch.device) -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
     # Compute so small that the agent's fixed host cost per iteration stands out.
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    x = torch.randn(2, 4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(device)
+    x = torch.randn(2, 4).to(device)
     return model, [list(model[0].parameters()), list(model[1].parameters())], lambda: model(x).float().sum()
 
 
-MODELS = {"mlp": _mlp, "transformer": _transformer, "tiny": _tiny}
+MODELS: dict[str, ModelBuilder] = {"mlp": _mlp, "transformer": _transformer, "tiny": _tiny}
 COMPARED = ("mlp", "transformer")
 """The models every variant is timed on; ``tiny`` only measures the agent's own host cost."""
 
 
 class Setup:
-    """One model, two optimizers, one scaler and one way of telling skips."""
+    """One model, two optimizers, one scaler and one way of telling skips.
 
-    def __init__(self, variant: str, model: str, fused: bool, collector: Optional[str]) -> None:
+    ``model``: a name in :data:`MODELS` or a builder taking the device. On CPU the loop autocasts to
+    bfloat16, on a GPU to float16; the scaler is ``GradScaler(<device type>)`` either way.
+    """
+
+    def __init__(self, variant: str, model: str | ModelBuilder, fused: bool, collector: Optional[str] | tuple,
+                 device: str | torch.device = "cpu") -> None:
         torch.manual_seed(0)
         self.variant = variant
-        self.model, groups, self.loss = MODELS[model]()
+        self.device = torch.device(device)
+        self.amp_dtype = torch.bfloat16 if self.device.type == "cpu" else torch.float16
+        build = MODELS[model] if isinstance(model, str) else model
+        self.model, groups, self.loss = build(self.device)
         kw = {"fused": True} if fused else {"foreach": True}
         self.opts = [torch.optim.AdamW(g, lr=1e-4, **kw) for g in groups]
-        self.scaler = torch.amp.GradScaler("cpu")
+        self.scaler = torch.amp.GradScaler(self.device.type)
         self.storm = False  # when set, the first optimizer's gradients are non-finite (it skips every step)
         first = groups[0][0]
         first.register_hook(lambda g: g * float("inf") if self.storm else g)
         self.skipped: list[bool] = [False, False]  # the method's answer for the last iteration, per optimizer
         self.watch = None
-        if variant == "ampwatch":
+        if variant in ("ampwatch", "ampwatch_unasked"):
             from ampwatch import agent
             self.watch = agent.watch(self.scaler, {"body": self.opts[0], "head": self.opts[1]}, model=self.model,
-                                     collector=collector, run=f"bench-overhead-{model}")
+                                     collector=collector,
+                                     run=f"bench-overhead-{model if isinstance(model, str) else build.__name__}")
         elif variant == "accelerate":
             from accelerate import Accelerator
             from accelerate.optimizer import AcceleratedOptimizer
-            Accelerator(cpu=True)  # AcceleratedOptimizer reads the process-wide state that this initialises
+            # AcceleratedOptimizer reads the process-wide state that this initialises
+            Accelerator(cpu=self.device.type == "cpu")
             self.wrapped = [AcceleratedOptimizer(o, device_placement=False, scaler=self.scaler) for o in self.opts]
-        self.iterate = getattr(self, "_" + variant)
+        # ampwatch_unasked: the bare loop, with the agent attached to the scaler and optimizers it drives
+        self.iterate = self._bare if variant == "ampwatch_unasked" else getattr(self, "_" + variant)
 
     def _forward_backward(self) -> None:
         for opt in self.opts:
             opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=self.amp_dtype):
             loss = self.loss()
         self.scaler.scale(loss).backward()
 
@@ -195,6 +210,45 @@ def _answers(setup: Setup, n: int) -> dict:
     return out
 
 
+def rotate(setups: dict[str, Setup], rounds: int, block: int,
+           settle: Callable[[], None] = lambda: None) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Run ``block`` iterations of each setup per round, in an order that rotates every round.
+
+    Returns per-iteration process CPU seconds and wall seconds, one value per round, per variant.
+    ``settle`` runs before each clock starts and before it stops (on a GPU: ``torch.cuda.synchronize``,
+    so a block's time includes its queued device work).
+    """
+    names = list(setups)
+    cpu: dict[str, list[float]] = {v: [] for v in names}
+    wall: dict[str, list[float]] = {v: [] for v in names}
+    for i in range(rounds):
+        for v in names[i % len(names):] + names[:i % len(names)]:
+            settle()
+            c, w = time.process_time(), time.perf_counter()
+            setups[v].iterate(block)
+            settle()
+            cpu[v].append((time.process_time() - c) / block)
+            wall[v].append((time.perf_counter() - w) / block)
+    return cpu, wall
+
+
+def compare(cpu: dict[str, list[float]], wall: dict[str, list[float]], base: str = "bare") -> dict[str, dict]:
+    """Per variant: median per-iteration times and the median [p25-p75] of per-round ratios to ``base``."""
+    out = {}
+    for v in cpu:
+        ratios = [t / b for t, b in zip(cpu[v], cpu[base])]
+        wall_ratios = [t / b for t, b in zip(wall[v], wall[base])]
+        out[v] = {"cpu_us_per_iter": round(statistics.median(cpu[v]) * 1e6, 1),
+                  "wall_us_per_iter": round(statistics.median(wall[v]) * 1e6, 1),
+                  "wall_ratio": round(statistics.median(wall_ratios), 4),
+                  "wall_ratio_p25": round(_pct(wall_ratios, .25), 4),
+                  "wall_ratio_p75": round(_pct(wall_ratios, .75), 4),
+                  "ratio": round(statistics.median(ratios), 4),
+                  "ratio_p25": round(_pct(ratios, .25), 4), "ratio_p75": round(_pct(ratios, .75), 4),
+                  "extra_us_per_iter": round((statistics.median(cpu[v]) - statistics.median(cpu[base])) * 1e6, 1)}
+    return out
+
+
 def measure(model: str, fused: bool, rounds: int, block: int, collector: Optional[str]) -> dict:
     """Time every variant on ``model`` in rotating blocks; count syncs; check answers in a skip storm."""
     setups = {v: Setup(v, model, fused, collector) for v in VARIANTS}
@@ -203,34 +257,17 @@ def measure(model: str, fused: bool, rounds: int, block: int, collector: Optiona
             s.iterate(10)  # warm-up (allocator, autocast caches, the agent's first batch)
         # CPU time of the process (the agent's sender thread included) is the primary measure: on a shared
         # machine, wall time also counts the moments another job held the core.
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for i in range(rounds):
-            order = VARIANTS[i % len(VARIANTS):] + VARIANTS[:i % len(VARIANTS)]
-            for v in order:
-                cpu, wall = time.process_time(), time.perf_counter()
-                setups[v].iterate(block)
-                times[v].append((time.process_time() - cpu) / block)
-                walls[v].append((time.perf_counter() - wall) / block)
+        times, walls = rotate(setups, rounds, block)
         out = {"model": model, "optimizer": "AdamW(fused=True)" if fused else "AdamW(foreach=True)",
-               "rounds": rounds, "block": block, "variants": {}}
+               "rounds": rounds, "block": block, "variants": compare(times, walls)}
         for v in VARIANTS:
-            ratios = [t / b for t, b in zip(times[v], times["bare"])]
-            wall_ratios = [t / b for t, b in zip(walls[v], walls["bare"])]
-            entry = {"cpu_us_per_iter": round(statistics.median(times[v]) * 1e6, 1),
-                     "wall_us_per_iter": round(statistics.median(walls[v]) * 1e6, 1),
-                     "wall_ratio": round(statistics.median(wall_ratios), 4),
-                     "ratio": round(statistics.median(ratios), 4),
-                     "ratio_p25": round(_pct(ratios, .25), 4), "ratio_p75": round(_pct(ratios, .75), 4),
-                     "extra_us_per_iter": round((statistics.median(times[v]) - statistics.median(times["bare"]))
-                                                * 1e6, 1),
-                     "syncs_per_clean_iter": _syncs(setups[v], 10)}
+            entry = out["variants"][v]
+            entry["syncs_per_clean_iter"] = _syncs(setups[v], 10)
             setups[v].storm = True
             entry["syncs_per_storm_iter"] = _syncs(setups[v], 10)
             setups[v].storm = False
             if v != "bare":
                 entry.update(_answers(setups[v], 20))
-            out["variants"][v] = entry
         for v in VARIANTS:  # Accelerate updates the scaler inside every wrapped step: once per optimizer
             out["variants"][v]["updates_per_iter"] = _updates_per_iter(setups[v], 5)
         return out

@@ -6,9 +6,13 @@ import json
 import os
 from typing import Any, Optional
 
+from bench.gpu import report as gpu_report
+
 __all__ = ["render", "BEFORE_AFTER"]
 
 BEFORE_AFTER = os.path.join(os.path.dirname(__file__), "tail_before_after.json")  # written by hand-run bench.tail
+GPU_RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks-gpu.json")
+"""The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -250,5 +254,10 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
         lines += (_tail(res["tail"], before_after) if isinstance(res["tail"], list)
                   else [f"Failed: `{res['tail']['error']}`"])
         lines += [""]
+    gpu = None
+    if os.path.exists(GPU_RESULTS):
+        with open(GPU_RESULTS) as f:
+            gpu = json.load(f)
+    lines += gpu_report.section(gpu, "## 6. GPU")
     lines += ["## How it is measured", "", *res["notes"], ""]
     return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""Render a ``python -m bench.gpu`` result as the "GPU" section of docs/benchmarks.md (no torch needed)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["COMMAND", "section"]
+
+COMMAND = "PYTHONPATH=agent/src python -m bench.gpu --out-dir $OUT"
+"""The one command a session with a GPU runs from the repository root (``$OUT``: a folder that comes back)."""
+
+_NOT_RUN = [
+    "**Not yet run on a GPU.** Every figure above is from CPU, and the agent's CUDA path (fused optimizers' "
+    "`found_inf` and the scale copied without blocking into pinned memory with an event, inspection on the "
+    "device) has not been exercised. `python -m bench.gpu` checks it; it needs only torch and the agent's "
+    "source (no venv, no collector), takes under 5 minutes on one GPU and exits non-zero on any truth or "
+    "sync mismatch. From the repository root of a machine with a GPU:",
+    "",
+    f"    {COMMAND}",
+    "",
+    "then copy `$OUT/gpu.json` to `docs/benchmarks-gpu.json` and run `python -m bench --render "
+    "docs/benchmarks.json`, which rewrites this page with the GPU section filled in. What it checks: "
+    "truth against bit-level ground truth (three optimizers, real float16 overflow, injected inf/NaN, a "
+    "manual scale; asking `stepped()` every step, never asking, and a `torch.compile`d model; the "
+    "poisoned-step scenario and parameter names), zero extra syncs (fused loop under "
+    "`torch.cuda.set_sync_debug_mode(\"error\")`, foreach warnings counted, every stream/event/device "
+    "synchronisation traced), overhead on a host-bound and a device-bound model, an inspected skip over "
+    "10,000 tensors, and a 2-rank NCCL job when two GPUs are present. `make bench-gpu` runs the same; "
+    "`make bench-gpu ARGS=\"--device cpu --quick\"` is its CPU smoke run (part of `make test`), which "
+    "proves nothing about CUDA.",
+]
+
+
+def _environment(env: dict[str, Any]) -> str:
+    if env.get("device") == "cuda":
+        gpus = env.get("gpus", [])
+        names = ", ".join(f"{g['name']} ({g['memory_gib']} GiB, sm {g['capability']})" for g in gpus[:1])
+        count = f"{len(gpus)} x " if len(gpus) > 1 else ""
+        return (f"{count}{names}; driver {env.get('driver')}; torch {env['torch']}, CUDA {env['cuda']}, "
+                f"cuDNN {env.get('cudnn')}, NCCL {env.get('nccl')}; {env['cpu']}, {env['cores']} cores")
+    return f"CPU only: {env['cpu']}, {env['cores']} cores; torch {env['torch']}"
+
+
+def section(results: Optional[dict[str, Any]], heading: str = "## GPU") -> list[str]:
+    """Return the section's lines for ``results`` (the JSON ``python -m bench.gpu`` writes), or for None."""
+    if results is None:
+        return [heading, "", *_NOT_RUN, ""]
+    env = results["environment"]
+    counts: dict[str, int] = {}
+    for c in results["checks"]:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    lines = [heading, "",
+             f"`{results['command']}` on {env['date']}, {results['duration_s']:.0f} s"
+             f"{' (--quick)' if results['quick'] else ''}: {_environment(env)}. Checks: "
+             + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".", ""]
+    if env.get("device") != "cuda":
+        lines += ["**This run was on CPU: it exercises the script and the agent's CPU path and proves nothing "
+                  "about CUDA.**", ""]
+    lines += ["| section | check | result | detail |", "|---|---|---|---|"]
+    for c in results["checks"]:
+        detail = str(c["detail"]).replace("|", "\\|")
+        lines.append(f"| {c['section']} | {c['name']} | {c['status']} | {detail} |")
+    return lines + [""]
