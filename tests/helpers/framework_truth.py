@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Truth", "bits", "counts_at", "params_of", "rank_at", "same_bits", "watch_counts"]
+__all__ = ["Truth", "bits", "counts_at", "params_of", "rank_at", "reset_accelerate_state", "same_bits", "watch_counts"]
 
 INF = float("inf")
 
@@ -118,3 +118,15 @@ def counts_at(rank: dict[str, Any]) -> dict[str, Any]:
     return {"backoffs": rank["backoffs"], "growths": rank["growths"],
             "optimizers": {n: {k: c[k] for k in ("steps", "skipped", "scheduler_steps_after_skip")}
                            for n, c in rank["optimizers"].items()}}
+
+
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide state, so the next Accelerator (or HF Trainer) may differ in precision.
+
+    Accelerate keeps one state per process and refuses a second Accelerator with
+    other settings; its own tests reset it the same way between tests.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -59,9 +59,9 @@ class Unwatched(DisabledWatch):
         return f"<ampwatch Unwatched: {self.reason}>"
 
 
-def no_scaler(framework: str, precision: str, hint: str, *, say: bool) -> Unwatched:
+def no_scaler(framework: str, precision: Any, hint: str, *, say: bool) -> Unwatched:
     """Return the :class:`Unwatched` handle for a job without a GradScaler; log why when ``say`` (once, rank 0)."""
-    reason = f"{framework} trains without a GradScaler (precision {precision})"
+    reason = f"{framework} trains without a GradScaler (precision {precision!r})"
     if say:
         log.warning("ampwatch: %s, so there is nothing to watch and nothing is changed. Only float16 mixed "
                     "precision scales the loss: bf16 and float32 training never skips an optimizer step for "

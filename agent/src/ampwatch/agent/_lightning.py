@@ -42,7 +42,7 @@ class LightningWatch:
         self._detach()
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is None:
-            self.watch = no_scaler("this Trainer", repr(trainer.precision), _HINT,
+            self.watch = no_scaler("this Trainer", trainer.precision, _HINT,
                                    say=not self._said_no_scaler and trainer.is_global_zero)
             self._said_no_scaler = True
             return
