@@ -109,7 +109,8 @@ def _names_from_module(module: torch.nn.Module | None, optimizers: list[torch.op
             return None
         common = os.path.commonprefix([path.split(".")[:-1] for path in paths])
         prefixes.append(".".join(common)[:128])
-    if all(prefixes) and len(set(prefixes)) == len(prefixes):
+    # Distinct and readable: positions in an nn.Sequential ("0", "2") say less than the class names.
+    if all(p and not p.isdigit() for p in prefixes) and len(set(prefixes)) == len(prefixes):
         return prefixes
     return None
 
