@@ -1,10 +1,11 @@
 """ampwatch.agent.accelerate.watch in real Accelerate loops, checked against ground truth.
 
 On a GPU, ``Accelerator(mixed_precision="fp16")`` sets ``native_amp = True`` and makes a
-``torch.amp.GradScaler``; on CPU it makes none (fp16 becomes fp32). :func:`fp16_accelerator`
-does on CPU what Accelerate does on a GPU, with a real ``GradScaler("cpu")``: float16
-autocast in the prepared model, ``accelerator.backward`` scaling the loss, and every
-prepared optimizer stepping through ``scaler.step`` and ``scaler.update``.
+``torch.amp.GradScaler``; on CPU it makes none (fp16 becomes fp32). ``gpu_like_fp16``
+(tests/helpers/framework_truth.py) does on CPU what Accelerate does on a GPU, with a real
+``GradScaler("cpu")``: float16 autocast in the prepared model, ``accelerator.backward``
+scaling the loss, and every prepared optimizer stepping through ``scaler.step`` and
+``scaler.update``.
 Ground truth: parameter bit patterns and the scaler's own scale (tests/helpers/framework_truth.py).
 """
 
@@ -23,8 +24,8 @@ from accelerate import Accelerator  # noqa: E402
 
 from ampwatch.agent import accelerate as ampwatch  # noqa: E402
 from ampwatch.server._harness import CollectorProcess  # noqa: E402
-from framework_truth import (INF, Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
-                             same_bits, watch_counts)
+from framework_truth import (INF, Truth, bits, counts_at, gpu_like_fp16, params_of, rank_at,  # noqa: E402
+                             reset_accelerate_state, same_bits, watch_counts)
 
 ACCUMULATION = 2
 SYNC_STEPS = 12
@@ -56,10 +57,7 @@ def fresh_state(monkeypatch):
 def fp16_accelerator(**kwargs) -> Accelerator:
     """An Accelerator set up as Accelerate sets one up for fp16 on a GPU, with a real CPU GradScaler."""
     accelerator = Accelerator(mixed_precision="fp16", cpu=True, gradient_accumulation_steps=ACCUMULATION, **kwargs)
-    assert accelerator.scaler is None  # Accelerate makes none on CPU ...
-    accelerator.native_amp = True      # ... and does exactly this on a GPU (Accelerator.__init__)
-    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    return accelerator
+    return gpu_like_fp16(accelerator, init_scale=1024.0, growth_interval=3)
 
 
 def job(accelerator: Accelerator):

@@ -1,11 +1,11 @@
 """ampwatch.agent.transformers.AmpWatchCallback in real Hugging Face Trainer runs, checked against ground truth.
 
 The Trainer leaves mixed precision to Accelerate, which makes a GradScaler only for
-fp16 on a GPU. :class:`CpuFp16Trainer` does on CPU what Accelerate does there
-(``native_amp = True`` and a ``torch.amp.GradScaler``, here a real ``GradScaler("cpu")``):
-float16 autocast, the loss scaled in ``backward``, gradients unscaled for clipping, and
-the optimizer stepped through ``scaler.step`` and ``scaler.update``. No model download:
-a tiny local model and an in-memory dataset.
+fp16 on a GPU. ``CpuFp16Trainer`` (tests/helpers/hf_job.py) does on CPU what Accelerate
+does there (``native_amp = True`` and a ``torch.amp.GradScaler``, here a real
+``GradScaler("cpu")``): float16 autocast, the loss scaled in ``backward``, gradients
+unscaled for clipping, the optimizer stepped through ``scaler.step`` and ``scaler.update``.
+No model download: a tiny local model and an in-memory dataset.
 """
 
 from __future__ import annotations
@@ -21,49 +21,13 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from ampwatch.agent.transformers import AmpWatchCallback  # noqa: E402
 from ampwatch.server._harness import CollectorProcess  # noqa: E402
-from framework_truth import (INF, Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
+from framework_truth import (Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
                              same_bits, watch_counts)
+from hf_job import CpuFp16Trainer, Examples, Tiny  # noqa: E402
 
 EXAMPLES = 48
 BATCH, ACCUMULATION = 2, 2  # 12 optimizer steps per epoch
 POISONED = (9, 22, 23, 41)  # examples holding an inf: updates 2, 5 and 10 skip
-
-
-class Tiny(torch.nn.Module):
-    """A regression model in the Trainer's calling convention (keyword inputs, a dict with the loss)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Linear(8, 8)
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        out = self.head(torch.relu(self.body(x))).float().squeeze(-1)
-        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
-
-
-class Examples(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(EXAMPLES, 8, generator=generator)
-        self.y = torch.randn(EXAMPLES, generator=generator)
-        self.x[list(POISONED), 0] = INF
-
-    def __len__(self) -> int:
-        return EXAMPLES
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class CpuFp16Trainer(Trainer):
-    """The Trainer with the Accelerator set up as Accelerate sets it up for fp16 on a GPU."""
-
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        assert self.accelerator.scaler is None  # Accelerate makes none on CPU ...
-        self.accelerator.native_amp = True     # ... and does exactly this on a GPU (Accelerator.__init__)
-        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
 
 
 class TruthCallback(TrainerCallback):
@@ -108,7 +72,7 @@ def train(tmp_path, callbacks, *, trainer_class=CpuFp16Trainer, resume=None, **s
                 optim="adamw_torch_fused", train_sampling_strategy="sequential", report_to="none",
                 logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0)
     args.update(settings)
-    trainer = trainer_class(model=Tiny(), args=TrainingArguments(**args), train_dataset=Examples(),
+    trainer = trainer_class(model=Tiny(), args=TrainingArguments(**args), train_dataset=Examples(EXAMPLES, POISONED),
                             callbacks=[truth, *callbacks])
     trainer.train(resume_from_checkpoint=resume)
     return trainer, truth.truth

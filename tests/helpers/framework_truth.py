@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Truth", "bits", "counts_at", "params_of", "rank_at", "reset_accelerate_state", "same_bits", "watch_counts"]
+__all__ = ["Truth", "bits", "counts_at", "gpu_like_fp16", "params_of", "rank_at", "reset_accelerate_state",
+           "same_bits", "watch_counts"]
 
 INF = float("inf")
 
@@ -130,3 +131,18 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def gpu_like_fp16(accelerator: Any, **scaler_kwargs: Any) -> Any:
+    """Give ``accelerator`` what ``Accelerator(mixed_precision="fp16")`` gets on a GPU, with a real CPU GradScaler.
+
+    On a GPU, ``Accelerator.__init__`` sets ``native_amp = True`` and makes a
+    ``torch.amp.GradScaler``; on CPU it makes none (fp16 runs as fp32). With these
+    two attributes set, float16 autocast wraps the prepared model, ``backward``
+    scales the loss, ``clip_grad_norm_`` unscales, and every prepared optimizer
+    steps through ``scaler.step`` and ``scaler.update``: the GPU code path, on CPU.
+    """
+    assert accelerator.scaler is None and accelerator.mixed_precision == "fp16"
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+    return accelerator
