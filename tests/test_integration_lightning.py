@@ -12,6 +12,7 @@ import csv
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import urllib.request
@@ -141,6 +142,17 @@ def test_an_exception_in_the_fit_detaches_the_agent_and_goes_on(agent_env):
     assert unpatched(run.precision_plugin.scaler, run.optimizers)
     counters = callback.watch.snapshot()["state"]["optimizers"]["a"]
     assert (counters["steps"], counters["skipped"]) == (1, 1)  # batch 0 stepped, batch 1 was poisoned
+
+
+def test_the_callback_pickles_without_its_watch_and_fits_again(agent_env):
+    callback = AmpWatchCallback(names=["encoder", "head"])
+    fit(callbacks=[callback], plugins=fp16(), max_epochs=1)
+    first = callback.watch
+    copy = pickle.loads(pickle.dumps(callback))  # as ddp_spawn sends a Trainer's callbacks to its workers
+    assert copy.watch is None and copy.names == ["encoder", "head"]
+    module, _ = fit(callbacks=[callback], plugins=fp16(), max_epochs=1)  # the same callback, a second fit
+    assert first.closed and callback.watch is not first and callback.watch.closed
+    assert watch_counts(callback.watch.snapshot())["optimizers"]["encoder"]["skipped"] == module.truth.skipped["a"]
 
 
 def test_optimizers_are_named_as_asked_and_a_wrong_count_says_what_to_do(agent_env):
