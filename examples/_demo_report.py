@@ -9,15 +9,17 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 __all__ = ["CollectorView", "scale_text"]
 
 
-def scale_text(scale: Optional[float]) -> str:
+def scale_text(scale: Union[float, str, None]) -> str:
     """Render a loss scale: powers of two as ``2^k`` (as the status page does), else ``%g``."""
     if scale is None:
         return "-"
+    if isinstance(scale, str):  # the query API writes NaN and infinities as "NaN", "Infinity", "-Infinity"
+        return scale
     exponent = math.log2(scale) if scale > 0 else None
     return f"2^{int(exponent)}" if exponent is not None and exponent.is_integer() else f"{scale:g}"
 

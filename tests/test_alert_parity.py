@@ -2,10 +2,11 @@
 
 Both read the same thresholds (shortened to seconds): Prometheus gets the rules
 ``render_rules`` generates from them, the collector gets them as its
-``--alert-thresholds`` file. Eight runs, each scripted to trip one alert (or
+``--alert-thresholds`` file. Ten runs, each scripted to trip one alert (or
 none), stream protocol v1 batches into one real collector for about 20 s; then
 the alerts that fired (name, run, rank, optimizer, severity) must be the same on
-both sides, and equal to what each run was scripted to trip.
+both sides, and equal to what each run was scripted to trip. Edge cases ride
+along: a skip ratio exactly at its threshold, loss scales of NaN and 0.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ from webhook_receiver import free_port
 from ampwatch.dashboards.rules import render_rules
 from ampwatch.dashboards.thresholds import AlertThresholds
 from ampwatch.server._alert_thresholds import thresholds_json
+from ampwatch.server._floats import wire_float
 from ampwatch.server._harness import CollectorProcess, make_batch, optimizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
+# skip_ratio is exactly p-ratio's share of skipped steps (every other one): both evaluators must fire at the
+# boundary, as the rule's >= says. Its skipped and stepped counters rise alike, so Prometheus's increase()
+# gives equal values whatever it extrapolates, and x / (x + x) is exactly 0.5 in floating point.
 THRESHOLDS = AlertThresholds(
     calibration_iterations=0, skip_streak_warning=4, skip_streak_critical=16, skip_streak_window_s=6,
     backoff_window_s=6, backoff_min_count=3, backoff_for_s=1, collapsed_for_s=1, desync_for_s=2,
-    skip_ratio=0.3, skip_ratio_window_s=10, skip_ratio_for_s=1, skip_ratio_min_steps=20,
+    skip_ratio=0.5, skip_ratio_window_s=10, skip_ratio_for_s=1, skip_ratio_min_steps=20,
     silent_after_s=4, silent_for_s=1, scheduler_window_s=6, poisoned_window_s=6,
 )
 BATCHES = 40  # one every 0.5 s per rank
@@ -45,6 +50,9 @@ EXPECTED = {
     ("AmpHighSkippedStepRatio", "p-ratio", "0", "gen", "warning"),
     ("AmpSustainedLossScaleBackoff", "p-ratio", "", "", "warning"),
     ("AmpLossScaleCollapsed", "p-collapse", "0", "", "critical"),
+    ("AmpLossScaleCollapsed", "p-nan", "0", "", "critical"),
+    ("AmpLossScaleCollapsed", "p-zero", "1", "", "critical"),
+    ("AmpLossScaleDesync", "p-zero", "", "", "warning"),
     ("AmpLossScaleDesync", "p-desync", "", "", "warning"),
     ("AmpSchedulerStepsOnSkipped", "p-sched", "0", "gen", "warning"),
     ("AmpPoisonedStep", "p-poison", "0", "gen", "critical"),
@@ -93,7 +101,7 @@ class ScriptedRank:
         self.seq += 1
         return make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
                           seq=self.seq, incarnation=f"parity-{self.run}-{self.rank}", sent_at=time.time(),
-                          iteration=self.iteration, loss_scale=self.scale, backoffs=self.backoffs,
+                          iteration=self.iteration, loss_scale=wire_float(self.scale), backoffs=self.backoffs,
                           optimizers={k: dict(v, streaks_reached=dict(v["streaks_reached"]))
                                       for k, v in self.opts.items()})
 
@@ -114,6 +122,10 @@ def _stream(url: str) -> None:
         "p-ratio": [ScriptedRank("p-ratio", 0, 1, scale=2.0 ** 64)],
         # Joined late with its scale already collapsed (its backoffs happened before the collector saw it).
         "p-collapse": [ScriptedRank("p-collapse", 0, 1, scale=0.5, iteration=500)],
+        # Scales a float32 GradScaler can reach: NaN (sent as the protocol's "NaN" string), and 0.0 after
+        # ~166 backoffs in a row, beside a healthy rank (max / min is +Inf: out of sync too).
+        "p-nan": [ScriptedRank("p-nan", 0, 1, scale=float("nan"), iteration=500)],
+        "p-zero": [ScriptedRank("p-zero", 0, 2, iteration=500), ScriptedRank("p-zero", 1, 2, scale=0.0, iteration=500)],
         "p-desync": [ScriptedRank("p-desync", 0, 2), ScriptedRank("p-desync", 1, 2, scale=2.0 ** 14)],
         "p-sched": [ScriptedRank("p-sched", 0, 1)],
         "p-poison": [ScriptedRank("p-poison", 0, 1)],
@@ -122,11 +134,11 @@ def _stream(url: str) -> None:
     for batch in range(BATCHES):
         started = time.monotonic()
         trouble = batch in TROUBLE
-        for rank in ranks["p-clean"] + ranks["p-desync"] + ranks["p-collapse"]:
+        for rank in ranks["p-clean"] + ranks["p-desync"] + ranks["p-collapse"] + ranks["p-nan"] + ranks["p-zero"]:
             _post(url, rank.step())
         for rank in ranks["p-streak"]:  # 6 skips in a row: a streak over the warning threshold (4), 6 backoffs
             _post(url, rank.step(iter([trouble] * ITERATIONS_PER_BATCH)))
-        # Every other iteration skips: half the steps (over skip_ratio 0.3), never two in a row.
+        # Every other iteration skips: half the steps (exactly skip_ratio), never two in a row.
         _post(url, ranks["p-ratio"][0].step(iter([True, False])))
         first = batch == TROUBLE.start
         _post(url, ranks["p-sched"][0].step(iter([first]), scheduler_steps_after_skip=int(first)))

@@ -67,3 +67,48 @@ def test_batches_from_the_real_agent_validate_against_the_collector_schema():
     assert last.state.optimizers["first"].skipped == 2 and last.state.optimizers["second"].skipped == 2
     assert last.state.optimizers["first"].streaks_reached.get("2") == 1
     assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+
+
+def _max_length(model: type, field: str) -> int:
+    """The ``max_length`` the collector's schema puts on ``model.field``."""
+    return next(m.max_length for m in model.model_fields[field].metadata if hasattr(m, "max_length"))
+
+
+def test_the_agents_limits_are_the_collectors_schema_limits_and_default_options():
+    # The agent cannot import the server (no web stack in a training image): its copy is checked here.
+    from ampwatch.agent import _limits
+    from ampwatch.server import ServerConfig, _schema
+    from ampwatch.server._schema import (AgentInfo, Batch, ParamDetail, PoisonedStepEvent, ScalerInfo,
+                                         SchedulerAfterSkipEvent, SkipEvent, WarningEvent)
+
+    assert _limits.TEXT_LIMITS == {
+        "label": _max_length(Batch, "run"),
+        "param_name": _max_length(ParamDetail, "name"),
+        "scheduler": _max_length(SchedulerAfterSkipEvent, "scheduler"),
+        "warning_code": _max_length(WarningEvent, "code"),
+        "warning_message": _max_length(WarningEvent, "message"),
+        "host": _max_length(Batch, "host"),
+        "version": _max_length(AgentInfo, "version"),
+        "scaler_kind": _max_length(ScalerInfo, "kind"),
+    }
+    assert _limits.TEXT_LIMITS["version"] == _max_length(AgentInfo, "torch")
+    assert _limits.MAX_PARAMS == _schema.MAX_PARAMS == _max_length(SkipEvent, "params") \
+        == _max_length(PoisonedStepEvent, "params")
+    assert _limits.MAX_BATCH_EVENTS == _schema.MAX_EVENTS
+    defaults = ServerConfig()
+    assert _limits.COLLECTOR_DEFAULTS == {name: getattr(defaults, name) for name in _limits.COLLECTOR_DEFAULTS}
+    assert defaults.max_label_length == _limits.TEXT_LIMITS["label"]
+
+
+def test_non_finite_scales_from_the_agents_encoder_validate_as_what_they_are():
+    import math
+
+    from ampwatch.agent._batch import encode_batch
+    from ampwatch.server._harness import make_batch
+
+    batch = make_batch(loss_scale=math.nan, events=[{"id": 1, "kind": "scale_change", "time": 1.0, "iteration": 0,
+                                                     "cause": "restored", "before": math.inf, "after": 0.0}])
+    batch["scaler"]["growth_factor"] = math.inf
+    parsed = parse_batch(encode_batch(batch))
+    assert math.isnan(parsed.state.loss_scale) and parsed.scaler.growth_factor == math.inf
+    assert (parsed.events[0].cause, parsed.events[0].before, parsed.events[0].after) == ("restored", math.inf, 0.0)

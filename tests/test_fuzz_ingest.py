@@ -215,7 +215,8 @@ def _applied_exactly(client: TestClient, batch: dict) -> dict:
 def _exposed(client: TestClient, run: str) -> dict:
     """Parse the exposition's lines of ``run`` (found by its escaped label; the parser then decodes them)."""
     needle = 'run="' + run.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') + '"'
-    return samples("\n".join(line for line in client.get("/metrics").text.splitlines() if needle in line))
+    # Lines end at "\n" only: a label value may hold "\r" or "\u2028", which str.splitlines() would break at.
+    return samples("\n".join(line for line in client.get("/metrics").text.split("\n") if needle in line))
 
 
 def _quote(text: str) -> str:

@@ -118,7 +118,8 @@ def test_a_client_over_the_rate_limit_gets_429_with_retry_after_and_other_client
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
         assert "--rate-limit" in refused.json()["message"]
         refused_ingest = flooder.post("/v1/ingest", json=make_batch())
-        assert refused_ingest.status_code == 429  # the agent retries 429 with backoff: nothing lost
+        assert refused_ingest.status_code == 429  # back-pressure: the agent retries with backoff, nothing lost
+        assert refused_ingest.json()["retry"] is True
 
         async def from_elsewhere() -> int:
             transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 40000))

@@ -11,6 +11,7 @@ from recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
 from ampwatch.agent._config import AgentConfig
+from ampwatch.agent._sender import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,6 +79,61 @@ def test_a_retried_batch_repeats_its_incarnation_seq_and_body(collector, senders
     assert collector.acked[0] == first_seq[0]
     assert collector.acked[1]["seq"] == 2
     assert collector.acked[1]["state"]["delivery"]["send_failures"] >= 2
+
+
+@pytest.mark.parametrize("status", [429, 408])
+def test_a_batch_answered_429_or_408_is_sent_again_unchanged_and_nothing_is_dropped(collector, senders, status):
+    # Back-pressure and a request timeout: the same batch passes later, so the agent keeps it (an older
+    # collector, or a proxy, answers without the collector's "retry" verdict: the status alone decides).
+    collector.status = status
+    sender, recorder = make_sender(collector.url)
+    senders.append(sender)
+    for _ in range(3):
+        recorder.skip()
+    assert collector.wait_for(lambda s: len(s.received) >= 3)
+    collector.status = 200
+    assert collector.wait_for(lambda s: len(s.acked) >= 1)
+    sender.close(5)
+
+    first = [b for b in collector.received if b["seq"] == 1]
+    assert len(first) >= 3 and all(b == first[0] for b in first), "the refused batch was not resent unchanged"
+    assert collector.acked[0] == first[0]
+    assert collector.event_ids() == [1, 2, 3]
+    assert sender.rejected_batches == 0 and sender.send_failures >= 2
+    assert collector.acked[-1]["state"]["delivery"]["rejected_batches"] == 0
+
+
+def test_the_collectors_retry_verdict_and_retry_after_are_followed_and_its_reason_logged_once(collector, senders,
+                                                                                                caplog):
+    reason = "this collector already holds 1000 runs (--max-runs 1000); retry later, when finished runs retire"
+    collector.status, collector.retry_after = 429, "2"
+    collector.reply = {"error": "cardinality", "retry": True, "message": reason}
+    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
+        sender, recorder = make_sender(collector.url, max_backoff=10.0)
+        senders.append(sender)
+        recorder.skip()
+        assert collector.wait_for(lambda s: len(s.received) >= 1)
+        time.sleep(1.5)
+        # Without Retry-After the backoff (0.05, 0.1, 0.2, 0.4, 0.8 s) would have made ~5 attempts by now;
+        # a slow machine only makes fewer.
+        assert len(collector.received) <= 2
+        collector.status = 200
+        sender.wake()
+        assert collector.wait_for(lambda s: s.event_ids() == [1], timeout=15)
+    assert sender.rejected_batches == 0
+    assert caplog.text.count(reason) == 1, caplog.text
+    assert "AMPWATCH_URL" not in caplog.text  # the collector answered: no guessing about the address
+
+    # The same status with "retry": false is a refusal for good: dropped and counted, never resent.
+    collector.status, collector.retry_after = 429, None
+    collector.reply = {"error": "cardinality", "retry": False, "message": "refused for good"}
+    start = len(collector.received)
+    recorder.skip()
+    sender.wake()
+    assert collector.wait_for(lambda s: len(s.received) >= start + 3)
+    seqs = [b["seq"] for b in collector.received[start:]]
+    assert sorted(seqs) == sorted(set(seqs)), "a batch refused for good was sent again"
+    assert sender.rejected_batches >= 1
 
 
 def test_retries_back_off_exponentially_up_to_the_cap(collector, senders):
@@ -180,6 +236,23 @@ def test_more_events_than_one_batch_holds_go_out_in_several_batches(collector, s
     assert max(len(b["events"]) for b in collector.acked) == MAX_BATCH_EVENTS
     assert collector.event_ids() == list(range(1, total + 1))
     assert collector.acked[-1]["closed"] is True
+
+
+def test_a_batch_over_a_default_collectors_body_limit_is_split_and_every_event_arrives(collector, senders):
+    # 1,200 inspected skips naming 16 parameters of 512 characters: ~10 MiB of JSON, over the 8 MiB a
+    # collector accepts by default (413, refused for good). The sender splits the events over two batches.
+    sender, recorder = make_sender(collector.url, push_interval=30.0)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    params = [{"name": f"{i}." + "n" * 508, "inf": 1, "nan": 0} for i in range(16)]
+    for i in range(1200):
+        recorder.events.append({"kind": "skip", "iteration": i, "optimizer": "opt", "streak": 1, "params": params,
+                                "params_total": 16, "inspected": True})
+    sender.close(20)
+    sizes = [int(h["Content-Length"]) for h in collector.headers]
+    assert max(sizes) <= MAX_BODY_BYTES and sum(sizes) > MAX_BODY_BYTES
+    assert collector.event_ids() == list(range(1, 1201))
+    assert sender.rejected_batches == 0 and collector.acked[-1]["closed"] is True
 
 
 def test_a_failing_snapshot_is_counted_as_an_agent_error_not_raised(collector, senders):

@@ -202,6 +202,43 @@ def test_collapsed_scale_fires_only_after_lasting_its_for_duration():
     assert names(r.send(T.collapsed_for_s + 1.0)) == [("AmpLossScaleCollapsed", "resolved", "critical")]
 
 
+@pytest.mark.parametrize("scale", [0.0, 2.0 ** -149, -1.0, float("nan"), float("inf")],
+                         ids=["zero", "float32-subnormal", "negative", "nan", "inf"])
+def test_a_scale_of_zero_subnormal_negative_nan_or_infinity_collapses(scale):
+    # The float32 scale reaches 0.0 after ~166 backoffs in a row from 2**16; at 0, NaN or +Inf every step skips.
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=scale)
+    r.iterate()
+    assert r.send(0.0) == []
+    fired = r.send(float(T.collapsed_for_s))
+    assert names(fired) == [("AmpLossScaleCollapsed", "firing", "critical")]
+    assert fired[0].value == scale or scale != scale and fired[0].value != fired[0].value
+    assert fired[0].to_json()["value"] == {"nan": "NaN", "inf": "Infinity"}.get(repr(scale), scale)
+
+
+@pytest.mark.parametrize("scale", [1.0, 65536.0, 2.0 ** 127])
+def test_a_finite_scale_of_at_least_one_never_collapses(scale):
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=scale)
+    r.iterate()
+    assert r.send(0.0) == [] and r.send(float(T.collapsed_for_s) + 1) == []
+
+
+def test_a_rank_at_zero_beside_a_healthy_one_is_out_of_sync_but_ranks_all_at_zero_or_nan_agree():
+    # As PromQL: max / min with min 0 is +Inf; 0 / 0 and NaN / NaN are NaN, which is not >= the ratio.
+    for scales, expected in (((65536.0, 0.0), float("inf")), ((0.0, 0.0), None),
+                             ((float("nan"), float("nan")), None), ((float("inf"), 65536.0), float("inf")),
+                             ((float("nan"), 1024.0, 256.0), 4.0)):
+        alerts = BuiltinAlerts(T)
+        ranks = [FakeRank(alerts, rank=i, scale=scale) for i, scale in enumerate(scales)]
+        fired = []
+        for second in (0.0, float(T.desync_for_s)):
+            for r in ranks:
+                r.send(second)
+            fired += alerts.evaluate(second)
+        assert [a.value for a in fired if a.name == "AmpLossScaleDesync"] == ([expected] if expected else []), scales
+
+
 def test_a_single_ranks_transient_scale_blip_does_not_fire_desync_but_a_lasting_one_does():
     alerts = BuiltinAlerts(T)
     a, b = FakeRank(alerts, rank=0), FakeRank(alerts, rank=1)
@@ -234,6 +271,20 @@ def test_a_high_skipped_step_ratio_fires_but_not_below_the_minimum_number_of_ste
     fired = r.send(2 * T.skip_ratio_for_s + 3.0)
     assert names(fired) == [("AmpHighSkippedStepRatio", "firing", "warning")]
     assert fired[0].value == pytest.approx(r.skipped / (r.skipped + r.steps))
+
+
+def test_a_skipped_step_ratio_exactly_at_the_threshold_fires_as_the_rules_greater_or_equal_does():
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts, scale=2.0 ** 100)
+    r.send(-1.0)
+    calls, every = T.skip_ratio_min_steps, round(1 / T.skip_ratio)
+    for i in range(calls):
+        r.iterate(skipped=i % every == 0)  # one call in ten skips: exactly the threshold
+    assert r.skipped / calls == T.skip_ratio
+    assert r.send(0.0) == []  # pending
+    fired = r.send(T.skip_ratio_for_s + 1.0)
+    assert names(fired) == [("AmpHighSkippedStepRatio", "firing", "warning")]
+    assert fired[0].value == T.skip_ratio
 
 
 def test_a_silent_rank_fires_after_silence_plus_for_and_resolves_when_it_reports_again():

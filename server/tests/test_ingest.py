@@ -86,6 +86,9 @@ def test_schema_errors_get_422_naming_the_field(client):
     unknown = make_batch(events=[{"id": 1, "kind": "teleport", "time": 1.0, "iteration": 0}])
     assert client.post("/v1/ingest", json=unknown).status_code == 422
     assert client.post("/v1/ingest", json=make_batch(rank=2, world_size=2)).status_code == 422
+    # true and 1.0 are not integers (a lax reading would apply them as rank 1, seq 1).
+    assert client.post("/v1/ingest", json=make_batch(rank=True)).status_code == 422
+    assert client.post("/v1/ingest", json=make_batch(seq=1.0)).status_code == 422
     assert client.get("/v1/runs").json()["runs"] == []
 
 
@@ -108,18 +111,26 @@ def test_a_body_over_the_limit_gets_413(config_for):
         assert client.get("/v1/runs").json()["runs"] == []
 
 
-def test_cardinality_limits_refuse_with_429_or_422_and_count_the_rejection(config_for):
+def test_cardinality_limits_tell_back_pressure_429_from_permanent_422_and_count_the_rejection(config_for):
     with TestClient(create_app(config_for(max_runs=1, max_ranks_per_run=1, max_optimizers_per_rank=2,
                                           max_label_length=16))) as client:
         assert client.post("/v1/ingest", json=make_batch()).status_code == 200
+        # Back-pressure: a new run may get in once finished runs retire; the agent keeps the batch and retries.
         other_run = client.post("/v1/ingest", json=make_batch(run="exp-43"))
-        assert other_run.status_code == 429 and "--max-runs" in other_run.json()["message"]
+        assert other_run.status_code == 429 and int(other_run.headers["retry-after"]) >= 1
+        assert other_run.json()["retry"] is True and "--max-runs" in other_run.json()["message"]
+        # Permanent: resending the same rank's batches can never pass; the agent drops and counts them.
         other_rank = client.post("/v1/ingest", json=make_batch(rank=1))
-        assert other_rank.status_code == 429 and "--max-ranks-per-run" in other_rank.json()["message"]
-        many = make_batch(seq=2, optimizers={n: optimizer() for n in ("a", "b", "c")})
-        assert client.post("/v1/ingest", json=many).status_code == 429
-        long_name = make_batch(seq=2, optimizers={"x" * 17: optimizer()})
-        assert client.post("/v1/ingest", json=long_name).status_code == 422
+        assert other_rank.status_code == 422 and other_rank.json()["retry"] is False
+        assert "--max-ranks-per-run" in other_rank.json()["message"] and "retry-after" not in other_rank.headers
+        many = client.post("/v1/ingest", json=make_batch(seq=2, optimizers={n: optimizer() for n in ("a", "b", "c")}))
+        assert many.status_code == 422 and many.json()["retry"] is False
+        assert "--max-optimizers-per-rank 2" in many.json()["message"]
+        long_name = client.post("/v1/ingest", json=make_batch(seq=2, optimizers={"x" * 17: optimizer()}))
+        assert long_name.status_code == 422 and long_name.json()["retry"] is False
+        schema = client.post("/v1/ingest", json=make_batch(seq=2, world_size=0))
+        assert schema.status_code == 422 and schema.json()["retry"] is False and schema.json()["error"] == "schema"
         text = client.get("/metrics").text
         assert value(text, "ampwatch_collector_rejected_batches_total", reason="cardinality") == 4
-        assert value(text, "ampwatch_collector_ingest_requests_total", code="429") == 3
+        assert value(text, "ampwatch_collector_ingest_requests_total", code="429") == 1
+        assert value(text, "ampwatch_collector_ingest_requests_total", code="422") == 4

@@ -28,6 +28,8 @@ class RecordingCollector(LoopbackServer):
 
     ``received`` holds every decoded body in arrival order, retries included;
     ``acked`` only those answered 2xx. Change ``status``/``delay`` at any time;
+    ``reply`` (a JSON object) and ``retry_after`` (a header value) make a non-2xx
+    answer look like the real collector's, with its ``retry`` verdict and message.
     :meth:`stop` and :meth:`start` make it go down and come back on the same port.
     """
 
@@ -35,6 +37,8 @@ class RecordingCollector(LoopbackServer):
         super().__init__(port)
         self.status = 200
         self.delay = 0.0
+        self.reply: dict[str, Any] | None = None
+        self.retry_after: str | None = None
         self.received: list[dict[str, Any]] = []
         self.acked: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
@@ -94,7 +98,7 @@ def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequest
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's naming
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            status, delay = server.status, server.delay
+            status, delay, reply, retry_after = server.status, server.delay, server.reply, server.retry_after
             if delay:
                 time.sleep(delay)
             batch = json.loads(body)
@@ -106,11 +110,14 @@ def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequest
                 server.changed.notify_all()
             if self.path != "/v1/ingest":
                 status = 404
-            answer = json.dumps({"applied": 200 <= status < 300}).encode()
+            ok = 200 <= status < 300
+            answer = json.dumps({"applied": ok} if ok or reply is None else reply).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(answer)))
+                if retry_after is not None and not ok:
+                    self.send_header("Retry-After", retry_after)
                 self.end_headers()
                 self.wfile.write(answer)
             except OSError:  # the client gave up waiting

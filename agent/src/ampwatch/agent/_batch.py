@@ -1,4 +1,4 @@
-"""Build and encode one protocol-v1 batch (docs/protocol.md)."""
+"""Build and encode one protocol-v1 batch (docs/protocol.md), within every limit the protocol sets."""
 
 from __future__ import annotations
 
@@ -8,21 +8,27 @@ import time
 from typing import Any, Mapping
 
 from ._identity import Identity
+from ._limits import MAX_BATCH_EVENTS, MAX_PARAMS, TEXT_LIMITS, cut
 
-__all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_batch", "encode_batch"]
+__all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_batch", "encode_batch", "fit_event"]
 
 PROTOCOL_VERSION = 1
-MAX_BATCH_EVENTS = 10_000
-"""The protocol's cap on events per batch."""
 DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
 """Keys of ``state.delivery``, the agent's own health counters."""
 
 
 def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], delivery: Mapping[str, int],
                 events: list[dict[str, Any]], closed: bool = False) -> dict[str, Any]:
-    """Return the batch for ``seq``: identity, ``snapshot()`` with delivery counters, and events."""
+    """Return the batch for ``seq``: identity, ``snapshot()`` with delivery counters, and events.
+
+    Strings are cut to the protocol's limits here (ending in ``…``), so the collector
+    never refuses a batch for a long name; the cost is a length check per string.
+    """
     state = dict(snapshot.get("state") or {})
     state["delivery"] = {key: int(delivery.get(key, 0)) for key in DELIVERY_COUNTERS}
+    scaler = dict(snapshot.get("scaler") or {})
+    if isinstance(scaler.get("kind"), str):
+        scaler["kind"] = cut(scaler["kind"], TEXT_LIMITS["scaler_kind"])
     return {
         "protocol": PROTOCOL_VERSION,
         "agent": _agent_versions(),
@@ -30,35 +36,64 @@ def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], de
         "rank": identity.rank,
         "world_size": identity.world_size,
         "local_rank": identity.local_rank,
-        "host": identity.host,
+        "host": cut(identity.host, TEXT_LIMITS["host"]),
         "pid": identity.pid,
         "incarnation": identity.incarnation,
         "seq": seq,
         "sent_at": time.time(),
-        "scaler": dict(snapshot.get("scaler") or {}),
+        "scaler": scaler,
         "state": state,
-        "events": events,
+        "events": [fit_event(event) for event in events],
         "closed": closed,
     }
 
 
+def fit_event(event: dict[str, Any]) -> dict[str, Any]:
+    """Return ``event`` within the protocol's limits: a copy with long strings cut, or ``event`` itself."""
+    kind = event.get("kind")
+    if kind in ("skip", "poisoned_step"):
+        params = event.get("params") or []
+        limit = TEXT_LIMITS["param_name"]
+        if len(params) > MAX_PARAMS or any(len(str(p.get("name", ""))) > limit for p in params):
+            fitted = dict(event, params=[dict(p, name=cut(str(p.get("name", "")), limit)) for p in params[:MAX_PARAMS]])
+            if fitted.get("params_total") is None and len(params) > MAX_PARAMS:
+                fitted["params_total"] = len(params)
+            return fitted
+    elif kind == "scheduler_after_skip":
+        return _cut_fields(event, scheduler=TEXT_LIMITS["scheduler"])
+    elif kind == "warning":
+        return _cut_fields(event, code=TEXT_LIMITS["warning_code"], message=TEXT_LIMITS["warning_message"])
+    return event
+
+
+def _cut_fields(event: dict[str, Any], **limits: int) -> dict[str, Any]:
+    """Return ``event``, or a copy with each named string field cut to its limit."""
+    long = {k: cut(event[k], n) for k, n in limits.items() if isinstance(event.get(k), str) and len(event[k]) > n}
+    return dict(event, **long) if long else event
+
+
+NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+"""How the protocol writes infinities (NaN is "NaN"): JSON has no such numbers."""
+
+
 def encode_batch(batch: Mapping[str, Any]) -> bytes:
-    """Encode ``batch`` as compact UTF-8 JSON; non-finite floats become ``null`` (JSON has no inf/NaN).
+    """Encode ``batch`` as compact UTF-8 JSON; NaN and infinities become "NaN", "Infinity", "-Infinity".
 
-    Values JSON cannot represent (a stray tensor, a path) are sent as their ``str``
-    rather than failing the whole batch.
+    A scale of NaN or +Inf is what a broken scaler holds and must reach the collector as
+    such (docs/protocol.md). Values JSON cannot represent (a stray tensor, a path) are
+    sent as their ``str`` rather than failing the whole batch.
     """
-    return json.dumps(_finite(batch), separators=(",", ":"), allow_nan=False, default=str).encode()
+    return json.dumps(_jsonable(batch), separators=(",", ":"), allow_nan=False, default=str).encode()
 
 
-def _finite(value: Any) -> Any:
-    """Return ``value`` with every non-finite float replaced by ``None``."""
+def _jsonable(value: Any) -> Any:
+    """Return ``value`` with every non-finite float replaced by the protocol's string for it."""
     if isinstance(value, float):
-        return value if math.isfinite(value) else None
+        return value if math.isfinite(value) else NONFINITE.get(value, "NaN")
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [_jsonable(v) for v in value]
     return value
 
 
@@ -79,5 +114,5 @@ def _agent_versions() -> dict[str, str]:
             torch_version = str(torch.__version__)
         except ImportError:  # pragma: no cover - the agent depends on torch
             torch_version = "unknown"
-        _VERSIONS = {"version": agent, "torch": torch_version}
+        _VERSIONS = {"version": cut(agent, TEXT_LIMITS["version"]), "torch": cut(torch_version, TEXT_LIMITS["version"])}
     return dict(_VERSIONS)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import http.client
+import json
 import urllib.parse
 
-__all__ = ["Outcome", "IngestClient", "classify"]
+__all__ = ["Answer", "Outcome", "IngestClient", "classify"]
 
 INGEST_PATH = "/v1/ingest"
 
@@ -15,17 +17,63 @@ class Outcome(enum.Enum):
     """What the sender does with a batch after one attempt."""
 
     ACKED = "acked"        # 2xx: durable at the collector; forget it
-    RETRY = "retry"        # no answer, 5xx, 408, 429: send the very same batch again later
-    REJECTED = "rejected"  # any other answer: sending it again cannot help; drop and count
+    RETRY = "retry"        # no answer, 5xx, 408, 429, or "retry": true: send the very same batch again later
+    REJECTED = "rejected"  # refused for good ("retry": false, or another 4xx): drop and count
 
 
-def classify(status: int | None) -> Outcome:
-    """Map an HTTP status (``None``: no answer) to what the sender does next."""
+def classify(status: int | None, retry: bool | None = None) -> Outcome:
+    """Map an HTTP status (``None``: no answer) and the collector's ``"retry"`` verdict to what to do next.
+
+    A collector's error body says ``"retry": true`` (back-pressure: the same batch may pass
+    later) or ``false`` (refused for good); without it (an older collector, a proxy) the
+    status decides: 5xx, 408 and 429 are retried, any other 4xx is final.
+    """
+    if status is not None and 200 <= status < 300:
+        return Outcome.ACKED
+    if status is not None and retry is not None:
+        return Outcome.RETRY if retry else Outcome.REJECTED
     if status is None or status >= 500 or status in (408, 429):
         return Outcome.RETRY
-    if 200 <= status < 300:
-        return Outcome.ACKED
     return Outcome.REJECTED
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answer:
+    """What one attempt got back: the status (``None``: no answer) and what the collector said."""
+
+    status: int | None
+    detail: str
+    """The answer's body (at most 2,000 characters), or the connection error."""
+    retry_after: float | None = None
+    """Seconds the collector asked to wait (``Retry-After``), if it said."""
+
+    @property
+    def body(self) -> dict:
+        """Return the JSON error body (``{"error", "retry", "message"}``), or ``{}`` when it is not one."""
+        try:
+            body = json.loads(self.detail)
+        except ValueError:
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    @property
+    def outcome(self) -> Outcome:
+        """Return what the sender does with the batch after this answer."""
+        retry = self.body.get("retry") if self.status is not None and self.status >= 300 else None
+        return classify(self.status, retry if isinstance(retry, bool) else None)
+
+    @property
+    def reason(self) -> str:
+        """Return the collector's own message when it gave one, else the status or the error."""
+        message = self.body.get("message")
+        if isinstance(message, str) and message:
+            detail = self.body.get("detail")
+            if isinstance(detail, list) and detail:
+                message += ": " + "; ".join(str(line) for line in detail[:3])
+            return message[:1000]
+        if self.status is None:
+            return self.detail
+        return f"HTTP {self.status} {self.detail.strip()[:200]}".strip()
 
 
 class IngestClient:
@@ -42,31 +90,31 @@ class IngestClient:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
 
-    def post(self, body: bytes, timeout: float) -> tuple[int | None, str]:
-        """Send ``body``; return (status, short reason). Status ``None`` means no answer (with the error)."""
+    def post(self, body: bytes, timeout: float) -> Answer:
+        """Send ``body``; return the answer (status ``None``: no answer, with the error as ``detail``)."""
         reused = self._conn is not None
-        status, detail, timed_out = self._attempt(body, timeout)
-        if status is None and reused and not timed_out:
+        answer, timed_out = self._attempt(body, timeout)
+        if answer.status is None and reused and not timed_out:
             # The collector may have closed an idle kept-alive connection: that is not an outage.
-            status, detail, _ = self._attempt(body, timeout)
-        return status, detail
+            answer, _ = self._attempt(body, timeout)
+        return answer
 
-    def _attempt(self, body: bytes, timeout: float) -> tuple[int | None, str, bool]:
+    def _attempt(self, body: bytes, timeout: float) -> tuple[Answer, bool]:
         """Make one request on the current (or a new) connection; also say whether it timed out."""
         try:
             conn = self._connection(timeout)
             conn.request("POST", self._path, body=body, headers=self._headers)
             response = conn.getresponse()
-            detail = response.read().decode("utf-8", "replace")[:500]
+            detail = response.read().decode("utf-8", "replace")[:2000]
             if response.will_close:
                 self.close()
-            return response.status, detail, False
+            return Answer(response.status, detail, _seconds(response.getheader("Retry-After"))), False
         except TimeoutError as exc:
             self.close()
-            return None, f"no answer within {timeout:.3g} s ({exc})", True
+            return Answer(None, f"no answer within {timeout:.3g} s ({exc})"), True
         except (OSError, http.client.HTTPException) as exc:
             self.close()
-            return None, f"{type(exc).__name__}: {exc}", False
+            return Answer(None, f"{type(exc).__name__}: {exc}"), False
 
     def close(self) -> None:
         """Drop the connection (the next post opens a new one)."""
@@ -87,3 +135,10 @@ class IngestClient:
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(timeout)
         return self._conn
+
+
+def _seconds(header: str | None) -> float | None:
+    """Parse a ``Retry-After`` of whole seconds (an HTTP date, rare from a collector, is ignored)."""
+    if header is None or not header.strip().isdigit():
+        return None
+    return float(header.strip())

@@ -15,8 +15,9 @@ from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
-from ._http import IngestClient, Outcome, classify
+from ._http import Answer, IngestClient, Outcome
 from ._identity import Identity
+from ._limits import COLLECTOR_DEFAULTS
 from ._outbox import MemoryOutbox, Pending
 from ._spool import SpoolOutbox
 
@@ -26,6 +27,7 @@ log = logging.getLogger("ampwatch.agent")
 
 _WAKE_GAP = 0.05  # seconds: a burst of wake() calls yields one batch, not one per call
 _BACKOFF_BASE_MAX = 1.0  # seconds: the first retry waits at most this (or the push interval if shorter)
+MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"]  # a batch is split to stay under a default collector's limit
 
 
 class Sender:
@@ -45,8 +47,8 @@ class Sender:
                  snapshot: Callable[[], dict[str, Any]], events: EventBuffer) -> None:
         self.config, self.identity, self.snapshot, self.events = config, identity, snapshot, events
         self.errors = AgentErrors()
-        self.send_failures = 0  # attempts without a usable answer (no answer, 5xx, 408, 429)
-        self.rejected_batches = 0  # batches the collector refused for good (other 4xx): dropped
+        self.send_failures = 0  # attempts to retry: no answer, 5xx, 408, 429, or the collector said "retry": true
+        self.rejected_batches = 0  # batches the collector refused for good ("retry": false, other 4xx): dropped
         self.batches_acked = 0
         self._pid = os.getpid()
         self._seq = 0  # seq of the last batch built
@@ -159,11 +161,18 @@ class Sender:
         if self._failures_in_row and not closing and not len(self.events):
             return  # collector unreachable: a heartbeat would only repeat state the next batch carries
         events = self.events.drain(MAX_BATCH_EVENTS)
-        self._backlog = len(events) == MAX_BATCH_EVENTS and len(self.events) > 0
+        full = len(events) == MAX_BATCH_EVENTS
         snapshot = self._take_snapshot()
         closed = closing and not len(self.events)
         self._seq += 1
         body = self._encode(snapshot, events, closed)
+        while len(body) > MAX_BODY_BYTES and len(events) > 1:
+            # A collector with default settings refuses a larger body for good (413): the later half of the
+            # events goes back to the buffer's front for the next batch (rare: long names in a long outage).
+            self.events.requeue(events[len(events) // 2:])
+            events, full, closed = events[:len(events) // 2], True, False
+            body = self._encode(snapshot, events, closed)
+        self._backlog = full and len(self.events) > 0
         pending = Pending(seq=self._seq, events=len(events), run=self.identity.run, rank=self.identity.rank,
                           body=body)
         try:
@@ -204,8 +213,8 @@ class Sender:
                 self._outbox.pop()
                 continue
             url = self.config.collector_for(pending.run, pending.rank)
-            status, detail = self._client(url).post(body, timeout)
-            outcome = classify(status)
+            answer = self._client(url).post(body, timeout)
+            outcome = answer.outcome
             if outcome is Outcome.ACKED:
                 self._outbox.pop()
                 self.batches_acked += 1
@@ -216,18 +225,28 @@ class Sender:
             elif outcome is Outcome.REJECTED:
                 self._outbox.pop()
                 self.rejected_batches += 1
-                self._say_once(f"rejected {status}", "ampwatch: %s refused batch seq=%d with HTTP %s (%s); "
-                               "it is dropped and counted in rejected_batches. %s",
-                               url, pending.seq, status, detail.strip()[:200], _advice(status))
+                self._say_once(f"rejected {answer.status} {answer.body.get('error')}",
+                               "ampwatch: %s refused batch seq=%d with HTTP %s: %s. It is dropped and counted in "
+                               "rejected_batches, and so will be every batch refused for this reason.%s",
+                               url, pending.seq, answer.status, answer.reason, _advice(answer))
             else:
                 self.send_failures += 1
                 self._failures_in_row += 1
                 delay = min(self.config.max_backoff,
                             min(_BACKOFF_BASE_MAX, self.config.push_interval) * 2 ** (self._failures_in_row - 1))
-                self._retry_at = time.monotonic() + delay * random.uniform(0.5, 1.0)  # jitter: ranks spread out
-                self._say_once("retry", "ampwatch: cannot deliver to %s (%s); retrying with backoff, training "
-                               "is not affected. Check that the collector runs and AMPWATCH_URL is right.",
-                               url, f"HTTP {status}" if status is not None else detail)
+                delay *= random.uniform(0.5, 1.0)  # jitter: ranks spread out
+                if answer.retry_after is not None:  # the collector said when: wait that long, within our cap
+                    delay = max(delay, min(answer.retry_after, self.config.max_backoff))
+                self._retry_at = time.monotonic() + delay
+                if answer.status is None:
+                    self._say_once("retry", "ampwatch: cannot deliver to %s (%s); retrying with backoff, training "
+                                   "is not affected. Check that the collector runs and AMPWATCH_URL is right.",
+                                   url, answer.detail)
+                else:  # it answered: its own reason says more than any guess of ours
+                    self._say_once(f"retry {answer.status} {answer.body.get('error')}",
+                                   "ampwatch: %s cannot take batch seq=%d now (HTTP %s: %s); the batch is kept and "
+                                   "sent again with backoff, training is not affected.",
+                                   url, pending.seq, answer.status, answer.reason)
                 return
 
     def _finished(self) -> bool:
@@ -315,17 +334,20 @@ def _int(value: Any) -> int:
         return 0
 
 
-def _advice(status: int | None) -> str:
-    """Say what the user can do about a refused batch."""
+def _advice(answer: Answer) -> str:
+    """Say what the user can do about a refused batch, where the collector's own message may not."""
+    status = answer.status
+    if answer.body.get("message"):
+        return ""  # the collector said what was wrong and what to do
     if status in (401, 403):
-        return "Set AMPWATCH_TOKEN (or token=) to the collector's token."
+        return " Set AMPWATCH_TOKEN (or token=) to the collector's token."
     if status == 404:
-        return "Check AMPWATCH_URL: it should be the collector's base URL, e.g. http://host:9457."
+        return " Check AMPWATCH_URL: it should be the collector's base URL, e.g. http://host:9457."
     if status == 413:
-        return "Raise the collector's body size limit."
+        return " Raise the collector's body size limit."
     if status == 422:
-        return "The collector speaks another protocol version, or the agent sent a bad batch: upgrade both."
-    return "See the collector's log."
+        return " The collector speaks another protocol version, or the agent sent a bad batch: upgrade both."
+    return " See the collector's log."
 
 
 _live: "weakref.WeakSet[Sender]" = weakref.WeakSet()

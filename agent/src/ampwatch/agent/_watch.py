@@ -15,6 +15,7 @@ from ._attach import OptimizerHooks, ScalerPatch
 from ._config import AgentConfig
 from ._events import EventBuffer
 from ._identity import resolve_identity
+from ._limits import warn_past_collector_limits
 from ._params import ParameterNames
 from ._recorder import OptimizerRecord, Recorder
 from ._sender import Sender, close_all_senders
@@ -112,7 +113,7 @@ class Watch:
 
     def __init__(self, session: _Session, patch: ScalerPatch, by_id: dict[int, OptimizerRecord]) -> None:
         self._session = session
-        self._recorder = session.recorder
+        self._recorder, self._sender = session.recorder, session.sender
         self._patch = patch
         self._by_id = by_id
         self._finalizer = _finalize_with(patch.scaler, session)
@@ -272,6 +273,7 @@ def watch(scaler: torch.amp.GradScaler,
     try:
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
+        warn_past_collector_limits(len(records), identity.world_size, sending=config.sends)
         recorder = Recorder(scaler, records, names, events)
         sender = Sender(config, identity, recorder.snapshot, events)
         recorder.on_streak_start = sender.wake

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 from .thresholds import AlertThresholds, promql_duration as _dur
@@ -46,9 +47,10 @@ def alert_text(name: str, t: AlertThresholds, threshold: Optional[int] = None) -
             f"{t.backoff_min_count} times in the last {_dur(t.backoff_window_s)} without any growth: "
             "gradients keep overflowing."),
         "AmpLossScaleCollapsed": (
-            "The loss scale collapsed below " + collapsed,
-            f"The loss scale of {_ON_RANK} is {{value}}, below {collapsed}: "
-            "backoffs keep halving it, so gradients are non-finite at any scale."),
+            f"The loss scale collapsed below {collapsed}, or is NaN or infinite",
+            f"The loss scale of {_ON_RANK} is {{value}}, not a finite value of at least {collapsed}: "
+            "backoffs keep halving it because gradients are non-finite at any scale, or it became 0, NaN or "
+            "infinite, where every step skips and it can never recover."),
         "AmpLossScaleDesync": (
             "Ranks of a run disagree on the loss scale",
             "The largest loss scale among the open ranks of run {run} is {value} times the smallest: the "
@@ -92,10 +94,17 @@ def render_annotations(name: str, t: AlertThresholds, labels: Mapping[str, Any],
                        threshold: Optional[int] = None, base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict[str, str]:
     """Return the annotations of one alert instance, filled in as Prometheus would fill the rule's templates."""
     fields = {"run": "", "rank": "", "optimizer": "", **{k: str(v) for k, v in labels.items()}}
-    fields.update(value=f"{value:g}", percent=_percent(value), duration=_duration(value))
+    fields.update(value=_number(value), percent=_percent(value), duration=_duration(value))
     summary, description = alert_text(name, t, threshold)
     return {"summary": summary.format(**fields), "description": description.format(**fields),
             "runbook_url": runbook_url(name, base_url)}
+
+
+def _number(value: float) -> str:
+    # As Prometheus's {{ $value }} (Go's %v): "0.25", "65536", and "NaN", "+Inf", "-Inf" for the non-finite.
+    if math.isfinite(value):
+        return f"{value:g}"
+    return "NaN" if value != value else ("+Inf" if value > 0 else "-Inf")
 
 
 def _percent(value: float) -> str:
@@ -104,7 +113,9 @@ def _percent(value: float) -> str:
 
 
 def _duration(seconds: float) -> str:
-    # Close to Prometheus's humanizeDuration: "45.5s", "2m 5s", "1h 2m 3s".
+    # Close to Prometheus's humanizeDuration: "45.5s", "2m 5s", "1h 2m 3s" (NaN and infinities as they are).
+    if not math.isfinite(seconds):
+        return _number(seconds)
     if seconds < 60:
         return f"{seconds:.4g}s"
     whole = int(seconds)

@@ -129,8 +129,13 @@ def alerting_rules(
     expressions = [
         ("AmpSustainedLossScaleBackoff", "warning", t.backoff_for_s,
          f"{r.ranks_backing_off} / {r.ranks_open} >= {t.backoff_rank_share}"),
+        # A scale that cannot work: below the threshold (0 included), NaN (x != x holds only for NaN) or +Inf.
         ("AmpLossScaleCollapsed", "critical", t.collapsed_for_s,
-         f"{m.LOSS_SCALE} < {_num(t.collapsed_loss_scale)}\n"
+         f"(\n"
+         f"  {m.LOSS_SCALE} < {_num(t.collapsed_loss_scale)}\n"
+         f"  or {m.LOSS_SCALE} != {m.LOSS_SCALE}\n"
+         f"  or {m.LOSS_SCALE} == +Inf\n"
+         f")\n"
          f"unless on (run, rank) {m.RANK_CLOSED} == 1"),
         ("AmpLossScaleDesync", "warning", t.desync_for_s, f"{r.scale_spread} >= {_num(t.desync_scale_ratio)}"),
         ("AmpHighSkippedStepRatio", "warning", t.skip_ratio_for_s,

@@ -67,7 +67,8 @@ class AccessGuard:
             if not self.limiter.allow(client):
                 self.refused["rate"] += 1
                 wait = self.limiter.retry_after(client)
-                return 429, {"error": "rate", "message": f"too many requests from {client}: this collector allows "
+                return 429, {"error": "rate", "retry": True,
+                             "message": f"too many requests from {client}: this collector allows "
                              f"{self.limiter.rate:g} per second per client address (--rate-limit); retry in "
                              f"{wait} s"}, [(b"retry-after", str(wait).encode())]
         path = scope.get("path", "")

@@ -6,6 +6,8 @@ import dataclasses
 import hashlib
 from typing import Mapping, Optional
 
+from ._floats import wire_float
+
 __all__ = ["Alert", "fingerprint"]
 
 
@@ -63,5 +65,5 @@ class Alert:
         return {
             "name": self.name, "status": self.status, "labels": dict(self.labels),
             "annotations": dict(self.annotations), "starts_at": self.starts_at, "ends_at": self.ends_at,
-            "value": self.value, "fingerprint": self.fingerprint,
+            "value": wire_float(self.value), "fingerprint": self.fingerprint,
         }

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping, Optional
 
 from ._alert_text import annotations_for
+from ._floats import promql_divide, promql_max, promql_min
 
 __all__ = [
     "OptimizerCounters", "RankSnapshot", "RankHistory", "ActiveAlert",
@@ -182,6 +184,15 @@ def _window_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
             yield _alert("AmpPoisonedStep", dict(labels), opt.poisoned_steps, t)
 
 
+def _usable_scale(scale: float, t: Any) -> bool:
+    """Return whether a loss scale still works: finite and at least ``collapsed_loss_scale``.
+
+    Below it (0 included) gradients are no longer scaled up; NaN and +Inf scale every loss to a
+    non-finite one, so every step skips and backoffs cannot bring the scale back.
+    """
+    return t.collapsed_loss_scale <= scale < math.inf
+
+
 def rank_alerts(h: RankHistory, now: float, t: Any) -> list[ActiveAlert]:
     """Return the alerts of one rank that hold at ``now`` (streaks, ratio, collapse, silence, scheduler, poison)."""
     cur = h.current
@@ -191,7 +202,7 @@ def rank_alerts(h: RankHistory, now: float, t: Any) -> list[ActiveAlert]:
     if cur.closed:
         # A rank that closed cleanly is finished: its last scale and silence are not trouble.
         return found
-    if cur.scaler_enabled and cur.loss_scale is not None and cur.loss_scale < t.collapsed_loss_scale:
+    if cur.scaler_enabled and cur.loss_scale is not None and not _usable_scale(cur.loss_scale, t):
         found.append(_alert("AmpLossScaleCollapsed", dict(labels), cur.loss_scale, t))
     silent_for = now - cur.last_seen
     if silent_for > t.silent_after_s:
@@ -222,8 +233,11 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: Any) -> li
         found.append(_alert("AmpSustainedLossScaleBackoff", {"run": run}, share, t))
     scales = [h.current.loss_scale for h in open_ranks
               if h.current.scaler_enabled and h.current.loss_scale is not None]
-    if len(scales) >= 2 and max(scales) / min(scales) >= t.desync_scale_ratio:
-        found.append(_alert("AmpLossScaleDesync", {"run": run}, max(scales) / min(scales), t))
+    if len(scales) >= 2:
+        # max / min as PromQL computes it: a rank at 0 or +Inf beside a finite one is apart by +Inf.
+        spread = promql_divide(promql_max(scales), promql_min(scales))
+        if spread >= t.desync_scale_ratio:
+            found.append(_alert("AmpLossScaleDesync", {"run": run}, spread, t))
     return found
 
 

@@ -119,12 +119,16 @@ def create_app(config: ServerConfig) -> FastAPI:
               responses={200: {"description": '{"applied": true} or {"applied": false, "duplicate": true}'},
                          400: {"description": "malformed JSON"}, 401: {"description": "token missing"},
                          403: {"description": "token wrong"}, 413: {"description": "body too large"},
-                         422: {"description": "schema error or name too long"},
-                         429: {"description": "over a cardinality limit"}, 503: {"description": "retry"}})
+                         422: {"description": 'refused for good ("retry": false): schema error, name too long, '
+                                              "or over --max-optimizers-per-rank / --max-ranks-per-run"},
+                         429: {"description": 'back-pressure ("retry": true, Retry-After): over --max-runs or '
+                                              "--rate-limit"},
+                         503: {"description": "retry"}})
     async def ingest(request: Request) -> JSONResponse:
         """Validate the batch, store it, answer once it is committed."""
         # Reached only before startup completes: once ready, _CollectorApp answers ingest itself.
-        return JSONResponse({"error": "unavailable", "message": "the collector is starting; retry"}, 503)
+        return JSONResponse({"error": "unavailable", "retry": True, "message": "the collector is starting; retry"},
+                            503)
 
     @app.get("/metrics", tags=["metrics"], response_class=PlainTextResponse,
              summary="Prometheus exposition (text format 0.0.4)")

@@ -43,11 +43,11 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest accepted ingest body (413 above)."""
     max_runs: int = 1000
-    """Runs held at once (429 for a batch of a new run above)."""
+    """Runs held at once (429 with Retry-After for a batch of a new run above: back-pressure, retried)."""
     max_ranks_per_run: int = 4096
-    """Ranks per run (429 above)."""
+    """Ranks per run (422 above: refused for good, the agent drops and counts the batch)."""
     max_optimizers_per_rank: int = 16
-    """Optimizers per rank (429 above)."""
+    """Optimizers per rank (422 above: refused for good, the agent drops and counts the batch)."""
     max_label_length: int = 128
     """Longest run, optimizer or parameter name exposed as a label (422 above; parameter names are cut)."""
     log_level: str = "info"
@@ -107,9 +107,9 @@ _DOCS = {
     "run_retention": "seconds a cleanly closed run stays in /metrics",
     "db_retention": "seconds of history kept in the database",
     "max_body_bytes": "largest ingest body in bytes (413 above)",
-    "max_runs": "runs held at once (429 above)",
-    "max_ranks_per_run": "ranks per run (429 above)",
-    "max_optimizers_per_rank": "optimizers per rank (429 above)",
+    "max_runs": "runs held at once (429 + Retry-After above: agents retry)",
+    "max_ranks_per_run": "ranks per run (422 above: refused for good)",
+    "max_optimizers_per_rank": "optimizers per rank (422 above: refused for good)",
     "max_label_length": "longest run/optimizer name (422 above; parameter names are cut to it)",
     "log_level": "debug, info, warning or error",
     "alert_thresholds": "thresholds of the built-in alerts: 'demo' (seconds-long windows, for `make demo`) "

@@ -28,9 +28,13 @@ _MAX_STORED_RAW = 16_384  # bytes; a batch of 16 optimizers without events is ~6
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, reason: str, message: str, detail: Optional[list[str]] = None) -> None:
+    """A refusal: its status, reason label, message, and whether the very same batch may pass later."""
+
+    def __init__(self, status: int, reason: str, message: str, detail: Optional[list[str]] = None, *,
+                 retry: bool = False, retry_after: Optional[int] = None) -> None:
         super().__init__(message)
         self.status, self.reason, self.message, self.detail = status, reason, message, detail
+        self.retry, self.retry_after = retry, retry_after
 
 
 class IngestService:
@@ -46,27 +50,35 @@ class IngestService:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Answer one ``POST /v1/ingest`` as a bare ASGI app (the hot path skips the framework's routing)."""
         started = time.perf_counter()
+        retry_after = None
+        # Every refusal says "retry": true (the very same batch may pass later: send it again) or false (it
+        # never will: drop it); agents act on that rather than on the status alone (docs/protocol.md).
         try:
             status, body = await self._ingest(dict(scope["headers"]), receive)
         except _Refused as refused:
             self.own.rejected.labels(refused.reason).inc()
-            status, body = refused.status, {"error": refused.reason, "message": refused.message}
+            status, retry_after = refused.status, refused.retry_after
+            body = {"error": refused.reason, "retry": refused.retry, "message": refused.message}
             if refused.detail:
                 body["detail"] = refused.detail
         except StoreClosed as exc:
-            status, body = 503, {"error": "unavailable", "message": f"{exc}; retry later"}
+            status, body = 503, {"error": "unavailable", "retry": True, "message": f"{exc}; retry later"}
         except sqlite3.DatabaseError as exc:  # disk full, read-only, I/O error: logged once by the store
-            status, body = 503, {"error": "storage", "message": f"the collector cannot write its database ({exc}); "
-                                 "the batch is not applied: retry later. Operator: free disk space or make the "
-                                 "database writable (see the collector's log)"}
+            status, body = 503, {"error": "storage", "retry": True,
+                                 "message": f"the collector cannot write its database ({exc}); the batch is not "
+                                 "applied: retry later. Operator: free disk space or make the database writable "
+                                 "(see the collector's log)"}
         except Exception:
             log.exception("ingest failed")
-            status, body = 500, {"error": "internal", "message": "the collector failed to store the batch; "
-                                                                  "retry later and check the collector's log"}
+            status, body = 500, {"error": "internal", "retry": True,
+                                 "message": "the collector failed to store the batch; retry later and check the "
+                                            "collector's log"}
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
+        if retry_after is not None:
+            headers.append((b"retry-after", str(retry_after).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
         counter = self._requests_by_status.get(status)
@@ -138,7 +150,8 @@ class IngestService:
         try:
             self.state.check_limits(batch, rank)
         except LimitExceeded as exc:
-            raise _Refused(exc.status, "cardinality", exc.message) from None
+            raise _Refused(exc.status, "cardinality", exc.message, retry=exc.retry,
+                           retry_after=exc.retry_after) from None
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
                    getattr(e, "optimizer", None), e.model_dump_json()) for e in batch.events]
         old = rank.incarnations.get(batch.incarnation) if rank else None

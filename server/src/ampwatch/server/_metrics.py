@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ._floats import exposition_float, promql_max, promql_min
 from ._schema import STREAK_LADDER
 from ._state import DELIVERY_COUNTERS, CollectorState, RankState, escape_label
 
@@ -151,7 +152,7 @@ def render_ranks(state: CollectorState, now: float, silent_after: float) -> str:
     for r in ranks:
         scale = _loss_scale(r)
         if scale is not None:
-            add(f"{LOSS_SCALE.name}{{{r.labels}}} {scale!r}\n")
+            add(f"{LOSS_SCALE.name}{{{r.labels}}} {exposition_float(scale)}\n")
     for family, field in _RANK_TOTALS:
         add(family.header)
         for r in ranks:
@@ -181,13 +182,14 @@ def _render_runs(state: CollectorState, now: float, silent_after: float, add: Ca
         scales = [s for s in map(_loss_scale, live) if s is not None]
         rows.append((f'run="{escape_label(run)}"', reporting, in_streak, scales))
     for family, pick in ((RUN_REPORTING, lambda row: row[1]), (RUN_IN_STREAK, lambda row: row[2]),
-                         (RUN_SCALE_MIN, lambda row: min(row[3]) if row[3] else None),
-                         (RUN_SCALE_MAX, lambda row: max(row[3]) if row[3] else None)):
+                         # As PromQL's min/max (NaN only when every scale is NaN), as the rules compute them.
+                         (RUN_SCALE_MIN, lambda row: promql_min(row[3]) if row[3] else None),
+                         (RUN_SCALE_MAX, lambda row: promql_max(row[3]) if row[3] else None)):
         add(family.header)
         for row in rows:
             value = pick(row)
             if value is not None:
-                add(f"{family.name}{{{row[0]}}} {value!r}\n")
+                add(f"{family.name}{{{row[0]}}} {exposition_float(value)}\n")
 
 
 class SelfMetrics(Collector):

@@ -9,6 +9,7 @@ from typing import Any, Literal, Optional
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from ._recovery import load_ranks
+from ._floats import wire_float
 from ._schema import STREAK_LADDER
 from ._state import DELIVERY_COUNTERS, RANK_COUNTERS, RankState
 
@@ -41,8 +42,9 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         "rank": rank.rank, "host": batch.host, "local_rank": batch.local_rank, "world_size": batch.world_size,
         "pid": batch.pid, "incarnation": rank.current.id, "incarnations": len(rank.incarnations),
         "last_seen": rank.last_seen, "closed": rank.closed, "in_metrics": in_metrics,
-        "iteration": batch.state.iteration, "loss_scale": batch.state.loss_scale,
-        "scaler": batch.scaler.model_dump(), "agent": batch.agent.model_dump(),
+        # Scale values as the protocol writes them: NaN and infinities as strings (JSON has no such numbers).
+        "iteration": batch.state.iteration, "loss_scale": wire_float(batch.state.loss_scale),
+        "scaler": json.loads(batch.scaler.model_dump_json()), "agent": batch.agent.model_dump(),
         **{name: totals.get(name, 0) for name in RANK_COUNTERS},
         "delivery": {name: totals.get(name, 0) for name in DELIVERY_COUNTERS},
         "optimizers": optimizers,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
+
+from ._floats import NONFINITE_STRINGS
 
 __all__ = [
-    "PROTOCOL_VERSION", "STREAK_LADDER", "MAX_EVENTS", "Batch", "Event", "parse_batch", "describe_errors",
-    "ValidationError",
+    "PROTOCOL_VERSION", "STREAK_LADDER", "MAX_EVENTS", "SCALE_CAUSES", "Batch", "Event", "parse_batch",
+    "describe_errors", "ValidationError",
 ]
 
 PROTOCOL_VERSION = 1
@@ -18,14 +21,35 @@ MAX_PARAMS = 16
 
 # SQLite stores integers as 64-bit signed: a larger one would fail at COMMIT (a 500) instead of a 422.
 MAX_INT = 2 ** 63 - 1
-Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+# Integers are strict: a JSON true or 3.0 is not a count (lax mode would read them as 1 and 3).
+Count = Annotated[int, Field(ge=0, le=MAX_INT, strict=True)]
+Positive = Annotated[int, Field(ge=1, le=MAX_INT, strict=True)]
 Label = Annotated[str, Field(min_length=1, max_length=128)]
 LadderKey = Literal[STREAK_LADDER]  # type: ignore[valid-type]
 
 
+# JSON has no NaN or infinity, yet a GradScaler's float32 scale can hold them (and 0.0, after ~166 backoffs
+# in a row). Fields that carry what the scaler holds (ScaleFloat) take the strings "NaN", "Infinity" and
+# "-Infinity"; the bare tokens NaN/Infinity that Python's json module writes are accepted too. Every other
+# float must be finite.
+def _scale_value(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return NONFINITE_STRINGS[value]
+        except KeyError:
+            raise ValueError('must be a number, null, or one of the strings "NaN", "Infinity", "-Infinity"') \
+                from None
+    return value
+
+
+ScaleFloat = Annotated[float, Field(allow_inf_nan=True), BeforeValidator(_scale_value)]
+"""A value a GradScaler holds (scale, growth/backoff factor): any float, non-finite ones as strings."""
+
+
 class _Model(BaseModel):
-    # Unknown fields from a newer agent are ignored; floats must be finite (JSON has no inf/NaN anyway).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True)
+    # Unknown fields from a newer agent are ignored; floats must be finite except ScaleFloat fields, which
+    # serialise NaN/infinities as the protocol's strings (so a stored batch or event reads back the same).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, frozen=True, ser_json_inf_nan="strings")
 
 
 class AgentInfo(_Model):
@@ -36,10 +60,10 @@ class AgentInfo(_Model):
 class ScalerInfo(_Model):
     enabled: bool
     kind: str = Field(max_length=128)
-    init_scale: Optional[float] = None
-    growth_factor: Optional[float] = None
-    backoff_factor: Optional[float] = None
-    growth_interval: Optional[int] = None
+    init_scale: Optional[ScaleFloat] = None
+    growth_factor: Optional[ScaleFloat] = None
+    backoff_factor: Optional[ScaleFloat] = None
+    growth_interval: Optional[Annotated[int, Field(strict=True)]] = None
 
 
 class OptimizerCounters(_Model):
@@ -62,7 +86,7 @@ class Delivery(_Model):
 
 class RankState(_Model):
     iteration: Count
-    loss_scale: Optional[Annotated[float, Field(gt=0)]]
+    loss_scale: Optional[ScaleFloat]  # any value the scaler holds: 0, subnormal, negative, NaN, infinite
     backoffs: Count
     growths: Count
     manual_sets: Count = 0
@@ -77,7 +101,7 @@ class ParamDetail(_Model):
 
 
 class _EventBase(_Model):
-    id: Annotated[int, Field(ge=1, le=MAX_INT)]
+    id: Positive
     time: float
     iteration: Count
 
@@ -85,7 +109,7 @@ class _EventBase(_Model):
 class SkipEvent(_EventBase):
     kind: Literal["skip"]
     optimizer: Label
-    streak: Annotated[int, Field(ge=1, le=MAX_INT)]
+    streak: Positive
     params: list[ParamDetail] = Field(default_factory=list, max_length=MAX_PARAMS)
     params_total: Optional[Count] = None
     inspected: bool = True
@@ -95,14 +119,19 @@ class StreakEndEvent(_EventBase):
     kind: Literal["streak_end"]
     optimizer: Label
     start_iteration: Count
-    length: Annotated[int, Field(ge=1, le=MAX_INT)]
+    length: Positive
+
+
+SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
+"""Why the scale changed: in update() by backoff_factor or growth_factor, update(new_scale=...), or outside
+update() (scaler.load_state_dict() on resume, or a new scaler bound with watch.rebind())."""
 
 
 class ScaleChangeEvent(_EventBase):
     kind: Literal["scale_change"]
-    cause: Literal["backoff", "growth", "manual"]
-    before: Optional[float]
-    after: Optional[float]
+    cause: Literal[SCALE_CAUSES]  # type: ignore[valid-type]
+    before: Optional[ScaleFloat]
+    after: Optional[ScaleFloat]
 
 
 class SchedulerAfterSkipEvent(_EventBase):
@@ -144,16 +173,16 @@ Event = Annotated[
 class Batch(_Model):
     """One POST /v1/ingest body (docs/protocol.md)."""
 
-    protocol: int
+    protocol: Annotated[int, Field(strict=True)]
     agent: AgentInfo
     run: Label
     rank: Count
-    world_size: Annotated[int, Field(ge=1, le=MAX_INT)]
+    world_size: Positive
     local_rank: Count
     host: str = Field(max_length=255)
     pid: Count
     incarnation: str = Field(min_length=8, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")
-    seq: Annotated[int, Field(ge=1, le=MAX_INT)]
+    seq: Positive
     sent_at: float
     scaler: ScalerInfo
     state: RankState

@@ -8,8 +8,8 @@ from typing import Iterable, Optional
 
 from ._schema import Batch, SkipEvent
 
-__all__ = ["Incarnation", "RankState", "CollectorState", "LimitExceeded", "RANK_SCOPE", "OPTIMIZER_COUNTERS",
-           "RANK_COUNTERS", "DELIVERY_COUNTERS", "escape_label"]
+__all__ = ["Incarnation", "RankState", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S", "RANK_SCOPE",
+           "OPTIMIZER_COUNTERS", "RANK_COUNTERS", "DELIVERY_COUNTERS", "escape_label"]
 
 RANK_SCOPE = ""  # key of rank-level counters in Incarnation.counters (optimizer names are non-empty)
 RANK_COUNTERS = ("backoffs", "growths", "manual_sets")
@@ -170,11 +170,25 @@ class RankState:
 
 
 class LimitExceeded(Exception):
-    """A batch would exceed a cardinality limit; ``status`` is the HTTP answer."""
+    """A batch would exceed a limit; ``retry`` says whether the same batch may pass later.
 
-    def __init__(self, status: int, message: str) -> None:
+    Permanent (``retry`` False, answered 422): resending cannot help, as the rank's own batches
+    will always break it (too many optimizers, a name too long, a rank past its run's limit).
+    Back-pressure (``retry`` True, answered 429 with ``retry_after``): it clears by itself
+    (finished runs retire and free room).
+    """
+
+    def __init__(self, message: str, *, retry: bool, retry_after: Optional[int] = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.message, self.retry, self.retry_after = message, retry, retry_after
+
+    @property
+    def status(self) -> int:
+        return 429 if self.retry else 422
+
+
+RUNS_RETRY_AFTER_S = 60
+"""Retry-After of a batch refused because the collector holds --max-runs runs (runs retire over minutes)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -207,24 +221,25 @@ class CollectorState:
         lim = self.limits
         too_long = [name for name in (batch.run, *batch.state.optimizers) if len(name) > lim.max_label_length]
         if too_long:
-            raise LimitExceeded(422, f"name {too_long[0][:40]!r}... is {len(too_long[0])} characters, over this "
-                                     f"collector's label limit of {lim.max_label_length}: use a shorter run or "
-                                     f"optimizer name, or raise --max-label-length")
+            raise LimitExceeded(f"name {too_long[0][:40]!r}... is {len(too_long[0])} characters, over this "
+                                f"collector's label limit of {lim.max_label_length}: use a shorter run or "
+                                f"optimizer name, or raise --max-label-length", retry=False)
         ranks = self.runs.get(batch.run)
         if ranks is None and len(self.runs) >= lim.max_runs:
-            raise LimitExceeded(429, f"this collector already holds {len(self.runs)} runs (--max-runs "
-                                     f"{lim.max_runs}); retry later, when finished runs retire, or raise the limit")
+            raise LimitExceeded(f"this collector already holds {len(self.runs)} runs (--max-runs "
+                                f"{lim.max_runs}); retry later, when finished runs retire, or raise the limit",
+                                retry=True, retry_after=RUNS_RETRY_AFTER_S)
         if known is None and ranks is not None and len(ranks) >= lim.max_ranks_per_run:
-            raise LimitExceeded(429, f"run {batch.run!r} already has {len(ranks)} ranks (--max-ranks-per-run "
-                                     f"{lim.max_ranks_per_run}); send this rank to another collector or raise "
-                                     f"the limit")
+            raise LimitExceeded(f"run {batch.run!r} already has {len(ranks)} ranks (--max-ranks-per-run "
+                                f"{lim.max_ranks_per_run}); send this rank to another collector or raise "
+                                f"the limit", retry=False)
         names = set(batch.state.optimizers)
         if known is not None:
             names.update(known.optimizers())
         if len(names) > lim.max_optimizers_per_rank:
-            raise LimitExceeded(429, f"rank {batch.rank} of run {batch.run!r} would have {len(names)} optimizers "
-                                     f"(--max-optimizers-per-rank {lim.max_optimizers_per_rank}); watch fewer "
-                                     f"optimizers or raise the limit")
+            raise LimitExceeded(f"rank {batch.rank} of run {batch.run!r} would have {len(names)} optimizers "
+                                f"(--max-optimizers-per-rank {lim.max_optimizers_per_rank}); watch fewer "
+                                f"optimizers or raise the limit", retry=False)
 
     def adopt(self, rank: RankState) -> None:
         """Hold ``rank`` (new, or restored from the database)."""

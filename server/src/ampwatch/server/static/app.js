@@ -53,10 +53,21 @@ function clock(seconds) {
   return new Date(seconds * 1000).toLocaleTimeString();
 }
 
+function scaleNumber(scale) {
+  // The protocol writes NaN and infinities as the strings "NaN", "Infinity", "-Infinity" (JSON has no such numbers).
+  return typeof scale === "string" ? Number(scale) : scale;
+}
+
 function scaleText(scale) {
   if (scale === null || scale === undefined) return "unknown";
-  const exponent = Math.log2(scale);
-  return Number.isInteger(exponent) ? `2^${exponent} (${scale})` : String(scale);
+  const value = scaleNumber(scale);
+  const exponent = Math.log2(value);
+  return Number.isInteger(exponent) ? `2^${exponent} (${value})` : String(value);
+}
+
+function onLogAxis(scale) {
+  // 0, negative, NaN and infinite scales (a collapsed or broken scaler) have no place on a log2 axis.
+  return Number.isFinite(scale) && scale > 0;
 }
 
 function fill(tbody, rows) {
@@ -228,23 +239,27 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
     let scale = changes.length ? changes[0].before : rank.loss_scale;
     if (scale === null || scale === undefined) scale = rank.loss_scale;
     if (scale === null || scale === undefined) continue;
+    scale = scaleNumber(scale);
     points.push([0, scale]);
     for (const c of changes) {
       if (c.after === null || c.after === undefined) continue;
-      points.push([c.iteration, scale], [c.iteration, c.after]);
-      scale = c.after;
+      points.push([c.iteration, scale], [c.iteration, scaleNumber(c.after)]);
+      scale = scaleNumber(c.after);
     }
     points.push([Math.max(rank.iteration, points[points.length - 1][0]), scale]);
     for (const [x, y] of points) {
       maxIt = Math.max(maxIt, x);
+      if (!onLogAxis(y)) continue;
       minY = Math.min(minY, Math.log2(y));
       maxY = Math.max(maxY, Math.log2(y));
     }
-    lines.push({rank: rank.rank, points});
+    lines.push({rank: rank.rank, points, now: scale});
   }
   const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "loss scale over iterations per rank"});
-  if (!lines.length) {
-    root.append(svg("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}, "no loss scale reported yet"));
+  if (!lines.length || minY === Infinity) {
+    const why = lines.length ? "the loss scale is 0, NaN or infinite: nothing to draw on a log axis"
+                             : "no loss scale reported yet";
+    root.append(svg("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}, why));
     container.replaceChildren(root);
     return;
   }
@@ -262,9 +277,16 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
   root.append(svg("text", {x: W - R, y: H - 8, "text-anchor": "end"}, `iteration ${maxIt}`));
   lines.forEach((line, i) => {
     const color = PALETTE[i % PALETTE.length];
-    const d = line.points.map(([x, y], j) => `${j ? "L" : "M"}${px(x).toFixed(1)},${py(y).toFixed(1)}`).join("");
-    root.append(svg("path", {d, fill: "none", stroke: color, "stroke-width": 2, class: "scale-line", "data-rank": line.rank}));
-    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend"}, `rank ${line.rank}`);
+    // The line breaks where the scale leaves the log axis (0, NaN, infinite) and resumes where it comes back.
+    let d = "", drawing = false;
+    for (const [x, y] of line.points) {
+      if (!onLogAxis(y)) { drawing = false; continue; }
+      d += `${drawing ? "L" : "M"}${px(x).toFixed(1)},${py(y).toFixed(1)}`;
+      drawing = true;
+    }
+    if (d) root.append(svg("path", {d, fill: "none", stroke: color, "stroke-width": 2, class: "scale-line", "data-rank": line.rank}));
+    const off = onLogAxis(line.now) ? "" : ` (scale ${scaleText(line.now)}, off the axis)`;
+    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend"}, `rank ${line.rank}${off}`);
     legend.style.fill = color;  // CSSOM, not a style attribute: allowed by the page's CSP
     root.append(legend);
   });
@@ -275,6 +297,7 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
     const points = lineOf.get(e.rank);
     let scale = points[0][1];
     for (const [x, y] of points) { if (x <= e.iteration) scale = y; else break; }
+    if (!onLogAxis(scale)) continue;
     const dot = svg("circle", {cx: px(e.iteration), cy: py(scale), r: 3.5, fill: "#c62828", class: "skip-mark"});
     dot.append(svg("title", {}, `rank ${e.rank} skipped ${e.optimizer} at iteration ${e.iteration}`));
     root.append(dot);
