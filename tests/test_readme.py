@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ampwatch.server._harness import CollectorProcess
+from framework_truth import reset_accelerate_state
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -38,9 +39,12 @@ accumulation = 2
 '''
 
 
-def _snippets() -> list[str]:
+def _snippets(heading: str = "## Attach the agent") -> list[str]:
+    """The Python snippets of the README section that starts with ``heading`` (up to the next section)."""
     text = README.read_text()
-    section = text[text.index("## Attach the agent"):text.index("## Run the collector")]
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    section = text[start:end if end != -1 else len(text)]
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
@@ -107,3 +111,105 @@ def test_the_checkpoint_snippet_saves_resumes_and_rebinds_without_a_false_transi
     assert state["backoffs"] == 1 and state["growths"] == 0, "the restore was booked as a transition"
     assert state["optimizers"]["SGD"]["skipped"] == 1 and state["optimizers"]["SGD"]["steps"] == 5
     assert ns["watch"]._patch.scaler is ns["scaler"], "rebind did not carry the watch over"
+
+
+# ----- "Attach to your framework": the same snippets on CPU, fp16 set up as each framework sets it up on a GPU ----
+
+FRAMEWORKS = "## Attach to your framework"
+
+
+def _framework_snippet(index: int, replacements: dict[str, str]) -> str:
+    snippet = _snippets(FRAMEWORKS)[index]
+    for old, new in replacements.items():
+        assert old in snippet, f"the README snippet no longer holds {old!r}: update this test"
+        snippet = snippet.replace(old, new)
+    return snippet
+
+
+def _run_framework(preamble: str, snippet: str, monkeypatch, tmp_path) -> dict:
+    for var in ("AMPWATCH_URL", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AMPWATCH_RUN", "readme")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(preamble + snippet, "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_readme_shows_one_snippet_per_framework():
+    assert len(_snippets(FRAMEWORKS)) == 3
+
+
+@pytest.mark.filterwarnings("ignore")  # Lightning's advice on dataloader workers
+def test_the_lightning_snippet_reports_the_skip_of_a_real_fit(monkeypatch, tmp_path):
+    pytest.importorskip("lightning")
+    from ampwatch.agent.lightning import AmpWatchCallback
+    from framework_truth import watch_counts
+
+    preamble = ("import torch\nfrom lightning_job import OneOptimizer, data, fp16_plugin\ntorch.manual_seed(0)\n"
+                "model = OneOptimizer(poison={2: (0,)})\ntrain_loader = data()\n")
+    # On CPU precision="16-mixed" becomes bf16 without a scaler; Lightning's plugin gives the GPU's fp16 path.
+    snippet = _framework_snippet(0, {'precision="16-mixed", max_epochs=10': (
+        'accelerator="cpu", plugins=[fp16_plugin(init_scale=1024.0)], max_epochs=1, logger=False, '
+        'enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False')})
+    ns = _run_framework(preamble, snippet, monkeypatch, tmp_path)
+    (callback,) = [c for c in ns["trainer"].callbacks if isinstance(c, AmpWatchCallback)]
+    assert callback.watch.closed
+    assert watch_counts(callback.watch.snapshot()) == ns["model"].truth.counts()
+    assert ns["model"].truth.skipped["SGD"] == 1
+
+
+@pytest.fixture
+def fresh_accelerate():
+    pytest.importorskip("accelerate")
+    reset_accelerate_state()
+    yield
+    reset_accelerate_state()
+
+
+def test_the_hugging_face_snippet_reports_the_skip_of_a_real_training(monkeypatch, tmp_path, fresh_accelerate):
+    pytest.importorskip("transformers")
+    from ampwatch.agent.transformers import AmpWatchCallback
+
+    preamble = ("import torch\nfrom hf_job import CpuFp16Trainer, Examples, Tiny\ntorch.manual_seed(0)\n"
+                "model = Tiny()\ntrain_dataset = Examples(64, poisoned=(20,))\n")
+    snippet = _framework_snippet(1, {
+        "fp16=True, num_train_epochs=3": ('fp16=True, num_train_epochs=1, use_cpu=True, report_to="none", '
+                                          'save_strategy="no", logging_strategy="no", disable_tqdm=True, '
+                                          'train_sampling_strategy="sequential"'),
+        "trainer = Trainer(": "trainer = CpuFp16Trainer(",  # fp16 as Accelerate sets it up on a GPU
+    })
+    ns = _run_framework(preamble, snippet, monkeypatch, tmp_path)
+    (callback,) = [c for c in ns["trainer"].callback_handler.callbacks if isinstance(c, AmpWatchCallback)]
+    assert callback.watch.closed
+    summary = callback.watch.summary()
+    assert "AdamW: 7 stepped, 1 skipped" in summary, summary  # 8 updates of 8 examples; example 20 holds an inf
+
+
+def test_the_accelerate_snippet_watches_an_unchanged_loop(monkeypatch, tmp_path, fresh_accelerate):
+    preamble = """
+import torch
+from framework_truth import gpu_like_fp16
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+inputs = torch.randn(32, 8)
+inputs[9, 0] = float("inf")
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, torch.randn(32, 1)), batch_size=4)
+"""
+    loop = """
+for x, y in loader:
+    with accelerator.accumulate(model):
+        accelerator.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+watch.close()
+"""
+    snippet = _framework_snippet(2, {'Accelerator(mixed_precision="fp16")': (
+        'gpu_like_fp16(Accelerator(mixed_precision="fp16", cpu=True), init_scale=1024.0)')})
+    ns = _run_framework(preamble, snippet + loop, monkeypatch, tmp_path)
+    summary = ns["watch"].summary()
+    assert "AdamW: 7 stepped, 1 skipped" in summary, summary  # batch 2 holds an inf
+    assert "0 scheduler steps after a skip" in summary and ns["sched"].scheduler.last_epoch == 7

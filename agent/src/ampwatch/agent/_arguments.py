@@ -110,13 +110,23 @@ def per_step_schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) ->
         entries = [_scheduler_and_interval(item, f"schedulers[{name!r}]") for item in items]
         classes = [type(s).__name__ for s, _ in entries]
         for i, (scheduler, interval) in enumerate(entries):
-            owner = getattr(scheduler, "optimizer", None)
+            owner = _stepping(getattr(scheduler, "optimizer", None))
             if owner is not None and owner is not records[name].optimizer:
                 raise ValueError(f"schedulers[{name!r}] schedules a different optimizer than optimizers[{name!r}]")
             if interval == "step":  # a per-epoch scheduler stepped after a skip ran nothing ahead
                 label = classes[i] if classes.count(classes[i]) == 1 else f"{classes[i]}{i}"
                 result.append((records[name], label, scheduler))
     return result
+
+
+def _stepping(optimizer: Any) -> Any:
+    """Return the optimizer inside wrappers (a scheduler built on Accelerate's AcceleratedOptimizer drives it)."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
 
 
 def _is_scheduler_config(value: Any) -> bool:

@@ -1,0 +1,155 @@
+"""What the framework integrations share: importing the framework, naming optimizers, pairing schedulers, 'no scaler'.
+
+Lightning, the Hugging Face Trainer and Accelerate each hold the GradScaler,
+the optimizers (maybe wrapped) and the LR schedulers (maybe wrapped, maybe with
+a cadence) in their own way; each integration finds them and hands them to
+:func:`attach`, which turns them into one ordinary :func:`ampwatch.agent.watch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import ModuleType
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from ._arguments import named_optimizers
+from ._watch import DisabledWatch, Watch, watch
+
+__all__ = ["OPTIONS", "Unwatched", "attach", "check_options", "no_scaler", "require"]
+
+log = logging.getLogger("ampwatch.agent")
+
+OPTIONS = ("collector", "run", "token", "push_interval")
+"""Keyword arguments every integration passes through to ``watch()`` (each defaults to its AMPWATCH_* variable)."""
+
+
+def require(module: str, *, integration: str, extra: str) -> ModuleType:
+    """Import ``module`` or raise an ImportError that says what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(f"{integration} needs the {module.split('.')[0]!r} package, which is not installed here: "
+                          f'pip install "ampwatch-agent[{extra}]"') from error
+
+
+def check_options(options: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Return ``options`` if every key is a ``watch()`` option; raise a TypeError naming the wrong one."""
+    for key in options:
+        if key not in OPTIONS:
+            raise TypeError(f"{where} got an unexpected keyword argument {key!r} "
+                            f"(the options passed on to ampwatch.agent.watch() are {', '.join(OPTIONS)})")
+    return dict(options)
+
+
+class Unwatched(DisabledWatch):
+    """What an integration holds when the framework made no GradScaler: records nothing, patches nothing."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def summary(self) -> str:
+        """Say why nothing is watched."""
+        return f"ampwatch not attached: {self.reason}"
+
+    def __repr__(self) -> str:
+        return f"<ampwatch Unwatched: {self.reason}>"
+
+
+def no_scaler(framework: str, precision: Any, hint: str, *, say: bool) -> Unwatched:
+    """Return the :class:`Unwatched` handle for a job without a GradScaler; log why when ``say`` (once, rank 0)."""
+    reason = f"{framework} trains without a GradScaler (precision {precision!r})"
+    if say:
+        log.warning("ampwatch: %s, so there is nothing to watch and nothing is changed. Only float16 mixed "
+                    "precision scales the loss: bf16 and float32 training never skips an optimizer step for "
+                    "overflow and has no loss scale to report. To watch float16 training, use %s.", reason, hint)
+    return Unwatched(reason)
+
+
+def attach(scaler: torch.amp.GradScaler, optimizers: Sequence[Any] | Mapping[str, Any], *,
+           schedulers: Iterable[Any] = (), module: torch.nn.Module | None = None,
+           names: Sequence[str] | None = None, **options: Any) -> Watch | DisabledWatch:
+    """Watch ``scaler`` and ``optimizers`` as a framework holds them (wrapped or not).
+
+    Optimizers are named by ``names`` (in order), else by the submodule of
+    ``module`` each one owns when there are several and they own distinct
+    submodules, else as ``watch()`` names a list (by class). Each scheduler is
+    paired with the optimizer it drives; see :func:`_scheduler_entry` for the
+    forms accepted. Costs what ``watch()`` costs (once per job).
+    """
+    if isinstance(optimizers, Mapping):
+        by_name = dict(optimizers)
+    else:
+        items = list(optimizers)
+        default = named_optimizers(items)  # checks them, names them by class, unwraps them
+        chosen = list(names) if names is not None else _names_from_module(module, [o for o, _ in default.values()])
+        if chosen is not None and len(chosen) != len(items):
+            raise ValueError(f"names: got {len(chosen)} names for {len(items)} optimizers; "
+                             "give one name per optimizer, in the order the framework holds them")
+        by_name = dict(zip(chosen or default, items))
+        if len(by_name) != len(items):
+            raise ValueError(f"names: each optimizer needs its own name, got {list(chosen or ())}")
+    aliases = {id(alias): name for name, (opt, wrappers) in named_optimizers(by_name).items()
+               for alias in (opt, *wrappers)}
+    return watch(scaler, by_name, model=module, schedulers=_pair_schedulers(schedulers, aliases) or None, **options)
+
+
+def _names_from_module(module: torch.nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> list[str] | None:
+    """Name each optimizer by the submodule holding all its parameters, if there are several and all differ."""
+    if module is None or len(optimizers) < 2:
+        return None
+    owner = {id(p): name for name, p in module.named_parameters()}
+    prefixes = []
+    for opt in optimizers:
+        paths = [owner.get(id(p)) for group in opt.param_groups for p in group["params"]]
+        if not paths or None in paths:
+            return None
+        common = os.path.commonprefix([path.split(".")[:-1] for path in paths])
+        prefixes.append(".".join(common)[:128])
+    # Distinct and readable: positions in an nn.Sequential ("0", "2") say less than the class names.
+    if all(p and not p.isdigit() for p in prefixes) and len(set(prefixes)) == len(prefixes):
+        return prefixes
+    return None
+
+
+def _pair_schedulers(schedulers: Iterable[Any], aliases: dict[int, str]) -> dict[str, list[dict[str, Any]]]:
+    """Group schedulers by the name of the optimizer each one drives (``aliases``: id of it or a wrapper -> name)."""
+    paired: dict[str, list[dict[str, Any]]] = {}
+    for item in schedulers or ():
+        entry = _scheduler_entry(item)
+        owner = getattr(entry["scheduler"], "optimizer", None)
+        name = aliases.get(id(owner))
+        if name is None and owner is None and len(set(aliases.values())) == 1:
+            name = next(iter(aliases.values()))
+        if name is None:
+            log.warning("ampwatch: not watching the %s: it drives no optimizer this watch knows",
+                        type(entry["scheduler"]).__name__)
+            continue
+        paired.setdefault(name, []).append(entry)
+    return paired
+
+
+def _scheduler_entry(item: Any) -> dict[str, Any]:
+    """Return ``{"scheduler": the one that really steps, "interval": ...}`` for a scheduler as a framework holds it.
+
+    Accepted: a scheduler (per step); ``{"scheduler": s, "interval": "step" |
+    "epoch", ...}`` (Lightning's dict); an object with ``.scheduler`` and
+    ``.interval`` (Lightning's LRSchedulerConfig); a wrapper exposing the
+    scheduler as ``.scheduler`` (Accelerate's AcceleratedScheduler, which steps
+    the inner one only when the optimizers really stepped and gradients synced).
+    """
+    if isinstance(item, Mapping) and "scheduler" in item:
+        scheduler, interval = item["scheduler"], item.get("interval", "step")
+    elif hasattr(item, "scheduler") and hasattr(item, "interval"):
+        scheduler, interval = item.scheduler, item.interval
+    else:
+        scheduler, interval = item, "step"
+    for _ in range(8):  # wrappers: watch the scheduler that actually advances
+        inner = getattr(scheduler, "scheduler", None)
+        if inner is None or inner is scheduler or not callable(getattr(inner, "step", None)):
+            break
+        scheduler = inner
+    return {"scheduler": scheduler, "interval": interval}

@@ -1,0 +1,89 @@
+"""The Lightning callback's behaviour, written once for ``lightning.pytorch`` and ``pytorch_lightning``.
+
+Imports neither: :mod:`ampwatch.agent.lightning` and
+:mod:`ampwatch.agent.pytorch_lightning` mix it into each package's ``Callback``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ._frameworks import Unwatched, attach, check_options, no_scaler
+from ._watch import DisabledWatch, Watch
+
+__all__ = ["LightningWatch"]
+
+_HINT = "precision='16-mixed' on a GPU (on CPU: plugins=[MixedPrecision('16-mixed', 'cpu')])"
+
+
+class LightningWatch:
+    """Attach the ampwatch agent at fit start, detach at fit end or on an exception.
+
+    ``names``: one name per optimizer, in ``configure_optimizers`` order
+    (default: the submodule each optimizer owns, else its class).
+    ``log_metrics``: also send the loss scale and each optimizer's skipped
+    steps to the Trainer's loggers every ``log_every_n_steps`` batches (one
+    snapshot of a few counters each time). ``collector``, ``run``, ``token``,
+    ``push_interval``: as for :func:`ampwatch.agent.watch`.
+    """
+
+    def __init__(self, names: Sequence[str] | None = None, *, log_metrics: bool = False, **options: Any) -> None:
+        super().__init__()
+        self.names = list(names) if names is not None else None
+        self.log_metrics = log_metrics
+        self.watch: Watch | DisabledWatch | None = None
+        """The agent's handle while fitting, and after (closed): ``summary()``, ``snapshot()``, ``stepped()``."""
+        self._options = check_options(options, "AmpWatchCallback()")
+        self._said_no_scaler = False
+        self._batches = 0
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Attach to the precision plugin's scaler, every optimizer and the LR schedulers with their interval."""
+        self._detach()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is None:
+            self.watch = no_scaler("this Trainer", trainer.precision, _HINT,
+                                   say=not self._said_no_scaler and trainer.is_global_zero)
+            self._said_no_scaler = True
+            return
+        self._batches = 0
+        self.watch = attach(scaler, list(trainer.optimizers), names=self.names, module=pl_module,
+                            schedulers=list(trainer.lr_scheduler_configs), **self._options)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """With ``log_metrics``: log the loss scale and skipped steps beside the loss curve."""
+        if not self.log_metrics or not isinstance(self.watch, Watch) or not trainer.loggers:
+            return
+        self._batches += 1
+        if self._batches % max(1, trainer.log_every_n_steps) or not trainer.is_global_zero:
+            return
+        state = self.watch.snapshot()["state"]
+        metrics = {f"ampwatch/{name}/skipped_steps": counters["skipped"]
+                   for name, counters in state["optimizers"].items()}
+        if state["loss_scale"] is not None:
+            metrics["ampwatch/loss_scale"] = state["loss_scale"]
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Detach and send what is left."""
+        self._detach()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Detach and send what is left; the exception goes on as before."""
+        self._detach()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Detach if fitting ended some way the hooks above did not see."""
+        if stage == "fit":
+            self._detach()
+
+    def _detach(self) -> None:
+        if self.watch is not None and not isinstance(self.watch, Unwatched):
+            self.watch.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A Trainer may be pickled (ddp_spawn); a live watch holds a thread and locks and stays in this process.
+        state = dict(self.__dict__)
+        state["watch"] = None
+        return state

@@ -1,0 +1,52 @@
+"""Accelerate integration: watch what ``accelerator.prepare`` returned.
+
+>>> from ampwatch.agent import accelerate as ampwatch                  # doctest: +SKIP
+>>> model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)  # doctest: +SKIP
+>>> watch = ampwatch.watch(accelerator, opt, schedulers=sched, model=model)     # doctest: +SKIP
+
+``pip install "ampwatch-agent[accelerate]"``. What it hooks, gradient
+accumulation, ``load_state()`` resumes and schedulers: docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ._frameworks import attach, check_options, no_scaler, require
+from ._watch import DisabledWatch, Watch
+
+__all__ = ["watch"]
+
+require("accelerate", integration="ampwatch.agent.accelerate", extra="accelerate")
+
+_HINT = "Accelerator(mixed_precision='fp16') on a GPU"
+
+
+def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any], schedulers: Any = None, *,
+          model: Any = None, **options: Any) -> Watch | DisabledWatch:
+    """Attach the agent to ``accelerator.scaler`` and the prepared optimizers; return the Watch.
+
+    ``optimizers``: what ``prepare`` returned (``AcceleratedOptimizer``), one,
+    a list, or ``{"name": optimizer}``. ``schedulers``: prepared schedulers
+    (``AcceleratedScheduler``), one or a list; each is paired with the
+    optimizer it drives, and the scheduler inside is watched, since that is
+    the one that advances (Accelerate steps it only when gradients sync).
+    ``model``: the prepared model, for parameter names. ``collector``,
+    ``run``, ``token``, ``push_interval``: as for :func:`ampwatch.agent.watch`.
+    Without a scaler (bf16, fp32, fp16 on CPU) it says so and returns a
+    handle that records nothing.
+    """
+    options = check_options(options, "ampwatch.agent.accelerate.watch()")
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is None:
+        return no_scaler("this Accelerator", getattr(accelerator, "mixed_precision", None), _HINT,
+                         say=bool(getattr(accelerator, "is_main_process", True)))
+    if model is not None and callable(getattr(accelerator, "unwrap_model", None)):
+        model = accelerator.unwrap_model(model)  # names without DDP's "module." prefix
+    if schedulers is None:
+        schedulers = []
+    elif not isinstance(schedulers, (list, tuple)):
+        schedulers = [schedulers]
+    if not isinstance(optimizers, (list, tuple, Mapping)):
+        optimizers = [optimizers]
+    return attach(scaler, optimizers, schedulers=schedulers, module=model, **options)

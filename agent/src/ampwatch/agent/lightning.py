@@ -1,0 +1,22 @@
+"""Lightning integration: ``Trainer(callbacks=[AmpWatchCallback()])`` reports every skipped step of a fit.
+
+>>> from ampwatch.agent.lightning import AmpWatchCallback            # doctest: +SKIP
+>>> trainer = lightning.pytorch.Trainer(precision="16-mixed", callbacks=[AmpWatchCallback()])  # doctest: +SKIP
+
+``pip install "ampwatch-agent[lightning]"``. For the ``pytorch_lightning``
+package, import the same callback from :mod:`ampwatch.agent.pytorch_lightning`.
+What it hooks and how it behaves on resume: docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+from ._frameworks import require
+from ._lightning import LightningWatch
+
+__all__ = ["AmpWatchCallback"]
+
+_pl = require("lightning.pytorch", integration="ampwatch.agent.lightning", extra="lightning")
+
+
+class AmpWatchCallback(LightningWatch, _pl.Callback):
+    __doc__ = LightningWatch.__doc__

@@ -1,0 +1,200 @@
+"""ampwatch.agent.accelerate.watch in real Accelerate loops, checked against ground truth.
+
+On a GPU, ``Accelerator(mixed_precision="fp16")`` sets ``native_amp = True`` and makes a
+``torch.amp.GradScaler``; on CPU it makes none (fp16 becomes fp32). ``gpu_like_fp16``
+(tests/helpers/framework_truth.py) does on CPU what Accelerate does on a GPU, with a real
+``GradScaler("cpu")``: float16 autocast in the prepared model, ``accelerator.backward``
+scaling the loss, and every prepared optimizer stepping through ``scaler.step`` and
+``scaler.update``.
+Ground truth: parameter bit patterns and the scaler's own scale (tests/helpers/framework_truth.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+
+from ampwatch.agent import accelerate as ampwatch  # noqa: E402
+from ampwatch.server._harness import CollectorProcess  # noqa: E402
+from framework_truth import (INF, Truth, bits, counts_at, gpu_like_fp16, params_of, rank_at,  # noqa: E402
+                             reset_accelerate_state, same_bits, watch_counts)
+
+ACCUMULATION = 2
+SYNC_STEPS = 12
+SAVE_AT = 5  # sync steps done when the state is saved; the resumed run starts there
+# Sync step -> the part whose gradients get an inf on the last micro-batch: `b` (fused AdamW)
+# skips, and Accelerate still steps b's scheduler (accelerate #4242); `a` skips twice in a row.
+POISON = {2: "b", 4: "a", 5: "a", 8: "b"}
+
+
+class TwoPart(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    for var in ("AMPWATCH_URL", "AMPWATCH_RUN", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    reset_accelerate_state()
+    yield monkeypatch
+    reset_accelerate_state()
+
+
+def fp16_accelerator(**kwargs) -> Accelerator:
+    """An Accelerator set up as Accelerate sets one up for fp16 on a GPU, with a real CPU GradScaler."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True, gradient_accumulation_steps=ACCUMULATION, **kwargs)
+    return gpu_like_fp16(accelerator, init_scale=1024.0, growth_interval=3)
+
+
+def job(accelerator: Accelerator):
+    """Prepared model, two optimizers (plain SGD, fused AdamW) and their per-step schedulers."""
+    torch.manual_seed(0)
+    model = TwoPart()
+    opt_a = torch.optim.SGD(model.a.parameters(), lr=0.05)
+    opt_b = torch.optim.AdamW(model.b.parameters(), lr=1e-3, fused=True)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 1, 0.99)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 1, 0.99)
+    return accelerator.prepare(model, opt_a, opt_b, sched_a, sched_b)
+
+
+def batches():
+    return list(torch.randn(SYNC_STEPS * ACCUMULATION, 4, 8, generator=torch.Generator().manual_seed(1)))
+
+
+def train(accelerator, model, optimizers, schedulers, truth: Truth, first_sync_step: int = 0,
+          save_to=None) -> None:
+    """The loop Accelerate documents: step and schedule every micro-batch inside ``accumulate``.
+
+    ``save_to``: ``accelerator.save_state`` there once ``SAVE_AT`` sync steps are done.
+    """
+    scaler = accelerator.scaler
+    sync_step = first_sync_step
+    for x in batches()[first_sync_step * ACCUMULATION:]:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).float().pow(2).mean())
+            syncing = accelerator.sync_gradients
+            if syncing and POISON.get(sync_step):
+                getattr(accelerator.unwrap_model(model), POISON[sync_step]).weight.grad.view(-1)[0] = INF
+            for name, opt in zip("ab", optimizers):
+                if syncing:
+                    truth.step(name, params_of(opt), scaler, opt.step)
+                else:  # Accelerate does nothing here: no step, no skip, no update
+                    before = bits(params_of(opt))
+                    opt.step()
+                    assert same_bits(before, bits(params_of(opt)))
+            for name, sched in zip("ab", schedulers):
+                before = sched.scheduler.last_epoch
+                sched.step()
+                for _ in range(sched.scheduler.last_epoch - before):
+                    truth.scheduler_stepped(name)
+            for opt in optimizers:
+                opt.zero_grad()
+        sync_step += syncing
+        if syncing and sync_step == SAVE_AT and save_to is not None:
+            accelerator.save_state(save_to)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_accumulation_and_a_load_state_resume_report_ground_truth_to_a_collector(tmp_path, fresh_state):
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        fresh_state.setenv("AMPWATCH_URL", collector.url)
+        fresh_state.setenv("AMPWATCH_RUN", "accelerate-resume")
+        accelerator = fp16_accelerator()
+        model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
+        watch = ampwatch.watch(accelerator, [opt_a, opt_b], [sched_a, sched_b], model=model)
+        truth = Truth()
+        train(accelerator, model, [opt_a, opt_b], [sched_a, sched_b], truth, save_to=tmp_path / "state")
+        watch.close()
+        saved_scale = torch.load(tmp_path / "state" / "scaler.pt", weights_only=False)["scale"]
+        first = truth.counts()
+        assert watch_counts(watch.snapshot()) == first
+        assert watch.snapshot()["state"]["iteration"] == 2 * SYNC_STEPS  # one update per optimizer step
+        assert first["optimizers"]["a"]["skipped"] == 2 and first["optimizers"]["b"]["skipped"] == 2
+        # Accelerate's step_was_skipped misses a fused optimizer's skips: b's scheduler stepped after both.
+        assert first["optimizers"]["b"]["scheduler_steps_after_skip"] == 2
+        assert first["optimizers"]["a"]["scheduler_steps_after_skip"] == 0
+
+        reset_accelerate_state()
+        accelerator = fp16_accelerator()
+        model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
+        watch = ampwatch.watch(accelerator, [opt_a, opt_b], [sched_a, sched_b], model=model)
+        accelerator.load_state(tmp_path / "state")
+        assert accelerator.scaler.get_scale() == saved_scale != 1024.0
+        truth = Truth()
+        train(accelerator, model, [opt_a, opt_b], [sched_a, sched_b], truth, first_sync_step=SAVE_AT)
+        watch.close()
+        assert watch_counts(watch.snapshot()) == truth.counts()  # the restore is no backoff or growth
+        rank = rank_at(collector.url, "accelerate-resume")
+        with urllib.request.urlopen(f"{collector.url}/v1/runs/accelerate-resume/events?kind=scale_change"
+                                    "&limit=1000", timeout=10) as answer:
+            changes = json.loads(answer.read())["events"]
+    assert counts_at(rank) == truth.add(first)
+    assert rank["incarnations"] == 2 and rank["closed"] and rank["delivery"]["rejected_batches"] == 0
+    assert [(e["before"], e["after"]) for e in changes if e["cause"] == "restored"] == [(1024.0, saved_scale)]
+
+
+def test_training_is_bit_identical_with_and_without_the_agent(fresh_state):
+    results = []
+    for watched in (True, False):
+        reset_accelerate_state()
+        accelerator = fp16_accelerator()
+        model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
+        if watched:
+            watch = ampwatch.watch(accelerator, {"a": opt_a, "b": opt_b}, [sched_a, sched_b], model=model)
+        truth = Truth()
+        train(accelerator, model, [opt_a, opt_b], [sched_a, sched_b], truth)
+        if watched:
+            assert watch_counts(watch.snapshot()) == truth.counts()
+            watch.close()
+        results.append((bits(model.parameters()), accelerator.scaler.get_scale(), truth.counts()))
+    (watched_bits, watched_scale, watched_truth), (plain_bits, plain_scale, plain_truth) = results
+    assert same_bits(watched_bits, plain_bits) and watched_scale == plain_scale and watched_truth == plain_truth
+
+
+def test_the_outer_accelerated_scheduler_is_not_what_is_watched(fresh_state):
+    # Under accumulation the user steps the AcceleratedScheduler every micro-batch; it advances
+    # the scheduler inside only when gradients sync. Watching the outer one would count a
+    # micro-batch after a skip as a scheduler step; the inner one counts only real advances.
+    accelerator = fp16_accelerator()
+    model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
+    watch = ampwatch.watch(accelerator, [opt_a, opt_b], [sched_a, sched_b], model=model)
+    assert "step" not in vars(sched_a) and "step" in vars(sched_a.scheduler)
+    watch.close()
+    assert "step" not in vars(sched_a.scheduler)
+
+
+def test_without_a_scaler_it_says_so_and_changes_nothing(fresh_state, caplog):
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    torch.manual_seed(0)
+    model = TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = accelerator.prepare(model, opt)
+    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
+        watch = ampwatch.watch(accelerator, opt, model=model)
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "ampwatch.agent"]
+    assert "precision 'bf16'" in said and "nothing to watch" in said and "mixed_precision='fp16'" in said
+    assert watch.stepped(opt) is None and "without a GradScaler" in watch.summary()
+    assert not opt.optimizer._optimizer_step_pre_hooks and "step" not in vars(opt)
+    watch.close()
+
+
+def test_options_that_watch_does_not_take_are_refused(fresh_state):
+    accelerator = fp16_accelerator()
+    model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'names'"):
+        ampwatch.watch(accelerator, [opt_a, opt_b], names=["x", "y"])

@@ -1,0 +1,138 @@
+"""ampwatch.agent.transformers.AmpWatchCallback in real Hugging Face Trainer runs, checked against ground truth.
+
+The Trainer leaves mixed precision to Accelerate, which makes a GradScaler only for
+fp16 on a GPU. ``CpuFp16Trainer`` (tests/helpers/hf_job.py) does on CPU what Accelerate
+does there (``native_amp = True`` and a ``torch.amp.GradScaler``, here a real
+``GradScaler("cpu")``): float16 autocast, the loss scaled in ``backward``, gradients
+unscaled for clipping, the optimizer stepped through ``scaler.step`` and ``scaler.update``.
+No model download: a tiny local model and an in-memory dataset.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from ampwatch.agent.transformers import AmpWatchCallback  # noqa: E402
+from ampwatch.server._harness import CollectorProcess  # noqa: E402
+from framework_truth import (Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
+                             same_bits, watch_counts)
+from hf_job import CpuFp16Trainer, Examples, Tiny  # noqa: E402
+
+EXAMPLES = 48
+BATCH, ACCUMULATION = 2, 2  # 12 optimizer steps per epoch
+POISONED = (9, 22, 23, 41)  # examples holding an inf: updates 2, 5 and 10 skip
+
+
+class TruthCallback(TrainerCallback):
+    """Bracket each optimizer step (the scaler's step and update happen inside) and watch the scheduler advance."""
+
+    def __init__(self) -> None:
+        self.truth = Truth()
+        self.name = self.last_epoch = None
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.name = type(optimizer.optimizer).__name__
+        self.truth.before_step(self.name, params_of(optimizer), optimizer.scaler)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.truth.after_step(optimizer.scaler)
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        if self.last_epoch is not None:
+            for _ in range(lr_scheduler.last_epoch - self.last_epoch):
+                self.truth.scheduler_stepped(self.name)
+        self.last_epoch = lr_scheduler.last_epoch
+
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.last_epoch = lr_scheduler.last_epoch
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    for var in ("AMPWATCH_URL", "AMPWATCH_RUN", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    reset_accelerate_state()
+    yield monkeypatch
+    reset_accelerate_state()
+
+
+def train(tmp_path, callbacks, *, trainer_class=CpuFp16Trainer, resume=None, **settings):
+    reset_accelerate_state()
+    torch.manual_seed(0)
+    truth = TruthCallback()
+    args = dict(output_dir=str(tmp_path / "out"), use_cpu=True, fp16=True, per_device_train_batch_size=BATCH,
+                gradient_accumulation_steps=ACCUMULATION, num_train_epochs=1, learning_rate=1e-2,
+                optim="adamw_torch_fused", train_sampling_strategy="sequential", report_to="none",
+                logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0)
+    args.update(settings)
+    trainer = trainer_class(model=Tiny(), args=TrainingArguments(**args), train_dataset=Examples(EXAMPLES, POISONED),
+                            callbacks=[truth, *callbacks])
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, truth.truth
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_training_and_a_resume_from_a_checkpoint_report_ground_truth_to_a_collector(tmp_path, fresh_state):
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        fresh_state.setenv("AMPWATCH_URL", collector.url)
+        fresh_state.setenv("AMPWATCH_RUN", "hf-resume")
+        first = AmpWatchCallback()
+        trainer, truth = train(tmp_path, [first], save_strategy="steps", save_steps=4)
+        counts = truth.counts()
+        assert first.watch.closed and watch_counts(first.watch.snapshot()) == counts
+        assert counts["optimizers"]["AdamW"]["skipped"] == 3 and counts["growths"] > 0
+        # The fused AdamW skips inside its kernel, Accelerate's step_was_skipped says "stepped",
+        # and the Trainer steps the LR schedule on every skipped update (accelerate #4242).
+        assert counts["optimizers"]["AdamW"]["scheduler_steps_after_skip"] == 3
+        assert "step" not in vars(trainer.accelerator.scaler) and "step" not in vars(trainer.lr_scheduler)
+
+        # A new Trainer resumes from the checkpoint after update 4 (its scale, optimizer and scheduler
+        # are loaded before training begins, so the watch starts from them: no transition at all).
+        second = AmpWatchCallback()
+        resumed, truth2 = train(tmp_path, [second], resume=str(tmp_path / "out" / "checkpoint-4"))
+        assert watch_counts(second.watch.snapshot()) == truth2.counts()
+        assert sum(truth2.steps.values()) + sum(truth2.skipped.values()) == 12 - 4
+        rank = rank_at(collector.url, "hf-resume")
+    assert counts_at(rank) == truth2.add(counts)
+    assert rank["incarnations"] == 2 and rank["closed"] and rank["delivery"]["rejected_batches"] == 0
+
+
+def test_training_is_bit_identical_with_and_without_the_callback(tmp_path):
+    callback = AmpWatchCallback(name="main")
+    watched, truth = train(tmp_path, [callback])
+    plain, plain_truth = train(tmp_path, [])
+    assert set(callback.watch.snapshot()["state"]["optimizers"]) == {"main"}
+    assert truth.counts() == plain_truth.counts() and sum(truth.skipped.values()) == 3
+    assert same_bits(bits(watched.model.parameters()), bits(plain.model.parameters()))
+    assert watched.accelerator.scaler.get_scale() == plain.accelerator.scaler.get_scale()
+
+
+def test_a_plain_optimizer_keeps_the_schedule_in_step_and_ampwatch_agrees(tmp_path):
+    callback = AmpWatchCallback()
+    _, truth = train(tmp_path, [callback], optim="adamw_torch")
+    counts = truth.counts()
+    assert watch_counts(callback.watch.snapshot()) == counts
+    assert counts["optimizers"]["AdamW"]["skipped"] == 3
+    assert counts["optimizers"]["AdamW"]["scheduler_steps_after_skip"] == 0
+
+
+def test_without_a_scaler_it_says_so_once_and_changes_nothing(tmp_path, caplog):
+    callback = AmpWatchCallback()
+    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
+        watched, _ = train(tmp_path, [callback], trainer_class=Trainer, fp16=False, bf16=True)
+        trained = bits(watched.model.parameters())
+        watched.train()  # a second train() with the same callback: not said again
+    said = [r.getMessage() for r in caplog.records if r.name == "ampwatch.agent"]
+    assert len(said) == 1 and "precision 'bf16'" in said[0] and "fp16=True" in said[0], said
+    assert "without a GradScaler" in callback.watch.summary()
+    assert not watched.optimizer.optimizer._optimizer_step_pre_hooks
+    plain, _ = train(tmp_path, [], trainer_class=Trainer, fp16=False, bf16=True)
+    assert same_bits(trained, bits(plain.model.parameters()))
