@@ -56,13 +56,7 @@ def _unwrap_optimizer(value: Any, where: str) -> tuple[torch.optim.Optimizer, li
     LightningOptimizer, anything exposing the real optimizer as ``.optimizer``)
     are unwrapped: the scaler steps the optimizer inside them.
     """
-    wrappers: list[Any] = []
-    while len(wrappers) < 8:
-        inner = getattr(value, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is value:
-            break
-        wrappers.append(value)
-        value = inner
+    value, wrappers = _peel(value)
     if not isinstance(value, torch.optim.Optimizer):
         raise TypeError(f"{where} must be a torch.optim.Optimizer (or a wrapper exposing one as .optimizer), "
                         f"got {type(value).__name__}")
@@ -110,7 +104,7 @@ def per_step_schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) ->
         entries = [_scheduler_and_interval(item, f"schedulers[{name!r}]") for item in items]
         classes = [type(s).__name__ for s, _ in entries]
         for i, (scheduler, interval) in enumerate(entries):
-            owner = _stepping(getattr(scheduler, "optimizer", None))
+            owner = _peel(getattr(scheduler, "optimizer", None))[0]  # e.g. built on an AcceleratedOptimizer
             if owner is not None and owner is not records[name].optimizer:
                 raise ValueError(f"schedulers[{name!r}] schedules a different optimizer than optimizers[{name!r}]")
             if interval == "step":  # a per-epoch scheduler stepped after a skip ran nothing ahead
@@ -119,14 +113,16 @@ def per_step_schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) ->
     return result
 
 
-def _stepping(optimizer: Any) -> Any:
-    """Return the optimizer inside wrappers (a scheduler built on Accelerate's AcceleratedOptimizer drives it)."""
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+def _peel(value: Any) -> tuple[Any, list[Any]]:
+    """Return what is inside wrappers exposing an optimizer as ``.optimizer``, and the wrappers (outermost first)."""
+    wrappers: list[Any] = []
+    while len(wrappers) < 8:
+        inner = getattr(value, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is value:
             break
-        optimizer = inner
-    return optimizer
+        wrappers.append(value)
+        value = inner
+    return value, wrappers
 
 
 def _is_scheduler_config(value: Any) -> bool:
