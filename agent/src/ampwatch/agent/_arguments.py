@@ -9,7 +9,7 @@ import torch
 from . import _device
 from ._recorder import OptimizerRecord
 
-__all__ = ["check_scaler", "named_optimizers", "named_params", "per_step_schedulers"]
+__all__ = ["check_scaler", "named_optimizers", "named_params", "per_step_schedulers", "scheduler_and_interval"]
 
 
 def check_scaler(scaler: Any) -> None:
@@ -101,7 +101,7 @@ def per_step_schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) ->
             raise ValueError(f"schedulers: {name!r} is not the name of a watched optimizer "
                              f"(names: {', '.join(records)})")
         items = list(value) if isinstance(value, (list, tuple)) else [value]
-        entries = [_scheduler_and_interval(item, f"schedulers[{name!r}]") for item in items]
+        entries = [scheduler_and_interval(item, f"schedulers[{name!r}]") for item in items]
         classes = [type(s).__name__ for s, _ in entries]
         for i, (scheduler, interval) in enumerate(entries):
             owner = _peel(getattr(scheduler, "optimizer", None))[0]  # e.g. built on an AcceleratedOptimizer
@@ -129,11 +129,15 @@ def _is_scheduler_config(value: Any) -> bool:
     return isinstance(value, Mapping) and "scheduler" in value
 
 
-def _scheduler_and_interval(item: Any, where: str) -> tuple[Any, str]:
-    """Accept a scheduler (stepped per optimizer step) or ``{"scheduler": s, "interval": "step" | "epoch"}``.
+def scheduler_and_interval(item: Any, where: str) -> tuple[Any, str]:
+    """Return the scheduler that really steps behind ``item``, and its cadence ("step" or "epoch").
 
-    The dict is Lightning's ``lr_scheduler`` config; an object with ``.scheduler``
-    and ``.interval`` attributes (Lightning's ``LRSchedulerConfig``) works too.
+    Accepted: a scheduler (per step); ``{"scheduler": s, "interval": "step" |
+    "epoch", ...}`` (Lightning's dict); an object with ``.scheduler`` and
+    ``.interval`` (Lightning's ``LRSchedulerConfig``); a wrapper exposing the
+    scheduler as ``.scheduler`` (Accelerate's ``AcceleratedScheduler``, which
+    steps the inner one only when the optimizers really stepped and gradients
+    synced: the inner one is watched, so micro-batches are not counted).
     """
     if _is_scheduler_config(item):
         scheduler, interval = item["scheduler"], item.get("interval", "step")
@@ -141,6 +145,11 @@ def _scheduler_and_interval(item: Any, where: str) -> tuple[Any, str]:
         scheduler, interval = item.scheduler, item.interval
     else:
         scheduler, interval = item, "step"
+    for _ in range(8):  # wrappers: watch the scheduler that actually advances
+        inner = getattr(scheduler, "scheduler", None)
+        if inner is None or inner is scheduler or not callable(getattr(inner, "step", None)):
+            break
+        scheduler = inner
     if interval not in _INTERVALS:
         raise ValueError(f"{where}: interval must be 'step' or 'epoch', got {interval!r}")
     if not callable(getattr(scheduler, "step", None)):

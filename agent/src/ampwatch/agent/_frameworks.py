@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from ._arguments import named_optimizers
+from ._arguments import named_optimizers, scheduler_and_interval
 from ._watch import DisabledWatch, Watch, watch
 
 __all__ = ["OPTIONS", "Unwatched", "attach", "check_options", "no_scaler", "require"]
@@ -133,23 +133,6 @@ def _pair_schedulers(schedulers: Iterable[Any], aliases: dict[int, str]) -> dict
 
 
 def _scheduler_entry(item: Any) -> dict[str, Any]:
-    """Return ``{"scheduler": the one that really steps, "interval": ...}`` for a scheduler as a framework holds it.
-
-    Accepted: a scheduler (per step); ``{"scheduler": s, "interval": "step" |
-    "epoch", ...}`` (Lightning's dict); an object with ``.scheduler`` and
-    ``.interval`` (Lightning's LRSchedulerConfig); a wrapper exposing the
-    scheduler as ``.scheduler`` (Accelerate's AcceleratedScheduler, which steps
-    the inner one only when the optimizers really stepped and gradients synced).
-    """
-    if isinstance(item, Mapping) and "scheduler" in item:
-        scheduler, interval = item["scheduler"], item.get("interval", "step")
-    elif hasattr(item, "scheduler") and hasattr(item, "interval"):
-        scheduler, interval = item.scheduler, item.interval
-    else:
-        scheduler, interval = item, "step"
-    for _ in range(8):  # wrappers: watch the scheduler that actually advances
-        inner = getattr(scheduler, "scheduler", None)
-        if inner is None or inner is scheduler or not callable(getattr(inner, "step", None)):
-            break
-        scheduler = inner
+    """Return ``{"scheduler": the one that really steps, "interval": ...}`` for a scheduler as a framework holds it."""
+    scheduler, interval = scheduler_and_interval(item, f"the {type(item).__name__}")
     return {"scheduler": scheduler, "interval": interval}
