@@ -12,7 +12,7 @@ import torch
 
 from . import _device
 from ._events import EventBuffer
-from ._params import NonfiniteReport, ParameterNames, scan_optimizers
+from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
 
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
 
@@ -42,7 +42,8 @@ class OptimizerRecord:
     last_stepped: bool | None = None
     last_step_iteration: int | None = None
     poison_reported_for: int | None = None  # step iteration already reported as poisoned
-    last_streak_inspection: float = float("-inf")
+    last_streak_inspection: float = float("-inf")  # when the last naming scan at a streak start ended
+    check_weights: bool = False  # a streak began this iteration: look at the weights its last step left
     # Per scaler.step call, written by the wrappers and the step pre-hook.
     hook_fired: bool = False
     found_inf: torch.Tensor | None = None
@@ -162,15 +163,14 @@ class Recorder:
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
             self._clean_iterations = 0
-            if self._inspected_this_iteration:
-                self._check_poisoned_steps(iteration)
+            self._check_poisoned_steps(iteration)  # whatever the naming rate limit did
         else:
             self._clean_iterations += 1
         if self.enabled:
             self._read_scale(iteration, manual)
         for record in self.records:
             record.stepped_this_iteration = False
-        self._skipped_this_iteration = self._inspected_this_iteration = False
+        self._skipped_this_iteration = False
         self.iteration = iteration + 1
 
     def on_scheduler_step(self, record: OptimizerRecord, scheduler: str) -> None:
@@ -282,50 +282,62 @@ class Recorder:
                             "start_iteration": record.streak_start, "length": record.consecutive})
         record.consecutive = 0
 
-    def _should_inspect(self, record: OptimizerRecord, position: int) -> bool:
-        # Exponentially spaced positions within a streak; streak starts at most once per interval,
-        # so a storm of skips costs O(log n) inspections per streak and a bounded rate overall.
+    def _may_name(self, record: OptimizerRecord, position: int) -> bool:
+        # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
+        # streak starts at most once per interval per optimizer, counted from the END of the previous
+        # naming scan, so a scan longer than the interval cannot run at every streak start.
         if position & (position - 1):
             return False
-        if position > 1:
-            return True
-        now = time.monotonic()
-        if now - record.last_streak_inspection < self.inspect_interval:
-            return False
-        record.last_streak_inspection = now
-        return True
+        return position > 1 or time.monotonic() - record.last_streak_inspection >= self.inspect_interval
 
     def _report_skip(self, record: OptimizerRecord, position: int, iteration: int) -> None:
         event: dict[str, Any] = {"kind": "skip", "iteration": iteration, "optimizer": record.name,
                                  "streak": position, "params": [], "params_total": None,
                                  "inspected": False}
-        # Gradients of a deferred (fused, on-device) outcome may already belong to a later iteration.
-        if iteration == self.iteration and self._should_inspect(record, position):
-            grads, weights = scan_optimizers([record.optimizer], self.names,
-                                             weights=position == 1)[0]
-            event.update(params=grads.params, params_total=grads.total, inspected=True)
-            self._inspected_this_iteration = True
-            self.events.append(event)
-            if weights is not None and weights.total and record.last_step_iteration is not None:
-                # The first skip of a streak with weights already non-finite: the last step poisoned them.
-                self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
-            return
+        # Gradients and weights of a deferred (fused, on-device) outcome may already belong to a later iteration.
+        current = iteration == self.iteration
+        if current and position == 1 and record.last_step_iteration is not None:
+            record.check_weights = True  # checked in update(), with the optimizers that stepped
+        if current and self._may_name(record, position):
+            try:
+                (grads,) = scan_optimizers([(record.optimizer, "grads")], self.names)
+                event.update(params=grads.params, params_total=grads.total, inspected=True)
+            except Exception as error:  # noqa: BLE001 - the skip itself is still reported
+                self.internal_error("parameter scan", error)
+            if position == 1:
+                record.last_streak_inspection = time.monotonic()
         self.events.append(event)
 
     # ----- poisoned steps (issue 8) ---------------------------------------------------------
 
     def _check_poisoned_steps(self, iteration: int) -> None:
-        # Only on an iteration where some optimizer skipped: then an optimizer that stepped may have
-        # been handed gradients that became non-finite after its own check (e.g. whole-model clipping).
+        # On every iteration where some optimizer skipped, never rate-limited: an optimizer that stepped
+        # may have been handed gradients that became non-finite after its own check (e.g. whole-model
+        # clipping), or have stepped into non-finite weights; and an optimizer whose skips began now may
+        # find its weights already non-finite: its last step poisoned them. One scan for all of them.
         stepped = [r for r in self.records if r.stepped_this_iteration]
-        if not stepped:
+        started = [r for r in self.records if r.check_weights]
+        for record in started:
+            record.check_weights = False
+        targets: list[tuple[torch.optim.Optimizer, Part]] = [
+            (r.optimizer, part) for r in stepped for part in ("grads", "weights")]
+        targets += [(r.optimizer, "weights") for r in started]
+        if not targets:
             return
-        reports = scan_optimizers([r.optimizer for r in stepped], self.names, weights=True)
-        for record, (grads, weights) in zip(stepped, reports):
+        try:
+            reports = scan_optimizers(targets, self.names)
+        except Exception as error:  # noqa: BLE001 - the rest of update() must still be accounted
+            self.internal_error("parameter scan", error)
+            return
+        for k, record in enumerate(stepped):
+            grads, weights = reports[2 * k], reports[2 * k + 1]
             if grads.total:
                 self._report_poisoned(record, iteration, grads, "nonfinite_grad")
             elif weights.total:
                 self._report_poisoned(record, iteration, weights, "nonfinite_param")
+        for record, weights in zip(started, reports[2 * len(stepped):]):
+            if weights.total and record.last_step_iteration is not None:
+                self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     def _report_poisoned(self, record: OptimizerRecord, iteration: int,
                          report: NonfiniteReport, reason: str) -> None:
