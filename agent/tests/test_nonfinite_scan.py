@@ -1,8 +1,9 @@
 """The two-stage non-finite scan: which tensors hold inf/NaN (stage 1), and exactly how many (stage 2).
 
-Stage 1 has a batched path (``torch._foreach_norm``, private) and a public per-tensor path
-(``torch.aminmax``); on CPU each takes part of the tensors by size. Every case is checked on all
-three routings against the truth computed element by element.
+Stage 1 has three ways to flag tensors: stacks of small same-shaped tensors (CPU), one
+``torch.aminmax`` per tensor (larger CPU tensors, and any device without the next one) and one
+``torch._foreach_norm`` call per device and dtype (GPUs; a private op). Every case is checked on
+each against the truth computed element by element; the GPU's batched call runs here on CPU tensors.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ def truth(tensors) -> list[int]:
     return out
 
 
-@pytest.fixture(params=["default", "batched-only", "public-only"])
+@pytest.fixture(params=["default", "stacked-only", "per-tensor-only"])
 def routing(request, monkeypatch):
-    """Route stage 1 through the default split, only ``_foreach_norm``, or only the public per-tensor path."""
-    if request.param == "batched-only":
-        monkeypatch.setattr(_device, "CPU_FOREACH_MAX_NUMEL", 10 ** 12)
-    elif request.param == "public-only":
-        monkeypatch.setattr(_device, "_foreach_norm", None)
+    """Route stage 1 on CPU through the default split by size, only stacks, or only one aminmax per tensor."""
+    if request.param == "stacked-only":
+        monkeypatch.setattr(_device, "CPU_STACK_MAX_NUMEL", 10 ** 12)
+        monkeypatch.setattr(_device, "_STACK_MAX_ELEMENTS", 3000)  # several chunks per stack here
+    elif request.param == "per-tensor-only":
+        monkeypatch.setattr(_device, "CPU_STACK_MAX_NUMEL", 0)
     return request.param
 
 
@@ -67,6 +69,29 @@ def test_stage_one_flags_exactly_the_tensors_holding_inf_or_nan(routing, dtype):
     tensors, expected = planted(dtype)
     assert len(expected) == sum(3 * len({0, s // 2, s - 1}) for s in SIZES)
     assert _device.nonfinite_indices(tensors) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_batched_gpu_path_flags_exactly_the_same_tensors(dtype):
+    """``_foreach_norm(ord=inf)``, as a GPU runs it per device and dtype (here its CPU implementation)."""
+    tensors, expected = planted(dtype)
+    with torch.no_grad():
+        flags = _device._flags_batched(tensors).tolist()
+    assert [i for i, bad in enumerate(flags) if bad] == expected
+
+
+def test_a_device_without_the_batched_kernel_falls_back_to_the_public_path(monkeypatch):
+    tensors, expected = planted(torch.float32)
+
+    def missing_kernel(*args, **kwargs):
+        raise NotImplementedError("no _foreach_norm for this device")
+
+    with torch.no_grad():
+        monkeypatch.setattr(_device, "_foreach_norm", missing_kernel)
+        flags = _device._flags(torch.device("meta"), False, tensors).tolist()  # as on a non-CPU device
+        assert [i for i, bad in enumerate(flags) if bad] == expected
+        monkeypatch.setattr(_device, "_foreach_norm", None)  # a torch without the private op
+        assert _device._flags(torch.device("meta"), False, tensors).tolist() == flags
 
 
 def test_mixed_sizes_dtypes_and_holes_come_back_in_order(routing):
