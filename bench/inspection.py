@@ -282,8 +282,8 @@ def run(quick: bool) -> dict:
         results: dict = {"skip_cost": [skip_cost(n, numel, 2 if quick else 7) for n, numel in SHAPES]}
         with _collector() as url:
             results["storms"] = [storm(kind, 2 if quick else 6, 2 if quick else 6, url) for kind in STORMS]
-        results["issue_before"] = {"storm_ratio": 2.55, "note": "quoted from issue 11 (10k-tensor model, skips "
-                                   "alternating with steps, before this change); not re-measured here"}
+        results["issue_before"] = {"storm_ratio": 2.55, "note": "quoted from issue 11, whose model had 10,000 "
+                                   "tensors and skips alternating with steps; not re-measured here"}
         return results
     finally:
         torch.set_num_threads(threads)

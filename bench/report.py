@@ -161,7 +161,7 @@ def _inspection_summary(insp: Optional[dict]) -> list[str]:
         out.append(f"| skip storm (skips alternate with steps), {st['tensors']:,}-tensor {st['model']}, "
                    f"{st['optimizers']} optimizer(s): CPU time vs unwatched | {st['ratio']:.3f} "
                    f"[{st['ratio_p25']:.3f}-{st['ratio_p75']:.3f}] | "
-                   f"{'issue 11 measured ' + format(before, '.2f') + ' before this change (its model)' if before else '-'} | "
+                   f"{'issue 11 measured ' + format(before, '.2f') + 'x before this change (its model)' if before else '-'} | "
                    f"{st['named_skips']} of {st['skips']} skips named (rate limit); checks for poisoned steps on all |")
     return out
 
