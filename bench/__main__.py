@@ -112,7 +112,7 @@ def _section(name: str, quick: bool) -> object:
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections, then write the JSON results and the Markdown page."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="about a minute; short runs, wide spread")
+    parser.add_argument("--quick", action="store_true", help="about two minutes; short runs, wide spread")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
     parser.add_argument("--render", metavar="JSON", help="only re-render the page of an earlier run's JSON")
     parser.add_argument("--out", metavar="PREFIX",
