@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ampwatch.agent._params import MAX_NAMED_PARAMS, NonfiniteReport, ParameterNames, scan_optimizers
+from bench.overhead import _pct
 
 __all__ = ["SHAPES", "STORMS", "skip_cost", "storm", "run", "main"]
 
@@ -40,7 +41,7 @@ SHAPES = ((10_000, 16), (10_000, 4_096), (100, 1 << 20))
 """(tensors, elements per tensor): the shapes issue 11 measured."""
 
 STORMS = ("mlp", "mlp-2opt", "tiny-tensors")
-"""Skip-storm models: see :func:`_storm_model`."""
+"""Skip-storm models: see :class:`_Storm`."""
 
 
 # ----- the 'before' baseline: the agent's scan until this change, copied unchanged -------------------
@@ -102,11 +103,6 @@ def before_scan(optimizers: Sequence[torch.optim.Optimizer], names: ParameterNam
     return result
 
 # ----- part 1: one inspected skip --------------------------------------------------------------------
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _gradients(n: int, numel: int) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
