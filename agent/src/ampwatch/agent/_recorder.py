@@ -296,17 +296,27 @@ class Recorder:
                                  "inspected": False}
         # Gradients and weights of a deferred (fused, on-device) outcome may already belong to a later iteration.
         current = iteration == self.iteration
-        if current and position == 1 and record.last_step_iteration is not None:
-            record.check_weights = True  # checked in update(), with the optimizers that stepped
+        # A streak start looks at the weights its optimizer's last step left: in this scan when it names,
+        # else in update(), with the optimizers that stepped (one scan, one copy, either way).
+        check_weights = current and position == 1 and record.last_step_iteration is not None
+        weights = None
         if current and self._may_name(record, position):
+            targets: list[tuple[torch.optim.Optimizer, Part]] = [(record.optimizer, "grads")]
+            if check_weights:
+                targets.append((record.optimizer, "weights"))
             try:
-                (grads,) = scan_optimizers([(record.optimizer, "grads")], self.names)
+                grads, *checked = scan_optimizers(targets, self.names)
                 event.update(params=grads.params, params_total=grads.total, inspected=True)
+                weights = checked[0] if checked else None
+                check_weights = False
             except Exception as error:  # noqa: BLE001 - the skip itself is still reported
                 self.internal_error("parameter scan", error)
             if position == 1:
                 record.last_streak_inspection = time.monotonic()
+        record.check_weights = check_weights
         self.events.append(event)
+        if weights is not None and weights.total:
+            self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     # ----- poisoned steps (issue 8) ---------------------------------------------------------
 
