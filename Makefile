@@ -26,7 +26,8 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)
 
-# About 11 minutes on 2 cores (ARGS=--quick: about a minute); writes docs/benchmarks.md and .json.
+# About 15 minutes on 2 cores (ARGS=--quick: about two); writes docs/benchmarks.md and .json.
+# One section into the existing page: make bench ARGS="--only inspection --merge".
 # Drives Debian's prometheus-pushgateway and valgrind (apt-get install prometheus-pushgateway valgrind).
 bench: $(STAMP)
 	@for tool in prometheus-pushgateway valgrind; do command -v $$tool >/dev/null || \

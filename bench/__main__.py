@@ -1,7 +1,9 @@
-"""Run the benchmarks: ``python -m bench [--quick] [--only SECTION ...]`` (``make bench``).
+"""Run the benchmarks: ``python -m bench [--quick] [--only SECTION ...] [--merge]`` (``make bench``).
 
-Full run: about 11 minutes on a 2-core machine (5 of them under valgrind); writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
-``--quick`` (about a minute) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
+Full run: about 15 minutes on a 2-core machine (5 of them under valgrind); writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
+``--quick`` (about two minutes) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
+``--only SECTION --merge`` re-measures one section into an earlier run's page, e.g. after changing the agent's scan:
+``python -m bench --only inspection --merge`` (the page says which sections were re-measured, and when).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import time
 import traceback
 from importlib import metadata
 
-from bench import footprint, ingest, instructions, overhead, report, scrape, tail
+from bench import footprint, ingest, inspection, instructions, overhead, report, scrape, tail
 
-SECTIONS = ("overhead", "instructions", "ingest", "scrape", "footprint", "tail")
+SECTIONS = ("overhead", "instructions", "inspection", "ingest", "scrape", "footprint", "tail")
 FULL_ONLY = ("instructions",)  # minutes under valgrind: left out of --quick unless asked for with --only
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,19 +104,31 @@ def _section(name: str, quick: bool) -> object:
         return footprint.run(64, 3, 8, skip_every=2) if quick else footprint.run()
     if name == "instructions":
         return instructions.run(50 if quick else 200)
+    if name == "inspection":
+        return inspection.run(quick)
     return [tail.profile(1024, 4 if quick else 10, tuned) for tuned in (False, True)]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections, then write the JSON results and the Markdown page."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="about a minute; short runs, wide spread")
+    parser.add_argument("--quick", action="store_true", help="about two minutes; short runs, wide spread")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
     parser.add_argument("--render", metavar="JSON", help="only re-render the page of an earlier run's JSON")
     parser.add_argument("--out", metavar="PREFIX",
                         help="write PREFIX.md and PREFIX.json (default docs/benchmarks, or artifacts/bench-quick)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other sections of PREFIX.json (an earlier run) and replace only those run now")
     args = parser.parse_args(argv)
     prefix = args.out or os.path.join(ROOT, "artifacts/bench-quick" if args.quick else "docs/benchmarks")
+    earlier_run = None
+    if args.merge:
+        if not args.only:
+            parser.error("--merge needs --only SECTION: it replaces those sections of an earlier run")
+        if not os.path.exists(prefix + ".json"):
+            parser.error(f"--merge: {prefix}.json does not exist; run the whole benchmark first")
+        with open(prefix + ".json") as f:
+            earlier_run = json.load(f)
     if args.render:
         with open(args.render) as f:
             earlier = json.load(f)
@@ -137,6 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", flush=True)
     results["environment"]["loadavg_end"] = round(os.getloadavg()[0], 2)
     results["duration_s"] = round(time.perf_counter() - started, 1)
+    if earlier_run is not None:  # the page stays the earlier run's, with these sections re-measured
+        env = results["environment"]
+        stamp = {"command": results["command"], "date": env["date"], "duration_s": results["duration_s"],
+                 "loadavg_start": env["loadavg_start"], "loadavg_end": env["loadavg_end"], "versions": env["versions"]}
+        for name in chosen:
+            earlier_run[name] = results[name]
+            earlier_run.setdefault("remeasured", {})[name] = stamp
+        earlier_run["notes"] = NOTES
+        results = earlier_run
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     with open(prefix + ".json", "w") as f:
         json.dump(results, f, indent=1)
@@ -144,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(prefix + ".md", "w") as f:
         f.write(page)
     print(page.split("## 1.")[0])
-    print(f"bench: wrote {prefix}.md and {prefix}.json in {results['duration_s']:.0f} s")
-    failed = [name for name in SECTIONS if isinstance(results.get(name), dict) and "error" in results[name]]
+    print(f"bench: wrote {prefix}.md and {prefix}.json in {time.perf_counter() - started:.0f} s")
+    failed = [name for name in chosen if isinstance(results.get(name), dict) and "error" in results[name]]
     return 1 if failed else 0
 
 

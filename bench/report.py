@@ -67,6 +67,7 @@ def _summary(res: dict) -> list[str]:
             out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} (callgrind, exact) | "
                        f"{r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per iteration) | - | "
                        f"{(r['ratio'] - 1) * 100:.2f}% |")
+    out += _inspection_summary(res.get("inspection"))
     ing = res.get("ingest")
     if ing and "paced" in ing:
         for ranks in (1024, 4096):
@@ -140,6 +141,82 @@ def _instructions(ins: dict) -> list[str]:
     for r in ins["rows"]:
         out.append(f"| {r['model']} | {r['optimizer']} | {r['iterations']} | {r['bare_per_iter']:,} | "
                    f"{r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | {r['ratio']:.4f} |")
+    return out
+
+
+def _shape(cost: dict) -> str:
+    return f"{cost['tensors']:,} x {cost['elements']:,}"
+
+
+def _inspection_summary(insp: Optional[dict]) -> list[str]:
+    if not insp or "skip_cost" not in insp:
+        return []
+    out = []
+    for cost in insp["skip_cost"]:
+        one, every = (cost["scenarios"][k]["variants"] for k in ("one", "all"))
+        before = (f"; before this change {_fmt(one['before_names']['ms'])} / {_fmt(every['before_names']['ms'])} ms"
+                  if "before_names" in one else "")
+        out.append(f"| inspected skip over {_shape(cost)} gradients: ms, one / every tensor non-finite | "
+                   f"{_fmt(one['names']['ms'])} / {_fmt(every['names']['ms'])} | GradScaler's own check "
+                   f"{_fmt(one['gradscaler']['ms'])} / {_fmt(every['gradscaler']['ms'])}{before} | "
+                   f"{one['names']['ratio']:.1f}x / {every['names']['ratio']:.1f}x GradScaler's check |")
+    before = insp.get("issue_before", {}).get("storm_ratio")
+    for st in insp.get("storms", []):
+        out.append(f"| skip storm (skips alternate with steps), {st['tensors']:,}-tensor {st['model']}, "
+                   f"{st['optimizers']} optimizer(s): CPU time vs unwatched | {st['ratio']:.3f} "
+                   f"[{st['ratio_p25']:.3f}-{st['ratio_p75']:.3f}] | "
+                   f"{'issue 11 measured ' + format(before, '.2f') + 'x before this change (its model)' if before else '-'} | "
+                   f"{st['named_skips']} of {st['skips']} skips named (rate limit); checks for poisoned steps on all |")
+    return out
+
+
+def _inspection(insp: dict) -> list[str]:
+    out = ["One inspected skip (`bench/inspection.py`): float32 gradients of the shapes issue 11 measured, "
+           "one compute thread, CPU time, median of "
+           f"{insp['skip_cost'][0]['rounds']} rotating rounds; ratio = median of per-round ratios to "
+           "GradScaler's own check of the same gradients [p25-p75]. *GradScaler's check*: "
+           "`GradScaler._unscale_grads_` with an inverse scale of 1, what `unscale_()` (or `step()`) runs to find "
+           "inf/NaN (group the gradients by device and dtype, then one `_amp_foreach_non_finite_check_and_unscale_` "
+           "per group); *kernel alone*: that one call. *Names*: the agent's scan naming the skipping optimizer's "
+           "gradients, the cost of an inspected skip. *Weight check*: the check of the skipping optimizer's weights "
+           "at a streak start (never rate-limited; a streak start whose naming is not rate-limited does both). "
+           "*Before*: the agent's scan before issue 11 (kept in the bench module as the baseline), naming "
+           "gradients alone and, at a streak start, gradients and weights.", "",
+           "| gradients | non-finite tensors | GradScaler's check ms | kernel alone ms | names ms (ratio) | "
+           "weight check ms (ratio) | before: names ms (ratio) | before: streak start ms (ratio) |",
+           "|---|---|---|---|---|---|---|---|"]
+
+    def cell(v: dict, key: str) -> str:
+        r = v.get(key)
+        return "-" if r is None else f"{_fmt(r['ms'])} ({r['ratio']:.2f}x [{r['ratio_p25']:.2f}-{r['ratio_p75']:.2f}])"
+    for cost in insp["skip_cost"]:
+        for scenario in ("one", "all"):
+            sc = cost["scenarios"][scenario]
+            v = sc["variants"]
+            out.append(f"| {_shape(cost)} | {sc['offending']:,} | {_fmt(v['gradscaler']['ms'])} | "
+                       f"{_fmt(v['gradscaler_kernel']['ms'])} | {cell(v, 'names')} | {cell(v, 'weights')} | "
+                       f"{cell(v, 'before_names')} | {cell(v, 'before_streak_start')} |")
+    storms = insp.get("storms", [])
+    if storms:
+        out += ["", "Skip storms: every other iteration the first optimizer's gradients hold an inf, so each of its "
+                "skips starts a streak (weights checked every time, names at most once per second per optimizer); "
+                "in `mlp-2opt` a second optimizer steps every iteration and is checked on each skip. A real "
+                "collector on loopback; float32 compute; per-iteration CPU time of the whole process (sender thread "
+                f"included), median of {storms[0]['rounds']} alternating rounds of {storms[0]['block']} iterations; "
+                "ratio = median of per-round ratios to the unwatched model [p25-p75].", "",
+                "| model | tensors | optimizers | unwatched ms/iter | watched ms/iter | ratio [p25-p75] | wall ratio | "
+                "watched iterations | skips | named | poisoned steps | agent errors |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for st in storms:
+            out.append(f"| {st['model']} | {st['tensors']:,} | {st['optimizers']} | {_fmt(st['bare_ms_per_iter'])} | "
+                       f"{_fmt(st['watched_ms_per_iter'])} | {st['ratio']:.3f} [{st['ratio_p25']:.3f}-"
+                       f"{st['ratio_p75']:.3f}] | {st['wall_ratio']:.3f} | {st.get('iterations', '-')} | "
+                       f"{st.get('skips', '-')} | "
+                       f"{st.get('named_skips', '-')} | {st.get('poisoned_steps', '-')} | {st.get('agent_errors', '-')} |")
+    before = insp.get("issue_before")
+    if before:
+        out += ["", f"Before this change a 10,000-tensor skip storm ran at {before['storm_ratio']:.2f}x the unwatched "
+                f"iteration time ({before['note']})."]
     return out
 
 
@@ -221,6 +298,15 @@ def _tail(tail: list[dict], before_after: Optional[dict]) -> list[str]:
     return out
 
 
+def _remeasured(res: dict, key: str) -> list[str]:
+    stamp = res.get("remeasured", {}).get(key)
+    if not stamp:
+        return []
+    return [f"Re-measured by `{stamp['command']}` on {stamp['date']} in {stamp['duration_s']:.0f} s (load average "
+            f"{stamp['loadavg_start']} at start, {stamp['loadavg_end']} at the end); the rest of the page is from the "
+            "run above.", ""]
+
+
 def render(res: dict, json_name: str = "benchmarks.json") -> str:
     """Return the Markdown page for ``res`` (the document ``python -m bench`` writes as ``json_name``)."""
     env = res["environment"]
@@ -237,12 +323,14 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
               "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
     sections = [("overhead", "1. Agent overhead per training iteration", _overhead),
                 ("instructions", "1b. Agent overhead in CPU instructions (exact)", _instructions),
+                ("inspection", "1c. Inspecting skips on models with many tensors", _inspection),
                 ("ingest", "2. Ingest throughput and latency vs the Pushgateway", _ingest),
                 ("scrape", "3. Scrape cost", _scrape),
                 ("footprint", "4. Collector footprint", _footprint)]
     for key, title, fn in sections:
         if key in res:
             lines += [f"## {title}", ""]
+            lines += _remeasured(res, key)
             lines += fn(res[key]) if "error" not in res[key] else [f"Failed: `{res[key]['error']}`"]
             lines += [""]
     if "tail" in res:

@@ -104,3 +104,48 @@ def test_the_hot_path_timer_runs_the_recorder_calls_of_a_real_attached_agent():
     from bench.overhead import agent_hot_path_us
     # A loose sanity bound only: the figure itself belongs to docs/benchmarks.md.
     assert 0 < agent_hot_path_us(repeats=1, n=200) < 1000
+
+
+@pytest.mark.timeout(120)
+def test_inspection_bench_times_the_scan_beside_gradscalers_check_and_a_storm_beside_the_bare_loop(monkeypatch):
+    from bench import inspection, report
+    for var in ("AMPWATCH_URL", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    # skip_cost itself checks that every scan found exactly the planted non-finite gradients.
+    cost = inspection.skip_cost(300, 16, rounds=1)
+    for scenario, offending in (("one", 1), ("all", 300)):
+        measured = cost["scenarios"][scenario]
+        assert measured["offending"] == offending
+        assert set(measured["variants"]) == {"gradscaler", "gradscaler_kernel", "names", "weights",
+                                             "before_names", "before_streak_start"}
+        assert measured["variants"]["gradscaler"]["ratio"] == 1.0
+        assert all(v["ms"] > 0 for v in measured["variants"].values())
+    st = inspection.storm("mlp-2opt", rounds=1, block=4, collector=None, tensors=40)
+    assert (st["tensors"], st["optimizers"]) == (40, 2)
+    # Six watched iterations (two of warm-up), the first optimizer skipping every other one.
+    assert st["skips"] == 3 and 1 <= st["named_skips"] <= 3
+    assert st["poisoned_steps"] == 0 and st["agent_errors"] == 0 and st["ratio"] > 0
+    section = {"skip_cost": [cost], "storms": [st], "issue_before": {"storm_ratio": 2.55, "note": "quoted"}}
+    page = "\n".join(report._inspection(section) + report._inspection_summary(section))
+    assert "300 x 16" in page and "GradScaler's own check" in page and "mlp-2opt" in page and "2.55x" in page
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_merge_replaces_only_the_sections_run_now_and_says_so(tmp_path):
+    prefix = str(tmp_path / "bench")
+    with open(os.path.join(ROOT, "docs", "benchmarks.json")) as f:
+        earlier = json.load(f)
+    earlier.pop("inspection", None)
+    with open(prefix + ".json", "w") as f:
+        json.dump(earlier, f)
+    out = subprocess.run([sys.executable, "-m", "bench", "--quick", "--only", "footprint", "--merge", "--out", prefix],
+                         cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout + out.stderr
+    merged = json.loads(open(prefix + ".json").read())
+    assert merged["scrape"] == earlier["scrape"] and merged["environment"] == earlier["environment"]
+    assert merged["footprint"] != earlier["footprint"]
+    assert set(merged["remeasured"]) == set(earlier.get("remeasured", {})) | {"footprint"}
+    page = open(prefix + ".md").read()
+    assert page.count("Re-measured by `python -m bench --quick --only footprint --merge") == 1
+    assert "## 3. Scrape cost" in page

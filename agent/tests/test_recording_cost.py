@@ -79,3 +79,45 @@ def test_only_iterations_with_a_skip_pay_for_inspection(amp, no_collector):
     assert handle.snapshot()["state"]["optimizers"]["b"]["skipped"] == 1
     # Inspection copies its counts to the host with .cpu() (no scalar reads), so even a skip adds none.
     assert watched == bare
+
+
+def test_a_named_skip_copies_to_the_host_twice_and_a_rate_limited_one_once(amp, no_collector, monkeypatch):
+    """On a GPU each host copy of the scan is a sync: flags (gradients and weights at a streak start, one
+    copy), then the counts of the named few; an unnamed streak start only has its weights checked (one)."""
+    from ampwatch import agent
+
+    copies = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return real_cpu(self, *args, **kwargs)
+
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with agent.watch(scaler, opt, model=model, run="cost") as w:
+        w._recorder.inspect_interval = 3600.0
+        for i in range(4):  # skip (named), step, skip (not named: within the interval), step
+            if i in (1, 3):
+                amp.iteration(model, scaler, [opt], torch.randn(4, 8))
+                continue
+            with monkeypatch.context() as patch:
+                patch.setattr(torch.Tensor, "cpu", cpu)
+                amp.iteration(model, scaler, [opt], torch.randn(4, 8),
+                              after_backward=lambda: amp.poison_grad(model.b.bias))
+            if i == 0:  # first skip ever: named, no step before it whose weights to check
+                assert copies == [(4,), (1, 2)]
+            else:  # a streak start after a step: weights checked in update(), names rate-limited
+                assert copies == [(4,)]
+            copies.clear()
+        w._recorder.inspect_interval = 0.0
+        amp.iteration(model, scaler, [opt], torch.randn(4, 8), after_backward=lambda: amp.poison_grad(model.b.bias))
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "cpu", cpu)
+            amp.iteration(model, scaler, [opt], torch.randn(4, 8))  # step: nothing is scanned
+            assert copies == []
+            amp.iteration(model, scaler, [opt], torch.randn(4, 8),
+                          after_backward=lambda: amp.poison_grad(model.b.bias))
+        # Named streak start after a step: gradients and weights flagged in one copy (8 = 4 + 4), then counts.
+        assert copies == [(8,), (1, 2)]

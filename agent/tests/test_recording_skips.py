@@ -328,6 +328,41 @@ def test_new_streak_starts_are_inspected_at_most_once_per_interval(amp, watching
     assert [e["inspected"] for e in events(w) if e["kind"] == "skip"] == [True, False, False]
 
 
+def test_the_streak_start_interval_counts_from_the_end_of_a_long_naming_scan(amp, watching, events, monkeypatch):
+    """A naming scan longer than the interval must not run again at the next streak start.
+
+    The agent's clock is replaced by one that moves only while a scan names a parameter (2 s each,
+    twice the interval): counted from the start of the scan, every streak start would be named.
+    """
+    from ampwatch.agent import _recorder
+
+    class ScanClock:
+        now = 0.0
+
+        @classmethod
+        def monotonic(cls) -> float:
+            return cls.now
+
+    monkeypatch.setattr(_recorder, "time", ScanClock)
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = watching(torch.amp.GradScaler("cpu"), opt)
+    names = w._recorder.names
+    real_name = names.name
+
+    def slow_name(*args):
+        ScanClock.now += 2.0
+        return real_name(*args)
+
+    monkeypatch.setattr(names, "name", slow_name)
+    assert w._recorder.inspect_interval == 1.0
+    for i in range(6):  # skip, step, skip, step, ...: three one-skip streaks, no time between scans
+        amp.iteration(model, w._recorder.scaler, [opt], torch.randn(4, 8),
+                      after_backward=(lambda: amp.poison_grad(model.b.bias)) if i % 2 == 0 else None)
+    assert [e["inspected"] for e in events(w) if e["kind"] == "skip"] == [True, False, False]
+    assert ScanClock.now == 2.0  # one naming scan, of one parameter
+
+
 def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):
     from ampwatch import agent
 

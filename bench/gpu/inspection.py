@@ -4,7 +4,8 @@ One SGD (foreach) owns 10,000 tensors of 64 floats; gradients are copied in (no 
 the scaler and the agent are timed), three of them poisoned. Timed, device synchronised before and after:
 a clean ``step`` + ``update``; a skipping one bare (GradScaler's own check: unscale, inf check, its sync);
 and the same skip watched by a fresh agent, whose first skip of a streak is always inspected. Syncs are
-counted over the skip bare and watched (target: the inspection adds one bounded copy). The skip event
+counted over the skip bare and watched (expected: the inspection adds two bounded copies, a flag per
+tensor, then the counts of the named). The skip event
 must name exactly the three poisoned tensors.
 """
 
@@ -118,7 +119,7 @@ def run(amp: Amp, quick: bool) -> list[dict]:
                  f"{n:,} tensors, median of {repeats}: clean step+update {ms['clean_step_ms']} ms; skip bare "
                  f"(GradScaler's own inf check) {ms['bare_skip_ms']} ms; skip watched and inspected "
                  f"{ms['watched_skip_ms']} ms (+{ms['watched_skip_ms'] - ms['bare_skip_ms']:.3f} ms); syncs over "
-                 f"the skip: bare {bare_syncs}, watched {watched_syncs[0]} ({extra:+d}; target +1, one bounded "
-                 f"copy{'' if amp.cuda else ', which on CPU is no sync'}; {sync_method(amp.cuda)})",
+                 f"the skip: bare {bare_syncs}, watched {watched_syncs[0]} ({extra:+d}; expected +2: a bounded copy of one flag per "
+                 f"tensor, then the counts of the first 16 flagged{'' if amp.cuda else '; on CPU neither is a sync'}; {sync_method(amp.cuda)})",
                  tensors=n, repeats=repeats, bare_syncs=bare_syncs, watched_syncs=watched_syncs[0], **ms)
     return [names, cost]

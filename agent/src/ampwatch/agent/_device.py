@@ -20,6 +20,7 @@ __all__ = [
     "host_scalar",
     "init_scale",
     "nonfinite_counts",
+    "nonfinite_indices",
     "read_later",
     "scale_tensor",
     "steps_with_amp_scaling",
@@ -149,25 +150,152 @@ def read_later(tensor: torch.Tensor) -> PendingRead:
     return PendingRead(tensor)
 
 
-def _plain(grad: torch.Tensor) -> torch.Tensor:
-    return grad.coalesce()._values() if grad.is_sparse else grad
+# ----- non-finite scan: which tensors hold inf/NaN (stage 1), and how many (stage 2) -------------
+
+_foreach_norm = getattr(torch, "_foreach_norm", None)  # private; absent: the public per-tensor path
+
+CPU_STACK_MAX_NUMEL = 4096
+"""On CPU, tensors up to this many elements are checked in stacks of one shape (a ``torch.stack`` copy,
+then row-wise ``amax`` and ``amin``: about 0.2-2 us per tensor), larger ones by one ``torch.aminmax``
+each (one vectorised pass plus about 2 us of call overhead). ``_foreach_norm`` is not used on CPU:
+there it loops over the infinity-norm kernel of ``torch.linalg.vector_norm``, which is not vectorised
+(about 20x slower per element than ``aminmax``), with a tensor allocated per input."""
+
+_STACK_MAX_ELEMENTS = 1 << 20  # a stack copies at most this many elements at once (4 MiB of float32)
+
+_PLAIN_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
+
+def _values(tensor: torch.Tensor) -> torch.Tensor | None:
+    """Return a strided floating tensor holding exactly ``tensor``'s values, or None (nothing to check).
+
+    Sparse tensors give their values (an uncoalesced one is coalesced first, which on a GPU costs a sync
+    of its own); 8-bit floats are widened (no reduction kernel takes them). Call under ``no_grad``.
+    """
+    if tensor.is_sparse:
+        tensor = tensor.coalesce()._values()
+    elif tensor.layout != torch.strided:
+        tensor = tensor.values()
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return None
+    return tensor.float() if tensor.element_size() == 1 else tensor
+
+
+def _flags_batched(values: list[torch.Tensor]) -> torch.Tensor:
+    """Flag the tensors holding inf/NaN with one ``_foreach_norm(ord=inf)`` call (private op; one dtype).
+
+    max |x| is inf or NaN exactly when x holds an inf or a NaN: the norm propagates NaN, on CPU and in
+    the CUDA kernel alike (real tensors only: a complex |x| could overflow). On CUDA this is a few
+    fused kernel launches for all the tensors, about the cost of the scaler's own check, and no sync.
+    """
+    return ~torch.isfinite(torch.stack(_foreach_norm(values, ord=float("inf"))))
+
+
+def _flags_per_tensor(values: list[torch.Tensor]) -> torch.Tensor:
+    """Flag the tensors holding inf/NaN with one public ``torch.aminmax`` per tensor (a kernel each, no sync).
+
+    The minimum or maximum is non-finite exactly when the tensor holds an inf or a NaN (aminmax
+    propagates NaN).
+    """
+    extremes = [torch.aminmax(v) for v in values]
+    stacked = torch.stack([e.min for e in extremes] + [e.max for e in extremes]).view(2, -1)
+    return (~torch.isfinite(stacked)).any(0)
+
+
+def _flags_stacked(values: list[torch.Tensor]) -> torch.Tensor:
+    """Flag the tensors holding inf/NaN, all of one shape, by rows of stacked copies (public ops, no sync).
+
+    A row's max or min is non-finite exactly when the row holds an inf or a NaN (both propagate NaN).
+    Copies at most ``_STACK_MAX_ELEMENTS`` elements at a time.
+    """
+    rows = max(1, _STACK_MAX_ELEMENTS // values[0].numel())
+    parts = []
+    for start in range(0, len(values), rows):
+        chunk = values[start:start + rows]
+        stacked = torch.stack(chunk).view(len(chunk), -1)
+        parts.append(~(torch.isfinite(stacked.amax(dim=1)) & torch.isfinite(stacked.amin(dim=1))))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _flags(device: torch.device, stackable: bool, values: list[torch.Tensor]) -> torch.Tensor:
+    """Flag the tensors of one group (one device and dtype; one shape when ``stackable``)."""
+    if stackable:
+        return _flags_stacked(values)
+    if device.type != "cpu" and _foreach_norm is not None:
+        try:
+            return _flags_batched(values)
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # no such kernel for this device or dtype: the public path
+    return _flags_per_tensor(values)
+
+
+def nonfinite_indices(tensors: Sequence[torch.Tensor | None]) -> list[int]:
+    """Return, in order, the positions of the tensors that hold at least one inf or NaN (None holds none).
+
+    Stage 1 of a scan. Cost: one pass over every tensor, batched per (device, dtype): on a GPU one
+    ``_foreach_norm`` call, on CPU stacks of small tensors and one ``aminmax`` per larger one (see
+    :data:`CPU_STACK_MAX_NUMEL`); then ONE device-to-host copy per device, of one flag per tensor on it.
+    Nothing else waits for the device. Python work: a few attribute reads per tensor.
+    """
+    groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
+    strided, plain, small = torch.strided, _PLAIN_DTYPES, CPU_STACK_MAX_NUMEL
+    last_key: tuple | None = None
+    positions: list[int] = []
+    members: list[torch.Tensor] = []
+    with torch.no_grad():
+        for position, tensor in enumerate(tensors):
+            if tensor is None:
+                continue
+            if tensor.layout is not strided or tensor.dtype not in plain:
+                tensor = _values(tensor)
+                if tensor is None:
+                    continue
+                if tensor.is_complex():
+                    tensor = torch.view_as_real(tensor.resolve_conj())
+            numel = tensor.numel()
+            if not numel:
+                continue
+            device = tensor.device
+            # Group: device and dtype; on CPU, small tensors also by shape, to be stacked.
+            key = (device, tensor.dtype, tensor.shape if numel <= small and device.type == "cpu" else None)
+            if key != last_key:  # neighbours mostly share a group: skip the dict lookup
+                last_key = key
+                positions, members = groups.setdefault(key, ([], []))
+            positions.append(position)
+            members.append(tensor)
+        per_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for (device, _, shape), (positions, members) in groups.items():
+            order, parts = per_device.setdefault(device, ([], []))
+            order.extend(positions)
+            parts.append(_flags(device, shape is not None, members))
+        flagged = []
+        for order, parts in per_device.values():
+            # The one copy for this device: a bool per tensor, read with tolist (no scalar reads).
+            host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist()
+            flagged.extend(position for position, bad in zip(order, host) if bad)
+    flagged.sort()
+    return flagged
 
 
 def nonfinite_counts(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, int]]:
-    """Count inf and NaN elements of each tensor (None counts as zero) with one host copy per device."""
+    """Count the inf and NaN elements of each tensor (None counts as zero), with one host copy per device.
+
+    Stage 2 of a scan, for the few tensors stage 1 flagged: two passes over each tensor (about 1 ns per
+    element on a CPU core), so callers bound how many they pass (at most ``MAX_NAMED_PARAMS``).
+    """
     counts: list[tuple[int, int]] = [(0, 0)] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t is not None and t.numel() and (t.is_floating_point() or t.is_complex()):
-            by_device.setdefault(t.device, []).append(i)
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     with torch.no_grad():
-        for device, indices in by_device.items():
-            parts = []
-            for i in indices:
-                t = _plain(tensors[i].detach())
-                parts.append(torch.stack([torch.isinf(t).sum(), torch.isnan(t).sum()]))
-            # One device-to-host copy for all parameters on this device.
-            rows = torch.stack(parts).cpu().tolist()
-            for i, (n_inf, n_nan) in zip(indices, rows):
-                counts[i] = (int(n_inf), int(n_nan))
+        for position, tensor in enumerate(tensors):
+            values = None if tensor is None else _values(tensor)
+            if values is None or not values.numel():
+                continue
+            positions, parts = by_device.setdefault(values.device, ([], []))
+            positions.append(position)
+            parts.append(torch.stack([torch.count_nonzero(torch.isinf(values)),
+                                      torch.count_nonzero(torch.isnan(values))]))
+        for positions, parts in by_device.values():
+            rows = torch.stack(parts).cpu().tolist()  # one device-to-host copy for this device
+            for position, (n_inf, n_nan) in zip(positions, rows):
+                counts[position] = (int(n_inf), int(n_nan))
     return counts

@@ -1,15 +1,16 @@
-"""Name an optimizer's parameters and find the ones holding inf/NaN, in one host copy."""
+"""Name an optimizer's parameters and find the ones holding inf/NaN: a batched check, then exact counts of a few."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 
-from ._device import nonfinite_counts
+from ._device import nonfinite_counts, nonfinite_indices
 
-__all__ = ["MAX_NAMED_PARAMS", "NonfiniteReport", "ParameterNames", "scan_optimizers"]
+__all__ = ["MAX_NAMED_PARAMS", "NonfiniteReport", "ParameterNames", "Part", "scan_optimizers"]
 
 MAX_NAMED_PARAMS = 16
 """At most this many offending parameters are named per event (protocol: ``params``, at most 16)."""
@@ -38,41 +39,47 @@ class NonfiniteReport:
     params: list[dict[str, object]]
     """Up to :data:`MAX_NAMED_PARAMS` entries ``{"name", "inf", "nan"}`` in optimizer order."""
     total: int
-    """How many parameters hold at least one inf or NaN."""
+    """How many parameters hold at least one inf or NaN (named or not)."""
 
 
-def _report(named: list[tuple[str, tuple[int, int]]]) -> NonfiniteReport:
-    bad = [(name, n_inf, n_nan) for name, (n_inf, n_nan) in named if n_inf or n_nan]
-    return NonfiniteReport(
-        params=[{"name": n, "inf": i, "nan": m} for n, i, m in bad[:MAX_NAMED_PARAMS]], total=len(bad))
+Part = Literal["grads", "weights"]
+"""What of an optimizer's parameters a scan looks at: their gradients or their values."""
 
 
-def scan_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: ParameterNames, *,
-                    grads: bool = True, weights: bool = False,
-                    ) -> list[tuple[NonfiniteReport | None, NonfiniteReport | None]]:
-    """Report non-finite gradients and/or weights of each optimizer, with one host copy per device.
+def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
+                    names: ParameterNames) -> list[NonfiniteReport]:
+    """Report which gradients or weights hold inf/NaN, for each ``(optimizer, part)`` target, in order.
 
-    Returns one ``(grad_report, weight_report)`` pair per optimizer; an entry is
-    None when it was not asked for.
+    Two stages over all targets at once: stage 1 flags every tensor holding inf/NaN (one batched
+    reduction per device and dtype, one host copy per device); stage 2 counts inf and NaN exactly in the
+    first :data:`MAX_NAMED_PARAMS` flagged tensors of each target, in optimizer order (one more small
+    copy per device, only when something was flagged). Only those are named; ``total`` counts all flagged.
     """
-    labels: list[str] = []
     tensors: list[torch.Tensor | None] = []
-    spans: list[tuple[int, int]] = []
-    for optimizer in optimizers:
-        start = len(labels)
-        for g, group in enumerate(optimizer.param_groups):
-            for j, param in enumerate(group["params"]):
-                labels.append(names.name(param, g, j))
-                tensors.append(param.grad if grads else None)
-                tensors.append(param if weights else None)
-        spans.append((start, len(labels)))
-    counts = nonfinite_counts(tensors)
-    grad_counts, weight_counts = counts[0::2], counts[1::2]
-    result = []
-    for start, end in spans:
-        span = list(range(start, end))
-        result.append((
-            _report([(labels[i], grad_counts[i]) for i in span]) if grads else None,
-            _report([(labels[i], weight_counts[i]) for i in span]) if weights else None,
-        ))
-    return result
+    spans: list[tuple[int, list[torch.Tensor], list[int]]] = []  # (first position, params, group starts)
+    for optimizer, part in targets:
+        params: list[torch.Tensor] = []
+        group_starts: list[int] = []
+        for group in optimizer.param_groups:
+            group_starts.append(len(params))
+            params.extend(group["params"])
+        spans.append((len(tensors), params, group_starts))
+        tensors.extend([p.grad for p in params] if part == "grads" else params)
+    flagged = nonfinite_indices(tensors)
+    per_target = []
+    for start, params, _ in spans:
+        lo, hi = bisect.bisect_left(flagged, start), bisect.bisect_left(flagged, start + len(params))
+        per_target.append(flagged[lo:hi])
+    named = [position for positions in per_target for position in positions[:MAX_NAMED_PARAMS]]
+    counts = dict(zip(named, nonfinite_counts([tensors[p] for p in named])))
+    reports = []
+    for (start, params, group_starts), positions in zip(spans, per_target):
+        entries = []
+        for position in positions[:MAX_NAMED_PARAMS]:
+            index = position - start
+            group = bisect.bisect_right(group_starts, index) - 1
+            n_inf, n_nan = counts[position]
+            entries.append({"name": names.name(params[index], group, index - group_starts[group]),
+                            "inf": n_inf, "nan": n_nan})
+        reports.append(NonfiniteReport(params=entries, total=len(positions)))
+    return reports

@@ -13,7 +13,7 @@ import torch
 
 from . import _device
 from ._events import EventBuffer
-from ._params import NonfiniteReport, ParameterNames, scan_optimizers
+from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
 from ._scale import LossScale
 
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
@@ -44,7 +44,8 @@ class OptimizerRecord:
     last_stepped: bool | None = None
     last_step_iteration: int | None = None
     poison_reported_for: int | None = None  # step iteration already reported as poisoned
-    last_streak_inspection: float = float("-inf")
+    last_streak_inspection: float = float("-inf")  # when the last naming scan at a streak start ended
+    check_weights: bool = False  # a streak began this iteration: look at the weights its last step left
     # Per scaler.step call, written by the wrappers and the step pre-hook.
     hook_fired: bool = False
     found_inf: torch.Tensor | None = None
@@ -91,7 +92,6 @@ class Recorder:
         self._scaler: weakref.ref = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
         self.scale.bind(scaler, self.iteration)
         self._skipped_this_iteration = False
-        self._inspected_this_iteration = False
         self._error_sites: set[str] = set()
         self._warned: set[int] = set()
         self._warned_outside = False
@@ -185,14 +185,13 @@ class Recorder:
             if record.pending:  # fused outcomes that have landed count toward the iteration they belong to
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
-            if self._inspected_this_iteration:
-                self._check_poisoned_steps(iteration)
+            self._check_poisoned_steps(iteration)  # whatever the naming rate limit did
         scaler = self._scaler()
         if scaler is not None:
             self.scale.after_update(scaler, iteration, manual=manual, skipped=self._skipped_this_iteration)
         for record in self.records:
             record.stepped_this_iteration = False
-        self._skipped_this_iteration = self._inspected_this_iteration = False
+        self._skipped_this_iteration = False
         self.iteration = iteration + 1
 
     def on_scheduler_step(self, record: OptimizerRecord, scheduler: str) -> None:
@@ -304,50 +303,72 @@ class Recorder:
                             "start_iteration": record.streak_start, "length": record.consecutive})
         record.consecutive = 0
 
-    def _should_inspect(self, record: OptimizerRecord, position: int) -> bool:
-        # Exponentially spaced positions within a streak; streak starts at most once per interval,
-        # so a storm of skips costs O(log n) inspections per streak and a bounded rate overall.
+    def _may_name(self, record: OptimizerRecord, position: int) -> bool:
+        # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
+        # streak starts at most once per interval per optimizer, counted from the END of the previous
+        # naming scan, so a scan longer than the interval cannot run at every streak start.
         if position & (position - 1):
             return False
-        if position > 1:
-            return True
-        now = time.monotonic()
-        if now - record.last_streak_inspection < self.inspect_interval:
-            return False
-        record.last_streak_inspection = now
-        return True
+        return position > 1 or time.monotonic() - record.last_streak_inspection >= self.inspect_interval
 
     def _report_skip(self, record: OptimizerRecord, position: int, iteration: int) -> None:
         event: dict[str, Any] = {"kind": "skip", "iteration": iteration, "optimizer": record.name,
                                  "streak": position, "params": [], "params_total": None,
                                  "inspected": False}
-        # Gradients of a deferred (fused, on-device) outcome may already belong to a later iteration.
-        if iteration == self.iteration and self._should_inspect(record, position):
-            grads, weights = scan_optimizers([record.optimizer], self.names,
-                                             weights=position == 1)[0]
-            event.update(params=grads.params, params_total=grads.total, inspected=True)
-            self._inspected_this_iteration = True
-            self.events.append(event)
-            if weights is not None and weights.total and record.last_step_iteration is not None:
-                # The first skip of a streak with weights already non-finite: the last step poisoned them.
-                self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
-            return
+        # Gradients and weights of a deferred (fused, on-device) outcome may already belong to a later iteration.
+        current = iteration == self.iteration
+        # A streak start looks at the weights its optimizer's last step left: in this scan when it names,
+        # else in update(), with the optimizers that stepped (one scan, one copy, either way).
+        check_weights = current and position == 1 and record.last_step_iteration is not None
+        weights = None
+        if current and self._may_name(record, position):
+            targets: list[tuple[torch.optim.Optimizer, Part]] = [(record.optimizer, "grads")]
+            if check_weights:
+                targets.append((record.optimizer, "weights"))
+            try:
+                grads, *checked = scan_optimizers(targets, self.names)
+                event.update(params=grads.params, params_total=grads.total, inspected=True)
+                weights = checked[0] if checked else None
+                check_weights = False
+            except Exception as error:  # noqa: BLE001 - the skip itself is still reported
+                self.internal_error("parameter scan", error)
+            if position == 1:
+                record.last_streak_inspection = time.monotonic()
+        record.check_weights = check_weights
         self.events.append(event)
+        if weights is not None and weights.total:
+            self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     # ----- poisoned steps (issue 8) ---------------------------------------------------------
 
     def _check_poisoned_steps(self, iteration: int) -> None:
-        # Only on an iteration where some optimizer skipped: then an optimizer that stepped may have
-        # been handed gradients that became non-finite after its own check (e.g. whole-model clipping).
+        # On every iteration where some optimizer skipped, never rate-limited: an optimizer that stepped
+        # may have been handed gradients that became non-finite after its own check (e.g. whole-model
+        # clipping), or have stepped into non-finite weights; and an optimizer whose skips began now may
+        # find its weights already non-finite: its last step poisoned them. One scan for all of them.
         stepped = [r for r in self.records if r.stepped_this_iteration]
-        if not stepped:
+        started = [r for r in self.records if r.check_weights]
+        for record in started:
+            record.check_weights = False
+        targets: list[tuple[torch.optim.Optimizer, Part]] = [
+            (r.optimizer, part) for r in stepped for part in ("grads", "weights")]
+        targets += [(r.optimizer, "weights") for r in started]
+        if not targets:
             return
-        reports = scan_optimizers([r.optimizer for r in stepped], self.names, weights=True)
-        for record, (grads, weights) in zip(stepped, reports):
+        try:
+            reports = scan_optimizers(targets, self.names)
+        except Exception as error:  # noqa: BLE001 - the rest of update() must still be accounted
+            self.internal_error("parameter scan", error)
+            return
+        for k, record in enumerate(stepped):
+            grads, weights = reports[2 * k], reports[2 * k + 1]
             if grads.total:
                 self._report_poisoned(record, iteration, grads, "nonfinite_grad")
             elif weights.total:
                 self._report_poisoned(record, iteration, weights, "nonfinite_param")
+        for record, weights in zip(started, reports[2 * len(stepped):]):
+            if weights.total and record.last_step_iteration is not None:
+                self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     def _report_poisoned(self, record: OptimizerRecord, iteration: int,
                          report: NonfiniteReport, reason: str) -> None:
