@@ -264,10 +264,11 @@ def test_a_failing_snapshot_is_counted_as_an_agent_error_not_raised(collector, s
     assert sender._thread.is_alive()
 
 
-def test_the_recorders_own_agent_errors_add_to_the_senders(collector, senders):
+def test_the_recorders_own_agent_errors_are_counted_with_the_senders(collector, senders):
     sender, recorder = make_sender(collector.url)
     senders.append(sender)
-    recorder.agent_errors = 2
+    recorder.errors.report("stand-in recording", ValueError("one"))
+    recorder.errors.report("stand-in recording", ValueError("two"))
     recorder.fail_snapshots = False
     assert collector.wait_for(lambda s: s.acked and s.acked[-1]["state"]["delivery"]["agent_errors"] == 2)
 

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from ampwatch.agent._config import AgentConfig
+from ampwatch.agent._errors import AgentErrors
 from ampwatch.agent._events import EventBuffer
 from ampwatch.agent._identity import resolve_identity
 from ampwatch.agent._sender import Sender
@@ -28,7 +29,7 @@ class StandInRecorder:
         self.iteration = 0
         self.skipped = 0
         self.fail_snapshots = False
-        self.agent_errors = 0  # the recorder's own internal failures, reported in state.delivery
+        self.errors = AgentErrors()  # the recorder's own internal failures; the sender shares this counter
         self._lock = threading.Lock()
 
     def skip(self) -> dict[str, Any]:
@@ -53,8 +54,7 @@ class StandInRecorder:
                           "optimizers": {"opt": {"steps": self.iteration - self.skipped, "skipped": self.skipped,
                                                  "consecutive_skipped": 0, "longest_streak": 1,
                                                  "streaks": self.skipped, "streaks_reached": {},
-                                                 "scheduler_steps_after_skip": 0, "poisoned_steps": 0}},
-                          "delivery": {"agent_errors": self.agent_errors}},
+                                                 "scheduler_steps_after_skip": 0, "poisoned_steps": 0}}},
             }
 
 
@@ -67,6 +67,6 @@ def make_sender(collector: str | list[str] | None, *, run: str = "test-run", ran
                                   **settings)
     identity = resolve_identity(config.run, environ={"RANK": str(rank), "WORLD_SIZE": str(world_size)})
     recorder = recorder or StandInRecorder(max_events)
-    sender = Sender(config, identity, recorder.snapshot, recorder.events)
+    sender = Sender(config, identity, recorder.snapshot, recorder.events, errors=recorder.errors)
     sender.start()
     return sender, recorder

@@ -31,5 +31,5 @@ class AgentErrors:
             first = where not in self._seen
             self._seen.add(where)
         if first:
-            log.warning("ampwatch: internal error in %s (training continues; further errors here are only "
-                        "counted in agent_errors)", where, exc_info=exc)
+            log.error("ampwatch: internal error in %s (training continues; further errors here are only "
+                      "counted in agent_errors)", where, exc_info=exc)

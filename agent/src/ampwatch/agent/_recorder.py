@@ -5,13 +5,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import _device
+from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
 from ._scale import LossScale
@@ -77,22 +79,21 @@ class Recorder:
     """
 
     def __init__(self, scaler: Any, records: list[OptimizerRecord], names: ParameterNames,
-                 events: EventBuffer, *, on_streak_start: Callable[[], None] = lambda: None,
+                 events: EventBuffer, *, errors: AgentErrors | None = None, wake: threading.Event | None = None,
                  inspect_interval: float = 1.0) -> None:
         self.records = records
         self.names = names
         self.events = events
-        self.on_streak_start = on_streak_start
+        self.errors = errors if errors is not None else AgentErrors()  # shared with the sender
+        self.wake = wake if wake is not None else threading.Event()  # set: the sender sends soon
         self.inspect_interval = inspect_interval
         self.iteration = 0
-        self.agent_errors = 0
         self.attached = False  # the wrappers and hooks pass straight through while False
         self.active: OptimizerRecord | None = None  # the record inside scaler.step right now
         self.scale = LossScale(events)
         self._scaler: weakref.ref = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
         self.scale.bind(scaler, self.iteration)
         self._skipped_this_iteration = False
-        self._error_sites: set[str] = set()
         self._warned: set[int] = set()
         self._warned_outside = False
         self.orphaned = False  # the scaler was garbage-collected: the hooks only warn, once
@@ -222,11 +223,7 @@ class Recorder:
 
     def internal_error(self, site: str, error: BaseException) -> None:
         """Count an agent failure and log it once per site; never raise."""
-        self.agent_errors += 1
-        if site not in self._error_sites:
-            self._error_sites.add(site)
-            log.error("ampwatch: internal error in %s (training continues; further ones are only counted)",
-                      site, exc_info=error)
+        self.errors.report(site, error)
 
     def close(self) -> None:
         """Resolve what is still pending, end open streaks and emit ``close``."""
@@ -253,8 +250,6 @@ class Recorder:
                 "growths": scale.growths,
                 "manual_sets": scale.manual_sets,
                 "optimizers": {r.name: r.counters() for r in self.records},
-                # Partial: the sender adds its own delivery counters to this one.
-                "delivery": {"agent_errors": self.agent_errors},
             },
         }
 
@@ -295,7 +290,7 @@ class Recorder:
             self._skipped_this_iteration = True
         self._report_skip(record, position, iteration)
         if position == 1:
-            self.on_streak_start()
+            self.wake.set()  # a new streak is news: send it now, not at the next push interval
 
     def _end_streak(self, record: OptimizerRecord, iteration: int | None = None) -> None:
         self.events.append({"kind": "streak_end", "optimizer": record.name,

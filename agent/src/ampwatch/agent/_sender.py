@@ -34,8 +34,9 @@ class Sender:
     """Sends ``snapshot()`` + drained events to the collector from a daemon thread.
 
     ``snapshot()`` returns ``{"scaler": {...}, "state": {...}}`` as in
-    docs/protocol.md. ``state["delivery"]`` is optional and partial: counts the
-    recorder keeps there (its ``agent_errors``) are added to the sender's own.
+    docs/protocol.md, without ``state.delivery``: the sender adds those counters.
+    ``errors`` and ``wake`` may be shared with the recorder: its failures are
+    counted in the same ``agent_errors``, and setting ``wake`` asks for a batch soon.
     ``snapshot`` is called on the sender thread, so it must be safe to call there.
 
     The calling (training) thread only ever sets an event (:meth:`wake`) or,
@@ -44,15 +45,16 @@ class Sender:
     """
 
     def __init__(self, config: AgentConfig, identity: Identity,
-                 snapshot: Callable[[], dict[str, Any]], events: EventBuffer) -> None:
+                 snapshot: Callable[[], dict[str, Any]], events: EventBuffer, *,
+                 errors: AgentErrors | None = None, wake: threading.Event | None = None) -> None:
         self.config, self.identity, self.snapshot, self.events = config, identity, snapshot, events
-        self.errors = AgentErrors()
+        self.errors = errors if errors is not None else AgentErrors()
         self.send_failures = 0  # attempts to retry: no answer, 5xx, 408, 429, or the collector said "retry": true
         self.rejected_batches = 0  # batches the collector refused for good ("retry": false, other 4xx): dropped
         self.batches_acked = 0
         self._pid = os.getpid()
         self._seq = 0  # seq of the last batch built
-        self._wake = threading.Event()
+        self._wake = wake if wake is not None else threading.Event()
         self._stop = threading.Event()
         self._deadline: float | None = None  # monotonic time by which close() gives up
         self._thread: threading.Thread | None = None
@@ -107,7 +109,7 @@ class Sender:
 
     @property
     def delivery(self) -> dict[str, int]:
-        """Return the delivery counters as sent in ``state.delivery`` (without the recorder's errors)."""
+        """Return the delivery counters as sent in ``state.delivery``."""
         return {
             "dropped_events": self.events.dropped + self._outbox.dropped_events + self._lost_by_outboxes,
             "send_failures": self.send_failures,
@@ -189,11 +191,7 @@ class Sender:
 
     def _encode(self, snapshot: dict[str, Any], events: list[dict[str, Any]], closed: bool) -> bytes:
         """Encode batch ``self._seq`` with the delivery counters as they are now."""
-        delivery = self.delivery
-        from_recorder = (snapshot.get("state") or {}).get("delivery") or {}
-        for key in delivery:  # the recorder's own counts (e.g. its agent_errors) add to the sender's
-            delivery[key] += _int(from_recorder.get(key))
-        batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=delivery,
+        batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=self.delivery,
                             events=events, closed=closed)
         return encode_batch(batch)
 
@@ -320,18 +318,14 @@ class Sender:
         """Forget the parent's thread and spool: a forked child never sends."""
         self._thread = None
         self.errors._lock = threading.Lock()  # the parent's thread may have held it at fork time
-        self._wake = threading.Event()
+        reinit = getattr(self._wake, "_at_fork_reinit", None)  # in place: the recorder holds this event too
+        if reinit is not None:
+            reinit()
+        else:  # pragma: no cover - every supported Python has it
+            self._wake = threading.Event()
         self._stop = threading.Event()
         self._outbox.after_fork_in_child()
         self._clients.clear()
-
-
-def _int(value: Any) -> int:
-    """Return ``value`` as a non-negative int (0 when absent or not a number)."""
-    try:
-        return max(0, int(value))
-    except (TypeError, ValueError):
-        return 0
 
 
 def _advice(answer: Answer) -> str:

@@ -13,6 +13,7 @@ import torch
 from ._arguments import check_scaler, named_optimizers, named_params, per_step_schedulers
 from ._attach import OptimizerHooks, ScalerPatch
 from ._config import AgentConfig
+from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
@@ -168,8 +169,10 @@ class Watch:
         self._finalizer = _finalize_with(scaler, self._session)
 
     def snapshot(self) -> dict[str, Any]:
-        """Return the counters as sent to the collector (``{"scaler": ..., "state": ...}``)."""
-        return self._recorder.snapshot()
+        """Return the counters as sent to the collector (``{"scaler": ..., "state": ...}``, delivery included)."""
+        snapshot = self._recorder.snapshot()
+        snapshot["state"]["delivery"] = self._sender.delivery
+        return snapshot
 
     def summary(self) -> str:
         """Return a short human-readable account of steps, skips and loss-scale transitions."""
@@ -274,9 +277,9 @@ def watch(scaler: torch.amp.GradScaler,
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
         warn_past_collector_limits(len(records), identity.world_size, sending=config.sends)
-        recorder = Recorder(scaler, records, names, events)
-        sender = Sender(config, identity, recorder.snapshot, events)
-        recorder.on_streak_start = sender.wake
+        errors, wake = AgentErrors(), threading.Event()  # one failure count and one "send soon" for both
+        recorder = Recorder(scaler, records, names, events, errors=errors, wake=wake)
+        sender = Sender(config, identity, recorder.snapshot, events, errors=errors, wake=wake)
         hooks = OptimizerHooks(recorder, scheduler_list)
         hooks.attach()
         patch = ScalerPatch(scaler, recorder)
