@@ -24,7 +24,8 @@ from accelerate import Accelerator  # noqa: E402
 
 from ampwatch.agent import accelerate as ampwatch  # noqa: E402
 from ampwatch.server._harness import CollectorProcess  # noqa: E402
-from framework_truth import (INF, Truth, bits, counts_at, gpu_like_fp16, params_of, rank_at,  # noqa: E402
+from framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
+                             INF, Truth, bits, counts_at, gpu_like_fp16, params_of, rank_at,  # noqa: E402
                              reset_accelerate_state, same_bits, watch_counts)
 
 ACCUMULATION = 2
@@ -46,12 +47,8 @@ class TwoPart(torch.nn.Module):
 
 
 @pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
-    for var in ("AMPWATCH_URL", "AMPWATCH_RUN", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    reset_accelerate_state()
-    yield monkeypatch
-    reset_accelerate_state()
+def _every_test_starts_fresh(fresh_state):
+    yield fresh_state
 
 
 def fp16_accelerator(**kwargs) -> Accelerator:

@@ -21,7 +21,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from ampwatch.agent.transformers import AmpWatchCallback  # noqa: E402
 from ampwatch.server._harness import CollectorProcess  # noqa: E402
-from framework_truth import (Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
+from framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
+                             Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
                              same_bits, watch_counts)
 from hf_job import CpuFp16Trainer, Examples, Tiny  # noqa: E402
 
@@ -55,12 +56,8 @@ class TruthCallback(TrainerCallback):
 
 
 @pytest.fixture(autouse=True)
-def fresh_state(monkeypatch):
-    for var in ("AMPWATCH_URL", "AMPWATCH_RUN", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    reset_accelerate_state()
-    yield monkeypatch
-    reset_accelerate_state()
+def _every_test_starts_fresh(fresh_state):
+    yield fresh_state
 
 
 def train(tmp_path, callbacks, *, trainer_class=CpuFp16Trainer, resume=None, **settings):

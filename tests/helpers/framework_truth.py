@@ -13,9 +13,10 @@ import json
 import urllib.request
 from typing import Any, Callable
 
+import pytest
 import torch
 
-__all__ = ["Truth", "bits", "counts_at", "gpu_like_fp16", "params_of", "rank_at", "reset_accelerate_state",
+__all__ = ["Truth", "bits", "counts_at", "fresh_state", "gpu_like_fp16", "params_of", "rank_at", "reset_accelerate_state",
            "same_bits", "watch_counts"]
 
 INF = float("inf")
@@ -119,6 +120,16 @@ def counts_at(rank: dict[str, Any]) -> dict[str, Any]:
     return {"backoffs": rank["backoffs"], "growths": rank["growths"],
             "optimizers": {n: {k: c[k] for k in ("steps", "skipped", "scheduler_steps_after_skip")}
                            for n, c in rank["optimizers"].items()}}
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """No AMPWATCH_* settings from the environment, and Accelerate's process state reset before and after."""
+    for var in ("AMPWATCH_URL", "AMPWATCH_RUN", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    reset_accelerate_state()
+    yield monkeypatch
+    reset_accelerate_state()
 
 
 def reset_accelerate_state() -> None:
