@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
 from ampwatch.server._alerting_states import BuiltinAlerts
 

@@ -21,8 +21,8 @@ import pytest
 from prometheus_stack import Processes, get, query_range, start_prometheus, wait_until
 from webhook_receiver import free_port
 
+from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
-from ampwatch.dashboards.thresholds import AlertThresholds
 from ampwatch.server._alert_thresholds import thresholds_json
 from ampwatch.server._floats import wire_float
 from ampwatch.server._harness import CollectorProcess, make_batch, optimizer

@@ -74,14 +74,17 @@ def _max_length(model: type, field: str) -> int:
     return next(m.max_length for m in model.model_fields[field].metadata if hasattr(m, "max_length"))
 
 
-def test_the_agents_limits_are_the_collectors_schema_limits_and_default_options():
-    # The agent cannot import the server (no web stack in a training image): its copy is checked here.
-    from ampwatch.agent import _limits
-    from ampwatch.server import ServerConfig, _schema
-    from ampwatch.server._schema import (AgentInfo, Batch, ParamDetail, PoisonedStepEvent, ScalerInfo,
+def test_the_agent_and_the_collectors_schema_and_defaults_keep_to_the_one_contract():
+    # The agent cannot import the server (no web stack in a training image): both read ampwatch.contract.
+    import typing
+
+    from ampwatch.agent import _batch, _limits
+    from ampwatch.contract import protocol
+    from ampwatch.server import ServerConfig
+    from ampwatch.server._schema import (AgentInfo, Batch, Event, ParamDetail, PoisonedStepEvent, ScalerInfo,
                                          SchedulerAfterSkipEvent, SkipEvent, WarningEvent)
 
-    assert _limits.TEXT_LIMITS == {
+    enforced = {
         "label": _max_length(Batch, "run"),
         "param_name": _max_length(ParamDetail, "name"),
         "scheduler": _max_length(SchedulerAfterSkipEvent, "scheduler"),
@@ -91,13 +94,16 @@ def test_the_agents_limits_are_the_collectors_schema_limits_and_default_options(
         "version": _max_length(AgentInfo, "version"),
         "scaler_kind": _max_length(ScalerInfo, "kind"),
     }
-    assert _limits.TEXT_LIMITS["version"] == _max_length(AgentInfo, "torch")
-    assert _limits.MAX_PARAMS == _schema.MAX_PARAMS == _max_length(SkipEvent, "params") \
-        == _max_length(PoisonedStepEvent, "params")
-    assert _limits.MAX_BATCH_EVENTS == _schema.MAX_EVENTS
+    assert enforced == protocol.TEXT_LIMITS and _max_length(AgentInfo, "torch") == protocol.TEXT_LIMITS["version"]
+    assert protocol.MAX_PARAMS == _max_length(SkipEvent, "params") == _max_length(PoisonedStepEvent, "params")
+    assert protocol.MAX_BATCH_EVENTS == _max_length(Batch, "events")
+    kinds = [model.model_fields["kind"].annotation.__args__[0] for model in typing.get_args(typing.get_args(Event)[0])]
+    assert tuple(kinds) == protocol.EVENT_KINDS
     defaults = ServerConfig()
-    assert _limits.COLLECTOR_DEFAULTS == {name: getattr(defaults, name) for name in _limits.COLLECTOR_DEFAULTS}
-    assert defaults.max_label_length == _limits.TEXT_LIMITS["label"]
+    assert {name: getattr(defaults, name) for name in protocol.COLLECTOR_DEFAULTS} == protocol.COLLECTOR_DEFAULTS
+    assert defaults.max_label_length == protocol.TEXT_LIMITS["label"]
+    assert (_limits.TEXT_LIMITS, _limits.COLLECTOR_DEFAULTS, _batch.PROTOCOL_VERSION) == \
+        (protocol.TEXT_LIMITS, protocol.COLLECTOR_DEFAULTS, protocol.PROTOCOL_VERSION)
 
 
 def test_non_finite_scales_from_the_agents_encoder_validate_as_what_they_are():

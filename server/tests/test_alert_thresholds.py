@@ -10,7 +10,7 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server import create_app
 from ampwatch.server._alert_thresholds import load_thresholds, thresholds_json
 from ampwatch.server._harness import make_batch, optimizer

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS as T
-from ampwatch.server._alerting import ALERT_NAMES, OptimizerCounters, RankSnapshot
+from ampwatch.contract.alerts import ALERT_NAMES
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
+from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
 from ampwatch.server._alerting_states import BuiltinAlerts
 
 LADDER = tuple(2 ** i for i in range(11))

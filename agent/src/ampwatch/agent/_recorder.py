@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from ampwatch.contract.protocol import STREAK_LADDER  # lengths counted in streaks_reached: 1, 2, 4, ..., 1024
+
 from . import _device
 from ._events import EventBuffer
 from ._params import NonfiniteReport, ParameterNames, scan_optimizers
@@ -19,9 +21,6 @@ from ._scale import LossScale
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
 
 log = logging.getLogger("ampwatch.agent")
-
-STREAK_LADDER = tuple(2 ** k for k in range(11))
-"""Streak lengths counted in ``streaks_reached``: 1, 2, 4, ..., 1024 (docs/protocol.md)."""
 
 _MAX_PENDING = 64  # device reads in flight before we wait for the oldest (only if the device lags far behind)
 

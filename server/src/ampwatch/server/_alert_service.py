@@ -11,17 +11,20 @@ from fastapi import APIRouter, Request
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from ampwatch.contract.metrics import COLLECTOR_NOTIFICATIONS
+from ampwatch.contract.protocol import STREAK_LADDER
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+
 from ._alerting import OptimizerCounters, RankSnapshot
 from ._alerting_states import BuiltinAlerts
-from ._notify import NOTIFICATIONS_METRIC, Notifier, NotifyConfig, Target
-from ._schema import STREAK_LADDER
+from ._notify import Notifier, NotifyConfig, Target
 from ._state import CollectorState, RankState
 
 __all__ = ["AlertService", "snapshot_of", "router", "NotificationMetrics"]
 
 log = logging.getLogger("ampwatch.server.alerts")
 router = APIRouter(prefix="/v1", tags=["alerts"])
-_LADDER = tuple((int(length), "reached_" + length) for length in STREAK_LADDER)  # (rung, totals key)
+_LADDER = tuple((length, f"reached_{length}") for length in STREAK_LADDER)  # (rung, totals key)
 
 
 def snapshot_of(rank: RankState) -> RankSnapshot:
@@ -54,9 +57,8 @@ class NotificationMetrics(Collector):
         counts = self._notifier.counts()
         if not counts:  # no target configured: no family at all, rather than an empty one
             return
-        family = CounterMetricFamily(NOTIFICATIONS_METRIC.removesuffix("_total"),
-                                     "Built-in alert notifications by target and outcome (sent, failed, dropped).",
-                                     labels=["target", "outcome"])
+        family = CounterMetricFamily(COLLECTOR_NOTIFICATIONS.name.removesuffix("_total"), COLLECTOR_NOTIFICATIONS.help,
+                                     labels=list(COLLECTOR_NOTIFICATIONS.labels))
         for (target, outcome), value in sorted(counts.items()):
             family.add_metric([target, outcome], value)
         yield family
@@ -68,7 +70,7 @@ class NotificationMetrics(Collector):
 class AlertService:
     """Own the evaluator and the notifier of one collector; nothing here ever raises into ingest."""
 
-    def __init__(self, targets: Sequence[Target] = (), thresholds: Any = None,
+    def __init__(self, targets: Sequence[Target] = (), thresholds: AlertThresholds = DEFAULT_THRESHOLDS,
                  notify_config: Optional[NotifyConfig] = None, period_s: float = 1.0) -> None:
         self.alerts = BuiltinAlerts(thresholds)
         self.notifier = Notifier(targets, notify_config)

@@ -4,40 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-__all__ = ["PROFILES", "load_thresholds", "thresholds_json"]
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds
 
-
-def _profiles() -> Mapping[str, Any]:
-    from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS
-    return {
-        "default": DEFAULT_THRESHOLDS,
-        # Seconds instead of minutes, so a job of a minute (`make demo`) shows alerts firing AND resolving.
-        # Never for production: a 5 s streak window forgets a streak before a 15 s scrape sees it.
-        "demo": dataclasses.replace(
-            DEFAULT_THRESHOLDS, calibration_iterations=10, skip_streak_warning=4, skip_streak_critical=16,
-            skip_streak_window_s=5, backoff_window_s=5, backoff_min_count=3, backoff_for_s=1,
-            collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
-            silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30),
-    }
+__all__ = ["load_thresholds", "thresholds_json"]
 
 
-PROFILES = ("default", "demo")
-"""Names ``--alert-thresholds`` accepts besides a JSON file."""
-
-
-def load_thresholds(spec: Optional[str]) -> Any:
+def load_thresholds(spec: Optional[str]) -> AlertThresholds:
     """Return the thresholds named by ``spec``: None or a profile name, else a JSON file of field overrides.
 
     The file holds one object, ``{"skip_streak_warning": 8, ...}``; fields left out keep
     their defaults, and every value is checked by ``AlertThresholds`` itself.
     """
-    profiles = _profiles()
     if not spec:
-        return profiles["default"]
-    if spec in profiles:
-        return profiles[spec]
+        return DEFAULT_THRESHOLDS
+    if spec in PROFILES:
+        return PROFILES[spec]
     where = f"--alert-thresholds / AMPWATCH_SERVER_ALERT_THRESHOLDS={spec!r}"
     try:
         with open(spec, encoding="utf-8") as file:
@@ -50,14 +33,13 @@ def load_thresholds(spec: Optional[str]) -> Any:
     if not isinstance(overrides, dict):
         raise ValueError(f"{where}: the file must hold one JSON object of field: value, "
                          f'e.g. {{"skip_streak_warning": 8}}')
-    default = profiles["default"]
-    known = {field.name for field in dataclasses.fields(default)}
+    known = {field.name for field in dataclasses.fields(DEFAULT_THRESHOLDS)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; the fields are "
-                         f"{', '.join(sorted(known))} (see ampwatch.dashboards.thresholds)")
+                         f"{', '.join(sorted(known))} (see ampwatch.contract.thresholds)")
     try:
-        return dataclasses.replace(default, **overrides)
+        return dataclasses.replace(DEFAULT_THRESHOLDS, **overrides)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
 

@@ -6,22 +6,18 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
+
+from ampwatch.contract.alerts import ALERTS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from ._alert import Alert
 from ._alerting import ActiveAlert, RankHistory, RankSnapshot, evaluate, rank_alerts
 
-__all__ = ["AlertStates", "BuiltinAlerts", "default_thresholds"]
+__all__ = ["AlertStates", "BuiltinAlerts"]
 
-
-def default_thresholds() -> Any:
-    """Return the thresholds the Prometheus rules are generated from (the one config of both)."""
-    try:
-        from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS
-    except ImportError as error:  # pragma: no cover - depends on the installation
-        raise RuntimeError("the built-in alerts read their thresholds from ampwatch.dashboards.thresholds; "
-                           "install it (pip install ./dashboards) or pass thresholds explicitly") from error
-    return DEFAULT_THRESHOLDS
+# The thresholds fields that are windows the conditions look back over (each alert's ``increase(x[w])``).
+_WINDOWS = tuple(dict.fromkeys(p for d in ALERTS.values() for p in d.parameters if p.endswith("_window_s")))
 
 
 class AlertStates:
@@ -100,12 +96,10 @@ class BuiltinAlerts:
     O(ranks), so it is kept off the ingest path.
     """
 
-    def __init__(self, thresholds: Any = None, *, resolved_retention_s: float = 900.0,
+    def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
                  resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time) -> None:
-        self.thresholds = thresholds if thresholds is not None else default_thresholds()
-        t = self.thresholds
-        windows = (t.skip_streak_window_s, t.backoff_window_s, t.skip_ratio_window_s, t.scheduler_window_s,
-                   t.poisoned_window_s)
+        self.thresholds = thresholds
+        windows = [getattr(thresholds, name) for name in _WINDOWS]
         self._horizon_s = max(windows)
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
         # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.

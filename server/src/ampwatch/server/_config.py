@@ -7,6 +7,8 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
+from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, TEXT_LIMITS
+
 __all__ = ["ServerConfig", "add_arguments", "config_from_args", "ENV_PREFIX"]
 
 ENV_PREFIX = "AMPWATCH_SERVER_"
@@ -40,15 +42,15 @@ class ServerConfig:
     """Seconds a run whose ranks all closed cleanly stays in /metrics after its last close."""
     db_retention: float = 30 * 86400.0
     """Seconds of history kept in the database (runs last seen earlier are deleted)."""
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = COLLECTOR_DEFAULTS["max_body_bytes"]
     """Largest accepted ingest body (413 above)."""
-    max_runs: int = 1000
+    max_runs: int = COLLECTOR_DEFAULTS["max_runs"]
     """Runs held at once (429 with Retry-After for a batch of a new run above: back-pressure, retried)."""
-    max_ranks_per_run: int = 4096
+    max_ranks_per_run: int = COLLECTOR_DEFAULTS["max_ranks_per_run"]
     """Ranks per run (422 above: refused for good, the agent drops and counts the batch)."""
-    max_optimizers_per_rank: int = 16
+    max_optimizers_per_rank: int = COLLECTOR_DEFAULTS["max_optimizers_per_rank"]
     """Optimizers per rank (422 above: refused for good, the agent drops and counts the batch)."""
-    max_label_length: int = 128
+    max_label_length: int = TEXT_LIMITS["label"]
     """Longest run, optimizer or parameter name exposed as a label (422 above; parameter names are cut)."""
     log_level: str = "info"
     """Log level: debug, info, warning, error."""
@@ -69,7 +71,8 @@ class ServerConfig:
             ("max_runs", self.max_runs >= 1, "must be >= 1"),
             ("max_ranks_per_run", self.max_ranks_per_run >= 1, "must be >= 1"),
             ("max_optimizers_per_rank", self.max_optimizers_per_rank >= 1, "must be >= 1"),
-            ("max_label_length", 1 <= self.max_label_length <= 128, "must be between 1 and 128"),
+            ("max_label_length", 1 <= self.max_label_length <= TEXT_LIMITS["label"],
+             f"must be between 1 and {TEXT_LIMITS['label']} (the protocol's limit)"),
             ("rate_limit", self.rate_limit >= 0, "must be >= 0 requests per second (0 turns the limit off)"),
             ("ssl_keyfile", bool(self.ssl_certfile) == bool(self.ssl_keyfile),
              "and ssl_certfile must be given together"),
@@ -113,7 +116,7 @@ _DOCS = {
     "max_label_length": "longest run/optimizer name (422 above; parameter names are cut to it)",
     "log_level": "debug, info, warning or error",
     "alert_thresholds": "thresholds of the built-in alerts: 'demo' (seconds-long windows, for `make demo`) "
-                        "or a JSON file of ampwatch.dashboards.thresholds fields to override",
+                        "or a JSON file of ampwatch.contract.thresholds fields to override",
     "webhook": "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager "
                "webhook payload), alertmanager (its base URL; v2 API) or slack (incoming webhook)",
 }

@@ -27,7 +27,7 @@ from ._alert import Alert
 from ._notify_payloads import alertmanager_body, slack_body, webhook_body
 
 __all__ = [
-    "Target", "NotifyConfig", "Notifier", "parse_targets", "KINDS", "OUTCOMES", "ENV_VAR", "NOTIFICATIONS_METRIC",
+    "Target", "NotifyConfig", "Notifier", "parse_targets", "KINDS", "OUTCOMES", "ENV_VAR",
 ]
 
 log = logging.getLogger("ampwatch.server.notify")
@@ -36,7 +36,6 @@ KINDS = ("webhook", "alertmanager", "slack")
 OUTCOMES = ("sent", "failed", "dropped")
 """sent: a notification delivered; failed: one attempt that failed (it is retried); dropped: given up."""
 ENV_VAR = "AMPWATCH_SERVER_WEBHOOK"
-NOTIFICATIONS_METRIC = "ampwatch_collector_notifications_total"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,17 +8,17 @@ from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
+from ampwatch.contract.protocol import EVENT_KINDS, STREAK_LADDER
+
 from ._recovery import load_ranks
 from ._floats import wire_float
-from ._schema import STREAK_LADDER
 from ._state import DELIVERY_COUNTERS, RANK_COUNTERS, RankState
 
 __all__ = ["router", "rank_summary"]
 
 router = APIRouter(prefix="/v1", tags=["query"])
 
-EventKind = Literal["skip", "streak_end", "scale_change", "scheduler_after_skip", "poisoned_step", "warning",
-                    "scaler_disabled", "close"]
+EventKind = Literal[EVENT_KINDS]  # type: ignore[valid-type]
 
 
 def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
             "steps": t.get("steps", 0), "skipped": t.get("skipped", 0),
             "consecutive_skipped": now.consecutive_skipped if now else 0,
             "longest_streak": rank.longest_streak(name), "streaks": t.get("streaks", 0),
-            "streaks_reached": {length: t.get("reached_" + length, 0) for length in STREAK_LADDER},
+            "streaks_reached": {str(length): t.get(f"reached_{length}", 0) for length in STREAK_LADDER},
             "scheduler_steps_after_skip": t.get("scheduler_steps_after_skip", 0),
             "poisoned_steps": t.get("poisoned_steps", 0),
             "latest_nonfinite_parameter": rank.latest_nonfinite(name),

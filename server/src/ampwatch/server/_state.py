@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Iterable, Optional
 
+from ampwatch.contract.protocol import DELIVERY_COUNTERS
+
 from ._schema import Batch, SkipEvent
 
 __all__ = ["Incarnation", "RankState", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S", "RANK_SCOPE",
@@ -13,7 +15,6 @@ __all__ = ["Incarnation", "RankState", "CollectorState", "LimitExceeded", "RUNS_
 
 RANK_SCOPE = ""  # key of rank-level counters in Incarnation.counters (optimizer names are non-empty)
 RANK_COUNTERS = ("backoffs", "growths", "manual_sets")
-DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
 OPTIMIZER_COUNTERS = ("steps", "skipped", "streaks", "scheduler_steps_after_skip", "poisoned_steps")
 
 Counters = dict[str, dict[str, int]]
