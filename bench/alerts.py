@@ -13,8 +13,8 @@ import sys
 import time
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
-from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
-from ampwatch.server._alerting_states import BuiltinAlerts
+from ampwatch.server.alerting.conditions import OptimizerCounters, RankSnapshot
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
 
 def _snapshot(rank: int, now: float, iteration: int) -> RankSnapshot:

@@ -23,7 +23,7 @@ from webhook_receiver import free_port
 
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
-from ampwatch.server._alert_thresholds import thresholds_json
+from ampwatch.server.alerting.thresholds import thresholds_json
 from ampwatch.server._floats import wire_float
 from ampwatch.server._harness import CollectorProcess, make_batch, optimizer
 

@@ -7,7 +7,7 @@ import pytest
 from ampwatch.contract.alerts import ALERT_NAMES
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 from ampwatch.dashboards.rules import alerting_rules
-from ampwatch.server._alert_text import annotations_for
+from ampwatch.server.alerting.annotations import annotations_for
 
 SHORT = AlertThresholds(skip_streak_warning=4, skip_streak_critical=8, skip_streak_window_s=6, backoff_window_s=60,
                         backoff_min_count=5, collapsed_loss_scale=0.5, skip_ratio_window_s=90)

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server import create_app
-from ampwatch.server._alert_thresholds import load_thresholds, thresholds_json
+from ampwatch.server.alerting.thresholds import load_thresholds, thresholds_json
 from ampwatch.server._harness import make_batch, optimizer
 
 
@@ -76,8 +76,8 @@ def test_the_demo_profile_fires_the_streak_alert_at_four_skips_where_the_default
 
 
 def test_with_seconds_long_windows_a_streak_alert_resolves_one_window_after_the_streak_not_later():
-    from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
-    from ampwatch.server._alerting_states import BuiltinAlerts
+    from ampwatch.server.alerting.conditions import OptimizerCounters, RankSnapshot
+    from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
     demo = load_thresholds("demo")
     alerts = BuiltinAlerts(demo)

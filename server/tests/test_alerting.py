@@ -8,8 +8,8 @@ import pytest
 
 from ampwatch.contract.alerts import ALERT_NAMES
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
-from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
-from ampwatch.server._alerting_states import BuiltinAlerts
+from ampwatch.server.alerting.conditions import OptimizerCounters, RankSnapshot
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
 LADDER = tuple(2 ** i for i in range(11))
 

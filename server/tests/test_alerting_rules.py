@@ -6,7 +6,7 @@ import pytest
 
 from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
-from ampwatch.server._alert_text import annotations_for
+from ampwatch.server.alerting.annotations import annotations_for
 
 rules = pytest.importorskip("ampwatch.dashboards.rules", reason="the rules generator needs PyYAML (dev install)")
 
@@ -24,7 +24,7 @@ def _prometheus_alerts() -> dict[str, list[dict]]:
 
 
 def test_the_rules_define_every_alert_and_each_has_a_condition_in_both_evaluators():
-    from ampwatch.server import _alerting
+    from ampwatch.server.alerting import conditions as _alerting
     assert list(_prometheus_alerts()) == list(ALERT_NAMES) and set(rules.CONDITIONS) == set(ALERT_NAMES)
     source = open(_alerting.__file__).read()
     assert all(f'"{name}"' in source for name in ALERT_NAMES)  # the built-in conditions name each alert

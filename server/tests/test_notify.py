@@ -8,9 +8,9 @@ import time
 import pytest
 from webhook_receiver import WebhookReceiver, free_port
 
-from ampwatch.server._alert import Alert
-from ampwatch.server._notify import Notifier, NotifyConfig, Target, parse_targets
-from ampwatch.server._notify_payloads import ZERO_TIME, rfc3339
+from ampwatch.server.alerting.alert import Alert
+from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target, parse_targets
+from ampwatch.server.alerting.payloads import ZERO_TIME, rfc3339
 
 FAST = NotifyConfig(backoff_initial_s=0.05, backoff_max_s=0.2, timeout_s=2.0, give_up_after_s=20.0)
 

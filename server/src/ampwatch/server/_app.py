@@ -12,17 +12,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ._access import AccessGuard, AccessMetrics
-from ._alert_service import AlertService, NotificationMetrics, router as alerts_router
-from ._alert_thresholds import load_thresholds
 from ._config import ServerConfig
 from ._ingest import IngestService
-from ._metrics import CONTENT_TYPE, SelfMetrics, scrape
-from ._notify import parse_targets
+from ._metrics import CONTENT_TYPE, NotificationMetrics, SelfMetrics, scrape
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState, Limits
 from ._status_page import mount_status_page
 from ._store import Store
+from .alerting.notifications import parse_targets
+from .alerting.route import router as alerts_router
+from .alerting.service import AlertService
+from .alerting.thresholds import load_thresholds
 
 __all__ = ["create_app", "VERSION"]
 
@@ -88,7 +89,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.ingest = IngestService(config, state, store, own)
         alerts = app.state.alert_service = AlertService(parse_targets(config.webhook),
                                                          thresholds=load_thresholds(config.alert_thresholds))
-        own.registry.register(NotificationMetrics(alerts.notifier))
+        own.registry.register(NotificationMetrics(alerts.notifier.counts))
         own.registry.register(AccessMetrics(app.state.guard))
         app.state.ingest.on_applied = alerts.observe
         alert_task = asyncio.create_task(alerts.run(state))

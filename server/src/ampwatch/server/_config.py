@@ -84,9 +84,9 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} {rule} "
                                  f"(set by --{name.replace('_', '-')} or {ENV_PREFIX}{name.upper()})")
         if self.webhook:
-            from ._notify import parse_targets
+            from .alerting.notifications import parse_targets
             parse_targets(self.webhook)  # a bad entry raises a ValueError saying what to write
-        from ._alert_thresholds import load_thresholds
+        from .alerting.thresholds import load_thresholds
         load_thresholds(self.alert_thresholds)  # a bad file raises a ValueError naming the field
 
 

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ampwatch.contract import metrics as m
@@ -22,7 +22,7 @@ from ampwatch.contract.protocol import STREAK_LADDER
 from ._floats import exposition_float, promql_max, promql_min
 from ._state import CollectorState, RankState, escape_label
 
-__all__ = ["CONTENT_TYPE", "render_ranks", "scrape", "SelfMetrics"]
+__all__ = ["CONTENT_TYPE", "render_ranks", "scrape", "SelfMetrics", "NotificationMetrics"]
 
 # We write the classic text format 0.0.4 (what Prometheus asks for by default).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -166,6 +166,26 @@ class SelfMetrics(Collector):
     def render(self) -> str:
         """Render the collector's own metrics."""
         return generate_latest(self.registry).decode()
+
+
+class NotificationMetrics(Collector):
+    """Expose ``ampwatch_collector_notifications_total{target,outcome}``, read at scrape time from ``counts()``."""
+
+    def __init__(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self._counts()
+        if not counts:  # no target configured: no family at all, rather than an empty one
+            return
+        metric = m.COLLECTOR_NOTIFICATIONS
+        family = CounterMetricFamily(metric.name.removesuffix("_total"), metric.help, labels=list(metric.labels))
+        for (target, outcome), value in sorted(counts.items()):
+            family.add_metric([target, outcome], value)
+        yield family
+
+    def describe(self) -> list:
+        return []
 
 
 def _counter(metric: m.Metric, registry: CollectorRegistry) -> Counter:

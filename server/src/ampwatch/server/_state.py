@@ -6,9 +6,10 @@ import dataclasses
 import json
 from typing import Iterable, Optional
 
-from ampwatch.contract.protocol import DELIVERY_COUNTERS
+from ampwatch.contract.protocol import DELIVERY_COUNTERS, STREAK_LADDER
 
 from ._schema import Batch, SkipEvent
+from .alerting.conditions import OptimizerCounters, RankSnapshot
 
 __all__ = ["Incarnation", "RankState", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S", "RANK_SCOPE",
            "OPTIMIZER_COUNTERS", "RANK_COUNTERS", "DELIVERY_COUNTERS", "escape_label"]
@@ -168,6 +169,25 @@ class RankState:
 
     def optimizers(self) -> Iterable[str]:
         return self.optimizer_labels.keys()
+
+    def snapshot(self) -> RankSnapshot:
+        """Return what the alert evaluator needs of this rank: totals over its processes, gauges of the newest."""
+        batch = self.current.batch  # type: ignore[union-attr]
+        totals = self.totals.get("", {})
+        optimizers = {}
+        for name in self.optimizers():
+            t = self.totals.get(name, {})
+            now = batch.state.optimizers.get(name)
+            optimizers[name] = OptimizerCounters(
+                steps=t.get("steps", 0), skipped=t.get("skipped", 0),
+                consecutive_skipped=now.consecutive_skipped if now else 0,
+                streaks_reached={n: t[f"reached_{n}"] for n in STREAK_LADDER if t.get(f"reached_{n}")},
+                scheduler_steps_after_skip=t.get("scheduler_steps_after_skip", 0),
+                poisoned_steps=t.get("poisoned_steps", 0))
+        return RankSnapshot(run=self.run, rank=self.rank, last_seen=self.last_seen, iteration=batch.state.iteration,
+                            loss_scale=batch.state.loss_scale, scaler_enabled=batch.scaler.enabled,
+                            backoffs=totals.get("backoffs", 0), growths=totals.get("growths", 0), closed=self.closed,
+                            optimizers=optimizers)
 
 
 class LimitExceeded(Exception):

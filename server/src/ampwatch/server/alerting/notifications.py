@@ -23,8 +23,8 @@ import urllib.parse
 import urllib.request
 from typing import Callable, Iterable, Optional, Union
 
-from ._alert import Alert
-from ._notify_payloads import alertmanager_body, slack_body, webhook_body
+from .alert import Alert
+from .payloads import alertmanager_body, slack_body, webhook_body
 
 __all__ = [
     "Target", "NotifyConfig", "Notifier", "parse_targets", "KINDS", "OUTCOMES", "ENV_VAR",

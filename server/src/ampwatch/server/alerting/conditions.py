@@ -19,8 +19,8 @@ from typing import Iterable, Mapping, Optional
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
 
-from ._alert_text import annotations_for
-from ._floats import promql_divide, promql_max, promql_min
+from .._floats import promql_divide, promql_max, promql_min
+from .annotations import annotations_for
 
 __all__ = ["OptimizerCounters", "RankSnapshot", "RankHistory", "ActiveAlert", "rank_alerts", "run_alerts", "evaluate"]
 
