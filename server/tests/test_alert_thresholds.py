@@ -76,7 +76,8 @@ def test_the_demo_profile_fires_the_streak_alert_at_four_skips_where_the_default
 
 
 def test_with_seconds_long_windows_a_streak_alert_resolves_one_window_after_the_streak_not_later():
-    from ampwatch.server.alerting.conditions import OptimizerCounters, RankSnapshot
+    from ampwatch.server._state import RankSnapshot
+    from ampwatch.server._totals import OptimizerTotals, ladder
     from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
     demo = load_thresholds("demo")
@@ -86,8 +87,8 @@ def test_with_seconds_long_windows_a_streak_alert_resolves_one_window_after_the_
         now = tick * 0.25
         reached = {1: 1, 2: 1, 4: 1} if now >= 10 else {}
         snapshot = RankSnapshot(run="r", rank=0, last_seen=now, iteration=100 + tick,
-                                optimizers={"gen": OptimizerCounters(steps=tick, skipped=4 * (now >= 10),
-                                                                     streaks_reached=reached)})
+                                optimizers={"gen": OptimizerTotals(steps=tick, skipped=4 * (now >= 10),
+                                                                   streaks_reached=ladder(reached))})
         for change in alerts.observe(snapshot, now=now):
             if change.status == "resolved":
                 resolved_at = now

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
 from ._ingest import IngestService
-from ._metrics import CONTENT_TYPE, NotificationMetrics, SelfMetrics, scrape
+from ._metrics import CONTENT_TYPE, Exposition, NotificationMetrics, SelfMetrics
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState, Limits
@@ -86,6 +86,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         state.retire(time.time(), config.expire_after, config.run_retention)
         own = SelfMetrics(state, store.size_bytes, VERSION)
         app.state.store, app.state.collector_state, app.state.own = store, state, own
+        app.state.exposition = Exposition(state, own, config.silent_after)
         app.state.ingest = IngestService(config, state, store, own)
         alerts = app.state.alert_service = AlertService(parse_targets(config.webhook),
                                                          thresholds=load_thresholds(config.alert_thresholds))
@@ -135,8 +136,7 @@ def create_app(config: ServerConfig) -> FastAPI:
              summary="Prometheus exposition (text format 0.0.4)")
     async def metrics(request: Request) -> PlainTextResponse:
         """Render every series from the current state."""
-        body = scrape(request.app.state.collector_state, request.app.state.own, config.silent_after)
-        return PlainTextResponse(body, media_type=CONTENT_TYPE)
+        return PlainTextResponse(request.app.state.exposition.render(), media_type=CONTENT_TYPE)
 
     @app.get("/healthz", tags=["health"], summary="The process is alive")
     async def healthz() -> dict:

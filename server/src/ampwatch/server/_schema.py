@@ -12,7 +12,8 @@ from ampwatch.contract.protocol import (MAX_BATCH_EVENTS, MAX_PARAMS, PROTOCOL_V
 
 from ._floats import NONFINITE_STRINGS
 
-__all__ = ["Batch", "Event", "parse_batch", "describe_errors", "ValidationError"]
+__all__ = ["Batch", "WireRankState", "WireOptimizerCounters", "Event", "parse_batch", "describe_errors",
+           "ValidationError"]
 
 LADDER_KEYS: tuple[str, ...] = tuple(map(str, STREAK_LADDER))  # "1", "2", ..., "1024": JSON object keys
 
@@ -63,7 +64,9 @@ class ScalerInfo(_Model):
     growth_interval: Optional[Annotated[int, Field(strict=True)]] = None
 
 
-class OptimizerCounters(_Model):
+class WireOptimizerCounters(_Model):
+    """``state.optimizers[name]``: one optimizer's cumulative counters and current streak, as sent."""
+
     steps: Count
     skipped: Count
     consecutive_skipped: Count
@@ -81,13 +84,15 @@ class Delivery(_Model):
     agent_errors: Count = 0
 
 
-class RankState(_Model):
+class WireRankState(_Model):
+    """``state``: the rank's cumulative counters and gauges, as sent."""
+
     iteration: Count
     loss_scale: Optional[ScaleFloat]  # any value the scaler holds: 0, subnormal, negative, NaN, infinite
     backoffs: Count
     growths: Count
     manual_sets: Count = 0
-    optimizers: dict[Label, OptimizerCounters]
+    optimizers: dict[Label, WireOptimizerCounters]
     delivery: Delivery = Field(default_factory=Delivery)
 
 
@@ -177,7 +182,7 @@ class Batch(_Model):
     seq: Positive
     sent_at: float
     scaler: ScalerInfo
-    state: RankState
+    state: WireRankState
     events: list[Event] = Field(default_factory=list, max_length=MAX_BATCH_EVENTS)
     closed: bool = False
 

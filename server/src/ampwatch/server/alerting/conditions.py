@@ -6,7 +6,8 @@ Pure: thresholds come in as an ``ampwatch.contract.thresholds.AlertThresholds``
 seconds passed in by the caller.
 
 Windowed conditions (``increase(x[w])`` in PromQL) compare a rank's current
-snapshot with the one it had ``w`` seconds ago, kept by :class:`RankHistory`.
+snapshot (``RankState.snapshot()``) with the one it had ``w`` seconds ago, kept
+by :class:`RankHistory`.
 """
 
 from __future__ import annotations
@@ -20,44 +21,14 @@ from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
 
 from .._floats import promql_divide, promql_max, promql_min
+from .._state import RankSnapshot
+from .._totals import OptimizerTotals
 from .annotations import annotations_for
 
-__all__ = ["OptimizerCounters", "RankSnapshot", "RankHistory", "ActiveAlert", "rank_alerts", "run_alerts", "evaluate"]
+__all__ = ["RankHistory", "ActiveAlert", "rank_alerts", "run_alerts", "evaluate"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerCounters:
-    """Cumulative counters of one optimizer of one rank (totals over the rank's incarnations)."""
-
-    steps: int = 0
-    skipped: int = 0
-    consecutive_skipped: int = 0
-    streaks_reached: Mapping[int, int] = dataclasses.field(default_factory=dict)
-    """Skip streaks that reached at least L consecutive skips, by L on the streak ladder."""
-    scheduler_steps_after_skip: int = 0
-    poisoned_steps: int = 0
-
-
-_NO_OPTIMIZER = OptimizerCounters()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RankSnapshot:
-    """What the collector knows about one rank right after a batch was applied."""
-
-    run: str
-    rank: int
-    last_seen: float
-    """Unix time the collector received the batch."""
-    iteration: int = 0
-    loss_scale: Optional[float] = None
-    scaler_enabled: bool = True
-    backoffs: int = 0
-    growths: int = 0
-    closed: bool = False
-    optimizers: Mapping[str, OptimizerCounters] = dataclasses.field(default_factory=dict)
-
-
+_NO_OPTIMIZER = OptimizerTotals()
 _ZERO = RankSnapshot(run="", rank=0, last_seen=0.0)
 
 
@@ -142,13 +113,14 @@ def _streak_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[A
     base = h.baseline(now, t.skip_streak_window_s)
     for opt_name, opt in cur.optimizers.items():
         before = base.optimizers.get(opt_name, _NO_OPTIMIZER)
+        streak = cur.consecutive_skipped.get(opt_name, 0)
         for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
             threshold = getattr(t, severity.threshold)
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
-            reached = opt.streaks_reached.get(threshold, 0) - before.streaks_reached.get(threshold, 0)
-            if reached > 0 or (opt.consecutive_skipped >= threshold and not cur.closed):
+            reached = opt.reached(threshold) - before.reached(threshold)
+            if reached > 0 or (streak >= threshold and not cur.closed):
                 labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
-                yield _alert("AmpConsecutiveSkippedSteps", labels, opt.consecutive_skipped, t, severity.level)
+                yield _alert("AmpConsecutiveSkippedSteps", labels, streak, t, severity.level)
 
 
 def _window_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[ActiveAlert]:
@@ -214,7 +186,8 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThres
         # whole window is past calibration (a rank younger than the window has a zero baseline).
         if base.iteration < t.calibration_iterations:
             continue
-        if cur.backoffs - base.backoffs >= t.backoff_min_count and cur.growths == base.growths:
+        if cur.totals.backoffs - base.totals.backoffs >= t.backoff_min_count and \
+                cur.totals.growths == base.totals.growths:
             backing_off += 1
     share = backing_off / len(open_ranks)
     if backing_off and share >= t.backoff_rank_share:
