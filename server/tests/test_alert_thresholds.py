@@ -66,7 +66,7 @@ def test_the_command_line_refuses_a_missing_thresholds_file_before_serving(tmp_p
 
 def test_the_demo_profile_fires_the_streak_alert_at_four_skips_where_the_default_needs_sixteen(config_for):
     for profile, fires_at in (("demo", 4), (None, 16)):
-        with TestClient(create_app(config_for(alert_thresholds=profile))) as client:
+        with TestClient(create_app(config_for(alert_thresholds=load_thresholds(profile)))) as client:
             run = f"streak-{profile}"
             for seq, length in enumerate((fires_at - 1, fires_at), start=1):
                 batch = make_batch(run=run, seq=seq, iteration=300 + length, optimizers=_streak_of(length))

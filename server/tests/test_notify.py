@@ -244,7 +244,7 @@ def test_targets_parse_from_kind_url_entries_and_bad_entries_say_what_to_write()
                                                   ("alertmanager", "http://am:9093"), ("webhook", "http://plain/x")]
     assert targets[1].post_url == "http://am:9093/api/v2/alerts"
     assert Target(kind="webhook", url="http://user:pw@h:1/p").name == "webhook:h:1"
-    assert parse_targets("") == [] and parse_targets(None) == []
+    assert parse_targets("") == () and parse_targets(None) == ()
     with pytest.raises(ValueError, match="unknown; use one of webhook, alertmanager, slack"):
         parse_targets("pagerduty:http://x")
     with pytest.raises(ValueError, match="must be an http:// or https:// URL"):

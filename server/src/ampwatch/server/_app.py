@@ -17,23 +17,16 @@ from ._ingest import IngestService
 from ._metrics import CONTENT_TYPE, Exposition, NotificationMetrics, SelfMetrics
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
-from ._state import CollectorState, Limits
+from ._state import CollectorState
 from ._status_page import mount_status_page
 from ._store import Store
-from .alerting.notifications import parse_targets
 from .alerting.route import router as alerts_router
 from .alerting.service import AlertService
-from .alerting.thresholds import load_thresholds
 
 __all__ = ["create_app", "VERSION"]
 
 VERSION = "0.1.0"
 log = logging.getLogger("ampwatch.server")
-
-
-def _limits(config: ServerConfig) -> Limits:
-    return Limits(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
-                  max_optimizers_per_rank=config.max_optimizers_per_rank, max_label_length=config.max_label_length)
 
 
 async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
@@ -78,7 +71,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(config.db)
-        state = CollectorState(_limits(config))
+        state = CollectorState(config)
         horizon = time.time() - max(config.expire_after, config.run_retention)
         state.stored = await asyncio.to_thread(stored_ranks, store)
         for rank in await asyncio.to_thread(load_ranks, store, seen_after=horizon):
@@ -88,8 +81,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         app.state.exposition = Exposition(state, own, config.silent_after)
         app.state.ingest = IngestService(config, state, store, own)
-        alerts = app.state.alert_service = AlertService(parse_targets(config.webhook),
-                                                         thresholds=load_thresholds(config.alert_thresholds))
+        alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds)
         own.registry.register(NotificationMetrics(alerts.notifier.counts))
         own.registry.register(AccessMetrics(app.state.guard))
         app.state.ingest.on_applied = alerts.observe

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from ._schema import Batch, SkipEvent
 from ._totals import OptimizerTotals, RankTotals
+
+if TYPE_CHECKING:
+    from ._config import ServerConfig
 
 __all__ = ["Incarnation", "RankState", "RankSnapshot", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S",
            "next_incarnation"]
@@ -195,19 +198,11 @@ RUNS_RETRY_AFTER_S = 60
 """Retry-After of a batch refused because the collector holds --max-runs runs (runs retire over minutes)."""
 
 
-@dataclasses.dataclass(slots=True)
-class Limits:
-    max_runs: int = 1000
-    max_ranks_per_run: int = 4096
-    max_optimizers_per_rank: int = 16
-    max_label_length: int = 128
-
-
 class CollectorState:
     """Every rank shown in /metrics, grouped by run."""
 
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config  # its max_runs, max_ranks_per_run, max_optimizers_per_rank and max_label_length
         self.runs: dict[str, dict[int, RankState]] = {}
         # (run, rank) with history in the database but not held here: only these need a database read
         # when a batch arrives (a brand-new rank does not).
@@ -222,7 +217,7 @@ class CollectorState:
 
     def check_limits(self, batch: Batch, known: Optional[RankState]) -> None:
         """Raise :class:`LimitExceeded` when ``batch`` would grow the state past a limit."""
-        lim = self.limits
+        lim = self.config
         too_long = [name for name in (batch.run, *batch.state.optimizers) if len(name) > lim.max_label_length]
         if too_long:
             raise LimitExceeded(f"name {too_long[0][:40]!r}... is {len(too_long[0])} characters, over this "

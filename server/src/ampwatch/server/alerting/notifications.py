@@ -68,7 +68,7 @@ class Target:
         return self.url
 
 
-def parse_targets(spec: Union[str, Iterable[str], None]) -> list[Target]:
+def parse_targets(spec: Union[str, Iterable[str], None]) -> tuple[Target, ...]:
     """Parse ``kind:url`` entries, comma-separated and/or repeated; a bare URL is a generic webhook."""
     entries = [spec] if isinstance(spec, str) else list(spec or ())
     targets = []
@@ -82,7 +82,7 @@ def parse_targets(spec: Union[str, Iterable[str], None]) -> list[Target]:
             raise ValueError(f"notification target {entry!r} must look like kind:url, with kind one of "
                              f"{', '.join(KINDS)} (set by --webhook or {ENV_VAR})")
         targets.append(Target(kind=kind, url=rest))
-    return targets
+    return tuple(targets)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
