@@ -48,7 +48,6 @@ def profile(ranks: int = 1024, seconds: int = 10, tuned_gc: bool = True) -> dict
     from ampwatch.server._app import create_app
     from ampwatch.server._config import config_from_args
     from ampwatch.server._gc import tune_gc
-    from ampwatch.server._harness import free_port
     from ampwatch.server.alerting.service import AlertService
 
     pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
@@ -89,7 +88,7 @@ def profile(ranks: int = 1024, seconds: int = 10, tuned_gc: bool = True) -> dict
             lags.append(time.perf_counter() - t - 0.01)
 
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
+        port = _servers.free_port()
         config = config_from_args(build_parser().parse_args(["--db", os.path.join(tmp, "tail.db"),
                                                              "--port", str(port), "--log-level", "warning"]))
         app = create_app(config)

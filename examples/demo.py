@@ -30,9 +30,12 @@ from pathlib import Path
 
 from _demo_report import CollectorView
 
-from ampwatch.server._harness import CollectorProcess, free_port
-
 REPO = Path(__file__).resolve().parents[1]
+# A collector in a child process, started and stopped the way the tests do it (one copy, in tests/helpers).
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
+from collector_process import CollectorProcess  # noqa: E402
+from ports import free_port  # noqa: E402
+
 TRAIN = REPO / "examples" / "ddp_train.py"
 TROUBLE = range(80, 88)  # iterations with an inf input on rank 0
 GROWTH_INTERVAL = 30  # clean iterations before the scale grows (PyTorch's default is 2000)

@@ -2,46 +2,24 @@
 
 from __future__ import annotations
 
-import http.server
-import threading
-
 import pytest
 import torch
+from recording_collector import RecordingCollector
 
 from ampwatch import agent
 from ampwatch.server._schema import Batch, parse_batch
 
 
-class _Recorder(http.server.BaseHTTPRequestHandler):
-    bodies: list[bytes] = []
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).bodies.append(body)
-        reply = b'{"applied": true}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.mark.timeout(60)
 def test_batches_from_the_real_agent_validate_against_the_collector_schema():
-    _Recorder.bodies = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with RecordingCollector() as server:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
         opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
         opt_b = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cpu", growth_interval=3)
         watch = agent.watch(scaler, {"first": opt_a, "second": opt_b}, model=model,
-                            collector=f"http://127.0.0.1:{server.server_port}", run="contract", push_interval=0.05)
+                            collector=server.url, run="contract", push_interval=0.05)
         for iteration in range(12):
             x = torch.randn(8, 4)
             if iteration in (4, 5):
@@ -55,11 +33,8 @@ def test_batches_from_the_real_agent_validate_against_the_collector_schema():
             scaler.step(opt_b)
             scaler.update()
         watch.close()
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert _Recorder.bodies, "the agent sent nothing"
-    batches: list[Batch] = [parse_batch(body) for body in _Recorder.bodies]  # raises with the field on a mismatch
+    assert server.bodies, "the agent sent nothing"
+    batches: list[Batch] = [parse_batch(body) for body in server.bodies]  # raises with the field on a mismatch
     kinds = {event.kind for b in batches for event in b.events}
     assert {"skip", "scale_change", "close"} <= kinds
     last = batches[-1]
@@ -110,7 +85,7 @@ def test_non_finite_scales_from_the_agents_encoder_validate_as_what_they_are():
     import math
 
     from ampwatch.agent._batch import encode_batch
-    from ampwatch.server._harness import make_batch
+    from batches import make_batch
 
     batch = make_batch(loss_scale=math.nan, events=[{"id": 1, "kind": "scale_change", "time": 1.0, "iteration": 0,
                                                      "cause": "restored", "before": math.inf, "after": 0.0}])

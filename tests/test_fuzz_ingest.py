@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
+from batches import make_batch, optimizer, skip_event  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
+from exposition import samples, value  # noqa: E402
 
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer, samples, skip_event, value  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

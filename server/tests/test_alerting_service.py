@@ -7,11 +7,12 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 from webhook_receiver import WebhookReceiver
+from batches import make_batch, optimizer
+from exposition import value
 
 from ampwatch.server import ServerConfig, create_app
 from ampwatch.server.__main__ import build_parser
 from ampwatch.server._config import config_from_args
-from ampwatch.server._harness import make_batch, optimizer, value
 from ampwatch.server.alerting.notifications import parse_targets
 
 

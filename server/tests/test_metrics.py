@@ -8,8 +8,9 @@ import re
 import subprocess
 
 import pytest
+from batches import make_batch, optimizer, skip_event
+from exposition import value
 
-from ampwatch.server._harness import make_batch, optimizer, skip_event, value
 from ampwatch.contract.metrics import METRICS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
