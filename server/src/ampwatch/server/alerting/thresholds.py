@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Optional
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds
 
-__all__ = ["load_thresholds", "thresholds_json"]
+__all__ = ["load_thresholds"]
 
 
 def load_thresholds(spec: Optional[str]) -> AlertThresholds:
@@ -42,8 +42,3 @@ def load_thresholds(spec: Optional[str]) -> AlertThresholds:
         return dataclasses.replace(DEFAULT_THRESHOLDS, **overrides)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
-
-
-def thresholds_json(thresholds: Any) -> str:
-    """Render thresholds as the JSON file ``--alert-thresholds`` reads (every field)."""
-    return json.dumps(dataclasses.asdict(thresholds), indent=2, sort_keys=True) + "\n"
