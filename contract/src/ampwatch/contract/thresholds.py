@@ -152,9 +152,16 @@ DEFAULT_THRESHOLDS = AlertThresholds()
 
 #: Seconds instead of minutes, so a job of a minute (``make demo``) shows alerts firing AND resolving.
 #: Never for production: a 5 s streak window forgets a streak before a 15 s scrape sees it.
+#:
+#: Sized in iterations of the demo's job (examples/demo.py), so that a loaded machine slows the job but
+#: cannot change which alerts fire: its scale grows after every 30 clean iterations and backs off at
+#: iterations 80-87. The streak alert fires on the streak counters at the batch that carries the 4th skip
+#: (no window needed). Sustained backoff needs two backoffs (two iterations) in its 3 s window and no growth
+#: (the last one is 21 iterations before the trouble), and fires at the first evaluation where that holds
+#: (for 0 s): true for any pace from 0.1 to 2.5 s an iteration (tests/test_demo.py plays the job at several).
 DEMO_THRESHOLDS = dataclasses.replace(
     DEFAULT_THRESHOLDS, calibration_iterations=10, skip_streak_warning=4, skip_streak_critical=16,
-    skip_streak_window_s=5, backoff_window_s=5, backoff_min_count=3, backoff_for_s=1,
+    skip_streak_window_s=5, backoff_window_s=3, backoff_min_count=2, backoff_for_s=0,
     collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
     silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30)
 
