@@ -24,9 +24,9 @@ def _prometheus_alerts() -> dict[str, list[dict]]:
 
 
 def test_the_rules_define_every_alert_and_each_has_a_condition_in_both_evaluators():
-    from ampwatch.server.alerting import conditions as _alerting
+    from ampwatch.server.alerting import conditions
     assert list(_prometheus_alerts()) == list(ALERT_NAMES) and set(rules.CONDITIONS) == set(ALERT_NAMES)
-    source = open(_alerting.__file__).read()
+    source = open(conditions.__file__).read()
     assert all(f'"{name}"' in source for name in ALERT_NAMES)  # the built-in conditions name each alert
 
 
