@@ -9,8 +9,9 @@ from typing import Callable, Optional
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
+from .._state import RankSnapshot
 from .alert import Alert
-from .conditions import RankHistory, RankSnapshot, evaluate, rank_alerts
+from .conditions import RankHistory, evaluate, rank_alerts
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
