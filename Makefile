@@ -14,10 +14,10 @@ STAMP := $(VENV)/.ampwatch-installed
 venv: $(STAMP)
 
 # torch first, pinned: an unpinned torch (or one pulled in by a package) downloads a multi-GB CUDA build.
-$(STAMP): agent/pyproject.toml server/pyproject.toml dashboards/pyproject.toml requirements-dev.txt
+$(STAMP): contract/pyproject.toml agent/pyproject.toml server/pyproject.toml dashboards/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ./agent -e ./server -e ./dashboards -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ./contract -e ./agent -e ./server -e ./dashboards -r requirements-dev.txt
 	touch $@
 
 test: $(STAMP)
@@ -34,11 +34,11 @@ bench: $(STAMP)
 	  echo "make bench: $$tool is missing (apt-get install $$tool); its sections will report an error"; done
 	$(PY) -m bench $(ARGS)
 
-# Needs only torch and the agent's source, so it runs with any python that has torch (a GPU machine may have
-# no venv): the venv's python when there is one, else $(PYTHON). Writes artifacts/gpu/gpu.json and gpu.md.
+# Needs only torch and the source of the agent and its contract, so it runs with any python that has torch (a GPU
+# machine may have no venv): the venv's python when there is one, else $(PYTHON). Writes artifacts/gpu/gpu.json and gpu.md.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 bench-gpu:
-	PYTHONPATH=agent/src $(GPU_PYTHON) -m bench.gpu $(ARGS)
+	PYTHONPATH=agent/src:contract/src $(GPU_PYTHON) -m bench.gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache data artifacts

@@ -12,7 +12,15 @@ import time
 import urllib.request
 from typing import Iterator, Optional
 
-__all__ = ["PUSHGATEWAY", "ProcessStats", "collector", "pushgateway", "server", "load"]
+# The collector process and free ports come from the repository's test helpers: one copy for tests and benchmarks.
+_HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers")
+if _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
+from collector_process import CollectorProcess  # noqa: E402
+from ports import free_port  # noqa: E402
+
+__all__ = ["PUSHGATEWAY", "CollectorProcess", "ProcessStats", "collector", "free_port", "pushgateway", "server",
+           "load"]
 
 PUSHGATEWAY = shutil.which("prometheus-pushgateway") or "/usr/bin/prometheus-pushgateway"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -51,7 +59,6 @@ class Server:
 @contextlib.contextmanager
 def collector(args: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> Iterator[Server]:
     """A real ampwatch collector on a fresh database (killed on exit)."""
-    from ampwatch.server._harness import CollectorProcess
     with tempfile.TemporaryDirectory() as tmp, \
             CollectorProcess(os.path.join(tmp, "bench.db"), args=args, env=env) as c:
         yield Server("ampwatch", c.url, c.port, c.proc, db=c.db)
@@ -60,7 +67,6 @@ def collector(args: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) 
 @contextlib.contextmanager
 def pushgateway() -> Iterator[Server]:
     """The Debian Prometheus Pushgateway as people run it (in memory, no persistence file), killed on exit."""
-    from ampwatch.server._harness import free_port
     if not os.path.exists(PUSHGATEWAY):
         raise RuntimeError(f"{PUSHGATEWAY} not found: install the Debian package prometheus-pushgateway")
     port = free_port()

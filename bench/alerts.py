@@ -12,13 +12,14 @@ import argparse
 import sys
 import time
 
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS
-from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
-from ampwatch.server._alerting_states import BuiltinAlerts
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
+from ampwatch.server._state import RankSnapshot
+from ampwatch.server._totals import OptimizerTotals, ladder
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
 
 def _snapshot(rank: int, now: float, iteration: int) -> RankSnapshot:
-    counters = OptimizerCounters(steps=iteration, skipped=1, streaks_reached={1: 1})
+    counters = OptimizerTotals(steps=iteration, skipped=1, streaks_reached=ladder({1: 1}))
     return RankSnapshot(run=f"run-{rank // 64}", rank=rank, last_seen=now, iteration=iteration,
                         loss_scale=65536.0, optimizers={"gen": counters, "disc": counters})
 

@@ -37,10 +37,9 @@ def _database(path: str) -> dict:
 
 
 def _one(ranks: int, seconds: int, skip_every: int) -> dict:
-    from ampwatch.server._harness import CollectorProcess
     with tempfile.TemporaryDirectory() as tmp:
         db = os.path.join(tmp, "footprint.db")
-        with CollectorProcess(db) as proc:
+        with _servers.CollectorProcess(db) as proc:
             srv = _servers.Server("ampwatch", proc.url, proc.port, proc.proc, db=db)
             load = _servers.load(srv, ranks, seconds, skip_every=skip_every)
         return dict(_database(db), ranks=ranks, seconds=seconds, answered=load["answered"])

@@ -43,12 +43,12 @@ def profile(ranks: int = 1024, seconds: int = 10, tuned_gc: bool = True) -> dict
     """Run a collector in-process under paced load and record its stalls; return them with the load result."""
     import uvicorn
 
-    from ampwatch.server import _alert_service, _store
+    from ampwatch.server import _store
     from ampwatch.server.__main__ import build_parser
     from ampwatch.server._app import create_app
     from ampwatch.server._config import config_from_args
     from ampwatch.server._gc import tune_gc
-    from ampwatch.server._harness import free_port
+    from ampwatch.server.alerting.service import AlertService
 
     pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
     started = [0.0]
@@ -70,7 +70,7 @@ def profile(ranks: int = 1024, seconds: int = 10, tuned_gc: bool = True) -> dict
             commits.append((time.perf_counter() - t, len(jobs)))
 
     ticks: list[float] = []
-    tick = _alert_service.AlertService.tick
+    tick = AlertService.tick
 
     def timed_tick(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         t = time.thread_time()
@@ -88,7 +88,7 @@ def profile(ranks: int = 1024, seconds: int = 10, tuned_gc: bool = True) -> dict
             lags.append(time.perf_counter() - t - 0.01)
 
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
+        port = _servers.free_port()
         config = config_from_args(build_parser().parse_args(["--db", os.path.join(tmp, "tail.db"),
                                                              "--port", str(port), "--log-level", "warning"]))
         app = create_app(config)
@@ -121,14 +121,14 @@ def profile(ranks: int = 1024, seconds: int = 10, tuned_gc: bool = True) -> dict
 
         gc.callbacks.append(on_gc)
         _store.Store._commit = timed_commit  # type: ignore[method-assign]
-        _alert_service.AlertService.tick = timed_tick  # type: ignore[method-assign]
+        AlertService.tick = timed_tick  # type: ignore[method-assign]
         try:
             threading.Thread(target=drive, daemon=True).start()
             server.run()
         finally:
             gc.callbacks.remove(on_gc)
             _store.Store._commit = commit  # type: ignore[method-assign]
-            _alert_service.AlertService.tick = tick  # type: ignore[method-assign]
+            AlertService.tick = tick  # type: ignore[method-assign]
             gc.unfreeze()
             gc.set_threshold(700, 10, 10)
     return {"load": result, "gc_tuned": tuned_gc, "loadavg_1m": round(os.getloadavg()[0], 2),

@@ -30,9 +30,12 @@ from pathlib import Path
 
 from _demo_report import CollectorView
 
-from ampwatch.server._harness import CollectorProcess, free_port
-
 REPO = Path(__file__).resolve().parents[1]
+# A collector in a child process, started and stopped the way the tests do it (one copy, in tests/helpers).
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
+from collector_process import CollectorProcess  # noqa: E402
+from ports import free_port  # noqa: E402
+
 TRAIN = REPO / "examples" / "ddp_train.py"
 TROUBLE = range(80, 88)  # iterations with an inf input on rank 0
 GROWTH_INTERVAL = 30  # clean iterations before the scale grows (PyTorch's default is 2000)
@@ -48,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=2, help="CPU processes of the DDP job (gloo)")
     parser.add_argument("--iterations", type=int, default=200,
                         help=f"training iterations (>= 150; trouble at {TROUBLE.start}-{TROUBLE.stop - 1})")
-    parser.add_argument("--pace", type=float, default=0.1, help="seconds each rank sleeps after an iteration")
+    parser.add_argument("--pace", type=float, default=0.1,
+                        help="seconds each rank sleeps after an iteration (0.1 to 1: the demo's alert windows are "
+                             "sized for that)")
     parser.add_argument("--port", type=int, default=9457, help="collector port on 127.0.0.1 (0: any free port)")
     parser.add_argument("--data", type=Path, default=REPO / "data",
                         help="folder of the collector's database (demo.db) and logs")
@@ -62,16 +67,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.iterations < 150:
         parser.error(f"--iterations {args.iterations}: give at least 150, so that recovery follows the "
                      f"trouble at iterations {TROUBLE.start}-{TROUBLE.stop - 1}")
-    if args.pace < 0.02:
-        parser.error(f"--pace {args.pace}: give at least 0.02 s, or the job ends before alerts can fire")
+    if not 0.1 <= args.pace <= 1.0:
+        parser.error(f"--pace {args.pace}: give 0.1 to 1 s; the 'demo' alert thresholds are sized for iterations "
+                     f"that far apart (faster, the scale's growths crowd the backoff window; slower, the backoffs "
+                     f"no longer fall in it)")
     args.run = args.run or time.strftime("demo-%Y%m%d-%H%M%S")
     return args
 
 
-def _check_port(port: int) -> int:
+def check_port(port: int) -> int:
+    """Return ``port`` if the collector can listen on it (any free port for 0); exit saying what to do if not.
+
+    Binds as uvicorn does, with SO_REUSEADDR: connections of an earlier demo that linger in TIME_WAIT
+    for a minute do not stop the collector from listening, so they must not stop the demo either;
+    a socket that listens there does.
+    """
     if port == 0:
         return free_port()
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -112,7 +126,7 @@ def _watch(view: CollectorView, job: subprocess.Popen, once: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; return the exit status."""
     args = parse_args(argv)
-    port = _check_port(args.port)
+    port = check_port(args.port)
     args.data.mkdir(parents=True, exist_ok=True)
     # SIGTERM (e.g. from a test's timeout) unwinds like Ctrl-C, so the job and the collector are stopped.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -11,6 +11,7 @@ along: a skip ratio exactly at its threshold, loss scales of NaN and 0.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import urllib.request
@@ -20,12 +21,12 @@ from typing import Iterator
 import pytest
 from prometheus_stack import Processes, get, query_range, start_prometheus, wait_until
 from webhook_receiver import free_port
+from batches import make_batch, optimizer
+from collector_process import CollectorProcess
 
+from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
-from ampwatch.dashboards.thresholds import AlertThresholds
-from ampwatch.server._alert_thresholds import thresholds_json
 from ampwatch.server._floats import wire_float
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -166,7 +167,7 @@ def _fired_built_in(collector: str) -> set[tuple]:
 
 def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_run_rank_and_optimizer(
         tmp_path: Path):
-    (tmp_path / "thresholds.json").write_text(thresholds_json(THRESHOLDS))
+    (tmp_path / "thresholds.json").write_text(json.dumps(dataclasses.asdict(THRESHOLDS)))
     processes = Processes(tmp_path)
     collector = CollectorProcess(str(tmp_path / "ampwatch.db"),
                                  args=["--alert-thresholds", str(tmp_path / "thresholds.json")])

@@ -16,8 +16,9 @@ import time
 import urllib.request
 
 import pytest
+from collector_process import CollectorProcess
+from exposition import value
 
-from ampwatch.server._harness import CollectorProcess, value
 
 JOB = pathlib.Path(__file__).with_name("e2e_ddp_job.py")
 ITERATIONS = 80

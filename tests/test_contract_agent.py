@@ -2,46 +2,24 @@
 
 from __future__ import annotations
 
-import http.server
-import threading
-
 import pytest
 import torch
+from recording_collector import RecordingCollector
 
 from ampwatch import agent
 from ampwatch.server._schema import Batch, parse_batch
 
 
-class _Recorder(http.server.BaseHTTPRequestHandler):
-    bodies: list[bytes] = []
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).bodies.append(body)
-        reply = b'{"applied": true}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.mark.timeout(60)
 def test_batches_from_the_real_agent_validate_against_the_collector_schema():
-    _Recorder.bodies = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with RecordingCollector() as server:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
         opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
         opt_b = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cpu", growth_interval=3)
         watch = agent.watch(scaler, {"first": opt_a, "second": opt_b}, model=model,
-                            collector=f"http://127.0.0.1:{server.server_port}", run="contract", push_interval=0.05)
+                            collector=server.url, run="contract", push_interval=0.05)
         for iteration in range(12):
             x = torch.randn(8, 4)
             if iteration in (4, 5):
@@ -55,11 +33,8 @@ def test_batches_from_the_real_agent_validate_against_the_collector_schema():
             scaler.step(opt_b)
             scaler.update()
         watch.close()
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert _Recorder.bodies, "the agent sent nothing"
-    batches: list[Batch] = [parse_batch(body) for body in _Recorder.bodies]  # raises with the field on a mismatch
+    assert server.bodies, "the agent sent nothing"
+    batches: list[Batch] = [parse_batch(body) for body in server.bodies]  # raises with the field on a mismatch
     kinds = {event.kind for b in batches for event in b.events}
     assert {"skip", "scale_change", "close"} <= kinds
     last = batches[-1]
@@ -74,14 +49,17 @@ def _max_length(model: type, field: str) -> int:
     return next(m.max_length for m in model.model_fields[field].metadata if hasattr(m, "max_length"))
 
 
-def test_the_agents_limits_are_the_collectors_schema_limits_and_default_options():
-    # The agent cannot import the server (no web stack in a training image): its copy is checked here.
-    from ampwatch.agent import _limits
-    from ampwatch.server import ServerConfig, _schema
-    from ampwatch.server._schema import (AgentInfo, Batch, ParamDetail, PoisonedStepEvent, ScalerInfo,
+def test_the_agent_and_the_collectors_schema_and_defaults_keep_to_the_one_contract():
+    # The agent cannot import the server (no web stack in a training image): both read ampwatch.contract.
+    import typing
+
+    from ampwatch.agent import _batch, _limits
+    from ampwatch.contract import protocol
+    from ampwatch.server import ServerConfig
+    from ampwatch.server._schema import (AgentInfo, Batch, Event, ParamDetail, PoisonedStepEvent, ScalerInfo,
                                          SchedulerAfterSkipEvent, SkipEvent, WarningEvent)
 
-    assert _limits.TEXT_LIMITS == {
+    enforced = {
         "label": _max_length(Batch, "run"),
         "param_name": _max_length(ParamDetail, "name"),
         "scheduler": _max_length(SchedulerAfterSkipEvent, "scheduler"),
@@ -91,20 +69,23 @@ def test_the_agents_limits_are_the_collectors_schema_limits_and_default_options(
         "version": _max_length(AgentInfo, "version"),
         "scaler_kind": _max_length(ScalerInfo, "kind"),
     }
-    assert _limits.TEXT_LIMITS["version"] == _max_length(AgentInfo, "torch")
-    assert _limits.MAX_PARAMS == _schema.MAX_PARAMS == _max_length(SkipEvent, "params") \
-        == _max_length(PoisonedStepEvent, "params")
-    assert _limits.MAX_BATCH_EVENTS == _schema.MAX_EVENTS
+    assert enforced == protocol.TEXT_LIMITS and _max_length(AgentInfo, "torch") == protocol.TEXT_LIMITS["version"]
+    assert protocol.MAX_PARAMS == _max_length(SkipEvent, "params") == _max_length(PoisonedStepEvent, "params")
+    assert protocol.MAX_BATCH_EVENTS == _max_length(Batch, "events")
+    kinds = [model.model_fields["kind"].annotation.__args__[0] for model in typing.get_args(typing.get_args(Event)[0])]
+    assert tuple(kinds) == protocol.EVENT_KINDS
     defaults = ServerConfig()
-    assert _limits.COLLECTOR_DEFAULTS == {name: getattr(defaults, name) for name in _limits.COLLECTOR_DEFAULTS}
-    assert defaults.max_label_length == _limits.TEXT_LIMITS["label"]
+    assert {name: getattr(defaults, name) for name in protocol.COLLECTOR_DEFAULTS} == protocol.COLLECTOR_DEFAULTS
+    assert defaults.max_label_length == protocol.TEXT_LIMITS["label"]
+    assert (_limits.TEXT_LIMITS, _limits.COLLECTOR_DEFAULTS, _batch.PROTOCOL_VERSION) == \
+        (protocol.TEXT_LIMITS, protocol.COLLECTOR_DEFAULTS, protocol.PROTOCOL_VERSION)
 
 
 def test_non_finite_scales_from_the_agents_encoder_validate_as_what_they_are():
     import math
 
     from ampwatch.agent._batch import encode_batch
-    from ampwatch.server._harness import make_batch
+    from batches import make_batch
 
     batch = make_batch(loss_scale=math.nan, events=[{"id": 1, "kind": "scale_change", "time": 1.0, "iteration": 0,
                                                      "cause": "restored", "before": math.inf, "after": 0.0}])

@@ -14,10 +14,11 @@ import urllib.request
 
 import pytest
 import torch
+from collector_process import CollectorProcess
+from exposition import value
 
 from ampwatch import agent
 from ampwatch.agent._limits import CUT_MARK, TEXT_LIMITS
-from ampwatch.server._harness import CollectorProcess, value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

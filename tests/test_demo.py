@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from ampwatch.contract.protocol import STREAK_LADDER
+from ampwatch.contract.thresholds import DEMO_THRESHOLDS
+from ampwatch.server._state import RankSnapshot
+from ampwatch.server._totals import OptimizerTotals, RankTotals, ladder
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "examples" / "demo.py"
 
-pytestmark = [pytest.mark.slow]
+
+@pytest.fixture(scope="module")
+def demo():
+    """examples/demo.py as a module (its own imports need examples/ on the path)."""
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("ampwatch_demo", DEMO)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(DEMO.parent))
 
 
 def _run_demo(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -30,6 +50,7 @@ def _run_demo(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(process.args, process.returncode, out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_demo_once_shows_skips_backoff_recovery_an_alert_that_fired_then_resolved_and_a_summary(tmp_path):
     result = _run_demo("--once", "--port", "0", "--data", str(tmp_path), "--iterations", "150", timeout=240)
@@ -70,3 +91,88 @@ def test_the_demo_refuses_too_few_iterations_saying_why():
     result = subprocess.run([sys.executable, str(DEMO), "--iterations", "50"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "at least 150" in result.stderr
+
+
+def test_the_demo_refuses_a_pace_its_alert_windows_are_not_sized_for():
+    result = subprocess.run([sys.executable, str(DEMO), "--pace", "0.02"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "give 0.1 to 1 s" in result.stderr
+
+
+class _DemoJob:
+    """The demo job's counters by iteration, as its GradScaler moves them (growth_interval clean steps grow)."""
+
+    def __init__(self, growth_interval: int, trouble: range, iterations: int) -> None:
+        self.backoffs, self.growths, self.skips = [0], [0], [0]  # cumulative, after iteration i - 1
+        clean = 0
+        for i in range(iterations):
+            skipped = i in trouble
+            clean = 0 if skipped else clean + 1
+            grew = clean == growth_interval
+            clean = 0 if grew else clean
+            self.backoffs.append(self.backoffs[-1] + skipped)
+            self.growths.append(self.growths[-1] + grew)
+            self.skips.append(self.skips[-1] + skipped)
+        self.trouble = trouble
+
+    def snapshot(self, rank: int, done: int, now: float, closed: bool) -> RankSnapshot:
+        """What a batch sent after ``done`` iterations carries."""
+        skipped = self.skips[done]
+        streak = done - self.trouble.start if self.trouble.start < done <= self.trouble.stop else 0
+        reached = {length: 1 for length in STREAK_LADDER if length <= skipped}  # one streak: the trouble
+        return RankSnapshot(run="demo", rank=rank, last_seen=now, iteration=done, closed=closed,
+                            totals=RankTotals(backoffs=self.backoffs[done], growths=self.growths[done]),
+                            optimizers={"body": OptimizerTotals(steps=done - skipped, skipped=skipped,
+                                                                streaks_reached=ladder(reached))},
+                            consecutive_skipped={"body": streak})
+
+
+@pytest.mark.parametrize("push_interval", [0.5, 2.0])
+@pytest.mark.parametrize("seconds_per_iteration", [0.1, 0.15, 0.3, 1.0, 2.0])
+def test_the_demo_profile_fires_and_resolves_the_demos_alerts_whatever_the_pace(demo, seconds_per_iteration,
+                                                                                push_interval):
+    # The demo's job played on a simulated clock, fast or slowed down by a loaded machine, with batches as
+    # often as the agent sends them (or late) and the collector's 1 s evaluation tick: the same iterations
+    # must fire the same alerts, and they must resolve.
+    iterations = 150
+    job = _DemoJob(demo.GROWTH_INTERVAL, demo.TROUBLE, iterations)
+    alerts = BuiltinAlerts(DEMO_THRESHOLDS)
+    end = iterations * seconds_per_iteration + DEMO_THRESHOLDS.skip_streak_window_s + 10
+    moments = sorted([(k * push_interval + rank * 0.01, rank) for rank in (0, 1)
+                      for k in range(int(end / push_interval) + 1)] +
+                     [(k + 0.37, None) for k in range(int(end) + 1)])  # None: a tick
+    fired, resolved = set(), set()
+    for now, rank in moments:
+        if rank is None:
+            changes = alerts.evaluate(now)
+        else:
+            done = min(int(now / seconds_per_iteration), iterations)
+            changes = alerts.observe(job.snapshot(rank, done, now, closed=done == iterations), now)
+        for change in changes:
+            (fired if change.status == "firing" else resolved).add(change.name)
+    expected = {"AmpConsecutiveSkippedSteps", "AmpSustainedLossScaleBackoff"}
+    assert fired == expected and resolved == expected
+
+
+def test_the_port_check_ignores_an_earlier_runs_connections_in_time_wait_but_not_a_listener(demo):
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    with pytest.raises(SystemExit, match=f"port {port} on 127.0.0.1 is in use"):
+        demo.check_port(port)  # something listens: the collector could not
+    accepted.close()  # the server's side closes first, so its end of the connection lingers in TIME_WAIT
+    client.close()
+    listener.close()
+    deadline = time.monotonic() + 10
+    while True:  # the trap: a plain bind, without SO_REUSEADDR, trips on the lingering connection
+        with socket.socket() as plain:
+            try:
+                plain.bind(("127.0.0.1", port))
+            except OSError:
+                break
+        assert time.monotonic() < deadline, "the closed connection never lingered in TIME_WAIT"
+        time.sleep(0.05)
+    assert demo.check_port(port) == port

@@ -15,8 +15,10 @@ import subprocess
 import httpx
 import pytest
 from fault_training import Trainer
+from batches import make_batch
+from collector_process import CollectorProcess
+from exposition import value
 
-from ampwatch.server._harness import CollectorProcess, make_batch, value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -19,8 +19,9 @@ import httpx
 import pytest
 from fault_training import Trainer
 from recording_collector import RecordingCollector
+from collector_process import CollectorProcess
+from exposition import value
 
-from ampwatch.server._harness import CollectorProcess, value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

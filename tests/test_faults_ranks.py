@@ -17,8 +17,9 @@ import time
 
 import httpx
 import pytest
+from collector_process import CollectorProcess
+from exposition import value
 
-from ampwatch.server._harness import CollectorProcess, value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -12,7 +12,7 @@ import json
 import shutil
 import subprocess
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
+from batches import make_batch, optimizer, skip_event  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
+from exposition import samples, value  # noqa: E402
 
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer, samples, skip_event, value  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,12 +58,28 @@ def _promtool_ok(text: str) -> None:
         result.stdout + result.stderr
 
 
-def _footprint(client: TestClient) -> tuple:
-    """What a batch can change: every held rank's version, and the stored rows (read from the database)."""
-    state, store = client.app.state.collector_state, client.app.state.store
-    held = tuple(sorted((run, rank, r.version) for run, ranks in state.runs.items() for rank, r in ranks.items()))
-    rows = store.query("SELECT (SELECT count(*) FROM incarnations) AS i, (SELECT count(*) FROM events) AS e")[0]
-    return held, rows["i"], rows["e"]
+def _footprint(client: TestClient, body: bytes) -> tuple:
+    """What a batch can change, seen from outside: every rank's series, the runs and the batch's own run in the
+    query API, and the database's rows."""
+    series = [line for line in client.get("/metrics").text.split("\n")
+              if line.startswith("ampwatch_") and not line.startswith("ampwatch_collector_")]
+    runs = client.get("/v1/runs").json()
+    run = _run_named_in(body)
+    detail = client.get("/v1/runs/" + _quote(run)).json() if run else None
+    rows = client.app.state.store.query(
+        "SELECT run, rank, incarnation, last_seen, last_seq, max_event_id, closed, counters FROM incarnations "
+        "ORDER BY run, rank, incarnation")
+    events = client.app.state.store.query("SELECT count(*) AS n, max(rowid) AS last FROM events")
+    return series, runs, detail, rows, events
+
+
+def _run_named_in(body: bytes) -> Optional[str]:
+    """The run id a body names, if it is JSON with one (a refused body may name a run that exists)."""
+    try:
+        run = json.loads(body).get("run")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return run if isinstance(run, str) and run else None
 
 
 class Fuzzer:
@@ -74,7 +92,7 @@ class Fuzzer:
 
     def post(self, body: bytes, **headers: str) -> httpx.Response:
         """Send ``body``; check the answer's shape, and that a refusal changed nothing."""
-        before = _footprint(self.client)
+        before = _footprint(self.client, body)
         answer = self.client.post("/v1/ingest", content=body,
                                   headers={"Content-Type": "application/json", **headers})
         self.cases += 1
@@ -83,7 +101,7 @@ class Fuzzer:
         reply = answer.json()
         if answer.status_code != 200:
             assert isinstance(reply["message"], str) and len(reply["message"]) > 20, reply
-            assert _footprint(self.client) == before, "a refused batch changed the state or the database"
+            assert _footprint(self.client, body) == before, "a refused batch changed what the collector shows or stores"
         if self.cases % 30 == 0:
             _promtool_ok(self.client.get("/metrics").text)
         return answer
@@ -100,7 +118,9 @@ class Fuzzer:
 
 @pytest.fixture
 def fuzzer(tmp_path):
-    with TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db"), max_body_bytes=256 * 1024))) as client:
+    # A silence window longer than the test, so that a rank's "reporting" series cannot flip between two reads.
+    config = ServerConfig(db=str(tmp_path / "ampwatch.db"), max_body_bytes=256 * 1024, silent_after=3600.0)
+    with TestClient(create_app(config)) as client:
         f = Fuzzer(client)
         yield f
         f.finish()

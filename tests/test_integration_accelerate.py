@@ -23,7 +23,7 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 
 from ampwatch.agent import accelerate as ampwatch  # noqa: E402
-from ampwatch.server._harness import CollectorProcess  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
 from framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
                              INF, Truth, bits, counts_at, gpu_like_fp16, params_of, rank_at,  # noqa: E402
                              reset_accelerate_state, same_bits, watch_counts)

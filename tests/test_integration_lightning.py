@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from ampwatch.agent.lightning import AmpWatchCallback  # noqa: E402
-from ampwatch.server._harness import CollectorProcess  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
 from framework_truth import bits, counts_at, rank_at, same_bits, watch_counts  # noqa: E402
 from lightning_job import OneOptimizer, TwoOptimizers, data, fp16_plugin, trainer  # noqa: E402
 

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ampwatch.agent.transformers import AmpWatchCallback  # noqa: E402
-from ampwatch.server._harness import CollectorProcess  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
 from framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
                              Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
                              same_bits, watch_counts)

@@ -8,8 +8,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from collector_process import CollectorProcess
 
-from ampwatch.server._harness import CollectorProcess
 from framework_truth import reset_accelerate_state
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -19,8 +19,9 @@ import time
 import urllib.request
 
 import pytest
+from collector_process import CollectorProcess
+from exposition import value
 
-from ampwatch.server._harness import CollectorProcess, value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -13,9 +13,10 @@ import urllib.request
 
 import pytest
 import torch
+from collector_process import CollectorProcess
+from exposition import value
 
 from ampwatch import agent
-from ampwatch.server._harness import CollectorProcess, value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

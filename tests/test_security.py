@@ -23,11 +23,13 @@ import pytest
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
 from delivery_harness import make_sender  # noqa: E402
+from batches import make_batch, optimizer  # noqa: E402
+from collector_process import CollectorProcess  # noqa: E402
+from exposition import value  # noqa: E402
 
 from ampwatch.agent._config import AgentConfig  # noqa: E402
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
 from ampwatch.server._access import RateLimiter  # noqa: E402
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer, value  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 

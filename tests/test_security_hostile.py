@@ -11,8 +11,10 @@ import urllib.parse
 
 import httpx
 import pytest
+from batches import make_batch, optimizer, skip_event
+from collector_process import CollectorProcess
+from exposition import samples, value
 
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer, samples, skip_event, value
 
 pytestmark = [pytest.mark.timeout(120)]
 

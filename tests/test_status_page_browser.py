@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from collector_process import CollectorProcess
 
-from ampwatch.server._harness import CollectorProcess
 from headless_browser import needs_browser, open_page
 
 JOB = pathlib.Path(__file__).with_name("e2e_ddp_job.py")

@@ -6,8 +6,9 @@ import time
 
 import httpx
 import pytest
+from batches import make_batch, optimizer, skip_event
+from collector_process import CollectorProcess
 
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer, skip_event
 from headless_browser import needs_browser, open_page
 
 RUN = "poisoned-run"

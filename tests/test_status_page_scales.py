@@ -6,8 +6,9 @@ import time
 
 import httpx
 import pytest
+from batches import make_batch, optimizer
+from collector_process import CollectorProcess
 
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer
 from headless_browser import needs_browser, open_page
 
 RUN = "broken-scales"

@@ -1,8 +1,8 @@
 """The agent adds no host-device synchronisation on clean iterations.
 
 A sync shows up as ``aten._local_scalar_dense`` (what ``.item()``, ``float()``
-and ``bool()`` of a tensor dispatch to); a TorchDispatchMode counts them on CPU
-exactly as it would on a GPU.
+and ``bool()`` of a tensor dispatch to); ``bench.overhead.SyncCounter``, a
+TorchDispatchMode, counts them on CPU exactly as it would on a GPU.
 """
 
 from __future__ import annotations
@@ -10,20 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class SyncCounter(TorchDispatchMode):
-    """Count ``aten._local_scalar_dense`` calls (device-to-host scalar reads)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
+from bench.overhead import SyncCounter  # the counter the benchmarks and the GPU check use
 
 
 def count_syncs(amp, *, fused: bool, watched: bool, iterations: int = 10,

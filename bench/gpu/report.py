@@ -6,15 +6,15 @@ from typing import Any, Optional
 
 __all__ = ["COMMAND", "section"]
 
-COMMAND = "PYTHONPATH=agent/src python -m bench.gpu --out-dir $OUT"
+COMMAND = "PYTHONPATH=agent/src:contract/src python -m bench.gpu --out-dir $OUT"
 """The one command a session with a GPU runs from the repository root (``$OUT``: a folder that comes back)."""
 
 _NOT_RUN = [
     "**Not yet run on a GPU.** Every figure above is from CPU, and the agent's CUDA path (fused optimizers' "
     "`found_inf` and the scale copied without blocking into pinned memory with an event, inspection on the "
-    "device) has not been exercised. `python -m bench.gpu` checks it; it needs only torch and the agent's "
-    "source (no venv, no collector), takes under 5 minutes on one GPU and exits non-zero on any truth or "
-    "sync mismatch. From the repository root of a machine with a GPU:",
+    "device) has not been exercised. `python -m bench.gpu` checks it; it needs only torch and the source "
+    "of the agent and its contract (no venv, no collector), takes under 5 minutes on one GPU and exits "
+    "non-zero on any truth or sync mismatch. From the repository root of a machine with a GPU:",
     "",
     f"    {COMMAND}",
     "",

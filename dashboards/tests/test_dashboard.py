@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.dashboard import DATASOURCE_UID, dashboard_json, panel_queries
-from ampwatch.dashboards.thresholds import AlertThresholds
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = dashboard_json()

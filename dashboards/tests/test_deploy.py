@@ -108,6 +108,28 @@ def test_grafana_provisions_the_data_source_uid_the_dashboard_uses(compose):
     assert mounted == {f"{folder}/ampwatch-dashboard.json"}
 
 
+def _requirements(folder: str) -> set[str]:
+    """Names of the distributions ``pip install ./<folder>`` pulls in, local ones followed through."""
+    import tomllib
+    names = set()
+    for spec in tomllib.loads((REPO / folder / "pyproject.toml").read_text())["project"]["dependencies"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", spec).group(0).lower()
+        names.add(name)
+        if name.startswith("ampwatch-"):
+            names |= _requirements(name.removeprefix("ampwatch-"))
+    return names
+
+
+def test_the_collector_installs_neither_grafanalib_nor_pyyaml_nor_torch():
+    dockerfile = (REPO / "server" / "Dockerfile").read_text()
+    copied = re.findall(r"^COPY (\S+) ", dockerfile, flags=re.M)
+    assert copied == ["contract", "server"]
+    assert re.search(r"pip install --no-cache-dir /src/contract /src/server\b", dockerfile)
+    pulled = _requirements("server")
+    assert "ampwatch-contract" in pulled and not pulled & {"grafanalib", "pyyaml", "torch", "ampwatch-dashboards"}
+    assert _requirements("contract") == set()  # the contract is the standard library only
+
+
 def test_the_collector_image_is_python_slim_with_the_server_and_no_torch():
     dockerfile = (REPO / "server" / "Dockerfile").read_text()
     assert re.search(r"^FROM python:\d+\.\d+\.\d+-slim", dockerfile, flags=re.M)

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ampwatch.contract.alerts import ALERT_NAMES, ALERTS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 from ampwatch.dashboards.generate import RULES_FILE, stale_files
-from ampwatch.dashboards.rules import ALERT_NAMES, RecordedSeries, render_rules, rule_groups
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+from ampwatch.dashboards.rules import RecordedSeries, render_rules, rule_groups
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATED = REPO / "dashboards" / "generated"
 RULE_TESTS = Path(__file__).resolve().parent / "rules"
 RULE_TEST_FILES = sorted(RULE_TESTS.glob("*.test.yaml"))
-PER_OPTIMIZER = {"AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio", "AmpSchedulerStepsOnSkipped",
-                 "AmpPoisonedStep"}
-PER_RANK = PER_OPTIMIZER | {"AmpLossScaleCollapsed", "AmpRankSilent"}
 
 
 def _rules() -> list[dict]:
@@ -75,8 +74,43 @@ def test_descriptions_name_the_run_rank_optimizer_and_value_the_alert_carries():
     for alert in _alerts():
         description, name = alert["annotations"]["description"], alert["alert"]
         assert "{{ $labels.run }}" in description and "$value" in description, name
-        assert ("{{ $labels.rank }}" in description) == (name in PER_RANK), name
-        assert ("{{ $labels.optimizer }}" in description) == (name in PER_OPTIMIZER), name
+        for label in ("rank", "optimizer"):  # the description names what the alert is about, no more
+            assert ("{{ $labels.%s }}" % label in description) == (label in ALERTS[name].labels), name
+
+
+# A different valid value for every thresholds field (streak lengths stay on the ladder, ratios in range).
+CHANGED = dict(calibration_iterations=7, skip_streak_warning=8, skip_streak_critical=128, skip_streak_window_s=420,
+               backoff_window_s=600, backoff_min_count=5, backoff_rank_share=0.25, backoff_for_s=180,
+               collapsed_loss_scale=0.5, collapsed_for_s=90, desync_scale_ratio=4.0, desync_for_s=600, skip_ratio=0.2,
+               skip_ratio_window_s=3600, skip_ratio_min_steps=100, skip_ratio_for_s=300, silent_after_s=240,
+               silent_for_s=120, scheduler_window_s=1200, poisoned_window_s=2400)
+
+
+def _alert_and_its_recordings(t: AlertThresholds, name: str) -> list[tuple]:
+    """The expressions and ``for`` of alert ``name``'s rules and of every recording rule they read (not the texts)."""
+    rules = rule_groups(t)["groups"][0]["rules"]
+    recorded = {rule["record"]: rule for rule in rules if "record" in rule}
+    found = [rule for rule in rules if rule.get("alert") == name]
+    pending = [rule["expr"] for rule in found]
+    while pending:
+        expr = pending.pop()
+        for record, rule in recorded.items():
+            if record in expr and rule not in found:
+                found.append(rule)
+                pending.append(rule["expr"])
+    return [(rule["expr"], rule.get("for")) for rule in found]
+
+
+@pytest.mark.parametrize("name", ALERT_NAMES)
+def test_each_alert_rule_changes_with_every_threshold_its_definition_says_it_reads(name):
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(AlertThresholds)}
+    definition = ALERTS[name]
+    read = [*definition.parameters, *filter(None, [definition.for_s]),
+            *(s.threshold for s in definition.severities if s.threshold)]
+    before = _alert_and_its_recordings(DEFAULT_THRESHOLDS, name)
+    for field in read:
+        after = _alert_and_its_recordings(dataclasses.replace(DEFAULT_THRESHOLDS, **{field: CHANGED[field]}), name)
+        assert after != before, f"{name}'s rule does not change with {field}"
 
 
 def test_consecutive_skips_have_a_warning_and_a_critical_rule_on_the_streak_ladder():

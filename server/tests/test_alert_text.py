@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from ampwatch.contract.alerts import ALERT_NAMES
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 from ampwatch.dashboards.rules import alerting_rules
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
-from ampwatch.server._alert_text import annotations_for
-from ampwatch.server._alerting import ALERT_NAMES
+from ampwatch.server.alerting.annotations import annotations_for
 
 SHORT = AlertThresholds(skip_streak_warning=4, skip_streak_critical=8, skip_streak_window_s=6, backoff_window_s=60,
                         backoff_min_count=5, collapsed_loss_scale=0.5, skip_ratio_window_s=90)
@@ -26,12 +26,10 @@ def _fill(template: str, value: float, percent: str, duration: str) -> str:
 def test_every_built_in_alert_says_what_its_prometheus_rule_says(t):
     rules = alerting_rules(t)
     assert {rule["alert"] for rule in rules} == set(ALERT_NAMES)
-    streak_thresholds = iter((t.skip_streak_warning, t.skip_streak_critical))
     for rule in rules:
         name = rule["alert"]
-        threshold = next(streak_thresholds) if name == "AmpConsecutiveSkippedSteps" else ""
         value, percent, duration = (0.75, "75%", "0.75s") if name != "AmpRankSilent" else (125.0, "12500%", "2m 5s")
-        ours = annotations_for(name, LABELS, value, threshold, t)
+        ours = annotations_for(name, LABELS, value, t, rule["labels"]["severity"])
         expected = {key: _fill(text, value, percent, duration) for key, text in rule["annotations"].items()}
         assert ours == expected, name
         assert "{" not in ours["summary"] + ours["description"], name  # nothing left unfilled

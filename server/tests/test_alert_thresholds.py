@@ -9,11 +9,11 @@ import sys
 
 import pytest
 from fastapi.testclient import TestClient
+from batches import make_batch, optimizer
 
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server import create_app
-from ampwatch.server._alert_thresholds import load_thresholds, thresholds_json
-from ampwatch.server._harness import make_batch, optimizer
+from ampwatch.server.alerting.thresholds import load_thresholds
 
 
 def _streak_of(length: int) -> dict:
@@ -38,7 +38,7 @@ def test_a_json_file_overrides_only_the_fields_it_names(tmp_path):
 def test_thresholds_written_as_json_load_back_equal(tmp_path):
     demo = load_thresholds("demo")
     path = tmp_path / "demo.json"
-    path.write_text(thresholds_json(demo))
+    path.write_text(json.dumps(dataclasses.asdict(demo)))  # every field, as a user's file may hold them
     assert load_thresholds(str(path)) == demo != DEFAULT_THRESHOLDS
 
 
@@ -66,7 +66,7 @@ def test_the_command_line_refuses_a_missing_thresholds_file_before_serving(tmp_p
 
 def test_the_demo_profile_fires_the_streak_alert_at_four_skips_where_the_default_needs_sixteen(config_for):
     for profile, fires_at in (("demo", 4), (None, 16)):
-        with TestClient(create_app(config_for(alert_thresholds=profile))) as client:
+        with TestClient(create_app(config_for(alert_thresholds=load_thresholds(profile)))) as client:
             run = f"streak-{profile}"
             for seq, length in enumerate((fires_at - 1, fires_at), start=1):
                 batch = make_batch(run=run, seq=seq, iteration=300 + length, optimizers=_streak_of(length))
@@ -76,8 +76,9 @@ def test_the_demo_profile_fires_the_streak_alert_at_four_skips_where_the_default
 
 
 def test_with_seconds_long_windows_a_streak_alert_resolves_one_window_after_the_streak_not_later():
-    from ampwatch.server._alerting import OptimizerCounters, RankSnapshot
-    from ampwatch.server._alerting_states import BuiltinAlerts
+    from ampwatch.server._state import RankSnapshot
+    from ampwatch.server._totals import OptimizerTotals, ladder
+    from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
     demo = load_thresholds("demo")
     alerts = BuiltinAlerts(demo)
@@ -86,8 +87,8 @@ def test_with_seconds_long_windows_a_streak_alert_resolves_one_window_after_the_
         now = tick * 0.25
         reached = {1: 1, 2: 1, 4: 1} if now >= 10 else {}
         snapshot = RankSnapshot(run="r", rank=0, last_seen=now, iteration=100 + tick,
-                                optimizers={"gen": OptimizerCounters(steps=tick, skipped=4 * (now >= 10),
-                                                                     streaks_reached=reached)})
+                                optimizers={"gen": OptimizerTotals(steps=tick, skipped=4 * (now >= 10),
+                                                                   streaks_reached=ladder(reached))})
         for change in alerts.observe(snapshot, now=now):
             if change.status == "resolved":
                 resolved_at = now

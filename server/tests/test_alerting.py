@@ -6,9 +6,11 @@ import dataclasses
 
 import pytest
 
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS as T
-from ampwatch.server._alerting import ALERT_NAMES, OptimizerCounters, RankSnapshot
-from ampwatch.server._alerting_states import BuiltinAlerts
+from ampwatch.contract.alerts import ALERT_NAMES
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
+from ampwatch.server._state import RankSnapshot
+from ampwatch.server._totals import OptimizerTotals, RankTotals, ladder
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
 LADDER = tuple(2 ** i for i in range(11))
 
@@ -40,12 +42,11 @@ class FakeRank:
             self.streak = 0
 
     def snapshot(self, now: float) -> RankSnapshot:
-        opt = OptimizerCounters(steps=self.steps, skipped=self.skipped, consecutive_skipped=self.streak,
-                                streaks_reached=dict(self.reached), scheduler_steps_after_skip=self.scheduler,
-                                poisoned_steps=self.poisoned)
+        opt = OptimizerTotals(steps=self.steps, skipped=self.skipped, streaks_reached=ladder(self.reached),
+                              scheduler_steps_after_skip=self.scheduler, poisoned_steps=self.poisoned)
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=now, iteration=self.iteration,
-                            loss_scale=self.scale, backoffs=self.backoffs, growths=self.growths,
-                            closed=self.closed, optimizers={"gen": opt})
+                            loss_scale=self.scale, totals=RankTotals(backoffs=self.backoffs, growths=self.growths),
+                            closed=self.closed, optimizers={"gen": opt}, consecutive_skipped={"gen": self.streak})
 
     def send(self, now: float) -> list:
         """Deliver a batch to the evaluator; return the transitions of this rank's alerts."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS as T
-from ampwatch.server._alert_text import RUNBOOK_BASE, annotations_for
-from ampwatch.server._alerting import ALERT_NAMES, RULES
+from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
+from ampwatch.server.alerting.annotations import annotations_for
 
 rules = pytest.importorskip("ampwatch.dashboards.rules", reason="the rules generator needs PyYAML (dev install)")
 
@@ -23,16 +23,19 @@ def _prometheus_alerts() -> dict[str, list[dict]]:
     return found
 
 
-def test_the_evaluator_knows_exactly_the_alerts_the_rules_define():
-    assert set(ALERT_NAMES) == set(rules.ALERT_NAMES) == set(_prometheus_alerts())
+def test_the_rules_define_every_alert_and_each_has_a_condition_in_both_evaluators():
+    from ampwatch.server.alerting import conditions
+    assert list(_prometheus_alerts()) == list(ALERT_NAMES) and set(rules.CONDITIONS) == set(ALERT_NAMES)
+    source = open(conditions.__file__).read()
+    assert all(f'"{name}"' in source for name in ALERT_NAMES)  # the built-in conditions name each alert
 
 
-@pytest.mark.parametrize("name", [n for n in ALERT_NAMES if RULES[n][0] is not None])
-def test_each_alert_has_the_rules_severity_and_for_duration(name):
-    (rule,) = _prometheus_alerts()[name]
-    severity, for_field = RULES[name]
-    assert rule["labels"]["severity"] == severity
-    assert _seconds(rule["for"]) == (getattr(T, for_field) if for_field else 0)
+@pytest.mark.parametrize("name", ALERT_NAMES)
+def test_each_rule_has_its_definitions_severities_and_for_duration(name):
+    definition = ALERTS[name]
+    found = _prometheus_alerts()[name]
+    assert [r["labels"]["severity"] for r in found] == [s.level for s in definition.severities]
+    assert all(_seconds(r["for"]) == definition.for_seconds(T) for r in found)
 
 
 def test_the_streak_alert_has_a_warning_and_a_critical_rule_that_fire_at_once():
@@ -44,6 +47,6 @@ def test_the_streak_alert_has_a_warning_and_a_critical_rule_that_fire_at_once():
 @pytest.mark.parametrize("name", ALERT_NAMES)
 def test_each_alert_links_the_same_runbook_section_as_its_rule(name):
     rule = _prometheus_alerts()[name][0]
-    ours = annotations_for(name, {"run": "r", "rank": "0", "optimizer": "o"}, 1.0)["runbook_url"]
-    assert ours == rule["annotations"]["runbook_url"]
-    assert ours.startswith(RUNBOOK_BASE)
+    ours = annotations_for(name, {"run": "r", "rank": "0", "optimizer": "o"}, 1.0, T, rule["labels"]["severity"])
+    assert ours["runbook_url"] == rule["annotations"]["runbook_url"]
+    assert ours["runbook_url"].startswith(DEFAULT_RUNBOOK_BASE_URL + "#")

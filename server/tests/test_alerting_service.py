@@ -7,9 +7,13 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 from webhook_receiver import WebhookReceiver
+from batches import make_batch, optimizer
+from exposition import value
 
 from ampwatch.server import ServerConfig, create_app
-from ampwatch.server._harness import make_batch, optimizer, value
+from ampwatch.server.__main__ import build_parser
+from ampwatch.server._config import config_from_args
+from ampwatch.server.alerting.notifications import parse_targets
 
 
 @pytest.fixture
@@ -19,7 +23,7 @@ def receiver():
 
 
 def test_a_skip_streak_alert_is_listed_and_sent_at_the_ingest_that_crosses_the_threshold(config_for, receiver):
-    with TestClient(create_app(config_for(webhook=f"webhook:{receiver.url}/hook"))) as client:
+    with TestClient(create_app(config_for(webhook=parse_targets(f"webhook:{receiver.url}/hook")))) as client:
         streak = {"gen": optimizer(steps=200, skipped=15, consecutive=15, longest=15, streaks=1,
                                    reached={"1": 1, "2": 1, "4": 1, "8": 1})}
         assert client.post("/v1/ingest", json=make_batch(seq=1, iteration=215, optimizers=streak)).status_code == 200
@@ -44,7 +48,7 @@ def test_a_skip_streak_alert_is_listed_and_sent_at_the_ingest_that_crosses_the_t
 
 
 def test_a_clean_run_has_no_alerts_and_no_notification(config_for, receiver):
-    with TestClient(create_app(config_for(webhook=receiver.url))) as client:
+    with TestClient(create_app(config_for(webhook=parse_targets(receiver.url)))) as client:
         for seq in range(1, 4):
             batch = make_batch(seq=seq, iteration=100 * seq, optimizers={"gen": optimizer(steps=100 * seq)})
             assert client.post("/v1/ingest", json=batch).status_code == 200
@@ -53,9 +57,12 @@ def test_a_clean_run_has_no_alerts_and_no_notification(config_for, receiver):
     assert receiver.attempts == []
 
 
-def test_a_bad_webhook_setting_is_refused_with_what_to_write(tmp_path):
+def test_a_bad_webhook_setting_is_refused_with_what_to_write(monkeypatch):
+    monkeypatch.setenv("AMPWATCH_SERVER_WEBHOOK", "teams:http://x")
     with pytest.raises(ValueError, match="kind 'teams' is unknown; use one of webhook, alertmanager, slack"):
-        ServerConfig(db=str(tmp_path / "a.db"), webhook="teams:http://x")
+        config_from_args(build_parser().parse_args([]))
+    with pytest.raises(ValueError, match=r"webhook='teams:http://x' must be a tuple of notification targets"):
+        ServerConfig(webhook="teams:http://x")  # text given to the dataclass itself is refused, not half-read
 
 
 def test_the_status_page_and_its_files_are_served_with_a_strict_content_policy(client):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from fastapi.testclient import TestClient
+from batches import make_batch, optimizer, skip_event
+from exposition import value
 
 from ampwatch.server import create_app
-from ampwatch.server._harness import make_batch, optimizer, skip_event, value
 
 INC_A = "a" * 32
 INC_B = "b" * 32

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 from fastapi.testclient import TestClient
+from batches import make_batch, optimizer, skip_event
+from exposition import value
 
 from ampwatch.server import create_app
-from ampwatch.server._harness import make_batch, optimizer, skip_event, value
 
 
 def _wait_until(predicate, timeout: float = 10.0) -> bool:

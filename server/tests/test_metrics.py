@@ -8,9 +8,10 @@ import re
 import subprocess
 
 import pytest
+from batches import make_batch, optimizer, skip_event
+from exposition import value
 
-from ampwatch.server._harness import make_batch, optimizer, skip_event, value
-from ampwatch.server._metrics import FAMILIES
+from ampwatch.contract.metrics import METRICS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,25 @@ def test_per_run_views_count_reporting_ranks_streaks_and_the_scale_spread(client
     assert value(text, "ampwatch_collector_database_size_bytes") > 0
 
 
+def test_the_streak_ladder_lines_follow_a_rung_that_moves_an_optimizer_that_appears_and_a_restart(client):
+    def rung(text, optimizer, length):
+        return value(text, "ampwatch_optimizer_skip_streaks_total", run="exp-42", rank="0", optimizer=optimizer,
+                     min_length=length)
+
+    client.post("/v1/ingest", json=make_batch(seq=1, optimizers={"gen": optimizer(reached={"1": 1})}))
+    first = client.get("/metrics").text
+    assert (rung(first, "gen", "1"), rung(first, "gen", "2"), rung(first, "disc", "1")) == (1, 0, None)
+    client.post("/v1/ingest", json=make_batch(seq=2, optimizers={"gen": optimizer(reached={"1": 2, "2": 1}),
+                                                                 "disc": optimizer(reached={"1": 1})}))
+    second = client.get("/metrics").text
+    assert (rung(second, "gen", "1"), rung(second, "gen", "2"), rung(second, "disc", "1")) == (2, 1, 1)
+    # A new process of the same rank counts from zero again: the rank's totals add up both.
+    client.post("/v1/ingest", json=make_batch(seq=1, incarnation="d" * 32, optimizers={"gen": optimizer(
+        reached={"1": 1})}))
+    third = client.get("/metrics").text
+    assert (rung(third, "gen", "1"), rung(third, "gen", "2"), rung(third, "disc", "1")) == (3, 1, 1)
+
+
 def test_a_disabled_scaler_exposes_no_loss_scale(client):
     batch = make_batch(loss_scale=None)
     batch["scaler"]["enabled"] = False
@@ -85,7 +105,8 @@ def test_the_exposition_passes_promtool_check_metrics(client):
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr
 
 
-def test_every_exposed_family_is_documented_in_docs_metrics_and_every_documented_rank_series_is_exposed(client):
+def test_every_exposed_family_is_in_the_contract_and_docs_metrics_and_every_documented_rank_series_is_exposed(
+        client):
     from prometheus_client.parser import text_string_to_metric_families
     doc = (ROOT / "docs/metrics.md").read_text()
     documented = set(re.findall(r"^\| `(ampwatch_[a-z_]+)`", doc, re.M))
@@ -94,7 +115,7 @@ def test_every_exposed_family_is_documented_in_docs_metrics_and_every_documented
     exposed = set()
     for family in text_string_to_metric_families(client.get("/metrics").text):
         exposed |= {s.name for s in family.samples if not s.name.endswith(("_created", "_bucket", "_count", "_sum"))}
-    exposed |= {f.name for f in FAMILIES}
+    assert {metric.name for metric in METRICS} == documented  # the contract's list is the documented list
     assert exposed - documented == set()
     assert {n for n in documented if not n.startswith("ampwatch_collector")} - exposed == set()
 

@@ -8,9 +8,9 @@ import time
 import pytest
 from webhook_receiver import WebhookReceiver, free_port
 
-from ampwatch.server._alert import Alert
-from ampwatch.server._notify import Notifier, NotifyConfig, Target, parse_targets
-from ampwatch.server._notify_payloads import ZERO_TIME, rfc3339
+from ampwatch.server.alerting.alert import Alert
+from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target, parse_targets
+from ampwatch.server.alerting.payloads import ZERO_TIME, rfc3339
 
 FAST = NotifyConfig(backoff_initial_s=0.05, backoff_max_s=0.2, timeout_s=2.0, give_up_after_s=20.0)
 
@@ -244,7 +244,7 @@ def test_targets_parse_from_kind_url_entries_and_bad_entries_say_what_to_write()
                                                   ("alertmanager", "http://am:9093"), ("webhook", "http://plain/x")]
     assert targets[1].post_url == "http://am:9093/api/v2/alerts"
     assert Target(kind="webhook", url="http://user:pw@h:1/p").name == "webhook:h:1"
-    assert parse_targets("") == [] and parse_targets(None) == []
+    assert parse_targets("") == () and parse_targets(None) == ()
     with pytest.raises(ValueError, match="unknown; use one of webhook, alertmanager, slack"):
         parse_targets("pagerduty:http://x")
     with pytest.raises(ValueError, match="must be an http:// or https:// URL"):

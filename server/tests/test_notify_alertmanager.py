@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 from webhook_receiver import WebhookReceiver, free_port
 
-from ampwatch.server._alert import Alert
-from ampwatch.server._notify import Notifier, NotifyConfig, Target
+from ampwatch.server.alerting.alert import Alert
+from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 

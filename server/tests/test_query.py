@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ampwatch.server._harness import make_batch, optimizer, skip_event
+from batches import make_batch, optimizer, skip_event
 
 
 def _events(n: int, start: int = 1) -> list[dict]:

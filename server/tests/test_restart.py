@@ -9,8 +9,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-
-from ampwatch.server._harness import CollectorProcess, make_batch, optimizer, skip_event, value
+from batches import make_batch, optimizer, skip_event
+from collector_process import CollectorProcess
+from exposition import value
 
 
 def _post(url: str, batch: dict) -> int:

@@ -26,8 +26,8 @@ __all__ = ["RecordingCollector", "free_port"]
 class RecordingCollector(LoopbackServer):
     """Records every POST to ``/v1/ingest``; answers ``status`` after ``delay`` seconds.
 
-    ``received`` holds every decoded body in arrival order, retries included;
-    ``acked`` only those answered 2xx. Change ``status``/``delay`` at any time;
+    ``received`` holds every decoded body in arrival order, retries included
+    (``bodies`` the same as the bytes sent); ``acked`` only those answered 2xx. Change ``status``/``delay`` at any time;
     ``reply`` (a JSON object) and ``retry_after`` (a header value) make a non-2xx
     answer look like the real collector's, with its ``retry`` verdict and message.
     :meth:`stop` and :meth:`start` make it go down and come back on the same port.
@@ -40,6 +40,7 @@ class RecordingCollector(LoopbackServer):
         self.reply: dict[str, Any] | None = None
         self.retry_after: str | None = None
         self.received: list[dict[str, Any]] = []
+        self.bodies: list[bytes] = []
         self.acked: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.changed = threading.Condition()
@@ -104,6 +105,7 @@ def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequest
             batch = json.loads(body)
             with server.changed:
                 server.received.append(batch)
+                server.bodies.append(body)
                 server.headers.append(dict(self.headers))
                 if 200 <= status < 300 and self.path == "/v1/ingest":
                     server.acked.append(batch)

@@ -7,14 +7,12 @@ import math
 import time
 from typing import Any, Mapping
 
+from ampwatch.contract.protocol import DELIVERY_COUNTERS, PROTOCOL_VERSION
+
 from ._identity import Identity
 from ._limits import MAX_BATCH_EVENTS, MAX_PARAMS, TEXT_LIMITS, cut
 
 __all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_batch", "encode_batch", "fit_event"]
-
-PROTOCOL_VERSION = 1
-DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
-"""Keys of ``state.delivery``, the agent's own health counters."""
 
 
 def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], delivery: Mapping[str, int],

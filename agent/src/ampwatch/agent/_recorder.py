@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ampwatch.contract.protocol import STREAK_LADDER  # lengths counted in streaks_reached: 1, 2, 4, ..., 1024
+
 from . import _device
 from ._errors import AgentErrors
 from ._events import EventBuffer
@@ -21,9 +23,6 @@ from ._scale import LossScale
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
 
 log = logging.getLogger("ampwatch.agent")
-
-STREAK_LADDER = tuple(2 ** k for k in range(11))
-"""Streak lengths counted in ``streaks_reached``: 1, 2, 4, ..., 1024 (docs/protocol.md)."""
 
 _MAX_PENDING = 64  # device reads in flight before we wait for the oldest (only if the device lags far behind)
 

@@ -61,9 +61,6 @@ class SpoolOutbox:
     def make_room(self, size: int) -> bool:
         """Drop the oldest batches so that ``size`` more bytes fit; return whether any were dropped."""
         return self._drop_oldest_past(self.max_bytes - size, keep=0)
-        while self._bytes > self.max_bytes and len(self._queue) > 1:
-            self.dropped_events += self._queue[0].events
-            self.pop()
 
     def head(self) -> Pending | None:
         """Return the oldest unanswered batch, or ``None``."""

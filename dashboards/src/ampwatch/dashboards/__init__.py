@@ -1,11 +1,7 @@
-"""Prometheus rules and the Grafana dashboard of ampwatch, generated from one thresholds config.
+"""Prometheus rules and the Grafana dashboard of ampwatch, generated from ampwatch.contract.
 
-Importing this package (or ``ampwatch.dashboards.thresholds``) pulls in no
-third-party module, so the collector can read the same thresholds as the
-rules. ``ampwatch.dashboards.rules`` needs PyYAML and
-``ampwatch.dashboards.dashboard`` needs grafanalib.
+``ampwatch.dashboards.rules`` (PyYAML) turns the thresholds and alert
+definitions of ``ampwatch.contract`` into the rule file;
+``ampwatch.dashboards.dashboard`` (grafanalib) builds the dashboard;
+``ampwatch-dashboards generate`` writes both into ``dashboards/generated/``.
 """
-
-from .thresholds import DEFAULT_THRESHOLDS, STREAK_LADDER, AlertThresholds, promql_duration
-
-__all__ = ["AlertThresholds", "DEFAULT_THRESHOLDS", "STREAK_LADDER", "promql_duration"]

@@ -3,7 +3,7 @@
 Every panel queries the collector's per-rank series through the Prometheus data
 source with the fixed uid :data:`DATASOURCE_UID`, filtered by the template
 variables ``run``, ``rank`` and ``optimizer``. Threshold lines come from the same
-:class:`~ampwatch.dashboards.thresholds.AlertThresholds` as the alert rules.
+:class:`~ampwatch.contract.thresholds.AlertThresholds` as the alert rules.
 
 Example::
 
@@ -21,8 +21,8 @@ from grafanalib.core import (
     Dashboard, GridPos, RowPanel, Stat, Table, Target, Template, Templating, Time, TimeSeries,
 )
 
-from . import _metrics as m
-from .thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+from ampwatch.contract import metrics as m
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 __all__ = [
     "DASHBOARD_UID",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+
 from .dashboard import render_dashboard
 from .rules import DEFAULT_RUNBOOK_BASE_URL, render_rules
-from .thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 __all__ = ["DASHBOARD_FILE", "RULES_FILE", "generated_files", "stale_files", "write_generated"]
 

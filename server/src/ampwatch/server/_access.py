@@ -7,6 +7,8 @@ import json
 import time
 from typing import Callable, Optional
 
+from ampwatch.contract.metrics import COLLECTOR_REFUSED_REQUESTS
+
 __all__ = ["AccessGuard", "AccessMetrics", "RateLimiter", "READ_PREFIXES"]
 
 # Paths that reveal what the collector holds; the status page's files and health checks stay open.
@@ -103,9 +105,8 @@ class AccessMetrics:
 
     def collect(self):  # noqa: ANN201 - prometheus_client's Collector protocol
         from prometheus_client.core import CounterMetricFamily
-        family = CounterMetricFamily("ampwatch_collector_refused_requests",
-                                     "Requests refused before routing, by reason (rate, read_auth).",
-                                     labels=["reason"])
+        family = CounterMetricFamily(COLLECTOR_REFUSED_REQUESTS.name.removesuffix("_total"),
+                                     COLLECTOR_REFUSED_REQUESTS.help, labels=list(COLLECTOR_REFUSED_REQUESTS.labels))
         for reason, count in self.guard.refused.items():
             family.add_metric([reason], count)
         yield family

@@ -12,27 +12,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ._access import AccessGuard, AccessMetrics
-from ._alert_service import AlertService, NotificationMetrics, router as alerts_router
-from ._alert_thresholds import load_thresholds
 from ._config import ServerConfig
 from ._ingest import IngestService
-from ._metrics import CONTENT_TYPE, SelfMetrics, scrape
-from ._notify import parse_targets
+from ._metrics import CONTENT_TYPE, Exposition, NotificationMetrics, SelfMetrics
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
-from ._state import CollectorState, Limits
+from ._state import CollectorState
 from ._status_page import mount_status_page
 from ._store import Store
+from .alerting.route import router as alerts_router
+from .alerting.service import AlertService
 
 __all__ = ["create_app", "VERSION"]
 
 VERSION = "0.1.0"
 log = logging.getLogger("ampwatch.server")
-
-
-def _limits(config: ServerConfig) -> Limits:
-    return Limits(max_runs=config.max_runs, max_ranks_per_run=config.max_ranks_per_run,
-                  max_optimizers_per_rank=config.max_optimizers_per_rank, max_label_length=config.max_label_length)
 
 
 async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
@@ -77,7 +71,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(config.db)
-        state = CollectorState(_limits(config))
+        state = CollectorState(config)
         horizon = time.time() - max(config.expire_after, config.run_retention)
         state.stored = await asyncio.to_thread(stored_ranks, store)
         for rank in await asyncio.to_thread(load_ranks, store, seen_after=horizon):
@@ -85,10 +79,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         state.retire(time.time(), config.expire_after, config.run_retention)
         own = SelfMetrics(state, store.size_bytes, VERSION)
         app.state.store, app.state.collector_state, app.state.own = store, state, own
+        app.state.exposition = Exposition(state, own, config.silent_after)
         app.state.ingest = IngestService(config, state, store, own)
-        alerts = app.state.alert_service = AlertService(parse_targets(config.webhook),
-                                                         thresholds=load_thresholds(config.alert_thresholds))
-        own.registry.register(NotificationMetrics(alerts.notifier))
+        alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds)
+        own.registry.register(NotificationMetrics(alerts.notifier.counts))
         own.registry.register(AccessMetrics(app.state.guard))
         app.state.ingest.on_applied = alerts.observe
         alert_task = asyncio.create_task(alerts.run(state))
@@ -134,8 +128,7 @@ def create_app(config: ServerConfig) -> FastAPI:
              summary="Prometheus exposition (text format 0.0.4)")
     async def metrics(request: Request) -> PlainTextResponse:
         """Render every series from the current state."""
-        body = scrape(request.app.state.collector_state, request.app.state.own, config.silent_after)
-        return PlainTextResponse(body, media_type=CONTENT_TYPE)
+        return PlainTextResponse(request.app.state.exposition.render(), media_type=CONTENT_TYPE)
 
     @app.get("/healthz", tags=["health"], summary="The process is alive")
     async def healthz() -> dict:

@@ -8,34 +8,30 @@ from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
+from ampwatch.contract.protocol import DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
+
 from ._recovery import load_ranks
 from ._floats import wire_float
-from ._schema import STREAK_LADDER
-from ._state import DELIVERY_COUNTERS, RANK_COUNTERS, RankState
+from ._state import RankState
 
 __all__ = ["router", "rank_summary"]
 
 router = APIRouter(prefix="/v1", tags=["query"])
 
-EventKind = Literal["skip", "streak_end", "scale_change", "scheduler_after_skip", "poisoned_step", "warning",
-                    "scaler_disabled", "close"]
+EventKind = Literal[EVENT_KINDS]  # type: ignore[valid-type]
 
 
 def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
     """Describe a rank: identity, gauges of its newest process, totals over all its processes."""
     batch = rank.current.batch
-    totals = rank.totals.get("", {})
+    totals = rank.totals.to_json()
     optimizers = {}
-    for name in rank.optimizers():
-        t = rank.totals[name]
-        now = batch.state.optimizers.get(name)
+    for name, t in rank.optimizer_totals.items():
         optimizers[name] = {
-            "steps": t.get("steps", 0), "skipped": t.get("skipped", 0),
-            "consecutive_skipped": now.consecutive_skipped if now else 0,
-            "longest_streak": rank.longest_streak(name), "streaks": t.get("streaks", 0),
-            "streaks_reached": {length: t.get("reached_" + length, 0) for length in STREAK_LADDER},
-            "scheduler_steps_after_skip": t.get("scheduler_steps_after_skip", 0),
-            "poisoned_steps": t.get("poisoned_steps", 0),
+            "steps": t.steps, "skipped": t.skipped, "consecutive_skipped": rank.consecutive_skipped(name),
+            "longest_streak": rank.longest_streak(name), "streaks": t.streaks,
+            "streaks_reached": {str(length): count for length, count in zip(STREAK_LADDER, t.streaks_reached)},
+            "scheduler_steps_after_skip": t.scheduler_steps_after_skip, "poisoned_steps": t.poisoned_steps,
             "latest_nonfinite_parameter": rank.latest_nonfinite(name),
         }
     return {
@@ -45,8 +41,8 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         # Scale values as the protocol writes them: NaN and infinities as strings (JSON has no such numbers).
         "iteration": batch.state.iteration, "loss_scale": wire_float(batch.state.loss_scale),
         "scaler": json.loads(batch.scaler.model_dump_json()), "agent": batch.agent.model_dump(),
-        **{name: totals.get(name, 0) for name in RANK_COUNTERS},
-        "delivery": {name: totals.get(name, 0) for name in DELIVERY_COUNTERS},
+        **{name: totals[name] for name in ("backoffs", "growths", "manual_sets")},
+        "delivery": {name: totals[name] for name in DELIVERY_COUNTERS},
         "optimizers": optimizers,
     }
 

@@ -1,4 +1,4 @@
-"""The wire protocol v1 batch as pydantic models: the server's single definition of docs/protocol.md."""
+"""The wire protocol v1 batch as pydantic models: docs/protocol.md, with the limits of ``ampwatch.contract.protocol``."""
 
 from __future__ import annotations
 
@@ -7,25 +7,23 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 
+from ampwatch.contract.protocol import (MAX_BATCH_EVENTS, MAX_PARAMS, PROTOCOL_VERSION, SCALE_CAUSES, STREAK_LADDER,
+                                        TEXT_LIMITS)
+
 from ._floats import NONFINITE_STRINGS
 
-__all__ = [
-    "PROTOCOL_VERSION", "STREAK_LADDER", "MAX_EVENTS", "SCALE_CAUSES", "Batch", "Event", "parse_batch",
-    "describe_errors", "ValidationError",
-]
+__all__ = ["Batch", "WireRankState", "WireOptimizerCounters", "Event", "parse_batch", "describe_errors",
+           "ValidationError"]
 
-PROTOCOL_VERSION = 1
-STREAK_LADDER: tuple[str, ...] = tuple(str(2 ** i) for i in range(11))  # "1", "2", ..., "1024"
-MAX_EVENTS = 10_000
-MAX_PARAMS = 16
+LADDER_KEYS: tuple[str, ...] = tuple(map(str, STREAK_LADDER))  # "1", "2", ..., "1024": JSON object keys
 
 # SQLite stores integers as 64-bit signed: a larger one would fail at COMMIT (a 500) instead of a 422.
 MAX_INT = 2 ** 63 - 1
 # Integers are strict: a JSON true or 3.0 is not a count (lax mode would read them as 1 and 3).
 Count = Annotated[int, Field(ge=0, le=MAX_INT, strict=True)]
 Positive = Annotated[int, Field(ge=1, le=MAX_INT, strict=True)]
-Label = Annotated[str, Field(min_length=1, max_length=128)]
-LadderKey = Literal[STREAK_LADDER]  # type: ignore[valid-type]
+Label = Annotated[str, Field(min_length=1, max_length=TEXT_LIMITS["label"])]
+LadderKey = Literal[LADDER_KEYS]  # type: ignore[valid-type]
 
 
 # JSON has no NaN or infinity, yet a GradScaler's float32 scale can hold them (and 0.0, after ~166 backoffs
@@ -53,20 +51,22 @@ class _Model(BaseModel):
 
 
 class AgentInfo(_Model):
-    version: str = Field(max_length=64)
-    torch: Optional[str] = Field(default=None, max_length=64)
+    version: str = Field(max_length=TEXT_LIMITS["version"])
+    torch: Optional[str] = Field(default=None, max_length=TEXT_LIMITS["version"])
 
 
 class ScalerInfo(_Model):
     enabled: bool
-    kind: str = Field(max_length=128)
+    kind: str = Field(max_length=TEXT_LIMITS["scaler_kind"])
     init_scale: Optional[ScaleFloat] = None
     growth_factor: Optional[ScaleFloat] = None
     backoff_factor: Optional[ScaleFloat] = None
     growth_interval: Optional[Annotated[int, Field(strict=True)]] = None
 
 
-class OptimizerCounters(_Model):
+class WireOptimizerCounters(_Model):
+    """``state.optimizers[name]``: one optimizer's cumulative counters and current streak, as sent."""
+
     steps: Count
     skipped: Count
     consecutive_skipped: Count
@@ -84,18 +84,20 @@ class Delivery(_Model):
     agent_errors: Count = 0
 
 
-class RankState(_Model):
+class WireRankState(_Model):
+    """``state``: the rank's cumulative counters and gauges, as sent."""
+
     iteration: Count
     loss_scale: Optional[ScaleFloat]  # any value the scaler holds: 0, subnormal, negative, NaN, infinite
     backoffs: Count
     growths: Count
     manual_sets: Count = 0
-    optimizers: dict[Label, OptimizerCounters]
+    optimizers: dict[Label, WireOptimizerCounters]
     delivery: Delivery = Field(default_factory=Delivery)
 
 
 class ParamDetail(_Model):
-    name: str = Field(max_length=512)
+    name: str = Field(max_length=TEXT_LIMITS["param_name"])
     inf: Count = 0
     nan: Count = 0
 
@@ -122,11 +124,6 @@ class StreakEndEvent(_EventBase):
     length: Positive
 
 
-SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
-"""Why the scale changed: in update() by backoff_factor or growth_factor, update(new_scale=...), or outside
-update() (scaler.load_state_dict() on resume, or a new scaler bound with watch.rebind())."""
-
-
 class ScaleChangeEvent(_EventBase):
     kind: Literal["scale_change"]
     cause: Literal[SCALE_CAUSES]  # type: ignore[valid-type]
@@ -137,7 +134,7 @@ class ScaleChangeEvent(_EventBase):
 class SchedulerAfterSkipEvent(_EventBase):
     kind: Literal["scheduler_after_skip"]
     optimizer: Label
-    scheduler: str = Field(max_length=256)
+    scheduler: str = Field(max_length=TEXT_LIMITS["scheduler"])
 
 
 class PoisonedStepEvent(_EventBase):
@@ -150,8 +147,8 @@ class PoisonedStepEvent(_EventBase):
 
 class WarningEvent(_EventBase):
     kind: Literal["warning"]
-    code: str = Field(max_length=128)
-    message: str = Field(max_length=4096)
+    code: str = Field(max_length=TEXT_LIMITS["warning_code"])
+    message: str = Field(max_length=TEXT_LIMITS["warning_message"])
     optimizer: Optional[Label] = None
 
 
@@ -179,14 +176,14 @@ class Batch(_Model):
     rank: Count
     world_size: Positive
     local_rank: Count
-    host: str = Field(max_length=255)
+    host: str = Field(max_length=TEXT_LIMITS["host"])
     pid: Count
     incarnation: str = Field(min_length=8, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")
     seq: Positive
     sent_at: float
     scaler: ScalerInfo
-    state: RankState
-    events: list[Event] = Field(default_factory=list, max_length=MAX_EVENTS)
+    state: WireRankState
+    events: list[Event] = Field(default_factory=list, max_length=MAX_BATCH_EVENTS)
     closed: bool = False
 
     @field_validator("protocol")

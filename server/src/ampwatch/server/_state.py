@@ -1,42 +1,25 @@
-"""In-memory per-rank state: applying batches idempotently, totals across incarnations, expiry."""
+"""In-memory per-rank state: applying batches idempotently, totals across incarnations, snapshots, expiry."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from ._schema import Batch, SkipEvent
+from ._totals import OptimizerTotals, RankTotals
 
-__all__ = ["Incarnation", "RankState", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S", "RANK_SCOPE",
-           "OPTIMIZER_COUNTERS", "RANK_COUNTERS", "DELIVERY_COUNTERS", "escape_label"]
+if TYPE_CHECKING:
+    from ._config import ServerConfig
 
-RANK_SCOPE = ""  # key of rank-level counters in Incarnation.counters (optimizer names are non-empty)
-RANK_COUNTERS = ("backoffs", "growths", "manual_sets")
-DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
-OPTIMIZER_COUNTERS = ("steps", "skipped", "streaks", "scheduler_steps_after_skip", "poisoned_steps")
+__all__ = ["Incarnation", "RankState", "RankSnapshot", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S",
+           "next_incarnation"]
 
-Counters = dict[str, dict[str, int]]
-
-
-def escape_label(value: str) -> str:
-    """Escape a label value for the Prometheus text format."""
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def counters_of(batch: Batch) -> Counters:
-    """Flatten a batch's cumulative counters into ``{scope: {name: value}}``."""
-    state = batch.state
-    rank = {name: getattr(state, name) for name in RANK_COUNTERS}
-    for name in DELIVERY_COUNTERS:
-        rank[name] = getattr(state.delivery, name)
-    out = {RANK_SCOPE: rank}
-    for optimizer, values in state.optimizers.items():
-        fields = {name: getattr(values, name) for name in OPTIMIZER_COUNTERS}
-        for length, count in values.streaks_reached.items():
-            fields["reached_" + length] = count
-        out[optimizer] = fields
-    return out
+# The database keeps a process's counters as {"": rank counters, optimizer: its counters} (optimizer names are
+# never empty); this is the one place that knows.
+_RANK_KEY = ""
+_NO_RANK = RankTotals()
+_NO_OPTIMIZER = OptimizerTotals()
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,42 +33,48 @@ class Incarnation:
     max_event_id: int
     closed: bool
     batch: Batch  # the last applied batch, for gauges and identity (its events are not used)
-    counters: Counters  # cumulative, never lower than a previously applied value (a buggy agent cannot undo)
+    totals: RankTotals  # cumulative, never lower than a previously applied value (a buggy agent cannot undo)
+    optimizers: dict[str, OptimizerTotals]  # likewise, per optimizer
     longest: dict[str, int]
     nonfinite: dict[str, tuple[int, str]]  # optimizer -> (event id, latest offending parameter)
 
     def to_row(self, batch_json: Optional[str] = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
         # Re-serialising the batch was a tenth of the ingest CPU; an event-free body restores to the same model.
+        counters = {_RANK_KEY: self.totals.to_json(), **{name: t.to_json() for name, t in self.optimizers.items()}}
         return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
                 "batch": batch_json or self.batch.model_dump_json(exclude={"events"}),
-                "counters": json.dumps({"counters": self.counters, "longest": self.longest,
+                "counters": json.dumps({"counters": counters, "longest": self.longest,
                                         "nonfinite": self.nonfinite}, separators=(",", ":"))}
 
     @classmethod
     def from_row(cls, row: dict) -> "Incarnation":
         """Rebuild from :meth:`to_row` output."""
         extra = json.loads(row["counters"])
+        counters = extra["counters"]
         return cls(id=row["incarnation"], first_seen=row["first_seen"], last_seen=row["last_seen"],
                    last_seq=row["last_seq"], max_event_id=row["max_event_id"], closed=bool(row["closed"]),
-                   batch=Batch.model_validate_json(row["batch"]), counters=extra["counters"],
+                   batch=Batch.model_validate_json(row["batch"]),
+                   totals=RankTotals.from_json(counters.get(_RANK_KEY, {})),
+                   optimizers={name: OptimizerTotals.from_json(values) for name, values in counters.items()
+                               if name != _RANK_KEY},
                    longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()})
 
 
 def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int) -> Incarnation:
     """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed)."""
-    counters = counters_of(batch)
-    longest = {name: values.longest_streak for name, values in batch.state.optimizers.items()}
+    state = batch.state
+    totals = RankTotals.of(state)
+    optimizers = {name: OptimizerTotals.of(values) for name, values in state.optimizers.items()}
+    longest = {name: values.longest_streak for name, values in state.optimizers.items()}
     nonfinite: dict[str, tuple[int, str]] = {}
     max_event_id = 0
     closed = batch.closed
     if old is not None:
-        for scope, fields in old.counters.items():
-            merged = counters.setdefault(scope, {})
-            for name, value in fields.items():
-                if merged.get(name, 0) < value:
-                    merged[name] = value
+        totals = totals.at_least(old.totals)
+        for name, values in old.optimizers.items():
+            optimizers[name] = optimizers.get(name, _NO_OPTIMIZER).at_least(values)
         for name, value in old.longest.items():
             longest[name] = max(longest.get(name, 0), value)
         nonfinite.update(old.nonfinite)
@@ -101,48 +90,51 @@ def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_l
         elif event.kind == "close":
             closed = True
     return Incarnation(id=batch.incarnation, first_seen=old.first_seen if old else now, last_seen=now,
-                       last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch,
-                       counters=counters, longest=longest, nonfinite=nonfinite)
+                       last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch, totals=totals,
+                       optimizers=optimizers, longest=longest, nonfinite=nonfinite)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankSnapshot:
+    """What the collector knows about one rank at one moment: what the alert conditions read."""
+
+    run: str
+    rank: int
+    last_seen: float
+    """Unix time the collector received the rank's latest batch."""
+    iteration: int = 0
+    loss_scale: Optional[float] = None
+    scaler_enabled: bool = True
+    closed: bool = False
+    totals: RankTotals = _NO_RANK
+    optimizers: Mapping[str, OptimizerTotals] = dataclasses.field(default_factory=dict)
+    """Totals over the rank's processes, by optimizer."""
+    consecutive_skipped: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """The current skip streak of each optimizer (the newest process's gauge); 0 when left out."""
 
 
 class RankState:
     """One (run, rank): its incarnations and the totals over all of them."""
 
-    __slots__ = ("run", "rank", "incarnations", "current", "totals", "labels", "optimizer_labels", "version",
-                 "ladder_version", "ladder_text")
+    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals")
 
     def __init__(self, run: str, rank: int) -> None:
         self.run, self.rank = run, rank
         self.incarnations: dict[str, Incarnation] = {}
         self.current: Optional[Incarnation] = None  # the newest process; its gauges are the rank's gauges
-        self.totals: Counters = {}
-        self.labels = f'run="{escape_label(run)}",rank="{rank}"'
-        self.optimizer_labels: dict[str, str] = {}
-        self.version = 0
-        self.ladder_version = 0  # bumped when a streak ladder counter moves (rare): /metrics caches its lines
-        self.ladder_text: tuple[int, str] = (-1, "")
+        self.totals = _NO_RANK
+        self.optimizer_totals: dict[str, OptimizerTotals] = {}  # in the order the optimizers first appeared
 
     def install(self, new: Incarnation) -> None:
         """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
         old = self.incarnations.get(new.id)
-        for scope, fields in new.counters.items():
-            total = self.totals.setdefault(scope, {})
-            before = old.counters.get(scope, {}) if old else {}
-            for name, value in fields.items():
-                delta = value - before.get(name, 0)
-                if delta:
-                    total[name] = total.get(name, 0) + delta
-                    if name[0] == "r" and name.startswith("reached_"):
-                        self.ladder_version += 1
-                elif name not in total:
-                    total[name] = 0
-            if scope and scope not in self.optimizer_labels:
-                self.optimizer_labels[scope] = f'{self.labels},optimizer="{escape_label(scope)}"'
-                self.ladder_version += 1
+        self.totals = self.totals.moved_by(new.totals, old.totals if old else _NO_RANK)
+        for name, counters in new.optimizers.items():
+            before = old.optimizers.get(name, _NO_OPTIMIZER) if old else _NO_OPTIMIZER
+            self.optimizer_totals[name] = self.optimizer_totals.get(name, _NO_OPTIMIZER).moved_by(counters, before)
         self.incarnations[new.id] = new
         if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
             self.current = new
-        self.version += 1
 
     @property
     def last_seen(self) -> float:
@@ -165,8 +157,23 @@ class RankState:
                 best = ((inc.first_seen, hit[0]), hit[1])
         return best[1] if best else None
 
+    def consecutive_skipped(self, optimizer: str) -> int:
+        """The current skip streak of ``optimizer``, as the newest process last reported it (0 if it did not)."""
+        values = self.current.batch.state.optimizers.get(optimizer) if self.current else None
+        return values.consecutive_skipped if values is not None else 0
+
     def optimizers(self) -> Iterable[str]:
-        return self.optimizer_labels.keys()
+        """The rank's optimizer names, over every process, in the order they first appeared."""
+        return self.optimizer_totals.keys()
+
+    def snapshot(self) -> RankSnapshot:
+        """Return this rank now, for the alert evaluator (shares the immutable totals: no copy)."""
+        batch = self.current.batch  # type: ignore[union-attr]
+        return RankSnapshot(run=self.run, rank=self.rank, last_seen=self.last_seen, iteration=batch.state.iteration,
+                            loss_scale=batch.state.loss_scale, scaler_enabled=batch.scaler.enabled,
+                            closed=self.closed, totals=self.totals, optimizers=dict(self.optimizer_totals),
+                            consecutive_skipped={name: values.consecutive_skipped
+                                                 for name, values in batch.state.optimizers.items()})
 
 
 class LimitExceeded(Exception):
@@ -191,19 +198,11 @@ RUNS_RETRY_AFTER_S = 60
 """Retry-After of a batch refused because the collector holds --max-runs runs (runs retire over minutes)."""
 
 
-@dataclasses.dataclass(slots=True)
-class Limits:
-    max_runs: int = 1000
-    max_ranks_per_run: int = 4096
-    max_optimizers_per_rank: int = 16
-    max_label_length: int = 128
-
-
 class CollectorState:
     """Every rank shown in /metrics, grouped by run."""
 
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config  # its max_runs, max_ranks_per_run, max_optimizers_per_rank and max_label_length
         self.runs: dict[str, dict[int, RankState]] = {}
         # (run, rank) with history in the database but not held here: only these need a database read
         # when a batch arrives (a brand-new rank does not).
@@ -218,7 +217,7 @@ class CollectorState:
 
     def check_limits(self, batch: Batch, known: Optional[RankState]) -> None:
         """Raise :class:`LimitExceeded` when ``batch`` would grow the state past a limit."""
-        lim = self.limits
+        lim = self.config
         too_long = [name for name in (batch.run, *batch.state.optimizers) if len(name) > lim.max_label_length]
         if too_long:
             raise LimitExceeded(f"name {too_long[0][:40]!r}... is {len(too_long[0])} characters, over this "

@@ -1,11 +1,13 @@
 """Evaluate the ampwatch alert conditions from per-rank snapshots, as the Prometheus rules do, without Prometheus.
 
-Pure and dependency-free: thresholds come in as an object with the fields of
-``ampwatch.dashboards.thresholds.AlertThresholds`` (the one config the rules
-are generated from), times are plain Unix seconds passed in by the caller.
+Pure: thresholds come in as an ``ampwatch.contract.thresholds.AlertThresholds``
+(the one config the rules are generated from), each alert's name, severities,
+``for:`` and texts from ``ampwatch.contract.alerts``; times are plain Unix
+seconds passed in by the caller.
 
 Windowed conditions (``increase(x[w])`` in PromQL) compare a rank's current
-snapshot with the one it had ``w`` seconds ago, kept by :class:`RankHistory`.
+snapshot (``RankState.snapshot()``) with the one it had ``w`` seconds ago, kept
+by :class:`RankHistory`.
 """
 
 from __future__ import annotations
@@ -13,63 +15,20 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
-from ._alert_text import annotations_for
-from ._floats import promql_divide, promql_max, promql_min
+from ampwatch.contract.alerts import ALERTS
+from ampwatch.contract.thresholds import AlertThresholds
 
-__all__ = [
-    "OptimizerCounters", "RankSnapshot", "RankHistory", "ActiveAlert",
-    "rank_alerts", "run_alerts", "evaluate", "ALERT_NAMES", "RULES",
-]
+from .._floats import promql_divide, promql_max, promql_min
+from .._state import RankSnapshot
+from .._totals import OptimizerTotals
+from .annotations import annotations_for
 
-# name -> (severity, the thresholds field holding its ``for:``); the streak alert has both severities.
-RULES: Mapping[str, tuple[Optional[str], Optional[str]]] = {
-    "AmpConsecutiveSkippedSteps": (None, None),
-    "AmpSustainedLossScaleBackoff": ("warning", "backoff_for_s"),
-    "AmpLossScaleCollapsed": ("critical", "collapsed_for_s"),
-    "AmpLossScaleDesync": ("warning", "desync_for_s"),
-    "AmpHighSkippedStepRatio": ("warning", "skip_ratio_for_s"),
-    "AmpRankSilent": ("warning", "silent_for_s"),
-    "AmpSchedulerStepsOnSkipped": ("warning", None),
-    "AmpPoisonedStep": ("critical", None),
-}
-ALERT_NAMES = tuple(RULES)
+__all__ = ["RankHistory", "ActiveAlert", "rank_alerts", "run_alerts", "evaluate"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerCounters:
-    """Cumulative counters of one optimizer of one rank (totals over the rank's incarnations)."""
-
-    steps: int = 0
-    skipped: int = 0
-    consecutive_skipped: int = 0
-    streaks_reached: Mapping[int, int] = dataclasses.field(default_factory=dict)
-    """Skip streaks that reached at least L consecutive skips, by L on the streak ladder."""
-    scheduler_steps_after_skip: int = 0
-    poisoned_steps: int = 0
-
-
-_NO_OPTIMIZER = OptimizerCounters()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RankSnapshot:
-    """What the collector knows about one rank right after a batch was applied."""
-
-    run: str
-    rank: int
-    last_seen: float
-    """Unix time the collector received the batch."""
-    iteration: int = 0
-    loss_scale: Optional[float] = None
-    scaler_enabled: bool = True
-    backoffs: int = 0
-    growths: int = 0
-    closed: bool = False
-    optimizers: Mapping[str, OptimizerCounters] = dataclasses.field(default_factory=dict)
-
-
+_NO_OPTIMIZER = OptimizerTotals()
 _ZERO = RankSnapshot(run="", rank=0, last_seen=0.0)
 
 
@@ -142,28 +101,29 @@ class RankHistory:
         return len(self._snapshots)
 
 
-def _alert(name: str, labels: dict, value: float, t: Any, threshold: object = "",
-           severity: Optional[str] = None) -> ActiveAlert:
-    rule_severity, for_field = RULES[name]
-    labels["severity"] = severity or rule_severity
-    return ActiveAlert(name=name, labels=labels, value=value, for_s=getattr(t, for_field) if for_field else 0,
-                       annotations=annotations_for(name, labels, value, threshold, t))
+def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Optional[str] = None) -> ActiveAlert:
+    definition = ALERTS[name]
+    labels["severity"] = definition.severity(level).level
+    return ActiveAlert(name=name, labels=labels, value=value, for_s=definition.for_seconds(t),
+                       annotations=annotations_for(name, labels, value, t, level))
 
 
-def _streak_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
+def _streak_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[ActiveAlert]:
     cur = h.current
     base = h.baseline(now, t.skip_streak_window_s)
     for opt_name, opt in cur.optimizers.items():
         before = base.optimizers.get(opt_name, _NO_OPTIMIZER)
-        for severity, threshold in (("warning", t.skip_streak_warning), ("critical", t.skip_streak_critical)):
+        streak = cur.consecutive_skipped.get(opt_name, 0)
+        for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
+            threshold = getattr(t, severity.threshold)
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
-            reached = opt.streaks_reached.get(threshold, 0) - before.streaks_reached.get(threshold, 0)
-            if reached > 0 or (opt.consecutive_skipped >= threshold and not cur.closed):
+            reached = opt.reached(threshold) - before.reached(threshold)
+            if reached > 0 or (streak >= threshold and not cur.closed):
                 labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
-                yield _alert("AmpConsecutiveSkippedSteps", labels, opt.consecutive_skipped, t, threshold, severity)
+                yield _alert("AmpConsecutiveSkippedSteps", labels, streak, t, severity.level)
 
 
-def _window_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
+def _window_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[ActiveAlert]:
     cur = h.current
     ratio_base = h.baseline(now, t.skip_ratio_window_s)
     sched_base = h.baseline(now, t.scheduler_window_s)
@@ -184,7 +144,7 @@ def _window_alerts(h: RankHistory, now: float, t: Any) -> Iterable[ActiveAlert]:
             yield _alert("AmpPoisonedStep", dict(labels), opt.poisoned_steps, t)
 
 
-def _usable_scale(scale: float, t: Any) -> bool:
+def _usable_scale(scale: float, t: AlertThresholds) -> bool:
     """Return whether a loss scale still works: finite and at least ``collapsed_loss_scale``.
 
     Below it (0 included) gradients are no longer scaled up; NaN and +Inf scale every loss to a
@@ -193,7 +153,7 @@ def _usable_scale(scale: float, t: Any) -> bool:
     return t.collapsed_loss_scale <= scale < math.inf
 
 
-def rank_alerts(h: RankHistory, now: float, t: Any) -> list[ActiveAlert]:
+def rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAlert]:
     """Return the alerts of one rank that hold at ``now`` (streaks, ratio, collapse, silence, scheduler, poison)."""
     cur = h.current
     labels = {"run": cur.run, "rank": str(cur.rank)}
@@ -210,7 +170,7 @@ def rank_alerts(h: RankHistory, now: float, t: Any) -> list[ActiveAlert]:
     return found
 
 
-def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: Any) -> list[ActiveAlert]:
+def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThresholds) -> list[ActiveAlert]:
     """Return the alerts of one run across its open ranks (sustained backoff, scale desync).
 
     Open means not closed cleanly (a silent rank still counts until the collector expires it), as in the rules.
@@ -226,7 +186,8 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: Any) -> li
         # whole window is past calibration (a rank younger than the window has a zero baseline).
         if base.iteration < t.calibration_iterations:
             continue
-        if cur.backoffs - base.backoffs >= t.backoff_min_count and cur.growths == base.growths:
+        if cur.totals.backoffs - base.totals.backoffs >= t.backoff_min_count and \
+                cur.totals.growths == base.totals.growths:
             backing_off += 1
     share = backing_off / len(open_ranks)
     if backing_off and share >= t.backoff_rank_share:
@@ -241,7 +202,7 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: Any) -> li
     return found
 
 
-def evaluate(histories: Iterable[RankHistory], now: float, t: Any) -> list[ActiveAlert]:
+def evaluate(histories: Iterable[RankHistory], now: float, t: AlertThresholds) -> list[ActiveAlert]:
     """Return every alert that holds at ``now`` over all ranks and runs."""
     by_run: dict[str, list[RankHistory]] = {}
     found: list[ActiveAlert] = []

@@ -23,11 +23,11 @@ import urllib.parse
 import urllib.request
 from typing import Callable, Iterable, Optional, Union
 
-from ._alert import Alert
-from ._notify_payloads import alertmanager_body, slack_body, webhook_body
+from .alert import Alert
+from .payloads import alertmanager_body, slack_body, webhook_body
 
 __all__ = [
-    "Target", "NotifyConfig", "Notifier", "parse_targets", "KINDS", "OUTCOMES", "ENV_VAR", "NOTIFICATIONS_METRIC",
+    "Target", "NotifyConfig", "Notifier", "parse_targets", "KINDS", "OUTCOMES", "ENV_VAR",
 ]
 
 log = logging.getLogger("ampwatch.server.notify")
@@ -36,7 +36,6 @@ KINDS = ("webhook", "alertmanager", "slack")
 OUTCOMES = ("sent", "failed", "dropped")
 """sent: a notification delivered; failed: one attempt that failed (it is retried); dropped: given up."""
 ENV_VAR = "AMPWATCH_SERVER_WEBHOOK"
-NOTIFICATIONS_METRIC = "ampwatch_collector_notifications_total"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +68,7 @@ class Target:
         return self.url
 
 
-def parse_targets(spec: Union[str, Iterable[str], None]) -> list[Target]:
+def parse_targets(spec: Union[str, Iterable[str], None]) -> tuple[Target, ...]:
     """Parse ``kind:url`` entries, comma-separated and/or repeated; a bare URL is a generic webhook."""
     entries = [spec] if isinstance(spec, str) else list(spec or ())
     targets = []
@@ -83,7 +82,7 @@ def parse_targets(spec: Union[str, Iterable[str], None]) -> list[Target]:
             raise ValueError(f"notification target {entry!r} must look like kind:url, with kind one of "
                              f"{', '.join(KINDS)} (set by --webhook or {ENV_VAR})")
         targets.append(Target(kind=kind, url=rest))
-    return targets
+    return tuple(targets)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from typing import Iterable, Optional, Sequence
 
-from ._alert import Alert
+from .alert import Alert
 
 __all__ = ["rfc3339", "webhook_body", "alertmanager_body", "slack_body", "RECEIVER", "ZERO_TIME"]
 

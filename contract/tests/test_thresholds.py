@@ -1,15 +1,17 @@
-"""The thresholds config: validated, and importable without third-party modules."""
+"""The thresholds config: validated, with its profiles; the contract imports the standard library only."""
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from ampwatch.dashboards.thresholds import (
-    DEFAULT_THRESHOLDS, STREAK_LADDER, AlertThresholds, promql_duration,
-)
+CONTRACT_SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+
+from ampwatch.contract.protocol import STREAK_LADDER
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds, promql_duration
 
 
 def test_streak_ladder_is_the_protocols_powers_of_two_up_to_1024():
@@ -54,8 +56,17 @@ def test_promql_duration_uses_the_largest_whole_unit(seconds, text):
     assert promql_duration(seconds) == text
 
 
-def test_importing_the_thresholds_pulls_in_no_third_party_module():
-    code = ("import sys; import ampwatch.dashboards.thresholds; "
-            "print(sorted(m for m in ('yaml', 'grafanalib', 'attr') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == "[]"
+def test_every_profile_is_valid_thresholds_and_default_is_what_the_rules_are_built_from():
+    assert PROFILES["default"] is DEFAULT_THRESHOLDS == AlertThresholds()
+    assert all(isinstance(t, AlertThresholds) for t in PROFILES.values())
+
+
+def test_the_contract_imports_with_nothing_but_the_standard_library():
+    # -S: no site-packages at all, so a third-party import would fail here rather than slip through.
+    code = (f"import sys; sys.path.insert(0, {str(CONTRACT_SRC)!r}); "
+            "import ampwatch.contract.alerts, ampwatch.contract.metrics, ampwatch.contract.protocol, "
+            "ampwatch.contract.thresholds; "
+            "ours = sys.stdlib_module_names | {'ampwatch', '__main__'}; "
+            "print(sorted(n for n in sys.modules if n.split('.')[0] not in ours))")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

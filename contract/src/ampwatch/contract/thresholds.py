@@ -1,16 +1,16 @@
-"""Thresholds and windows of every ampwatch alert, as plain data.
+"""Thresholds and windows of every ampwatch alert, as plain data, and their named profiles.
 
-This module is the single source of truth for alert thresholds: the
-Prometheus rules in ``dashboards/generated/`` are generated from it, and the
-collector's built-in alert evaluator imports it too. It uses the standard
-library only, so importing it pulls in neither grafanalib nor PyYAML.
+The single source of truth for alert thresholds: the Prometheus rules in
+``dashboards/generated/`` are generated from :data:`DEFAULT_THRESHOLDS`, and the
+collector's built-in evaluator reads the same values (or a profile, or a JSON
+file of overrides: ``--alert-thresholds``).
 
 Durations are whole seconds (``*_s``) so that Python code can use them
-directly; :func:`promql_duration` renders them for PromQL.
+directly; :func:`promql_duration` renders them for PromQL and the alert texts.
 
 Example::
 
-    from ampwatch.dashboards.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+    from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
     strict = AlertThresholds(skip_streak_warning=8, skip_streak_window_s=300)
 """
 
@@ -18,19 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Mapping
 
-__all__ = [
-    "STREAK_LADDER",
-    "AlertThresholds",
-    "DEFAULT_THRESHOLDS",
-    "promql_duration",
-]
+from .protocol import STREAK_LADDER
 
-#: Streak lengths the agent counts in ``streaks_reached`` (wire protocol v1) and
-#: the collector exposes as ``ampwatch_optimizer_skip_streaks_total{min_length=...}``.
-#: A streak threshold must be one of them, or a streak that began and ended
-#: between two scrapes could not be seen.
-STREAK_LADDER: tuple[int, ...] = tuple(2**i for i in range(11))
+__all__ = ["AlertThresholds", "DEFAULT_THRESHOLDS", "DEMO_THRESHOLDS", "PROFILES", "promql_duration"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +149,24 @@ class AlertThresholds:
 
 #: The thresholds the committed rules in ``dashboards/generated/`` are built from.
 DEFAULT_THRESHOLDS = AlertThresholds()
+
+#: Seconds instead of minutes, so a job of a minute (``make demo``) shows alerts firing AND resolving.
+#: Never for production: a 5 s streak window forgets a streak before a 15 s scrape sees it.
+#:
+#: Sized in iterations of the demo's job (examples/demo.py), so that a loaded machine slows the job but
+#: cannot change which alerts fire: its scale grows after every 30 clean iterations and backs off at
+#: iterations 80-87. The streak alert fires on the streak counters at the batch that carries the 4th skip
+#: (no window needed). Sustained backoff needs two backoffs (two iterations) in its 3 s window and no growth
+#: (the last one is 21 iterations before the trouble), and fires at the first evaluation where that holds
+#: (for 0 s): true for any pace from 0.1 to 2.5 s an iteration (tests/test_demo.py plays the job at several).
+DEMO_THRESHOLDS = dataclasses.replace(
+    DEFAULT_THRESHOLDS, calibration_iterations=10, skip_streak_warning=4, skip_streak_critical=16,
+    skip_streak_window_s=5, backoff_window_s=3, backoff_min_count=2, backoff_for_s=0,
+    collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
+    silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30)
+
+PROFILES: Mapping[str, AlertThresholds] = {"default": DEFAULT_THRESHOLDS, "demo": DEMO_THRESHOLDS}
+"""Named thresholds: what ``--alert-thresholds`` accepts besides a JSON file of overrides."""
 
 
 def promql_duration(seconds: int) -> str:

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 from typing import Mapping, Optional
 
-from ._floats import wire_float
+from .._floats import wire_float
 
 __all__ = ["Alert", "fingerprint"]
 

@@ -1,0 +1,11 @@
+"""What the ampwatch agent, collector and dashboards agree on, written once (standard library only).
+
+- :mod:`ampwatch.contract.protocol`: the wire protocol's version, limits, streak ladder, counter names
+  and a collector's default limits (docs/protocol.md).
+- :mod:`ampwatch.contract.metrics`: every series the collector exposes (docs/metrics.md).
+- :mod:`ampwatch.contract.thresholds`: the alert thresholds and their profiles (``default``, ``demo``).
+- :mod:`ampwatch.contract.alerts`: each alert once: name, severities, ``for`` window, the thresholds its
+  condition reads, summary and description, runbook anchor (docs/alerts.md).
+
+Importing any of them costs a few dataclasses and tuples; nothing here does I/O.
+"""

@@ -1,0 +1,174 @@
+"""Every ampwatch alert, defined once: what both evaluators (Prometheus rules, the collector) share.
+
+An alert's *condition* is code in each evaluator (a PromQL expression in
+``ampwatch.dashboards.rules``, Python in ``ampwatch.server.alerting.conditions``);
+everything else is here: its name, the labels it carries, its severities, its
+``for:`` window, the thresholds its condition reads, its summary and
+description, and the anchor of its runbook section in docs/alerts.md.
+
+Texts are templates. Threshold fields are filled in from an
+:class:`~ampwatch.contract.thresholds.AlertThresholds` (durations as PromQL
+writes them, ``10m``), ``{threshold}`` with the severity's threshold (the
+streak length), and the rest by the evaluator: ``{run}``, ``{rank}``,
+``{optimizer}`` (labels) and ``{value}``, ``{percent}``, ``{duration}`` (the
+value as a number, a percentage, a duration): Go templates for Prometheus,
+the values themselves in the collector.
+
+Example::
+
+    from ampwatch.contract.alerts import ALERTS
+    from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
+    ALERTS["AmpLossScaleCollapsed"].annotations(DEFAULT_THRESHOLDS, {"run": "exp-1", "rank": "3", "value": "0.5"})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from .thresholds import AlertThresholds, promql_duration
+
+__all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "AlertDefinition", "Severity"]
+
+DEFAULT_RUNBOOK_BASE_URL = "https://github.com/ampwatch/ampwatch/blob/main/docs/alerts.md"
+"""Where ``runbook_url`` points; each alert appends ``#<its runbook anchor>``."""
+
+_LABELS = {"run": ("run",), "rank": ("run", "rank"), "optimizer": ("run", "rank", "optimizer")}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Severity:
+    """One severity of an alert: its level, and the thresholds field its ``{threshold}`` is read from, if any."""
+
+    level: str
+    """``warning`` or ``critical``."""
+    threshold: Optional[str] = None
+    """The AlertThresholds field that sets this level apart (the streak alert's lengths); None for most alerts."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class AlertDefinition:
+    """What an alert is, apart from its condition."""
+
+    name: str
+    """Prometheus's ``alertname``, e.g. ``AmpConsecutiveSkippedSteps``."""
+    scope: str
+    """``optimizer``, ``rank`` or ``run``: which of run, rank, optimizer label each instance."""
+    severities: tuple[Severity, ...]
+    """One rule per severity (the streak alert has a warning and a critical one)."""
+    for_s: Optional[str]
+    """The AlertThresholds field holding its ``for:`` window; None: it fires at the first evaluation."""
+    parameters: tuple[str, ...]
+    """The AlertThresholds fields its condition reads (besides its severities' thresholds)."""
+    summary: str
+    description: str
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Return the identifying labels of an instance (``severity`` comes on top)."""
+        return _LABELS[self.scope]
+
+    @property
+    def runbook_anchor(self) -> str:
+        """Return the anchor of its section in docs/alerts.md (the name in lower case)."""
+        return self.name.lower()
+
+    def runbook_url(self, base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> str:
+        """Return the link to its runbook section."""
+        return f"{base_url}#{self.runbook_anchor}"
+
+    def for_seconds(self, t: AlertThresholds) -> int:
+        """Return how long its condition must hold before it fires, in seconds."""
+        return getattr(t, self.for_s) if self.for_s else 0
+
+    def severity(self, level: Optional[str] = None) -> Severity:
+        """Return the severity of that level (None: the only one)."""
+        if level is None and len(self.severities) == 1:
+            return self.severities[0]
+        return next(s for s in self.severities if s.level == level)
+
+    def annotations(self, t: AlertThresholds, fields: Mapping[str, str], level: Optional[str] = None,
+                    base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict[str, str]:
+        """Return summary, description and runbook_url, filled in from ``t`` and the evaluator's ``fields``.
+
+        ``fields`` gives run, rank, optimizer, value, percent and duration (those a
+        text uses); ``level`` picks the severity whose threshold ``{threshold}`` is.
+        Costs a few string formats.
+        """
+        values: dict[str, Any] = {f.name: _text(f.name, getattr(t, f.name)) for f in dataclasses.fields(t)}
+        severity = self.severity(level) if level or len(self.severities) == 1 else None
+        if severity is not None and severity.threshold:
+            values["threshold"] = values[severity.threshold]
+        values.update(fields)
+        return {"summary": self.summary.format_map(values), "description": self.description.format_map(values),
+                "runbook_url": self.runbook_url(base_url)}
+
+
+def _text(field: str, value: Any) -> str:
+    """Render a threshold as the texts show it: durations as PromQL writes them, numbers short."""
+    if field.endswith("_s"):
+        return promql_duration(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_WHERE = "optimizer {optimizer} on rank {rank} of run {run}"
+_ON_RANK = "rank {rank} of run {run}"
+_WARNING = (Severity("warning"),)
+_CRITICAL = (Severity("critical"),)
+
+ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
+    AlertDefinition(
+        name="AmpConsecutiveSkippedSteps", scope="optimizer",
+        severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
+        for_s=None, parameters=("skip_streak_window_s",),
+        summary="An optimizer skipped {threshold} or more steps in a row",
+        description=f"The {_WHERE} skipped at least {{threshold}} consecutive steps within the last "
+                    "{skip_streak_window_s}: its parameters were not updated (current streak: {value} skipped "
+                    "steps)."),
+    AlertDefinition(
+        name="AmpSustainedLossScaleBackoff", scope="run", severities=_WARNING, for_s="backoff_for_s",
+        parameters=("backoff_window_s", "backoff_min_count", "backoff_rank_share", "calibration_iterations"),
+        summary="Many ranks of a run keep backing off the loss scale",
+        description="{percent} of the open ranks of run {run} backed the loss scale off at least "
+                    "{backoff_min_count} times in the last {backoff_window_s} without any growth: gradients keep "
+                    "overflowing."),
+    AlertDefinition(
+        name="AmpLossScaleCollapsed", scope="rank", severities=_CRITICAL, for_s="collapsed_for_s",
+        parameters=("collapsed_loss_scale",),
+        summary="The loss scale collapsed below {collapsed_loss_scale}, or is NaN or infinite",
+        description=f"The loss scale of {_ON_RANK} is {{value}}, not a finite value of at least "
+                    "{collapsed_loss_scale}: backoffs keep halving it because gradients are non-finite at any "
+                    "scale, or it became 0, NaN or infinite, where every step skips and it can never recover."),
+    AlertDefinition(
+        name="AmpLossScaleDesync", scope="run", severities=_WARNING, for_s="desync_for_s",
+        parameters=("desync_scale_ratio",),
+        summary="Ranks of a run disagree on the loss scale",
+        description="The largest loss scale among the open ranks of run {run} is {value} times the smallest: the "
+                    "ranks no longer see the same gradients or scaler state."),
+    AlertDefinition(
+        name="AmpHighSkippedStepRatio", scope="optimizer", severities=_WARNING, for_s="skip_ratio_for_s",
+        parameters=("skip_ratio", "skip_ratio_window_s", "skip_ratio_min_steps"),
+        summary="An optimizer skips a large share of its steps",
+        description=f"The {_WHERE} skipped {{percent}} of its steps over the last {{skip_ratio_window_s}}."),
+    AlertDefinition(
+        name="AmpRankSilent", scope="rank", severities=_WARNING, for_s="silent_for_s",
+        parameters=("silent_after_s",),
+        summary="A rank stopped reporting without closing",
+        description=f"No batch from {_ON_RANK} for {{duration}} and it did not close: the process died, hung, or "
+                    "cannot reach the collector."),
+    AlertDefinition(
+        name="AmpSchedulerStepsOnSkipped", scope="optimizer", severities=_WARNING, for_s=None,
+        parameters=("scheduler_window_s",),
+        summary="An LR scheduler stepped after a skipped optimizer step",
+        description=f"The LR scheduler of {_WHERE} stepped right after skipped steps (so far: {{value}}): the "
+                    "schedule runs ahead of the real updates."),
+    AlertDefinition(
+        name="AmpPoisonedStep", scope="optimizer", severities=_CRITICAL, for_s=None,
+        parameters=("poisoned_window_s",),
+        summary="An optimizer updated its parameters with non-finite gradients",
+        description=f"The {_WHERE} stepped although its gradients were non-finite, or its parameters became "
+                    "non-finite (poisoned steps so far: {value}): the weights are likely NaN for good."),
+)}
+"""Every alert, by name, in the order of the generated rules."""
+
+ALERT_NAMES: tuple[str, ...] = tuple(ALERTS)

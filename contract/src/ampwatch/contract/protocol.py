@@ -1,0 +1,62 @@
+"""Wire protocol v1 (docs/protocol.md): the facts the agent that sends and the collector that validates share.
+
+The collector's pydantic models (``ampwatch.server._schema``) enforce these
+limits; the agent keeps to them before it sends (``ampwatch.agent._limits``),
+so a batch from a real agent is never refused for a long name or too many
+entries. ``tests/test_contract_agent.py`` checks both sides against this module.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+__all__ = [
+    "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
+    "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS",
+]
+
+PROTOCOL_VERSION = 1
+"""The ``protocol`` field of every batch; a collector refuses any other version (422)."""
+
+STREAK_LADDER: tuple[int, ...] = tuple(2 ** i for i in range(11))
+"""Streak lengths 1, 2, 4, ..., 1024: the keys (as strings) of ``streaks_reached``, the ``min_length``
+label of ``ampwatch_optimizer_skip_streaks_total``, and the only allowed streak alert thresholds (a
+streak that began and ended between two scrapes shows only on a rung)."""
+
+TEXT_LIMITS: Mapping[str, int] = {
+    "label": 128,             # run id, optimizer names: identities, never cut by the agent
+    "param_name": 512,        # params[].name of skip and poisoned_step events
+    "scheduler": 256,         # scheduler_after_skip's scheduler label
+    "warning_code": 128,      # warning's code
+    "warning_message": 4096,  # warning's message
+    "host": 255,
+    "version": 64,            # agent.version, agent.torch
+    "scaler_kind": 128,       # scaler.kind
+}
+"""Longest string the protocol accepts per field, in characters."""
+
+MAX_PARAMS = 16
+"""Entries in one event's ``params`` list (the rest are counted in ``params_total``)."""
+
+MAX_BATCH_EVENTS = 10_000
+"""Events in one batch."""
+
+EVENT_KINDS = ("skip", "streak_end", "scale_change", "scheduler_after_skip", "poisoned_step", "warning",
+               "scaler_disabled", "close")
+"""Every ``kind`` an event may have; a new kind means a new protocol version."""
+
+SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
+"""Why the scale changed: in update() by backoff_factor or growth_factor, update(new_scale=...), or outside
+update() (scaler.load_state_dict() on resume, or a new scaler bound with watch.rebind())."""
+
+DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
+"""Keys of ``state.delivery``: the agent's own health counters."""
+
+COLLECTOR_DEFAULTS: Mapping[str, int] = {
+    "max_body_bytes": 8 * 1024 * 1024,  # past it: 413; the agent splits a batch's events to stay under it
+    "max_runs": 1000,                   # past it: back-pressure (429, Retry-After), clears as finished runs retire
+    "max_ranks_per_run": 4096,          # past it: refused for good (422)
+    "max_optimizers_per_rank": 16,      # past it: refused for good (422); a rank's optimizers do not change
+}
+"""A collector's limits with default settings (its ``--max-*`` options): the collector's defaults, and what
+``watch()`` warns about when a job is larger."""

@@ -1,0 +1,97 @@
+"""The collector's built-in alert evaluator: rank histories, the conditions, and the firing state machine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+from ampwatch.contract.alerts import ALERTS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+
+from .._state import RankSnapshot
+from .alert import Alert
+from .conditions import RankHistory, evaluate, rank_alerts
+from .states import AlertStates
+
+__all__ = ["BuiltinAlerts"]
+
+# The thresholds fields that are windows the conditions look back over (each alert's ``increase(x[w])``).
+_WINDOWS = tuple(dict.fromkeys(p for d in ALERTS.values() for p in d.parameters if p.endswith("_window_s")))
+
+
+class BuiltinAlerts:
+    """Evaluate the ampwatch alerts inside the collector, as batches arrive and on a periodic tick.
+
+    >>> alerts = BuiltinAlerts()
+    >>> alerts.observe(RankSnapshot(run="r", rank=0, last_seen=0.0))
+    []
+
+    :meth:`observe` (call it after each applied batch) evaluates that rank's
+    own alerts at once, so a skip streak fires at the ingest that crosses the
+    threshold. :meth:`evaluate` (call it every second or so) evaluates
+    everything, including run-wide alerts and silent ranks; it costs
+    O(ranks), so it is kept off the ingest path.
+    """
+
+    def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
+                 resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time) -> None:
+        self.thresholds = thresholds
+        windows = [getattr(thresholds, name) for name in _WINDOWS]
+        self._horizon_s = max(windows)
+        # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
+        # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.
+        self._resolution_s = resolution_s if resolution_s is not None else min(5.0, min(windows) / 10)
+        self._clock = clock
+        self._ranks: dict[tuple[str, int], RankHistory] = {}
+        self._states = AlertStates(resolved_retention_s)
+        self._lock = threading.Lock()
+
+    def observe(self, snapshot: RankSnapshot, now: Optional[float] = None) -> list[Alert]:
+        """Record a rank's new state and return the transitions of that rank's alerts."""
+        now = snapshot.last_seen if now is None else now
+        key = (snapshot.run, snapshot.rank)
+        with self._lock:
+            history = self._ranks.get(key)
+            if history is None:
+                history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._horizon_s,
+                                                         self._resolution_s)
+            history.record(snapshot, self.thresholds.calibration_iterations)
+            group = (snapshot.run, str(snapshot.rank))
+            active = rank_alerts(history, now, self.thresholds)
+            return self._states.advance(active, now, lambda g: g == group)
+
+    def evaluate(self, now: Optional[float] = None) -> list[Alert]:
+        """Evaluate every alert of every rank and run; return the transitions."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            return self._states.advance(evaluate(self._ranks.values(), now, self.thresholds), now)
+
+    def forget(self, run: str, rank: int, now: Optional[float] = None) -> list[Alert]:
+        """Drop an expired rank; its alerts resolve; return the transitions."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            self._ranks.pop((run, rank), None)
+            group = (run, str(rank))
+            return self._states.advance((), now, lambda g: g == group)
+
+    def ranks(self) -> list[tuple[str, int]]:
+        """Return the ``(run, rank)`` pairs being watched."""
+        with self._lock:
+            return list(self._ranks)
+
+    def firing(self) -> list[Alert]:
+        """Return the alerts firing now."""
+        with self._lock:
+            return self._states.firing()
+
+    def resolved(self) -> list[Alert]:
+        """Return the alerts resolved recently, latest first."""
+        with self._lock:
+            return self._states.resolved()
+
+    def to_json(self) -> dict:
+        """Return the body of ``GET /v1/alerts``: firing now and recently resolved."""
+        with self._lock:
+            return {"firing": [a.to_json() for a in self._states.firing()],
+                    "resolved": [a.to_json() for a in self._states.resolved()]}

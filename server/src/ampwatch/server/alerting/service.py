@@ -1,0 +1,62 @@
+"""Built-in alerts of a running collector: evaluate as batches land and on a tick, and notify; never raise."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional, Sequence
+
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+
+from .._state import CollectorState, RankState
+from .evaluator import BuiltinAlerts
+from .notifications import Notifier, NotifyConfig, Target
+
+__all__ = ["AlertService"]
+
+log = logging.getLogger("ampwatch.server.alerts")
+
+
+class AlertService:
+    """Own the evaluator and the notifier of one collector; nothing here ever raises into ingest."""
+
+    def __init__(self, targets: Sequence[Target] = (), thresholds: AlertThresholds = DEFAULT_THRESHOLDS,
+                 notify_config: Optional[NotifyConfig] = None, period_s: float = 1.0) -> None:
+        self.alerts = BuiltinAlerts(thresholds)
+        self.notifier = Notifier(targets, notify_config)
+        self.period_s = period_s
+        self.errors = 0
+
+    def observe(self, rank: RankState) -> None:
+        """Evaluate a rank's own alerts right after its batch was applied (a streak fires at this ingest)."""
+        try:
+            self.notifier.submit(self.alerts.observe(rank.snapshot(), now=time.time()))
+        except Exception:
+            self._failed("evaluating the alerts of a batch")
+
+    def tick(self, state: CollectorState, now: Optional[float] = None) -> None:
+        """Evaluate everything (run-wide alerts, silent ranks, for: durations); forget ranks that left."""
+        now = time.time() if now is None else now
+        try:
+            for run, rank in self.alerts.ranks():
+                if state.get(run, rank) is None:
+                    self.notifier.submit(self.alerts.forget(run, rank, now))
+            self.notifier.submit(self.alerts.evaluate(now))
+        except Exception:
+            self._failed("the periodic alert evaluation")
+
+    async def run(self, state: CollectorState) -> None:
+        """Tick every ``period_s`` until cancelled."""
+        while True:
+            self.tick(state)
+            await asyncio.sleep(self.period_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver queued notifications within ``timeout_s`` and stop."""
+        self.notifier.close(timeout_s)
+
+    def _failed(self, what: str) -> None:
+        self.errors += 1
+        if self.errors == 1:  # once: a bug here must not flood the log at every batch
+            log.exception("built-in alerts: %s failed (logged once; ingest continues)", what)

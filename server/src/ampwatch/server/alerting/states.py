@@ -1,0 +1,74 @@
+"""Turn successive alert evaluations into firing / resolved transitions, honouring each rule's ``for:``."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Iterable, Optional
+
+from .alert import Alert
+from .conditions import ActiveAlert
+
+__all__ = ["AlertStates"]
+
+
+class AlertStates:
+    """Hold pending, firing and recently resolved alerts, as Prometheus's rule manager does.
+
+    An alert whose condition holds goes pending, then fires once it has held for
+    its ``for_s`` (at once when 0); it resolves at the first evaluation of its
+    group where the condition no longer holds.
+    """
+
+    def __init__(self, resolved_retention_s: float = 900.0, max_resolved: int = 1000) -> None:
+        self._pending: dict[tuple, tuple[float, ActiveAlert]] = {}
+        self._firing: dict[tuple, Alert] = {}
+        self._groups: dict[tuple, tuple] = {}
+        self._resolved: collections.deque[Alert] = collections.deque(maxlen=max_resolved)
+        self._retention_s = resolved_retention_s
+
+    def advance(self, active: Iterable[ActiveAlert], now: float,
+                groups: Optional[Callable[[tuple], bool]] = None) -> list[Alert]:
+        """Apply one evaluation and return the alerts that started firing or resolved.
+
+        ``groups`` says which evaluation groups (``(run, rank)`` or ``(run,)``) were
+        evaluated; alerts of other groups are left as they are. None: all of them.
+        """
+        changes: list[Alert] = []
+        seen = set()
+        for a in active:
+            key = a.key
+            seen.add(key)
+            if key in self._firing:
+                # Still firing: keep its value and text current, but that is no transition to announce.
+                self._firing[key] = dataclasses.replace(self._firing[key], value=a.value, annotations=a.annotations)
+                continue
+            since, _ = self._pending.get(key, (now, a))
+            if now - since >= a.for_s:
+                self._pending.pop(key, None)
+                alert = Alert(name=a.name, labels=dict(a.labels), annotations=dict(a.annotations),
+                              starts_at=now, value=a.value)
+                self._firing[key] = alert
+                self._groups[key] = a.group
+                changes.append(alert)
+            else:
+                self._pending[key] = (since, a)
+        in_scope = groups or (lambda group: True)
+        for key in [k for k, (_, a) in self._pending.items() if k not in seen and in_scope(a.group)]:
+            del self._pending[key]
+        for key in [k for k in self._firing if k not in seen and in_scope(self._groups[k])]:
+            alert = self._firing.pop(key).resolved(now)
+            del self._groups[key]
+            self._resolved.append(alert)
+            changes.append(alert)
+        while self._resolved and self._resolved[0].ends_at < now - self._retention_s:  # type: ignore[operator]
+            self._resolved.popleft()
+        return changes
+
+    def firing(self) -> list[Alert]:
+        """Return the alerts firing now, oldest first."""
+        return sorted(self._firing.values(), key=lambda a: a.starts_at)
+
+    def resolved(self) -> list[Alert]:
+        """Return the alerts resolved within the retention, latest first."""
+        return list(reversed(self._resolved))

@@ -1,0 +1,74 @@
+"""A real collector (``python -m ampwatch.server``) in a child process on a free loopback port.
+
+For tests, benchmarks (bench/_servers.py) and the demo (examples/demo.py), which put this
+folder on ``sys.path``; pytest does (pytest.ini's ``pythonpath``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Optional, Sequence
+
+from ports import free_port
+
+__all__ = ["CollectorProcess"]
+
+
+class CollectorProcess:
+    """``python -m ampwatch.server`` in a child process; a context manager that always kills it.
+
+    >>> with CollectorProcess(db="/tmp/x.db") as c:   # doctest: +SKIP
+    ...     urllib.request.urlopen(c.url + "/metrics")
+    """
+
+    def __init__(self, db: str, *, port: Optional[int] = None, args: Sequence[str] = (),
+                 env: Optional[dict[str, str]] = None, log_path: Optional[str] = None) -> None:
+        self.db, self.port, self.args = db, port or free_port(), list(args)
+        self.env = dict(os.environ, **(env or {}))
+        self.log_path = log_path or db + ".log"
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "CollectorProcess":
+        """Start the process and wait until /readyz answers 200."""
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ampwatch.server", "serve", "--port", str(self.port), "--db", self.db,
+             "--log-level", "warning", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"collector exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=1) as answer:
+                    if answer.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"collector not ready after {timeout}s; see {self.log_path}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (SIGKILL by default) and reap the process."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self) -> "CollectorProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill(signal.SIGTERM)
