@@ -360,7 +360,8 @@ def close_all_senders() -> None:
             sender.close(wait=False)
         except Exception as exc:  # noqa: BLE001 - exit must never fail because of the agent
             sender.errors.report("the exit flush", exc)
-    deadline = time.monotonic() + max(s.config.close_timeout for s in senders)
+    # Each sender's own deadline was set when it was first asked to close: a second call waits no longer.
+    deadline = max(s._deadline if s._deadline is not None else time.monotonic() for s in senders)
     for sender in senders:
         thread = sender._thread
         if thread is not None:
