@@ -24,11 +24,12 @@ def generated_files(
 
 
 def write_generated(out_dir: Path, t: AlertThresholds = DEFAULT_THRESHOLDS,
-                    runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> list[Path]:
-    """Write the generated files into ``out_dir`` and return their paths."""
+                    runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL,
+                    files: dict[str, str] | None = None) -> list[Path]:
+    """Write the generated files (or ``files``, ``{name: content}``) into ``out_dir``; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, content in generated_files(t, runbook_base_url).items():
+    for name, content in (files if files is not None else generated_files(t, runbook_base_url)).items():
         path = out_dir / name
         path.write_text(content, encoding="utf-8")
         written.append(path)
@@ -36,7 +37,9 @@ def write_generated(out_dir: Path, t: AlertThresholds = DEFAULT_THRESHOLDS,
 
 
 def stale_files(out_dir: Path, t: AlertThresholds = DEFAULT_THRESHOLDS,
-                runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> list[str]:
-    """Return the names of generated files in ``out_dir`` that are missing or differ from the code."""
-    return [name for name, content in generated_files(t, runbook_base_url).items()
+                runbook_base_url: str = DEFAULT_RUNBOOK_BASE_URL,
+                files: dict[str, str] | None = None) -> list[str]:
+    """Return the names of generated files (or of ``files``) in ``out_dir`` that are missing or differ."""
+    expected = files if files is not None else generated_files(t, runbook_base_url)
+    return [name for name, content in expected.items()
             if not (out_dir / name).is_file() or (out_dir / name).read_text(encoding="utf-8") != content]
