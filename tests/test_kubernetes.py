@@ -23,7 +23,7 @@ from batches import make_batch, optimizer
 from collector_process import CollectorProcess
 
 from ampwatch.dashboards.dashboard import DATASOURCE_UID
-from ampwatch.dashboards.generate import DASHBOARD_FILE, RULES_FILE, stale_files
+from ampwatch.dashboards.generate import DASHBOARD_FILE, RULES_FILE, stale_names
 from ampwatch.dashboards.kubernetes import KUBERNETES_DIR, kubernetes_files
 from ampwatch.dashboards.rules import rule_groups
 
@@ -71,7 +71,7 @@ def test_the_kustomization_renders_the_collector_and_its_monitoring_objects(obje
 
 
 def test_the_committed_kubernetes_files_match_the_code():
-    assert stale_files(REPO / KUBERNETES_DIR, files=kubernetes_files()) == [], \
+    assert stale_names(REPO / KUBERNETES_DIR, kubernetes_files()) == [], \
         "run `ampwatch-dashboards generate` and commit deploy/kubernetes/generated/"
 
 

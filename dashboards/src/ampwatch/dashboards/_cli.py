@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .generate import stale_files, write_generated
+from .generate import generated_files, stale_names, write_files
 from .kubernetes import KUBERNETES_DIR, kubernetes_files
 from .rules import DEFAULT_RUNBOOK_BASE_URL
 
@@ -28,16 +28,17 @@ def main(argv: list[str] | None = None) -> int:
                           help="folder of the PrometheusRule and Grafana dashboard ConfigMap "
                                f"(default: {KUBERNETES_DIR})")
     generate.add_argument("--check", action="store_true",
-                          help="write nothing; exit 1 if the files in --out differ from the code")
+                          help="write nothing; exit 1 if the files in --out or --kubernetes-out differ from the code")
     generate.add_argument("--runbook-base-url", default=DEFAULT_RUNBOOK_BASE_URL,
                           help="URL of docs/alerts.md that runbook_url links point into")
     args = parser.parse_args(argv)
 
-    outputs = [(args.out, None), (args.kubernetes_out, kubernetes_files(runbook_base_url=args.runbook_base_url))]
+    outputs = [(args.out, generated_files(runbook_base_url=args.runbook_base_url)),
+               (args.kubernetes_out, kubernetes_files(runbook_base_url=args.runbook_base_url))]
     if args.check:
         status = 0
         for out, files in outputs:
-            stale = stale_files(out, runbook_base_url=args.runbook_base_url, files=files)
+            stale = stale_names(out, files)
             if stale:
                 print(f"ampwatch-dashboards: out of date in {out}: {', '.join(stale)}; "
                       "run `ampwatch-dashboards generate` and commit the result", file=sys.stderr)
@@ -46,6 +47,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ampwatch-dashboards: {out} is up to date")
         return status
     for out, files in outputs:
-        for path in write_generated(out, runbook_base_url=args.runbook_base_url, files=files):
+        for path in write_files(out, files):
             print(f"wrote {path}")
     return 0
