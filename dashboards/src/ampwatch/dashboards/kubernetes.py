@@ -15,7 +15,7 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from ._yaml import dump_yaml
 from .dashboard import render_dashboard
-from .generate import DASHBOARD_FILE
+from .generate import DASHBOARD_FILE, RULES_FILE
 from .rules import DEFAULT_RUNBOOK_BASE_URL, rule_groups
 
 __all__ = ["DASHBOARD_CONFIGMAP_FILE", "DASHBOARD_CONFIGMAP_NAME", "KUBERNETES_DIR", "PROMETHEUS_RULE_FILE",
@@ -51,7 +51,7 @@ def render_prometheus_rule(t: AlertThresholds = DEFAULT_THRESHOLDS,
         "metadata": {"name": PROMETHEUS_RULE_NAME, "labels": dict(_LABELS)},
         "spec": rule_groups(t, runbook_base_url),
     }
-    return _HEADER.format(source="ampwatch-rules.yaml") + dump_yaml(document)
+    return _HEADER.format(source=RULES_FILE) + dump_yaml(document)
 
 
 def render_dashboard_configmap(t: AlertThresholds = DEFAULT_THRESHOLDS) -> str:
