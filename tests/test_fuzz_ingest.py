@@ -297,10 +297,10 @@ def test_a_batch_of_100000_events_is_refused_with_a_message_and_changes_nothing(
     events = [skip_event(i + 1, iteration=i) for i in range(100_000)]
     body = json.dumps(make_batch(events=events)).encode()
     with TestClient(create_app(ServerConfig(db=str(tmp_path / "a.db")))) as client:
-        too_large = client.post("/v1/ingest", content=body)  # ~20 MB: over the default 8 MiB
+        too_large = client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})  # ~20 MB: over the default 8 MiB
         assert too_large.status_code == 413 and "--max-body-bytes" in too_large.json()["message"]
     with TestClient(create_app(ServerConfig(db=str(tmp_path / "b.db"), max_body_bytes=64 * 1024 * 1024))) as client:
-        too_many = client.post("/v1/ingest", content=body)
+        too_many = client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})
         assert too_many.status_code == 422
         assert any("events" in line and "10000" in line for line in too_many.json()["detail"]), too_many.json()
         assert client.get("/v1/runs").json()["runs"] == []

@@ -20,14 +20,25 @@ SERVICES = {"collector", "prometheus", "alertmanager", "grafana"}
 @pytest.fixture(scope="module")
 def compose() -> dict:
     """Return the compose file as docker-compose resolves it (``docker-compose config``)."""
+    result = _compose_config(AMPWATCH_TOKEN="compose-test-token")
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def _compose_config(**environ: str) -> subprocess.CompletedProcess:
+    """Run ``docker-compose config`` with only ``environ`` of the AMPWATCH_/GRAFANA_ variables set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AMPWATCH_", "GRAFANA_"))}
     docker_compose = shutil.which("docker-compose") or "/usr/bin/docker-compose"
     if not Path(docker_compose).exists():
         pytest.fail("docker-compose is not installed: run .ci/run (it installs it from Debian)")
-    result = subprocess.run([docker_compose, "-f", "docker-compose.yml", "config"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return yaml.safe_load(result.stdout)
+    return subprocess.run([docker_compose, "-f", "docker-compose.yml", "config"], cwd=REPO, env={**env, **environ},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_stack_refuses_to_start_without_an_ingest_token_and_passes_it_to_the_collector(compose):
+    missing = _compose_config()
+    assert missing.returncode != 0 and "set AMPWATCH_TOKEN" in missing.stderr
+    assert compose["services"]["collector"]["environment"]["AMPWATCH_SERVER_TOKEN"] == "compose-test-token"
 
 
 def _bind_mounts(service: dict) -> list[tuple[Path, str]]:

@@ -70,7 +70,7 @@ def test_counters_that_go_down_within_an_incarnation_never_make_totals_fall(clie
 
 
 def test_malformed_json_gets_400_and_changes_nothing(client):
-    answer = client.post("/v1/ingest", content=b'{"protocol": 1,')
+    answer = client.post("/v1/ingest", content=b'{"protocol": 1,', headers={"Content-Type": "application/json"})
     assert answer.status_code == 400 and "not valid JSON" in answer.json()["message"]
     assert client.get("/v1/runs").json()["runs"] == []
     assert value(client.get("/metrics").text, "ampwatch_collector_rejected_batches_total", reason="json") == 1

@@ -9,11 +9,20 @@ from typing import Callable, Optional
 
 from ampwatch.contract.metrics import COLLECTOR_REFUSED_REQUESTS
 
-__all__ = ["AccessGuard", "AccessMetrics", "RateLimiter", "READ_PREFIXES"]
+__all__ = ["AccessGuard", "AccessMetrics", "RateLimiter", "READ_PREFIXES", "bearer_matches"]
 
 # Paths that reveal what the collector holds; the status page's files and health checks stay open.
 READ_PREFIXES = ("/metrics", "/v1/")
 _INGEST = "/v1/ingest"
+
+
+def bearer_matches(given: Optional[bytes], token: str) -> bool:
+    """Tell whether an ``Authorization`` header carries ``token`` as a bearer token (constant-time).
+
+    The scheme is case-insensitive, as HTTP says: ``bearer``, ``Bearer`` and ``BEARER`` all work.
+    """
+    scheme, _, credentials = (given or b"").strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token.encode())
 
 
 class RateLimiter:
@@ -58,7 +67,7 @@ class AccessGuard:
     """Refuse a request before routing: over the client's rate (429), or reading without the read token (401/403)."""
 
     def __init__(self, read_token: Optional[str], rate_limit: float) -> None:
-        self._expected = f"Bearer {read_token}".encode() if read_token else None
+        self._read_token = read_token
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.refused: dict[str, int] = {"rate": 0, "read_auth": 0}  # exposed in /metrics
 
@@ -74,7 +83,7 @@ class AccessGuard:
                              f"{self.limiter.rate:g} per second per client address (--rate-limit); retry in "
                              f"{wait} s"}, [(b"retry-after", str(wait).encode())]
         path = scope.get("path", "")
-        if self._expected is None or path == _INGEST or not path.startswith(READ_PREFIXES):
+        if self._read_token is None or path == _INGEST or not path.startswith(READ_PREFIXES):
             return None
         given = dict(scope.get("headers") or ()).get(b"authorization")
         if not given:
@@ -82,7 +91,7 @@ class AccessGuard:
             return 401, {"error": "auth", "message": "this collector requires a read token: send 'Authorization: "
                          "Bearer <token>' (Prometheus: authorization.credentials in the scrape config)"}, \
                 [(b"www-authenticate", b"Bearer")]
-        if not hmac.compare_digest(given, self._expected):
+        if not bearer_matches(given, self._read_token):
             self.refused["read_auth"] += 1
             return 403, {"error": "auth", "message": "the read token is wrong: it must equal the collector's "
                          "--read-token / AMPWATCH_SERVER_READ_TOKEN"}, []

@@ -102,7 +102,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             await asyncio.to_thread(alerts.close)
             await asyncio.to_thread(store.close)
 
+    # /docs (Swagger UI) makes the browser fetch scripts from a public CDN: off unless asked for (--api-docs).
     app = _CollectorApp(title="ampwatch collector", version=VERSION, lifespan=lifespan,
+                        docs_url="/docs" if config.api_docs else None, redoc_url=None,
                   description="Receives GradScaler skip and loss-scale batches from ampwatch agents "
                               "(protocol v1, docs/protocol.md) and exposes them to Prometheus at /metrics.")
     app.state.ready = False

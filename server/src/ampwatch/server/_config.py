@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from typing import Any, Callable, Mapping, Optional
 
@@ -23,6 +24,16 @@ __all__ = ["ServerConfig", "add_arguments", "config_from_args", "ENV_PREFIX"]
 ENV_PREFIX = "AMPWATCH_SERVER_"
 
 
+def _boolean(text: str) -> bool:
+    """Read a yes/no setting: 1/true/yes/on or 0/false/no/off (any case)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a yes/no value (1/true/yes/on or 0/false/no/off)")
+
+
 def _option(default: Any, help: str, *, parse: Optional[Callable[[str], Any]] = None, shown: Optional[str] = None,
             secret: bool = False) -> Any:
     """Declare a field: its default, its ``--help`` text, the parser of its text form, how --help shows the default.
@@ -30,7 +41,7 @@ def _option(default: Any, help: str, *, parse: Optional[Callable[[str], Any]] = 
     Without ``parse``, text is converted to the default's type (int, float) or kept (str; an empty
     value of a field that defaults to None means "not set").
     """
-    parse = parse or {int: int, float: float}.get(type(default))
+    parse = parse or {int: int, float: float, bool: _boolean}.get(type(default))
     metadata = {"help": help, "parse": parse, "shown": shown if shown is not None else default}
     # repr=False: a secret never lands in a log.
     return dataclasses.field(default=default, repr=not secret, metadata=metadata)
@@ -40,13 +51,21 @@ def _option(default: Any, help: str, *, parse: Optional[Callable[[str], Any]] = 
 class ServerConfig:
     """Everything the collector process needs; build it from the CLI with :func:`config_from_args`."""
 
-    host: str = _option("127.0.0.1", "address to listen on (0.0.0.0 accepts agents from other machines)")
+    host: str = _option("127.0.0.1", "address to listen on (0.0.0.0 accepts agents from other machines, and then "
+                                     "needs --token or --token-file, or --insecure)")
     port: int = _option(9457, "TCP port (9457; not 9400, which NVIDIA dcgm-exporter uses)")
     db: str = _option("ampwatch.db", "SQLite database file, created if missing (WAL mode)")
-    token: Optional[str] = _option(None, "bearer token agents must send to /v1/ingest (default: none, ingest open)",
-                                   secret=True)
-    read_token: Optional[str] = _option(None, "bearer token readers (Prometheus, scripts) must send to /metrics and "
-                                              "/v1/* (default: none, reading open)", secret=True)
+    token: Optional[str] = _option(None, "bearer token agents must send to /v1/ingest (default: none, ingest open; "
+                                         "prefer --token-file: a command line shows in ps)", secret=True)
+    token_file: Optional[str] = _option(None, "file holding the ingest token (read once at start; surrounding "
+                                              "white space ignored)")
+    read_token: Optional[str] = _option(None, "bearer token readers (Prometheus, scripts, the status page) must send "
+                                              "to /metrics and /v1/* (default: none, reading open)", secret=True)
+    read_token_file: Optional[str] = _option(None, "file holding the read token")
+    insecure: bool = _option(False, "listen on a non-loopback address without an ingest token (anyone who reaches "
+                                    "the port can then write into the collector)")
+    api_docs: bool = _option(False, "serve the interactive API docs at /docs (Swagger UI, which the browser loads "
+                                    "from a public CDN); /openapi.json is always served")
     rate_limit: float = _option(0.0, "requests per second per client address, bursts up to twice that; 429 above "
                                      "(0: off)")
     ssl_certfile: Optional[str] = _option(None, "PEM certificate to serve HTTPS (with --ssl-keyfile)")
@@ -69,13 +88,19 @@ class ServerConfig:
     webhook: tuple[Target, ...] = _option(
         (), "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager webhook payload), "
             "alertmanager (its base URL; v2 API) or slack (incoming webhook)", parse=parse_targets, shown="none")
+    webhook_file: Optional[str] = _option(None, "file holding --webhook's text (webhook URLs often carry secrets)")
     alert_thresholds: AlertThresholds = _option(
         DEFAULT_THRESHOLDS, "thresholds of the built-in alerts: 'demo' (seconds-long windows, for `make demo`) or a "
                             "JSON file of ampwatch.contract.thresholds fields to override",
         parse=load_thresholds, shown="'default'")
 
     def __post_init__(self) -> None:
+        self._read_secret_files()
         checks = [
+            ("host", _is_loopback(self.host) or bool(self.token) or self.insecure,
+             "is not a loopback address, so agents on other machines could reach it, and no ingest token is set: "
+             "anyone reaching the port could write into the collector. Give --token-file FILE (or --token, or "
+             "AMPWATCH_SERVER_TOKEN) and AMPWATCH_TOKEN on the agents, or pass --insecure to accept that"),
             ("port", 0 <= self.port <= 65535, "must be between 0 and 65535"),
             ("db", bool(self.db), "must name a file"),
             ("silent_after", self.silent_after > 0, "must be > 0 seconds"),
@@ -103,6 +128,33 @@ class ServerConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} {rule} "
                                  f"(set by --{name.replace('_', '-')} or {ENV_PREFIX}{name.upper()})")
 
+    def _read_secret_files(self) -> None:
+        """Fill ``token``, ``read_token`` and ``webhook`` from their ``*_file`` options (once, at start)."""
+        for name in ("token", "read_token", "webhook"):
+            path = getattr(self, name + "_file")
+            if path is None:
+                continue
+            if getattr(self, name):
+                raise ValueError(f"give --{name.replace('_', '-')} or --{name.replace('_', '-')}-file, not both")
+            try:
+                with open(path, encoding="utf-8") as file:
+                    text = file.read().strip()
+            except OSError as error:
+                raise ValueError(f"--{name.replace('_', '-')}-file {path!r} cannot be read: {error.strerror}") from None
+            if not text:
+                raise ValueError(f"--{name.replace('_', '-')}-file {path!r} is empty")
+            setattr(self, name, parse_targets(text) if name == "webhook" else text)
+
+
+def _is_loopback(host: str) -> bool:
+    """Tell whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name, or 0.0.0.0 / :: (every interface)
+
 
 def add_arguments(parser: argparse.ArgumentParser, environ: Optional[Mapping[str, str]] = None) -> None:
     """Add one ``--option`` per config field, defaulting to its ``AMPWATCH_SERVER_*`` variable."""
@@ -110,6 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser, environ: Optional[Mapping[str
     for field in dataclasses.fields(ServerConfig):
         var = ENV_PREFIX + field.name.upper()
         parse = field.metadata["parse"]
+        if field.default is False:  # a yes/no setting: a flag on the command line, yes/no in the variable
+            parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name, action="store_const",
+                                const="1", default=env.get(var, "0"),
+                                help=f"{field.metadata['help']} [env {var}=1]")
+            continue
         parser.add_argument(
             # No type= here: values (flag or env) are parsed in config_from_args, whose error names both.
             "--" + field.name.replace("_", "-"), dest=field.name, default=env.get(var, field.default),
@@ -128,10 +185,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         elif isinstance(raw, str) and parse is not None:
             try:
                 raw = parse(raw)
-            except ValueError as error:
-                if parse in (int, float):
+            except ValueError:
+                kind = {int: "a valid int", float: "a valid float",
+                        _boolean: "a yes/no value (1/true/yes/on or 0/false/no/off)"}.get(parse)
+                if kind is not None:
                     raise ValueError(f"--{field.name.replace('_', '-')} / {ENV_PREFIX}{field.name.upper()}={raw!r} "
-                                     f"is not a valid {parse.__name__}") from None
+                                     f"is not {kind}") from None
                 raise  # the field's own parser names the option and says what to write
         values[field.name] = raw
     return ServerConfig(**values)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import sqlite3
 import time
 from typing import Any, Callable, Optional
 
+from ._access import bearer_matches
 from ._config import ServerConfig
 from ._metrics import SelfMetrics
 from ._recovery import load_ranks
@@ -37,12 +37,31 @@ class _Refused(Exception):
         self.retry, self.retry_after = retry, retry_after
 
 
+def _refuse_browsers(headers: dict[bytes, bytes]) -> None:
+    """Refuse what a web page could send: a non-JSON body, or a request from a page of another origin.
+
+    A page may POST ``text/plain`` or form data anywhere without a CORS preflight
+    (a "simple request"), so any site a user opens could write into a collector on
+    their machine. Agents send ``application/json`` and no ``Origin``; browsers
+    always send ``Origin`` on cross-site POSTs.
+    """
+    content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    if content_type != b"application/json":
+        raise _Refused(415, "content_type", "ingest takes only 'Content-Type: application/json' (what ampwatch "
+                                            f"agents send), not {content_type.decode('latin-1')[:64]!r}")
+    origin = headers.get(b"origin")
+    if origin is not None:
+        host = headers.get(b"host", b"")
+        if origin.split(b"://", 1)[-1].rstrip(b"/").lower() != host.lower():
+            raise _Refused(403, "origin", "ingest refuses requests from web pages of another origin "
+                                          f"({origin.decode('latin-1')[:128]}); agents send no Origin header")
+
+
 class IngestService:
     """Applies batches to the in-memory state and the store; one per app."""
 
     def __init__(self, config: ServerConfig, state: CollectorState, store: Store, own: SelfMetrics) -> None:
         self.config, self.state, self.store, self.own = config, state, store, own
-        self._expected = f"Bearer {config.token}".encode() if config.token else None
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
         self.on_applied: Optional[Callable[[RankState], None]] = None  # built-in alerts; must not raise or block
         self._requests_by_status: dict[int, Any] = {}  # counter children, looked up once per status
@@ -89,6 +108,7 @@ class IngestService:
 
     async def _ingest(self, headers: dict[bytes, bytes], receive: Callable) -> tuple[int, bytes]:
         self._authenticate(headers.get(b"authorization"))
+        _refuse_browsers(headers)
         body = await self._read_body(headers.get(b"content-length"), receive)
         batch = self._parse(body)
         key = (batch.run, batch.rank)
@@ -104,12 +124,12 @@ class IngestService:
             done.set_result(None)
 
     def _authenticate(self, given: Optional[bytes]) -> None:
-        if self._expected is None:
+        if self.config.token is None:
             return
         if not given:
             raise _Refused(401, "auth", "this collector requires a token: set AMPWATCH_TOKEN on the agent "
                                         "(sent as 'Authorization: Bearer <token>')")
-        if not hmac.compare_digest(given, self._expected):
+        if not bearer_matches(given, self.config.token):
             raise _Refused(403, "auth", "the token is wrong: AMPWATCH_TOKEN on the agent must equal the "
                                         "collector's --token / AMPWATCH_SERVER_TOKEN")
 
