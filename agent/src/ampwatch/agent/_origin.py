@@ -46,20 +46,23 @@ class OriginFlags:
     def __init__(self, names: ParameterNames) -> None:
         self.names = names
         self.enabled = True
-        self._current: list[tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
-        self._kept: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, list[torch.Tensor]]]] = {}
+        # (bucket, its local min, its local max): the GradBucket is kept (not its parameters() list, a copy made
+        # per call) and asked for its index and parameters only on a skipped iteration.
+        self._current: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        self._kept: dict[int, list[tuple[Any, torch.Tensor, torch.Tensor]]] = {}
         self._reports: dict[int, OriginReport] = {}
 
     def note(self, bucket: Any) -> None:
-        """Note one bucket's local extremes (one ``aminmax`` kernel, no sync); called by the hook."""
+        """Note one bucket's local extremes (one ``aminmax`` kernel, no sync, a few us); called by the hook."""
         if not self.enabled:
             return
         buffer = bucket.buffer()
         if not buffer.numel() or not buffer.is_floating_point():
             return
-        with torch.no_grad():
-            low, high = torch.aminmax(buffer)
-        self._current.append((bucket.index(), low, high, bucket.parameters()))
+        if buffer.requires_grad:  # only under backward(create_graph=True): record no graph
+            buffer = buffer.detach()
+        low, high = torch.aminmax(buffer)
+        self._current.append((bucket, low, high))
 
     def end_iteration(self, iteration: int, keep: bool) -> None:
         """Drop the notes of ``iteration`` (``keep``: hold them while its outcome is still on the device)."""
@@ -94,9 +97,9 @@ class OriginFlags:
         with torch.no_grad():
             extremes = torch.stack([n[1] for n in notes] + [n[2] for n in notes]).view(2, -1)
             flags = (~torch.isfinite(extremes)).any(0)
-        bad = [note for note, flag in zip(notes, _device.read_later(flags).wait()) if flag]
-        params = [p for note in bad for p in note[3]]
-        report = OriginReport(origin=bool(bad), buckets=sorted({note[0] for note in bad})[:MAX_NAMED_PARAMS],
+        bad = [note[0] for note, flag in zip(notes, _device.read_later(flags).wait()) if flag]
+        params = [p for bucket in bad for p in bucket.parameters()]
+        report = OriginReport(origin=bool(bad), buckets=sorted({bucket.index() for bucket in bad})[:MAX_NAMED_PARAMS],
                               params=[self._name(p, k) for k, p in enumerate(params[:MAX_NAMED_PARAMS])],
                               params_total=len(params))
         self._reports[iteration] = report
