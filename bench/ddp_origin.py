@@ -1,12 +1,14 @@
 """What naming the origin rank costs: a 2-process gloo DDP loop with and without ``watch(..., ddp=model)``.
 
-Each rank holds two identical DDP models (same weights, same data, each with its own optimizer and
-GradScaler), both watched by the agent without a collector; only ``origin`` passes ``ddp=model``, so
-the one difference is the comm hook wrapping DDP's all-reduce (one ``aminmax`` per bucket, a list
-append). A third, ``python_hook``, registers DDP's own ``allreduce_hook`` and nothing else: what any
-Python comm hook costs against DDP's built-in C++ all-reduce, so the two parts of the cost show apart. Blocks of iterations rotate between the two (``bench.overhead.rotate``) in the same order on
-both ranks; the cost is the median of per-round ratios of rank 0's process CPU time, origin / plain.
-Also: host-device syncs (``aten._local_scalar_dense``) per clean iteration for both.
+Each rank holds three identical DDP models (same weights, same data, each with its own optimizer and
+GradScaler), all watched by the agent without a collector. ``plain``: DDP's built-in C++ all-reduce.
+``python_hook``: DDP's own ``allreduce_hook`` registered as a Python comm hook, nothing of ampwatch
+(what any Python comm hook costs). ``origin``: ``ddp=model``, ampwatch's hook wrapping that all-reduce
+(one ``aminmax`` per bucket, a list append). Blocks of iterations rotate between them
+(``bench.overhead.rotate``) in the same order on both ranks; the cost is the median of per-round ratios
+of rank 0's process CPU time to ``plain`` (noisy: it includes waiting on the other rank). Steadier: the
+hook's own work, timed inside it, as a share of the plain iteration. Also: host-device syncs
+(``aten._local_scalar_dense``) per clean iteration.
 
     python -m bench.ddp_origin [--quick]
 """

@@ -147,7 +147,8 @@ def _stream(url: str) -> None:
         trouble = batch in TROUBLE
         if trouble:
             ranks["p-origin"][2].origins += 1
-        for rank in ranks["p-origin"] + ranks["p-clean"] + ranks["p-desync"] + ranks["p-collapse"] + ranks["p-nan"] + ranks["p-zero"]:
+        for rank in (ranks["p-origin"] + ranks["p-clean"] + ranks["p-desync"] + ranks["p-collapse"] + ranks["p-nan"]
+                     + ranks["p-zero"]):
             _post(url, rank.step())
         for rank in ranks["p-streak"]:  # 6 skips in a row: a streak over the warning threshold (4), 6 backoffs
             _post(url, rank.step(iter([trouble] * ITERATIONS_PER_BATCH)))

@@ -9,7 +9,8 @@ import pytest
 from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, DEMO_THRESHOLDS, AlertThresholds
 
-FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3", "value": "7", "percent": "50%", "duration": "2m 5s"}
+FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3",
+          "value": "7", "percent": "50%", "duration": "2m 5s"}
 
 
 def _fields_read(definition) -> set[str]:
