@@ -59,6 +59,7 @@ def test_after_close_the_hook_passes_through_and_the_model_pickles_without_the_a
     watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
     _iterate(model, opt, scaler, x)
     assert watch.snapshot()["state"]["origin_iterations"] == 1
+    assert "skipped iterations that started on this rank (DDP): 1" in watch.summary()
     hook, _ = model._comm_hooks[0]
     watch.close()
     assert not hook.flags.enabled

@@ -185,6 +185,8 @@ class Watch:
                          f"(longest streak {c['longest_streak']}, now {c['consecutive_skipped']}), "
                          f"{c['poisoned_steps']} poisoned, "
                          f"{c['scheduler_steps_after_skip']} scheduler steps after a skip")
+        if "origin_iterations" in state:  # watch(ddp=...): skips whose inf/NaN was in this rank's own gradients
+            lines.append(f"  skipped iterations that started on this rank (DDP): {state['origin_iterations']}")
         return "\n".join(lines)
 
     def close(self, timeout: float | None = None) -> None:
