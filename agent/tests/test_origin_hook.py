@@ -70,3 +70,12 @@ def test_after_close_the_hook_passes_through_and_the_model_pickles_without_the_a
     assert "ampwatch" not in repr(model.state_dict().keys())
     copied = pickle.loads(pickle.dumps(hook))
     assert copied is allreduce_hook  # a pickled model carries the wrapped hook, not the agent
+
+
+def test_a_model_with_a_builtin_hook_is_refused_with_what_to_do_leaving_nothing(group):
+    net, model, opt, scaler = _job()
+    model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # not listed in model._comm_hooks
+    with pytest.raises(ValueError, match="comm_hook=hook"):
+        agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    assert "step" not in vars(scaler) and not opt._optimizer_step_pre_hooks
+    _iterate(model, opt, scaler, torch.randn(3, 4))  # the job trains on, with its own hook
