@@ -341,6 +341,9 @@ def run(quick: bool) -> dict:
         results["storm_fused"] = measure("mlp", True, max(4, rounds // 4), block, url)
         results["host_cost"] = agent_host_cost_us(rounds * 2, block * 4, url)
     results["host_cost"]["hot_path_us_per_iter"] = agent_hot_path_us()  # the recorder's calls alone, best of 5
+    from bench import ddp_origin  # imports this module: imported here, not at the top
+
+    results["ddp_origin"] = ddp_origin.run(quick)  # watch(..., ddp=model): the origin hook on a 2-rank DDP loop
     return results
 
 

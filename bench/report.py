@@ -128,6 +128,29 @@ def _overhead(ov: dict) -> list[str]:
                     f"included): **{h['agent_host_us_per_iter']} us** (p25 {h['agent_host_us_p25']}, p75 "
                     f"{h['agent_host_us_p75']}). The recorder's own calls per iteration alone "
                     f"(`agent_hot_path_us` in `bench/overhead.py`, best of 5): **{h.get('hot_path_us_per_iter', '-')} us**."]
+    out += _ddp_origin(ov.get("ddp_origin"))
+    return out
+
+
+def _ddp_origin(d: Optional[dict]) -> list[str]:
+    if not d or "measurements" not in d:
+        return []
+    out = ["", f"Naming the origin rank (`watch(..., ddp=model)`, `bench/ddp_origin.py`): a {d['world_size']}-process "
+               f"{d['backend']} DDP loop (AdamW, one GradScaler), rank 0's process CPU per iteration, median of "
+               f"{d['rounds']} rotating rounds of {d['block']} iterations; ratio to `plain` (the agent watching "
+               "without `ddp=`, DDP's built-in all-reduce). `python_hook` registers DDP's own `allreduce_hook` "
+               "and nothing else (what any Python comm hook costs); `origin` is ampwatch's hook wrapping it.", "",
+           "| model | variant | CPU us/iter | ratio [p25-p75] | extra us/iter | wall ratio | syncs/clean iter |",
+           "|---|---|---|---|---|---|---|"]
+    for m in d["measurements"]:
+        for name, v in m["variants"].items():
+            out.append(f"| {m['model']} | {name} | {v['cpu_us_per_iter']} | {v['ratio']:.3f} "
+                       f"[{v['ratio_p25']:.3f}-{v['ratio_p75']:.3f}] | {v['extra_us_per_iter']} | "
+                       f"{v['wall_ratio']:.3f} | {v['syncs_per_clean_iter']:g} |")
+    out += ["", "The origin hook's own work, timed inside it (noting each bucket: `aminmax` and a list append): "
+                + "; ".join(f"{m['model']} **{m['note_us_per_iter']} us** per iteration ({m['buckets_per_iter']:g} "
+                            f"bucket), **{m['note_share_of_plain_iter'] * 100:.2f}%** of the plain iteration"
+                            for m in d["measurements"]) + "."]
     return out
 
 

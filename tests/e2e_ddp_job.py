@@ -5,7 +5,7 @@ Run by tests/test_prometheus_e2e.py as a separate process:
     python tests/e2e_ddp_job.py --collector URL --run RUN --iterations 150 --overflow-at 30-37 --sleep 0.05
 
 On an overflow iteration rank 0's input holds an inf; DDP's all-reduce spreads it to
-both ranks' gradients, so both ranks skip both optimizers and back the scale off.
+both ranks' gradients, so both ranks skip both optimizers and back the scale off; rank 0 alone is reported as the origin.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     opt_head = torch.optim.SGD(head.parameters(), lr=1e-2)
     # A long growth interval: the scale only moves by backoffs here.
     scaler = torch.amp.GradScaler("cpu", growth_interval=100_000)
-    watch = agent.watch(scaler, {"body": opt_body, "head": opt_head}, model=model.module,
+    # ddp=: the agent also reports which rank's own gradients held the inf before the all-reduce (rank 0).
+    watch = agent.watch(scaler, {"body": opt_body, "head": opt_head}, ddp=model,
                         collector=args.collector, run=args.run, push_interval=0.2)
     overflow = _iterations(args.overflow_at)
     data = torch.Generator().manual_seed(rank)

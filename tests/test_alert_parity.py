@@ -2,7 +2,7 @@
 
 Both read the same thresholds (shortened to seconds): Prometheus gets the rules
 ``render_rules`` generates from them, the collector gets them as its
-``--alert-thresholds`` file. Ten runs, each scripted to trip one alert (or
+``--alert-thresholds`` file. Eleven runs, each scripted to trip one alert (or
 none), stream protocol v1 batches into one real collector for about 20 s; then
 the alerts that fired (name, run, rank, optimizer, severity) must be the same on
 both sides, and equal to what each run was scripted to trip. Edge cases ride
@@ -37,7 +37,7 @@ THRESHOLDS = AlertThresholds(
     calibration_iterations=0, skip_streak_warning=4, skip_streak_critical=16, skip_streak_window_s=6,
     backoff_window_s=6, backoff_min_count=3, backoff_for_s=1, collapsed_for_s=1, desync_for_s=2,
     skip_ratio=0.5, skip_ratio_window_s=10, skip_ratio_for_s=1, skip_ratio_min_steps=20,
-    silent_after_s=4, silent_for_s=1, scheduler_window_s=6, poisoned_window_s=6,
+    silent_after_s=4, silent_for_s=1, scheduler_window_s=6, poisoned_window_s=6, origin_window_s=6,
 )
 BATCHES = 40  # one every 0.5 s per rank
 PERIOD_S = 0.5
@@ -58,6 +58,7 @@ EXPECTED = {
     ("AmpSchedulerStepsOnSkipped", "p-sched", "0", "gen", "warning"),
     ("AmpPoisonedStep", "p-poison", "0", "gen", "critical"),
     ("AmpRankSilent", "p-silent", "0", "", "warning"),
+    ("AmpSkipOriginRank", "p-origin", "2", "", "warning"),
 }
 
 
@@ -69,6 +70,7 @@ class ScriptedRank:
         self.seq, self.iteration, self.scale = 0, iteration, scale
         self.backoffs = 0
         self.opts = {name: optimizer() for name in ("gen", "disc")}
+        self.origins: int | None = None  # state.origin_iterations, sent when set (an agent watching DDP)
 
     def close(self) -> dict:
         """Return the last batch of a rank that closed cleanly."""
@@ -100,11 +102,14 @@ class ScriptedRank:
         for key, value in gen_extra.items():
             self.opts["gen"][key] += value
         self.seq += 1
-        return make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
+        batch = make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
                           seq=self.seq, incarnation=f"parity-{self.run}-{self.rank}", sent_at=time.time(),
                           iteration=self.iteration, loss_scale=wire_float(self.scale), backoffs=self.backoffs,
                           optimizers={k: dict(v, streaks_reached=dict(v["streaks_reached"]))
                                       for k, v in self.opts.items()})
+        if self.origins is not None:
+            batch["state"]["origin_iterations"] = self.origins
+        return batch
 
 
 def _post(url: str, batch: dict) -> None:
@@ -131,11 +136,19 @@ def _stream(url: str) -> None:
         "p-sched": [ScriptedRank("p-sched", 0, 1)],
         "p-poison": [ScriptedRank("p-poison", 0, 1)],
         "p-silent": [ScriptedRank("p-silent", 0, 1)],
+        # Rank 2 of 4 starts three iterations' inf/NaN (its skips, spread to every rank, are left out here so
+        # that only this alert is in play).
+        "p-origin": [ScriptedRank("p-origin", r, 4) for r in range(4)],
     }
+    for rank in ranks["p-origin"]:
+        rank.origins = 0
     for batch in range(BATCHES):
         started = time.monotonic()
         trouble = batch in TROUBLE
-        for rank in ranks["p-clean"] + ranks["p-desync"] + ranks["p-collapse"] + ranks["p-nan"] + ranks["p-zero"]:
+        if trouble:
+            ranks["p-origin"][2].origins += 1
+        for rank in (ranks["p-origin"] + ranks["p-clean"] + ranks["p-desync"] + ranks["p-collapse"] + ranks["p-nan"]
+                     + ranks["p-zero"]):
             _post(url, rank.step())
         for rank in ranks["p-streak"]:  # 6 skips in a row: a streak over the warning threshold (4), 6 backoffs
             _post(url, rank.step(iter([trouble] * ITERATIONS_PER_BATCH)))

@@ -48,6 +48,8 @@ def _check_against_truth(url: str, run: str) -> None:
     for rank in ("0", "1"):
         r = {"run": run, "rank": rank}
         assert value(text, "ampwatch_rank_closed", **r) == 1
+        # The inf was in rank 0's input: rank 0 is where every skipped iteration started (issue 17).
+        assert value(text, "ampwatch_rank_origin_iterations_total", **r) == (len(OVERFLOW) if rank == "0" else 0)
         assert value(text, "ampwatch_iteration", **r) == ITERATIONS
         assert value(text, "ampwatch_loss_scale_backoffs_total", **r) == truth["backoffs"]
         assert value(text, "ampwatch_loss_scale_growths_total", **r) == truth["growths"]
@@ -66,6 +68,13 @@ def _check_against_truth(url: str, run: str) -> None:
     # One skip event per rank, optimizer and overflow iteration: nothing lost, nothing twice.
     assert sorted((e["rank"], e["optimizer"], e["iteration"]) for e in skips) == \
         sorted((rank, opt, it) for rank in (0, 1) for opt in ("body", "head") for it in OVERFLOW)
+    assert all(e["origin"] is (e["rank"] == 0) for e in skips)
+    assert all(e["origin_params"] for e in skips if e["rank"] == 0)
+    with urllib.request.urlopen(f"{url}/v1/runs/{run}", timeout=10) as answer:
+        summary = json.load(answer)
+    assert [(o["rank"], o["local_rank"], o["origin_iterations"]) for o in summary["origin_ranks"]] == \
+        [(0, 0, len(OVERFLOW))]
+    assert [r["origin_iterations"] for r in summary["ranks"]] == [len(OVERFLOW), 0]
 
 
 @pytest.mark.slow

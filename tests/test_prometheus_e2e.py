@@ -44,7 +44,7 @@ THRESHOLDS = AlertThresholds(
     skip_ratio_window_s=10, skip_ratio_for_s=1, silent_after_s=30, silent_for_s=1,
     scheduler_window_s=6, poisoned_window_s=6,
 )
-GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s"}
+GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s", "$__range": "30s"}
 
 
 class _Receiver:

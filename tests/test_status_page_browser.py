@@ -55,6 +55,11 @@ def test_the_status_page_shows_the_run_its_ranks_skips_and_the_streak_alert_with
             named = [skips.nth(i).text_content() for i in range(skips.count())]
             assert any("0.weight (inf 0, nan" in text for text in named), named[:5]
             assert any("2.weight (inf 0, nan" in text for text in named), named[:5]
+            # The inf was in rank 0's input (ddp=model): rank 0 started all 20 skipped iterations, rank 1 none.
+            assert [page.locator("#ranks tr.rank td.origin").nth(i).text_content() for i in range(2)] == ["20", "0"]
+            started = [skips.nth(i).locator("td").nth(1).text_content() for i in range(skips.count())
+                       if "started on this rank" in named[i]]
+            assert started and set(started) == {"0"}, named[:5]
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "status-page.png"))
             page.screenshot(path=str(ARTIFACTS / "status-page-full.png"), full_page=True)

@@ -9,7 +9,8 @@ import pytest
 from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, DEMO_THRESHOLDS, AlertThresholds
 
-FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "value": "7", "percent": "50%", "duration": "2m 5s"}
+FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3",
+          "value": "7", "percent": "50%", "duration": "2m 5s"}
 
 
 def _fields_read(definition) -> set[str]:
@@ -26,7 +27,7 @@ def test_every_threshold_is_read_by_some_alert_and_every_alert_reads_only_real_t
 def test_names_are_unique_and_each_alert_has_a_known_scope_and_severity():
     assert len(set(ALERT_NAMES)) == len(ALERT_NAMES) == len(ALERTS)
     for definition in ALERTS.values():
-        assert definition.scope in ("run", "rank", "optimizer")
+        assert definition.scope in ("run", "rank", "optimizer", "host")
         assert definition.severities and {s.level for s in definition.severities} <= {"warning", "critical"}
 
 

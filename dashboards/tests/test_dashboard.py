@@ -20,7 +20,7 @@ REQUIRED_TITLES = [
     "Collector ingest requests by status", "Collector ingest latency (p99)",
 ]
 # What Grafana substitutes before a query reaches Prometheus.
-GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m"}
+GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m", "$__range": "1h"}
 
 
 def _panel(title: str) -> dict:

@@ -25,6 +25,7 @@ class FakeRank:
         self.steps = self.skipped = self.streak = 0
         self.reached: dict[int, int] = {}
         self.scheduler = self.poisoned = 0
+        self.origins = 0  # skipped iterations this rank started (DDP, issue 17)
         self.closed = False
 
     def iterate(self, skipped: bool = False) -> None:
@@ -45,8 +46,10 @@ class FakeRank:
         opt = OptimizerTotals(steps=self.steps, skipped=self.skipped, streaks_reached=ladder(self.reached),
                               scheduler_steps_after_skip=self.scheduler, poisoned_steps=self.poisoned)
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=now, iteration=self.iteration,
-                            loss_scale=self.scale, totals=RankTotals(backoffs=self.backoffs, growths=self.growths),
-                            closed=self.closed, optimizers={"gen": opt}, consecutive_skipped={"gen": self.streak})
+                            loss_scale=self.scale, totals=RankTotals(backoffs=self.backoffs, growths=self.growths,
+                                                                     origin_iterations=self.origins),
+                            closed=self.closed, optimizers={"gen": opt}, consecutive_skipped={"gen": self.streak},
+                            host=f"node-{self.rank // 8}", local_rank=self.rank % 8)
 
     def send(self, now: float) -> list:
         """Deliver a batch to the evaluator; return the transitions of this rank's alerts."""
@@ -326,6 +329,61 @@ def test_scheduler_steps_after_skips_and_poisoned_steps_fire_at_once_and_resolve
     assert names(r.send(T.poisoned_window_s + 10.0)) == [("AmpPoisonedStep", "resolved", "critical")]
 
 
+def _origin_run(alerts: BuiltinAlerts, size: int) -> list[FakeRank]:
+    ranks = [FakeRank(alerts, rank=r) for r in range(size)]
+    for r in ranks:
+        r.iterate()
+        r.send(0.0)
+    return ranks
+
+
+def test_a_rank_that_keeps_starting_skips_fires_with_its_host_and_local_rank_and_resolves_after_the_window():
+    alerts = BuiltinAlerts(T)
+    ranks = _origin_run(alerts, 16)
+    for k in range(T.origin_min_count):  # every rank skips (the all-reduce), rank 9's own gradients started it
+        for r in ranks:
+            r.iterate(skipped=True)
+            r.origins += r.rank == 9
+            r.send(10.0 + k)
+        transitions = alerts.evaluate(10.0 + k)
+        assert names(transitions) == ([("AmpSkipOriginRank", "firing", "warning")] if k == T.origin_min_count - 1
+                                      else [])
+    fired = alerts.firing()
+    assert [dict(a.labels) for a in fired] == [{"run": "exp", "rank": "9", "host": "node-1", "local_rank": "1",
+                                                "severity": "warning"}]
+    assert fired[0].value == T.origin_min_count
+    assert "host node-1, local rank 1" in fired[0].annotations["description"]
+    for r in ranks:  # a rank's own batch does not resolve a run-wide judgement
+        assert r.send(20.0) == []
+    later = 10.0 + T.origin_window_s + 60
+    for r in ranks:
+        r.iterate()
+        r.send(later)
+    assert names(alerts.evaluate(later)) == [("AmpSkipOriginRank", "resolved", "warning")]
+
+
+def test_skips_started_on_many_ranks_blame_the_job_not_a_gpu():
+    alerts = BuiltinAlerts(T)
+    ranks = _origin_run(alerts, 4)
+    for k in range(T.origin_min_count):
+        for r in ranks:
+            r.iterate(skipped=True)
+            r.origins += r.rank in (0, 1)  # two of four ranks: over origin_rank_share (a quarter)
+            r.send(10.0 + k)
+    assert alerts.evaluate(20.0) == [] and alerts.firing() == []
+
+
+def test_a_rank_that_started_fewer_skips_than_the_minimum_does_not_fire():
+    alerts = BuiltinAlerts(T)
+    ranks = _origin_run(alerts, 2)
+    for k in range(T.origin_min_count - 1):
+        for r in ranks:
+            r.iterate(skipped=True)
+            r.origins += r.rank == 1
+            r.send(10.0 + k)
+    assert alerts.evaluate(20.0) == [] and alerts.firing() == []
+
+
 def test_an_unchanged_firing_alert_is_announced_once():
     alerts = BuiltinAlerts(T)
     r = FakeRank(alerts, scale=0.25)
@@ -356,7 +414,7 @@ def test_a_ranks_history_stays_bounded_however_long_it_reports():
         r.send(tenth / 10)
     history = alerts._ranks[("exp", 0)]
     horizon = max(T.skip_streak_window_s, T.backoff_window_s, T.skip_ratio_window_s,
-                  T.scheduler_window_s, T.poisoned_window_s)
+                  T.scheduler_window_s, T.poisoned_window_s, T.origin_window_s)
     assert len(history) <= 2 * horizon / 5.0 + 3
 
 

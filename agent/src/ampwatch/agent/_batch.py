@@ -56,7 +56,11 @@ def fit_event(event: dict[str, Any]) -> dict[str, Any]:
             fitted = dict(event, params=[dict(p, name=cut(str(p.get("name", "")), limit)) for p in params[:MAX_PARAMS]])
             if fitted.get("params_total") is None and len(params) > MAX_PARAMS:
                 fitted["params_total"] = len(params)
-            return fitted
+            event = fitted
+        origin_params = event.get("origin_params") or []
+        if any(len(name) > limit for name in origin_params):
+            event = dict(event, origin_params=[cut(name, limit) for name in origin_params])
+        return event
     elif kind == "scheduler_after_skip":
         return _cut_fields(event, scheduler=TEXT_LIMITS["scheduler"])
     elif kind == "warning":

@@ -24,6 +24,10 @@ class ParameterNames:
         for name, param in named_parameters:
             self._by_id.setdefault(id(param), name)
 
+    def known(self, param: torch.Tensor) -> str | None:
+        """Return the model's name of ``param``, or None when the model did not name it."""
+        return self._by_id.get(id(param))
+
     def name(self, param: torch.Tensor, group: int, index: int) -> str:
         """Return the model's name of ``param``, else ``param_groups[group][index] [shape]``."""
         known = self._by_id.get(id(param))

@@ -17,6 +17,7 @@ from ampwatch.contract.protocol import STREAK_LADDER  # lengths counted in strea
 from . import _device
 from ._errors import AgentErrors
 from ._events import EventBuffer
+from ._origin import OriginFlags
 from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
 from ._scale import LossScale
 
@@ -96,6 +97,8 @@ class Recorder:
         self._warned: set[int] = set()
         self._warned_outside = False
         self.orphaned = False  # the scaler was garbage-collected: the hooks only warn, once
+        self.origin: OriginFlags | None = None  # set by watch(ddp=...): each bucket's local extremes
+        self.origin_iterations = 0  # skipped iterations where this rank's own gradients held inf/NaN
 
     @property
     def scaler(self) -> Any:
@@ -186,6 +189,8 @@ class Recorder:
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
             self._check_poisoned_steps(iteration)  # whatever the naming rate limit did
+        if self.origin is not None:
+            self.origin.end_iteration(iteration, keep=any(r.pending for r in self.records))
         scaler = self._scaler()
         if scaler is not None:
             self.scale.after_update(scaler, iteration, manual=manual, skipped=self._skipped_this_iteration)
@@ -230,6 +235,8 @@ class Recorder:
             if record.pending:
                 self._resolve_oldest(record, all_of_them=True)
         self.scale.close()
+        if self.origin is not None:
+            self.origin.close()
         for record in self.records:
             if record.consecutive:
                 self._end_streak(record)
@@ -249,6 +256,7 @@ class Recorder:
                 "growths": scale.growths,
                 "manual_sets": scale.manual_sets,
                 "optimizers": {r.name: r.counters() for r in self.records},
+                **({"origin_iterations": self.origin_iterations} if self.origin is not None else {}),
             },
         }
 
@@ -329,9 +337,26 @@ class Recorder:
             if position == 1:
                 record.last_streak_inspection = time.monotonic()
         record.check_weights = check_weights
+        if self.origin is not None:
+            self._add_origin(event, iteration, current)
         self.events.append(event)
         if weights is not None and weights.total:
             self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
+
+    def _add_origin(self, event: dict[str, Any], iteration: int, current: bool) -> None:
+        # Whether this rank's own gradients held inf/NaN before DDP's all-reduce (issue 17): read once per
+        # skipped iteration, shared by the skip events of every optimizer that skipped in it.
+        try:
+            report, new = self.origin.report(iteration, current)
+        except Exception as error:  # noqa: BLE001 - the skip itself is still reported
+            self.internal_error("origin flags", error)
+            return
+        if report is None:
+            return
+        if new and report.origin:
+            self.origin_iterations += 1
+        event.update(origin=report.origin, origin_buckets=report.buckets, origin_params=report.params,
+                     origin_params_total=report.params_total)
 
     # ----- poisoned steps (issue 8) ---------------------------------------------------------
 

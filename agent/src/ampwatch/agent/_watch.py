@@ -17,6 +17,7 @@ from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
+from ._origin import OriginFlags, attach_origin_hook
 from ._params import ParameterNames
 from ._recorder import OptimizerRecord, Recorder
 from ._sender import Sender, close_all_senders
@@ -184,6 +185,8 @@ class Watch:
                          f"(longest streak {c['longest_streak']}, now {c['consecutive_skipped']}), "
                          f"{c['poisoned_steps']} poisoned, "
                          f"{c['scheduler_steps_after_skip']} scheduler steps after a skip")
+        if "origin_iterations" in state:  # watch(ddp=...): skips whose inf/NaN was in this rank's own gradients
+            lines.append(f"  skipped iterations that started on this rank (DDP): {state['origin_iterations']}")
         return "\n".join(lines)
 
     def close(self, timeout: float | None = None) -> None:
@@ -248,7 +251,8 @@ def watch(scaler: torch.amp.GradScaler,
           *, model: torch.nn.Module | None = None,
           named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
           schedulers: Any = None, collector: str | Sequence[str] | None = None, run: str | None = None,
-          token: str | None = None, push_interval: float | None = None) -> Watch | DisabledWatch:
+          token: str | None = None, push_interval: float | None = None, ddp: torch.nn.Module | None = None,
+          comm_hook: Any = None, comm_state: Any = None) -> Watch | DisabledWatch:
     """Attach the agent to ``scaler`` and ``optimizers``; the training loop stays as it is.
 
     ``optimizers``: one optimizer, a list, or ``{"name": optimizer}``. ``model``
@@ -257,12 +261,23 @@ def watch(scaler: torch.amp.GradScaler,
     with one optimizer). ``collector``, ``run``, ``token``, ``push_interval``
     override ``AMPWATCH_URL``, ``AMPWATCH_RUN``, ``AMPWATCH_TOKEN``,
     ``AMPWATCH_PUSH_INTERVAL``.
+
+    ``ddp``: the job's DistributedDataParallel model, to report whether this rank's own gradients held
+    inf/NaN before the all-reduce (the rank where a skip started; docs/agent.md). It registers a DDP
+    communication hook that wraps DDP's all-reduce, or ``comm_hook`` (with its ``comm_state``, as you
+    would pass them to ``register_comm_hook``) when the job uses its own hook: pass it here instead of
+    registering it. Names parameters by ``ddp.module`` when ``model`` is not given.
     """
     config = AgentConfig.from_env(collector=collector, run=run, token=token, push_interval=push_interval)
     if config.disabled:
         return DisabledWatch()
     check_scaler(scaler)
     named = named_optimizers(optimizers)
+    if comm_hook is not None and ddp is None:
+        raise ValueError("comm_hook= is wrapped around DDP's all-reduce only with ddp=model: pass the "
+                         "DistributedDataParallel model as ddp=")
+    if ddp is not None and model is None and named_parameters is None:
+        model = getattr(ddp, "module", None)
     names = ParameterNames(named_params(model, named_parameters))
     records = [OptimizerRecord(name=n, optimizer=o) for n, (o, _) in named.items()]
     by_id = {id(alias): record for record, (_, aliases) in zip(records, named.values())
@@ -284,8 +299,14 @@ def watch(scaler: torch.amp.GradScaler,
         hooks.attach()
         patch = ScalerPatch(scaler, recorder)
         patch.attach(by_id)
+        if ddp is not None:  # last: DDP cannot take a hook back
+            origin = OriginFlags(names)
+            attach_origin_hook(ddp, origin, errors, comm_hook, comm_state)
+            recorder.origin = origin
         recorder.attached = True
     except BaseException:
+        if patch is not None:
+            patch.detach()
         if hooks is not None:
             hooks.detach()
         _watched.discard(id(scaler))

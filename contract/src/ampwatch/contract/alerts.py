@@ -10,7 +10,7 @@ Texts are templates. Threshold fields are filled in from an
 :class:`~ampwatch.contract.thresholds.AlertThresholds` (durations as PromQL
 writes them, ``10m``), ``{threshold}`` with the severity's threshold (the
 streak length), and the rest by the evaluator: ``{run}``, ``{rank}``,
-``{optimizer}`` (labels) and ``{value}``, ``{percent}``, ``{duration}`` (the
+``{optimizer}``, ``{host}``, ``{local_rank}`` (labels) and ``{value}``, ``{percent}``, ``{duration}`` (the
 value as a number, a percentage, a duration): Go templates for Prometheus,
 the values themselves in the collector.
 
@@ -33,7 +33,8 @@ __all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "AlertDefinition
 DEFAULT_RUNBOOK_BASE_URL = "https://github.com/ampwatch/ampwatch/blob/main/docs/alerts.md"
 """Where ``runbook_url`` points; each alert appends ``#<its runbook anchor>``."""
 
-_LABELS = {"run": ("run",), "rank": ("run", "rank"), "optimizer": ("run", "rank", "optimizer")}
+_LABELS = {"run": ("run",), "rank": ("run", "rank"), "optimizer": ("run", "rank", "optimizer"),
+           "host": ("run", "rank", "host", "local_rank")}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,7 +54,8 @@ class AlertDefinition:
     name: str
     """Prometheus's ``alertname``, e.g. ``AmpConsecutiveSkippedSteps``."""
     scope: str
-    """``optimizer``, ``rank`` or ``run``: which of run, rank, optimizer label each instance."""
+    """``optimizer``, ``rank`` or ``run``: which of run, rank, optimizer label each instance; ``host``: a rank
+    labelled with its host and local rank too (what a hardware ticket needs), judged across its run."""
     severities: tuple[Severity, ...]
     """One rule per severity (the streak alert has a warning and a critical one)."""
     for_s: Optional[str]
@@ -168,6 +170,14 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
         summary="An optimizer updated its parameters with non-finite gradients",
         description=f"The {_WHERE} stepped although its gradients were non-finite, or its parameters became "
                     "non-finite (poisoned steps so far: {value}): the weights are likely NaN for good."),
+    AlertDefinition(
+        name="AmpSkipOriginRank", scope="host", severities=_WARNING, for_s=None,
+        parameters=("origin_window_s", "origin_min_count", "origin_rank_share"),
+        summary="One rank keeps starting the run's skipped steps",
+        description="Rank {rank} of run {run} (host {host}, local rank {local_rank}) held non-finite gradients "
+                    "of its own before DDP's all-reduce in {value} skipped iterations within the last "
+                    "{origin_window_s}, while at most {origin_rank_share} of the run's ranks did: suspect that "
+                    "GPU, its host or its data shard."),
 )}
 """Every alert, by name, in the order of the generated rules."""
 

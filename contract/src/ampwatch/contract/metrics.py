@@ -20,6 +20,7 @@ __all__ = [
     "OPTIMIZER_STEPS", "OPTIMIZER_SKIPPED_STEPS", "OPTIMIZER_CONSECUTIVE_SKIPPED", "OPTIMIZER_LONGEST_SKIP_STREAK",
     "OPTIMIZER_SKIP_STREAKS", "OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP", "OPTIMIZER_POISONED_STEPS",
     "NONFINITE_GRADIENT_INFO",
+    "RANK_ORIGIN_ITERATIONS",
     "LOSS_SCALE", "LOSS_SCALE_BACKOFFS", "LOSS_SCALE_GROWTHS", "LOSS_SCALE_MANUAL_SETS", "ITERATION",
     "RANK_LAST_SEEN", "RANK_CLOSED", "RANK_INFO",
     "AGENT_DROPPED_EVENTS", "AGENT_SEND_FAILURES", "AGENT_REJECTED_BATCHES", "AGENT_ERRORS",
@@ -88,6 +89,9 @@ RANK_CLOSED = Metric("ampwatch_rank_closed", "gauge", _RANK, "1 once the rank cl
 RANK_INFO = Metric("ampwatch_rank_info", "gauge",
                    (*_RANK, "host", "local_rank", "world_size", "scaler_enabled", "scaler_kind", "agent_version"),
                    "Identity of the rank (value 1).")
+RANK_ORIGIN_ITERATIONS = Metric("ampwatch_rank_origin_iterations_total", "counter", _RANK,
+                                "Iterations where some optimizer skipped and this rank's own gradients held inf/NaN "
+                                "before DDP's all-reduce (only ranks watched with ddp=).")
 AGENT_DROPPED_EVENTS = Metric("ampwatch_agent_dropped_events_total", "counter", _RANK,
                               "Events the agent dropped because its buffer was full.")
 AGENT_SEND_FAILURES = Metric("ampwatch_agent_send_failures_total", "counter", _RANK, "Failed delivery attempts.")

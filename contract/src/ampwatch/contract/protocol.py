@@ -25,7 +25,7 @@ streak that began and ended between two scrapes shows only on a rung)."""
 
 TEXT_LIMITS: Mapping[str, int] = {
     "label": 128,             # run id, optimizer names: identities, never cut by the agent
-    "param_name": 512,        # params[].name of skip and poisoned_step events
+    "param_name": 512,        # params[].name of skip and poisoned_step events, origin_params[] of skip events
     "scheduler": 256,         # scheduler_after_skip's scheduler label
     "warning_code": 128,      # warning's code
     "warning_message": 4096,  # warning's message

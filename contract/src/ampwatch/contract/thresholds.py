@@ -110,6 +110,20 @@ class AlertThresholds:
     """How long a poisoned step (an update with non-finite gradients) keeps its
     critical alert firing."""
 
+    origin_window_s: int = 1800
+    """Window over which the skips a rank started (its own gradients non-finite
+    before DDP's all-reduce, ``ampwatch_rank_origin_iterations_total``) are counted.
+    Not above the longest other window, so the collector's per-rank history stays as long."""
+
+    origin_min_count: int = 3
+    """Skipped iterations a rank must have started within the window: one bad
+    sample is news, the same rank again and again is a ticket."""
+
+    origin_rank_share: float = 0.25
+    """At most this share of the run's open ranks (and at least one rank) may have
+    started skips in the window: when most ranks do, the cause is the job (data,
+    learning rate), not a GPU or a host."""
+
     def __post_init__(self) -> None:
         for name in ("skip_streak_warning", "skip_streak_critical"):
             value = getattr(self, name)
@@ -130,15 +144,17 @@ class AlertThresholds:
             if field.name.endswith("_s") and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{field.name}={value!r} must be a whole number of seconds >= 0")
         for name in ("skip_streak_window_s", "backoff_window_s", "skip_ratio_window_s",
-                     "scheduler_window_s", "poisoned_window_s", "silent_after_s"):
+                     "scheduler_window_s", "poisoned_window_s", "silent_after_s", "origin_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
-        for name in ("calibration_iterations", "backoff_min_count", "skip_ratio_min_steps"):
+        for name in ("calibration_iterations", "backoff_min_count", "skip_ratio_min_steps", "origin_min_count"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a whole number >= 0")
         if not 0 < self.backoff_rank_share <= 1:
             raise ValueError(f"backoff_rank_share={self.backoff_rank_share!r} must be in (0, 1]")
+        if not 0 < self.origin_rank_share <= 1:
+            raise ValueError(f"origin_rank_share={self.origin_rank_share!r} must be in (0, 1]")
         if not 0 < self.skip_ratio <= 1:
             raise ValueError(f"skip_ratio={self.skip_ratio!r} must be in (0, 1]")
         if self.collapsed_loss_scale <= 0:
@@ -163,7 +179,7 @@ DEMO_THRESHOLDS = dataclasses.replace(
     DEFAULT_THRESHOLDS, calibration_iterations=10, skip_streak_warning=4, skip_streak_critical=16,
     skip_streak_window_s=5, backoff_window_s=3, backoff_min_count=2, backoff_for_s=0,
     collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
-    silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30)
+    silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30, origin_window_s=60)
 
 PROFILES: Mapping[str, AlertThresholds] = {"default": DEFAULT_THRESHOLDS, "demo": DEMO_THRESHOLDS}
 """Named thresholds: what ``--alert-thresholds`` accepts besides a JSON file of overrides."""

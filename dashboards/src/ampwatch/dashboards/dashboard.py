@@ -121,6 +121,14 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
             ], "The latest parameter named as holding non-finite gradients on a skip, per rank and "
                "optimizer. Start the investigation here.",
                 hide=["Time", "Value", "__name__", "job", "instance"]), 24),
+            (_table("Ranks where skips started (DDP)", [
+                (f"(sum by (run, rank) (increase({m.RANK_ORIGIN_ITERATIONS}{{{_RANK}}}[$__range])) > 0)"
+                 f" * on (run, rank) group_left (host, local_rank) {m.RANK_INFO}", ""),
+            ], "Skipped iterations over the dashboard's time range whose inf/NaN was in the rank's own "
+               "gradients before DDP's all-reduce (agents watching with ddp=), with host and local rank. "
+               "One or a few ranks here again and again: suspect that GPU, host or data shard "
+               f"(AmpSkipOriginRank: >= {t.origin_min_count} within {t.origin_window_s}s).",
+                hide=["Time", "__name__", "job", "instance"]), 24),
         ]),
         ("Collector and agents", 7, [
             (_series("Collector ingest requests by status", [

@@ -54,6 +54,9 @@ class RecordedSeries:
         self.scale_max = "run:ampwatch_loss_scale:max"
         self.scale_min = "run:ampwatch_loss_scale:min"
         self.scale_spread = "run:ampwatch_loss_scale:max_over_min"
+        origin_w = dur(t.origin_window_s)
+        self.origins = f"run_rank:ampwatch_rank_origin_iterations:increase{origin_w}"
+        self.ranks_origin = f"run:ampwatch_ranks_origin:count{origin_w}"
 
 
 def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, Any]]:
@@ -86,6 +89,10 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
         _record(r.scale_max, f"max by (run) ({m.LOSS_SCALE} and on (run, rank) {_OPEN})"),
         _record(r.scale_min, f"min by (run) ({m.LOSS_SCALE} and on (run, rank) {_OPEN})"),
         _record(r.scale_spread, f"{r.scale_max} / {r.scale_min}"),
+        # Skipped iterations each rank started (its own gradients non-finite before DDP's all-reduce), and how
+        # many of a run's ranks started any.
+        _record(r.origins, f"sum by (run, rank) (increase({m.RANK_ORIGIN_ITERATIONS}[{dur(t.origin_window_s)}]))"),
+        _record(r.ranks_origin, f"count by (run) ({r.origins} > 0)"),
     ]
 
 
@@ -103,6 +110,17 @@ def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
             f"  {m.OPTIMIZER_CONSECUTIVE_SKIPPED} >= {threshold}\n"
             f"  unless on (run, rank) {m.RANK_CLOSED} == 1\n"
             f")")
+
+
+def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
+    # A rank that keeps starting skips while few of its run's ranks start any; labelled with its host and
+    # local rank (from ampwatch_rank_info, whose value is 1) for the hardware ticket.
+    return (f"(\n"
+            f"    {r.origins} >= {t.origin_min_count}\n"
+            f"  and on (run) {r.ranks_origin} <= clamp_min({r.ranks_open} * {_num(t.origin_rank_share)}, 1)\n"
+            f"  and on (run, rank) {_OPEN}\n"
+            f")\n"
+            f"* on (run, rank) group_left (host, local_rank) {m.RANK_INFO}")
 
 
 def _collapsed(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
@@ -134,10 +152,11 @@ CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
     "AmpPoisonedStep": lambda t, r, _: (f"{m.OPTIMIZER_POISONED_STEPS}\n"
                                         f"and on (run, rank, optimizer)\n"
                                         f"{_counter_rose(m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s)}"),
+    "AmpSkipOriginRank": _origin,
 }
 
 # Prometheus fills an alert's texts with Go templates over the instance's labels and value.
-_TEMPLATES = {**{label: f"{{{{ $labels.{label} }}}}" for label in ("run", "rank", "optimizer")},
+_TEMPLATES = {**{label: f"{{{{ $labels.{label} }}}}" for label in ("run", "rank", "optimizer", "host", "local_rank")},
               "value": "{{ $value }}", "percent": "{{ $value | humanizePercentage }}",
               "duration": "{{ $value | humanizeDuration }}"}
 

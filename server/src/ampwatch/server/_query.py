@@ -43,8 +43,18 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         "scaler": json.loads(batch.scaler.model_dump_json()), "agent": batch.agent.model_dump(),
         **{name: totals[name] for name in ("backoffs", "growths", "manual_sets")},
         "delivery": {name: totals[name] for name in DELIVERY_COUNTERS},
+        # Skipped iterations that started on this rank (DDP, issue 17); null when its agent does not watch DDP.
+        "origin_iterations": (rank.totals.origin_iterations if rank.totals.origin_iterations
+                              or batch.state.origin_iterations is not None else None),
         "optimizers": optimizers,
     }
+
+
+def origin_ranks(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return the ranks where some of the run's skips started, most such iterations first."""
+    found = [{key: s[key] for key in ("rank", "host", "local_rank", "origin_iterations")}
+             for s in summaries if s["origin_iterations"]]
+    return sorted(found, key=lambda s: (-s["origin_iterations"], s["rank"]))
 
 
 @router.get("/runs", summary="List runs, most recently seen first")
@@ -103,4 +113,5 @@ async def get_run(request: Request, run: str) -> dict[str, Any]:
     if not ranks:
         raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
     summaries = [rank_summary(r, shown) for _, (r, shown) in sorted(ranks.items())]
-    return {"run": run, "closed": all(s["closed"] for s in summaries), "ranks": summaries}
+    return {"run": run, "closed": all(s["closed"] for s in summaries), "origin_ranks": origin_ranks(summaries),
+            "ranks": summaries}

@@ -93,6 +93,7 @@ class WireRankState(_Model):
     growths: Count
     manual_sets: Count = 0
     optimizers: dict[Label, WireOptimizerCounters]
+    origin_iterations: Optional[Count] = None  # absent: the rank does not watch DDP's all-reduce (ddp=)
     delivery: Delivery = Field(default_factory=Delivery)
 
 
@@ -115,6 +116,12 @@ class SkipEvent(_EventBase):
     params: list[ParamDetail] = Field(default_factory=list, max_length=MAX_PARAMS)
     params_total: Optional[Count] = None
     inspected: bool = True
+    # With ddp=: whether this rank's own gradients held inf/NaN before the all-reduce (absent: not watched).
+    origin: Optional[bool] = None
+    origin_buckets: list[Count] = Field(default_factory=list, max_length=MAX_PARAMS)
+    origin_params: list[Annotated[str, Field(max_length=TEXT_LIMITS["param_name"])]] = Field(
+        default_factory=list, max_length=MAX_PARAMS)
+    origin_params_total: Optional[Count] = None
 
 
 class StreakEndEvent(_EventBase):

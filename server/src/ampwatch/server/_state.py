@@ -111,6 +111,8 @@ class RankSnapshot:
     """Totals over the rank's processes, by optimizer."""
     consecutive_skipped: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """The current skip streak of each optimizer (the newest process's gauge); 0 when left out."""
+    host: str = ""
+    local_rank: int = 0
 
 
 class RankState:
@@ -173,7 +175,8 @@ class RankState:
                             loss_scale=batch.state.loss_scale, scaler_enabled=batch.scaler.enabled,
                             closed=self.closed, totals=self.totals, optimizers=dict(self.optimizer_totals),
                             consecutive_skipped={name: values.consecutive_skipped
-                                                 for name, values in batch.state.optimizers.items()})
+                                                 for name, values in batch.state.optimizers.items()},
+                            host=batch.host, local_rank=batch.local_rank)
 
 
 class LimitExceeded(Exception):

@@ -49,9 +49,11 @@ class ActiveAlert:
 
     @property
     def group(self) -> tuple:
-        """Return the evaluation group that produced it: ``(run, rank)`` or ``(run,)``."""
+        """Return the evaluation group that produced it: ``(run, rank)`` or ``(run,)`` (alerts judged across a run)."""
         run = self.labels["run"]
-        return (run, self.labels["rank"]) if "rank" in self.labels else (run,)
+        if "rank" in self.labels and ALERTS[self.name].scope != "host":
+            return (run, self.labels["rank"])
+        return (run,)
 
 
 class RankHistory:
@@ -170,15 +172,32 @@ def rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAl
     return found
 
 
+def _origin_alerts(ranks: list[RankHistory], open_ranks: list[RankHistory], now: float,
+                   t: AlertThresholds) -> Iterable[ActiveAlert]:
+    # Skipped iterations each rank started (its own gradients non-finite before DDP's all-reduce) in the window;
+    # an open rank that started enough of them alerts while few of the run's ranks started any.
+    started = [(h, h.current.totals.origin_iterations - h.baseline(now, t.origin_window_s).totals.origin_iterations)
+               for h in ranks]
+    starting = sum(1 for _, n in started if n > 0)
+    if not starting or starting > max(len(open_ranks) * t.origin_rank_share, 1):
+        return
+    for h, n in started:
+        cur = h.current
+        if n >= t.origin_min_count and not cur.closed:
+            labels = {"run": cur.run, "rank": str(cur.rank), "host": cur.host, "local_rank": str(cur.local_rank)}
+            yield _alert("AmpSkipOriginRank", labels, n, t)
+
+
 def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThresholds) -> list[ActiveAlert]:
-    """Return the alerts of one run across its open ranks (sustained backoff, scale desync).
+    """Return the alerts of one run across its open ranks (sustained backoff, scale desync, skip origin).
 
     Open means not closed cleanly (a silent rank still counts until the collector expires it), as in the rules.
     """
+    ranks = list(ranks)
     open_ranks = [h for h in ranks if not h.current.closed]
     if not open_ranks:
         return []
-    found = []
+    found = list(_origin_alerts(ranks, open_ranks, now, t))
     backing_off = 0
     for h in open_ranks:
         cur, base = h.current, h.baseline(now, t.backoff_window_s)

@@ -163,6 +163,8 @@ function rankRow(rank) {
     el("td", {class: "num"}, rank.iteration),
     optimizerCell(rank),
     el("td", {class: "num"}, `${rank.backoffs ?? 0} / ${rank.growths ?? 0}`),
+    el("td", {class: "num origin" + (rank.origin_iterations > 0 ? " streak" : "")},
+      rank.origin_iterations === null || rank.origin_iterations === undefined ? "-" : String(rank.origin_iterations)),
     el("td", {}, rank.closed ? `closed, ${ago(rank.last_seen)}` : ago(rank.last_seen)));
 }
 
@@ -212,6 +214,12 @@ function eventDetails(e) {
       if (names.length) cell.append(el("span", {class: "params"}, names.join(", ")));
       if (e.params_total && e.params_total > names.length) cell.append(` … ${e.params_total} parameters in all`);
       if (e.inspected === false) cell.append(" (not inspected: skip storm)");
+      if (e.origin) {
+        // This rank's own gradients held the inf/NaN before DDP's all-reduce spread it (issue 17).
+        const local = (e.origin_params || []).join(", ");
+        cell.append(" · ", el("span", {class: "streak"}, "started on this rank"),
+          ` (DDP bucket ${(e.origin_buckets || []).join(", ")}${local ? ": " + local : ""})`);
+      }
       break;
     }
     case "scale_change": cell.append(`${e.cause}: ${scaleText(e.before)} → ${scaleText(e.after)}`); break;

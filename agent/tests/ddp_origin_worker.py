@@ -1,0 +1,129 @@
+"""Real DDP over gloo with N ranks: which rank's own gradients held the inf that made every rank skip (issue 17).
+
+Run as a script (``python ddp_origin_worker.py OUT_DIR PORT WORLD_SIZE``); each rank writes
+``OUT_DIR/rank{r}.json`` with, per scenario, the ground truth, what the agent reported and the final
+weights' bits. Used by test_origin_ddp.py, which owns the time limit and the cleanup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.overhead
+from bench.overhead import SyncCounter  # noqa: E402 - the counter test_recording_cost.py uses
+
+ITERATIONS = 8
+CLEAN_ITERATIONS = 6
+
+
+def injections(world_size: int) -> dict[int, list[int]]:
+    """Iteration -> the ranks that feed an inf into their input: one rank twice, then two ranks at once."""
+    one = world_size - 1 if world_size > 2 else 1
+    two = [0, 1] if world_size == 2 else [1, 3]
+    return {2: [one], 5: [one], 6: two}
+
+
+def bits(params) -> list[list[int]]:
+    return [p.detach().view(torch.int32).reshape(-1).tolist() for p in params]
+
+
+class CountingHook:
+    """A user's own comm hook (DDP's all-reduce) that counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, state, bucket):
+        self.calls += 1
+        return allreduce_hook(state, bucket)
+
+
+def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iterations: int = ITERATIONS,
+          inject: bool = True, count_syncs: bool = False) -> dict:
+    from ampwatch import agent
+
+    torch.manual_seed(0)  # same initial weights on every rank
+    # Two Linear blocks in separate small buckets, so that a bucket index says something.
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    plan = injections(world_size) if inject else {}
+    kwargs = {"ddp": model, "comm_hook": comm_hook, "comm_state": dist.group.WORLD if comm_hook else None} \
+        if origin else {"model": net}
+    truth, reported, skips = [], [], []
+    w = agent.watch(scaler, {"net": opt}, collector=(), run="origin-test", **kwargs)
+    counter = SyncCounter()
+    try:
+        with counter:
+            for i in range(iterations):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i))
+                if rank in plan.get(i, ()):
+                    x[0, 0] = float("inf")
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                before = bits(net.parameters())
+                scaler.step(opt)
+                truth.append(before != bits(net.parameters()))
+                reported.append(w.stepped(opt))
+                scaler.update()
+        state = w.snapshot()["state"]
+        skips = [e for e in w._recorder.events.drain() if e["kind"] == "skip"]
+    finally:
+        w.close()
+    return {"truth": truth, "reported": reported, "skips": skips, "state": state, "bits": bits(net.parameters()),
+            "syncs": counter.syncs if count_syncs else None}
+
+
+def already_hooked(world_size: int) -> dict:
+    from ampwatch import agent
+
+    model = DistributedDataParallel(nn.Linear(4, 4))
+    model.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        agent.watch(scaler, opt, collector=(), run="origin-test", ddp=model)
+    except ValueError as error:
+        return {"error": str(error), "scaler_patched": "step" in vars(scaler)}
+    return {"error": None, "scaler_patched": "step" in vars(scaler)}
+
+
+def main(rank: int, out_dir: str, port: int, world_size: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("AMPWATCH_URL", None)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        hook = CountingHook()
+        results = {
+            "origin": train(rank, world_size, origin=True),
+            "plain": train(rank, world_size, origin=False),
+            "user_hook": train(rank, world_size, origin=True, comm_hook=hook),
+            "already": already_hooked(world_size),
+            "clean_origin": train(rank, world_size, origin=True, inject=False, iterations=CLEAN_ITERATIONS,
+                                  count_syncs=True),
+            "clean_plain": train(rank, world_size, origin=False, inject=False, iterations=CLEAN_ITERATIONS,
+                                 count_syncs=True),
+        }
+        results["user_hook"]["hook_calls"] = hook.calls
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    size = int(sys.argv[3])
+    mp.spawn(main, args=(sys.argv[1], int(sys.argv[2]), size), nprocs=size, join=True)

@@ -1,0 +1,160 @@
+"""What naming the origin rank costs: a 2-process gloo DDP loop with and without ``watch(..., ddp=model)``.
+
+Each rank holds three identical DDP models (same weights, same data, each with its own optimizer and
+GradScaler), all watched by the agent without a collector. ``plain``: DDP's built-in C++ all-reduce.
+``python_hook``: DDP's own ``allreduce_hook`` registered as a Python comm hook, nothing of ampwatch
+(what any Python comm hook costs). ``origin``: ``ddp=model``, ampwatch's hook wrapping that all-reduce
+(one ``aminmax`` per bucket, a list append). Blocks of iterations rotate between them
+(``bench.overhead.rotate``) in the same order on both ranks; the cost is the median of per-round ratios
+of rank 0's process CPU time to ``plain`` (noisy: it includes waiting on the other rank). Steadier: the
+hook's own work, timed inside it, as a share of the plain iteration. Also: host-device syncs
+(``aten._local_scalar_dense``) per clean iteration.
+
+    python -m bench.ddp_origin [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from bench.overhead import MODELS, SyncCounter, compare, rotate
+
+__all__ = ["run", "main"]
+
+WORLD_SIZE = 2
+COMPARED = ("mlp", "transformer")
+
+
+class DdpSetup:
+    """One DDP model, one optimizer, one GradScaler, watched by the agent (with the origin hook or not)."""
+
+    def __init__(self, model: str, origin: bool, python_hook: bool = False) -> None:
+        from ampwatch import agent
+
+        torch.manual_seed(0)
+        net = _build(model)
+        self.ddp = DistributedDataParallel(net)
+        if python_hook:  # DDP's all-reduce as a Python comm hook, nothing of ampwatch in it
+            self.ddp.register_comm_hook(None, allreduce_hook)
+        self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-3, foreach=True)
+        self.scaler = torch.amp.GradScaler("cpu")
+        self.x = _input(model)
+        extra = {"ddp": self.ddp} if origin else {"model": net}
+        self.watch = agent.watch(self.scaler, {"net": self.opt}, collector=(), run=f"bench-ddp-{model}", **extra)
+        self.noting_s = 0.0  # time spent inside the hook's own work (noting a bucket), origin only
+        self.notes = 0
+        if origin:
+            flags = self.ddp._comm_hooks[0][0].flags
+            note = flags.note
+
+            def timed_note(bucket):  # type: ignore[no-untyped-def]
+                start = time.perf_counter()
+                note(bucket)
+                self.noting_s += time.perf_counter() - start
+                self.notes += 1
+            flags.note = timed_note
+
+    def iterate(self, n: int) -> None:
+        for _ in range(n):
+            self.opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = self.ddp(self.x).float().pow(2).mean()
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+
+    def close(self) -> None:
+        self.watch.close()
+
+
+def _build(model: str) -> nn.Module:
+    # bench.overhead's models, as one module DDP can wrap (its transformer is a ModuleDict of block and head).
+    if model == "transformer":
+        block = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True, dropout=0.0)
+        return nn.Sequential(block, nn.Linear(64, 8))
+    return MODELS[model](torch.device("cpu"))[0]
+
+
+def _input(model: str) -> torch.Tensor:
+    return torch.randn(8, 16, 64) if model == "transformer" else torch.randn(32, 64)
+
+
+def _measure(model: str, rounds: int, block: int) -> dict:
+    setups = {"plain": DdpSetup(model, False), "python_hook": DdpSetup(model, False, python_hook=True),
+              "origin": DdpSetup(model, True)}
+    try:
+        for s in setups.values():
+            s.iterate(10)  # warm-up (DDP's bucket rebuild, autocast caches)
+        origin = setups["origin"]
+        origin.noting_s, origin.notes = 0.0, 0
+        cpu, wall = rotate(setups, rounds, block)
+        result = {"model": model, "variants": compare(cpu, wall, base="plain")}
+        iterations = rounds * block
+        # The hook's own work, timed inside it: steadier than a difference of two noisy loop times.
+        result["note_us_per_iter"] = round(origin.noting_s / iterations * 1e6, 2)
+        result["buckets_per_iter"] = origin.notes / iterations
+        result["note_share_of_plain_iter"] = round(origin.noting_s / iterations
+                                                   / (result["variants"]["plain"]["cpu_us_per_iter"] / 1e6), 5)
+        for name, s in setups.items():
+            with SyncCounter() as counter:
+                s.iterate(block)
+            result["variants"][name]["syncs_per_clean_iter"] = counter.syncs / block
+        return result
+    finally:
+        for s in setups.values():
+            s.close()
+
+
+def _rank(rank: int, port: int, out: str, rounds: int, block: int) -> None:
+    os.environ.pop("AMPWATCH_URL", None)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        results = [_measure(model, rounds, block) for model in COMPARED]
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+        dist.barrier()  # neither rank tears gloo down while the other still talks
+    finally:
+        dist.destroy_process_group()
+
+
+def run(quick: bool) -> dict:
+    """Spawn the two ranks, time both variants on each model; return rank 0's results."""
+    rounds, block = (8, 20) if quick else (40, 50)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        mp.spawn(_rank, args=(port, out, rounds, block), nprocs=WORLD_SIZE, join=True)
+        with open(out) as f:
+            measurements = json.load(f)
+    return {"rounds": rounds, "block": block, "world_size": WORLD_SIZE, "backend": "gloo",
+            "measurements": measurements}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run and print the results as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m bench.ddp_origin", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="under a minute")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.quick), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
