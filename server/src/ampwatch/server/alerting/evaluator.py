@@ -11,7 +11,8 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
-from .conditions import RankHistory, evaluate, rank_alerts
+from .conditions import evaluate, rank_alerts
+from .history import RankHistory
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
@@ -42,6 +43,9 @@ class BuiltinAlerts:
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
         # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.
         self._resolution_s = resolution_s if resolution_s is not None else min(5.0, min(windows) / 10)
+        # The streak alert compares ladder rungs at its thresholds: the only rungs a history keeps.
+        self._streak_lengths = tuple(getattr(thresholds, s.threshold)
+                                     for s in ALERTS["AmpConsecutiveSkippedSteps"].severities)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
         self._states = AlertStates(resolved_retention_s)
@@ -55,7 +59,7 @@ class BuiltinAlerts:
             history = self._ranks.get(key)
             if history is None:
                 history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._horizon_s,
-                                                         self._resolution_s)
+                                                         self._resolution_s, self._streak_lengths)
             history.record(snapshot, self.thresholds.calibration_iterations)
             group = (snapshot.run, str(snapshot.rank))
             active = rank_alerts(history, now, self.thresholds)
