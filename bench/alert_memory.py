@@ -23,6 +23,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from array import array
 
 __all__ = ["measure", "main"]
 
@@ -81,8 +82,12 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
     cpu = time.process_time() - started
     gc.collect()
     after = _rss_kib()
+    # The histories' own arrays, where they are arrays (this tree): the rest is alert states and snapshots.
+    arrays = sum(sys.getsizeof(getattr(h, name)) for h in alerts._ranks.values()
+                 for name in ("_times", "_rows", "_rose", "_origin") if isinstance(getattr(h, name, None), array))
     return {"ranks": ranks, "minutes": minutes, "rss_kib": after - before,
             "kib_per_rank": round((after - before) / ranks, 1), "cpu_s": round(cpu, 1),
+            "history_array_kib_per_rank": round(arrays / 1024 / ranks, 1) if arrays else None,
             "firing": len(alerts.firing()), "transitions": transitions}
 
 
@@ -118,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in result.items():
         print(f"{name:>6}: {r['kib_per_rank']:>7} KiB/rank ({r['rss_kib'] / 1024:.1f} MiB at {r['ranks']} ranks, "
               f"{r['minutes']} simulated min), {r['cpu_s']} s CPU, {r['firing']} firing, "
-              f"{r['transitions']} transitions  [{r['server']}]")
+              f"{r['transitions']} transitions, history arrays {r['history_array_kib_per_rank']} KiB/rank  "
+              f"[{r['server']}]")
     return result
 
 

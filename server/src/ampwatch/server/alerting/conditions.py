@@ -63,8 +63,7 @@ def _streak_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[A
         for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
             threshold = getattr(t, severity.threshold)
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
-            reached = opt.reached(threshold) - base.reached(opt_name, threshold)
-            if reached > 0 or (streak >= threshold and not cur.closed):
+            if base.streak_reached_since(opt_name, threshold) or (streak >= threshold and not cur.closed):
                 labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
                 yield _alert("AmpConsecutiveSkippedSteps", labels, streak, t, severity.level)
 
@@ -81,11 +80,9 @@ def _window_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[A
         calls = skipped + stepped
         if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
             yield _alert("AmpHighSkippedStepRatio", dict(labels), skipped / calls, t)
-        sched = opt.scheduler_steps_after_skip - sched_base.scheduler_steps_after_skip(opt_name)
-        if sched > 0:
+        if sched_base.scheduler_stepped_after_skip_since(opt_name):
             yield _alert("AmpSchedulerStepsOnSkipped", dict(labels), opt.scheduler_steps_after_skip, t)
-        poisoned = opt.poisoned_steps - poison_base.poisoned_steps(opt_name)
-        if poisoned > 0:
+        if poison_base.poisoned_since(opt_name):
             yield _alert("AmpPoisonedStep", dict(labels), opt.poisoned_steps, t)
 
 
@@ -131,7 +128,7 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThres
         # whole window is past calibration (a rank younger than the window has a zero baseline).
         if base.iteration < t.calibration_iterations:
             continue
-        if cur.totals.backoffs - base.backoffs >= t.backoff_min_count and cur.totals.growths == base.growths:
+        if cur.totals.backoffs - base.backoffs >= t.backoff_min_count and not base.grew_since():
             backing_off += 1
     share = backing_off / len(open_ranks)
     if backing_off and share >= t.backoff_rank_share:

@@ -1,36 +1,45 @@
-"""One rank's recent past, as compact as the alert windows allow: the counters their ``increase`` subtracts.
+"""One rank's recent past, as compact as the alert windows allow: what their ``increase`` needs.
 
 A windowed condition (``increase(x[w])`` in PromQL) compares a rank's current
-snapshot with the counters it had ``w`` seconds ago. :class:`RankHistory` keeps,
-about ``resolution_s`` apart and back to the longest window, only those counters:
-one row of machine integers per kept moment (iteration, backoffs, growths, and per
-optimizer its steps, skips, scheduler steps after a skip, poisoned steps and the
-streak-ladder rungs the streak alert reads). At the default windows (30 min, 5 s
-apart) and two optimizers that is about 25 KiB per rank, where whole snapshots
-took about 450 KiB.
+snapshot with the counters it had ``w`` seconds ago. Two kinds of question:
+
+- *how much* (``>= n``, a ratio): steps, skips, backoffs, and the iteration (calibration).
+  :class:`RankHistory` keeps these as one row of machine integers per kept moment, about
+  ``resolution_s`` apart, back to the longest window;
+- *whether at all* (``> 0``, ``== 0``): growths, scheduler steps after a skip, poisoned steps,
+  streaks reaching a threshold. Counters never go down, so "rose since the baseline moment" is
+  "last rose after it": one time per counter, whatever the window.
+
+At the default windows (30 min, 5 s apart) and two optimizers that is about 12 KiB per rank,
+where whole snapshots took about 400 KiB.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from array import array
 from typing import Iterable, Optional, Sequence
 
 from .._state import RankSnapshot
+from .._totals import OptimizerTotals
 
 __all__ = ["RankHistory", "Baseline"]
 
-_HEAD = 3  # iteration, backoffs, growths
-_PER_OPTIMIZER = 4  # steps, skipped, scheduler_steps_after_skip, poisoned_steps; then one per streak length
+_NONE = OptimizerTotals()
+_HEAD = 2  # row: iteration, backoffs; then steps, skipped per optimizer
+_ROW_PER_OPTIMIZER = 2
+_NEVER = -math.inf
+# Rise times: growths; then per optimizer scheduler_steps_after_skip, poisoned_steps, one per streak length.
 
 
 class Baseline:
-    """The counters a rank had at one past moment (0 for an optimizer it did not have yet). Reads cost O(1)."""
+    """A rank at one past moment: its counters then, and whether others rose since. Reads cost O(1)."""
 
-    __slots__ = ("_row", "_offsets", "_rungs")
+    __slots__ = ("_row", "_at", "_history")
 
-    def __init__(self, row: Sequence[int], offsets: dict[str, int], rungs: dict[int, int]) -> None:
-        self._row, self._offsets, self._rungs = row, offsets, rungs
+    def __init__(self, row: Sequence[int], at: float, history: "RankHistory") -> None:
+        self._row, self._at, self._history = row, at, history
 
     @property
     def iteration(self) -> int:
@@ -40,41 +49,46 @@ class Baseline:
     def backoffs(self) -> int:
         return self._row[1]
 
-    @property
-    def growths(self) -> int:
-        return self._row[2]
-
-    def _get(self, optimizer: str, field: int) -> int:
-        offset = self._offsets.get(optimizer)
-        return 0 if offset is None else self._row[offset + field]
-
     def steps(self, optimizer: str) -> int:
-        return self._get(optimizer, 0)
+        return self._counter(optimizer, 0)
 
     def skipped(self, optimizer: str) -> int:
-        return self._get(optimizer, 1)
+        return self._counter(optimizer, 1)
 
-    def scheduler_steps_after_skip(self, optimizer: str) -> int:
-        return self._get(optimizer, 2)
+    def grew_since(self) -> bool:
+        """Return whether the scale grew after this moment."""
+        return self._history._rose[0] > self._at
 
-    def poisoned_steps(self, optimizer: str) -> int:
-        return self._get(optimizer, 3)
+    def scheduler_stepped_after_skip_since(self, optimizer: str) -> bool:
+        return self._rose(optimizer, 0)
 
-    def reached(self, optimizer: str, length: int) -> int:
-        """Return how many streaks of ``optimizer`` had reached ``length`` (one of the history's streak lengths)."""
-        return self._get(optimizer, _PER_OPTIMIZER + self._rungs[length])
+    def poisoned_since(self, optimizer: str) -> bool:
+        return self._rose(optimizer, 1)
+
+    def streak_reached_since(self, optimizer: str, length: int) -> bool:
+        """Return whether a skip streak of ``optimizer`` reached ``length`` (one of the history's) after this moment."""
+        return self._rose(optimizer, 2 + self._history._rungs[length])
+
+    def _counter(self, optimizer: str, field: int) -> int:
+        j = self._history._index.get(optimizer)
+        return 0 if j is None else self._row[_HEAD + _ROW_PER_OPTIMIZER * j + field]
+
+    def _rose(self, optimizer: str, field: int) -> bool:
+        h = self._history
+        j = h._index.get(optimizer)
+        return j is not None and h._rose[1 + (2 + len(h._rungs)) * j + field] > self._at
 
 
 class RankHistory:
-    """Hold one rank's latest snapshot and its past counters, about ``resolution_s`` apart, back to ``horizon_s``.
+    """Hold one rank's latest snapshot and what its alert windows need of its past, back to ``horizon_s``.
 
-    ``streak_lengths`` are the streak-ladder rungs whose counts a window needs (the streak alert's
-    thresholds). :meth:`record` costs a few microseconds; memory is bounded by the horizon, at
-    ``8 + 4 * (3 + (4 + len(streak_lengths)) * optimizers)`` bytes per kept moment while counters fit
-    in 32 bits (64 bits past that).
+    ``streak_lengths`` are the streak-ladder rungs a window asks about (the streak alert's
+    thresholds). :meth:`record` costs a few microseconds; memory is bounded by the horizon:
+    ``8 + 4 * (2 + 2 * optimizers)`` bytes per kept moment while counters fit in 32 bits (64 past
+    that), plus ``8 * (1 + (2 + len(streak_lengths)) * optimizers)`` bytes of rise times.
     """
 
-    __slots__ = ("run", "rank", "current", "_times", "_rows", "_stride", "_offsets", "_rungs", "_horizon_s",
+    __slots__ = ("run", "rank", "current", "_times", "_rows", "_rose", "_index", "_rungs", "_horizon_s",
                  "_resolution_s", "_origin")
 
     def __init__(self, run: str, rank: int, horizon_s: float, resolution_s: float = 5.0,
@@ -82,27 +96,35 @@ class RankHistory:
         self.run, self.rank = run, rank
         self.current: Optional[RankSnapshot] = None
         self._times = array("d")
-        self._rows = array("i")  # one row of _stride counters per time; widened to 64 bits on overflow
-        self._stride = _HEAD
-        self._offsets: dict[str, int] = {}  # optimizer -> where its counters start in a row
+        self._rows = array("i")  # one row per kept time; widened to 64 bits when a counter passes 2**31
+        self._rose = array("d", [_NEVER])  # when each yes/no counter last rose (a collector time)
+        self._index: dict[str, int] = {}  # optimizer -> its number, in the order first seen
         self._rungs = {length: i for i, length in enumerate(dict.fromkeys(streak_lengths))}
         self._horizon_s, self._resolution_s = horizon_s, resolution_s
         self._origin: Optional[array] = None
 
     def record(self, snapshot: RankSnapshot, calibration_iterations: int) -> None:
-        """Make ``snapshot`` the current one and keep its counters (replacing a too-close predecessor's)."""
-        row = self._row(snapshot)
-        if self._origin is None:
+        """Make ``snapshot`` the current one and keep what the windows need (replacing a too-close predecessor)."""
+        for name in snapshot.optimizers:
+            if name not in self._index:
+                self._widen(name)
+        previous = self.current
+        if previous is None:
             # A rank first seen while young started from zero counters; one first seen later (e.g. after a
             # collector restart) has a past we did not watch, so its first snapshot is the baseline.
-            self._origin = array(self._rows.typecode, [0] * self._stride) \
-                if snapshot.iteration <= calibration_iterations else row
+            young = snapshot.iteration <= calibration_iterations
+            previous = RankSnapshot(run=self.run, rank=self.rank, last_seen=_NEVER) if young else snapshot
+        self._note_rises(previous, snapshot)
+        row = self._row(snapshot)
+        if self._origin is None:
+            self._origin = row if previous is snapshot else array(row.typecode, [0] * len(row))
         self.current = snapshot
+        stride = len(row)
         # The latest sample always stays; the previous latest stays as a window baseline only if the new one
         # is at least resolution_s after the sample before it (so any two kept samples apart are that far).
         if len(self._times) >= 2 and snapshot.last_seen - self._times[-2] < self._resolution_s:
             self._times[-1] = snapshot.last_seen
-            self._rows[-self._stride:] = row
+            self._rows[-stride:] = row
         else:
             self._times.append(snapshot.last_seen)
             self._rows.extend(row)
@@ -110,30 +132,43 @@ class RankHistory:
         cut = bisect.bisect_right(self._times, snapshot.last_seen - self._horizon_s) - 1
         if cut > 0:
             del self._times[:cut]
-            del self._rows[:cut * self._stride]
+            del self._rows[:cut * stride]
 
     def baseline(self, now: float, window_s: float) -> Baseline:
-        """Return the counters the rank had ``window_s`` seconds before ``now`` (its origin if it is younger)."""
+        """Return the rank as it was ``window_s`` seconds before ``now`` (its origin if it is younger)."""
         i = bisect.bisect_right(self._times, now - window_s) - 1
         # Pruning always keeps a sample at or before the horizon, so i < 0 means the rank was first seen
-        # inside the window.
-        row = self._rows[i * self._stride:(i + 1) * self._stride] if i >= 0 else self._origin
-        return Baseline(row, self._offsets, self._rungs)  # type: ignore[arg-type]
+        # inside the window: every rise since the origin counts.
+        if i < 0:
+            return Baseline(self._origin, _NEVER, self)  # type: ignore[arg-type]
+        stride = _HEAD + _ROW_PER_OPTIMIZER * len(self._index)
+        return Baseline(self._rows[i * stride:(i + 1) * stride], self._times[i], self)
 
     def __len__(self) -> int:
         return len(self._times)
 
+    def _note_rises(self, before: RankSnapshot, now: RankSnapshot) -> None:
+        rose, at = self._rose, now.last_seen
+        if now.totals.growths > before.totals.growths:
+            rose[0] = at
+        per = 2 + len(self._rungs)
+        for name, opt in now.optimizers.items():
+            old = before.optimizers.get(name, _NONE)
+            base = 1 + per * self._index[name]
+            if opt.scheduler_steps_after_skip > old.scheduler_steps_after_skip:
+                rose[base] = at
+            if opt.poisoned_steps > old.poisoned_steps:
+                rose[base + 1] = at
+            for length, k in self._rungs.items():
+                if opt.reached(length) > old.reached(length):
+                    rose[base + 2 + k] = at
+
     def _row(self, s: RankSnapshot) -> array:
-        for name in s.optimizers:
-            if name not in self._offsets:
-                self._widen(name)
-        values = [0] * self._stride
-        values[0:_HEAD] = s.iteration, s.totals.backoffs, s.totals.growths
+        values = [0] * (_HEAD + _ROW_PER_OPTIMIZER * len(self._index))
+        values[0], values[1] = s.iteration, s.totals.backoffs
         for name, opt in s.optimizers.items():
-            o = self._offsets[name]
-            values[o:o + _PER_OPTIMIZER] = opt.steps, opt.skipped, opt.scheduler_steps_after_skip, opt.poisoned_steps
-            for length, j in self._rungs.items():
-                values[o + _PER_OPTIMIZER + j] = opt.reached(length)
+            o = _HEAD + _ROW_PER_OPTIMIZER * self._index[name]
+            values[o], values[o + 1] = opt.steps, opt.skipped
         try:
             return array(self._rows.typecode, values)
         except OverflowError:  # a counter past 2**31: every row to 64 bits, once
@@ -144,15 +179,14 @@ class RankHistory:
 
     def _widen(self, optimizer: str) -> None:
         """Give a newly seen optimizer its columns; earlier rows (and the origin) count 0 for it."""
-        width = _PER_OPTIMIZER + len(self._rungs)
-        old, stride = self._rows, self._stride
-        self._offsets[optimizer] = stride
-        self._stride = stride + width
-        zeros = [0] * width
-        rows = array(old.typecode)
+        stride = _HEAD + _ROW_PER_OPTIMIZER * len(self._index)
+        self._index[optimizer] = len(self._index)
+        zeros = [0] * _ROW_PER_OPTIMIZER
+        old, rows = self._rows, array(self._rows.typecode)
         for i in range(0, len(old), stride):
             rows.extend(old[i:i + stride])
             rows.extend(zeros)
         self._rows = rows
         if self._origin is not None:
-            self._origin = self._origin + array(old.typecode, zeros)
+            self._origin.extend(zeros)
+        self._rose.extend([_NEVER] * (2 + len(self._rungs)))
