@@ -1,4 +1,4 @@
-"""/metrics: names and values from the state, promtool-clean, gzipped when asked, per-run views, streak ladder, docs agree."""
+"""/metrics: values from the state, promtool-clean, gzipped when asked, per-run views, streak ladder, docs agree."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState
 from ._status_page import mount_status_page
 from ._store import Store
+from .alerting.notifications import NotifyConfig
 from .alerting.route import router as alerts_router
 from .alerting.service import AlertService
 
@@ -82,7 +83,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         app.state.exposition = Exposition(state, own, config.silent_after)
         app.state.ingest = IngestService(config, state, store, own)
-        alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds)
+        notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval)
+        alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds,
+                                                        notify_config=notify)
         own.registry.register(NotificationMetrics(alerts.notifier.counts))
         own.registry.register(AccessMetrics(app.state.guard))
         app.state.ingest.on_applied = alerts.observe

@@ -8,6 +8,7 @@
 - ``thresholds``: the ``--alert-thresholds`` value: a profile or a JSON file of overrides;
 - ``alert``: :class:`~.alert.Alert`, one firing or resolved alert;
 - ``notifications``: targets and the background delivery to them; ``payloads``: the bodies they get;
+- ``grouping``: :class:`~.grouping.AlertGroups`, webhook/Slack notifications grouped by alert and run, paced;
 - ``service``: :class:`~.service.AlertService`, the evaluator and notifier of one running collector;
 - ``route``: ``GET /v1/alerts``.
 
