@@ -27,6 +27,8 @@ from array import array
 
 __all__ = ["measure", "main"]
 
+KEY = "alert_memory"
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -110,11 +112,26 @@ def _side(ranks: int, minutes: float, path: str | None) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def store(path: str, key: str, result: dict, argv: list[str]) -> None:
+    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command and date."""
+    document = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            document = json.load(f)
+    document[key] = dict(result, command=" ".join(["python -m bench." + key, *argv[1:]]),
+                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--minutes", type=float, default=31.0, help="simulated minutes (the window is 30)")
     parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
+    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
+                                      f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         old = _side(args.ranks, args.minutes, _source_of(args.before, tmp))
@@ -125,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['minutes']} simulated min), {r['cpu_s']} s CPU, {r['firing']} firing, "
               f"{r['transitions']} transitions, history arrays {r['history_array_kib_per_rank']} KiB/rank  "
               f"[{r['server']}]")
+    if args.out:
+        store(args.out, KEY, result, sys.argv)
     return result
 
 

@@ -19,9 +19,11 @@ import sys
 import tempfile
 import time
 
-from bench.alert_memory import _source_of
+from bench.alert_memory import _source_of, store
 
 __all__ = ["measure", "main"]
+
+KEY = "notify_storm"
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NAMES = ("AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio", "AmpSchedulerStepsOnSkipped")
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
+    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
+                                      f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         old = _side(args.ranks, _source_of(args.before, tmp))
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
             p = r[phase]
             print(f"{name:>6} {phase:>8}: {len(_NAMES) * args.ranks} alerts -> {p['posts']} POSTs, "
                   f"{p['bytes'] / 1e6:.2f} MB, {p['seconds']} s, dropped so far {p['dropped_so_far']}")
+    if args.out:
+        store(args.out, KEY, result, sys.argv)
     return result
 
 
