@@ -23,7 +23,7 @@ from .._floats import promql_divide, promql_max, promql_min
 from .annotations import annotations_for
 from .history import RankHistory
 
-__all__ = ["ActiveAlert", "rank_alerts", "run_alerts", "evaluate"]
+__all__ = ["ActiveAlert", "usable_scale", "rank_alerts", "run_alerts", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,7 +86,7 @@ def _window_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[A
             yield _alert("AmpPoisonedStep", dict(labels), opt.poisoned_steps, t)
 
 
-def _usable_scale(scale: float, t: AlertThresholds) -> bool:
+def usable_scale(scale: float, t: AlertThresholds) -> bool:
     """Return whether a loss scale still works: finite and at least ``collapsed_loss_scale``.
 
     Below it (0 included) gradients are no longer scaled up; NaN and +Inf scale every loss to a
@@ -104,7 +104,7 @@ def rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAl
     if cur.closed:
         # A rank that closed cleanly is finished: its last scale and silence are not trouble.
         return found
-    if cur.scaler_enabled and cur.loss_scale is not None and not _usable_scale(cur.loss_scale, t):
+    if cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
         found.append(_alert("AmpLossScaleCollapsed", dict(labels), cur.loss_scale, t))
     silent_for = now - cur.last_seen
     if silent_for > t.silent_after_s:

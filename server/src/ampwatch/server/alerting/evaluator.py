@@ -79,6 +79,23 @@ class BuiltinAlerts:
             group = (run, str(rank))
             return self._states.advance((), now, lambda g: g == group)
 
+    def recent_skips(self, run: str, rank: int, window_s: float, now: Optional[float] = None) \
+            -> Optional[tuple[int, int]]:
+        """Return ``(skipped, step calls)`` of a rank's optimizers over the last ``window_s`` (None if not watched).
+
+        Read from the rank's history (as the skip-ratio alert reads it); costs O(optimizers).
+        """
+        now = self._clock() if now is None else now
+        with self._lock:
+            history = self._ranks.get((run, rank))
+            if history is None or history.current is None:
+                return None
+            base = history.baseline(now, window_s)
+            optimizers = history.current.optimizers.items()
+            skipped = sum(o.skipped - base.skipped(name) for name, o in optimizers)
+            stepped = sum(o.steps - base.steps(name) for name, o in optimizers)
+            return skipped, skipped + stepped
+
     def ranks(self) -> list[tuple[str, int]]:
         """Return the ``(run, rank)`` pairs being watched."""
         with self._lock:
