@@ -12,7 +12,7 @@ __all__ = ["render", "BEFORE_AFTER"]
 
 BEFORE_AFTER = os.path.join(os.path.dirname(__file__), "tail_before_after.json")  # written by hand-run bench.tail
 JOB_1024 = os.path.join(os.path.dirname(__file__), "job1024_before_after.json")
-"""Written by hand-run ``bench.alert_memory``, ``bench.notify_storm`` and ``bench.metrics_size`` with ``--out``."""
+"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``metrics_size`` and ``run_page`` with ``--out``."""
 GPU_RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
 
@@ -351,6 +351,15 @@ def _job1024(doc: dict) -> list[str]:
                          f"{_fmt(r['scrape_median_ms'])} | {_fmt(r['gzip_scrape_median_ms'])} |")
         lines += ["", f"`{size['command']}`, {size['date']}. Fewer samples: a streak-ladder rung is exposed once "
                   "a streak reached it.", ""]
+    page = doc.get("run_page")
+    if page:
+        lines += [f"One refresh of the run page's data at {_fmt(page['ranks'])} ranks, same collector, median of 7:",
+                  "", "| endpoint | ms | bytes |", "|---|---|---|"]
+        for name in ("run", "summary"):
+            r = page[name]
+            lines.append(f"| `GET {r['path']}` | {_fmt(r['median_ms'])} | {_fmt(r['bytes'])} |")
+        lines += ["", f"`{page['command']}`, {page['date']}. The status page itself still reads "
+                  "`GET /v1/runs/{run}`.", ""]
     return lines
 
 
