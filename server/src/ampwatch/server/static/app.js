@@ -166,6 +166,57 @@ function rankRow(rank) {
     el("td", {}, rank.closed ? `closed, ${ago(rank.last_seen)}` : ago(rank.last_seen)));
 }
 
+const TROUBLE_ROWS = 50;  // one page of the summary: ranks in trouble first, most urgent reason first
+const REASON_WORDS = {
+  poisoned: "poisoned", silent: "silent", collapsed: "scale collapsed", in_streak: "skipping now",
+  high_skip_ratio: "high recent skip ratio", desynced: "scale out of line", alert: "alert firing",
+};
+
+function percent(ratio) {
+  return ratio === null || ratio === undefined ? "-" : `${(100 * ratio).toFixed(ratio < 0.01 ? 2 : 1)}%`;
+}
+
+function troubleRow(row) {
+  const why = el("td", {});
+  for (const reason of row.reasons) why.append(el("span", {class: "reason", "data-reason": reason}, REASON_WORDS[reason] || reason));
+  if (row.alerts.length) why.append(el("span", {class: "muted"}, row.alerts.join(", ")));
+  const calls = row.steps + row.skipped;
+  return el("tr", {class: "trouble", "data-rank": row.rank},
+    el("td", {class: "num"}, row.rank), el("td", {}, row.host), why,
+    el("td", {class: "num"}, scaleText(row.loss_scale)), el("td", {class: "num"}, row.iteration),
+    el("td", {class: "num" + (row.streak > 0 ? " streak" : "")}, row.streak),
+    el("td", {class: "num"}, `${percent(row.recent_skip_ratio)} / ${percent(calls ? row.skipped / calls : null)}`),
+    el("td", {class: row.reasons.includes("silent") ? "streak" : ""},
+       row.closed ? `closed, ${ago(row.last_seen)}` : ago(row.last_seen)));
+}
+
+async function refreshTrouble(run) {
+  const search = document.getElementById("trouble-search").value.trim();
+  const query = `limit=${TROUBLE_ROWS}` + (search ? `&search=${encodeURIComponent(search)}` : "");
+  let body;
+  try {
+    body = await getJSON(`v1/runs/${encodeURIComponent(run)}/summary?${query}`);
+  } catch (error) {
+    document.getElementById("trouble-box").hidden = true;  // a run no longer in memory: the table below still shows it
+    return;
+  }
+  document.getElementById("trouble-box").hidden = false;
+  document.getElementById("trouble-count").textContent = `${body.in_trouble} of ${body.ranks}`;
+  const counts = Object.entries(body.counts).filter(([, n]) => n > 0).map(([r, n]) => `${REASON_WORDS[r] || r}: ${n}`);
+  const scale = body.scale;
+  document.getElementById("trouble-summary").textContent =
+    (counts.length ? counts.join(" · ") : "every rank looks fine") +
+    ` — loss scale min ${scaleText(scale.min)}, median ${scaleText(scale.median)}, max ${scaleText(scale.max)}` +
+    (body.run_alerts.length ? ` — run alerts: ${body.run_alerts.join(", ")}` : "");
+  // Without a search, only ranks in trouble; with one, every match.
+  const rows = search ? body.rows : body.rows.filter(row => row.reasons.length);
+  fill(document.querySelector("#trouble tbody"), rows.map(troubleRow));
+  const more = document.getElementById("trouble-more");
+  const left = (search ? body.matched : body.in_trouble) - rows.length;
+  more.hidden = left <= 0;
+  more.textContent = `${left} more not shown: search for a rank, host or reason.`;
+}
+
 function eventKey(e) {
   return `${e.rank}/${e.incarnation}/${e.id}`;
 }
@@ -320,6 +371,7 @@ async function refreshRun(run) {
   state.textContent = body.closed ? "closed" : "live";
   state.className = "badge " + (body.closed ? "state-closed" : "state-live");
   fill(document.querySelector("#ranks tbody"), body.ranks.map(rankRow));
+  await refreshTrouble(run);
   const cache = await refreshRunEvents(run);
   const recent = [...cache.recent.values()].sort((a, b) => b.time - a.time || b.id - a.id);
   drawChart(document.getElementById("chart"), body.ranks, [...cache.scale.values()], recent);
@@ -352,4 +404,8 @@ async function refresh() {
 }
 
 window.addEventListener("hashchange", refresh);
+document.getElementById("trouble-search").addEventListener("input", () => {
+  const run = currentRun();
+  if (run !== null) refreshTrouble(run);
+});
 refresh();

@@ -1,0 +1,61 @@
+"""The run page at 1,024 ranks finds the ranks in trouble first, in a real headless Chromium."""
+
+from __future__ import annotations
+
+import pathlib
+
+import httpx
+import pytest
+from batches import make_batch, optimizer
+from collector_process import CollectorProcess
+
+from headless_browser import needs_browser, open_page
+
+RUN = "job-1024"
+RANKS = 1024
+ARTIFACTS = pathlib.Path(__file__).resolve().parents[1] / "artifacts"
+
+pytestmark = [pytest.mark.slow, needs_browser]
+
+
+def _batch(rank: int, seq: int = 1) -> dict:
+    """A healthy rank, but: 40 collapsed, 512 poisoned, 777 skipping now, 900 stepped its scheduler after a skip
+    (in its second batch: a rank first seen this late has a past nobody watched)."""
+    counters = {"steps": 300}
+    if rank == 512:
+        counters["poisoned_steps"] = 1
+    if rank == 777:
+        counters.update(skipped=5, consecutive=5, longest=5, streaks=1)
+    if rank == 900 and seq == 2:
+        counters.update(skipped=1, scheduler_steps_after_skip=1)
+    return make_batch(run=RUN, rank=rank, world_size=RANKS, incarnation=f"{rank + 1:032x}", iteration=300,
+                      seq=seq,
+                      host=f"node-{rank // 8}", loss_scale=0.25 if rank == 40 else 65536.0,
+                      optimizers={"body": optimizer(**counters), "head": optimizer(steps=300)})
+
+
+@pytest.mark.timeout(180)
+def test_the_run_page_lists_the_ranks_in_trouble_first_at_1024_ranks_and_searches_them(tmp_path):
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        with httpx.Client(base_url=collector.url, timeout=30) as client:
+            for rank in range(RANKS):
+                answer = client.post("/v1/ingest", json=_batch(rank))
+                assert answer.status_code == 200, answer.text
+            assert client.post("/v1/ingest", json=_batch(900, seq=2)).status_code == 200
+
+        with open_page(f"{collector.url}/#run={RUN}") as (page, problems):
+            page.wait_for_selector("#trouble tr.trouble", timeout=30_000)
+            rows = page.locator("#trouble tr.trouble")
+            assert [rows.nth(i).get_attribute("data-rank") for i in range(rows.count())] == ["512", "40", "777", "900"]
+            assert page.locator("#trouble-count").text_content() == "4 of 1024"
+            assert "poisoned" in rows.nth(0).text_content() and "scale collapsed" in rows.nth(1).text_content()
+            assert "skipping now" in rows.nth(2).text_content()
+            assert "AmpSchedulerStepsOnSkipped" in rows.nth(3).text_content()
+            assert "median 2^16 (65536)" in page.locator("#trouble-summary").text_content()
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "status-page-trouble.png"))
+            page.fill("#trouble-search", "node-100")  # ranks 800-807: healthy ones are listed when searched for
+            page.wait_for_selector('#trouble tr.trouble[data-rank="800"]', timeout=15_000)
+            shown = [rows.nth(i).get_attribute("data-rank") for i in range(rows.count())]
+            assert shown == [str(r) for r in range(800, 808)]
+    assert problems == []
