@@ -4,13 +4,14 @@
 >>> [t.name for t in targets]
 ['alertmanager:127.0.0.1:9093', 'slack:hooks.slack.com']
 
-:meth:`Notifier.submit` only appends to bounded per-target queues; one
-background thread per target sends, retries with capped exponential backoff
-and jitter while the target is down, and gives up (counted) after a while.
-Webhook and Slack notifications are grouped as Alertmanager groups them
-(``grouping``: one per alert name and run, paced by ``group_wait_s`` and
-``group_interval_s``); an Alertmanager target gets every change in one post and
-groups by itself.
+:meth:`Notifier.submit` returns at once: it puts each alert in a target's
+group (webhook, Slack: grouped as Alertmanager groups, one notification per
+alert name and run, paced by ``group_wait_s`` and ``group_interval_s``; see
+``grouping``) or on its bounded queue (Alertmanager, which groups by itself:
+every change in one post). One background thread per target sends, retries with
+capped exponential backoff and jitter while the target is down, and gives up
+(counted) after a while. Outcomes count alerts: a notification of a group of
+1,024 alerts counts 1,024 sent.
 """
 
 from __future__ import annotations
