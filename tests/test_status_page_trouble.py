@@ -19,13 +19,16 @@ pytestmark = [pytest.mark.slow, needs_browser]
 
 
 def _batch(rank: int, seq: int = 1) -> dict:
-    """A healthy rank, but: 40 collapsed, 512 poisoned, 777 skipping now, 900 stepped its scheduler after a skip
-    (in its second batch: a rank first seen this late has a past nobody watched)."""
+    """A healthy rank, but: 40 collapsed, 512 poisoned, 777 skipping now, 600-609 in a streak past the warning (16),
+    900 stepped its scheduler after a skip (in its second batch: a rank first seen this late has a past nobody
+    watched)."""
     counters = {"steps": 300}
     if rank == 512:
         counters["poisoned_steps"] = 1
     if rank == 777:
         counters.update(skipped=5, consecutive=5, longest=5, streaks=1)
+    if 600 <= rank < 610:
+        counters.update(skipped=20, consecutive=20, longest=20, streaks=1)
     if rank == 900 and seq == 2:
         counters.update(skipped=1, scheduler_steps_after_skip=1)
     return make_batch(run=RUN, rank=rank, world_size=RANKS, incarnation=f"{rank + 1:032x}", iteration=300,
@@ -46,14 +49,24 @@ def test_the_run_page_lists_the_ranks_in_trouble_first_at_1024_ranks_and_searche
         with open_page(f"{collector.url}/#run={RUN}") as (page, problems):
             page.wait_for_selector("#trouble tr.trouble", timeout=30_000)
             rows = page.locator("#trouble tr.trouble")
-            assert [rows.nth(i).get_attribute("data-rank") for i in range(rows.count())] == ["512", "40", "777", "900"]
-            assert page.locator("#trouble-count").text_content() == "4 of 1024"
+            order = [rows.nth(i).get_attribute("data-rank") for i in range(rows.count())]
+            assert order == ["512", "40", *map(str, range(600, 610)), "777", "900"]
+            assert page.locator("#trouble-count").text_content() == "14 of 1024"
             assert "poisoned" in rows.nth(0).text_content() and "scale collapsed" in rows.nth(1).text_content()
-            assert "skipping now" in rows.nth(2).text_content()
-            assert "AmpSchedulerStepsOnSkipped" in rows.nth(3).text_content()
-            assert "median 2^16 (65536)" in page.locator("#trouble-summary").text_content()
+            assert "skipping now" in rows.nth(11).text_content()
+            assert "AmpSchedulerStepsOnSkipped" in rows.nth(13).text_content()
+            # The ten streak alerts of one run are one row that expands; the single scheduler alert has its own.
+            page.wait_for_selector("#firing tr.alert-group", timeout=15_000)
+            group = page.locator("#firing tr.alert-group")
+            assert group.count() == 1 and "10 ranks: 600-609" in group.text_content()
+            members = page.locator("#firing tr.alert.member")
+            assert members.count() == 10 and not any(members.nth(i).is_visible() for i in range(10))
+            assert page.locator('#firing tr.alert:not(.member)').count() == 1
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "status-page-trouble.png"))
+            group.click()
+            page.wait_for_selector("#firing tr.alert.member >> nth=9", state="visible", timeout=15_000)
+            assert "median 2^16 (65536)" in page.locator("#trouble-summary").text_content()
             page.fill("#trouble-search", "node-100")  # ranks 800-807: healthy ones are listed when searched for
             page.wait_for_selector('#trouble tr.trouble[data-rank="800"]', timeout=15_000)
             shown = [rows.nth(i).get_attribute("data-rank") for i in range(rows.count())]

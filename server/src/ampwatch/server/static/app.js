@@ -101,20 +101,76 @@ function alertRow(alert, when) {
     el("td", {}, when));
 }
 
+const expandedGroups = new Set();  // alert groups (name, run, severity) the reader opened
+let lastAlerts = null;
+
+function rankRanges(ranks) {
+  const numbers = [...new Set(ranks.map(Number))].filter(Number.isInteger).sort((a, b) => a - b);
+  const parts = [];
+  for (const n of numbers) {
+    const last = parts[parts.length - 1];
+    if (last && last[1] === n - 1) last[1] = n; else parts.push([n, n]);
+  }
+  return parts.map(([a, b]) => a === b ? String(a) : `${a}-${b}`).join(", ");
+}
+
+const GROUP_FROM = 5;  // alerts of one alert, run and severity from which they share one row
+
+// Per-rank alerts of one alert, run and severity collapse into one row that expands (a whole-job storm is
+// thousands of alerts); a handful keep their own rows.
+function alertRows(alerts, whenOf) {
+  const groups = new Map();
+  for (const a of alerts) {
+    const labels = a.labels || {};
+    const key = [a.name, labels.run ?? "", labels.severity ?? ""].join("\u0000");
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(a);
+  }
+  const rows = [];
+  for (const [key, members] of groups) {
+    if (members.length < GROUP_FROM) {
+      rows.push(...members.map(a => alertRow(a, whenOf(a))));
+      continue;
+    }
+    const open = expandedGroups.has(key);
+    const ranks = members.map(a => (a.labels || {}).rank).filter(r => r !== undefined);
+    const head = alertRow(members[0], whenOf(members[0]));
+    head.className = "alert-group";
+    head.setAttribute("aria-expanded", String(open));
+    head.cells[3].textContent = ranks.length ? `${new Set(ranks).size} ranks: ${rankRanges(ranks)}` : "";
+    head.cells[4].textContent = `${members.length} alerts ${open ? "▾" : "▸"}`;
+    head.addEventListener("click", () => {
+      if (open) expandedGroups.delete(key); else expandedGroups.add(key);
+      renderAlerts(lastAlerts);
+    });
+    rows.push(head);
+    for (const a of members) {
+      const row = alertRow(a, whenOf(a));
+      row.classList.add("member");
+      row.hidden = !open;
+      rows.push(row);
+    }
+  }
+  return rows;
+}
+
 async function refreshAlerts() {
-  let body;
   try {
-    body = await getJSON("v1/alerts");
+    lastAlerts = await getJSON("v1/alerts");
   } catch (error) {
     document.getElementById("no-firing").textContent = "Built-in alerts are not available on this collector.";
     return;
   }
+  renderAlerts(lastAlerts);
+}
+
+function renderAlerts(body) {
   const firing = body.firing || [], resolved = body.resolved || [];
-  fill(document.querySelector("#firing tbody"), firing.map(a => alertRow(a, ago(a.starts_at))));
+  fill(document.querySelector("#firing tbody"), alertRows(firing, a => ago(a.starts_at)));
   document.getElementById("firing").hidden = firing.length === 0;
   document.getElementById("no-firing").hidden = firing.length !== 0;
   document.getElementById("no-firing").textContent = "Nothing firing.";
-  fill(document.querySelector("#resolved tbody"), resolved.map(a => alertRow(a, ago(a.ends_at))));
+  fill(document.querySelector("#resolved tbody"), alertRows(resolved, a => ago(a.ends_at)));
   document.getElementById("resolved-count").textContent = String(resolved.length);
 }
 
