@@ -67,6 +67,13 @@ def test_the_run_page_lists_the_ranks_in_trouble_first_at_1024_ranks_and_searche
             group.click()
             page.wait_for_selector("#firing tr.alert.member >> nth=9", state="visible", timeout=15_000)
             assert "median 2^16 (65536)" in page.locator("#trouble-summary").text_content()
+            # A big run's full rank table (about 1 MB) is fetched only once opened; the chart draws the ranks in
+            # trouble meanwhile.
+            assert page.locator("#ranks tr.rank").count() == 0
+            assert 0 < page.locator("path.scale-line").count() <= 14
+            page.click("#all-ranks > summary")
+            page.wait_for_selector('#ranks tr.rank[data-rank="1023"]', timeout=30_000)
+            assert page.locator("#ranks tr.rank").count() == RANKS
             page.fill("#trouble-search", "node-100")  # ranks 800-807: healthy ones are listed when searched for
             page.wait_for_selector('#trouble tr.trouble[data-rank="800"]', timeout=15_000)
             shown = [rows.nth(i).get_attribute("data-rank") for i in range(rows.count())]

@@ -29,7 +29,7 @@ def test_the_summary_lists_ranks_in_trouble_first_by_reason_and_counts_the_rest(
     assert reasons[1][0] == "poisoned" and "alert" in reasons[1]
     assert reasons[3][:2] == ["collapsed", "desynced"] and reasons[2] == ["in_streak"]
     assert reasons[4][0] == "high_skip_ratio" and reasons[0] == reasons[5] == []
-    assert body["ranks"] == 6 and body["in_trouble"] == 4 and body["matched"] == 6
+    assert body["ranks"] == 6 and body["in_trouble"] == 4 and body["matched"] == 6 and body["closed"] is False
     assert body["counts"]["poisoned"] == body["counts"]["collapsed"] == body["counts"]["in_streak"] == 1
     assert body["counts"]["silent"] == 0
     row4 = next(row for row in body["rows"] if row["rank"] == 4)

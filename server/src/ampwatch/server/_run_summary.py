@@ -86,7 +86,7 @@ def run_summary(run: str, ranks: Iterable[RankState], alerts: BuiltinAlerts, now
         rows = [row for row in rows if str(row["rank"]) == needle or needle in str(row["host"]).lower()
                 or any(needle in reason for reason in row["reasons"])]
     page = rows[offset:offset + limit]
-    return {"run": run, "now": now, "ranks": len(held), "in_trouble": in_trouble,
+    return {"run": run, "now": now, "ranks": len(held), "closed": all(r.closed for r in held), "in_trouble": in_trouble,
             "counts": counts, "run_alerts": sorted(set(run_alerts)),
             "scale": {"min": wire_float(min(open_scales)) if open_scales else None, "median": wire_float(median),
                       "max": wire_float(max(open_scales)) if open_scales else None},

@@ -246,6 +246,7 @@ function troubleRow(row) {
        row.closed ? `closed, ${ago(row.last_seen)}` : ago(row.last_seen)));
 }
 
+// Return the summary (null when the run is not in memory).
 async function refreshTrouble(run) {
   const search = document.getElementById("trouble-search").value.trim();
   const query = `limit=${TROUBLE_ROWS}` + (search ? `&search=${encodeURIComponent(search)}` : "");
@@ -254,7 +255,7 @@ async function refreshTrouble(run) {
     body = await getJSON(`v1/runs/${encodeURIComponent(run)}/summary?${query}`);
   } catch (error) {
     document.getElementById("trouble-box").hidden = true;  // a run no longer in memory: the table below still shows it
-    return;
+    return null;
   }
   document.getElementById("trouble-box").hidden = false;
   document.getElementById("trouble-count").textContent = `${body.in_trouble} of ${body.ranks}`;
@@ -271,6 +272,7 @@ async function refreshTrouble(run) {
   const left = (search ? body.matched : body.in_trouble) - rows.length;
   more.hidden = left <= 0;
   more.textContent = `${left} more not shown: search for a rank, host or reason.`;
+  return body;
 }
 
 function eventKey(e) {
@@ -412,7 +414,29 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
   container.replaceChildren(root);
 }
 
+const BIG_RUN = 64;              // ranks from which the full rank table is fetched only while it is open
+const allRanksChosen = new Set();  // runs whose "All ranks" the reader opened or closed
+
+// A summary row as the chart reads a rank (a big run's chart draws only the ranks in trouble).
+function rowAsRank(row) {
+  return {rank: row.rank, loss_scale: row.loss_scale, iteration: row.iteration,
+          scaler: {enabled: row.loss_scale !== null && row.loss_scale !== undefined}};
+}
+
 async function refreshRun(run) {
+  const summary = await refreshTrouble(run);
+  const allRanks = document.getElementById("all-ranks");
+  if (summary && summary.ranks >= BIG_RUN && !allRanksChosen.has(run)) allRanks.open = false;
+  if (summary && summary.ranks >= BIG_RUN && !allRanks.open) {
+    // About 1 MB at 1,024 ranks: not fetched every few seconds unless asked for.
+    document.getElementById("run-name").textContent = run;
+    const state = document.getElementById("run-state");
+    state.textContent = summary.closed ? "closed" : "live";
+    state.className = "badge " + (summary.closed ? "state-closed" : "state-live");
+    fill(document.querySelector("#ranks tbody"), []);
+    await drawRunHistory(run, summary.rows.filter(row => row.reasons.length).map(rowAsRank));
+    return;
+  }
   let body;
   try {
     body = await getJSON(`v1/runs/${encodeURIComponent(run)}`);
@@ -427,10 +451,13 @@ async function refreshRun(run) {
   state.textContent = body.closed ? "closed" : "live";
   state.className = "badge " + (body.closed ? "state-closed" : "state-live");
   fill(document.querySelector("#ranks tbody"), body.ranks.map(rankRow));
-  await refreshTrouble(run);
+  await drawRunHistory(run, body.ranks);
+}
+
+async function drawRunHistory(run, ranks) {
   const cache = await refreshRunEvents(run);
   const recent = [...cache.recent.values()].sort((a, b) => b.time - a.time || b.id - a.id);
-  drawChart(document.getElementById("chart"), body.ranks, [...cache.scale.values()], recent);
+  drawChart(document.getElementById("chart"), ranks, [...cache.scale.values()], recent);
   const shown = recent.slice(0, MAX_EVENTS_SHOWN);
   fill(document.querySelector("#events tbody"), shown.map(e => el("tr", {class: "event", "data-kind": e.kind},
     el("td", {}, clock(e.time)), el("td", {class: "num"}, e.rank), el("td", {class: "num"}, e.iteration),
@@ -460,6 +487,12 @@ async function refresh() {
 }
 
 window.addEventListener("hashchange", refresh);
+document.getElementById("all-ranks").addEventListener("toggle", () => {
+  const run = currentRun();
+  if (run === null || !document.body.dataset.loaded) return;
+  allRanksChosen.add(run);
+  refresh();
+});
 document.getElementById("trouble-search").addEventListener("input", () => {
   const run = currentRun();
   if (run !== null) refreshTrouble(run);
