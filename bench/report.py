@@ -358,8 +358,14 @@ def _job1024(doc: dict) -> list[str]:
         for name in ("run", "summary"):
             r = page[name]
             lines.append(f"| `GET {r['path']}` | {_fmt(r['median_ms'])} | {_fmt(r['bytes'])} |")
-        lines += ["", f"`{page['command']}`, {page['date']}. The status page itself still reads "
-                  "`GET /v1/runs/{run}`.", ""]
+        browser = page.get("page")
+        if browser:
+            lines += ["", f"The status page in headless Chromium on that run: the run view drawn "
+                      f"{_fmt(browser['first_paint_ms'])} ms after launching the browser; each refresh (every 3 s) "
+                      f"then reads {_fmt(browser['refresh_bytes'])} bytes from the API (median of "
+                      f"{len(browser['refreshes'])}): a run of 64 ranks or more fetches `GET /v1/runs/{{run}}` "
+                      "only while its 'All ranks' table is open."]
+        lines += ["", f"`{page['command']}`, {page['date']}.", ""]
     return lines
 
 
