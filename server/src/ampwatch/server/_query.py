@@ -63,7 +63,7 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) ->
 
 # Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events and
 # summary routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
-@router.get("/runs/{run:path}/events", summary="A run's events, oldest first, paginated")
+@router.get("/runs/{run:path}/events", summary="A run's events, oldest (or newest) first, paginated")
 async def list_events(
     request: Request, run: str,
     kind: Optional[EventKind] = Query(None, description="only this event kind"),
@@ -72,9 +72,12 @@ async def list_events(
     since: Optional[float] = Query(None, description="only events at or after this Unix time"),
     after: int = Query(0, ge=0, description="the 'next' cursor of the previous page"),
     limit: int = Query(100, ge=1, le=1000),
+    newest_first: bool = Query(False, description="newest first: the first page is the latest events, 'next' "
+                                                   "pages back in time"),
 ) -> dict[str, Any]:
     """Return events (skips with offending parameters, scale changes, warnings...) and the next page's cursor."""
-    where, params = ["run = ?", "rowid > ?"], [run, after]
+    # Newest first, the cursor is the last row of the previous page and the next page lies below it.
+    where, params = (["run = ?", "rowid < ?"] if newest_first and after else ["run = ?", "rowid > ?"]), [run, after]
     for column, value in (("kind", kind), ("rank", rank), ("optimizer", optimizer)):
         if value is not None:
             where.append(f"{column} = ?")
@@ -84,7 +87,7 @@ async def list_events(
         params.append(since)
     store = request.app.state.store
     sql = (f"SELECT rowid AS cursor, rank, incarnation, body FROM events WHERE {' AND '.join(where)} "
-           f"ORDER BY rowid LIMIT ?")
+           f"ORDER BY rowid {'DESC' if newest_first else ''} LIMIT ?")
     rows = await asyncio.to_thread(store.query, sql, (*params, limit + 1))
     if not rows and after == 0:
         known = await asyncio.to_thread(store.query, "SELECT 1 FROM incarnations WHERE run = ? LIMIT 1", (run,))
