@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pathlib
+import time
 
 import httpx
 import pytest
-from batches import make_batch, optimizer
+from batches import make_batch, optimizer, skip_event
 from collector_process import CollectorProcess
 
 from headless_browser import needs_browser, open_page
@@ -31,8 +32,13 @@ def _batch(rank: int, seq: int = 1) -> dict:
         counters.update(skipped=20, consecutive=20, longest=20, streaks=1)
     if rank == 900 and seq == 2:
         counters.update(skipped=1, scheduler_steps_after_skip=1)
+    # Every rank skipped iteration 300 (a storm the events table collapses); rank 512's poisoned step must show.
+    events = [skip_event(1, optimizer="body", iteration=300)] if seq == 1 else []
+    if rank == 512:
+        events.append({"id": 2, "kind": "poisoned_step", "time": time.time(), "iteration": 299, "optimizer": "body",
+                       "reason": "nonfinite_grad", "params_total": 1, "params": [{"name": "w", "inf": 0, "nan": 1}]})
     return make_batch(run=RUN, rank=rank, world_size=RANKS, incarnation=f"{rank + 1:032x}", iteration=300,
-                      seq=seq,
+                      seq=seq, events=events,
                       host=f"node-{rank // 8}", loss_scale=0.25 if rank == 40 else 65536.0,
                       optimizers={"body": optimizer(**counters), "head": optimizer(steps=300)})
 
@@ -67,6 +73,12 @@ def test_the_run_page_lists_the_ranks_in_trouble_first_at_1024_ranks_and_searche
             group.click()
             page.wait_for_selector("#firing tr.alert.member >> nth=9", state="visible", timeout=15_000)
             assert "median 2^16 (65536)" in page.locator("#trouble-summary").text_content()
+            # The storm's 1,024 skips are one row; the older poisoned step is still listed.
+            page.wait_for_selector("#events tr.event.storm[data-kind=skip]", timeout=15_000)
+            storm = page.locator("#events tr.event.storm[data-kind=skip]")
+            assert storm.count() == 1 and "1024 ranks" in storm.text_content()
+            assert "1024 events, ranks 0-1023" in storm.text_content()
+            assert page.locator("#events tr.event[data-kind=poisoned_step]").count() == 1
             # A big run's full rank table (about 1 MB) is fetched only once opened; the chart draws the ranks in
             # trouble meanwhile.
             assert page.locator("#ranks tr.rank").count() == 0

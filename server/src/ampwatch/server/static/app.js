@@ -454,14 +454,53 @@ async function refreshRun(run) {
   await drawRunHistory(run, body.ranks);
 }
 
+const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "warning", "scaler_disabled", "close"];
+const STORM_KINDS = new Set(["skip", "scale_change", "streak_end"]);
+
+// The newest events of the kinds a skip storm never floods, so they stay in the table however many skips came.
+async function fetchRare(run) {
+  const found = new Map();
+  const pages = await Promise.all(RARE_KINDS.map(kind =>
+    getJSON(`v1/runs/${encodeURIComponent(run)}/events?kind=${kind}&newest_first=true&limit=${MAX_EVENTS_SHOWN}`)));
+  for (const body of pages) for (const e of body.events || []) found.set(eventKey(e), e);
+  return found;
+}
+
+// Newest first; events of one storm (same kind, iteration, optimizer, cause on GROUP_FROM or more ranks) are one row.
+function eventRows(events) {
+  const groups = new Map();
+  for (const e of events) {
+    const key = STORM_KINDS.has(e.kind) ? [e.kind, e.iteration, e.optimizer ?? "", e.cause ?? ""].join("\u0000")
+                                        : eventKey(e);
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(e);
+  }
+  const rows = [];
+  for (const members of groups.values()) {
+    const e = members[0];
+    if (members.length < GROUP_FROM) {
+      for (const m of members) rows.push(el("tr", {class: "event", "data-kind": m.kind},
+        el("td", {}, clock(m.time)), el("td", {class: "num"}, m.rank), el("td", {class: "num"}, m.iteration),
+        el("td", {}, m.kind), el("td", {}, m.optimizer ?? ""), eventDetails(m)));
+      continue;
+    }
+    const ranks = rankRanges(members.map(m => m.rank));
+    const details = eventDetails(e);
+    details.prepend(`${members.length} events, ranks ${ranks}; first: `);
+    rows.push(el("tr", {class: "event storm", "data-kind": e.kind},
+      el("td", {}, clock(e.time)), el("td", {}, `${new Set(members.map(m => m.rank)).size} ranks`),
+      el("td", {class: "num"}, e.iteration), el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), details));
+  }
+  return rows;
+}
+
 async function drawRunHistory(run, ranks) {
-  const cache = await refreshRunEvents(run);
+  const [cache, rare] = await Promise.all([refreshRunEvents(run), fetchRare(run)]);
   const recent = [...cache.recent.values()].sort((a, b) => b.time - a.time || b.id - a.id);
   drawChart(document.getElementById("chart"), ranks, [...cache.scale.values()], recent);
-  const shown = recent.slice(0, MAX_EVENTS_SHOWN);
-  fill(document.querySelector("#events tbody"), shown.map(e => el("tr", {class: "event", "data-kind": e.kind},
-    el("td", {}, clock(e.time)), el("td", {class: "num"}, e.rank), el("td", {class: "num"}, e.iteration),
-    el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), eventDetails(e))));
+  const events = [...new Map([...cache.recent, ...rare]).values()].sort((a, b) => b.time - a.time || b.id - a.id);
+  const shown = eventRows(events).slice(0, MAX_EVENTS_SHOWN);
+  fill(document.querySelector("#events tbody"), shown);
   document.getElementById("no-events").hidden = shown.length !== 0;
 }
 
