@@ -426,8 +426,9 @@ function rowAsRank(row) {
 async function refreshRun(run) {
   const summary = await refreshTrouble(run);
   const allRanks = document.getElementById("all-ranks");
-  if (summary && summary.ranks >= BIG_RUN && !allRanksChosen.has(run)) allRanks.open = false;
-  if (summary && summary.ranks >= BIG_RUN && !allRanks.open) {
+  const big = summary !== null && summary.ranks >= BIG_RUN;
+  if (!allRanksChosen.has(run) && allRanks.open === big) allRanks.open = !big;  // closed by default for big runs only
+  if (big && !allRanks.open) {
     // About 1 MB at 1,024 ranks: not fetched every few seconds unless asked for.
     document.getElementById("run-name").textContent = run;
     const state = document.getElementById("run-state");
