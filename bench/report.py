@@ -11,6 +11,8 @@ from bench.gpu import report as gpu_report
 __all__ = ["render", "BEFORE_AFTER"]
 
 BEFORE_AFTER = os.path.join(os.path.dirname(__file__), "tail_before_after.json")  # written by hand-run bench.tail
+JOB_1024 = os.path.join(os.path.dirname(__file__), "job1024_before_after.json")
+"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``metrics_size`` and ``run_page`` with ``--out``."""
 GPU_RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
 
@@ -330,6 +332,66 @@ def _remeasured(res: dict, key: str) -> list[str]:
             "run above.", ""]
 
 
+def _job1024(doc: dict) -> list[str]:
+    lines = ["What issue 14 asked of one collector at 1,024 ranks x 2 optimizers, each figure beside the commit "
+             "before the change, both measured in one run (command and date under each table).", ""]
+    memory = doc.get("alert_memory")
+    if memory:
+        lines += ["Built-in alerts' memory after a full 30-minute alert window (simulated clock: 1,024 ranks report "
+                  "every 2 s for 31 minutes, the last one a whole-job skip storm; resident memory of a fresh "
+                  "process after minus before, per rank, alert states of the storm included):", "",
+                  "| | KiB per rank | MiB at 1,024 ranks | of which history arrays, KiB per rank | CPU s | firing |",
+                  "|---|---|---|---|---|---|"]
+        for side in ("before", "after"):
+            r = memory[side]
+            name = f"before ({r['ref']})" if side == "before" else "after"
+            lines.append(f"| {name} | {_fmt(r['kib_per_rank'])} | {_fmt(r['rss_kib'] / 1024)} | "
+                         f"{_fmt(r.get('history_array_kib_per_rank'))} | {_fmt(r['cpu_s'])} | {_fmt(r['firing'])} |")
+        lines += ["", f"`{memory['command']}`, {memory['date']}.", ""]
+    storm = doc.get("notify_storm")
+    if storm:
+        lines += ["Built-in webhook notifications when 3,072 alerts (1,024 ranks x 3 alerts) fire at once, then "
+                  "resolve, default settings, a real HTTP receiver on loopback:", "",
+                  "| | phase | POSTs | MB | seconds | alerts dropped (cumulative) |", "|---|---|---|---|---|---|"]
+        for side in ("before", "after"):
+            for phase in ("firing", "resolved"):
+                r = storm[side][phase]
+                name = f"before ({storm[side]['ref']})" if side == "before" else "after"
+                lines.append(f"| {name} | {phase} | {_fmt(r['posts'])} | {_fmt(r['bytes'] / 1e6, 2)} | "
+                             f"{_fmt(r['seconds'])} | {_fmt(r['dropped_so_far'])} |")
+        lines += ["", f"`{storm['command']}`, {storm['date']}. Grouped by alert and run, the resolved phase goes "
+                  "out one `--notify-group-interval` (60 s) after the firing one.", ""]
+    size = doc.get("metrics_size")
+    if size:
+        lines += ["`/metrics` of a collector filled with 1,024 ranks x 2 optimizers (three batches each), scraped "
+                  "plain and as Prometheus asks for it (`Accept-Encoding: gzip`), median of 5:", "",
+                  "| | samples | bytes plain | bytes when gzip is asked | scrape ms plain | scrape ms gzip asked |",
+                  "|---|---|---|---|---|---|"]
+        for side in ("before", "after"):
+            r = size[side]
+            name = f"before ({r['ref']})" if side == "before" else "after"
+            lines.append(f"| {name} | {_fmt(r['samples'])} | {_fmt(r['bytes'])} | {_fmt(r['gzip_bytes'])} | "
+                         f"{_fmt(r['scrape_median_ms'])} | {_fmt(r['gzip_scrape_median_ms'])} |")
+        lines += ["", f"`{size['command']}`, {size['date']}. Fewer samples: a streak-ladder rung is exposed once "
+                  "a streak reached it.", ""]
+    page = doc.get("run_page")
+    if page:
+        lines += [f"One refresh of the run page's data at {_fmt(page['ranks'])} ranks, same collector, median of 7:",
+                  "", "| endpoint | ms | bytes |", "|---|---|---|"]
+        for name in ("run", "summary"):
+            r = page[name]
+            lines.append(f"| `GET {r['path']}` | {_fmt(r['median_ms'])} | {_fmt(r['bytes'])} |")
+        browser = page.get("page")
+        if browser:
+            lines += ["", f"The status page in headless Chromium on that run: the run view drawn "
+                      f"{_fmt(browser['first_paint_ms'])} ms after launching the browser; each refresh (every 3 s) "
+                      f"then reads {_fmt(browser['refresh_bytes'])} bytes from the API (median of "
+                      f"{len(browser['refreshes'])}): a run of 64 ranks or more fetches `GET /v1/runs/{{run}}` "
+                      "only while its 'All ranks' table is open."]
+        lines += ["", f"`{page['command']}`, {page['date']}.", ""]
+    return lines
+
+
 def render(res: dict, json_name: str = "benchmarks.json") -> str:
     """Return the Markdown page for ``res`` (the document ``python -m bench`` writes as ``json_name``)."""
     env = res["environment"]
@@ -370,5 +432,8 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
         with open(GPU_RESULTS) as f:
             gpu = json.load(f)
     lines += gpu_report.section(gpu, "## 6. GPU")
+    if os.path.exists(JOB_1024):
+        with open(JOB_1024) as f:
+            lines += ["## 7. A 1,024-rank job", "", *_job1024(json.load(f))]
     lines += ["## How it is measured", "", *res["notes"], ""]
     return "\n".join(lines)

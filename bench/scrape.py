@@ -2,8 +2,8 @@
 
 The collector is filled with N ranks (three protocol v1 batches each); then the Pushgateway is given
 exactly the series that collector exposed, in groups of up to 64 ranks (filling it one group per rank
-costs O(N^2) there). ``/metrics`` is then fetched several times uncompressed. Also resident memory
-per rank of each.
+costs O(N^2) there). ``/metrics`` is then fetched several times uncompressed, then as many times as
+Prometheus asks for it (``Accept-Encoding: gzip``). Also resident memory per rank of each.
 
     python -m bench.scrape [--quick]
 """
@@ -98,11 +98,11 @@ def fill(srv: _servers.Server, ranks: int, exposition: str = "") -> None:
         _post(srv.port, "PUT", f"/metrics/job/scrape-{ranks}/group/{name}", body, "text/plain; version=0.0.4")
 
 
-def _scrape(url: str, times: int) -> tuple[list[float], bytes]:
+def _scrape(url: str, times: int, encoding: str = "identity") -> tuple[list[float], bytes]:
     out, body = [], b""
     for _ in range(times):
         t = time.perf_counter()
-        with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers={"Accept-Encoding": "identity"}),
+        with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers={"Accept-Encoding": encoding}),
                                     timeout=120) as answer:
             body = answer.read()
         out.append((time.perf_counter() - t) * 1000)
@@ -118,11 +118,13 @@ def level(kind: str, ranks: int, scrapes: int, exposition: str = "") -> tuple[di
         fill_s = time.perf_counter() - t
         _scrape(srv.url, 1)  # warm-up
         times, body = _scrape(srv.url, scrapes)
+        gzip_times, gzipped = _scrape(srv.url, scrapes, "gzip")  # as Prometheus asks (the Pushgateway may not)
         rss = srv.stats.memory_kib()["VmRSS"]
         samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
         return {"target": kind, "ranks": ranks, "scrape_median_ms": round(statistics.median(times), 2),
                 "scrape_min_ms": round(min(times), 2), "scrape_max_ms": round(max(times), 2),
-                "bytes": len(body), "samples": samples, "fill_s": round(fill_s, 2),
+                "bytes": len(body), "samples": samples, "gzip_bytes": len(gzipped),
+                "gzip_scrape_median_ms": round(statistics.median(gzip_times), 2), "fill_s": round(fill_s, 2),
                 "rss_kib_before": rss0, "rss_kib_after": rss,
                 "rss_kib_per_rank": round((rss - rss0) / ranks, 2) if ranks >= 64 else None}, body.decode()
 

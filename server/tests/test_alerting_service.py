@@ -23,17 +23,22 @@ def receiver():
 
 
 def test_a_skip_streak_alert_is_listed_and_sent_at_the_ingest_that_crosses_the_threshold(config_for, receiver):
-    with TestClient(create_app(config_for(webhook=parse_targets(f"webhook:{receiver.url}/hook")))) as client:
+    # The collector's options reach the notifier: a group wait of 2 s, then one grouped notification.
+    config = config_for(webhook=parse_targets(f"webhook:{receiver.url}/hook"), notify_group_wait=2.0)
+    assert config.notify_group_interval == 60.0
+    with TestClient(create_app(config)) as client:
         streak = {"gen": optimizer(steps=200, skipped=15, consecutive=15, longest=15, streaks=1,
                                    reached={"1": 1, "2": 1, "4": 1, "8": 1})}
         assert client.post("/v1/ingest", json=make_batch(seq=1, iteration=215, optimizers=streak)).status_code == 200
         assert client.get("/v1/alerts").json()["firing"] == []
         streak = {"gen": optimizer(steps=200, skipped=16, consecutive=16, longest=16, streaks=1,
                                    reached={"1": 1, "2": 1, "4": 1, "8": 1, "16": 1})}
+        crossed = time.monotonic()  # the alert fires after this, and its group waits 2 s from then
         assert client.post("/v1/ingest", json=make_batch(seq=2, iteration=216, optimizers=streak)).status_code == 200
         # No tick in between: the answer to this very ingest already has the alert firing.
         (alert,) = client.get("/v1/alerts").json()["firing"]
         got = receiver.wait_for(lambda reqs: len(reqs) == 1)
+        assert got[0]["time"] - crossed >= 2.0 and got[0]["body"]["groupLabels"]["run"] == "exp-42"
         deadline = time.monotonic() + 10
         while value(client.get("/metrics").text, "ampwatch_collector_notifications_total",
                     target=f"webhook:127.0.0.1:{receiver.port}", outcome="sent") != 1.0:

@@ -12,7 +12,9 @@ from ampwatch.server.alerting.alert import Alert
 from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target, parse_targets
 from ampwatch.server.alerting.payloads import ZERO_TIME, rfc3339
 
-FAST = NotifyConfig(backoff_initial_s=0.05, backoff_max_s=0.2, timeout_s=2.0, give_up_after_s=20.0)
+# No grouping delay: a notification goes out as soon as the worker sees it (alerts queued meanwhile share it).
+FAST = NotifyConfig(backoff_initial_s=0.05, backoff_max_s=0.2, timeout_s=2.0, give_up_after_s=20.0, group_wait_s=0,
+                    group_interval_s=0)
 
 
 def streak_alert(run: str = "exp-42", optimizer: str = "gen", at: float = 1_764_400_000.0) -> Alert:
@@ -48,6 +50,7 @@ def test_a_webhook_target_gets_firing_then_resolved_in_alertmanagers_webhook_sha
                             config=FAST.__class__(**{**_fields(FAST), "external_url": "http://127.0.0.1:9457"}))
     try:
         notifier.submit([alert])
+        receiver.wait_for(lambda reqs: len(reqs) == 1)
         notifier.submit([alert.resolved(alert.starts_at + 30)])
         got = receiver.wait_for(lambda reqs: len(reqs) == 2)
     finally:
@@ -55,8 +58,8 @@ def test_a_webhook_target_gets_firing_then_resolved_in_alertmanagers_webhook_sha
     firing, resolved = (r["body"] for r in got)
     assert got[0]["path"] == "/hook" and got[0]["content_type"] == "application/json"
     assert firing["version"] == "4" and firing["status"] == "firing" and firing["receiver"] == "ampwatch"
-    assert firing["groupLabels"] == {"alertname": "AmpConsecutiveSkippedSteps"}
-    assert firing["groupKey"] == '{}:{alertname="AmpConsecutiveSkippedSteps"}'
+    assert firing["groupLabels"] == {"alertname": "AmpConsecutiveSkippedSteps", "run": "exp-42"}
+    assert firing["groupKey"] == '{}:{alertname="AmpConsecutiveSkippedSteps",run="exp-42"}'
     assert firing["commonLabels"] == {"alertname": "AmpConsecutiveSkippedSteps", "run": "exp-42", "rank": "0",
                                       "optimizer": "gen", "severity": "warning"}
     assert firing["commonAnnotations"] == dict(alert.annotations)
@@ -79,6 +82,7 @@ def test_the_same_alert_state_is_sent_once_however_often_it_is_submitted(receive
     with notifier_for(target) as notifier:
         for _ in range(5):
             notifier.submit([alert])
+        receiver.wait_for(lambda reqs: len(reqs) == 1)
         notifier.submit([alert.resolved(alert.starts_at + 1)] * 3)
         receiver.wait_for(lambda reqs: len(reqs) == 2)
         # A new firing of the same alert (a new start) is a new state and is sent again.
@@ -132,12 +136,15 @@ def test_submit_returns_while_the_target_hangs(receiver):
     finally:
         receiver.hold.set()
         notifier.close()
-    assert len(receiver.requests) == 20
+    # The 19 that came while it hung share one notification with the one still firing (one group).
+    first, rest = (r["body"]["alerts"] for r in receiver.requests)
+    assert [a["labels"]["optimizer"] for a in first] == ["o0"]
+    assert {a["labels"]["optimizer"] for a in rest} == {f"o{i}" for i in range(20)}
 
 
 def test_the_queue_is_bounded_and_the_overflow_is_counted_as_dropped(receiver):
     receiver.hold.clear()
-    target = Target(kind="webhook", url=receiver.url)
+    target = Target(kind="alertmanager", url=receiver.url)  # webhook and Slack hold alerts in groups instead
     notifier = notifier_for(target, config=NotifyConfig(queue_size=5, backoff_initial_s=0.05, timeout_s=10.0))
     try:
         notifier.submit([streak_alert(optimizer="first")])
@@ -145,13 +152,15 @@ def test_the_queue_is_bounded_and_the_overflow_is_counted_as_dropped(receiver):
         notifier.submit([streak_alert(optimizer=f"o{i}") for i in range(49)])
         assert notifier.counts()[(target.name, "dropped")] == 44
         receiver.hold.set()
-        got = receiver.wait_for(lambda reqs: len(reqs) == 6)
+        got = receiver.wait_for(lambda reqs: len(reqs) == 2)
         wait_count(notifier, target, "sent", 6)
     finally:
         receiver.hold.set()
         notifier.close()
-    # The oldest were dropped: the newest five follow the one that was in flight.
-    assert [r["body"]["alerts"][0]["labels"]["optimizer"] for r in got] == ["first"] + [f"o{i}" for i in range(44, 49)]
+    # The oldest were dropped: the newest five follow the one that was in flight, in one post (with the first one
+    # again: it still fires).
+    first, rest = ({a["labels"]["optimizer"] for a in r["body"]} for r in got)
+    assert first == {"first"} and rest == {"first"} | {f"o{i}" for i in range(44, 49)}
     assert notifier.counts()[(target.name, "sent")] == 6
 
 
@@ -258,3 +267,60 @@ def test_counts_list_every_target_and_outcome_even_before_anything_was_sent():
     with notifier_for(target) as notifier:
         assert notifier.counts() == {(target.name, o): 0 for o in ("sent", "failed", "dropped")}
     assert json.dumps(sorted(notifier.counts()))  # plain, serialisable keys for the metrics renderer
+
+
+def rank_alert(name: str, rank: int, run: str = "exp-42", at: float = 1_764_400_000.0) -> Alert:
+    return Alert(name=name, labels={"run": run, "rank": str(rank), "severity": "warning"},
+                 annotations={"summary": f"{name} on rank {rank}", "description": "d"}, starts_at=at, value=1.0)
+
+
+STORM = ("AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio", "AmpSchedulerStepsOnSkipped")
+
+
+def test_a_whole_job_storm_is_one_notification_per_alert_and_run_listing_its_ranks_firing_then_resolved(receiver):
+    webhook = Target(kind="webhook", url=receiver.url + "/hook")
+    slack = Target(kind="slack", url=receiver.url + "/slack")
+    config = NotifyConfig(group_wait_s=0.5, group_interval_s=1.0, timeout_s=10.0)
+    alerts = [rank_alert(name, rank) for rank in range(1024) for name in STORM]  # 3,072, as ranks cross at once
+    with notifier_for(webhook, slack, config=config) as notifier:
+        notifier.submit(alerts)
+        receiver.wait_for(lambda reqs: len(reqs) == 6)
+        notifier.submit([a.resolved(a.starts_at + 60) for a in alerts])
+        got = receiver.wait_for(lambda reqs: len(reqs) == 12)
+        time.sleep(1.5)  # past a group interval: a wrongly repeated notification would show up
+    assert len(receiver.requests) == 12
+    hooks = [r["body"] for r in got if r["path"] == "/hook"]
+    for status, bodies in (("firing", hooks[:3]), ("resolved", hooks[3:])):
+        assert sorted(b["groupLabels"]["alertname"] for b in bodies) == sorted(STORM)
+        for body in bodies:
+            assert body["status"] == status and body["groupLabels"]["run"] == "exp-42"
+            assert [a["labels"]["rank"] for a in body["alerts"]] == [str(r) for r in range(1024)]
+            assert {a["status"] for a in body["alerts"]} == {status}
+    texts = sorted(r["body"]["text"].splitlines()[0] for r in got if r["path"] == "/slack")
+    assert texts[:3] == [f"[FIRING:1024] {name} in run exp-42: ranks 0-1023" for name in sorted(STORM)]
+    assert texts[3:] == [f"[RESOLVED:1024] {name} in run exp-42: ranks 0-1023" for name in sorted(STORM)]
+
+
+def test_a_groups_later_changes_wait_for_its_interval_and_go_out_together(receiver):
+    target = Target(kind="webhook", url=receiver.url)
+    config = NotifyConfig(group_wait_s=0.1, group_interval_s=1.0, timeout_s=10.0)
+    with notifier_for(target, config=config) as notifier:
+        submitted = time.monotonic()
+        notifier.submit([rank_alert("AmpPoisonedStep", 0)])
+        receiver.wait_for(lambda reqs: len(reqs) == 1)
+        for rank in range(1, 5):  # four more ranks, one at a time, right after the first notification
+            notifier.submit([rank_alert("AmpPoisonedStep", rank)])
+        notifier.submit([rank_alert("AmpPoisonedStep", 0).resolved(1_764_400_030.0)])
+        notifier.submit([rank_alert("AmpPoisonedStep", 7, run="other-run")])  # another run: its own group
+        got = receiver.wait_for(lambda reqs: len(reqs) == 3)
+        time.sleep(1.5)
+    assert len(receiver.requests) == 3
+    first = got[0]
+    later, other = sorted(got[1:], key=lambda r: r["body"]["groupLabels"]["run"])  # exp-42, other-run
+    assert [a["labels"]["rank"] for a in first["body"]["alerts"]] == ["0"]
+    assert [a["labels"]["rank"] for a in other["body"]["alerts"]] == ["7"] and other["body"]["status"] == "firing"
+    # One notification for the group's four new ranks and rank 0's end, not before its interval.
+    assert [(a["labels"]["rank"], a["status"]) for a in later["body"]["alerts"]] == \
+        [("0", "resolved")] + [(str(r), "firing") for r in range(1, 5)]
+    # The first went out after the group's wait, the second an interval after the first was sent: a lower bound.
+    assert later["time"] - submitted >= config.group_wait_s + config.group_interval_s

@@ -58,6 +58,20 @@ def test_events_come_in_pages_that_add_up_to_all_of_them(client):
     assert seen == list(range(1, 26))
 
 
+def test_events_newest_first_start_at_the_latest_and_page_back_to_the_first(client):
+    client.post("/v1/ingest", json=make_batch(events=_events(25)))
+    seen, after = [], 0
+    while True:
+        page = client.get("/v1/runs/exp-42/events", params={"limit": 10, "after": after, "newest_first": True}).json()
+        seen += [e["id"] for e in page["events"]]
+        if page["next"] is None:
+            break
+        after = page["next"]
+    assert seen == list(range(25, 0, -1))
+    skips = client.get("/v1/runs/exp-42/events", params={"limit": 2, "kind": "skip", "newest_first": True}).json()
+    assert [e["id"] for e in skips["events"]] == [25, 23] and skips["next"] is not None
+
+
 def test_health_ready_and_openapi_answer_and_the_cdn_loading_docs_page_is_off_by_default(client, config_for):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").status_code == 200

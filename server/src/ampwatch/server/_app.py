@@ -9,17 +9,19 @@ import time
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
 from ._ingest import IngestService
-from ._metrics import CONTENT_TYPE, Exposition, NotificationMetrics, SelfMetrics
+from ._metrics import CONTENT_TYPE, Exposition, NotificationMetrics, SelfMetrics, accepts_gzip, gzip_exposition
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState
 from ._status_page import mount_status_page
 from ._store import Store
+from .alerting.notifications import NotifyConfig
 from .alerting.route import router as alerts_router
 from .alerting.service import AlertService
 
@@ -81,7 +83,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         app.state.exposition = Exposition(state, own, config.silent_after)
         app.state.ingest = IngestService(config, state, store, own)
-        alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds)
+        notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval)
+        alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds,
+                                                        notify_config=notify)
         own.registry.register(NotificationMetrics(alerts.notifier.counts))
         own.registry.register(AccessMetrics(app.state.guard))
         app.state.ingest.on_applied = alerts.observe
@@ -128,9 +132,15 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics", tags=["metrics"], response_class=PlainTextResponse,
              summary="Prometheus exposition (text format 0.0.4)")
-    async def metrics(request: Request) -> PlainTextResponse:
-        """Render every series from the current state."""
-        return PlainTextResponse(request.app.state.exposition.render(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        """Render every series from the current state; gzip it when the scraper accepts it (Prometheus does)."""
+        body = request.app.state.exposition.render()
+        if not accepts_gzip(request.headers.get("accept-encoding", "")):
+            return PlainTextResponse(body, media_type=CONTENT_TYPE, headers={"Vary": "Accept-Encoding"})
+        # zlib lets go of the GIL on large buffers: ingest goes on while a thread compresses.
+        compressed = await run_in_threadpool(gzip_exposition, body)
+        return Response(compressed, media_type=CONTENT_TYPE,
+                        headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
 
     @app.get("/healthz", tags=["health"], summary="The process is alive")
     async def healthz() -> dict:

@@ -89,6 +89,10 @@ class ServerConfig:
         (), "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager webhook payload), "
             "alertmanager (its base URL; v2 API) or slack (incoming webhook)", parse=parse_targets, shown="none")
     webhook_file: Optional[str] = _option(None, "file holding --webhook's text (webhook URLs often carry secrets)")
+    notify_group_wait: float = _option(5.0, "seconds a new webhook/Slack notification group (one alert name in one "
+                                            "run) waits for the rest of its ranks (Alertmanager's group_wait)")
+    notify_group_interval: float = _option(60.0, "at most one webhook/Slack notification per group this often, "
+                                                 "firing or resolved (Alertmanager's group_interval)")
     alert_thresholds: AlertThresholds = _option(
         DEFAULT_THRESHOLDS, "thresholds of the built-in alerts: 'demo' (seconds-long windows, for `make demo`) or a "
                             "JSON file of ampwatch.contract.thresholds fields to override",
@@ -120,6 +124,8 @@ class ServerConfig:
              "must be one of debug, info, warning, error"),
             ("webhook", isinstance(self.webhook, tuple) and all(isinstance(t, Target) for t in self.webhook),
              "must be a tuple of notification targets (parse_targets() reads the text form)"),
+            ("notify_group_wait", self.notify_group_wait >= 0, "must be >= 0 seconds"),
+            ("notify_group_interval", self.notify_group_interval >= 0, "must be >= 0 seconds"),
             ("alert_thresholds", isinstance(self.alert_thresholds, AlertThresholds),
              "must be AlertThresholds (load_thresholds() reads a profile name or a JSON file)"),
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -11,6 +12,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from ampwatch.contract.protocol import DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
 from ._recovery import load_ranks
+from ._run_summary import run_summary
 from ._floats import wire_float
 from ._state import RankState
 
@@ -69,9 +71,9 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) ->
     return {"runs": [dict(row, in_metrics=row["run"] in held) for row in rows]}
 
 
-# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events
-# route comes first, or the run route's {run:path} would take "<run>/events" as a run id.
-@router.get("/runs/{run:path}/events", summary="A run's events, oldest first, paginated")
+# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events and
+# summary routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
+@router.get("/runs/{run:path}/events", summary="A run's events, oldest (or newest) first, paginated")
 async def list_events(
     request: Request, run: str,
     kind: Optional[EventKind] = Query(None, description="only this event kind"),
@@ -80,9 +82,12 @@ async def list_events(
     since: Optional[float] = Query(None, description="only events at or after this Unix time"),
     after: int = Query(0, ge=0, description="the 'next' cursor of the previous page"),
     limit: int = Query(100, ge=1, le=1000),
+    newest_first: bool = Query(False, description="newest first: the first page is the latest events, 'next' "
+                                                   "pages back in time"),
 ) -> dict[str, Any]:
     """Return events (skips with offending parameters, scale changes, warnings...) and the next page's cursor."""
-    where, params = ["run = ?", "rowid > ?"], [run, after]
+    # Newest first, the cursor is the last row of the previous page and the next page lies below it.
+    where, params = (["run = ?", "rowid < ?"] if newest_first and after else ["run = ?", "rowid > ?"]), [run, after]
     for column, value in (("kind", kind), ("rank", rank), ("optimizer", optimizer)):
         if value is not None:
             where.append(f"{column} = ?")
@@ -92,7 +97,7 @@ async def list_events(
         params.append(since)
     store = request.app.state.store
     sql = (f"SELECT rowid AS cursor, rank, incarnation, body FROM events WHERE {' AND '.join(where)} "
-           f"ORDER BY rowid LIMIT ?")
+           f"ORDER BY rowid {'DESC' if newest_first else ''} LIMIT ?")
     rows = await asyncio.to_thread(store.query, sql, (*params, limit + 1))
     if not rows and after == 0:
         known = await asyncio.to_thread(store.query, "SELECT 1 FROM incarnations WHERE run = ? LIMIT 1", (run,))
@@ -101,6 +106,22 @@ async def list_events(
     page = rows[:limit]
     events = [dict(json.loads(row["body"]), rank=row["rank"], incarnation=row["incarnation"]) for row in page]
     return {"events": events, "next": page[-1]["cursor"] if len(rows) > limit else None}
+
+
+@router.get("/runs/{run:path}/summary", summary="A run at a glance: ranks in trouble first, paged")
+async def get_run_summary(
+    request: Request, run: str,
+    offset: int = Query(0, ge=0, description="rows to skip"),
+    limit: int = Query(50, ge=1, le=1000, description="rows in this page"),
+    search: str = Query("", max_length=200, description="a rank number, part of a host name, or a reason"),
+) -> dict[str, Any]:
+    """Return counts by trouble reason, the loss-scale spread and a page of rank rows (only ranks held in memory)."""
+    ranks = request.app.state.collector_state.runs.get(run)
+    if not ranks:
+        raise HTTPException(404, f"no run named {run!r} in memory (a run leaves it after --run-retention or "
+                                 f"--expire-after); GET /v1/runs/{{run}} reads one from the database")
+    return run_summary(run, list(ranks.values()), request.app.state.alert_service.alerts, time.time(),
+                       request.app.state.config.silent_after, offset, limit, search)
 
 
 @router.get("/runs/{run:path}", summary="One run: its ranks with their current state")

@@ -1,12 +1,14 @@
 """The collector's built-in alerts, one job per module.
 
-- ``conditions``: when each alert holds, from per-rank snapshots (as the Prometheus rules compute it);
+- ``conditions``: when each alert holds, from per-rank snapshots and histories (as the Prometheus rules compute it);
 - ``annotations``: each alert's summary, description and runbook link, filled in for one instance;
 - ``states``: the state machine: pending, firing (after ``for``), resolved;
+- ``history``: :class:`~.history.RankHistory`, the counters of one rank's recent past the windows read;
 - ``evaluator``: :class:`~.evaluator.BuiltinAlerts`, rank histories + conditions + states, thread-safe;
 - ``thresholds``: the ``--alert-thresholds`` value: a profile or a JSON file of overrides;
 - ``alert``: :class:`~.alert.Alert`, one firing or resolved alert;
 - ``notifications``: targets and the background delivery to them; ``payloads``: the bodies they get;
+- ``grouping``: :class:`~.grouping.AlertGroups`, webhook/Slack notifications grouped by alert and run, paced;
 - ``service``: :class:`~.service.AlertService`, the evaluator and notifier of one running collector;
 - ``route``: ``GET /v1/alerts``.
 

@@ -6,13 +6,12 @@ Pure: thresholds come in as an ``ampwatch.contract.thresholds.AlertThresholds``
 seconds passed in by the caller.
 
 Windowed conditions (``increase(x[w])`` in PromQL) compare a rank's current
-snapshot (``RankState.snapshot()``) with the one it had ``w`` seconds ago, kept
-by :class:`RankHistory`.
+snapshot (``RankState.snapshot()``) with the counters it had ``w`` seconds ago,
+kept by :class:`~.history.RankHistory`.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from typing import Iterable, Mapping, Optional
@@ -21,15 +20,10 @@ from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
 
 from .._floats import promql_divide, promql_max, promql_min
-from .._state import RankSnapshot
-from .._totals import OptimizerTotals
 from .annotations import annotations_for
+from .history import RankHistory
 
-__all__ = ["RankHistory", "ActiveAlert", "rank_alerts", "run_alerts", "evaluate"]
-
-
-_NO_OPTIMIZER = OptimizerTotals()
-_ZERO = RankSnapshot(run="", rank=0, last_seen=0.0)
+__all__ = ["ActiveAlert", "usable_scale", "rank_alerts", "run_alerts", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,53 +50,6 @@ class ActiveAlert:
         return (run,)
 
 
-class RankHistory:
-    """Hold one rank's recent snapshots, thinned to about ``resolution_s`` apart, back to ``horizon_s`` (bounded)."""
-
-    __slots__ = ("run", "rank", "_times", "_snapshots", "_horizon_s", "_resolution_s",
-                 "_origin")
-
-    def __init__(self, run: str, rank: int, horizon_s: float, resolution_s: float = 5.0) -> None:
-        self.run, self.rank = run, rank
-        self._times: list[float] = []
-        self._snapshots: list[RankSnapshot] = []
-        self._horizon_s, self._resolution_s = horizon_s, resolution_s
-        self._origin: Optional[RankSnapshot] = None
-
-    @property
-    def current(self) -> RankSnapshot:
-        """Return the latest snapshot."""
-        return self._snapshots[-1]
-
-    def record(self, snapshot: RankSnapshot, calibration_iterations: int) -> None:
-        """Add a snapshot (the latest one always replaces a too-close predecessor)."""
-        if self._origin is None:
-            # A rank first seen while young started from zero counters; one first seen later (e.g. after a
-            # collector restart) has a past we did not watch, so its first snapshot is the baseline.
-            self._origin = _ZERO if snapshot.iteration <= calibration_iterations else snapshot
-        # The latest snapshot always stays; the previous latest stays as a window baseline only if the new one
-        # is at least resolution_s after the sample before it (so any two kept samples apart are that far).
-        if len(self._times) >= 2 and snapshot.last_seen - self._times[-2] < self._resolution_s:
-            self._times[-1], self._snapshots[-1] = snapshot.last_seen, snapshot
-        else:
-            self._times.append(snapshot.last_seen)
-            self._snapshots.append(snapshot)
-        # Keep exactly one sample at or before the horizon: it is the baseline of the longest window.
-        cut = bisect.bisect_right(self._times, snapshot.last_seen - self._horizon_s) - 1
-        if cut > 0:
-            del self._times[:cut], self._snapshots[:cut]
-
-    def baseline(self, now: float, window_s: float) -> RankSnapshot:
-        """Return the snapshot the rank had ``window_s`` seconds before ``now`` (its origin if it is younger)."""
-        i = bisect.bisect_right(self._times, now - window_s) - 1
-        # Pruning always keeps a sample at or before the horizon, so i < 0 means the rank was first seen
-        # inside the window.
-        return self._snapshots[i] if i >= 0 else self._origin  # type: ignore[return-value]
-
-    def __len__(self) -> int:
-        return len(self._snapshots)
-
-
 def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Optional[str] = None) -> ActiveAlert:
     definition = ALERTS[name]
     labels["severity"] = definition.severity(level).level
@@ -114,13 +61,11 @@ def _streak_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[A
     cur = h.current
     base = h.baseline(now, t.skip_streak_window_s)
     for opt_name, opt in cur.optimizers.items():
-        before = base.optimizers.get(opt_name, _NO_OPTIMIZER)
         streak = cur.consecutive_skipped.get(opt_name, 0)
         for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
             threshold = getattr(t, severity.threshold)
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
-            reached = opt.reached(threshold) - before.reached(threshold)
-            if reached > 0 or (streak >= threshold and not cur.closed):
+            if base.streak_reached_since(opt_name, threshold) or (streak >= threshold and not cur.closed):
                 labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
                 yield _alert("AmpConsecutiveSkippedSteps", labels, streak, t, severity.level)
 
@@ -132,21 +77,18 @@ def _window_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[A
     poison_base = h.baseline(now, t.poisoned_window_s)
     for opt_name, opt in cur.optimizers.items():
         labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
-        before = ratio_base.optimizers.get(opt_name, _NO_OPTIMIZER)
-        skipped, stepped = opt.skipped - before.skipped, opt.steps - before.steps
+        skipped = opt.skipped - ratio_base.skipped(opt_name)
+        stepped = opt.steps - ratio_base.steps(opt_name)
         calls = skipped + stepped
         if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
             yield _alert("AmpHighSkippedStepRatio", dict(labels), skipped / calls, t)
-        sched = opt.scheduler_steps_after_skip - sched_base.optimizers.get(opt_name, _NO_OPTIMIZER)\
-            .scheduler_steps_after_skip
-        if sched > 0:
+        if sched_base.scheduler_stepped_after_skip_since(opt_name):
             yield _alert("AmpSchedulerStepsOnSkipped", dict(labels), opt.scheduler_steps_after_skip, t)
-        poisoned = opt.poisoned_steps - poison_base.optimizers.get(opt_name, _NO_OPTIMIZER).poisoned_steps
-        if poisoned > 0:
+        if poison_base.poisoned_since(opt_name):
             yield _alert("AmpPoisonedStep", dict(labels), opt.poisoned_steps, t)
 
 
-def _usable_scale(scale: float, t: AlertThresholds) -> bool:
+def usable_scale(scale: float, t: AlertThresholds) -> bool:
     """Return whether a loss scale still works: finite and at least ``collapsed_loss_scale``.
 
     Below it (0 included) gradients are no longer scaled up; NaN and +Inf scale every loss to a
@@ -164,7 +106,7 @@ def rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAl
     if cur.closed:
         # A rank that closed cleanly is finished: its last scale and silence are not trouble.
         return found
-    if cur.scaler_enabled and cur.loss_scale is not None and not _usable_scale(cur.loss_scale, t):
+    if cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
         found.append(_alert("AmpLossScaleCollapsed", dict(labels), cur.loss_scale, t))
     silent_for = now - cur.last_seen
     if silent_for > t.silent_after_s:
@@ -176,7 +118,7 @@ def _origin_alerts(ranks: list[RankHistory], open_ranks: list[RankHistory], now:
                    t: AlertThresholds) -> Iterable[ActiveAlert]:
     # Skipped iterations each rank started (its own gradients non-finite before DDP's all-reduce) in the window;
     # an open rank that started enough of them alerts while few of the run's ranks started any.
-    started = [(h, h.current.totals.origin_iterations - h.baseline(now, t.origin_window_s).totals.origin_iterations)
+    started = [(h, h.current.totals.origin_iterations - h.baseline(now, t.origin_window_s).origin_iterations)
                for h in ranks]
     starting = sum(1 for _, n in started if n > 0)
     if not starting or starting > max(len(open_ranks) * t.origin_rank_share, 1):
@@ -205,8 +147,7 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThres
         # whole window is past calibration (a rank younger than the window has a zero baseline).
         if base.iteration < t.calibration_iterations:
             continue
-        if cur.totals.backoffs - base.totals.backoffs >= t.backoff_min_count and \
-                cur.totals.growths == base.totals.growths:
+        if cur.totals.backoffs - base.backoffs >= t.backoff_min_count and not base.grew_since():
             backing_off += 1
     share = backing_off / len(open_ranks)
     if backing_off and share >= t.backoff_rank_share:

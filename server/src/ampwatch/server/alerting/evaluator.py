@@ -11,7 +11,8 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
-from .conditions import RankHistory, evaluate, rank_alerts
+from .conditions import evaluate, rank_alerts
+from .history import RankHistory
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
@@ -42,6 +43,9 @@ class BuiltinAlerts:
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
         # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.
         self._resolution_s = resolution_s if resolution_s is not None else min(5.0, min(windows) / 10)
+        # The streak alert compares ladder rungs at its thresholds: the only rungs a history keeps.
+        self._streak_lengths = tuple(getattr(thresholds, s.threshold)
+                                     for s in ALERTS["AmpConsecutiveSkippedSteps"].severities)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
         self._states = AlertStates(resolved_retention_s)
@@ -55,7 +59,7 @@ class BuiltinAlerts:
             history = self._ranks.get(key)
             if history is None:
                 history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._horizon_s,
-                                                         self._resolution_s)
+                                                         self._resolution_s, self._streak_lengths)
             history.record(snapshot, self.thresholds.calibration_iterations)
             group = (snapshot.run, str(snapshot.rank))
             active = rank_alerts(history, now, self.thresholds)
@@ -74,6 +78,23 @@ class BuiltinAlerts:
             self._ranks.pop((run, rank), None)
             group = (run, str(rank))
             return self._states.advance((), now, lambda g: g == group)
+
+    def recent_skips(self, run: str, rank: int, window_s: float, now: Optional[float] = None) \
+            -> Optional[tuple[int, int]]:
+        """Return ``(skipped, step calls)`` of a rank's optimizers over the last ``window_s`` (None if not watched).
+
+        Read from the rank's history (as the skip-ratio alert reads it); costs O(optimizers).
+        """
+        now = self._clock() if now is None else now
+        with self._lock:
+            history = self._ranks.get((run, rank))
+            if history is None or history.current is None:
+                return None
+            base = history.baseline(now, window_s)
+            optimizers = history.current.optimizers.items()
+            skipped = sum(o.skipped - base.skipped(name) for name, o in optimizers)
+            stepped = sum(o.steps - base.steps(name) for name, o in optimizers)
+            return skipped, skipped + stepped
 
     def ranks(self) -> list[tuple[str, int]]:
         """Return the ``(run, rank)`` pairs being watched."""

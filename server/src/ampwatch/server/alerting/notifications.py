@@ -4,9 +4,14 @@
 >>> [t.name for t in targets]
 ['alertmanager:127.0.0.1:9093', 'slack:hooks.slack.com']
 
-:meth:`Notifier.submit` only appends to bounded per-target queues; one
-background thread per target sends, retries with capped exponential backoff
-and jitter while the target is down, and gives up (counted) after a while.
+:meth:`Notifier.submit` returns at once: it puts each alert in a target's
+group (webhook, Slack: grouped as Alertmanager groups, one notification per
+alert name and run, paced by ``group_wait_s`` and ``group_interval_s``; see
+``grouping``) or on its bounded queue (Alertmanager, which groups by itself:
+every change in one post). One background thread per target sends, retries with
+capped exponential backoff and jitter while the target is down, and gives up
+(counted) after a while. Outcomes count alerts: a notification of a group of
+1,024 alerts counts 1,024 sent.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import urllib.request
 from typing import Callable, Iterable, Optional, Union
 
 from .alert import Alert
+from .grouping import AlertGroups
 from .payloads import alertmanager_body, slack_body, webhook_body
 
 __all__ = [
@@ -90,7 +96,8 @@ class NotifyConfig:
     """How notifications are queued, retried and repeated."""
 
     queue_size: int = 1000
-    """Notifications waiting per target; past it the oldest is dropped (counted)."""
+    """Alerts waiting per Alertmanager target; past it the oldest is dropped (counted). Webhook and Slack
+    targets hold one entry per alert in its group instead (as many as the evaluator holds alerts)."""
     timeout_s: float = 5.0
     """Timeout of one HTTP attempt."""
     backoff_initial_s: float = 0.5
@@ -103,12 +110,19 @@ class NotifyConfig:
     """Alertmanager targets: firing alerts are posted again this often, as Prometheus does."""
     external_url: str = ""
     """The collector's own URL, put in generatorURL / externalURL (empty: left out)."""
+    group_wait_s: float = 5.0
+    """Webhook and Slack: a new group (alert name, run) waits this long for the rest of its alerts."""
+    group_interval_s: float = 60.0
+    """Webhook and Slack: a group's later changes (more ranks, resolved ranks) go out at most this often."""
 
     def __post_init__(self) -> None:
         for name in ("queue_size", "timeout_s", "backoff_initial_s", "backoff_max_s", "give_up_after_s",
                      "resend_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"NotifyConfig.{name}={getattr(self, name)!r} must be > 0")
+        for name in ("group_wait_s", "group_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"NotifyConfig.{name}={getattr(self, name)!r} must be >= 0")
 
 
 class _Counts:
@@ -141,9 +155,16 @@ class _Worker(threading.Thread):
         self._firing: dict[str, Alert] = {}  # alertmanager only: re-posted every resend interval
         self._next_resend = time.monotonic() + config.resend_interval_s
         self._down = False
+        # webhook, slack: alerts wait in their group until its notification is due
+        self._groups = None if target.kind == "alertmanager" else AlertGroups(config.group_wait_s,
+                                                                              config.group_interval_s)
 
     def put(self, alert: Alert) -> None:
         with self._cond:
+            if self._groups is not None:  # one entry per alert in its group: bounded by the alerts themselves
+                self._groups.add(alert, time.monotonic())
+                self._cond.notify()
+                return
             if len(self._queue) >= self.config.queue_size:
                 self._queue.popleft()
                 self.counts.add(self.target.name, "dropped")
@@ -156,6 +177,8 @@ class _Worker(threading.Thread):
             self._cond.notify()
 
     def run(self) -> None:
+        if self._groups is not None:
+            return self._run_grouped(self._groups)
         while True:
             with self._cond:
                 while not self._queue and self._stop_at is None and not self._resend_due():
@@ -166,14 +189,37 @@ class _Worker(threading.Thread):
                         self.counts.add(self.target.name, "dropped", len(self._queue))
                         self._queue.clear()
                     return
-                batch = [self._queue.popleft()] if self._queue else []
-                if self.target.kind == "alertmanager":
-                    batch += [self._queue.popleft() for _ in range(len(self._queue))]
-            try:
-                self._deliver(batch)
-            except Exception:  # never let one bad notification kill the thread
-                log.exception("notification to %s failed unexpectedly", self.target.name)
-                self.counts.add(self.target.name, "dropped", max(len(batch), 1))
+                batch = [self._queue.popleft() for _ in range(len(self._queue))]
+            self._deliver_safely(batch)
+
+    def _run_grouped(self, groups: AlertGroups) -> None:
+        """Send each group's notification when it is due; on close, every group's at once."""
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    due = groups.next_due()
+                    if self._stop_at is not None or (due is not None and due <= now):
+                        break
+                    self._cond.wait(None if due is None else due - now)
+                stopping = self._stop_at is not None
+                if stopping and now >= self._stop_at:  # type: ignore[operator]
+                    left = sum(len(n) for n in groups.take_due(now, everything=True))
+                    if left:
+                        self.counts.add(self.target.name, "dropped", left)
+                    return
+                notifications = groups.take_due(now, everything=stopping)
+                if stopping and not notifications:
+                    return
+            for alerts in notifications:
+                self._deliver_safely([(now, a) for a in alerts])
+
+    def _deliver_safely(self, batch: list[tuple[float, Alert]]) -> None:
+        try:
+            self._deliver(batch)
+        except Exception:  # never let one bad notification kill the thread
+            log.exception("notification to %s failed unexpectedly", self.target.name)
+            self.counts.add(self.target.name, "dropped", max(len(batch), 1))
 
     def _resend_due(self) -> bool:
         return bool(self._firing) and time.monotonic() >= self._next_resend

@@ -6,8 +6,10 @@ import datetime
 from typing import Iterable, Optional, Sequence
 
 from .alert import Alert
+from .grouping import GROUP_BY
 
-__all__ = ["rfc3339", "webhook_body", "alertmanager_body", "slack_body", "RECEIVER", "ZERO_TIME"]
+__all__ = ["rfc3339", "webhook_body", "alertmanager_body", "slack_body", "rank_ranges", "group_summary", "RECEIVER",
+           "ZERO_TIME"]
 
 RECEIVER = "ampwatch"
 """The receiver name the generic webhook payload carries."""
@@ -37,7 +39,8 @@ def webhook_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
         raise ValueError("a webhook notification needs at least one alert")
     labels = [_labels(a) for a in alerts]
     status = "firing" if any(a.ends_at is None for a in alerts) else "resolved"
-    group_labels = {"alertname": alerts[0].name} if all(a.name == alerts[0].name for a in alerts) else {}
+    common = _common(labels)
+    group_labels = {k: common[k] for k in GROUP_BY if k in common}
     group_key = "{}:{" + ",".join(f'{k}="{v}"' for k, v in group_labels.items()) + "}"
     return {
         "version": "4",
@@ -46,7 +49,7 @@ def webhook_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
         "status": status,
         "receiver": RECEIVER,
         "groupLabels": group_labels,
-        "commonLabels": _common(labels),
+        "commonLabels": common,
         "commonAnnotations": _common([dict(a.annotations) for a in alerts]),
         "externalURL": external_url,
         "alerts": [
@@ -85,11 +88,42 @@ def alertmanager_body(alerts: Iterable[Alert], now: float, valid_for_s: float, e
     return body
 
 
+def rank_ranges(ranks: Iterable[str]) -> str:
+    """Return ranks as short ranges: ``0-39, 44, 512``; names that are not numbers follow as they are."""
+    numbers = sorted({int(r) for r in ranks if r.isdigit()})
+    parts: list[str] = []
+    for n in numbers:
+        if parts and parts[-1][1] == n - 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in parts]
+    return ", ".join(text + sorted({r for r in ranks if not r.isdigit()}))
+
+
+def group_summary(alerts: Sequence[Alert]) -> str:
+    """Return one line for a group of alerts: ``[FIRING:1020, RESOLVED:4] AmpX in run r: ranks 0-1023``."""
+    firing = sum(a.ends_at is None for a in alerts)
+    counts = ", ".join(f"{word}:{n}" for word, n in (("FIRING", firing), ("RESOLVED", len(alerts) - firing)) if n)
+    names = sorted({a.name for a in alerts})
+    runs = sorted({a.labels.get("run", "") for a in alerts})
+    line = f"[{counts}] {', '.join(names)}" + (f" in run {runs[0]}" if len(runs) == 1 else "")
+    ranks = [a.labels["rank"] for a in alerts if "rank" in a.labels]
+    return line + (f": ranks {rank_ranges(ranks)}" if ranks else "")
+
+
+_SLACK_DETAILS = 10  # alerts shown in full in one Slack message; the summary line lists the ranks of all
+
+
 def slack_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
-    """Return a Slack incoming-webhook message: ``text`` for any client, ``blocks`` for Slack itself."""
-    lines = []
-    blocks: list[dict] = []
-    for a in alerts:
+    """Return a Slack incoming-webhook message: ``text`` for any client, ``blocks`` for Slack itself.
+
+    A group of several alerts starts with :func:`group_summary` and details the first few.
+    """
+    lines = [group_summary(alerts)] if len(alerts) > 1 else []
+    blocks: list[dict] = [{"type": "section", "text": {"type": "mrkdwn", "text": _escape(lines[0])[:3000]}}] \
+        if lines else []
+    for a in alerts[:_SLACK_DETAILS]:
         severity = a.labels.get("severity", "")
         head = f"[{a.status.upper()}] {a.name}" + (f" ({severity})" if severity else "")
         summary = a.annotations.get("summary", "")
@@ -104,6 +138,8 @@ def slack_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": text[:3000]}})
     if external_url:
         blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": f"<{external_url}|ampwatch>"}]})
+    if len(alerts) > _SLACK_DETAILS:
+        lines.append(f"... and {len(alerts) - _SLACK_DETAILS} more")
     return {"text": "\n".join(lines), "blocks": blocks[:50]}
 
 

@@ -101,20 +101,76 @@ function alertRow(alert, when) {
     el("td", {}, when));
 }
 
+const expandedGroups = new Set();  // alert groups (name, run, severity) the reader opened
+let lastAlerts = null;
+
+function rankRanges(ranks) {
+  const numbers = [...new Set(ranks.map(Number))].filter(Number.isInteger).sort((a, b) => a - b);
+  const parts = [];
+  for (const n of numbers) {
+    const last = parts[parts.length - 1];
+    if (last && last[1] === n - 1) last[1] = n; else parts.push([n, n]);
+  }
+  return parts.map(([a, b]) => a === b ? String(a) : `${a}-${b}`).join(", ");
+}
+
+const GROUP_FROM = 5;  // alerts of one alert, run and severity from which they share one row
+
+// Per-rank alerts of one alert, run and severity collapse into one row that expands (a whole-job storm is
+// thousands of alerts); a handful keep their own rows.
+function alertRows(alerts, whenOf) {
+  const groups = new Map();
+  for (const a of alerts) {
+    const labels = a.labels || {};
+    const key = [a.name, labels.run ?? "", labels.severity ?? ""].join("\u0000");
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(a);
+  }
+  const rows = [];
+  for (const [key, members] of groups) {
+    if (members.length < GROUP_FROM) {
+      rows.push(...members.map(a => alertRow(a, whenOf(a))));
+      continue;
+    }
+    const open = expandedGroups.has(key);
+    const ranks = members.map(a => (a.labels || {}).rank).filter(r => r !== undefined);
+    const head = alertRow(members[0], whenOf(members[0]));
+    head.className = "alert-group";
+    head.setAttribute("aria-expanded", String(open));
+    head.cells[3].textContent = ranks.length ? `${new Set(ranks).size} ranks: ${rankRanges(ranks)}` : "";
+    head.cells[4].textContent = `${members.length} alerts ${open ? "▾" : "▸"}`;
+    head.addEventListener("click", () => {
+      if (open) expandedGroups.delete(key); else expandedGroups.add(key);
+      renderAlerts(lastAlerts);
+    });
+    rows.push(head);
+    for (const a of members) {
+      const row = alertRow(a, whenOf(a));
+      row.classList.add("member");
+      row.hidden = !open;
+      rows.push(row);
+    }
+  }
+  return rows;
+}
+
 async function refreshAlerts() {
-  let body;
   try {
-    body = await getJSON("v1/alerts");
+    lastAlerts = await getJSON("v1/alerts");
   } catch (error) {
     document.getElementById("no-firing").textContent = "Built-in alerts are not available on this collector.";
     return;
   }
+  renderAlerts(lastAlerts);
+}
+
+function renderAlerts(body) {
   const firing = body.firing || [], resolved = body.resolved || [];
-  fill(document.querySelector("#firing tbody"), firing.map(a => alertRow(a, ago(a.starts_at))));
+  fill(document.querySelector("#firing tbody"), alertRows(firing, a => ago(a.starts_at)));
   document.getElementById("firing").hidden = firing.length === 0;
   document.getElementById("no-firing").hidden = firing.length !== 0;
   document.getElementById("no-firing").textContent = "Nothing firing.";
-  fill(document.querySelector("#resolved tbody"), resolved.map(a => alertRow(a, ago(a.ends_at))));
+  fill(document.querySelector("#resolved tbody"), alertRows(resolved, a => ago(a.ends_at)));
   document.getElementById("resolved-count").textContent = String(resolved.length);
 }
 
@@ -166,6 +222,59 @@ function rankRow(rank) {
     el("td", {class: "num origin" + (rank.origin_iterations > 0 ? " streak" : "")},
       rank.origin_iterations === null || rank.origin_iterations === undefined ? "-" : String(rank.origin_iterations)),
     el("td", {}, rank.closed ? `closed, ${ago(rank.last_seen)}` : ago(rank.last_seen)));
+}
+
+const TROUBLE_ROWS = 50;  // one page of the summary: ranks in trouble first, most urgent reason first
+const REASON_WORDS = {
+  poisoned: "poisoned", silent: "silent", collapsed: "scale collapsed", in_streak: "skipping now",
+  high_skip_ratio: "high recent skip ratio", desynced: "scale out of line", alert: "alert firing",
+};
+
+function percent(ratio) {
+  return ratio === null || ratio === undefined ? "-" : `${(100 * ratio).toFixed(ratio < 0.01 ? 2 : 1)}%`;
+}
+
+function troubleRow(row) {
+  const why = el("td", {});
+  for (const reason of row.reasons) why.append(el("span", {class: "reason", "data-reason": reason}, REASON_WORDS[reason] || reason));
+  if (row.alerts.length) why.append(el("span", {class: "muted"}, row.alerts.join(", ")));
+  const calls = row.steps + row.skipped;
+  return el("tr", {class: "trouble", "data-rank": row.rank},
+    el("td", {class: "num"}, row.rank), el("td", {}, row.host), why,
+    el("td", {class: "num"}, scaleText(row.loss_scale)), el("td", {class: "num"}, row.iteration),
+    el("td", {class: "num" + (row.streak > 0 ? " streak" : "")}, row.streak),
+    el("td", {class: "num"}, `${percent(row.recent_skip_ratio)} / ${percent(calls ? row.skipped / calls : null)}`),
+    el("td", {class: row.reasons.includes("silent") ? "streak" : ""},
+       row.closed ? `closed, ${ago(row.last_seen)}` : ago(row.last_seen)));
+}
+
+// Return the summary (null when the run is not in memory).
+async function refreshTrouble(run) {
+  const search = document.getElementById("trouble-search").value.trim();
+  const query = `limit=${TROUBLE_ROWS}` + (search ? `&search=${encodeURIComponent(search)}` : "");
+  let body;
+  try {
+    body = await getJSON(`v1/runs/${encodeURIComponent(run)}/summary?${query}`);
+  } catch (error) {
+    document.getElementById("trouble-box").hidden = true;  // a run no longer in memory: the table below still shows it
+    return null;
+  }
+  document.getElementById("trouble-box").hidden = false;
+  document.getElementById("trouble-count").textContent = `${body.in_trouble} of ${body.ranks}`;
+  const counts = Object.entries(body.counts).filter(([, n]) => n > 0).map(([r, n]) => `${REASON_WORDS[r] || r}: ${n}`);
+  const scale = body.scale;
+  document.getElementById("trouble-summary").textContent =
+    (counts.length ? counts.join(" · ") : "every rank looks fine") +
+    ` — loss scale min ${scaleText(scale.min)}, median ${scaleText(scale.median)}, max ${scaleText(scale.max)}` +
+    (body.run_alerts.length ? ` — run alerts: ${body.run_alerts.join(", ")}` : "");
+  // Without a search, only ranks in trouble; with one, every match.
+  const rows = search ? body.rows : body.rows.filter(row => row.reasons.length);
+  fill(document.querySelector("#trouble tbody"), rows.map(troubleRow));
+  const more = document.getElementById("trouble-more");
+  const left = (search ? body.matched : body.in_trouble) - rows.length;
+  more.hidden = left <= 0;
+  more.textContent = `${left} more not shown: search for a rank, host or reason.`;
+  return body;
 }
 
 function eventKey(e) {
@@ -313,7 +422,30 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
   container.replaceChildren(root);
 }
 
+const BIG_RUN = 64;              // ranks from which the full rank table is fetched only while it is open
+const allRanksChosen = new Set();  // runs whose "All ranks" the reader opened or closed
+
+// A summary row as the chart reads a rank (a big run's chart draws only the ranks in trouble).
+function rowAsRank(row) {
+  return {rank: row.rank, loss_scale: row.loss_scale, iteration: row.iteration,
+          scaler: {enabled: row.loss_scale !== null && row.loss_scale !== undefined}};
+}
+
 async function refreshRun(run) {
+  const summary = await refreshTrouble(run);
+  const allRanks = document.getElementById("all-ranks");
+  const big = summary !== null && summary.ranks >= BIG_RUN;
+  if (!allRanksChosen.has(run) && allRanks.open === big) allRanks.open = !big;  // closed by default for big runs only
+  if (big && !allRanks.open) {
+    // About 1 MB at 1,024 ranks: not fetched every few seconds unless asked for.
+    document.getElementById("run-name").textContent = run;
+    const state = document.getElementById("run-state");
+    state.textContent = summary.closed ? "closed" : "live";
+    state.className = "badge " + (summary.closed ? "state-closed" : "state-live");
+    fill(document.querySelector("#ranks tbody"), []);
+    await drawRunHistory(run, summary.rows.filter(row => row.reasons.length).map(rowAsRank));
+    return;
+  }
   let body;
   try {
     body = await getJSON(`v1/runs/${encodeURIComponent(run)}`);
@@ -328,13 +460,56 @@ async function refreshRun(run) {
   state.textContent = body.closed ? "closed" : "live";
   state.className = "badge " + (body.closed ? "state-closed" : "state-live");
   fill(document.querySelector("#ranks tbody"), body.ranks.map(rankRow));
-  const cache = await refreshRunEvents(run);
+  await drawRunHistory(run, body.ranks);
+}
+
+const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "warning", "scaler_disabled", "close"];
+const STORM_KINDS = new Set(["skip", "scale_change", "streak_end"]);
+
+// The newest events of the kinds a skip storm never floods, so they stay in the table however many skips came.
+async function fetchRare(run) {
+  const found = new Map();
+  const pages = await Promise.all(RARE_KINDS.map(kind =>
+    getJSON(`v1/runs/${encodeURIComponent(run)}/events?kind=${kind}&newest_first=true&limit=${MAX_EVENTS_SHOWN}`)));
+  for (const body of pages) for (const e of body.events || []) found.set(eventKey(e), e);
+  return found;
+}
+
+// Newest first; events of one storm (same kind, iteration, optimizer, cause on GROUP_FROM or more ranks) are one row.
+function eventRows(events) {
+  const groups = new Map();
+  for (const e of events) {
+    const key = STORM_KINDS.has(e.kind) ? [e.kind, e.iteration, e.optimizer ?? "", e.cause ?? ""].join("\u0000")
+                                        : eventKey(e);
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(e);
+  }
+  const rows = [];
+  for (const members of groups.values()) {
+    const e = members[0];
+    if (members.length < GROUP_FROM) {
+      for (const m of members) rows.push(el("tr", {class: "event", "data-kind": m.kind},
+        el("td", {}, clock(m.time)), el("td", {class: "num"}, m.rank), el("td", {class: "num"}, m.iteration),
+        el("td", {}, m.kind), el("td", {}, m.optimizer ?? ""), eventDetails(m)));
+      continue;
+    }
+    const ranks = rankRanges(members.map(m => m.rank));
+    const details = eventDetails(e);
+    details.prepend(`${members.length} events, ranks ${ranks}; first: `);
+    rows.push(el("tr", {class: "event storm", "data-kind": e.kind},
+      el("td", {}, clock(e.time)), el("td", {}, `${new Set(members.map(m => m.rank)).size} ranks`),
+      el("td", {class: "num"}, e.iteration), el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), details));
+  }
+  return rows;
+}
+
+async function drawRunHistory(run, ranks) {
+  const [cache, rare] = await Promise.all([refreshRunEvents(run), fetchRare(run)]);
   const recent = [...cache.recent.values()].sort((a, b) => b.time - a.time || b.id - a.id);
-  drawChart(document.getElementById("chart"), body.ranks, [...cache.scale.values()], recent);
-  const shown = recent.slice(0, MAX_EVENTS_SHOWN);
-  fill(document.querySelector("#events tbody"), shown.map(e => el("tr", {class: "event", "data-kind": e.kind},
-    el("td", {}, clock(e.time)), el("td", {class: "num"}, e.rank), el("td", {class: "num"}, e.iteration),
-    el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), eventDetails(e))));
+  drawChart(document.getElementById("chart"), ranks, [...cache.scale.values()], recent);
+  const events = [...new Map([...cache.recent, ...rare]).values()].sort((a, b) => b.time - a.time || b.id - a.id);
+  const shown = eventRows(events).slice(0, MAX_EVENTS_SHOWN);
+  fill(document.querySelector("#events tbody"), shown);
   document.getElementById("no-events").hidden = shown.length !== 0;
 }
 
@@ -360,4 +535,14 @@ async function refresh() {
 }
 
 window.addEventListener("hashchange", refresh);
+document.getElementById("all-ranks").addEventListener("toggle", () => {
+  const run = currentRun();
+  if (run === null || !document.body.dataset.loaded) return;
+  allRanksChosen.add(run);
+  refresh();
+});
+document.getElementById("trouble-search").addEventListener("input", () => {
+  const run = currentRun();
+  if (run !== null) refreshTrouble(run);
+});
 refresh();

@@ -1,0 +1,151 @@
+"""Built-in alerts' memory per rank after a full alert window, this tree beside an earlier commit, in one run.
+
+Each side runs in a fresh process: 1,024 ranks x 2 optimizers report every 2 s (4 iterations a
+second, a skip now and then) for the longest alert window (30 min by default) plus a minute, on a
+simulated clock, with an ``evaluate()`` tick every 5 s; the last minute is a whole-job skip storm
+(every rank skips every step, so streak counters move). The snapshots are built as
+``RankState.snapshot()`` builds them (new totals per batch, one dict per snapshot). The figure is the
+process's resident memory after the run minus before the evaluator existed (the snapshots of the
+ranks' current state, which the collector's state holds anyway, are counted too), per rank.
+The earlier side imports ``ampwatch.server`` from ``git archive <ref>``.
+
+    python -m bench.alert_memory [--ranks 1024] [--before d90d65f] [--minutes 31]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from array import array
+
+__all__ = ["measure", "main"]
+
+KEY = "alert_memory"
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
+    """Run the simulated job against ``ampwatch.server``'s alerts in this process; return memory and time."""
+    from ampwatch.server.alerting.evaluator import BuiltinAlerts
+    from ampwatch.server._state import RankSnapshot
+    from ampwatch.server._totals import NO_STREAKS, OptimizerTotals, RankTotals
+    from ampwatch.contract.protocol import STREAK_LADDER
+
+    gc.collect()
+    before = _rss_kib()
+    t0 = 1_800_000_000.0
+    alerts = BuiltinAlerts(clock=lambda: t0)
+    opts = ("adamw", "sgd")
+    state = {rank: [0, RankTotals(), {o: OptimizerTotals() for o in opts}, 0] for rank in range(ranks)}
+    storm_from = minutes * 60 - 60
+    steps_per_push = int(4 * push_s)
+    started = time.process_time()
+    transitions = 0
+    for tick in range(int(minutes * 60 / push_s)):
+        now = t0 + tick * push_s
+        storm = tick * push_s >= storm_from
+        for rank in range(ranks):
+            s = state[rank]
+            s[0] += steps_per_push
+            skipped = steps_per_push if storm else int((s[0] // steps_per_push + rank) % 250 == 0)
+            s[3] = s[3] + skipped if storm else 0
+            s[1] = RankTotals(backoffs=s[1].backoffs + skipped, growths=s[1].growths + (0 if storm else
+                                                                                     int(s[0] % 8000 == 0)))
+            new = {}
+            for name, opt in s[2].items():
+                reached = opt.streaks_reached
+                if storm:
+                    reached = tuple(int(s[3] >= length) for length in STREAK_LADDER)
+                    reached = reached if any(reached) else NO_STREAKS
+                new[name] = OptimizerTotals(opt.steps + steps_per_push - skipped, opt.skipped + skipped,
+                                            opt.streaks + int(skipped > 0), 0, 0, reached)
+            s[2] = new
+            snap = RankSnapshot(run="bench", rank=rank, last_seen=now, iteration=s[0], loss_scale=65536.0,
+                                totals=s[1], optimizers=dict(new), consecutive_skipped={o: s[3] for o in opts})
+            transitions += len(alerts.observe(snap, now))
+        if tick % int(5 / push_s) == 0:
+            transitions += len(alerts.evaluate(now))
+    cpu = time.process_time() - started
+    gc.collect()
+    after = _rss_kib()
+    # The histories' own arrays, where they are arrays (this tree): the rest is alert states and snapshots.
+    arrays = sum(sys.getsizeof(getattr(h, name)) for h in alerts._ranks.values()
+                 for name in ("_times", "_rows", "_rose", "_origin") if isinstance(getattr(h, name, None), array))
+    return {"ranks": ranks, "minutes": minutes, "rss_kib": after - before,
+            "kib_per_rank": round((after - before) / ranks, 1), "cpu_s": round(cpu, 1),
+            "history_array_kib_per_rank": round(arrays / 1024 / ranks, 1) if arrays else None,
+            "firing": len(alerts.firing()), "transitions": transitions}
+
+
+def _source_of(ref: str, into: str) -> str:
+    """Extract ``server/src`` of ``ref`` into ``into``; return the folder to put first on sys.path."""
+    archive = os.path.join(into, "src.tar")
+    subprocess.run(["git", "-C", _ROOT, "archive", "-o", archive, ref, "server/src"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return os.path.join(into, "server", "src")
+
+
+def _side(ranks: int, minutes: float, path: str | None) -> dict:
+    code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
+            "import ampwatch.server; from bench.alert_memory import measure;"
+            "r = measure(int(sys.argv[2]), float(sys.argv[3])); r['server'] = ampwatch.server.__file__;"
+            "print(json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code, path or "", str(ranks), str(minutes)], cwd=_ROOT,
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def store(path: str, key: str, result: dict, argv: list[str]) -> None:
+    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command and date."""
+    document = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            document = json.load(f)
+    document[key] = dict(result, command=" ".join(["python -m bench." + key, *argv[1:]]),
+                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--minutes", type=float, default=31.0, help="simulated minutes (the window is 30)")
+    parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
+    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
+                                      f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = _side(args.ranks, args.minutes, _source_of(args.before, tmp))
+    new = _side(args.ranks, args.minutes, None)
+    result = {"before": dict(old, ref=args.before), "after": new}
+    for name, r in result.items():
+        print(f"{name:>6}: {r['kib_per_rank']:>7} KiB/rank ({r['rss_kib'] / 1024:.1f} MiB at {r['ranks']} ranks, "
+              f"{r['minutes']} simulated min), {r['cpu_s']} s CPU, {r['firing']} firing, "
+              f"{r['transitions']} transitions, history arrays {r['history_array_kib_per_rank']} KiB/rank  "
+              f"[{r['server']}]")
+    if args.out:
+        store(args.out, KEY, result, sys.argv)
+    return result
+
+
+if __name__ == "__main__":
+    main()
