@@ -17,19 +17,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from array import array
+
+from bench._before_after import ROOT as _ROOT, before_after, store
 
 __all__ = ["measure", "main"]
 
 KEY = "alert_memory"
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _rss_kib() -> int:
@@ -93,15 +90,6 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
             "firing": len(alerts.firing()), "transitions": transitions}
 
 
-def _source_of(ref: str, into: str) -> str:
-    """Extract ``server/src`` of ``ref`` into ``into``; return the folder to put first on sys.path."""
-    archive = os.path.join(into, "src.tar")
-    subprocess.run(["git", "-C", _ROOT, "archive", "-o", archive, ref, "server/src"], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return os.path.join(into, "server", "src")
-
-
 def _side(ranks: int, minutes: float, path: str | None) -> dict:
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
             "import ampwatch.server; from bench.alert_memory import measure;"
@@ -112,19 +100,6 @@ def _side(ranks: int, minutes: float, path: str | None) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def store(path: str, key: str, result: dict, argv: list[str]) -> None:
-    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command and date."""
-    document = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            document = json.load(f)
-    document[key] = dict(result, command=" ".join(["python -m bench." + key, *argv[1:]]),
-                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    with open(path, "w") as f:
-        json.dump(document, f, indent=1)
-        f.write("\n")
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -133,10 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
                                       f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        old = _side(args.ranks, args.minutes, _source_of(args.before, tmp))
-    new = _side(args.ranks, args.minutes, None)
-    result = {"before": dict(old, ref=args.before), "after": new}
+    result = before_after(args.before, lambda path: _side(args.ranks, args.minutes, path))
     for name, r in result.items():
         print(f"{name:>6}: {r['kib_per_rank']:>7} KiB/rank ({r['rss_kib'] / 1024:.1f} MiB at {r['ranks']} ranks, "
               f"{r['minutes']} simulated min), {r['cpu_s']} s CPU, {r['firing']} firing, "

@@ -14,14 +14,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
-from bench.alert_memory import _source_of, store
+from bench._before_after import ROOT as _ROOT, before_after, store
 
 __all__ = ["main"]
 
 KEY = "metrics_size"
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _side(ranks: int, path: str | None) -> dict:
@@ -41,10 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        old = _side(args.ranks, _source_of(args.before, tmp))
-    new = _side(args.ranks, None)
-    result = {"before": dict(old, ref=args.before), "after": new}
+    result = before_after(args.before, lambda path: _side(args.ranks, path))
     for name, r in result.items():
         print(f"{name:>6}: {r['samples']} samples, {r['bytes']} bytes plain, {r['gzip_bytes']} bytes when gzip is "
               f"asked, scrape {r['scrape_median_ms']} / {r['gzip_scrape_median_ms']} ms")

@@ -16,16 +16,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
-from bench.alert_memory import _source_of, store
+from bench._before_after import ROOT as _ROOT, before_after, store
 
 __all__ = ["measure", "main"]
 
 KEY = "notify_storm"
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NAMES = ("AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio", "AmpSchedulerStepsOnSkipped")
 
 
@@ -78,10 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
                                       f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        old = _side(args.ranks, _source_of(args.before, tmp))
-    new = _side(args.ranks, None)
-    result = {"before": dict(old, ref=args.before), "after": new}
+    result = before_after(args.before, lambda path: _side(args.ranks, path))
     for name, r in result.items():
         for phase in ("firing", "resolved"):
             p = r[phase]

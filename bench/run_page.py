@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 
 from bench import _servers, scrape
-from bench.alert_memory import store
+from bench._before_after import store
 
 __all__ = ["main"]
 

@@ -1,0 +1,48 @@
+"""Measure this tree beside an earlier commit in one run, and keep the result in a JSON file.
+
+The earlier commit's ``server/src`` is extracted with ``git archive`` and put first on a child
+process's ``sys.path``, so both sides run on the same machine, minutes apart, with the same load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+import tempfile
+import time
+from typing import Callable, Optional
+
+__all__ = ["ROOT", "before_after", "source_of", "store"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_of(ref: str, into: str) -> str:
+    """Extract ``server/src`` of ``ref`` into ``into``; return the folder to put first on sys.path."""
+    archive = os.path.join(into, "src.tar")
+    subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, ref, "server/src"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return os.path.join(into, "server", "src")
+
+
+def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:
+    """Return ``{"before": side(<ref's server/src>) + {"ref"}, "after": side(None)}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        old = side(source_of(ref, tmp))
+    return {"before": dict(old, ref=ref), "after": side(None)}
+
+
+def store(path: str, key: str, result: dict, argv: list[str]) -> None:
+    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command and date."""
+    document = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            document = json.load(f)
+    document[key] = dict(result, command=" ".join(["python -m bench." + key, *argv[1:]]),
+                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
