@@ -15,6 +15,7 @@ __all__ = [
     "PendingRead",
     "fused_found_inf",
     "found_inf_from_scaler",
+    "ddp_comm_hooks",
     "growth_tracker",
     "has_step_hooks",
     "host_scalar",
@@ -65,6 +66,17 @@ def scale_tensor(scaler: Any) -> torch.Tensor | None:
     """Return the scaler's live scale tensor (no sync), or None when absent or not yet created."""
     scale = getattr(scaler, "_scale", None)
     return scale if isinstance(scale, torch.Tensor) else None
+
+
+def ddp_comm_hooks(model: Any) -> list[Any]:
+    """Return the communication hooks already registered on a DDP model (empty when unknown).
+
+    DDP keeps them in ``_comm_hooks`` as ``(hook, state)`` pairs; DDP's built-in hooks
+    (``_register_builtin_comm_hook``) leave no trace there, and DDP itself refuses a second
+    registration with a RuntimeError, which the caller also handles.
+    """
+    pairs = getattr(model, "_comm_hooks", None)
+    return [pair[0] for pair in pairs] if isinstance(pairs, list) else []
 
 
 def growth_tracker(scaler: Any) -> int:

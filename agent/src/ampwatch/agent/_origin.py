@@ -149,8 +149,8 @@ def attach_origin_hook(model: Any, flags: OriginFlags, errors: Any, hook: Callab
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"ddp must be the torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(model).__name__}")
-    if getattr(model, "_comm_hooks", None):
-        existing = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h, _ in model._comm_hooks)
+    if hooks := _device.ddp_comm_hooks(model):
+        existing = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
         raise ValueError(f"this DistributedDataParallel model already has a communication hook ({existing}); "
                          "DDP takes one hook per model and cannot remove it. Do not register it yourself: "
                          "pass it to ampwatch instead, watch(..., ddp=model, comm_hook=hook, comm_state=state), "
