@@ -37,6 +37,12 @@ class Incarnation:
     optimizers: dict[str, OptimizerTotals]  # likewise, per optimizer
     longest: dict[str, int]
     nonfinite: dict[str, tuple[int, str]]  # optimizer -> (event id, latest offending parameter)
+    displaced: Optional[str] = None
+    """The incarnation that was the rank, live (not closed, seen within --silent-after), when this one appeared:
+    a restart after a crash, or a second process claiming the rank; which one, that process's next batch tells."""
+    conflict_with: Optional[str] = None
+    """Set once the displaced incarnation sent again (two processes claim the rank): this one is then kept out of
+    the rank's series, totals and liveness for good."""
 
     def to_row(self, batch_json: Optional[str] = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
@@ -45,8 +51,12 @@ class Incarnation:
         return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
                 "batch": batch_json or self.batch.model_dump_json(exclude={"events"}),
-                "counters": json.dumps({"counters": counters, "longest": self.longest,
-                                        "nonfinite": self.nonfinite}, separators=(",", ":"))}
+                "counters": json.dumps({"counters": counters, "longest": self.longest, "nonfinite": self.nonfinite,
+                                        **self._claims()}, separators=(",", ":"))}
+
+    def _claims(self) -> dict[str, str]:
+        # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
+        return {k: v for k, v in (("displaced", self.displaced), ("conflict_with", self.conflict_with)) if v}
 
     @classmethod
     def from_row(cls, row: dict) -> "Incarnation":
@@ -59,11 +69,16 @@ class Incarnation:
                    totals=RankTotals.from_json(counters.get(_RANK_KEY, {})),
                    optimizers={name: OptimizerTotals.from_json(values) for name, values in counters.items()
                                if name != _RANK_KEY},
-                   longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()})
+                   longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()},
+                   displaced=extra.get("displaced"), conflict_with=extra.get("conflict_with"))
 
 
-def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int) -> Incarnation:
-    """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed)."""
+def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int,
+                     displaced: Optional[str] = None) -> Incarnation:
+    """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed).
+
+    ``displaced``: for a new incarnation, the live incarnation it found as the rank (see ``Incarnation``).
+    """
     state = batch.state
     totals = RankTotals.of(state)
     optimizers = {name: OptimizerTotals.of(values) for name, values in state.optimizers.items()}
@@ -91,7 +106,8 @@ def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_l
             closed = True
     return Incarnation(id=batch.incarnation, first_seen=old.first_seen if old else now, last_seen=now,
                        last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch, totals=totals,
-                       optimizers=optimizers, longest=longest, nonfinite=nonfinite)
+                       optimizers=optimizers, longest=longest, nonfinite=nonfinite,
+                       displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,12 +129,14 @@ class RankSnapshot:
     """The current skip streak of each optimizer (the newest process's gauge); 0 when left out."""
     host: str = ""
     local_rank: int = 0
+    conflicts: int = 0
+    """Processes that claimed the rank while it was live and were kept out (``ampwatch_rank_conflicts_total``)."""
 
 
 class RankState:
     """One (run, rank): its incarnations and the totals over all of them."""
 
-    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals")
+    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals", "conflicting")
 
     def __init__(self, run: str, rank: int) -> None:
         self.run, self.rank = run, rank
@@ -126,9 +144,14 @@ class RankState:
         self.current: Optional[Incarnation] = None  # the newest process; its gauges are the rank's gauges
         self.totals = _NO_RANK
         self.optimizer_totals: dict[str, OptimizerTotals] = {}  # in the order the optimizers first appeared
+        # Processes that claimed this rank while another one still sent to it: stored, never part of the rank.
+        self.conflicting: dict[str, Incarnation] = {}
 
     def install(self, new: Incarnation) -> None:
         """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
+        if new.conflict_with is not None:
+            self.conflicting[new.id] = new
+            return
         old = self.incarnations.get(new.id)
         self.totals = self.totals.moved_by(new.totals, old.totals if old else _NO_RANK)
         for name, counters in new.optimizers.items():
@@ -137,6 +160,23 @@ class RankState:
         self.incarnations[new.id] = new
         if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
             self.current = new
+
+    def claimants(self, live: Incarnation) -> list[Incarnation]:
+        """Return the incarnations in conflict with ``live``, which sends again: those that appeared while it was
+        live (``displaced`` it), not yet judged; each returned with ``conflict_with`` set (nothing changes here)."""
+        return [dataclasses.replace(inc, conflict_with=live.id) for inc in self.incarnations.values()
+                if inc.displaced == live.id and inc.id != live.id]
+
+    def exclude(self, claimant: Incarnation) -> None:
+        """Move ``claimant`` (from :meth:`claimants`) out of the rank: its counters leave the totals, and the
+        newest remaining incarnation is the rank again."""
+        gone = self.incarnations.pop(claimant.id)
+        self.totals = self.totals.moved_by(_NO_RANK, gone.totals)
+        for name, counters in gone.optimizers.items():
+            self.optimizer_totals[name] = self.optimizer_totals[name].moved_by(_NO_OPTIMIZER, counters)
+        self.conflicting[claimant.id] = claimant
+        if self.current is not None and self.current.id == claimant.id:
+            self.current = max(self.incarnations.values(), key=lambda inc: inc.first_seen, default=None)
 
     @property
     def last_seen(self) -> float:
@@ -176,7 +216,7 @@ class RankState:
                             closed=self.closed, totals=self.totals, optimizers=dict(self.optimizer_totals),
                             consecutive_skipped={name: values.consecutive_skipped
                                                  for name, values in batch.state.optimizers.items()},
-                            host=batch.host, local_rank=batch.local_rank)
+                            host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting))
 
 
 class LimitExceeded(Exception):
