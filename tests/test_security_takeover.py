@@ -2,8 +2,9 @@
 
 A new incarnation for a rank whose current incarnation is live is shown at once (a restart after a
 crash must be), but if the live process sends again, two processes claim the rank: the newcomer is
-recorded as a conflict (event, ``ampwatch_rank_conflicts_total``, ``AmpRankConflict``) and kept out,
-and the live rank's series and alerts carry on. Batches are built by hand (the attacker is not an
+recorded as a conflict (event, ``ampwatch_rank_conflicts_total``, ``AmpRankConflict``) and put out
+(what it counted meanwhile stays counted: counters never go down; its later batches get a 409), and the
+live rank's series and alerts carry on. Batches are built by hand (the attacker is not an
 agent); the collector is a real ``ampwatch-server`` process.
 """
 
@@ -64,17 +65,21 @@ def test_a_second_process_claiming_a_live_rank_is_a_conflict_and_the_live_rank_i
         # Taken for a restart at first: a crashed process's successor must show at once.
         assert client.post("/v1/ingest", json=_attack(1)).json() == {"applied": True}
         assert client.post("/v1/ingest", json=_victim(2)).json() == {"applied": True}  # the live one sends again
-        assert client.post("/v1/ingest", json=_attack(2)).json() == {"applied": True}  # stored, kept out
+        refused = client.post("/v1/ingest", json=_attack(2))
+        assert refused.status_code == 409 and refused.json()["retry"] is False
+        assert "AMPWATCH_RUN" in refused.json()["message"] and VICTIM in refused.json()["message"]
 
         (rank,) = client.get(f"/v1/runs/{RUN}").json()["ranks"]
         assert (rank["incarnation"], rank["host"], rank["pid"], rank["closed"]) == (VICTIM, "node-a", 111, False)
-        assert rank["optimizers"]["gen"]["skipped"] == 2 and rank["incarnations"] == 1
+        # The claimant's one applied batch stays counted (400 skips): exposed counters never go down.
+        assert rank["optimizers"]["gen"]["skipped"] == 2 + 400 and rank["incarnations"] == 1
+        assert rank["optimizers"]["gen"]["latest_nonfinite_parameter"] is None  # the claimant's skip named one
         assert [(c["incarnation"], c["host"], c["pid"]) for c in rank["conflicts"]] == [(ATTACKER, "attacker", 666)]
         text = client.get("/metrics").text
         labels = {"run": RUN, "rank": "3"}
         assert value(text, "ampwatch_rank_conflicts_total", **labels) == 1
         assert value(text, "ampwatch_rank_closed", **labels) == 0
-        assert value(text, "ampwatch_optimizer_skipped_steps_total", optimizer="gen", **labels) == 2
+        assert value(text, "ampwatch_optimizer_skipped_steps_total", optimizer="gen", **labels) == 2 + 400
         assert value(text, "ampwatch_iteration", **labels) == 20
         (event,) = client.get(f"/v1/runs/{RUN}/events", params={"kind": "rank_conflict"}).json()["events"]
         assert (event["incarnation"], event["host"], event["pid"], event["live_incarnation"]) == \
@@ -94,7 +99,9 @@ def test_a_second_process_claiming_a_live_rank_is_a_conflict_and_the_live_rank_i
         assert (rank["incarnation"], rank["host"], len(rank["conflicts"])) == (VICTIM, "node-a", 1)
         text = client.get("/metrics").text
         assert value(text, "ampwatch_rank_conflicts_total", run=RUN, rank="3") == 1
-        assert value(text, "ampwatch_optimizer_skipped_steps_total", run=RUN, rank="3", optimizer="gen") == 2
+        assert value(text, "ampwatch_optimizer_skipped_steps_total", run=RUN, rank="3", optimizer="gen") == 2 + 400
+        # Still put out: its batches are refused.
+        assert client.post("/v1/ingest", json=_attack(99)).status_code == 409
 
 
 def test_a_restart_right_after_a_crash_is_not_a_conflict_and_its_counts_add_up(tmp_path):

@@ -119,6 +119,8 @@ def create_app(config: ServerConfig) -> FastAPI:
               responses={200: {"description": '{"applied": true} or {"applied": false, "duplicate": true}'},
                          400: {"description": "malformed JSON"}, 401: {"description": "token missing"},
                          403: {"description": "token wrong"}, 413: {"description": "body too large"},
+                         409: {"description": 'refused for good ("retry": false): this process claimed a rank '
+                                              "that another process kept sending to (rank_conflict)"},
                          422: {"description": 'refused for good ("retry": false): schema error, name too long, '
                                               "over --max-optimizers-per-rank / --max-ranks-per-run, or a counter "
                                               "rising faster than --max-counter-rate"},

@@ -182,7 +182,12 @@ class IngestService:
             raise _Refused(429, reason, message, retry=True, retry_after=wait)
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
                    getattr(e, "optimizer", None), e.model_dump_json()) for e in batch.events]
-        old = (rank.incarnations.get(batch.incarnation) or rank.conflicting.get(batch.incarnation)) if rank else None
+        old = rank.incarnations.get(batch.incarnation) if rank else None
+        if old is not None and old.conflict_with is not None:
+            raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
+                                            f"(incarnation {old.conflict_with}), which kept sending after this one "
+                                            "claimed it: two jobs share this run id. Relaunch this job with its own "
+                                            "run id (AMPWATCH_RUN)")
         if old is not None and batch.seq <= old.last_seq:
             # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
             self.own.duplicates.inc()
@@ -195,7 +200,7 @@ class IngestService:
             raise _Refused(422, "implausible", implausible)
         new = next_incarnation(old, batch, now, self.config.max_label_length,
                                displaced=self._live_incarnation(rank, now) if old is None else None)
-        if rank is not None and old is not None and old.conflict_with is None:
+        if rank is not None and old is not None:
             await self._record_conflicts(rank, old, now)
         added = await self.store.submit(
             self.store.write_incarnation(batch.run, batch.rank, new.to_row(_as_stored(body, events)), events))
@@ -222,7 +227,7 @@ class IngestService:
         A process restarted after a crash displaces a live-looking incarnation too, but that one never
         sends again, so only two processes that both keep sending make a conflict. Each conflict is an
         event (kind ``rank_conflict``, stored under the claimant with id 0: agents number theirs from 1)
-        and moves the claimant out of the rank, which stays ``live``'s.
+        and puts the claimant out of the rank, which stays ``live``'s; its later batches get a 409.
         """
         for claimant in rank.claimants(live):
             body = {"id": 0, "kind": "rank_conflict", "time": now, "iteration": claimant.batch.state.iteration,
@@ -233,7 +238,7 @@ class IngestService:
                 self.store.write_incarnation(rank.run, rank.rank, claimant.to_row(), [event])))
             rank.exclude(claimant)
             log.warning("rank %d of run %r: incarnation %s (host %s, pid %d) claimed it while %s kept sending; "
-                        "kept out of the rank (rank_conflict)", rank.rank, rank.run, claimant.id,
+                        "put out of the rank (rank_conflict)", rank.rank, rank.run, claimant.id,
                         claimant.batch.host, claimant.batch.pid, live.id)
 
 

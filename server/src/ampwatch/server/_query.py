@@ -38,7 +38,8 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         }
     return {
         "rank": rank.rank, "host": batch.host, "local_rank": batch.local_rank, "world_size": batch.world_size,
-        "pid": batch.pid, "incarnation": rank.current.id, "incarnations": len(rank.incarnations),
+        "pid": batch.pid, "incarnation": rank.current.id,
+        "incarnations": len(rank.incarnations) - len(rank.conflicting),
         "last_seen": rank.last_seen, "closed": rank.closed, "in_metrics": in_metrics,
         # Scale values as the protocol writes them: NaN and infinities as strings (JSON has no such numbers).
         "iteration": batch.state.iteration, "loss_scale": wire_float(batch.state.loss_scale),
@@ -51,7 +52,7 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         "optimizers": optimizers,
         # Processes that claimed this rank while it kept sending (rank_conflict events), kept out of it.
         "conflicts": [{"incarnation": inc.id, "host": inc.batch.host, "pid": inc.batch.pid,
-                       "last_seen": inc.last_seen} for inc in rank.conflicting.values()],
+                       "last_seen": inc.last_seen} for inc in rank.conflicting],
     }
 
 

@@ -136,7 +136,7 @@ class RankSnapshot:
 class RankState:
     """One (run, rank): its incarnations and the totals over all of them."""
 
-    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals", "conflicting")
+    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals")
 
     def __init__(self, run: str, rank: int) -> None:
         self.run, self.rank = run, rank
@@ -144,43 +144,49 @@ class RankState:
         self.current: Optional[Incarnation] = None  # the newest process; its gauges are the rank's gauges
         self.totals = _NO_RANK
         self.optimizer_totals: dict[str, OptimizerTotals] = {}  # in the order the optimizers first appeared
-        # Processes that claimed this rank while another one still sent to it: stored, never part of the rank.
-        self.conflicting: dict[str, Incarnation] = {}
 
     def install(self, new: Incarnation) -> None:
         """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
-        if new.conflict_with is not None:
-            self.conflicting[new.id] = new
-            return
         old = self.incarnations.get(new.id)
         self.totals = self.totals.moved_by(new.totals, old.totals if old else _NO_RANK)
         for name, counters in new.optimizers.items():
             before = old.optimizers.get(name, _NO_OPTIMIZER) if old else _NO_OPTIMIZER
             self.optimizer_totals[name] = self.optimizer_totals.get(name, _NO_OPTIMIZER).moved_by(counters, before)
         self.incarnations[new.id] = new
-        if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
+        if new.conflict_with is None and (self.current is None or self.current.id == new.id
+                                          or new.first_seen >= self.current.first_seen):
             self.current = new
 
     def claimants(self, live: Incarnation) -> list[Incarnation]:
         """Return the incarnations in conflict with ``live``, which sends again: those that appeared while it was
         live (``displaced`` it), not yet judged; each returned with ``conflict_with`` set (nothing changes here)."""
         return [dataclasses.replace(inc, conflict_with=live.id) for inc in self.incarnations.values()
-                if inc.displaced == live.id and inc.id != live.id]
+                if inc.displaced == live.id and inc.conflict_with is None and inc.id != live.id]
 
     def exclude(self, claimant: Incarnation) -> None:
-        """Move ``claimant`` (from :meth:`claimants`) out of the rank: its counters leave the totals, and the
-        newest remaining incarnation is the rank again."""
-        gone = self.incarnations.pop(claimant.id)
-        self.totals = self.totals.moved_by(_NO_RANK, gone.totals)
-        for name, counters in gone.optimizers.items():
-            self.optimizer_totals[name] = self.optimizer_totals[name].moved_by(_NO_OPTIMIZER, counters)
-        self.conflicting[claimant.id] = claimant
+        """Put ``claimant`` (from :meth:`claimants`) out of the rank: it is never again its current process, its
+        gauges, liveness or parameter names; the newest other incarnation is the rank again.
+
+        What it counted until now stays in the totals: counters exposed to Prometheus must never go down
+        (a drop reads as a reset, and ``increase()`` would count the whole rank again). It counts no more:
+        the collector refuses its later batches.
+        """
+        self.incarnations[claimant.id] = claimant  # the same counters: the totals do not move
         if self.current is not None and self.current.id == claimant.id:
-            self.current = max(self.incarnations.values(), key=lambda inc: inc.first_seen, default=None)
+            self.current = max(self._own(), key=lambda inc: inc.first_seen, default=None)
+
+    def _own(self) -> Iterable[Incarnation]:
+        """The rank's incarnations, less those in conflict."""
+        return (inc for inc in self.incarnations.values() if inc.conflict_with is None)
+
+    @property
+    def conflicting(self) -> list[Incarnation]:
+        """Incarnations put out of the rank (rank_conflict): counted in ``ampwatch_rank_conflicts_total``."""
+        return [inc for inc in self.incarnations.values() if inc.conflict_with is not None]
 
     @property
     def last_seen(self) -> float:
-        return max(inc.last_seen for inc in self.incarnations.values())
+        return max((inc.last_seen for inc in self._own()), default=0.0)
 
     @property
     def closed(self) -> bool:
@@ -188,12 +194,12 @@ class RankState:
 
     def longest_streak(self, optimizer: str) -> int:
         """Longest skip streak of ``optimizer`` over every incarnation."""
-        return max((inc.longest.get(optimizer, 0) for inc in self.incarnations.values()), default=0)
+        return max((inc.longest.get(optimizer, 0) for inc in self._own()), default=0)
 
     def latest_nonfinite(self, optimizer: str) -> Optional[str]:
         """The latest parameter named on a skip of ``optimizer``, newest incarnation first."""
         best = None
-        for inc in self.incarnations.values():
+        for inc in self._own():
             hit = inc.nonfinite.get(optimizer)
             if hit is not None and (best is None or (inc.first_seen, hit[0]) > best[0]):
                 best = ((inc.first_seen, hit[0]), hit[1])
