@@ -81,9 +81,9 @@ def test_a_flood_of_runs_and_events_from_one_client_leaves_room_for_a_real_job_f
             answers[code] = answers.get(code, 0) + 1
         flood_s = time.monotonic() - started
         refused = _post(flooder, make_batch(run="junk-one-more"))
-        events = [skip_event(i + 1) for i in range(10_000)]
-        event_answers = [_post(flooder, make_batch(run="junk-0", seq=2 + i, events=events)).status_code
-                         for i in range(10)]
+        event_answers = [_post(flooder, make_batch(run="junk-0", seq=2 + i, events=[
+            skip_event(10_000 * i + k + 1, iteration=10_000 * i + k) for k in range(10_000)])).status_code
+            for i in range(10)]
         real = _post(job, make_batch(run="real-job", events=[skip_event(1)]))
         text = flooder.get("/metrics").text
         print(f"\nrun flood: 1000 runs in {flood_s:.1f} s from one address, answers {answers}; ten batches of "

@@ -121,3 +121,21 @@ def test_a_restart_right_after_a_crash_is_not_a_conflict_and_its_counts_add_up(t
         assert value(text, "ampwatch_rank_conflicts_total", run=RUN, rank="3") == 0
         assert client.get(f"/v1/runs/{RUN}/events", params={"kind": "rank_conflict"}).json()["events"] == []
         assert _firing(client, "AmpRankConflict") == []
+        # The collector's own event kind cannot be forged by an agent.
+        forged = {"id": 9, "kind": "rank_conflict", "time": time.time(), "iteration": 0, "live_incarnation": VICTIM}
+        answer = client.post("/v1/ingest", json=make_batch(run="forged", events=[forged]))
+        assert answer.status_code == 422 and answer.json()["error"] == "schema"
+
+
+def test_a_second_watch_in_the_same_process_is_not_a_conflict(tmp_path):
+    # A notebook cell run again: a new incarnation from the same host and pid while the first still sends.
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector, \
+            httpx.Client(base_url=collector.url, timeout=10) as client:
+        again = dict(run=RUN, rank=3, world_size=8, host="node-a", pid=111, incarnation=RESTARTED)
+        assert client.post("/v1/ingest", json=_victim(1)).status_code == 200
+        assert client.post("/v1/ingest", json=make_batch(**again, seq=1)).json() == {"applied": True}
+        assert client.post("/v1/ingest", json=_victim(2)).json() == {"applied": True}
+        assert client.post("/v1/ingest", json=make_batch(**again, seq=2)).json() == {"applied": True}
+        (rank,) = client.get(f"/v1/runs/{RUN}").json()["ranks"]
+        assert (rank["incarnation"], rank["incarnations"], rank["conflicts"]) == (RESTARTED, 2, [])
+        assert value(client.get("/metrics").text, "ampwatch_rank_conflicts_total", run=RUN, rank="3") == 0

@@ -199,7 +199,7 @@ class IngestService:
         if implausible is not None:
             raise _Refused(422, "implausible", implausible)
         new = next_incarnation(old, batch, now, self.config.max_label_length,
-                               displaced=self._live_incarnation(rank, now) if old is None else None)
+                               displaced=self._live_incarnation(rank, batch, now) if old is None else None)
         if rank is not None and old is not None:
             await self._record_conflicts(rank, old, now)
         added = await self.store.submit(
@@ -214,10 +214,13 @@ class IngestService:
         self.own.events.inc(added)
         return 200, _APPLIED
 
-    def _live_incarnation(self, rank: Optional[RankState], now: float) -> Optional[str]:
-        """Return the id of the rank's incarnation if it is live (not closed, seen within --silent-after)."""
+    def _live_incarnation(self, rank: Optional[RankState], batch: Batch, now: float) -> Optional[str]:
+        """Return the id of the rank's incarnation if it is live (not closed, seen within --silent-after) and
+        another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim."""
         live = rank.current if rank is not None else None
         if live is None or live.closed or now - live.last_seen > self.config.silent_after:
+            return None
+        if (live.batch.host, live.batch.pid) == (batch.host, batch.pid):
             return None
         return live.id
 
