@@ -25,6 +25,8 @@ def test_with_a_read_token_the_page_asks_once_keeps_it_for_the_tab_and_never_put
         with httpx.Client(base_url=collector.url, timeout=30) as client:
             for i in range(60):  # more than a page of the run list (50)
                 assert client.post("/v1/ingest", json=make_batch(run=f"run-{i:02d}")).status_code == 200
+        from playwright.sync_api import expect  # polls in Playwright's own world: the page's CSP forbids eval
+
         with open_page(collector.url + "/") as (page, problems):
             requests: list[tuple[str, str]] = []
             page.on("request", lambda r: requests.append((r.url, r.headers.get("authorization", ""))))
@@ -35,16 +37,16 @@ def test_with_a_read_token_the_page_asks_once_keeps_it_for_the_tab_and_never_put
             page.wait_for_selector("#token-wrong:not([hidden])", timeout=30_000)
             page.fill("#token", READ_TOKEN)
             page.click("#token-form button")
-            page.wait_for_function("document.querySelectorAll('#runs tr.run').length === 50", timeout=30_000)
+            expect(page.locator("#runs tr.run")).to_have_count(50, timeout=30_000)
             assert page.locator("#token-form").is_hidden() and page.locator("#error").is_hidden()
             page.click("#more-runs")
-            page.wait_for_function("document.querySelectorAll('#runs tr.run').length === 60", timeout=30_000)
+            expect(page.locator("#runs tr.run")).to_have_count(60, timeout=30_000)
             assert page.locator("#more-runs").is_hidden()
             assert page.evaluate("sessionStorage.getItem('ampwatch-read-token')") == READ_TOKEN
             assert page.evaluate("localStorage.length") == 0 and "token" not in page.evaluate("document.cookie")
             # Asked once: a reload of the tab goes straight to the runs.
             page.reload()
-            page.wait_for_function("document.querySelectorAll('#runs tr.run').length === 50", timeout=30_000)
+            expect(page.locator("#runs tr.run")).to_have_count(50, timeout=30_000)
             assert page.locator("#token-form").is_hidden()
             api = [(url, auth) for url, auth in requests if "/v1/" in url]
             assert api and all(auth == f"Bearer {READ_TOKEN}" for url, auth in api[-3:])

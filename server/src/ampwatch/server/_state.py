@@ -41,8 +41,9 @@ class Incarnation:
     """The incarnation that was the rank, live (not closed, seen within --silent-after), when this one appeared:
     a restart after a crash, or a second process claiming the rank; which one, that process's next batch tells."""
     conflict_with: Optional[str] = None
-    """Set once the displaced incarnation sent again (two processes claim the rank): this one is then kept out of
-    the rank's series, totals and liveness for good."""
+    """Set once the displaced incarnation sent again (two processes claim the rank): this one is then never again
+    the rank's current process, gauges or liveness, and its later batches are refused; what it counted before
+    stays in the totals (exposed counters never go down)."""
 
     def to_row(self, batch_json: Optional[str] = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
