@@ -29,10 +29,8 @@ from typing import Optional
 
 import httpx
 
-from bench import _servers
+from bench import _servers  # puts tests/helpers on sys.path
 from bench._before_after import before_after, store
-
-sys.path.insert(0, _servers._HELPERS)
 from batches import make_batch, optimizer, skip_event  # noqa: E402
 from exposition import value  # noqa: E402
 

@@ -183,7 +183,7 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
         summary="Two processes claim one run and rank",
         description=f"A second process claimed {_ON_RANK} while the first one kept sending (conflicts so far: "
                     "{value}): two jobs share a run id, or something else writes into the collector. The first "
-                    "process stays the rank; the other's batches are kept out of its series."),
+                    "process stays the rank; the other's later batches are refused."),
 )}
 """Every alert, by name, in the order of the generated rules."""
 

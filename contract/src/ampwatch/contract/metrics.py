@@ -91,7 +91,7 @@ RANK_INFO = Metric("ampwatch_rank_info", "gauge",
                    "Identity of the rank (value 1).")
 RANK_CONFLICTS = Metric("ampwatch_rank_conflicts_total", "counter", _RANK,
                         "Processes (agent incarnations) that claimed the rank while another one was still sending "
-                        "to it; they are kept out of the rank's series.")
+                        "to it; they are put out of the rank, whose gauges stay the first process's.")
 RANK_ORIGIN_ITERATIONS = Metric("ampwatch_rank_origin_iterations_total", "counter", _RANK,
                                 "Iterations where some optimizer skipped and this rank's own gradients held inf/NaN "
                                 "before DDP's all-reduce (only ranks watched with ddp=).")
