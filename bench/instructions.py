@@ -23,8 +23,9 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
-__all__ = ["CASES", "run"]
+__all__ = ["CASES", "callgrind_instructions", "run"]
 
 CASES = (("mlp", False), ("mlp", True))
 """(model, fused) pairs measured; the tiny MLP is where a fixed per-iteration cost weighs most."""
@@ -43,24 +44,34 @@ def _child(variant: str, model: str, fused: bool, iterations: int) -> None:
         setup.watch.close(timeout=0)
 
 
-def _count(variant: str, model: str, fused: bool, iterations: int, workdir: str) -> int:
-    """Return the instructions of ``iterations`` measured iterations of one variant."""
-    out = os.path.join(workdir, f"{variant}-{model}-{'fused' if fused else 'foreach'}.cg")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
-    env["OMP_NUM_THREADS"] = "1"  # one compute thread: the same work in the same order every run
+def callgrind_instructions(module_args: list[str], out: str, env: Optional[dict] = None) -> int:
+    """Run ``python -m <module_args>`` under callgrind; return the instructions between its two markers.
+
+    The child calls ``os.getppid()`` where counting starts and ``os.getpgrp()`` where it ends. ``env`` adds
+    to this process's environment (``AMPWATCH_*`` left out, one compute thread). Minutes per call.
+    """
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
+    child_env["OMP_NUM_THREADS"] = "1"  # one compute thread: the same work in the same order every run
+    child_env.update(env or {})
     command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--zero-before=getppid",
-               "--dump-before=getpgrp", sys.executable, "-m", "bench.instructions", "--child", variant, model,
-               str(int(fused)), str(iterations)]
-    subprocess.run(command, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   check=True, capture_output=True, timeout=900)
+               "--dump-before=getpgrp", sys.executable, "-m", *module_args]
+    subprocess.run(command, env=child_env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   check=True, capture_output=True, timeout=1800)
     dumps = sorted(glob.glob(out + ".*"))  # the dump taken before getpgrp: only the measured iterations
     if not dumps:
-        raise RuntimeError(f"callgrind wrote no dump for {variant} ({out}.*): was getpgrp ever called?")
+        raise RuntimeError(f"callgrind wrote no dump for {module_args} ({out}.*): was getpgrp ever called?")
     with open(dumps[0]) as f:
         for line in f:
             if line.startswith(("summary:", "totals:")):
                 return int(line.split()[1])
     raise RuntimeError(f"no instruction total in {dumps[0]}")
+
+
+def _count(variant: str, model: str, fused: bool, iterations: int, workdir: str) -> int:
+    """Return the instructions of ``iterations`` measured iterations of one variant."""
+    out = os.path.join(workdir, f"{variant}-{model}-{'fused' if fused else 'foreach'}.cg")
+    return callgrind_instructions(["bench.instructions", "--child", variant, model, str(int(fused)),
+                                   str(iterations)], out)
 
 
 def run(iterations: int = 200) -> dict:
