@@ -83,7 +83,8 @@ def _time_child(rounds: int, block: int) -> dict:
         plain_us = statistics.median(cpu["plain"]) * 1e6
         return {"agent": agent.__file__, "plain_cpu_us_per_iter": round(plain_us, 1),
                 "origin_cpu_us_per_iter": round(statistics.median(cpu["origin"]) * 1e6, 1),
-                "hook_own_us_per_iter": own["own_us_per_iter"], "hook_own_us_per_iter_mean": own["own_us_per_iter_mean"],
+                "hook_own_us_per_iter": own["own_us_per_iter"],
+                "hook_own_us_per_iter_mean": own["own_us_per_iter_mean"],
                 "buckets_per_iter": own["buckets_per_iter"],
                 "hook_own_share_of_plain_iter": round(own["own_us_per_iter"] / plain_us, 5)}
     finally:
