@@ -7,7 +7,7 @@ GradScaler), all watched by the agent without a collector. ``plain``: DDP's buil
 (one ``aminmax`` per bucket, a list append). Blocks of iterations rotate between them
 (``bench.overhead.rotate``) in the same order on both ranks; the cost is the median of per-round ratios
 of rank 0's process CPU time to ``plain`` (noisy: it includes waiting on the other rank). Steadier: the
-hook's own work (its call timed from outside, minus the wrapped all-reduce it runs) as a share of the
+hook's own work (its call's thread CPU time, minus the wrapped all-reduce it runs) as a share of the
 plain iteration. Also: host-device syncs
 (``aten._local_scalar_dense``) per clean iteration.
 
@@ -44,23 +44,24 @@ class HookClock:
     """Time the origin hook's own work: each call of it timed from outside, minus the wrapped hook it runs.
 
     Works on any revision of ``OriginHook`` that keeps the wrapped hook as ``.hook`` (it patches the class's
-    ``__call__`` once per process, so only for benchmarks). Keeps one duration per call: on a machine shared
-    with other jobs a call that was preempted lasts milliseconds, so the median call is the steady figure
-    (the mean is kept too). The timers add about two ``perf_counter`` pairs per bucket (~0.1 us).
+    ``__call__`` once per process, so only for benchmarks). Counts the calling thread's CPU time
+    (``time.thread_time``), not the wall clock: on a machine shared with other jobs a call's wall time also
+    counts the time another job held the core. The timers' own cost, measured at start, is taken off each call.
     """
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self.calls: list[float] = []
         self._wrapped_s = 0.0
+        self.timer_s = _timer_cost()
         hook = ddp._comm_hooks[0][0]
         wrapped = hook.hook
 
         def timed_wrapped(state, bucket):  # type: ignore[no-untyped-def]
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return wrapped(state, bucket)
             finally:
-                self._wrapped_s = time.perf_counter() - start
+                self._wrapped_s = time.thread_time() - start
         hook.hook, hook.bench_clock = timed_wrapped, self
         cls = type(hook)
         if not getattr(cls.__call__, "bench_timed", False):
@@ -69,11 +70,11 @@ class HookClock:
             def timed_call(this, state, bucket):  # type: ignore[no-untyped-def]
                 clock = this.bench_clock
                 clock._wrapped_s = 0.0
-                start = time.perf_counter()
+                start = time.thread_time()
                 try:
                     return untimed(this, state, bucket)
                 finally:
-                    clock.calls.append(time.perf_counter() - start - clock._wrapped_s)
+                    clock.calls.append(time.thread_time() - start - clock._wrapped_s - clock.timer_s)
             timed_call.bench_timed = True  # type: ignore[attr-defined]
             cls.__call__ = timed_call
 
@@ -81,11 +82,23 @@ class HookClock:
         self.calls = []
 
     def per_iteration_us(self, iterations: int) -> dict:
-        """The hook's own time per iteration: median call x calls per iteration, and the plain mean."""
+        """The hook's own CPU time per iteration (mean, and median call x calls per iteration)."""
         buckets = len(self.calls) / iterations
         return {"buckets_per_iter": buckets,
-                "own_us_per_iter": round(statistics.median(self.calls) * buckets * 1e6, 2),
-                "own_us_per_iter_mean": round(sum(self.calls) / iterations * 1e6, 2)}
+                "own_us_per_iter": round(sum(self.calls) / iterations * 1e6, 2),
+                "own_us_per_iter_median_call": round(statistics.median(self.calls) * buckets * 1e6, 2),
+                "timer_us_per_call_taken_off": round(self.timer_s * 1e6, 3)}
+
+
+def _timer_cost(n: int = 2000) -> float:
+    """The CPU time HookClock's two nested timer pairs add to one measured call (median of ``n``)."""
+    costs = []
+    for _ in range(n):
+        start = time.thread_time()
+        inner = time.thread_time()
+        inner = time.thread_time() - inner
+        costs.append(time.thread_time() - start - inner)
+    return statistics.median(costs)
 
 
 class DdpSetup:
@@ -142,10 +155,11 @@ def _measure(model: str, rounds: int, block: int) -> dict:
         cpu, wall = rotate(setups, rounds, block)
         result = {"model": model, "variants": compare(cpu, wall, base="plain")}
         iterations = rounds * block
-        # The hook's own work, timed around it: steadier than a difference of two noisy loop times.
+        # The hook's own work, its CPU time timed around it: steadier than a difference of two noisy loop times.
         own = clock.per_iteration_us(iterations)
         plain_s = result["variants"]["plain"]["cpu_us_per_iter"] / 1e6
-        result.update(note_us_per_iter=own["own_us_per_iter"], note_us_per_iter_mean=own["own_us_per_iter_mean"],
+        result.update(note_us_per_iter=own["own_us_per_iter"],
+                      note_us_per_iter_median_call=own["own_us_per_iter_median_call"],
                       buckets_per_iter=own["buckets_per_iter"],
                       note_share_of_plain_iter=round(own["own_us_per_iter"] / 1e6 / plain_s, 5))
         for name, s in setups.items():

@@ -11,9 +11,9 @@ without ``ddp=``), ``python_hook`` (DDP's own ``allreduce_hook`` as a Python com
 1. Instructions per iteration, counted by valgrind's callgrind (exact; ``bench.instructions``' markers:
    set-up, imports and a warm-up left out). About 10-20 minutes on a loaded 2-core machine (four
    valgrind processes, two at a time).
-2. The hook's own time per iteration (``bench.ddp_origin.HookClock``: the hook's call timed from outside
-   minus the wrapped all-reduce), as a share of ``plain``'s process CPU time per iteration, both from the
-   same child (rotating blocks). Noisy on a shared machine; the instruction count is the steady figure.
+2. The hook's own CPU time per iteration (``bench.ddp_origin.HookClock``: the thread CPU time of the hook's
+   call minus the wrapped all-reduce's), as a share of ``plain``'s process CPU time per iteration, both from
+   the same child (rotating blocks). Noisier than the count on a shared machine (caches, clock rate).
 
     python -m bench.origin_hook [--before REF] [--iterations N] [--rounds R] [--store]
 
@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from bench._before_after import ROOT, source_of, store
-from bench.instructions import callgrind_instructions
+from bench.instructions import callgrind_instructions, counting_ends, counting_starts
 
 __all__ = ["run", "main"]
 
@@ -60,9 +60,9 @@ def _count_child(variant: str, iterations: int) -> None:
     _group()
     setup = DdpSetup(MODEL, origin=variant.startswith("origin"), python_hook=variant == "python_hook", clock=False)
     setup.iterate(WARMUP)
-    os.getppid()  # callgrind zeroes its counters here
+    counting_starts()
     setup.iterate(iterations)
-    os.getpgrp()  # ... and dumps them here
+    counting_ends()
     setup.close()
 
 
@@ -84,7 +84,8 @@ def _time_child(rounds: int, block: int) -> dict:
         return {"agent": agent.__file__, "plain_cpu_us_per_iter": round(plain_us, 1),
                 "origin_cpu_us_per_iter": round(statistics.median(cpu["origin"]) * 1e6, 1),
                 "hook_own_us_per_iter": own["own_us_per_iter"],
-                "hook_own_us_per_iter_mean": own["own_us_per_iter_mean"],
+                "hook_own_us_per_iter_median_call": own["own_us_per_iter_median_call"],
+                "timer_us_per_call_taken_off": own["timer_us_per_call_taken_off"],
                 "buckets_per_iter": own["buckets_per_iter"],
                 "hook_own_share_of_plain_iter": round(own["own_us_per_iter"] / plain_us, 5)}
     finally:
@@ -126,13 +127,16 @@ def run(before: Optional[str], iterations: int = 50, rounds: int = 20, block: in
         for _ in range(3):  # alternate the two revisions, three times each: the same load on both
             for side in timing:
                 timing[side].append(_timed(old if side == "before" else None, rounds, block))
-    summary = {side: {"hook_own_us_per_iter": statistics.median(t["hook_own_us_per_iter"] for t in runs),
-                      "hook_own_share_of_plain_iter": statistics.median(t["hook_own_share_of_plain_iter"]
-                                                                        for t in runs),
-                      "plain_cpu_us_per_iter": statistics.median(t["plain_cpu_us_per_iter"] for t in runs)}
-               for side, runs in timing.items()}
     return {"model": MODEL, "world_size": 1, "backend": "gloo", "before": before, "instructions": instructions,
-            "timing": {"rounds": rounds, "block": block, "runs": timing, "median": summary}}
+            "timing": {"rounds": rounds, "block": block, "runs": timing,
+                       "median": {side: median_run(runs) for side, runs in timing.items()}}}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose share of the plain iteration is the median (its figures kept together)."""
+    ordered = sorted(runs, key=lambda r: r["hook_own_share_of_plain_iter"])
+    return {k: ordered[len(ordered) // 2][k] for k in ("hook_own_us_per_iter", "hook_own_share_of_plain_iter",
+                                                        "plain_cpu_us_per_iter")}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

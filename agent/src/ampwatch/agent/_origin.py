@@ -135,8 +135,9 @@ class OriginFlags:
             return
         if not keep:
             notes.clear()
-            self._release(list(self._kept))
-            self._reports.clear()
+            if self._kept or self._reports:
+                self._release(list(self._kept))
+                self._reports.clear()
             return
         if any(bucket is not None for bucket in notes.buckets):
             self._kept[iteration] = notes
@@ -169,7 +170,7 @@ class OriginFlags:
         noted = notes.noted() if notes is not None else []
         if not noted:
             return None, False
-        with torch.no_grad():  # buckets may differ in dtype and device: one flag each, then one read
+        with torch.no_grad():  # buckets may differ in dtype: one flag each, then one read
             flags = torch.stack([torch.isfinite(notes.extremes[i]).all().logical_not() for i in noted])
         bad = [notes.buckets[i] for i, flag in zip(noted, _device.read_later(flags).wait()) if flag]
         params = [p for bucket in bad for p in bucket.parameters()]
