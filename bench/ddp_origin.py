@@ -4,12 +4,11 @@ Each rank holds three identical DDP models (same weights, same data, each with i
 GradScaler), all watched by the agent without a collector. ``plain``: DDP's built-in C++ all-reduce.
 ``python_hook``: DDP's own ``allreduce_hook`` registered as a Python comm hook, nothing of ampwatch
 (what any Python comm hook costs). ``origin``: ``ddp=model``, ampwatch's hook wrapping that all-reduce
-(one ``aminmax`` per bucket, a list append). Blocks of iterations rotate between them
+(one ``aminmax`` per bucket, written in place). Blocks of iterations rotate between them
 (``bench.overhead.rotate``) in the same order on both ranks; the cost is the median of per-round ratios
 of rank 0's process CPU time to ``plain`` (noisy: it includes waiting on the other rank). Steadier: the
 hook's own work (its call's thread CPU time, minus the wrapped all-reduce it runs) as a share of the
-plain iteration. Also: host-device syncs
-(``aten._local_scalar_dense``) per clean iteration.
+plain iteration. Also: host-device syncs (``aten._local_scalar_dense``) per clean iteration.
 
     python -m bench.ddp_origin [--quick]
 """
@@ -155,7 +154,7 @@ def _measure(model: str, rounds: int, block: int) -> dict:
         cpu, wall = rotate(setups, rounds, block)
         result = {"model": model, "variants": compare(cpu, wall, base="plain")}
         iterations = rounds * block
-        # The hook's own work, its CPU time timed around it: steadier than a difference of two noisy loop times.
+        # The hook's own CPU time, timed around it: steadier than a difference of two noisy loop times.
         own = clock.per_iteration_us(iterations)
         plain_s = result["variants"]["plain"]["cpu_us_per_iter"] / 1e6
         result.update(note_us_per_iter=own["own_us_per_iter"],

@@ -5,8 +5,8 @@ question. Valgrind's callgrind counts the instructions the process executes inst
 its own process under callgrind; the counters are zeroed right before the measured iterations (the
 process calls ``os.getppid()``, i.e. libc ``getppid``: ``--zero-before=getppid``) and dumped right after
 (``os.getpgrp()``: ``--dump-before=getpgrp``), so imports, set-up and warm-up are left out; they also run
-uninstrumented (``--instr-atstart=no``, switched on by ``callgrind_control`` once the child is set up). The loops are
-``bench.overhead.Setup``'s: the same model, data, two optimizers, ``GradScaler("cpu")`` and bfloat16
+uninstrumented (``--instr-atstart=no``, switched on by ``callgrind_control`` once the child is set up).
+The loops are ``bench.overhead.Setup``'s: the same model, data, two optimizers, ``GradScaler("cpu")`` and bfloat16
 autocast; the watched loop also asks ``watch.stepped()`` for both optimizers every iteration. No collector:
 the sender thread sleeps between pushes and is measured apart (its CPU time is a few milliseconds per minute).
 
@@ -50,7 +50,7 @@ _READY = "BENCH_CALLGRIND_READY"  # a file the child writes once set up; it then
 
 
 def counting_starts() -> None:
-    """In a child run by :func:`callgrind_instructions`: say set-up is done, wait to be instrumented, start counting.
+    """In a child of :func:`callgrind_instructions`: say set-up is done, wait to be instrumented, count.
 
     Until here the child ran without callgrind's instrumentation (``--instr-atstart=no``, several times
     faster: importing torch under full instrumentation takes many minutes on a loaded machine).

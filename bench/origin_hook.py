@@ -9,15 +9,15 @@ without ``ddp=``), ``python_hook`` (DDP's own ``allreduce_hook`` as a Python com
 ``--before REF``, extracted by ``git archive``, first on the child's path).
 
 1. Instructions per iteration, counted by valgrind's callgrind (exact; ``bench.instructions``' markers:
-   set-up, imports and a warm-up left out). About 10-20 minutes on a loaded 2-core machine (four
-   valgrind processes, two at a time).
+   set-up, imports and a warm-up left out; four valgrind processes, two at a time).
 2. The hook's own CPU time per iteration (``bench.ddp_origin.HookClock``: the thread CPU time of the hook's
    call minus the wrapped all-reduce's), as a share of ``plain``'s process CPU time per iteration, both from
    the same child (rotating blocks). Noisier than the count on a shared machine (caches, clock rate).
 
     python -m bench.origin_hook [--before REF] [--iterations N] [--rounds R] [--store]
 
-``--store`` keeps the result in ``bench/origin_hook_before_after.json``.
+``--store`` keeps the result in ``bench/origin_hook_before_after.json`` (``python -m bench --render
+docs/benchmarks.json`` then shows it as section 8). About 12 minutes on the shared 2-core machine.
 """
 
 from __future__ import annotations

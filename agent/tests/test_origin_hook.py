@@ -105,7 +105,7 @@ def test_after_the_first_iterations_every_bucket_is_noted_into_the_same_storage(
         _backward(model, x)
         storage = _noted(flags)
         assert len(storage) > 1
-        for bucket in flags.notes.noted():  # what was written is the bucket's own extremes
+        for bucket in flags.notes.noted():  # the bucket's own extremes (world size 1: the all-reduce keeps them)
             low, high = flags.notes.extremes[bucket].tolist()
             buffer = flags.notes.buckets[bucket].buffer()
             assert (low, high) == (buffer.min().item(), buffer.max().item())
