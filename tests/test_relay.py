@@ -215,3 +215,28 @@ def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_ex
     assert refused == 1, "the relay tried v2 once, then kept to v1"
     for rank in range(world):
         assert value(text, "ampwatch_agent_rejected_batches_total", run=run, rank=str(rank)) == 0
+
+
+def test_a_stopped_relay_rank_is_bypassed_and_the_other_ranks_keep_reporting_exactly(tmp_path):
+    run, world = "relay-stopped", 3
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
+        try:
+            _wait_for(lambda: list(tmp_path.glob("relay?")) and all(
+                value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)))
+            stopped = int(next(tmp_path.glob("relay?")).name[-1])
+            ranks[stopped].send_signal(signal.SIGSTOP)  # alive, holding its lock, answering nobody
+            others = [r for r in range(world) if r != stopped]
+            before = {r: value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in others}
+            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+                                  > before[r] + 50 for r in others))
+            ranks[stopped].send_signal(signal.SIGCONT)
+            truths = _finish(ranks, tmp_path)
+        finally:
+            for proc in ranks.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGCONT)
+            _kill_all(ranks)
+        for rank, truth in truths.items():
+            _check_exact(collector.url, run, rank, truth)
+    print(f"\nrelay rank {stopped} stopped; ranks {others} kept reporting past it")

@@ -29,6 +29,7 @@ __all__ = ["NodeChannel", "RelayedClient"]
 log = logging.getLogger("ampwatch.agent")
 
 RETRY_GAP = 1.0  # seconds: after failing to reach or become the relay, post directly this long before trying again
+HUNG_RELAY_GAP = 30.0  # seconds: after a relay let a batch time out, post directly this long before trying it again
 
 
 class NodeChannel:
@@ -48,27 +49,33 @@ class NodeChannel:
     def post(self, url: str, body: bytes, timeout: float) -> Answer | None:
         """Hand ``body`` to the relay and return the collector's answer; ``None``: post it yourself.
 
-        Waits at most about twice ``timeout`` (the relay's window, its request, and a v1 retry
-        when the collector refuses v2). Costs a Unix-socket round trip when the relay is up.
+        Waits at most ``timeout`` plus the relay's window. Costs a Unix-socket round trip when the
+        relay is up; when it is not, a failed ``connect`` at most once per second.
         """
         conn = self._connection()
         if conn is None:
             return None
         try:
-            conn.settimeout(2 * timeout + relay_window(self.config) + 1.0)
+            conn.settimeout(timeout + relay_window(self.config))
             conn.sendall(encode_frame(url, body))
             head = _read_exactly(conn, REPLY_HEAD.size)
             reply = json.loads(_read_exactly(conn, REPLY_HEAD.unpack(head)[0]))
             retry_after = reply.get("retry_after")
             return Answer(reply["status"], reply["detail"], float(retry_after) if retry_after is not None else None)
+        except TimeoutError:
+            # Alive but not answering (stopped, or stuck on a slow collector): it keeps its lock, so nobody
+            # takes over; post directly for a while rather than wait on it again at every batch.
+            self._fall_back("did not answer in time", HUNG_RELAY_GAP)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            self._disconnect()
-            self._next_try = 0.0  # the relay died or hung: next time, take over or find the new one
-            if not self._said_fallback:
-                self._said_fallback = True
-                log.info("ampwatch: the node relay did not answer (%s); this rank posts for itself until a relay "
-                         "is back", exc)
-            return None
+            self._fall_back(f"is gone ({exc})", 0.0)  # next time: take over, or find the rank that did
+        return None
+
+    def _fall_back(self, why: str, gap: float) -> None:
+        self._disconnect()
+        self._next_try = time.monotonic() + gap
+        if not self._said_fallback:
+            self._said_fallback = True
+            log.info("ampwatch: the node relay %s; this rank posts for itself until a relay answers again", why)
 
     def close(self) -> None:
         """Disconnect, and stop the relay if this rank runs it (the other ranks then elect a new one)."""
