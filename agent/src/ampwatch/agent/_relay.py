@@ -116,8 +116,6 @@ class NodeRelay:
                  errors: AgentErrors) -> None:
         self.config, self.paths, self.errors = config, paths, errors
         self.window = relay_window(config)
-        self.requests = 0  # POSTs made, v1 and v2
-        self.batches = 0   # rank batches answered by a collector
         self._lock_fd, self._listener = lock_fd, listener
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = threading.Event()
@@ -255,9 +253,14 @@ class NodeRelay:
                 for peer, answer in zip(chunk, answers):
                     peer.url = peer.body = None
                     try:
+                        peer.sock.settimeout(1.0)  # a reply is small and its rank is reading: never long
                         peer.sock.sendall(encode_reply(answer))
+                        peer.sock.setblocking(False)
                     except OSError:  # the rank gave up waiting: it posts for itself (the collector dedups)
-                        pass
+                        try:
+                            peer.sock.shutdown(socket.SHUT_RDWR)  # no half reply: the next read drops it
+                        except OSError:
+                            pass
 
     def _post(self, url: str, bodies: list[bytes]) -> list[Answer]:
         """Post ``bodies`` to ``url`` as one v2 request (v1 each when one, or the collector refuses v2)."""
@@ -266,22 +269,16 @@ class NodeRelay:
             client = self._clients[url] = IngestClient(url, self.config.token)
         timeout = self.config.timeout
         if len(bodies) > 1 and self._v1_until.get(url, 0.0) <= time.monotonic():
-            self.requests += 1
             answer = client.post(encode_node_batch(bodies), timeout)
             answers = _per_rank(answer, len(bodies))
             if answers is not None:
-                self.batches += len(bodies) if answer.status is not None else 0
                 return answers
-            # Refused as a whole: a collector that knows only v1 says 422 (or 400): post each batch as v1.
+            # Refused as a whole: a collector that knows only v1 says 422 (or 400), one with a smaller body
+            # limit than the default 413: post each batch as v1.
             self._v1_until[url] = time.monotonic() + V1_RECHECK
             log.info("ampwatch: %s refused a protocol v2 batch (HTTP %s); the relay posts protocol v1 for the "
                      "next %d s", url, answer.status, V1_RECHECK)
-        answers = []
-        for body in bodies:
-            self.requests += 1
-            answers.append(client.post(body, timeout))
-        self.batches += sum(a.status is not None for a in answers)
-        return answers
+        return [client.post(body, timeout) for body in bodies]
 
     def _drop(self, selector: selectors.BaseSelector, peer: _Peer) -> None:
         self._peers.pop(peer.sock, None)
@@ -308,8 +305,11 @@ class NodeRelay:
         self._wake_w.close()
 
     def _after_fork_in_child(self) -> None:
-        """Close the inherited socket and lock in a forked child, so they die with the parent."""
-        self._stop.set()
+        """Close the inherited socket and lock in a forked child, so they die with the parent.
+
+        Takes no lock (another thread of the parent may have held one at fork time): ``close()``
+        does nothing in a child, as the pid tells it.
+        """
         for sock in (self._listener, self._wake_r, self._wake_w, *self._peers):
             sock.close()
         self._peers.clear()
@@ -329,7 +329,7 @@ def _per_rank(answer: Answer, count: int) -> list[Answer] | None:
         if not isinstance(results, list) or len(results) != count:
             return None
         return [_rank_answer(r) for r in results]
-    if answer.outcome is Outcome.REJECTED and answer.status in (400, 404, 405, 415, 422):
+    if answer.outcome is Outcome.REJECTED and answer.status in (400, 404, 405, 413, 415, 422):
         return None
     return [answer] * count  # no answer, back-pressure, auth...: the same for every rank, each acts on it
 

@@ -1,4 +1,8 @@
-"""POST /v1/ingest: authenticate, bound, validate, apply idempotently, answer after COMMIT (v1: one rank; v2: a node)."""
+"""POST /v1/ingest: authenticate, bound, validate, apply idempotently, answer after COMMIT.
+
+A protocol v1 body is one rank's batch; a v2 body (a node relay's) is several, each applied and answered
+on its own by the same per-rank path.
+"""
 
 from __future__ import annotations
 
