@@ -8,15 +8,25 @@ same counters and events travel either way; ``answered`` counts rank updates app
 compare is the collector's CPU per rank update; latency is from send to answer (a v2 answer waits
 for the node's whole batch to commit).
 
-    python -m bench.relay                          # 1,024 ranks, 10 s per side: about 30 s
-    python -m bench.relay --ranks 1024 4096 --out bench/relay.json   # both levels: about 70 s
+Then the real thing, for how many batches a relay really gathers: ``--per-node`` processes with the
+real sender (stand-in recorders, no training) and ``AMPWATCH_RELAY=1`` at the default push interval,
+started together as a launcher starts them, against one more collector, twice: counters only (a
+healthy job), and a skip on every rank at the same moment every 5 s (as DDP ranks skip together).
+The collector's own counters give batches applied per request.
+
+    python -m bench.relay                          # 1,024 ranks, 10 s per side, then the real relay: ~3 min
+    python -m bench.relay --ranks 1024 4096 --out bench/relay.json   # both levels: about 4 minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import urllib.request
 
 from bench import _servers
 from bench._before_after import store
@@ -33,6 +43,45 @@ def _side(target: str, ranks: int, seconds: int, per_node: int) -> dict:
         result = _servers.load(srv, ranks, seconds, target=target, per_node=per_node)
     result["requests_per_s"] = round(result["requests"] / max(1e-9, result["elapsed_s"]), 1)
     return result
+
+
+_AGENT = """
+import sys, time
+from delivery_harness import make_sender
+url, rank, world, seconds, relay_dir, skips = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), \
+    sys.argv[5], sys.argv[6] == "skips"
+sender, recorder = make_sender(url, run="bench-relay", rank=rank, world_size=world, push_interval=1.0,
+                               max_backoff=30.0, timeout=5.0, relay=True, relay_dir=relay_dir)
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    if not skips:  # healthy training: counters only
+        time.sleep(0.5)
+        continue
+    time.sleep(max(0.0, min(end - time.monotonic(), 5.0 - time.time() % 5.0)))
+    recorder.skip()  # every rank at the same moment, as DDP ranks skip together; news goes out soon
+    sender.wake()
+sender.close(10)
+"""
+SCENARIOS = ("counters only", "skips")
+
+
+def real_relay(agents: int = 8, seconds: int = 30, scenario: str = "counters only") -> dict:
+    """Run ``agents`` real senders relaying on this host for ``seconds``; return batches per request."""
+    with _servers.collector() as srv, tempfile.TemporaryDirectory() as relay_dir:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([_servers._HELPERS, os.environ.get("PYTHONPATH", "")]))
+        procs = [subprocess.Popen([sys.executable, "-c", _AGENT, srv.url, str(r), str(agents), str(seconds),
+                                   relay_dir, scenario.split()[0]], env=env) for r in range(agents)]
+        for proc in procs:
+            proc.wait(seconds + 300)  # importing torch takes a while on a loaded machine
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as answer:
+            text = answer.read().decode()
+    sys.path.insert(0, _servers._HELPERS)
+    from exposition import value
+    requests = value(text, "ampwatch_collector_ingest_requests_total", code="200") or 0
+    batches = value(text, "ampwatch_collector_batches_applied_total") or 0
+    return {"scenario": scenario, "agents": agents, "seconds": seconds, "push_interval_s": 1.0,
+            "requests": requests, "batches": batches, "batches_per_request": round(batches / max(1, requests), 2),
+            "exit_codes": sorted({p.returncode for p in procs})}
 
 
 def run(ranks: int = 1024, seconds: int = 10, per_node: int = 8) -> dict:
@@ -65,12 +114,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024], help="one or more levels, each both ways")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--per-node", type=int, default=8)
+    parser.add_argument("--real-seconds", type=int, default=30, help="how long the real relay runs, per scenario")
     parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
     args = parser.parse_args(argv)
-    result = {"levels": [run(ranks, args.seconds, args.per_node) for ranks in args.ranks]}
+    result = {"levels": [run(ranks, args.seconds, args.per_node) for ranks in args.ranks],
+              "real_relay": [real_relay(args.per_node, args.real_seconds, scenario) for scenario in SCENARIOS]}
     for level in result["levels"]:
         print(json.dumps(level, indent=1)) if args.json else _print(level)
+    for real in result["real_relay"]:
+        print(f"real relay, {real['scenario']}: {real['agents']} sender processes, push every "
+              f"{real['push_interval_s']} s for {real['seconds']} s: {real['batches']:.0f} batches in "
+              f"{real['requests']:.0f} requests ({real['batches_per_request']} per request)")
     if args.out:
         store(args.out, KEY, result, sys.argv)
     return result

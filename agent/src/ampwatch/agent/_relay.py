@@ -3,8 +3,8 @@
 Runs on its own daemon thread in whichever rank first claims the host's relay
 lock (``flock``, released by the kernel when that process dies, so another
 rank can take over). Ranks hand over encoded v1 batches
-(:mod:`ampwatch.agent._relay_channel`); the relay waits a short window to
-gather the other ranks' batches, posts them as one protocol v2 request per
+(:mod:`ampwatch.agent._relay_channel`); the relay waits a little to gather
+the other ranks' batches (:func:`relay_wait`), posts them as one protocol v2 request per
 collector, and answers each rank with its own result. Against a collector
 that refuses v2 it posts each batch as v1. Nothing here touches the training
 thread; a failure closes the affected connection, and that rank then posts
@@ -36,7 +36,7 @@ from ._http import Answer, IngestClient, Outcome
 from ._identity import Identity
 from ._limits import COLLECTOR_DEFAULTS
 
-__all__ = ["RelayPaths", "relay_paths", "NodeRelay", "relay_window", "encode_frame", "encode_reply",
+__all__ = ["RelayPaths", "relay_paths", "NodeRelay", "relay_wait", "relay_hold", "encode_frame", "encode_reply",
            "FRAME_HEAD", "REPLY_HEAD"]
 
 log = logging.getLogger("ampwatch.agent")
@@ -47,9 +47,23 @@ MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"]
 V1_RECHECK = 300.0  # seconds: how long a collector that refused v2 gets v1 before the relay tries v2 again
 
 
-def relay_window(config: AgentConfig) -> float:
-    """Return how long the relay waits for the other ranks' batches after the first arrives (seconds)."""
+def relay_wait(config: AgentConfig, body: bytes) -> float:
+    """Return how long the relay may hold ``body`` for other ranks' batches to join it (seconds).
+
+    News (a batch with events, or the closing one) waits at most 0.2 s (half the push interval
+    if shorter): the other ranks' news of the same step (DDP ranks skip together) joins it. A
+    batch of counters only waits up to one push interval (at most 1 s), long enough for every
+    rank of the host to hand over its own whatever their phases. Costs two substring searches
+    (the agent's compact JSON has ``"events":[]`` exactly when there are no events).
+    """
+    if b'"events":[]' in body and b'"closed":true' not in body:
+        return relay_hold(config)
     return min(0.2, config.push_interval / 2)
+
+
+def relay_hold(config: AgentConfig) -> float:
+    """Return the longest the relay holds a batch before posting it (seconds)."""
+    return min(1.0, config.push_interval)
 
 
 class RelayPaths:
@@ -100,22 +114,21 @@ def encode_reply(answer: Answer) -> bytes:
 class _Peer:
     """One rank's connection: bytes read so far, and the batch it waits to have posted."""
 
-    __slots__ = ("sock", "buffer", "url", "body", "since")
+    __slots__ = ("sock", "buffer", "url", "body", "due")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buffer = sock, bytearray()
         self.url: str | None = None
         self.body: bytes | None = None
-        self.since = 0.0
+        self.due = 0.0  # monotonic time by which its batch is posted
 
 
 class NodeRelay:
-    """Posts this host's ranks' batches, one v2 request per collector per window; see the module docstring."""
+    """Posts this host's ranks' batches, one v2 request per collector at a time; see the module docstring."""
 
     def __init__(self, config: AgentConfig, paths: RelayPaths, lock_fd: int, listener: socket.socket,
                  errors: AgentErrors) -> None:
         self.config, self.paths, self.errors = config, paths, errors
-        self.window = relay_window(config)
         self._lock_fd, self._listener = lock_fd, listener
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = threading.Event()
@@ -192,16 +205,16 @@ class NodeRelay:
             self._release(selector)
 
     def _wait(self) -> float | None:
-        """Return how long select() may sleep: until the oldest waiting batch's window ends."""
-        since = [p.since for p in self._peers.values() if p.body is not None]
-        return None if not since else max(0.0, min(since) + self.window - time.monotonic())
+        """Return how long select() may sleep: until the first waiting batch is due."""
+        due = [p.due for p in self._peers.values() if p.body is not None]
+        return None if not due else max(0.0, min(due) - time.monotonic())
 
     def _due(self) -> bool:
-        """Return whether to post now: every connected rank has a batch waiting, or the window is over."""
+        """Return whether to post now: every connected rank has a batch waiting, or one batch is due."""
         waiting = [p for p in self._peers.values() if p.body is not None]
         if not waiting:
             return False
-        return len(waiting) == len(self._peers) or time.monotonic() >= min(p.since for p in waiting) + self.window
+        return len(waiting) == len(self._peers) or time.monotonic() >= min(p.due for p in waiting)
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         while True:
@@ -238,7 +251,8 @@ class NodeRelay:
         if len(peer.buffer) > end or url not in self.config.collectors:
             self._drop(selector, peer)  # the relay posts only where its own ranks are configured to
             return
-        peer.url, peer.body, peer.since = url, bytes(peer.buffer[FRAME_HEAD.size + url_len:end]), time.monotonic()
+        peer.url, peer.body = url, bytes(peer.buffer[FRAME_HEAD.size + url_len:end])
+        peer.due = time.monotonic() + relay_wait(self.config, peer.body)
         peer.buffer.clear()
 
     def _flush(self) -> None:

@@ -22,7 +22,7 @@ from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._http import Answer, IngestClient
 from ._identity import Identity
-from ._relay import REPLY_HEAD, NodeRelay, RelayPaths, encode_frame, relay_paths, relay_window
+from ._relay import REPLY_HEAD, NodeRelay, RelayPaths, encode_frame, relay_hold, relay_paths
 
 __all__ = ["NodeChannel", "RelayedClient"]
 
@@ -49,14 +49,14 @@ class NodeChannel:
     def post(self, url: str, body: bytes, timeout: float) -> Answer | None:
         """Hand ``body`` to the relay and return the collector's answer; ``None``: post it yourself.
 
-        Waits at most ``timeout`` plus the relay's window. Costs a Unix-socket round trip when the
+        Waits at most ``timeout`` plus the relay's longest hold (1 s). Costs a Unix-socket round trip when the
         relay is up; when it is not, a failed ``connect`` at most once per second.
         """
         conn = self._connection()
         if conn is None:
             return None
         try:
-            conn.settimeout(timeout + relay_window(self.config))
+            conn.settimeout(timeout + relay_hold(self.config))
             conn.sendall(encode_frame(url, body))
             head = _read_exactly(conn, REPLY_HEAD.size)
             reply = json.loads(_read_exactly(conn, REPLY_HEAD.unpack(head)[0]))
