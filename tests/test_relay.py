@@ -211,9 +211,13 @@ def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_ex
         for rank, truth in truths.items():
             _check_exact(collector.url, run, rank, truth)
         text = _metrics(collector.url)
+        requests, batches = _requests_and_batches(collector.url)
     refused = value(text, "ampwatch_collector_ingest_requests_total", code="422") - 1  # less the probe above
-    print(f"\nthe v1-only collector refused {refused:.0f} v2 request(s); every batch then went as v1")
-    assert refused == 1, "the relay tried v2 once, then kept to v1"
+    print(f"\nthe v1-only collector refused {refused:.0f} v2 request(s); then {batches:.0f} batches went as v1 "
+          f"in {requests:.0f} requests")
+    # Each relay tries v2 once, then keeps to v1 (one more relay may take over while the ranks close).
+    assert 1 <= refused <= world - 1
+    assert requests == batches, "every batch the old collector took came alone, as v1"
     for rank in range(world):
         assert value(text, "ampwatch_agent_rejected_batches_total", run=run, rank=str(rank)) == 0
 
