@@ -136,6 +136,8 @@ class ScaleChangeEvent(_EventBase):
     cause: Literal[SCALE_CAUSES]  # type: ignore[valid-type]
     before: Optional[ScaleFloat]
     after: Optional[ScaleFloat]
+    # Backoffs in consecutive iterations this event stands for (the agent folds a storm's backoffs); 1 otherwise.
+    count: Positive = 1
 
 
 class SchedulerAfterSkipEvent(_EventBase):

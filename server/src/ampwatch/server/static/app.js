@@ -331,7 +331,9 @@ function eventDetails(e) {
       }
       break;
     }
-    case "scale_change": cell.append(`${e.cause}: ${scaleText(e.before)} → ${scaleText(e.after)}`); break;
+    case "scale_change":
+      cell.append(`${e.cause}${e.count > 1 ? ` ×${e.count}` : ""}: ${scaleText(e.before)} → ${scaleText(e.after)}`);
+      break;
     case "streak_end": cell.append(`streak of ${e.length} from iteration ${e.start_iteration} ended`); break;
     case "scheduler_after_skip": cell.append(`scheduler ${e.scheduler} stepped after a skip`); break;
     case "warning": cell.append(`${e.code}: ${e.message}`); break;
