@@ -76,13 +76,14 @@ def ampwatch_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) 
     return body
 
 
-def storm_template(run: str, rank: int, ranks: int, pattern: str) -> Callable[[int, bool], bytes]:
-    """Return ``(seq, storm) -> body``: a batch of a rank with two optimizers, skipping on all of them in a storm."""
+def storm_template(run: str, rank: int, ranks: int, pattern: str) -> Callable[[int, bool, int], bytes]:
+    """Return ``(seq, storm, intervals) -> body``: a batch of a rank with two optimizers covering ``intervals``
+    push intervals of training (more than 1 after missed slots), skipping on all of them in a storm."""
     prefix = _identity(run, rank, ranks)
     model = StormRank(pattern)
 
-    def body(seq: int, storm: bool) -> bytes:
-        events = model.push(storm)
+    def body(seq: int, storm: bool, intervals: int = 1) -> bytes:
+        events = model.push(storm, intervals)
         rest = {"seq": seq, "sent_at": time.time(), "scaler": _SCALER, "state": model.state(), "events": events,
                 "closed": False}
         return (prefix + ", " + json.dumps(rest)[1:]).encode()
@@ -171,10 +172,11 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
         build = storm_template(run, rank, ranks, pattern)
     else:
         plain = (ampwatch_template if target == "ampwatch" else pushgateway_template)(run, rank, ranks, _every[0])
-        build = lambda seq, _storm: plain(seq)  # noqa: E731
+        build = lambda seq, _storm, _intervals: plain(seq)  # noqa: E731
     head = _request(target, run, rank)
     hard_stop = start + seconds + grace
     seq = slot = 0
+    last_slot = -1
     try:
         # Ranks spread evenly over each interval.
         while (due := start + (rank / ranks + slot) * interval) < start + seconds:
@@ -190,7 +192,8 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
             seq += 1
             slot += 1
             in_storm = storm is not None and storm[0] <= due < storm[1]
-            body = build(seq, in_storm)
+            body = build(seq, in_storm, slot - 1 - last_slot)  # training went on through the missed slots
+            last_slot = slot - 1
             sent = time.perf_counter()
             try:
                 status = await asyncio.wait_for(_exchange(reader, writer, head, body), max(0.001, hard_stop - sent))
@@ -284,7 +287,7 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
             "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
             "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
             "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
-            "offered_per_s": None if saturate else ranks, "missed_slots": tally.missed,
+            "offered_per_s": None if saturate else round(ranks / interval, 1), "missed_slots": tally.missed,
             "unanswered": tally.unanswered,
             "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
             "timeouts": tally.timeouts, "interval_s": interval,

@@ -69,10 +69,11 @@ class StormRank:
         self._ids += 1
         out.append({"id": self._ids, "kind": kind, "time": time.time(), **fields})
 
-    def push(self, storm: bool) -> list[dict[str, Any]]:
-        """Advance ``iterations`` iterations (all skipped when ``storm``); return their events."""
+    def push(self, storm: bool, intervals: int = 1) -> list[dict[str, Any]]:
+        """Advance ``iterations`` per push interval, ``intervals`` of them (all skipped when ``storm``: a rank
+        that could not send for a while sends what happened meanwhile); return their events."""
         out: list[dict[str, Any]] = []
-        for _ in range(self.iterations):
+        for _ in range(self.iterations * intervals):
             for name, opt in self.optimizers.items():
                 if storm:
                     self._skip(out, name, opt)
