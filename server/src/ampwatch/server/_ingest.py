@@ -13,7 +13,7 @@ from ._access import bearer_matches
 from ._config import ServerConfig
 from ._metrics import SelfMetrics
 from ._recovery import load_ranks
-from ._schema import Batch, ValidationError, describe_errors, parse_batch
+from ._schema import Batch, ValidationError, describe_errors, parse_batch, stored_event
 from ._state import CollectorState, LimitExceeded, RankState, next_incarnation
 from ._store import Store, StoreClosed
 
@@ -173,7 +173,7 @@ class IngestService:
             raise _Refused(exc.status, "cardinality", exc.message, retry=exc.retry,
                            retry_after=exc.retry_after) from None
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
-                   getattr(e, "optimizer", None), e.model_dump_json()) for e in batch.events]
+                   getattr(e, "optimizer", None), stored_event(e)) for e in batch.events]
         old = rank.incarnations.get(batch.incarnation) if rank else None
         if old is not None and batch.seq <= old.last_seq:
             # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
