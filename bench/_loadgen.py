@@ -282,16 +282,16 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
         tally.latency = tally.latency_all
     ms = 1000.0
     out = {"target": target, "ranks": ranks, "seconds": seconds, "mode": "saturate" if saturate else "paced",
-            "connections": saturate or ranks, "answered": tally.answered, "failures": tally.failures,
-            "elapsed_s": round(elapsed, 3), "updates_per_s": round(tally.answered / elapsed, 1),
-            "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
-            "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
-            "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
-            "offered_per_s": None if saturate else round(ranks / interval, 1), "missed_slots": tally.missed,
-            "unanswered": tally.unanswered,
-            "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
-            "timeouts": tally.timeouts, "interval_s": interval,
-            "generator_cpu_s": round(time.process_time() - cpu0, 2)}
+           "connections": saturate or ranks, "answered": tally.answered, "failures": tally.failures,
+           "elapsed_s": round(elapsed, 3), "updates_per_s": round(tally.answered / elapsed, 1),
+           "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
+           "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
+           "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
+           "offered_per_s": None if saturate else round(ranks / interval, 1), "missed_slots": tally.missed,
+           "unanswered": tally.unanswered,
+           "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
+           "timeouts": tally.timeouts, "interval_s": interval,
+           "generator_cpu_s": round(time.process_time() - cpu0, 2)}
     if window is not None:
         # Wall-clock bounds of the storm, for whoever samples the server meanwhile (bench/storm.py).
         wall = time.time() - time.perf_counter()

@@ -82,7 +82,9 @@ def measure(ranks: int, warmup: int, storm_seconds: int, pattern: str) -> dict:
             "storm_max_ms": load["storm_max_ms"], "storm_answered": load["storm_answered"],
             "p99_ms": load["p99_ms"], "timeouts_2s": load["timeouts"], "unanswered": load["unanswered"],
             "failures": load["failures"], "missed_slots": load["missed_slots"],
-            "server_cpu_pct": round(100 * cpu / max(1e-9, seconds), 1),
+            "server_cpu_pct": round(100 * cpu / max(1e-9, seconds), 1), "answered": load["answered"],
+            # Collector CPU per answered batch, warm-up and storm together: what a less loaded machine would need.
+            "server_cpu_us_per_batch": round(1e6 * cpu / max(1, load["answered"])),
             "db_mb_per_storm_minute": round((at_end - at_start) * per_minute / 1e6, 2),
             "event_rows_per_storm_minute": round(rows * per_minute),
             "event_mb_per_storm_minute": round(body * per_minute / 1e6, 2),
