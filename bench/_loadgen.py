@@ -11,6 +11,8 @@ reports how late its own sends were (``lag``) and its own CPU, so a slow generat
     python -m bench._loadgen --target ampwatch --port P --ranks 1024 --seconds 10
     python -m bench._loadgen --target pushgateway --port P --ranks 1024 --seconds 10 --saturate 32
     python -m bench._loadgen --target ampwatch-node --per-node 8 --port P --ranks 1024 --seconds 10
+    python -m bench._loadgen --target ampwatch --port P --ranks 1024 --seconds 90 --interval 2 \\
+        --storm 20,60 --pattern streaks     # a whole-job skip storm from 20 s to 80 s (bench/_storm.py)
 """
 
 from __future__ import annotations
@@ -21,15 +23,17 @@ import json
 import sys
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Optional
+
+from bench._storm import PATTERNS, StormRank
 
 from ampwatch.contract.node_batch import encode_node_batch
 
 __all__ = ["ampwatch_body", "ampwatch_node_template", "pushgateway_body", "run", "main"]
 
 SKIP_EVERY = 50  # default: one skip and one backoff every 50th update: realistic, and it exercises the event path
-_OPT = ("gen", "disc")
 PER_NODE = 8  # default: ranks per simulated node (target ampwatch-node)
+_OPT = ("gen", "disc")
 _every = [SKIP_EVERY]  # this process's event rate (set from --skip-every)
 _per_node = [PER_NODE]  # this process's ranks per node (set from --per-node)
 
@@ -39,16 +43,22 @@ def _counters(seq: int, every: int) -> dict:
     return {"seq": seq, "iteration": seq * 10, "steps": seq - skips, "skips": skips, "backoffs": skips}
 
 
-def ampwatch_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) -> Callable[[int], bytes]:
-    """Return ``seq -> body`` of a protocol v1 batch for one rank (two optimizers)."""
-    incarnation = uuid.uuid4().hex
+_SCALER = {"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
+           "backoff_factor": 0.5, "growth_interval": 2000}
+
+
+def _identity(run: str, rank: int, ranks: int) -> str:
+    """The start of a rank's batches (identity of a fresh incarnation), open for the rest of the object."""
     head = {"protocol": 1, "agent": {"version": "0.1.0", "torch": "2.13.0"}, "run": run, "rank": rank,
             "world_size": ranks, "local_rank": rank % 8, "host": f"node-{rank // 8}", "pid": 1000 + rank,
-            "incarnation": incarnation}
-    scaler = {"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
-              "backoff_factor": 0.5, "growth_interval": 2000}
+            "incarnation": uuid.uuid4().hex}
+    return json.dumps(head)[:-1]
+
+
+def ampwatch_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) -> Callable[[int], bytes]:
+    """Return ``seq -> body`` of a protocol v1 batch for one rank (two optimizers)."""
+    prefix = _identity(run, rank, ranks)
     delivery = {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0, "agent_errors": 0}
-    prefix = json.dumps(head)[:-1]
 
     def body(seq: int) -> bytes:
         c = _counters(seq, every)
@@ -63,7 +73,7 @@ def ampwatch_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) 
                        "params_total": 1, "inspected": True},
                       {"id": 2 * skips, "kind": "scale_change", "time": now, "iteration": seq, "cause": "backoff",
                        "before": 65536.0, "after": 32768.0}]
-        rest = {"seq": seq, "sent_at": now, "scaler": scaler,
+        rest = {"seq": seq, "sent_at": now, "scaler": _SCALER,
                 "state": {"iteration": c["iteration"], "loss_scale": 32768.0, "backoffs": skips, "growths": 0,
                           "manual_sets": 0,
                           "optimizers": {"gen": gen, "disc": dict(gen, skipped=0, streaks=0, streaks_reached={})},
@@ -82,6 +92,20 @@ def ampwatch_node_template(run: str, node: int, ranks: int, per_node: int = PER_
     members = [ampwatch_template(run, rank, ranks, every)
                for rank in range(node * per_node, min(ranks, (node + 1) * per_node))]
     return lambda seq: encode_node_batch([build(seq) for build in members])
+
+
+def storm_template(run: str, rank: int, ranks: int, pattern: str) -> Callable[[int, bool, int], bytes]:
+    """Return ``(seq, storm, intervals) -> body``: a batch of a rank with two optimizers covering ``intervals``
+    push intervals of training (more than 1 after missed slots), skipping on all of them in a storm."""
+    prefix = _identity(run, rank, ranks)
+    model = StormRank(pattern)
+
+    def body(seq: int, storm: bool, intervals: int = 1) -> bytes:
+        events = model.push(storm, intervals)
+        rest = {"seq": seq, "sent_at": time.time(), "scaler": _SCALER, "state": model.state(), "events": events,
+                "closed": False}
+        return (prefix + ", " + json.dumps(rest)[1:]).encode()
+    return body
 
 
 def pushgateway_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) -> Callable[[int], bytes]:
@@ -171,6 +195,8 @@ class _Tally:
     def __init__(self) -> None:
         self.latency: list[float] = []  # seconds, steady state only (after each rank's first 2 updates)
         self.latency_all: list[float] = []  # seconds, every answered update (first contact included)
+        self.latency_storm: list[float] = []  # seconds, updates sent during the storm (``--storm``)
+        self.timeouts = 0  # answers slower than the agent's timeout (2 s), unanswered ones included
         self.missed = 0  # update slots a rank skipped because the answers came too slowly
         self.unanswered = 0  # requests still unanswered at the end of the grace period
         self.lag: list[float] = []      # seconds the send started after its schedule (generator or server behind)
@@ -181,20 +207,30 @@ class _Tally:
         self.last_answer = 0.0
 
 
+AGENT_TIMEOUT_S = 2.0  # the agent's default AMPWATCH_TIMEOUT: a slower answer is a failed send, retried
+
+
 async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, start: float, seconds: int,
-                      grace: float, tally: _Tally) -> None:
+                      grace: float, tally: _Tally, interval: float = 1.0,
+                      storm: Optional[tuple[float, float]] = None, pattern: str = "streaks") -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    build = _template(target, run, rank, ranks)
+    if storm is not None:
+        build = storm_template(run, rank, ranks, pattern)
+    else:
+        plain = _template(target, run, rank, ranks)
+        build = lambda seq, _storm, _intervals: plain(seq)  # noqa: E731
     head = _request(target, run, rank)
     hard_stop = start + seconds + grace
     seq = slot = 0
+    last_slot = -1
     senders = _senders(target, ranks)
     try:
-        while (due := start + rank / senders + slot) < start + seconds:  # senders spread evenly over each second
+        # Senders (ranks, or nodes) spread evenly over each interval.
+        while (due := start + (rank / senders + slot) * interval) < start + seconds:
             now = time.perf_counter()
-            if now - due >= 1.0:
+            if now - due >= interval:
                 # A whole interval behind: skip to the current slot, as an agent sends its latest state, not a backlog.
-                behind = int(now - due)
+                behind = int((now - due) / interval)
                 slot += behind
                 tally.missed += behind
                 continue
@@ -202,18 +238,24 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
                 await asyncio.sleep(due - now)
             seq += 1
             slot += 1
-            body = build(seq)
+            in_storm = storm is not None and storm[0] <= due < storm[1]
+            body = build(seq, in_storm, slot - 1 - last_slot)  # training went on through the missed slots
+            last_slot = slot - 1
             sent = time.perf_counter()
             try:
                 statuses = await asyncio.wait_for(_exchange(reader, writer, head, body), max(0.001, hard_stop - sent))
             except asyncio.TimeoutError:
                 tally.unanswered += 1
+                tally.timeouts += 1
                 tally.latency.append(hard_stop - sent)  # censored: at least this long
                 return
             done = time.perf_counter()
             tally.first_send = min(tally.first_send, sent)
             tally.last_answer = max(tally.last_answer, done)
             tally.latency_all.append(done - sent)
+            tally.timeouts += done - sent > AGENT_TIMEOUT_S
+            if in_storm:
+                tally.latency_storm.append(done - sent)
             if seq > 2:
                 tally.latency.append(done - sent)
                 tally.lag.append(max(0.0, sent - due))
@@ -258,8 +300,10 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, grace: float) -> dict:
+async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, grace: float,
+               interval: float = 1.0, storm: Optional[tuple[float, float]] = None, pattern: str = "streaks") -> dict:
     tally = _Tally()
+    window = None
     run = f"bench-{ranks}"
     cpu0 = time.process_time()
     if saturate:
@@ -270,33 +314,49 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
                                for g in groups))
     else:
         start = time.perf_counter() + 0.5
-        await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally)
-                               for r in range(_senders(target, ranks))))
+        if storm is not None:
+            window = (start + storm[0], start + storm[0] + storm[1])
+        await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally, interval,
+                                           window, pattern) for r in range(_senders(target, ranks))))
     elapsed = max(1e-9, tally.last_answer - min(tally.first_send, tally.last_answer))
     if not tally.latency:  # a run too short for steady state: every answer counts
         tally.latency = tally.latency_all
     ms = 1000.0
-    return {"target": target, "ranks": ranks, "seconds": seconds, "mode": "saturate" if saturate else "paced",
-            "connections": saturate or _senders(target, ranks), "requests": tally.requests,
-            "answered": tally.answered, "failures": tally.failures,
-            "elapsed_s": round(elapsed, 3), "updates_per_s": round(tally.answered / elapsed, 1),
-            "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
-            "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
-            "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
-            "offered_per_s": None if saturate else ranks, "missed_slots": tally.missed,
-            "unanswered": tally.unanswered,
-            "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
-            "generator_cpu_s": round(time.process_time() - cpu0, 2)}
+    out = {"target": target, "ranks": ranks, "seconds": seconds, "mode": "saturate" if saturate else "paced",
+           "connections": saturate or _senders(target, ranks), "requests": tally.requests,
+           "answered": tally.answered, "failures": tally.failures,
+           "elapsed_s": round(elapsed, 3), "updates_per_s": round(tally.answered / elapsed, 1),
+           "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
+           "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
+           "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
+           "offered_per_s": None if saturate else round(ranks / interval, 1), "missed_slots": tally.missed,
+           "unanswered": tally.unanswered,
+           "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
+           "timeouts": tally.timeouts, "interval_s": interval,
+           "generator_cpu_s": round(time.process_time() - cpu0, 2)}
+    if window is not None:
+        # Wall-clock bounds of the storm, for whoever samples the server meanwhile (bench/storm.py).
+        wall = time.time() - time.perf_counter()
+        out.update(pattern=pattern, storm_wall=[window[0] + wall, window[1] + wall],
+                   storm_answered=len(tally.latency_storm),
+                   storm_p50_ms=round(_pct(tally.latency_storm, .50) * ms, 2),
+                   storm_p99_ms=round(_pct(tally.latency_storm, .99) * ms, 2),
+                   storm_max_ms=round(max(tally.latency_storm, default=float("nan")) * ms, 2))
+    return out
 
 
-def run(target: str, port: int, ranks: int, seconds: int, saturate: int = 0, grace: float = 5.0) -> dict:
-    """Drive ``target`` on ``port`` (in this process); return throughput, latency and the generator's own cost."""
+def run(target: str, port: int, ranks: int, seconds: int, saturate: int = 0, grace: float = 5.0,
+        interval: float = 1.0, storm: Optional[tuple[float, float]] = None, pattern: str = "streaks") -> dict:
+    """Drive ``target`` on ``port`` (in this process); return throughput, latency and the generator's own cost.
+
+    ``storm``: ``(after_s, seconds)``: every rank skips every iteration in that window (bench/_storm.py).
+    """
     try:
         import uvloop  # the server side has it too; a cheaper loop keeps the generator out of the measurement
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    return runner(_run(target, port, ranks, seconds, saturate, grace))
+    return runner(_run(target, port, ranks, seconds, saturate, grace, interval, storm, pattern))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,10 +374,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after the last slot before unanswered requests are given up (bounds the run)")
     parser.add_argument("--saturate", type=int, default=0, metavar="CONNECTIONS",
                         help="instead of one update per rank per second, send back to back on this many connections")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between two updates of a rank")
+    parser.add_argument("--storm", metavar="AFTER,SECONDS",
+                        help="a whole-job skip storm: every rank skips every iteration from AFTER for SECONDS")
+    parser.add_argument("--pattern", choices=PATTERNS, default="streaks",
+                        help="the events of a storm: as the agent sends them now (streaks) or before issue 14")
     args = parser.parse_args(argv)
     _every[0] = args.skip_every
     _per_node[0] = args.per_node
-    print(json.dumps(run(args.target, args.port, args.ranks, args.seconds, args.saturate, args.grace)))
+    storm = None
+    if args.storm:
+        if args.target != "ampwatch":  # the storm model is one rank's; node batches carry healthy ranks only
+            parser.error("--storm drives the ampwatch collector only")
+        after, seconds = (float(x) for x in args.storm.split(","))
+        storm = (after, seconds)
+    print(json.dumps(run(args.target, args.port, args.ranks, args.seconds, args.saturate, args.grace,
+                         args.interval, storm, args.pattern)))
     return 0
 
 

@@ -12,8 +12,9 @@ __all__ = ["render", "BEFORE_AFTER"]
 
 BEFORE_AFTER = os.path.join(os.path.dirname(__file__), "tail_before_after.json")  # written by hand-run bench.tail
 JOB_1024 = os.path.join(os.path.dirname(__file__), "job1024_before_after.json")
+"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``storm``, ``metrics_size`` and ``run_page`` with
+``--out``."""
 ORIGIN_HOOK = os.path.join(os.path.dirname(__file__), "origin_hook_before_after.json")  # python -m bench.origin_hook
-"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``metrics_size`` and ``run_page`` with ``--out``."""
 GPU_RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
 
@@ -363,6 +364,28 @@ def _job1024(doc: dict) -> list[str]:
                              f"{_fmt(r['seconds'])} | {_fmt(r['dropped_so_far'])} |")
         lines += ["", f"`{storm['command']}`, {storm['date']}. Grouped by alert and run, the resolved phase goes "
                   "out one `--notify-group-interval` (60 s) after the firing one.", ""]
+    skip_storm = doc.get("storm")
+    if skip_storm:
+        a = skip_storm["after"]
+        lines += [f"A whole-job skip storm: {_fmt(a['ranks'])} ranks x 2 optimizers push every {_fmt(a['interval_s'])} s; "
+                  f"after a clean warm-up every rank skips every iteration ({a['iterations_per_push']} per push) for "
+                  f"{_fmt(a['storm_seconds'])} s. Each side gets the events its agent sends (before: one per skipped "
+                  "step per optimizer and one per backoff; after: a streak's rungs and end, backoffs folded), "
+                  "`bench/_storm.py`, checked against a real agent by `tests/test_bench_storm.py`:", "",
+                  "| | ingest p50 ms | p99 ms | max ms | answers over 2 s | batches answered (slots missed) | "
+                  "collector CPU µs per batch | event rows per storm-minute | event MB per storm-minute | "
+                  "database MB per storm-minute |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for side in ("before", "after"):
+            r = skip_storm[side]
+            name = f"before ({r['ref']})" if side == "before" else "after"
+            lines.append(f"| {name} | {_fmt(r['storm_p50_ms'])} | {_fmt(r['storm_p99_ms'])} | "
+                         f"{_fmt(r['storm_max_ms'])} | {_fmt(r['timeouts_2s'])} | "
+                         f"{_fmt(r.get('answered'))} ({_fmt(r['missed_slots'])}) | {_fmt(r.get('server_cpu_us_per_batch'))} | "
+                         f"{_fmt(r['event_rows_per_storm_minute'])} | {_fmt(r['event_mb_per_storm_minute'], 2)} | "
+                         f"{_fmt(r['db_mb_per_storm_minute'], 2)} |")
+        lines += ["", f"`{skip_storm['command']}`, {skip_storm['date']}, load average {_fmt(a['loadavg_1m'])} at the "
+                  "end (a shared machine: latencies are the machine's as much as the collector's).", ""]
     size = doc.get("metrics_size")
     if size:
         lines += ["`/metrics` of a collector filled with 1,024 ranks x 2 optimizers (three batches each), scraped "

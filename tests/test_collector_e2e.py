@@ -66,9 +66,15 @@ def _check_against_truth(url: str, run: str) -> None:
             assert value(text, "ampwatch_nonfinite_gradient_info", parameter=truth["first_param"][opt], **o) == 1
     with urllib.request.urlopen(f"{url}/v1/runs/{run}/events?kind=skip&limit=1000", timeout=10) as answer:
         skips = json.load(answer)["events"]
-    # One skip event per rank, optimizer and overflow iteration: nothing lost, nothing twice.
-    assert sorted((e["rank"], e["optimizer"], e["iteration"]) for e in skips) == \
-        sorted((rank, opt, it) for rank in (0, 1) for opt in ("body", "head") for it in OVERFLOW)
+    # The streak of 8 is sent as its rungs, its 1st, 2nd, 4th and 8th skip, per rank and optimizer (the origin
+    # stays the same through it): nothing lost, nothing twice; its end carries its length.
+    rungs = [OVERFLOW[n - 1] for n in (1, 2, 4, 8)]
+    assert sorted((e["rank"], e["optimizer"], e["iteration"], e["streak"]) for e in skips) == \
+        sorted((rank, opt, it, it - OVERFLOW[0] + 1) for rank in (0, 1) for opt in ("body", "head") for it in rungs)
+    with urllib.request.urlopen(f"{url}/v1/runs/{run}/events?kind=streak_end&limit=1000", timeout=10) as answer:
+        ends = json.load(answer)["events"]
+    assert sorted((e["rank"], e["optimizer"], e["start_iteration"], e["length"]) for e in ends) == \
+        sorted((rank, opt, OVERFLOW[0], len(OVERFLOW)) for rank in (0, 1) for opt in ("body", "head"))
     assert all(e["origin"] is (e["rank"] == 0) for e in skips)
     assert all(e["origin_params"] for e in skips if e["rank"] == 0)
     with urllib.request.urlopen(f"{url}/v1/runs/{run}", timeout=10) as answer:

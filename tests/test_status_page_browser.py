@@ -47,8 +47,11 @@ def test_the_status_page_shows_the_run_its_ranks_skips_and_the_streak_alert_with
             alerts = page.locator("#firing tr.alert[data-alert=AmpConsecutiveSkippedSteps]")
             assert alerts.count() == 4  # 2 ranks x 2 optimizers, severity warning
             assert {alerts.nth(i).locator("td").nth(1).text_content() for i in range(4)} == {"warning"}
-            # Skip marks: one per rank, optimizer and skipped iteration (the last hour's events).
-            assert page.locator("circle.skip-mark").count() == 2 * 2 * 20
+            # Skip marks: one per rank, optimizer and skip the agent sent (the streak of 20's 1st, 2nd, 4th, 8th
+            # and 16th), and one stroke per rank and optimizer over the whole streak once it ended.
+            assert page.locator("circle.skip-mark").count() == 2 * 2 * 5
+            page.wait_for_selector("line.skip-streak", timeout=15_000)
+            assert page.locator("line.skip-streak").count() == 2 * 2
             assert page.locator("path.scale-line").count() == 2
             skips = page.locator("#events tr.event[data-kind=skip]")
             # Offending parameters are named (the first skips were inspected; a storm rate-limits later ones).

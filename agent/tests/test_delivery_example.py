@@ -30,10 +30,15 @@ def test_the_ddp_example_delivers_every_ranks_skips_backoffs_and_close_under_one
         mine = [b for b in batches if b["rank"] == rank]
         events = [e for b in mine for e in b["events"]]
         skips = {(e["optimizer"], e["iteration"]) for e in events if e["kind"] == "skip"}
-        # DDP all-reduces rank 1's inf into rank 0's gradients too: both ranks skip both optimizers.
-        assert skips == {(opt, it) for opt in ("body", "head") for it in (10, 11, 12)}
-        assert [e["cause"] for e in events if e["kind"] == "scale_change"].count("backoff") == 3
+        # DDP all-reduces rank 1's inf into rank 0's gradients too: both ranks skip both optimizers, a
+        # streak of 3 sent as its rungs (1st, 2nd skip) and its end.
+        assert skips == {(opt, it) for opt in ("body", "head") for it in (10, 11)}
+        ends = {(e["optimizer"], e["start_iteration"], e["length"]) for e in events if e["kind"] == "streak_end"}
+        assert ends == {(opt, 10, 3) for opt in ("body", "head")}
+        backoffs = [e for e in events if e["kind"] == "scale_change" and e["cause"] == "backoff"]
+        assert sum(e.get("count", 1) for e in backoffs) == 3
         final = mine[-1]["state"]
+        assert final["backoffs"] == 3
         assert final["iteration"] == 30 and final["optimizers"]["body"]["skipped"] == 3
         assert final["delivery"] == {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0,
                                      "agent_errors": 0}

@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ampwatch.contract.protocol import is_rung
+
 from bench.gpu._amp import Amp, inject, overflowing_input, step_all
 
 __all__ = ["Plan", "Run", "compare", "drain_events", "expected", "run_plan"]
@@ -121,11 +123,45 @@ def expected(run: Run, plan: Plan, growth_factor: float = 2.0, backoff_factor: f
                 scale, tracker = scale * growth_factor, 0
         if scale != before:
             transitions.append((i, cause, before, scale))
-    return {"optimizers": optimizers, "transitions": transitions, "final_scale": scale,
-            "skips": sorted((n, i) for i, row in enumerate(run.truth) for n in names if not row[n]),
+    skips = []
+    for n in names:  # a streak is sent as its rungs (1st, 2nd, 4th, ... skip) and its end
+        position = 0
+        for i, row in enumerate(run.truth):
+            position = 0 if row[n] else position + 1
+            if position and is_rung(position):
+                skips.append((n, i))
+    return {"optimizers": optimizers, "transitions": fold_backoffs(transitions), "final_scale": scale,
+            "skips": sorted(skips),
             "backoffs": sum(t[1] == "backoff" for t in transitions),
             "growths": sum(t[1] == "growth" for t in transitions),
             "manual_sets": sum(t[1] == "manual" for t in transitions)}
+
+
+def fold_backoffs(transitions: list[tuple]) -> list[tuple]:
+    """Return ``(iteration, cause, before, after, count)`` as the agent sends them: backoffs in consecutive
+    iterations folded at the run's 1st, 2nd, 4th, ... backoff, and the rest when the run ends."""
+    out: list[tuple] = []
+    pending: list[tuple] = []  # backoffs of the current run not yet in an event
+    length, last = 0, None
+
+    def fold() -> None:
+        if pending:
+            out.append((pending[-1][0], "backoff", pending[0][2], pending[-1][3], len(pending)))
+            pending.clear()
+    for t in transitions:
+        if t[1] != "backoff" or last is None or t[0] != last + 1:
+            fold()  # a run of backoffs ends at any other transition or iteration
+            length = 0
+        if t[1] != "backoff":
+            out.append((*t, 1))
+            last = None
+            continue
+        length, last = length + 1, t[0]
+        pending.append(t)
+        if is_rung(length):
+            fold()
+    fold()
+    return out
 
 
 def drain_events(watch: Any) -> list[dict[str, Any]]:
@@ -167,9 +203,10 @@ def compare(run: Run, plan: Plan, state: dict[str, Any], events: list[dict[str, 
     skips = sorted((e["optimizer"], e["iteration"]) for e in events if e["kind"] == "skip")
     if skips != exp["skips"]:
         problems.append(f"skip events (optimizer, iteration): agent {_diff(skips, exp['skips'])}")
-    changes = [(e["iteration"], e["cause"], e["before"], e["after"]) for e in events if e["kind"] == "scale_change"]
+    changes = [(e["iteration"], e["cause"], e["before"], e["after"], e.get("count", 1)) for e in events
+               if e["kind"] == "scale_change"]
     if changes != exp["transitions"]:
-        problems.append(f"scale_change events (iteration, cause, before, after): agent {_diff(changes, exp['transitions'])}")
+        problems.append(f"scale_change events (iteration, cause, before, after, count): agent {_diff(changes, exp['transitions'])}")
     wrong = [(i, n, a, run.truth[i][n]) for i, row in enumerate(run.answers) for n, a in row.items()
              if a is not run.truth[i][n]]
     if wrong:

@@ -475,3 +475,24 @@ def test_every_alert_has_severity_summary_description_and_runbook():
         assert x.labels["severity"] in ("warning", "critical")
         assert set(x.annotations) == {"summary", "description", "runbook_url"}
         assert x.labels["run"] in x.annotations["description"]
+
+
+def test_evaluating_one_rank_changes_only_its_alerts_and_nothing_stays_indexed_once_all_resolved():
+    from ampwatch.server.alerting.conditions import ActiveAlert
+    from ampwatch.server.alerting.states import AlertStates
+
+    def active(rank: int, name: str = "AmpConsecutiveSkippedSteps", for_s: float = 0.0) -> ActiveAlert:
+        return ActiveAlert(name=name, labels={"run": "r", "rank": str(rank), "optimizer": "gen", "severity": "warning"},
+                           value=16.0, for_s=for_s, annotations={})
+
+    states = AlertStates()
+    fired = [c for r in range(100) for c in states.advance([active(r)], 0.0, ("r", str(r)))]
+    assert [a.labels["rank"] for a in fired] == [str(r) for r in range(100)]
+    assert states.advance([active(3), active(3, "AmpHighSkippedStepRatio", for_s=60.0)], 0.5, ("r", "3")) == []
+    # Rank 7 evaluated and clean: its alert resolves, no other rank's does.
+    (gone,) = states.advance([], 1.0, ("r", "7"))
+    assert (gone.labels["rank"], gone.ends_at) == ("7", 1.0) and len(states.firing()) == 99
+    # Rank 3 evaluated with neither condition: its firing alert resolves and its pending one is dropped.
+    assert [a.labels["rank"] for a in states.advance([], 2.0, ("r", "3"))] == ["3"]
+    assert len(states.advance([], 3.0)) == 98  # everything evaluated, nothing holds
+    assert states.firing() == [] and states._by_group == {} and states._pending == {}

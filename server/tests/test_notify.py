@@ -324,3 +324,48 @@ def test_a_groups_later_changes_wait_for_its_interval_and_go_out_together(receiv
         [("0", "resolved")] + [(str(r), "firing") for r in range(1, 5)]
     # The first went out after the group's wait, the second an interval after the first was sent: a lower bound.
     assert later["time"] - submitted >= config.group_wait_s + config.group_interval_s
+
+
+def test_a_group_still_firing_with_nothing_new_is_sent_again_every_repeat_interval_and_changes_do_not_wait_for_it():
+    from ampwatch.server.alerting.grouping import AlertGroups
+
+    groups = AlertGroups(wait_s=5, interval_s=60, repeat_s=3600)
+    ranks = lambda notifications: [[(a.labels["rank"], a.ends_at is None) for a in n] for n in notifications]  # noqa: E731
+    groups.add(rank_alert("AmpPoisonedStep", 0), now=0.0)
+    assert ranks(groups.take_due(5.0)) == [[("0", True)]]
+    # Nothing new: no notification until the repeat interval, then the same group again, and again.
+    assert groups.next_due() == 3605.0 and groups.take_due(3604.9) == []
+    assert ranks(groups.take_due(3605.0)) == [[("0", True)]]
+    assert ranks(groups.take_due(7205.0)) == [[("0", True)]]
+    # A change goes out at the group interval, not at the repeat; the repeat then counts from it.
+    groups.add(rank_alert("AmpPoisonedStep", 1), now=7210.0)
+    assert groups.next_due() == 7265.0
+    assert ranks(groups.take_due(7265.0)) == [[("0", True), ("1", True)]]
+    assert groups.next_due() == 7265.0 + 3600
+    # Once every alert of the group resolved and that was sent, nothing repeats.
+    groups.add(rank_alert("AmpPoisonedStep", 0).resolved(1.0), now=7300.0)
+    groups.add(rank_alert("AmpPoisonedStep", 1).resolved(1.0), now=7300.0)
+    assert ranks(groups.take_due(7325.0)) == [[("0", False), ("1", False)]]
+    assert groups.next_due() is None and len(groups) == 0
+    # Closing sends what is new, never a reminder that is not due.
+    groups.add(rank_alert("AmpPoisonedStep", 2), now=8000.0)
+    groups.take_due(8005.0)
+    assert groups.take_due(8006.0, everything=True) == []
+    with pytest.raises(ValueError, match="repeat interval"):
+        AlertGroups(wait_s=5, interval_s=60, repeat_s=0)
+
+
+def test_the_notifier_reminds_a_webhook_of_a_group_that_keeps_firing(receiver):
+    target = Target(kind="webhook", url=receiver.url)
+    config = NotifyConfig(group_wait_s=0, group_interval_s=0, repeat_interval_s=0.2, timeout_s=10.0)
+    with notifier_for(target, config=config) as notifier:
+        notifier.submit([rank_alert("AmpPoisonedStep", 0), rank_alert("AmpPoisonedStep", 1)])
+        got = receiver.wait_for(lambda reqs: len(reqs) >= 3)  # the first notification and two reminders
+        notifier.submit([rank_alert("AmpPoisonedStep", r).resolved(1_764_400_030.0) for r in (0, 1)])
+        receiver.wait_for(lambda reqs: any(r["body"]["status"] == "resolved" for r in reqs))
+    for request in got[:3]:
+        body = request["body"]
+        assert body["status"] == "firing" and body["groupLabels"] == {"alertname": "AmpPoisonedStep",
+                                                                      "run": "exp-42"}
+        assert [a["labels"]["rank"] for a in body["alerts"]] == ["0", "1"]
+    assert NotifyConfig().repeat_interval_s == 4 * 3600  # Alertmanager's default

@@ -80,3 +80,36 @@ def test_health_ready_and_openapi_answer_and_the_cdn_loading_docs_page_is_off_by
         assert with_docs.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/ingest", "/v1/runs", "/v1/runs/{run}", "/v1/runs/{run}/events", "/metrics"} <= set(paths)
+
+
+def test_events_read_back_whole_although_rows_keep_only_what_is_not_a_column_or_a_default(config_for):
+    import json
+    import sqlite3
+
+    skip = {"id": 1, "kind": "skip", "time": 1_764_400_000.5, "iteration": 7, "optimizer": "gen", "streak": 4,
+            "params": [{"name": "head.weight", "inf": 3, "nan": 0}], "params_total": 1, "inspected": True,
+            "origin": True, "origin_buckets": [2], "origin_params": ["head.weight"], "origin_params_total": 1}
+    bare = {"id": 2, "kind": "skip", "time": 1_764_400_001.0, "iteration": 8, "optimizer": "disc", "streak": 8,
+            "inspected": False}
+    folded = {"id": 3, "kind": "scale_change", "time": 1_764_400_001.0, "iteration": 9, "cause": "backoff",
+              "before": 65536.0, "after": 4096.0, "count": 4}
+    single = {"id": 4, "kind": "scale_change", "time": 1_764_400_002.0, "iteration": 10, "cause": "manual",
+              "before": 4096.0, "after": "NaN"}
+    warning = {"id": 5, "kind": "warning", "time": 1_764_400_003.0, "iteration": 11, "code": "c", "message": "m"}
+    config = config_for()
+    with TestClient(create_app(config)) as client:
+        assert client.post("/v1/ingest", json=make_batch(events=[skip, bare, folded, single, warning])).status_code == 200
+        got = client.get("/v1/runs/exp-42/events").json()["events"]
+    defaults = {"params": [], "params_total": None, "inspected": True, "origin": None, "origin_buckets": [],
+                "origin_params": [], "origin_params_total": None}
+    where = {"rank": 0, "incarnation": make_batch()["incarnation"]}
+    assert got == [dict(skip, **where), dict(defaults, **bare, **where), dict(folded, **where),
+                   dict(single, count=1, **where), dict(warning, optimizer=None, **where)]
+    with sqlite3.connect(config.db) as db:
+        bodies = [json.loads(b) for (b,) in db.execute("SELECT body FROM events ORDER BY rowid")]
+        assert bodies[1] == {"streak": 8, "inspected": False} and bodies[2] == {"cause": "backoff", "before": 65536.0,
+                                                                               "after": 4096.0, "count": 4}
+        # A row written before bodies were trimmed (the whole event in its body) reads back the same.
+        db.execute("UPDATE events SET body = ? WHERE id = 2", (json.dumps(dict(defaults, **bare)),))
+    with TestClient(create_app(config)) as client:
+        assert client.get("/v1/runs/exp-42/events").json()["events"] == got

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ampwatch.contract.protocol import STREAK_LADDER  # lengths counted in streaks_reached: 1, 2, 4, ..., 1024
+from ampwatch.contract.protocol import STREAK_LADDER, is_rung  # streaks_reached lengths: 1, 2, 4, ..., 1024
 
 from . import _device
 from ._errors import AgentErrors
@@ -48,6 +48,7 @@ class OptimizerRecord:
     poison_reported_for: int | None = None  # step iteration already reported as poisoned
     last_streak_inspection: float = float("-inf")  # when the last naming scan at a streak start ended
     check_weights: bool = False  # a streak began this iteration: look at the weights its last step left
+    origin_sent: tuple | None = None  # origin of the streak's last skip event: a change is news, a repeat is not
     # Per scaler.step call, written by the wrappers and the step pre-hook.
     hook_fired: bool = False
     found_inf: torch.Tensor | None = None
@@ -291,7 +292,7 @@ class Recorder:
             record.streak_start = iteration
         if position > record.longest:
             record.longest = position
-        if position & (position - 1) == 0 and position <= STREAK_LADDER[-1]:
+        if is_rung(position) and position <= STREAK_LADDER[-1]:
             record.reached[position.bit_length() - 1] += 1
         if iteration == self.iteration:
             self._skipped_this_iteration = True
@@ -309,11 +310,17 @@ class Recorder:
         # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
         # streak starts at most once per interval per optimizer, counted from the END of the previous
         # naming scan, so a scan longer than the interval cannot run at every streak start.
-        if position & (position - 1):
+        if not is_rung(position):
             return False
         return position > 1 or time.monotonic() - record.last_streak_inspection >= self.inspect_interval
 
     def _report_skip(self, record: OptimizerRecord, position: int, iteration: int) -> None:
+        # A streak is reported by its rungs (positions 1, 2, 4, 8, ...: where naming may scan) and its
+        # streak_end; a skip in between is sent only when it carries news: a change of origin (issue 17).
+        # The counters count every skip, so storage and wire grow with log2 of a streak, not its length.
+        rung = is_rung(position)
+        if position == 1:
+            record.origin_sent = None
         event: dict[str, Any] = {"kind": "skip", "iteration": iteration, "optimizer": record.name,
                                  "streak": position, "params": [], "params_total": None,
                                  "inspected": False}
@@ -339,7 +346,11 @@ class Recorder:
         record.check_weights = check_weights
         if self.origin is not None:
             self._add_origin(event, iteration, current)
-        self.events.append(event)
+        origin = (event["origin"], tuple(event["origin_buckets"])) if "origin" in event else None
+        if rung or (origin is not None and origin != record.origin_sent):
+            if origin is not None:
+                record.origin_sent = origin
+            self.events.append(event)
         if weights is not None and weights.total:
             self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 

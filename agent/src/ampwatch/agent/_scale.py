@@ -8,6 +8,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ampwatch.contract.protocol import is_rung
+
 from . import _device
 from ._events import EventBuffer
 
@@ -33,6 +35,11 @@ class LossScale:
     backoffs, subnormals, inf and NaN included. A value set outside
     ``update()`` (``load_state_dict()`` on resume, a new scaler bound with
     ``Watch.rebind``) is a ``restored`` transition, never a growth or backoff.
+
+    Backoffs in consecutive iterations (a skip storm) are folded like a skip
+    streak: an event at the run's 1st, 2nd, 4th, 8th, ... backoff, and one for
+    the rest when the run ends, each with ``count`` (the backoffs it stands
+    for) when more than one, ``before`` the first of them and ``after`` the last.
     """
 
     def __init__(self, events: EventBuffer) -> None:
@@ -45,6 +52,10 @@ class LossScale:
         self._pending: collections.deque = collections.deque()
         self._source: torch.Tensor | None = None
         self._device: str | None = None
+        # The current run of backoffs in consecutive iterations, and how much of it is already in events.
+        self._run = self._run_sent = 0
+        self._run_before = self._run_after = 0.0  # the scale before the first backoff not yet sent, after the last
+        self._run_last = -2  # iteration of the run's latest backoff
 
     # ----- binding and restoring (rare: watch(), rebind(), load_state_dict()) -------------------
 
@@ -84,6 +95,7 @@ class LossScale:
         self._restore(as_float32(state_dict["scale"]), iteration)
 
     def _restore(self, after: float, iteration: int) -> None:
+        self._end_backoff_run()
         before = self.value
         self.value = after
         if before is not None and not _same(after, before):
@@ -110,6 +122,8 @@ class LossScale:
         if not self.enabled:
             return
         self._clean_iterations = 0 if skipped else self._clean_iterations + 1
+        if not skipped and self._run and not self._pending:
+            self._end_backoff_run()  # a clean update: the run is over (the CUDA path also ends it in _apply)
         live = _device.scale_tensor(scaler)
         if live is not self._source:  # look at the device once per scale tensor, not per iteration
             self._source = live
@@ -131,8 +145,9 @@ class LossScale:
             self._apply(value, iteration, manual)
 
     def close(self) -> None:
-        """Resolve the reads still on their way (may sync once on a GPU)."""
+        """Resolve the reads still on their way (may sync once on a GPU); report a run of backoffs in progress."""
         self._resolve_pending()
+        self._end_backoff_run()
 
     def _resolve_pending(self) -> None:
         while self._pending:
@@ -144,14 +159,18 @@ class LossScale:
     def _apply(self, after: float, iteration: int, manual: bool) -> None:
         before = self.value
         self.value = after
+        backoff = before is not None and not manual and after < before
+        if self._run and (not backoff or iteration != self._run_last + 1):
+            self._end_backoff_run()  # the run of backoffs is over: what is left of it goes out first
         if before is None or _same(after, before):
             return  # unchanged: no transition, not even for update(new_scale=<the same value>)
         if manual:
             cause = "manual"
             self.manual_sets += 1
         elif after < before:
-            cause = "backoff"
             self.backoffs += 1
+            self._backoff(before, iteration)
+            return
         elif after > before:
             cause = "growth"
             self.growths += 1
@@ -159,3 +178,28 @@ class LossScale:
             return  # to or from NaN outside a manual set: update() cannot do that; nothing to count
         self.events.append({"kind": "scale_change", "iteration": iteration, "cause": cause,
                             "before": before, "after": after})
+
+    def _backoff(self, before: float, iteration: int) -> None:
+        if not self._run:
+            self._run_before = before
+        self._run += 1
+        self._run_last, self._run_after = iteration, self.value
+        if is_rung(self._run):  # the 1st, 2nd, 4th, ... backoff of the run
+            self._send_backoffs()
+
+    def _end_backoff_run(self) -> None:
+        if self._run:
+            self._send_backoffs()
+            self._run = self._run_sent = 0
+
+    def _send_backoffs(self) -> None:
+        count = self._run - self._run_sent
+        if not count:
+            return
+        event = {"kind": "scale_change", "iteration": self._run_last, "cause": "backoff",
+                 "before": self._run_before, "after": self._run_after}
+        if count > 1:
+            event["count"] = count
+        self.events.append(event)
+        self._run_sent = self._run
+        self._run_before = self._run_after

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Optional
 
 from .thresholds import AlertThresholds, promql_duration
@@ -95,15 +96,22 @@ class AlertDefinition:
 
         ``fields`` gives run, rank, optimizer, value, percent and duration (those a
         text uses); ``level`` picks the severity whose threshold ``{threshold}`` is.
-        Costs a few string formats.
+        Costs a few string formats (the thresholds are rendered once per ``t``).
         """
-        values: dict[str, Any] = {f.name: _text(f.name, getattr(t, f.name)) for f in dataclasses.fields(t)}
+        values: dict[str, Any] = dict(_threshold_texts(t))
         severity = self.severity(level) if level or len(self.severities) == 1 else None
         if severity is not None and severity.threshold:
             values["threshold"] = values[severity.threshold]
         values.update(fields)
         return {"summary": self.summary.format_map(values), "description": self.description.format_map(values),
                 "runbook_url": self.runbook_url(base_url)}
+
+
+@functools.lru_cache(maxsize=16)
+def _threshold_texts(t: AlertThresholds) -> Mapping[str, str]:
+    # Thresholds rarely change (one per collector); rendering them all per alert instance was most of the cost
+    # of the texts, which a whole-job storm asks for at every batch of every rank in trouble.
+    return {f.name: _text(f.name, getattr(t, f.name)) for f in dataclasses.fields(t)}
 
 
 def _text(field: str, value: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Mapping
 __all__ = [
     "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
-    "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS",
+    "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung",
 ]
 
 PROTOCOL_VERSION = 1
@@ -23,6 +23,20 @@ STREAK_LADDER: tuple[int, ...] = tuple(2 ** i for i in range(11))
 """Streak lengths 1, 2, 4, ..., 1024: the keys (as strings) of ``streaks_reached``, the ``min_length``
 label of ``ampwatch_optimizer_skip_streaks_total``, and the only allowed streak alert thresholds (a
 streak that began and ended between two scrapes shows only on a rung)."""
+
+
+
+def is_rung(position: int) -> bool:
+    """Tell whether the ``position``-th skip of a streak (or backoff of a run) is sent as an event: 1, 2, 4, 8, ...
+
+    A streak is reported by its rungs and its ``streak_end``, consecutive backoffs by their rungs and the
+    rest at the run's end (``count``), so events grow with log2 of a storm, not its length (issue 14).
+
+    >>> [n for n in range(1, 20) if is_rung(n)]
+    [1, 2, 4, 8, 16]
+    """
+    return position > 0 and position & (position - 1) == 0
+
 
 TEXT_LIMITS: Mapping[str, int] = {
     "label": 128,             # run id, optimizer names: identities, never cut by the agent

@@ -83,7 +83,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         app.state.exposition = Exposition(state, own, config.silent_after)
         app.state.ingest = IngestService(config, state, store, own)
-        notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval)
+        notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval,
+                              repeat_interval_s=config.notify_repeat_interval)
         alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds,
                                                         notify_config=notify)
         own.registry.register(NotificationMetrics(alerts.notifier.counts))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, TEXT_LIMITS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
+from .alerting.grouping import REPEAT_INTERVAL_S
 from .alerting.notifications import Target, parse_targets
 from .alerting.thresholds import load_thresholds
 
@@ -102,6 +103,9 @@ class ServerConfig:
                                             "run) waits for the rest of its ranks (Alertmanager's group_wait)")
     notify_group_interval: float = _option(60.0, "at most one webhook/Slack notification per group this often, "
                                                  "firing or resolved (Alertmanager's group_interval)")
+    notify_repeat_interval: float = _option(REPEAT_INTERVAL_S, "seconds after which a webhook/Slack group still "
+                                                               "firing with nothing new is notified again "
+                                                               "(Alertmanager's repeat_interval)")
     alert_thresholds: AlertThresholds = _option(
         DEFAULT_THRESHOLDS, "thresholds of the built-in alerts: 'demo' (seconds-long windows, for `make demo`) or a "
                             "JSON file of ampwatch.contract.thresholds fields to override",
@@ -138,6 +142,7 @@ class ServerConfig:
              "must be a tuple of notification targets (parse_targets() reads the text form)"),
             ("notify_group_wait", self.notify_group_wait >= 0, "must be >= 0 seconds"),
             ("notify_group_interval", self.notify_group_interval >= 0, "must be >= 0 seconds"),
+            ("notify_repeat_interval", self.notify_repeat_interval > 0, "must be > 0 seconds"),
             ("alert_thresholds", isinstance(self.alert_thresholds, AlertThresholds),
              "must be AlertThresholds (load_thresholds() reads a profile name or a JSON file)"),
         ]

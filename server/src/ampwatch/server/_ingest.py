@@ -21,7 +21,7 @@ from ._config import ServerConfig
 from ._metrics import SelfMetrics
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
-from ._schema import Batch, ValidationError, describe_errors, parse_batch
+from ._schema import Batch, ValidationError, describe_errors, parse_batch, stored_event
 from ._state import CollectorState, Incarnation, LimitExceeded, RankState, next_incarnation
 from ._store import Store, StoreClosed
 
@@ -224,7 +224,7 @@ class IngestService:
             reason, message, wait = over
             raise _Refused(429, reason, message, retry=True, retry_after=wait)
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
-                   getattr(e, "optimizer", None), e.model_dump_json()) for e in batch.events]
+                   getattr(e, "optimizer", None), stored_event(e)) for e in batch.events]
         old = rank.incarnations.get(batch.incarnation) if rank else None
         if old is not None and old.conflict_with is not None:
             raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "

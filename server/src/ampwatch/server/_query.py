@@ -13,6 +13,7 @@ from ampwatch.contract.protocol import COLLECTOR_EVENT_KINDS, DELIVERY_COUNTERS,
 
 from ._recovery import load_ranks
 from ._run_summary import run_summary
+from ._schema import event_of_row
 from ._floats import wire_float
 from ._state import RankState
 
@@ -115,7 +116,8 @@ async def list_events(
         where.append("time >= ?")
         params.append(since)
     store = request.app.state.store
-    sql = (f"SELECT rowid AS cursor, rank, incarnation, body FROM events WHERE {' AND '.join(where)} "
+    sql = (f"SELECT rowid AS cursor, rank, incarnation, id, kind, time, iteration, optimizer, body FROM events "
+           f"WHERE {' AND '.join(where)} "
            f"ORDER BY rowid {'DESC' if newest_first else ''} LIMIT ?")
     rows = await asyncio.to_thread(store.query, sql, (*params, limit + 1))
     if not rows and after == 0:
@@ -123,7 +125,7 @@ async def list_events(
         if not known:
             raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
     page = rows[:limit]
-    events = [dict(json.loads(row["body"]), rank=row["rank"], incarnation=row["incarnation"]) for row in page]
+    events = [dict(event_of_row(row), rank=row["rank"], incarnation=row["incarnation"]) for row in page]
     return {"events": events, "next": page[-1]["cursor"] if len(rows) > limit else None}
 
 

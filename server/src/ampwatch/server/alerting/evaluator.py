@@ -63,7 +63,7 @@ class BuiltinAlerts:
             history.record(snapshot, self.thresholds.calibration_iterations)
             group = (snapshot.run, str(snapshot.rank))
             active = rank_alerts(history, now, self.thresholds)
-            return self._states.advance(active, now, lambda g: g == group)
+            return self._states.advance(active, now, group)
 
     def evaluate(self, now: Optional[float] = None) -> list[Alert]:
         """Evaluate every alert of every rank and run; return the transitions."""
@@ -77,7 +77,7 @@ class BuiltinAlerts:
         with self._lock:
             self._ranks.pop((run, rank), None)
             group = (run, str(rank))
-            return self._states.advance((), now, lambda g: g == group)
+            return self._states.advance((), now, group)
 
     def recent_skips(self, run: str, rank: int, window_s: float, now: Optional[float] = None) \
             -> Optional[tuple[int, int]]:

@@ -5,7 +5,9 @@ POST each is a storm of its own. Grouped by ``(alertname, run)``, a new group wa
 (Alertmanager's ``group_wait``) to gather the rest, then goes out as one notification listing every
 alert of the group; later changes (more ranks firing, ranks resolving) go out at most once per
 ``interval_s`` (``group_interval``), each notification with every alert still firing plus those
-resolved since the last one. A group whose alerts have all resolved and been sent is forgotten.
+resolved since the last one. A group that keeps firing with nothing new is sent again every
+``repeat_s`` (Alertmanager's ``repeat_interval``: a reminder that it still fires). A group whose
+alerts have all resolved and been sent is forgotten.
 
 >>> from .alert import Alert
 >>> groups = AlertGroups(wait_s=5, interval_s=60)
@@ -16,6 +18,8 @@ resolved since the last one. A group whose alerts have all resolved and been sen
 (5.0, [])
 >>> [[a.labels["rank"] for a in n] for n in groups.take_due(5.0)]
 [['0', '1', '2']]
+>>> groups.next_due()  # still firing, nothing new: reminded after the repeat interval (4 h by default)
+14405.0
 
 Memory is one entry per alert that fires or resolved since the last notification of its group;
 each call costs O(groups) plus the alerts it returns.
@@ -28,10 +32,12 @@ from typing import Optional
 
 from .alert import Alert
 
-__all__ = ["AlertGroups", "GROUP_BY"]
+__all__ = ["AlertGroups", "GROUP_BY", "REPEAT_INTERVAL_S"]
 
 GROUP_BY = ("alertname", "run")
 """The labels a notification groups by (Alertmanager's ``group_by``)."""
+REPEAT_INTERVAL_S = 4 * 3600.0
+"""A group still firing with nothing new is notified again this often (Alertmanager's default repeat_interval)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,6 +45,10 @@ class _Group:
     alerts: dict[str, Alert] = dataclasses.field(default_factory=dict)  # fingerprint -> latest state
     due: Optional[float] = None  # when the next notification goes out; None: nothing new to send
     sent_at: Optional[float] = None
+    repeat_at: Optional[float] = None  # with nothing new: when the group, still firing, is sent again
+
+    def next_at(self) -> Optional[float]:
+        return self.due if self.due is not None else self.repeat_at
 
 
 def _rank_order(alert: Alert) -> tuple:
@@ -49,10 +59,12 @@ def _rank_order(alert: Alert) -> tuple:
 class AlertGroups:
     """The notifications of one target, grouped by :data:`GROUP_BY` and paced (not thread-safe: one owner)."""
 
-    def __init__(self, wait_s: float, interval_s: float) -> None:
+    def __init__(self, wait_s: float, interval_s: float, repeat_s: float = REPEAT_INTERVAL_S) -> None:
         if wait_s < 0 or interval_s < 0:
             raise ValueError(f"group wait ({wait_s!r}) and interval ({interval_s!r}) must be >= 0 seconds")
-        self.wait_s, self.interval_s = wait_s, interval_s
+        if repeat_s <= 0:
+            raise ValueError(f"group repeat interval ({repeat_s!r}) must be > 0 seconds")
+        self.wait_s, self.interval_s, self.repeat_s = wait_s, interval_s, repeat_s
         self._groups: dict[tuple[str, str], _Group] = {}
 
     def add(self, alert: Alert, now: float) -> None:
@@ -64,17 +76,21 @@ class AlertGroups:
 
     def next_due(self) -> Optional[float]:
         """Return when the next notification is due (None: nothing to send)."""
-        return min((g.due for g in self._groups.values() if g.due is not None), default=None)
+        return min((at for g in self._groups.values() if (at := g.next_at()) is not None), default=None)
 
     def take_due(self, now: float, everything: bool = False) -> list[list[Alert]]:
         """Return the notifications due at ``now`` (all of them if ``everything``), each a group's alerts by rank."""
         out = []
         for key, group in list(self._groups.items()):
-            if group.due is None or (group.due > now and not everything):
+            at = group.next_at()
+            if at is None or (at > now and not everything):
                 continue
+            if group.due is None and everything:
+                continue  # closing: a reminder is not owed
             out.append(sorted(group.alerts.values(), key=_rank_order))
             group.alerts = {fp: a for fp, a in group.alerts.items() if a.ends_at is None}
             group.due, group.sent_at = None, now
+            group.repeat_at = now + self.repeat_s
             if not group.alerts:
                 del self._groups[key]
         return out

@@ -6,7 +6,8 @@
 
 :meth:`Notifier.submit` returns at once: it puts each alert in a target's
 group (webhook, Slack: grouped as Alertmanager groups, one notification per
-alert name and run, paced by ``group_wait_s`` and ``group_interval_s``; see
+alert name and run, paced by ``group_wait_s`` and ``group_interval_s``, repeated every ``repeat_interval_s`` while
+still firing; see
 ``grouping``) or on its bounded queue (Alertmanager, which groups by itself:
 every change in one post). One background thread per target sends, retries with
 capped exponential backoff and jitter while the target is down, and gives up
@@ -29,7 +30,7 @@ import urllib.request
 from typing import Callable, Iterable, Optional, Union
 
 from .alert import Alert
-from .grouping import AlertGroups
+from .grouping import REPEAT_INTERVAL_S, AlertGroups
 from .payloads import alertmanager_body, slack_body, webhook_body
 
 __all__ = [
@@ -114,10 +115,12 @@ class NotifyConfig:
     """Webhook and Slack: a new group (alert name, run) waits this long for the rest of its alerts."""
     group_interval_s: float = 60.0
     """Webhook and Slack: a group's later changes (more ranks, resolved ranks) go out at most this often."""
+    repeat_interval_s: float = REPEAT_INTERVAL_S
+    """Webhook and Slack: a group still firing with nothing new is sent again this often."""
 
     def __post_init__(self) -> None:
         for name in ("queue_size", "timeout_s", "backoff_initial_s", "backoff_max_s", "give_up_after_s",
-                     "resend_interval_s"):
+                     "resend_interval_s", "repeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"NotifyConfig.{name}={getattr(self, name)!r} must be > 0")
         for name in ("group_wait_s", "group_interval_s"):
@@ -156,8 +159,8 @@ class _Worker(threading.Thread):
         self._next_resend = time.monotonic() + config.resend_interval_s
         self._down = False
         # webhook, slack: alerts wait in their group until its notification is due
-        self._groups = None if target.kind == "alertmanager" else AlertGroups(config.group_wait_s,
-                                                                              config.group_interval_s)
+        self._groups = None if target.kind == "alertmanager" else AlertGroups(
+            config.group_wait_s, config.group_interval_s, config.repeat_interval_s)
 
     def put(self, alert: Alert) -> None:
         with self._cond:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from .alert import Alert
 from .conditions import ActiveAlert
@@ -18,20 +18,23 @@ class AlertStates:
     An alert whose condition holds goes pending, then fires once it has held for
     its ``for_s`` (at once when 0); it resolves at the first evaluation of its
     group where the condition no longer holds.
+
+    Alerts are indexed by evaluation group, so evaluating one rank costs O(that
+    rank's alerts), not O(every alert held): in a whole-job storm thousands fire.
     """
 
     def __init__(self, resolved_retention_s: float = 900.0, max_resolved: int = 1000) -> None:
         self._pending: dict[tuple, tuple[float, ActiveAlert]] = {}
         self._firing: dict[tuple, Alert] = {}
-        self._groups: dict[tuple, tuple] = {}
+        self._groups: dict[tuple, tuple] = {}  # firing alert -> its evaluation group
+        self._by_group: dict[tuple, dict[tuple, None]] = {}  # evaluation group -> its pending and firing alerts
         self._resolved: collections.deque[Alert] = collections.deque(maxlen=max_resolved)
         self._retention_s = resolved_retention_s
 
-    def advance(self, active: Iterable[ActiveAlert], now: float,
-                groups: Optional[Callable[[tuple], bool]] = None) -> list[Alert]:
+    def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None) -> list[Alert]:
         """Apply one evaluation and return the alerts that started firing or resolved.
 
-        ``groups`` says which evaluation groups (``(run, rank)`` or ``(run,)``) were
+        ``group`` is the one evaluation group (``(run, rank)`` or ``(run,)``) that was
         evaluated; alerts of other groups are left as they are. None: all of them.
         """
         changes: list[Alert] = []
@@ -44,6 +47,7 @@ class AlertStates:
                 self._firing[key] = dataclasses.replace(self._firing[key], value=a.value, annotations=a.annotations)
                 continue
             since, _ = self._pending.get(key, (now, a))
+            self._by_group.setdefault(a.group, {})[key] = None
             if now - since >= a.for_s:
                 self._pending.pop(key, None)
                 alert = Alert(name=a.name, labels=dict(a.labels), annotations=dict(a.annotations),
@@ -53,17 +57,28 @@ class AlertStates:
                 changes.append(alert)
             else:
                 self._pending[key] = (since, a)
-        in_scope = groups or (lambda group: True)
-        for key in [k for k, (_, a) in self._pending.items() if k not in seen and in_scope(a.group)]:
-            del self._pending[key]
-        for key in [k for k in self._firing if k not in seen and in_scope(self._groups[k])]:
+        if group is None:
+            gone = [k for k in self._pending if k not in seen] + [k for k in self._firing if k not in seen]
+        else:
+            gone = [k for k in self._by_group.get(group, ()) if k not in seen]
+        for key in gone:
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                self._unindex(key, pending[1].group)
+                continue
             alert = self._firing.pop(key).resolved(now)
-            del self._groups[key]
+            self._unindex(key, self._groups.pop(key))
             self._resolved.append(alert)
             changes.append(alert)
         while self._resolved and self._resolved[0].ends_at < now - self._retention_s:  # type: ignore[operator]
             self._resolved.popleft()
         return changes
+
+    def _unindex(self, key: tuple, group: tuple) -> None:
+        keys = self._by_group[group]
+        del keys[key]
+        if not keys:
+            del self._by_group[group]
 
     def firing(self) -> list[Alert]:
         """Return the alerts firing now, oldest first."""

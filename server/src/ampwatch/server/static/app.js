@@ -365,7 +365,7 @@ function eventDetails(e) {
       else cell.append(`${POISON_REASONS[e.reason] || "poisoned"} (${e.reason})`, names.length ? " · " : "");
       if (names.length) cell.append(el("span", {class: "params"}, names.join(", ")));
       if (e.params_total && e.params_total > names.length) cell.append(` … ${e.params_total} parameters in all`);
-      if (e.inspected === false) cell.append(" (not inspected: skip storm)");
+      if (e.inspected === false) cell.append(" (not inspected: naming is rate-limited)");
       if (e.origin) {
         // This rank's own gradients held the inf/NaN before DDP's all-reduce spread it (issue 17).
         const local = (e.origin_params || []).join(", ");
@@ -374,7 +374,9 @@ function eventDetails(e) {
       }
       break;
     }
-    case "scale_change": cell.append(`${e.cause}: ${scaleText(e.before)} → ${scaleText(e.after)}`); break;
+    case "scale_change":
+      cell.append(`${e.cause}${e.count > 1 ? ` ×${e.count}` : ""}: ${scaleText(e.before)} → ${scaleText(e.after)}`);
+      break;
     case "streak_end": cell.append(`streak of ${e.length} from iteration ${e.start_iteration} ended`); break;
     case "scheduler_after_skip": cell.append(`scheduler ${e.scheduler} stepped after a skip`); break;
     case "warning": cell.append(`${e.code}: ${e.message}`); break;
@@ -450,13 +452,29 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
     legend.style.fill = color;  // CSSOM, not a style attribute: allowed by the page's CSP
     root.append(legend);
   });
-  // Skips: a dot on the rank's line at the iteration it skipped (the scale then in force).
+  // Skips: a dot on the rank's line at each skip the agent sent (a streak's 1st, 2nd, 4th, ... skip), and a
+  // stroke along the line over a whole streak once its end arrived (the skips in between are counted, not sent).
   const lineOf = new Map(lines.map(l => [l.rank, l.points]));
-  for (const e of recentEvents) {
-    if (e.kind !== "skip" || !lineOf.has(e.rank)) continue;
-    const points = lineOf.get(e.rank);
+  const scaleAt = (points, iteration) => {
     let scale = points[0][1];
-    for (const [x, y] of points) { if (x <= e.iteration) scale = y; else break; }
+    for (const [x, y] of points) { if (x <= iteration) scale = y; else break; }
+    return scale;
+  };
+  for (const e of recentEvents) {
+    if ((e.kind !== "skip" && e.kind !== "streak_end") || !lineOf.has(e.rank)) continue;
+    const points = lineOf.get(e.rank);
+    if (e.kind === "streak_end") {
+      const last = e.start_iteration + e.length - 1;
+      const [from, to] = [scaleAt(points, e.start_iteration), scaleAt(points, last)];
+      if (!onLogAxis(from) || !onLogAxis(to)) continue;
+      const stroke = svg("line", {x1: px(e.start_iteration), y1: py(from), x2: px(last), y2: py(to),
+                                  stroke: "#c62828", "stroke-width": 3, "stroke-opacity": 0.5, class: "skip-streak"});
+      stroke.append(svg("title", {}, `rank ${e.rank}: ${e.optimizer} skipped ${e.length} steps in a row from iteration ` +
+                                    `${e.start_iteration}`));
+      root.append(stroke);
+      continue;
+    }
+    const scale = scaleAt(points, e.iteration);
     if (!onLogAxis(scale)) continue;
     const dot = svg("circle", {cx: px(e.iteration), cy: py(scale), r: 3.5, fill: "#c62828", class: "skip-mark"});
     dot.append(svg("title", {}, `rank ${e.rank} skipped ${e.optimizer} at iteration ${e.iteration}`));

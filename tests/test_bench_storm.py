@@ -1,0 +1,92 @@
+"""The storm load generator (bench/_storm.py) sends what a real agent sends, and its batches pass the collector."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from bench._loadgen import storm_template
+from bench._storm import OPTIMIZERS, StormRank
+
+CLEAN = 3
+# (init_scale, skipped iterations, clean ones after): a storm that ends, and one whose backoffs reach 0.0 (a
+# scale of 0.0 makes every later gradient NaN, so that storm never ends: the run stops in it).
+SCENARIOS = {"ends": (65536.0, 40, 2), "reaches_zero": (2.0 ** -120, 40, 0)}
+_SHAPE = ("kind", "optimizer", "iteration", "streak", "cause", "before", "after", "count", "start_iteration", "length")
+
+
+def _shape(events: list[dict]) -> list[tuple]:
+    return [tuple(e.get(k, 1 if k == "count" and e["kind"] == "scale_change" else None) for k in _SHAPE)
+            for e in events]
+
+
+def _real_agent_storm(init_scale: float, storm: int, after: int) -> tuple[list[dict], dict]:
+    from ampwatch import agent
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    optimizers = {name: torch.optim.SGD(part.parameters(), lr=0.01) for name, part in zip(OPTIMIZERS, model)}
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2000)
+    watch = agent.watch(scaler, optimizers, model=model, collector=(), run="storm-truth")
+    try:
+        for i in range(CLEAN + storm + after):
+            for opt in optimizers.values():
+                opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(2, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if CLEAN <= i < CLEAN + storm:  # an inf reaches every optimizer, as DDP's all-reduce spreads one
+                for part in model:
+                    part.weight.grad.view(-1)[0] = float("inf")
+            for opt in optimizers.values():
+                scaler.step(opt)
+            scaler.update()
+        events = watch._recorder.events.drain()  # no public API returns them; no sender runs (collector=())
+        return events, watch.snapshot()["state"]
+    finally:
+        watch.close(timeout=1.0)
+
+
+@pytest.mark.parametrize("pattern", ["streaks", "per-skip"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_storm_generator_sends_the_counters_and_events_of_a_real_agent(scenario, pattern, monkeypatch):
+    for var in ("AMPWATCH_URL", "AMPWATCH_DISABLED", "AMPWATCH_SPOOL_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    init_scale, storm, after = SCENARIOS[scenario]
+    events, state = _real_agent_storm(init_scale, storm, after)
+    model = StormRank(pattern, iterations=1, scale=init_scale)
+    modelled = [e for skipping in [False] * CLEAN + [True] * storm + [False] * after for e in model.push(skipping)]
+    got = model.state()
+    assert (got["iteration"], got["loss_scale"], got["backoffs"]) == \
+        (state["iteration"], state["loss_scale"], state["backoffs"])
+    assert got["backoffs"] == (40 if scenario == "ends" else 30)  # 2**-120 -> 2**-149 -> 0.0, then no change
+    for name in OPTIMIZERS:
+        assert got["optimizers"][name] == state["optimizers"][name], name
+    if pattern == "streaks":  # this tree's agent, event for event
+        assert _shape(modelled) == _shape(events)
+    else:  # the agent before issue 14: every skip and every backoff, the same totals
+        assert [e["streak"] for e in modelled if e["kind"] == "skip" and e["optimizer"] == "gen"] == \
+            list(range(1, storm + 1))
+        assert sum(e["kind"] == "scale_change" for e in modelled) == state["backoffs"]
+    assert sum(e.get("count", 1) for e in events if e["kind"] == "scale_change") == state["backoffs"]
+
+
+def test_storm_batches_are_accepted_and_applied_by_the_collector(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from ampwatch.server import ServerConfig, create_app
+
+    build = storm_template("storm-accept", 0, 1, "streaks")
+    with TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db")))) as client:
+        for seq, storm in enumerate([False, True, True, False], start=1):  # 10 iterations a push
+            answer = client.post("/v1/ingest", content=build(seq, storm), headers={"Content-Type": "application/json"})
+            assert answer.json() == {"applied": True}, answer.text
+        events = client.get("/v1/runs/storm-accept/events", params={"limit": 1000}).json()["events"]
+        run = client.get("/v1/runs/storm-accept").json()
+    backoffs = [e for e in events if e["kind"] == "scale_change"]
+    assert sum(e["count"] for e in backoffs) == run["ranks"][0]["backoffs"] == 20
+    assert {(e["optimizer"], e["length"]) for e in events if e["kind"] == "streak_end"} == \
+        {(name, 20) for name in OPTIMIZERS}
+    assert json.loads(build(5, False))["state"]["optimizers"]["gen"]["skipped"] == 20
