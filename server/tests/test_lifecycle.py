@@ -21,13 +21,15 @@ def _wait_until(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_a_silent_rank_stops_reporting_then_expires_from_metrics_but_stays_queryable(config_for):
-    with TestClient(create_app(config_for(silent_after=0.3, expire_after=1.0, run_retention=30))) as client:
+    # Windows of seconds, and the loop below runs until they pass, however slowly a loaded machine answers.
+    silent_after = 1.5
+    with TestClient(create_app(config_for(silent_after=silent_after, expire_after=3.0, run_retention=30))) as client:
         client.post("/v1/ingest", json=make_batch(rank=0))
+        rank0_seen = time.monotonic()
         client.post("/v1/ingest", json=make_batch(rank=1, incarnation="d" * 32))
-        time.sleep(0.2)
-        assert value(client.get("/metrics").text, "ampwatch_run_ranks_reporting", run="exp-42") == 2
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:  # rank 1 keeps reporting, rank 0 goes quiet
+        if time.monotonic() - rank0_seen < silent_after:  # else the machine stalled too long to tell: skip the check
+            assert value(client.get("/metrics").text, "ampwatch_run_ranks_reporting", run="exp-42") == 2
+        while time.monotonic() < rank0_seen + silent_after + 0.3:  # rank 1 keeps reporting, rank 0 goes quiet
             client.post("/v1/ingest", json=make_batch(rank=1, incarnation="d" * 32,
                                                       seq=int(time.monotonic() * 1000)))
             time.sleep(0.1)
