@@ -60,8 +60,9 @@ def _refuse_browsers(headers: dict[bytes, bytes]) -> None:
 class IngestService:
     """Applies batches to the in-memory state and the store; one per app."""
 
-    def __init__(self, config: ServerConfig, state: CollectorState, store: Store, own: SelfMetrics) -> None:
-        self.config, self.state, self.store, self.own = config, state, store, own
+    def __init__(self, config: ServerConfig, state: CollectorState, store: Store, own: SelfMetrics,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config, self.state, self.store, self.own, self.clock = config, state, store, own, clock
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
         self.on_applied: Optional[Callable[[RankState], None]] = None  # built-in alerts; must not raise or block
         self._requests_by_status: dict[int, Any] = {}  # counter children, looked up once per status
@@ -181,7 +182,7 @@ class IngestService:
             if events:
                 self.own.events.inc(await self.store.submit(self.store.insert_events(events)))
             return 200, _DUPLICATE
-        new = next_incarnation(old, batch, time.time(), self.config.max_label_length)
+        new = next_incarnation(old, batch, self.clock(), self.config.max_label_length)
         added = await self.store.submit(
             self.store.write_incarnation(batch.run, batch.rank, new.to_row(_as_stored(body, events)), events))
         if rank is None:
