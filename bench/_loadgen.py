@@ -136,18 +136,18 @@ class _Tally:
 
 
 async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, start: float, seconds: int,
-                      grace: float, tally: _Tally) -> None:
+                      grace: float, tally: _Tally, interval: float = 1.0) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     build = (ampwatch_template if target == "ampwatch" else pushgateway_template)(run, rank, ranks, _every[0])
     head = _request(target, run, rank)
     hard_stop = start + seconds + grace
     seq = slot = 0
     try:
-        while (due := start + rank / ranks + slot) < start + seconds:  # ranks spread evenly over each second
+        while (due := start + (rank / ranks + slot) * interval) < start + seconds:  # ranks spread over each interval
             now = time.perf_counter()
-            if now - due >= 1.0:
+            if now - due >= interval:
                 # A whole interval behind: skip to the current slot, as an agent sends its latest state, not a backlog.
-                behind = int(now - due)
+                behind = int((now - due) / interval)
                 slot += behind
                 tally.missed += behind
                 continue
@@ -218,7 +218,8 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, grace: float) -> dict:
+async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, grace: float,
+               interval: float = 1.0) -> dict:
     tally = _Tally()
     run = f"bench-{ranks}"
     cpu0 = time.process_time()
@@ -229,7 +230,7 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
                                for g in groups))
     else:
         start = time.perf_counter() + 0.5
-        await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally)
+        await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally, interval)
                                for r in range(ranks)))
     elapsed = max(1e-9, tally.last_answer - min(tally.first_send, tally.last_answer))
     if not tally.latency:  # a run too short for steady state: every answer counts
@@ -241,20 +242,21 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
             "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
             "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
             "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
-            "offered_per_s": None if saturate else ranks, "missed_slots": tally.missed,
+            "offered_per_s": None if saturate else round(ranks / interval, 1), "missed_slots": tally.missed,
             "unanswered": tally.unanswered,
             "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
             "generator_cpu_s": round(time.process_time() - cpu0, 2)}
 
 
-def run(target: str, port: int, ranks: int, seconds: int, saturate: int = 0, grace: float = 5.0) -> dict:
+def run(target: str, port: int, ranks: int, seconds: int, saturate: int = 0, grace: float = 5.0,
+        interval: float = 1.0) -> dict:
     """Drive ``target`` on ``port`` (in this process); return throughput, latency and the generator's own cost."""
     try:
         import uvloop  # the server side has it too; a cheaper loop keeps the generator out of the measurement
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    return runner(_run(target, port, ranks, seconds, saturate, grace))
+    return runner(_run(target, port, ranks, seconds, saturate, grace, interval))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,11 +270,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="a skip and a backoff event every this many updates of a rank")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds after the last slot before unanswered requests are given up (bounds the run)")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between two updates of one rank (the agent's push interval or heartbeat)")
     parser.add_argument("--saturate", type=int, default=0, metavar="CONNECTIONS",
                         help="instead of one update per rank per second, send back to back on this many connections")
     args = parser.parse_args(argv)
     _every[0] = args.skip_every
-    print(json.dumps(run(args.target, args.port, args.ranks, args.seconds, args.saturate, args.grace)))
+    print(json.dumps(run(args.target, args.port, args.ranks, args.seconds, args.saturate, args.grace,
+                         args.interval)))
     return 0
 
 
