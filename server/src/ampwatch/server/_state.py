@@ -12,8 +12,8 @@ from ._totals import OptimizerTotals, RankTotals
 if TYPE_CHECKING:
     from ._config import ServerConfig
 
-__all__ = ["Incarnation", "RankState", "RankView", "RankSnapshot", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S",
-           "next_incarnation"]
+__all__ = ["Incarnation", "RankState", "RankView", "RankSnapshot", "CollectorState", "LimitExceeded",
+           "RUNS_RETRY_AFTER_S", "next_incarnation"]
 
 # The database keeps a process's counters as {"": rank counters, optimizer: its counters} (optimizer names are
 # never empty); this is the one place that knows.
