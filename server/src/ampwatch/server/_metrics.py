@@ -179,7 +179,8 @@ class Exposition:
                 add(f"{metric.name}{{{lines.rank}}} {getattr(v.totals, field)}\n")
         for metric, value in ((m.ITERATION, lambda v: v.current.batch.state.iteration),
                               (m.RANK_LAST_SEEN, lambda v: repr(v.last_seen)),
-                              (m.RANK_CLOSED, lambda v: int(v.closed))):
+                              (m.RANK_CLOSED, lambda v: int(v.closed)),
+                              (m.RANK_CONFLICTS, lambda v: len(v.conflicting))):
             add(_HEADERS[metric])
             for v, lines in ranks:
                 add(f"{metric.name}{{{lines.rank}}} {value(v)}\n")

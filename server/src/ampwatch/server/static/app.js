@@ -34,8 +34,40 @@ function svg(tag, attrs, text) {
   return node;
 }
 
+// ---- the read token (--read-token) ------------------------------------------------------------
+// Asked for once on a 401, kept in sessionStorage (this tab only, gone when it closes), sent as a
+// bearer header, never put in a URL.
+
+const TOKEN_KEY = "ampwatch-read-token";
+
+class NeedsToken extends Error {}
+
+function askForToken(wrong) {
+  const form = document.getElementById("token-form");
+  document.getElementById("token-wrong").hidden = !wrong;
+  form.hidden = false;
+  document.getElementById("token").focus();
+}
+
+document.getElementById("token-form").addEventListener("submit", event => {
+  event.preventDefault();
+  const input = document.getElementById("token");
+  if (!input.value.trim()) return;
+  sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+  input.value = "";
+  document.getElementById("token-form").hidden = true;
+  refresh();
+});
+
 async function getJSON(path) {
-  const answer = await fetch(path, {headers: {Accept: "application/json"}, cache: "no-store"});
+  const headers = {Accept: "application/json"};
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const answer = await fetch(path, {headers, cache: "no-store"});
+  if (answer.status === 401 || (answer.status === 403 && token)) {
+    if (token) sessionStorage.removeItem(TOKEN_KEY);
+    throw new NeedsToken(token ? "wrong" : "missing");
+  }
   if (!answer.ok) throw new Error(`${path}: HTTP ${answer.status}`);
   return answer.json();
 }
@@ -158,6 +190,7 @@ async function refreshAlerts() {
   try {
     lastAlerts = await getJSON("v1/alerts");
   } catch (error) {
+    if (error instanceof NeedsToken) throw error;
     document.getElementById("no-firing").textContent = "Built-in alerts are not available on this collector.";
     return;
   }
@@ -176,9 +209,19 @@ function renderAlerts(body) {
 
 // ---- runs list --------------------------------------------------------------------------------
 
+const RUNS_PER_PAGE = 50;
+let runPagesShown = 1;  // "More runs" adds a page; each refresh reads that many pages of GET /v1/runs
+
 async function refreshRuns() {
-  const body = await getJSON("v1/runs");
-  const runs = body.runs || [];
+  let runs = [], next = null;
+  for (let page = 0; page < Math.min(runPagesShown, MAX_PAGES); page++) {
+    const after = next === null ? "" : `&after=${encodeURIComponent(next)}`;
+    const body = await getJSON(`v1/runs?limit=${RUNS_PER_PAGE}${after}`);
+    runs = runs.concat(body.runs || []);
+    next = body.next ?? null;
+    if (next === null) break;
+  }
+  document.getElementById("more-runs").hidden = next === null;
   fill(document.querySelector("#runs tbody"), runs.map(r => el("tr", {class: "run", "data-run": r.run},
     el("td", {}, runLink(r.run)),
     el("td", {class: "num"}, r.ranks),
@@ -527,6 +570,12 @@ async function refresh() {
     banner.hidden = true;
     document.getElementById("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (error) {
+    if (error instanceof NeedsToken) {  // no refresh until the token is given
+      banner.hidden = true;
+      askForToken(error.message === "wrong");
+      document.body.dataset.loaded = "true";
+      return;
+    }
     banner.textContent = `Cannot reach the collector (${error.message}); retrying.`;
     banner.hidden = false;
   }
@@ -539,6 +588,10 @@ document.getElementById("all-ranks").addEventListener("toggle", () => {
   const run = currentRun();
   if (run === null || !document.body.dataset.loaded) return;
   allRanksChosen.add(run);
+  refresh();
+});
+document.getElementById("more-runs").addEventListener("click", () => {
+  runPagesShown += 1;
   refresh();
 });
 document.getElementById("trouble-search").addEventListener("input", () => {
