@@ -112,7 +112,10 @@ def _request(target: str, run: str, rank: int) -> bytes:
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, body: bytes) -> int:
     writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    status = int((await reader.readline()).split(b" ")[1])
+    line = await reader.readline()
+    if not line:
+        raise ConnectionResetError("the server closed the connection")
+    status = int(line.split(b" ")[1])
     length = 0
     while (line := await reader.readline()) not in (b"\r\n", b""):
         if line[:15].lower() == b"content-length:":
@@ -133,6 +136,7 @@ class _Tally:
         self.failures: dict[int, int] = {}
         self.first_send = float("inf")
         self.last_answer = 0.0
+        self.reconnects = 0  # kept-alive connections the server had closed while idle (uvicorn: after 5 s)
 
 
 async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, start: float, seconds: int,
@@ -142,6 +146,20 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
     head = _request(target, run, rank)
     hard_stop = start + seconds + grace
     seq = slot = 0
+
+    async def exchange(body: bytes) -> int:
+        nonlocal reader, writer
+        try:
+            return await _exchange(reader, writer, head, body)
+        except (ConnectionError, asyncio.IncompleteReadError, RuntimeError):  # RuntimeError: uvloop, closed before
+            # The server closed the idle kept-alive connection: reconnect and send again, as an agent does.
+            writer.close()
+            tally.reconnects += 1
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                return await _exchange(reader, writer, head, body)
+            except (OSError, asyncio.IncompleteReadError):
+                return 0  # refused or reset again: a failed send (status 0), tried again at the next slot
     try:
         while (due := start + (rank / ranks + slot) * interval) < start + seconds:  # ranks spread over each interval
             now = time.perf_counter()
@@ -158,7 +176,7 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
             body = build(seq)
             sent = time.perf_counter()
             try:
-                status = await asyncio.wait_for(_exchange(reader, writer, head, body), max(0.001, hard_stop - sent))
+                status = await asyncio.wait_for(exchange(body), max(0.001, hard_stop - sent))
             except asyncio.TimeoutError:
                 tally.unanswered += 1
                 tally.latency.append(hard_stop - sent)  # censored: at least this long
@@ -243,7 +261,7 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
             "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
             "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
             "offered_per_s": None if saturate else round(ranks / interval, 1), "missed_slots": tally.missed,
-            "unanswered": tally.unanswered,
+            "unanswered": tally.unanswered, "reconnects": tally.reconnects,
             "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
             "generator_cpu_s": round(time.process_time() - cpu0, 2)}
 
