@@ -1,13 +1,16 @@
 """Bounded load generator (its own process): N simulated ranks push one update each per interval.
 
-The same generator drives the ampwatch collector (``POST /v1/ingest``, a protocol v1 batch) and the
-Prometheus Pushgateway (``PUT /metrics/job/<run>/rank/<rank>``, the same counters in the text format).
+The same generator drives the ampwatch collector (``POST /v1/ingest``, a protocol v1 batch per rank; or,
+as target ``ampwatch-node``, one protocol v2 batch per simulated node of ``--per-node`` ranks, as a node
+relay posts) and the Prometheus Pushgateway (``PUT /metrics/job/<run>/rank/<rank>``, the same counters in
+the text format). ``answered`` always counts rank updates, whatever carried them.
 Each rank keeps one keep-alive connection and sends one request at a time, as an agent does; latency
 is from send to the full answer. Bodies are built from a template so the generator stays cheap, and it
 reports how late its own sends were (``lag``) and its own CPU, so a slow generator shows up as such.
 
     python -m bench._loadgen --target ampwatch --port P --ranks 1024 --seconds 10
     python -m bench._loadgen --target pushgateway --port P --ranks 1024 --seconds 10 --saturate 32
+    python -m bench._loadgen --target ampwatch-node --per-node 8 --port P --ranks 1024 --seconds 10
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ import time
 import uuid
 from typing import Callable
 
-__all__ = ["ampwatch_body", "pushgateway_body", "run", "main"]
+from ampwatch.contract.node_batch import encode_node_batch
+
+__all__ = ["ampwatch_body", "ampwatch_node_template", "pushgateway_body", "run", "main"]
 
 SKIP_EVERY = 50  # default: one skip and one backoff every 50th update: realistic, and it exercises the event path
 _OPT = ("gen", "disc")
+PER_NODE = 8  # default: ranks per simulated node (target ampwatch-node)
 _every = [SKIP_EVERY]  # this process's event rate (set from --skip-every)
+_per_node = [PER_NODE]  # this process's ranks per node (set from --per-node)
 
 
 def _counters(seq: int, every: int) -> dict:
@@ -66,6 +73,17 @@ def ampwatch_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) 
     return body
 
 
+def ampwatch_node_template(run: str, node: int, ranks: int, per_node: int = PER_NODE,
+                           every: int = SKIP_EVERY) -> Callable[[int], bytes]:
+    """Return ``seq -> body`` of a protocol v2 batch: ranks ``node * per_node ...`` of a ``ranks``-rank job at ``seq``.
+
+    What a node relay posts when every rank of the node has a batch waiting (docs/protocol.md, v2).
+    """
+    members = [ampwatch_template(run, rank, ranks, every)
+               for rank in range(node * per_node, min(ranks, (node + 1) * per_node))]
+    return lambda seq: encode_node_batch([build(seq) for build in members])
+
+
 def pushgateway_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) -> Callable[[int], bytes]:
     """Return ``seq -> body``: the same counters as the batch, as a Pushgateway group in the text format."""
     def body(seq: int) -> bytes:
@@ -103,14 +121,28 @@ def pushgateway_body(run: str, rank: int, ranks: int, seq: int) -> bytes:
     return pushgateway_template(run, rank, ranks)(seq)
 
 
+def _template(target: str, run: str, index: int, ranks: int) -> Callable[[int], bytes]:
+    """Return ``seq -> body`` for sender ``index`` (a rank, or a node for ``ampwatch-node``)."""
+    if target == "ampwatch-node":
+        return ampwatch_node_template(run, index, ranks, _per_node[0], _every[0])
+    return (ampwatch_template if target == "ampwatch" else pushgateway_template)(run, index, ranks, _every[0])
+
+
+def _senders(target: str, ranks: int) -> int:
+    """Return how many senders carry ``ranks`` ranks: one per rank, or one per node."""
+    return -(-ranks // _per_node[0]) if target == "ampwatch-node" else ranks
+
+
 def _request(target: str, run: str, rank: int) -> bytes:
-    if target == "ampwatch":
+    if target.startswith("ampwatch"):
         return b"POST /v1/ingest HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
     return (f"PUT /metrics/job/{run}/rank/{rank} HTTP/1.1\r\nHost: bench\r\n"
             f"Content-Type: text/plain; version=0.0.4\r\n").encode()
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, body: bytes) -> int:
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes,
+                    body: bytes) -> dict[int, int]:
+    """Send one request; return ``{status: rank updates}`` (a v2 answer's per-rank statuses, else the HTTP one)."""
     writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
     line = await reader.readline()
     if not line:
@@ -120,9 +152,22 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
     while (line := await reader.readline()) not in (b"\r\n", b""):
         if line[:15].lower() == b"content-length:":
             length = int(line[15:])
-    if length:
-        await reader.readexactly(length)
-    return status
+    answer = await reader.readexactly(length) if length else b""
+    if status == 200 and answer.startswith(b'{"protocol": 2'):
+        statuses: dict[int, int] = {}
+        for result in json.loads(answer)["results"]:
+            statuses[result["status"]] = statuses.get(result["status"], 0) + 1
+        return statuses
+    return {status: 1}
+
+
+def _count(tally: "_Tally", statuses: dict[int, int]) -> None:
+    tally.requests += 1
+    for status, updates in statuses.items():
+        if 200 <= status < 300:
+            tally.answered += updates
+        else:
+            tally.failures[status] = tally.failures.get(status, 0) + updates
 
 
 class _Tally:
@@ -132,7 +177,8 @@ class _Tally:
         self.missed = 0  # update slots a rank skipped because the answers came too slowly
         self.unanswered = 0  # requests still unanswered at the end of the grace period
         self.lag: list[float] = []      # seconds the send started after its schedule (generator or server behind)
-        self.answered = 0
+        self.answered = 0  # rank updates applied (a v2 request carries several)
+        self.requests = 0  # requests answered
         self.failures: dict[int, int] = {}
         self.first_send = float("inf")
         self.last_answer = 0.0
@@ -142,12 +188,13 @@ class _Tally:
 async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, start: float, seconds: int,
                       grace: float, tally: _Tally, interval: float = 1.0) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    build = (ampwatch_template if target == "ampwatch" else pushgateway_template)(run, rank, ranks, _every[0])
+    build = _template(target, run, rank, ranks)
     head = _request(target, run, rank)
     hard_stop = start + seconds + grace
     seq = slot = 0
+    senders = _senders(target, ranks)
 
-    async def exchange(body: bytes) -> int:
+    async def exchange(body: bytes) -> dict[int, int]:
         nonlocal reader, writer
         try:
             return await _exchange(reader, writer, head, body)
@@ -159,9 +206,9 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 return await _exchange(reader, writer, head, body)
             except (OSError, asyncio.IncompleteReadError):
-                return 0  # refused or reset again: a failed send (status 0), tried again at the next slot
+                return {0: 1}  # refused or reset again: a failed send (status 0), tried again at the next slot
     try:
-        while (due := start + (rank / ranks + slot) * interval) < start + seconds:  # ranks spread over each interval
+        while (due := start + (rank / senders + slot) * interval) < start + seconds:  # spread over each interval
             now = time.perf_counter()
             if now - due >= interval:
                 # A whole interval behind: skip to the current slot, as an agent sends its latest state, not a backlog.
@@ -176,7 +223,7 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
             body = build(seq)
             sent = time.perf_counter()
             try:
-                status = await asyncio.wait_for(exchange(body), max(0.001, hard_stop - sent))
+                statuses = await asyncio.wait_for(exchange(body), max(0.001, hard_stop - sent))
             except asyncio.TimeoutError:
                 tally.unanswered += 1
                 tally.latency.append(hard_stop - sent)  # censored: at least this long
@@ -188,10 +235,7 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
             if seq > 2:
                 tally.latency.append(done - sent)
                 tally.lag.append(max(0.0, sent - due))
-            if 200 <= status < 300:
-                tally.answered += 1
-            else:
-                tally.failures[status] = tally.failures.get(status, 0) + 1
+            _count(tally, statuses)
     finally:
         writer.close()
 
@@ -199,8 +243,7 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
 async def _saturating_connection(target: str, port: int, run: str, ranks: list[int], world: int, until: float,
                                  grace: float, tally: _Tally) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    builders = {r: ((ampwatch_template if target == "ampwatch" else pushgateway_template)(run, r, world, _every[0]),
-                    _request(target, run, r)) for r in ranks}
+    builders = {r: (_template(target, run, r, world), _request(target, run, r)) for r in ranks}
     seq = 0
     try:
         while time.perf_counter() < until:
@@ -209,8 +252,8 @@ async def _saturating_connection(target: str, port: int, run: str, ranks: list[i
                 build, head = builders[r]
                 sent = time.perf_counter()
                 try:
-                    status = await asyncio.wait_for(_exchange(reader, writer, head, build(seq)),
-                                                    max(0.001, until + grace - sent))
+                    statuses = await asyncio.wait_for(_exchange(reader, writer, head, build(seq)),
+                                                      max(0.001, until + grace - sent))
                 except asyncio.TimeoutError:
                     tally.unanswered += 1
                     return
@@ -219,10 +262,7 @@ async def _saturating_connection(target: str, port: int, run: str, ranks: list[i
                 tally.last_answer = max(tally.last_answer, done)
                 tally.latency.append(done - sent)
                 tally.latency_all.append(done - sent)
-                if 200 <= status < 300:
-                    tally.answered += 1
-                else:
-                    tally.failures[status] = tally.failures.get(status, 0) + 1
+                _count(tally, statuses)
                 if done >= until:
                     break
     finally:
@@ -243,19 +283,21 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
     cpu0 = time.process_time()
     if saturate:
         until = time.perf_counter() + seconds
-        groups = [list(range(c, ranks, saturate)) for c in range(min(saturate, ranks))]
+        senders = _senders(target, ranks)
+        groups = [list(range(c, senders, saturate)) for c in range(min(saturate, senders))]
         await asyncio.gather(*(_saturating_connection(target, port, run, g, ranks, until, grace, tally)
                                for g in groups))
     else:
         start = time.perf_counter() + 0.5
         await asyncio.gather(*(_paced_rank(target, port, run, r, ranks, start, seconds, grace, tally, interval)
-                               for r in range(ranks)))
+                               for r in range(_senders(target, ranks))))
     elapsed = max(1e-9, tally.last_answer - min(tally.first_send, tally.last_answer))
     if not tally.latency:  # a run too short for steady state: every answer counts
         tally.latency = tally.latency_all
     ms = 1000.0
     return {"target": target, "ranks": ranks, "seconds": seconds, "mode": "saturate" if saturate else "paced",
-            "connections": saturate or ranks, "answered": tally.answered, "failures": tally.failures,
+            "connections": saturate or _senders(target, ranks), "requests": tally.requests,
+            "answered": tally.answered, "failures": tally.failures,
             "elapsed_s": round(elapsed, 3), "updates_per_s": round(tally.answered / elapsed, 1),
             "p50_ms": round(_pct(tally.latency, .50) * ms, 2), "p99_ms": round(_pct(tally.latency, .99) * ms, 2),
             "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
@@ -280,7 +322,9 @@ def run(target: str, port: int, ranks: int, seconds: int, saturate: int = 0, gra
 def main(argv: list[str] | None = None) -> int:
     """Run one load level and print its result as one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m bench._loadgen", description=__doc__.split("\n")[0])
-    parser.add_argument("--target", choices=("ampwatch", "pushgateway"), required=True)
+    parser.add_argument("--target", choices=("ampwatch", "ampwatch-node", "pushgateway"), required=True)
+    parser.add_argument("--per-node", type=int, default=PER_NODE,
+                        help="ranks per node (one v2 request carries them all) for --target ampwatch-node")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--seconds", type=int, required=True)
@@ -294,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of one update per rank per second, send back to back on this many connections")
     args = parser.parse_args(argv)
     _every[0] = args.skip_every
+    _per_node[0] = args.per_node
     print(json.dumps(run(args.target, args.port, args.ranks, args.seconds, args.saturate, args.grace,
                          args.interval)))
     return 0

@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
+from exposition import value
 
 from bench import _servers, scrape
 from bench.overhead import Setup, _answers, _syncs
@@ -37,6 +39,19 @@ def test_load_generator_gets_answers_from_both_servers_and_accounts_for_every_sl
         # 32 ranks x 2 slots: each answered, or skipped by a rank whose previous answer came a second late.
         assert result["answered"] + result["missed_slots"] == 64 and result["answered"] >= 32, result
         assert result["server_cpu_s"] > 0 and result["vmrss"] > 0, result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_load_generator_counts_the_rank_updates_of_node_batches_and_makes_one_request_per_node():
+    with _servers.collector() as srv:
+        result = _servers.load(srv, ranks=32, seconds=2, target="ampwatch-node", per_node=8)
+        text = urllib.request.urlopen(srv.url + "/metrics", timeout=10).read().decode()
+    assert result["failures"] == {} and result["unanswered"] == 0, result
+    # 4 nodes x 2 slots, 8 ranks each: each answered, or skipped by a node whose previous answer came late.
+    assert result["answered"] + 8 * result["missed_slots"] == 64 and result["requests"] * 8 == result["answered"]
+    assert value(text, "ampwatch_collector_batches_applied_total") == result["answered"]
+    assert value(text, "ampwatch_collector_ingest_requests_total", code="200") == result["requests"]
 
 
 @needs_pushgateway

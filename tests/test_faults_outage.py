@@ -17,7 +17,7 @@ import urllib.request
 
 import httpx
 import pytest
-from fault_training import Trainer
+from fault_training import POISON_EVERY, Trainer
 from recording_collector import RecordingCollector
 from collector_process import CollectorProcess
 from exposition import value
@@ -29,6 +29,9 @@ PHASE_S = 1.5
 # Loose: 2 cores run the collector (or the in-process test double), pytest and the loop at once; a loop
 # that waited on the network even once per push would be >10x (the "slow" far end sits 30 s on each answer).
 MAX_SLOWDOWN = 2.0
+# Each outage phase runs at least this many iterations, so it makes more events than AMPWATCH_MAX_EVENTS (64)
+# holds however slowly a loaded machine trains: a skip and a backoff every POISON_EVERY iterations.
+OUTAGE_ITERATIONS = 64 * POISON_EVERY
 
 
 @pytest.fixture
@@ -59,11 +62,11 @@ def _outage_run(collector: CollectorProcess, run: str) -> Trainer:
     """Down (never started) -> up -> down (SIGKILL) -> up; then close."""
     trainer = Trainer(collector=collector.url, run=run, push_interval=0.1)
     try:
-        trainer.run_for(PHASE_S, "down")
+        trainer.run_for(PHASE_S, "down", at_least=OUTAGE_ITERATIONS)
         collector.start()
         trainer.run_for(PHASE_S, "up")
         collector.kill(signal.SIGKILL)
-        trainer.run_for(PHASE_S, "down-again")
+        trainer.run_for(PHASE_S, "down-again", at_least=OUTAGE_ITERATIONS)
         collector.start()
         trainer.run_for(PHASE_S, "up-again")
     finally:

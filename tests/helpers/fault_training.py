@@ -60,10 +60,10 @@ class Trainer:
             self.skipped_at.append(self.iteration)
         self.iteration += 1
 
-    def run_for(self, seconds: float, phase: str) -> None:
-        """Train for ``seconds`` of wall time."""
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+    def run_for(self, seconds: float, phase: str, at_least: int = 0) -> None:
+        """Train for ``seconds`` of wall time, and for at least ``at_least`` iterations however slow the machine is."""
+        end, first = time.monotonic() + seconds, self.iteration
+        while time.monotonic() < end or self.iteration - first < at_least:
             self.step(phase)
 
     def median(self, *phases: str) -> float:

@@ -49,6 +49,12 @@ class AgentConfig:
     """Seconds ``close()`` and interpreter exit may spend flushing (``AMPWATCH_CLOSE_TIMEOUT``)."""
     max_events: int = 10_000
     """Events held in memory while undelivered; the oldest are dropped first (``AMPWATCH_MAX_EVENTS``)."""
+    relay: bool = False
+    """``AMPWATCH_RELAY=1``: the ranks of one host hand their batches to one of them, which posts them in one
+    request (protocol v2; docs/agent.md, "One request per node")."""
+    relay_dir: str | None = None
+    """Private directory for the relay's socket (``AMPWATCH_RELAY_DIR``); default ``$XDG_RUNTIME_DIR/ampwatch``,
+    else ``/tmp/ampwatch-<uid>``."""
 
     def __post_init__(self) -> None:
         for url in self.collectors:
@@ -106,6 +112,8 @@ class AgentConfig:
             "max_backoff": _number(env, "AMPWATCH_MAX_BACKOFF", float, 30.0),
             "close_timeout": _number(env, "AMPWATCH_CLOSE_TIMEOUT", float, 5.0),
             "max_events": _number(env, "AMPWATCH_MAX_EVENTS", int, 10_000),
+            "relay": _flag(env, "AMPWATCH_RELAY"),
+            "relay_dir": env.get("AMPWATCH_RELAY_DIR") or None,
         }
         unknown = set(overrides) - set(fields)
         if unknown:

@@ -11,6 +11,7 @@ import urllib.parse
 __all__ = ["Answer", "Outcome", "IngestClient", "classify"]
 
 INGEST_PATH = "/v1/ingest"
+_MAX_DETAIL = 1 << 20  # bytes of an answer kept (all of it is read: the connection is kept alive)
 
 
 class Outcome(enum.Enum):
@@ -43,7 +44,8 @@ class Answer:
 
     status: int | None
     detail: str
-    """The answer's body (at most 2,000 characters), or the connection error."""
+    """The answer's body (at most 1 MiB: a node relay's v2 answer holds one result per rank), or the
+    connection error."""
     retry_after: float | None = None
     """Seconds the collector asked to wait (``Retry-After``), if it said."""
 
@@ -105,7 +107,7 @@ class IngestClient:
             conn = self._connection(timeout)
             conn.request("POST", self._path, body=body, headers=self._headers)
             response = conn.getresponse()
-            detail = response.read().decode("utf-8", "replace")[:2000]
+            detail = response.read()[:_MAX_DETAIL].decode("utf-8", "replace")
             if response.will_close:
                 self.close()
             return Answer(response.status, detail, _seconds(response.getheader("Retry-After"))), False

@@ -19,6 +19,7 @@ from ._http import Answer, IngestClient, Outcome
 from ._identity import Identity
 from ._limits import COLLECTOR_DEFAULTS
 from ._outbox import MemoryOutbox, Pending
+from ._relay_channel import NodeChannel, RelayedClient
 from ._spool import SpoolOutbox
 
 __all__ = ["Sender"]
@@ -60,7 +61,8 @@ class Sender:
         self._thread: threading.Thread | None = None
         self._outbox: MemoryOutbox | SpoolOutbox = MemoryOutbox()
         self._lost_by_outboxes = 0  # events dropped by an outbox we had to replace
-        self._clients: dict[str, IngestClient] = {}
+        self._clients: dict[str, IngestClient | RelayedClient] = {}
+        self._node = NodeChannel(config, identity, self.errors) if config.relay else None  # no I/O until used
         self._failures_in_row = 0
         self._retry_at = 0.0
         self._last_build = float("-inf")
@@ -255,6 +257,8 @@ class Sender:
         """Release connections and the spool (undelivered spooled batches stay for replay)."""
         for client in self._clients.values():
             client.close()
+        if self._node is not None:
+            self._node.close()
         try:
             self._outbox.close()
         except OSError as exc:
@@ -283,11 +287,14 @@ class Sender:
             self.errors.report("snapshot()", exc)
         return self._last_snapshot
 
-    def _client(self, url: str) -> IngestClient:
-        """Return the kept-alive client for ``url``."""
+    def _client(self, url: str) -> IngestClient | RelayedClient:
+        """Return the kept-alive client for ``url`` (through the node relay when ``relay`` is on)."""
         client = self._clients.get(url)
         if client is None:
-            client = self._clients[url] = IngestClient(url, self.config.token)
+            client = IngestClient(url, self.config.token)
+            if self._node is not None:
+                client = RelayedClient(url, client, self._node)
+            self._clients[url] = client
         return client
 
     def _replace_outbox_with_memory(self) -> None:

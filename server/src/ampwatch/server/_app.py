@@ -114,14 +114,17 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
     app = _CollectorApp(title="ampwatch collector", version=VERSION, lifespan=lifespan,
                         docs_url="/docs" if config.api_docs else None, redoc_url=None,
                   description="Receives GradScaler skip and loss-scale batches from ampwatch agents "
-                              "(protocol v1, docs/protocol.md) and exposes them to Prometheus at /metrics.")
+                              "(protocol v1, or v2: one node's ranks per request; docs/protocol.md) and exposes "
+                              "them to Prometheus at /metrics.")
     app.state.ready = False
     app.state.config = config
     app.state.clock = clock
     app.state.guard = AccessGuard(config.read_token, config.rate_limit)
 
-    @app.post("/v1/ingest", tags=["ingest"], summary="Apply one agent batch (protocol v1)",
-              responses={200: {"description": '{"applied": true} or {"applied": false, "duplicate": true}'},
+    @app.post("/v1/ingest", tags=["ingest"],
+              summary="Apply one agent batch (protocol v1) or one node's batches (v2)",
+              responses={200: {"description": '{"applied": true} or {"applied": false, "duplicate": true}; v2: '
+                                              '{"protocol": 2, "results": [one per rank, with its "status"]}'},
                          400: {"description": "malformed JSON"}, 401: {"description": "token missing"},
                          403: {"description": "token wrong"}, 413: {"description": "body too large"},
                          409: {"description": 'refused for good ("retry": false): this process claimed a rank '

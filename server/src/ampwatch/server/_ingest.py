@@ -1,4 +1,8 @@
-"""POST /v1/ingest: authenticate, bound, validate, apply idempotently, answer after COMMIT."""
+"""POST /v1/ingest: authenticate, bound, validate, apply idempotently, answer after COMMIT.
+
+A protocol v1 body is one rank's batch; a v2 body (a node relay's) is several, each applied and answered
+on its own by the same per-rank path.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import logging
 import sqlite3
 import time
 from typing import Any, Callable, Optional
+
+from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
 
 from ._access import bearer_matches
 from ._client_budget import ClientBudget
@@ -79,24 +85,8 @@ class IngestService:
         try:
             client = (scope.get("client") or ("unknown", 0))[0]
             status, body = await self._ingest(dict(scope["headers"]), receive, client)
-        except _Refused as refused:
-            self.own.rejected.labels(refused.reason).inc()
-            status, retry_after = refused.status, refused.retry_after
-            body = {"error": refused.reason, "retry": refused.retry, "message": refused.message}
-            if refused.detail:
-                body["detail"] = refused.detail
-        except StoreClosed as exc:
-            status, body = 503, {"error": "unavailable", "retry": True, "message": f"{exc}; retry later"}
-        except sqlite3.DatabaseError as exc:  # disk full, read-only, I/O error: logged once by the store
-            status, body = 503, {"error": "storage", "retry": True,
-                                 "message": f"the collector cannot write its database ({exc}); the batch is not "
-                                 "applied: retry later. Operator: free disk space or make the database writable "
-                                 "(see the collector's log)"}
-        except Exception:
-            log.exception("ingest failed")
-            status, body = 500, {"error": "internal", "retry": True,
-                                 "message": "the collector failed to store the batch; retry later and check the "
-                                            "collector's log"}
+        except Exception as exc:
+            status, body, retry_after = self._failure(exc)
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         if status == 401:
@@ -111,11 +101,64 @@ class IngestService:
         counter.inc()
         self.own.latency.observe(time.perf_counter() - started)
 
+    def _failure(self, exc: Exception) -> tuple[int, dict, Optional[int]]:
+        """Return the status, error body and Retry-After for a request (v1) or one rank's batch (v2) that failed."""
+        if isinstance(exc, _Refused):
+            self.own.rejected.labels(exc.reason).inc()
+            body = {"error": exc.reason, "retry": exc.retry, "message": exc.message}
+            if exc.detail:
+                body["detail"] = exc.detail
+            return exc.status, body, exc.retry_after
+        if isinstance(exc, StoreClosed):
+            return 503, {"error": "unavailable", "retry": True, "message": f"{exc}; retry later"}, None
+        if isinstance(exc, sqlite3.DatabaseError):  # disk full, read-only, I/O error: logged once by the store
+            return 503, {"error": "storage", "retry": True,
+                         "message": f"the collector cannot write its database ({exc}); the batch is not "
+                         "applied: retry later. Operator: free disk space or make the database writable "
+                         "(see the collector's log)"}, None
+        log.error("ingest failed", exc_info=exc)
+        return 500, {"error": "internal", "retry": True,
+                     "message": "the collector failed to store the batch; retry later and check the "
+                                "collector's log"}, None
+
     async def _ingest(self, headers: dict[bytes, bytes], receive: Callable, client: str) -> tuple[int, bytes]:
         self._authenticate(headers.get(b"authorization"))
         _refuse_browsers(headers)
         body = await self._read_body(headers.get(b"content-length"), receive)
-        batch = self._parse(body)
+        if is_node_batch(body):
+            return 200, await self._ingest_node(body, client)
+        return await self._apply_rank(self._parse(body), body, client)
+
+    async def _ingest_node(self, body: bytes, client: str) -> bytes:
+        """Apply a protocol v2 node batch: each rank's batch on its own, answered per rank, committed together."""
+        pieces = split_node_batch(body)
+        if pieces is None:
+            raise _Refused(400, "json", "the protocol v2 body is not laid out as docs/protocol.md says "
+                                        '({"protocol":2,"lengths":[...],"batches":[...]}, no spaces, lengths in '
+                                        "bytes); send each rank's batch as protocol v1 instead")
+        # Concurrently, so the ranks' writes share one group commit; each rank still waits for its own turn.
+        results = await asyncio.gather(*(self._apply_piece(piece, client) for piece in pieces))
+        return json.dumps({"protocol": NODE_PROTOCOL_VERSION, "results": results}).encode()
+
+    async def _apply_piece(self, piece: bytes, client: str) -> dict:
+        """Return one rank's result in a v2 answer: its status and the body a v1 request would have got."""
+        rank = None
+        try:
+            batch = self._parse(piece)
+            rank = batch.rank
+            status, answer = await self._apply_rank(batch, piece, client)
+            result = {"status": status, **json.loads(answer)}
+        except Exception as exc:
+            status, error, retry_after = self._failure(exc)
+            result = {"status": status, **error}
+            if retry_after is not None:
+                result["retry_after"] = retry_after
+        if rank is not None:
+            result["rank"] = rank
+        return result
+
+    async def _apply_rank(self, batch: Batch, body: bytes, client: str) -> tuple[int, bytes]:
+        """Apply one rank's batch (``body``: its bytes as the agent encoded them), one batch per rank at a time."""
         key = (batch.run, batch.rank)
         # One batch per rank at a time: the duplicate check and the install must see each other.
         while (busy := self._busy.get(key)) is not None:

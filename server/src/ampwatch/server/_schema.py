@@ -198,7 +198,8 @@ class Batch(_Model):
     def _supported_protocol(cls, value: int) -> int:
         if value != PROTOCOL_VERSION:
             raise ValueError(f"protocol version {value} is not supported; this collector speaks "
-                             f"version {PROTOCOL_VERSION}: upgrade the collector or pin the agent")
+                             f"version {PROTOCOL_VERSION} (and version 2 only as node batches laid out as "
+                             "docs/protocol.md says): upgrade the collector or pin the agent")
         return value
 
     @field_validator("run", "host")

@@ -1,0 +1,112 @@
+"""The node relay inside one process: real senders, a real Unix socket, a real collector (or a recording one)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import stat
+import threading
+import time
+
+import httpx
+import pytest
+from collector_process import CollectorProcess
+from delivery_harness import make_sender
+from exposition import value
+from recording_collector import RecordingCollector
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _relay_threads() -> int:
+    return sum(t.name == "ampwatch-relay" and t.is_alive() for t in threading.enumerate())
+
+
+def _requests_and_batches(url: str) -> tuple[float, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return (value(text, "ampwatch_collector_ingest_requests_total", code="200"),
+            value(text, "ampwatch_collector_batches_applied_total"))
+
+
+def test_two_ranks_in_one_process_share_one_relay_and_every_skip_arrives_once(tmp_path):
+    relay_dir = tmp_path / "relay"
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        pairs = [make_sender(collector.url, rank=r, world_size=2, relay=True, relay_dir=str(relay_dir))
+                 for r in (0, 1)]
+        try:
+            for _ in range(40):
+                for _, recorder in pairs:
+                    recorder.skip()
+                time.sleep(0.01)
+            _wait_for(lambda: _relay_threads() == 1)
+            assert stat.S_IMODE(relay_dir.stat().st_mode) == 0o700
+            sockets = list(relay_dir.glob("*.sock"))
+            assert len(sockets) == 1 and stat.S_IMODE(sockets[0].stat().st_mode) == 0o600
+        finally:
+            for sender, _ in pairs:
+                sender.close(10)
+        text = httpx.get(collector.url + "/metrics", timeout=10).text
+        requests, batches = _requests_and_batches(collector.url)
+    for rank in ("0", "1"):
+        assert value(text, "ampwatch_optimizer_skipped_steps_total", run="test-run", rank=rank, optimizer="opt") == 40
+        assert value(text, "ampwatch_rank_closed", run="test-run", rank=rank) == 1
+    assert all(sender.delivery["agent_errors"] == 0 for sender, _ in pairs)
+    assert requests < batches
+    assert _relay_threads() == 0 and not list(relay_dir.glob("*.sock")), "closing the relay rank removed it"
+
+
+def test_a_relay_directory_others_may_write_is_not_used_and_each_rank_posts_for_itself(tmp_path):
+    relay_dir = tmp_path / "shared"
+    relay_dir.mkdir(mode=0o777)
+    os.chmod(relay_dir, 0o777)
+    with RecordingCollector() as server:
+        sender, recorder = make_sender(server.url, relay=True, relay_dir=str(relay_dir))
+        recorder.skip()
+        sender.close(10)
+    assert server.event_ids() == [1] and all(body["protocol"] == 1 for body in server.received)
+    assert sender.delivery["agent_errors"] == 1  # said once, counted once
+    assert not list(relay_dir.iterdir()) and _relay_threads() == 0
+
+
+def test_a_forked_child_that_outlives_the_relay_does_not_keep_another_rank_from_taking_over(tmp_path):
+    relay_dir = tmp_path / "relay"
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        pairs = [make_sender(collector.url, rank=r, world_size=2, relay=True, relay_dir=str(relay_dir))
+                 for r in (0, 1)]
+        child = None
+        try:
+            for _, recorder in pairs:
+                recorder.skip()
+            _wait_for(lambda: _relay_threads() == 1 and _requests_and_batches(collector.url)[1] >= 2)
+            child = os.fork()
+            if child == 0:  # inherits the relay's socket and lock (as a DataLoader worker does); lives on
+                time.sleep(30)
+                os._exit(0)
+            relay, other = sorted(pairs, key=lambda pair: pair[0]._node.relay is None)
+            relay[0].close(10)  # the relay rank ends first, while the child still lives
+            assert _relay_threads() == 0
+            before = _requests_and_batches(collector.url)
+            for _ in range(30):
+                other[1].skip()
+                time.sleep(0.02)
+            _wait_for(lambda: _relay_threads() == 1, timeout=20)  # the other rank took the relay over
+            assert other[0]._node.relay is not None
+        finally:
+            if child:
+                os.kill(child, 9)
+                os.waitpid(child, 0)
+            for sender, _ in pairs:
+                sender.close(10)
+        text = httpx.get(collector.url + "/metrics", timeout=10).text
+        after = _requests_and_batches(collector.url)
+    assert after[1] > before[1]
+    assert value(text, "ampwatch_optimizer_skipped_steps_total", run="test-run", rank=str(other[0].identity.rank),
+                 optimizer="opt") == 31
+    assert all(sender.delivery["agent_errors"] == 0 for sender, _ in pairs)

@@ -1,0 +1,247 @@
+"""One request per node (AMPWATCH_RELAY=1): the ranks of a host hand their batches to one relay.
+
+Each rank is a real process with the real agent and a real GradScaler; the relay is a real Unix socket;
+the collector is a real one (this tree's, or an earlier commit's that knows only protocol v1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+
+import httpx
+import pytest
+from collector_process import CollectorProcess
+from exposition import value
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
+ROOT = HELPERS.parent.parent
+V1_ONLY = "a95d20e"  # the last commit whose collector knows only protocol v1
+
+# A rank trains until told to stop; it leaves a file "relay<rank>" once it runs the host's relay.
+RANK = """
+import json, os, pathlib, sys, threading
+from fault_training import Trainer
+url, run, stop, out, rank = sys.argv[1:6]
+trainer = Trainer(collector=url, run=run, push_interval=0.05)
+while not os.path.exists(stop):
+    trainer.step("train")
+    if trainer.iteration % 20 == 0 and any(t.name == "ampwatch-relay" for t in threading.enumerate()):
+        pathlib.Path(out, "relay" + rank).touch()
+trainer.watch.close(timeout=20)
+pathlib.Path(out, "truth" + rank + ".json").write_text(json.dumps(trainer.truth()))
+"""
+
+
+def _spawn(url: str, run: str, tmp: pathlib.Path, rank: int, world_size: int, relay: bool) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]),
+           "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "AMPWATCH_MAX_BACKOFF": "0.3",
+           "AMPWATCH_RELAY": "1" if relay else "0", "AMPWATCH_RELAY_DIR": str(tmp / "relay")}
+    env.pop("AMPWATCH_SPOOL_DIR", None)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK), url, run, str(tmp / "stop"), str(tmp),
+                             str(rank)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _finish(ranks: dict[int, subprocess.Popen], tmp: pathlib.Path) -> dict[int, dict]:
+    """Stop the ranks still running; return each one's ground truth."""
+    (tmp / "stop").touch()
+    truths = {}
+    for rank, proc in ranks.items():
+        if proc.returncode is not None:
+            continue
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out[-3000:]
+        truths[rank] = json.loads((tmp / f"truth{rank}.json").read_text())
+    return truths
+
+
+def _kill_all(ranks: dict[int, subprocess.Popen]) -> None:
+    for proc in ranks.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _check_exact(url: str, run: str, rank: int, truth: dict) -> None:
+    """The collector shows exactly the rank's truth, and each of its events once."""
+    text = _metrics(url)
+    labels = {"run": run, "rank": str(rank)}
+    main = dict(labels, optimizer="main")
+    assert value(text, "ampwatch_optimizer_skipped_steps_total", **main) == len(truth["skipped_at"])
+    assert value(text, "ampwatch_optimizer_steps_total", **main) == truth["steps"]
+    assert value(text, "ampwatch_loss_scale_backoffs_total", **labels) == truth["backoffs"]
+    assert value(text, "ampwatch_loss_scale_growths_total", **labels) == truth["growths"]
+    assert value(text, "ampwatch_iteration", **labels) == truth["iterations"]
+    assert value(text, "ampwatch_rank_closed", **labels) == 1
+    skips, after = [], 0
+    while after is not None:
+        page = httpx.get(f"{url}/v1/runs/{run}/events", params={"limit": 1000, "rank": rank, "kind": "skip",
+                                                                "after": after}, timeout=10).json()
+        skips += [e["iteration"] for e in page["events"]]
+        after = page["next"]
+    assert skips == truth["skipped_at"], "a skip event is missing or doubled"
+
+
+def _requests_and_batches(url: str) -> tuple[float, float]:
+    """Requests answered 200, and the rank batches they carried (applied or recognised as duplicates)."""
+    text = _metrics(url)
+    return (value(text, "ampwatch_collector_ingest_requests_total", code="200") or 0,
+            (value(text, "ampwatch_collector_batches_applied_total") or 0)
+            + (value(text, "ampwatch_collector_duplicate_batches_total") or 0))
+
+
+def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact_counts(tmp_path):
+    run, world = "relayed", 4
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
+        try:
+            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
+                                  > 100 for r in range(world)))
+            truths = _finish(ranks, tmp_path)
+        finally:
+            _kill_all(ranks)
+        for rank, truth in truths.items():
+            _check_exact(collector.url, run, rank, truth)
+        requests, batches = _requests_and_batches(collector.url)
+    relays = sorted(p.name for p in tmp_path.glob("relay?"))
+    socket_dir = tmp_path / "relay"
+    print(f"\n{batches:.0f} batches of {world} ranks in {requests:.0f} requests; relay: {relays}")
+    assert len(relays) == 1, "exactly one rank relayed for the host"
+    assert stat.S_IMODE(socket_dir.stat().st_mode) == 0o700
+    assert not list(socket_dir.glob("*.sock")), "the relay removed its socket when it closed"
+    assert requests < 0.75 * batches, "the relay did not gather several ranks' batches per request"
+
+
+def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_a_new_relay_takes_over(tmp_path):
+    run, world = "relay-killed", 3
+    with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--expire-after", "120"]) as collector:
+        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
+        try:
+            _wait_for(lambda: list(tmp_path.glob("relay?")) and all(
+                value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)))
+            killed = int(next(tmp_path.glob("relay?")).name[-1])
+            ranks[killed].send_signal(signal.SIGKILL)  # mid-job: no close(), no exit flush, batches in flight
+            ranks[killed].wait(10)
+            (tmp_path / f"relay{killed}").unlink()
+            survivors = [r for r in range(world) if r != killed]
+            _wait_for(lambda: list(tmp_path.glob("relay?")), timeout=60)  # a surviving rank took over
+            takeover = _requests_and_batches(collector.url)
+            before = {r: value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+                      for r in survivors}
+            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+                                  > before[r] + 50 for r in survivors))
+            after = _requests_and_batches(collector.url)
+            truths = _finish(ranks, tmp_path)
+        finally:
+            _kill_all(ranks)
+        for rank in survivors:
+            _check_exact(collector.url, run, rank, truths[rank])
+        assert value(_metrics(collector.url), "ampwatch_rank_closed", run=run, rank=str(killed)) == 0
+    new_relay = [p.name for p in tmp_path.glob("relay?")]
+    print(f"\nrelay rank {killed} killed; {new_relay} took over; after it: "
+          f"{after[1] - takeover[1]:.0f} batches in {after[0] - takeover[0]:.0f} requests")
+    assert len(new_relay) == 1 and int(new_relay[0][-1]) in survivors
+    assert after[0] - takeover[0] < after[1] - takeover[1], "the new relay gathers batches again"
+
+
+def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
+    run, world = "mixed", 4
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=r < 2) for r in range(world)}
+        try:
+            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
+                                  > 100 for r in range(world)))
+            truths = _finish(ranks, tmp_path)
+        finally:
+            _kill_all(ranks)
+        for rank, truth in truths.items():
+            _check_exact(collector.url, run, rank, truth)
+        requests, batches = _requests_and_batches(collector.url)
+    print(f"\n{batches:.0f} batches in {requests:.0f} requests (2 relayed ranks, 2 posting v1)")
+    assert len(list(tmp_path.glob("relay?"))) == 1
+    assert requests < batches
+
+
+def _v1_only_server(into: pathlib.Path) -> str:
+    """Extract the server of a commit that knows only protocol v1; return the folder for PYTHONPATH."""
+    archive = into / "src.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), V1_ONLY, "server/src"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return str(into / "server" / "src")
+
+
+def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_exact_counts(tmp_path):
+    run, world = "old-collector", 3
+    old = tmp_path / "old"
+    old.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([_v1_only_server(old), os.environ.get("PYTHONPATH", "")])}
+    with CollectorProcess(str(tmp_path / "ampwatch.db"), env=env) as collector:
+        schema = httpx.post(collector.url + "/v1/ingest", content=b'{"protocol":2,"lengths":[],"batches":[]}',
+                            headers={"content-type": "application/json"}, timeout=10)
+        assert schema.status_code == 422, "this collector must refuse protocol v2"
+        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
+        try:
+            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
+                                  > 100 for r in range(world)))
+            truths = _finish(ranks, tmp_path)
+        finally:
+            _kill_all(ranks)
+        for rank, truth in truths.items():
+            _check_exact(collector.url, run, rank, truth)
+        text = _metrics(collector.url)
+        requests, batches = _requests_and_batches(collector.url)
+    refused = value(text, "ampwatch_collector_ingest_requests_total", code="422") - 1  # less the probe above
+    print(f"\nthe v1-only collector refused {refused:.0f} v2 request(s); then {batches:.0f} batches went as v1 "
+          f"in {requests:.0f} requests")
+    # Each relay tries v2 once, then keeps to v1 (one more relay may take over while the ranks close).
+    assert 1 <= refused <= world - 1
+    assert requests == batches, "every batch the old collector took came alone, as v1"
+    for rank in range(world):
+        assert value(text, "ampwatch_agent_rejected_batches_total", run=run, rank=str(rank)) == 0
+
+
+def test_a_stopped_relay_rank_is_bypassed_and_the_other_ranks_keep_reporting_exactly(tmp_path):
+    run, world = "relay-stopped", 3
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
+        try:
+            _wait_for(lambda: list(tmp_path.glob("relay?")) and all(
+                value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)))
+            stopped = int(next(tmp_path.glob("relay?")).name[-1])
+            ranks[stopped].send_signal(signal.SIGSTOP)  # alive, holding its lock, answering nobody
+            others = [r for r in range(world) if r != stopped]
+            before = {r: value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in others}
+            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+                                  > before[r] + 50 for r in others))
+            ranks[stopped].send_signal(signal.SIGCONT)
+            truths = _finish(ranks, tmp_path)
+        finally:
+            for proc in ranks.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGCONT)
+            _kill_all(ranks)
+        for rank, truth in truths.items():
+            _check_exact(collector.url, run, rank, truth)
+    print(f"\nrelay rank {stopped} stopped; ranks {others} kept reporting past it")
