@@ -168,7 +168,10 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
                     body: bytes) -> dict[int, int]:
     """Send one request; return ``{status: rank updates}`` (a v2 answer's per-rank statuses, else the HTTP one)."""
     writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    status = int((await reader.readline()).split(b" ")[1])
+    line = await reader.readline()
+    if not line:
+        raise ConnectionResetError("the server closed the connection")
+    status = int(line.split(b" ")[1])
     length = 0
     while (line := await reader.readline()) not in (b"\r\n", b""):
         if line[:15].lower() == b"content-length:":
@@ -205,6 +208,7 @@ class _Tally:
         self.failures: dict[int, int] = {}
         self.first_send = float("inf")
         self.last_answer = 0.0
+        self.reconnects = 0  # kept-alive connections the server had closed while idle (uvicorn: after 5 s)
 
 
 AGENT_TIMEOUT_S = 2.0  # the agent's default AMPWATCH_TIMEOUT: a slower answer is a failed send, retried
@@ -224,9 +228,22 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
     seq = slot = 0
     last_slot = -1
     senders = _senders(target, ranks)
+
+    async def exchange(body: bytes) -> dict[int, int]:
+        nonlocal reader, writer
+        try:
+            return await _exchange(reader, writer, head, body)
+        except (ConnectionError, asyncio.IncompleteReadError, RuntimeError):  # RuntimeError: uvloop, closed before
+            # The server closed the idle kept-alive connection: reconnect and send again, as an agent does.
+            writer.close()
+            tally.reconnects += 1
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                return await _exchange(reader, writer, head, body)
+            except (OSError, asyncio.IncompleteReadError):
+                return {0: 1}  # refused or reset again: a failed send (status 0), tried again at the next slot
     try:
-        # Senders (ranks, or nodes) spread evenly over each interval.
-        while (due := start + (rank / senders + slot) * interval) < start + seconds:
+        while (due := start + (rank / senders + slot) * interval) < start + seconds:  # spread over each interval
             now = time.perf_counter()
             if now - due >= interval:
                 # A whole interval behind: skip to the current slot, as an agent sends its latest state, not a backlog.
@@ -243,7 +260,7 @@ async def _paced_rank(target: str, port: int, run: str, rank: int, ranks: int, s
             last_slot = slot - 1
             sent = time.perf_counter()
             try:
-                statuses = await asyncio.wait_for(_exchange(reader, writer, head, body), max(0.001, hard_stop - sent))
+                statuses = await asyncio.wait_for(exchange(body), max(0.001, hard_stop - sent))
             except asyncio.TimeoutError:
                 tally.unanswered += 1
                 tally.timeouts += 1
@@ -330,7 +347,7 @@ async def _run(target: str, port: int, ranks: int, seconds: int, saturate: int, 
            "max_ms": round(max(tally.latency, default=float("nan")) * ms, 2),
            "p99_all_ms": round(_pct(tally.latency_all, .99) * ms, 2) if tally.latency_all else None,
            "offered_per_s": None if saturate else round(ranks / interval, 1), "missed_slots": tally.missed,
-           "unanswered": tally.unanswered,
+           "unanswered": tally.unanswered, "reconnects": tally.reconnects,
            "lag_p99_ms": round(_pct(tally.lag, .99) * ms, 2) if tally.lag else None,
            "timeouts": tally.timeouts, "interval_s": interval,
            "generator_cpu_s": round(time.process_time() - cpu0, 2)}
@@ -372,9 +389,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a skip and a backoff event every this many updates of a rank")
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds after the last slot before unanswered requests are given up (bounds the run)")
+    parser.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between two updates of one rank (the agent's push interval or heartbeat)")
     parser.add_argument("--saturate", type=int, default=0, metavar="CONNECTIONS",
                         help="instead of one update per rank per second, send back to back on this many connections")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between two updates of a rank")
     parser.add_argument("--storm", metavar="AFTER,SECONDS",
                         help="a whole-job skip storm: every rank skips every iteration from AFTER for SECONDS")
     parser.add_argument("--pattern", choices=PATTERNS, default="streaks",

@@ -97,18 +97,19 @@ def server(kind: str) -> contextlib.AbstractContextManager[Server]:
 
 
 def load(srv: Server, ranks: int, seconds: int, saturate: int = 0, skip_every: int = 50,
-         target: Optional[str] = None, per_node: int = 8) -> dict:
+         target: Optional[str] = None, per_node: int = 8, interval: float = 1.0) -> dict:
     """Run the load generator in its own process against ``srv``; add the server's CPU and memory.
 
     ``target`` is the generator's (default: the server's kind; ``ampwatch-node``: one v2 node batch of
-    ``per_node`` ranks per request).
+    ``per_node`` ranks per request); ``interval``: seconds between two updates of a sender.
     """
     import json
     cpu0, t0 = srv.stats.cpu_s(), time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "bench._loadgen", "--target", target or srv.kind,
                           "--port", str(srv.port),
                           "--ranks", str(ranks), "--seconds", str(seconds), "--saturate", str(saturate),
-                          "--skip-every", str(skip_every), "--per-node", str(per_node)],
+                          "--skip-every", str(skip_every), "--per-node", str(per_node),
+                          "--interval", str(interval)],
                          capture_output=True, text=True, timeout=seconds + 120)
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")

@@ -74,7 +74,7 @@ DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "age
 COLLECTOR_DEFAULTS: Mapping[str, int] = {
     "max_body_bytes": 8 * 1024 * 1024,  # past it: 413; the agent splits a batch's events to stay under it
     "max_runs": 1000,                   # past it: back-pressure (429, Retry-After), clears as finished runs retire
-    "max_ranks_per_run": 4096,          # past it: refused for good (422)
+    "max_ranks_per_run": 16_384,        # past it: refused for good (422); a 2,048-node x 8-GPU job fits
     "max_optimizers_per_rank": 16,      # past it: refused for good (422); a rank's optimizers do not change
 }
 """A collector's limits with default settings (its ``--max-*`` options): the collector's defaults, and what

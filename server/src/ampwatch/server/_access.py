@@ -119,6 +119,6 @@ class AccessMetrics:
         from prometheus_client.core import CounterMetricFamily
         family = CounterMetricFamily(COLLECTOR_REFUSED_REQUESTS.name.removesuffix("_total"),
                                      COLLECTOR_REFUSED_REQUESTS.help, labels=list(COLLECTOR_REFUSED_REQUESTS.labels))
-        for reason, count in self.guard.refused.items():
+        for reason, count in list(self.guard.refused.items()):  # one C call: safe while the loop adds a reason
             family.add_metric([reason], count)
         yield family

@@ -68,8 +68,9 @@ def _refuse_browsers(headers: dict[bytes, bytes]) -> None:
 class IngestService:
     """Applies batches to the in-memory state and the store; one per app."""
 
-    def __init__(self, config: ServerConfig, state: CollectorState, store: Store, own: SelfMetrics) -> None:
-        self.config, self.state, self.store, self.own = config, state, store, own
+    def __init__(self, config: ServerConfig, state: CollectorState, store: Store, own: SelfMetrics,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config, self.state, self.store, self.own, self.clock = config, state, store, own, clock
         self.budget = ClientBudget(config.client_new_runs, config.client_event_rate)
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
         self.on_applied: Optional[Callable[[RankState], None]] = None  # built-in alerts; must not raise or block
@@ -237,7 +238,7 @@ class IngestService:
             if events:
                 self.own.events.inc(await self.store.submit(self.store.insert_events(events)))
             return 200, _DUPLICATE
-        now = time.time()
+        now = self.clock()
         implausible = implausible_rise(old, batch, now, self.config.max_counter_rate)
         if implausible is not None:
             raise _Refused(422, "implausible", implausible)

@@ -10,6 +10,7 @@ values read at scrape time.
 from __future__ import annotations
 
 import gzip
+import threading
 import time
 from typing import Callable, Iterator, Optional
 
@@ -21,7 +22,7 @@ from ampwatch.contract import metrics as m
 from ampwatch.contract.protocol import STREAK_LADDER
 
 from ._floats import exposition_float, promql_max, promql_min
-from ._state import CollectorState, RankState
+from ._state import CollectorState, RankState, RankView
 
 __all__ = ["CONTENT_TYPE", "Exposition", "SelfMetrics", "NotificationMetrics", "accepts_gzip", "gzip_exposition"]
 
@@ -77,23 +78,23 @@ class _RankLines:
         self.ladder_from: list[tuple[int, ...]] = []
         self.ladder = ""
 
-    def labels(self, rank: RankState) -> dict[str, str]:
-        """Return ``{optimizer: its label string}`` for every optimizer of ``rank``."""
-        if len(self.optimizers) != len(rank.optimizer_totals):
-            for name in rank.optimizers():
+    def labels(self, view: RankView) -> dict[str, str]:
+        """Return ``{optimizer: its label string}`` for every optimizer of the rank (as of ``view``)."""
+        if len(self.optimizers) != len(view.optimizer_totals):
+            for name in view.optimizers():
                 if name not in self.optimizers:
                     self.optimizers[name] = f'{self.rank},optimizer="{escape_label(name)}"'
         return self.optimizers
 
-    def ladder_lines(self, rank: RankState) -> str:
+    def ladder_lines(self, view: RankView) -> str:
         """Return the streak-ladder lines of the rungs reached, formatted again only when a ladder moved."""
-        ladders = [totals.streaks_reached for totals in rank.optimizer_totals.values()]
+        ladders = [totals.streaks_reached for totals in view.optimizer_totals.values()]
         # Totals hand an unmoved ladder on as the same tuple; a held reference keeps its id from being reused.
         if len(ladders) != len(self.ladder_from) or any(a is not b for a, b in zip(ladders, self.ladder_from)):
             name = m.OPTIMIZER_SKIP_STREAKS.name
             self.ladder = "".join(
                 f'{name}{{{labels},min_length="{length}"}} {count}\n'
-                for labels, reached in zip(self.labels(rank).values(), ladders)
+                for labels, reached in zip(self.labels(view).values(), ladders)
                 for length, count in zip(STREAK_LADDER, reached) if count)
             # A rung appears once a streak reached it (48% of all samples at 1,024 ranks were zero rungs): the
             # rules' "new and non-zero" term (dashboards/rules.py, _counter_rose) catches its first count.
@@ -101,15 +102,15 @@ class _RankLines:
         return self.ladder
 
 
-def _loss_scale(rank: RankState) -> Optional[float]:
-    batch = rank.current.batch if rank.current else None
+def _loss_scale(view: RankView) -> Optional[float]:
+    batch = view.current.batch if view.current else None
     if batch is None or not batch.scaler.enabled:
         return None
     return batch.state.loss_scale
 
 
-def _info_labels(rank: RankState, labels: str) -> str:
-    batch = rank.current.batch
+def _info_labels(view: RankView, labels: str) -> str:
+    batch = view.current.batch  # type: ignore[union-attr]
     return (f'{labels},host="{escape_label(batch.host)}",local_rank="{batch.local_rank}",'
             f'world_size="{batch.world_size}",scaler_enabled="{str(batch.scaler.enabled).lower()}",'
             f'scaler_kind="{escape_label(batch.scaler.kind)}",agent_version="{escape_label(batch.agent.version)}"')
@@ -118,76 +119,86 @@ def _info_labels(rank: RankState, labels: str) -> str:
 class Exposition:
     """Render ``/metrics`` from the state at each scrape; keeps each rank's label strings between scrapes.
 
-    Costs about 50 ms at 1,024 ranks x 2 optimizers (docs/benchmarks.md), all of it
-    formatting lines; the cache is rebuilt from the ranks held at each scrape, so a
-    rank that left memory leaves it too.
+    Costs about 50 ms at 1,024 ranks x 2 optimizers, about 1 s at 16,384 (docs/benchmarks.md),
+    all of it formatting lines. Safe to run in a worker thread while the event loop applies
+    batches: it reads one :class:`RankView` per rank (all of one batch, never half), and one
+    render runs at a time. The cache is rebuilt from the ranks held at each scrape, so a rank
+    that left memory leaves it too.
     """
 
-    def __init__(self, state: CollectorState, own: "SelfMetrics", silent_after: float) -> None:
-        self.state, self.own, self.silent_after = state, own, silent_after
+    def __init__(self, state: CollectorState, own: "SelfMetrics", silent_after: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.state, self.own, self.silent_after, self.clock = state, own, silent_after, clock
         self._lines: dict[RankState, _RankLines] = {}
+        self._rendering = threading.Lock()  # the label cache is one render's at a time
 
     def render(self, now: Optional[float] = None) -> str:
         """Return the full /metrics body: every rank's series, then the collector's own."""
-        return self.render_ranks(time.time() if now is None else now) + self.own.render()
+        return self.render_ranks(self.clock() if now is None else now) + self.own.render()
 
     def render_ranks(self, now: float) -> str:
         """Render every per-optimizer, per-rank and per-run family (text format 0.0.4)."""
-        ranks = [r for ranks in self.state.runs.values() for r in ranks.values() if r.current is not None]
+        with self._rendering:
+            return self._render_ranks(self.state.views(), now)
+
+    def _render_ranks(self, held: list[tuple[RankState, RankView]], now: float) -> str:
         cached = self._lines
-        self._lines = lines = {r: cached.get(r) or _RankLines(r) for r in ranks}
+        self._lines = by_rank = {r: cached.get(r) or _RankLines(r) for r, _ in held}
+        ranks = [(v, by_rank[r]) for r, v in held]
         out: list[str] = []
         add = out.append
         for metric, field in _OPTIMIZER_TOTALS:
             add(_HEADERS[metric])
-            for r in ranks:
-                totals = r.optimizer_totals
-                for opt, labels in lines[r].labels(r).items():
+            for v, lines in ranks:
+                totals = v.optimizer_totals
+                for opt, labels in lines.labels(v).items():
                     add(f"{metric.name}{{{labels}}} {getattr(totals[opt], field)}\n")
-        for metric, value in ((m.OPTIMIZER_CONSECUTIVE_SKIPPED, RankState.consecutive_skipped),
-                              (m.OPTIMIZER_LONGEST_SKIP_STREAK, RankState.longest_streak)):
+        for metric, value in ((m.OPTIMIZER_CONSECUTIVE_SKIPPED, RankView.consecutive_skipped),
+                              (m.OPTIMIZER_LONGEST_SKIP_STREAK, RankView.longest_streak)):
             add(_HEADERS[metric])
-            for r in ranks:
-                for opt, labels in lines[r].labels(r).items():
-                    add(f"{metric.name}{{{labels}}} {value(r, opt)}\n")
+            for v, lines in ranks:
+                for opt, labels in lines.labels(v).items():
+                    add(f"{metric.name}{{{labels}}} {value(v, opt)}\n")
         add(_HEADERS[m.OPTIMIZER_SKIP_STREAKS])
-        for r in ranks:
-            add(lines[r].ladder_lines(r))
+        for v, lines in ranks:
+            add(lines.ladder_lines(v))
         add(_HEADERS[m.NONFINITE_GRADIENT_INFO])
-        for r in ranks:
-            for opt, labels in lines[r].labels(r).items():
-                param = r.latest_nonfinite(opt)
+        for v, lines in ranks:
+            for opt, labels in lines.labels(v).items():
+                param = v.latest_nonfinite(opt)
                 if param is not None:
                     add(f'{m.NONFINITE_GRADIENT_INFO.name}{{{labels},parameter="{escape_label(param)}"}} 1\n')
         add(_HEADERS[m.LOSS_SCALE])
-        for r in ranks:
-            scale = _loss_scale(r)
+        for v, lines in ranks:
+            scale = _loss_scale(v)
             if scale is not None:
-                add(f"{m.LOSS_SCALE.name}{{{lines[r].rank}}} {exposition_float(scale)}\n")
+                add(f"{m.LOSS_SCALE.name}{{{lines.rank}}} {exposition_float(scale)}\n")
         for metric, field in _RANK_TOTALS:
             add(_HEADERS[metric])
-            for r in ranks:
-                add(f"{metric.name}{{{lines[r].rank}}} {getattr(r.totals, field)}\n")
-        for metric, value in ((m.ITERATION, lambda r: r.current.batch.state.iteration),
-                              (m.RANK_LAST_SEEN, lambda r: repr(r.last_seen)),
-                              (m.RANK_CLOSED, lambda r: int(r.closed)),
-                              (m.RANK_CONFLICTS, lambda r: len(r.conflicting))):
+            for v, lines in ranks:
+                add(f"{metric.name}{{{lines.rank}}} {getattr(v.totals, field)}\n")
+        for metric, value in ((m.ITERATION, lambda v: v.current.batch.state.iteration),
+                              (m.RANK_LAST_SEEN, lambda v: repr(v.last_seen)),
+                              (m.RANK_CLOSED, lambda v: int(v.closed)),
+                              (m.RANK_CONFLICTS, lambda v: len(v.conflicting))):
             add(_HEADERS[metric])
-            for r in ranks:
-                add(f"{metric.name}{{{lines[r].rank}}} {value(r)}\n")
+            for v, lines in ranks:
+                add(f"{metric.name}{{{lines.rank}}} {value(v)}\n")
         add(_HEADERS[m.RANK_INFO])
-        for r in ranks:
-            add(f"{m.RANK_INFO.name}{{{_info_labels(r, lines[r].rank)}}} 1\n")
-        self._render_runs(now, add)
+        for v, lines in ranks:
+            add(f"{m.RANK_INFO.name}{{{_info_labels(v, lines.rank)}}} 1\n")
+        self._render_runs([v for v, _ in ranks], now, add)
         return "".join(out)
 
-    def _render_runs(self, now: float, add: Callable[[str], None]) -> None:
+    def _render_runs(self, views: list[RankView], now: float, add: Callable[[str], None]) -> None:
+        by_run: dict[str, list[RankView]] = {}
+        for v in views:
+            by_run.setdefault(v.run, []).append(v)
         rows = []
-        for run, ranks in self.state.runs.items():
-            live = [r for r in ranks.values() if r.current is not None]
-            reporting = sum(1 for r in live if not r.closed and r.last_seen + self.silent_after > now)
-            in_streak = sum(1 for r in live
-                            if not r.closed and any(r.consecutive_skipped(o) for o in r.optimizers()))
+        for run, live in by_run.items():
+            reporting = sum(1 for v in live if not v.closed and v.last_seen + self.silent_after > now)
+            in_streak = sum(1 for v in live
+                            if not v.closed and any(v.consecutive_skipped(o) for o in v.optimizers()))
             scales = [s for s in map(_loss_scale, live) if s is not None]
             rows.append((f'run="{escape_label(run)}"', reporting, in_streak, scales))
         for metric, pick in ((m.RUN_RANKS_REPORTING, lambda row: row[1]),

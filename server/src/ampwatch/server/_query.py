@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -141,7 +140,7 @@ async def get_run_summary(
     if not ranks:
         raise HTTPException(404, f"no run named {run!r} in memory (a run leaves it after --run-retention or "
                                  f"--expire-after); GET /v1/runs/{{run}} reads one from the database")
-    return run_summary(run, list(ranks.values()), request.app.state.alert_service.alerts, time.time(),
+    return run_summary(run, list(ranks.values()), request.app.state.alert_service.alerts, request.app.state.clock(),
                        request.app.state.config.silent_after, offset, limit, search)
 
 

@@ -12,8 +12,8 @@ from ._totals import OptimizerTotals, RankTotals
 if TYPE_CHECKING:
     from ._config import ServerConfig
 
-__all__ = ["Incarnation", "RankState", "RankSnapshot", "CollectorState", "LimitExceeded", "RUNS_RETRY_AFTER_S",
-           "next_incarnation"]
+__all__ = ["Incarnation", "RankState", "RankView", "RankSnapshot", "CollectorState", "LimitExceeded",
+           "RUNS_RETRY_AFTER_S", "next_incarnation"]
 
 # The database keeps a process's counters as {"": rank counters, optimizer: its counters} (optimizer names are
 # never empty); this is the one place that knows.
@@ -134,47 +134,47 @@ class RankSnapshot:
     """Processes that claimed the rank while it was live and were kept out (``ampwatch_rank_conflicts_total``)."""
 
 
-class RankState:
-    """One (run, rank): its incarnations and the totals over all of them."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankView:
+    """One rank as of one applied batch: replaced whole, never changed, so a reader in another thread sees one batch.
 
-    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals")
+    :meth:`RankState.install` builds the next view (O(optimizers + incarnations)); a reader
+    (``/metrics`` rendered in a worker thread) takes ``rank.view`` once and reads only that.
+    """
 
-    def __init__(self, run: str, rank: int) -> None:
-        self.run, self.rank = run, rank
-        self.incarnations: dict[str, Incarnation] = {}
-        self.current: Optional[Incarnation] = None  # the newest process; its gauges are the rank's gauges
-        self.totals = _NO_RANK
-        self.optimizer_totals: dict[str, OptimizerTotals] = {}  # in the order the optimizers first appeared
+    run: str
+    rank: int
+    incarnations: Mapping[str, Incarnation]
+    current: Optional[Incarnation]  # the newest process not in conflict; its gauges are the rank's gauges
+    totals: RankTotals
+    optimizer_totals: Mapping[str, OptimizerTotals]  # in the order the optimizers first appeared
 
-    def install(self, new: Incarnation) -> None:
-        """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
+    def installed(self, new: Incarnation) -> "RankView":
+        """Return the view after ``new`` became the applied state of its incarnation (totals move by the difference)."""
         old = self.incarnations.get(new.id)
-        self.totals = self.totals.moved_by(new.totals, old.totals if old else _NO_RANK)
+        totals = self.totals.moved_by(new.totals, old.totals if old else _NO_RANK)
+        optimizer_totals = dict(self.optimizer_totals)
         for name, counters in new.optimizers.items():
             before = old.optimizers.get(name, _NO_OPTIMIZER) if old else _NO_OPTIMIZER
-            self.optimizer_totals[name] = self.optimizer_totals.get(name, _NO_OPTIMIZER).moved_by(counters, before)
-        self.incarnations[new.id] = new
-        if new.conflict_with is None and (self.current is None or self.current.id == new.id
-                                          or new.first_seen >= self.current.first_seen):
-            self.current = new
+            optimizer_totals[name] = optimizer_totals.get(name, _NO_OPTIMIZER).moved_by(counters, before)
+        incarnations = dict(self.incarnations)
+        incarnations[new.id] = new
+        current = self.current
+        if new.conflict_with is None and (current is None or current.id == new.id
+                                          or new.first_seen >= current.first_seen):
+            current = new
+        return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals)
 
-    def claimants(self, live: Incarnation) -> list[Incarnation]:
-        """Return the incarnations in conflict with ``live``, which sends again: those that appeared while it was
-        live (``displaced`` it), not yet judged; each returned with ``conflict_with`` set (nothing changes here)."""
-        return [dataclasses.replace(inc, conflict_with=live.id) for inc in self.incarnations.values()
-                if inc.displaced == live.id and inc.conflict_with is None and inc.id != live.id]
-
-    def exclude(self, claimant: Incarnation) -> None:
-        """Put ``claimant`` (from :meth:`claimants`) out of the rank: it is never again its current process, its
-        gauges, liveness or parameter names; the newest other incarnation is the rank again.
-
-        What it counted until now stays in the totals: counters exposed to Prometheus must never go down
-        (a drop reads as a reset, and ``increase()`` would count the whole rank again). It counts no more:
-        the collector refuses its later batches.
-        """
-        self.incarnations[claimant.id] = claimant  # the same counters: the totals do not move
-        if self.current is not None and self.current.id == claimant.id:
-            self.current = max(self._own(), key=lambda inc: inc.first_seen, default=None)
+    def excluded(self, claimant: Incarnation) -> "RankView":
+        """Return the view with ``claimant`` (from :meth:`RankState.claimants`) out of the rank (see
+        :meth:`RankState.exclude`); the totals do not move."""
+        incarnations = dict(self.incarnations)
+        incarnations[claimant.id] = claimant  # the same counters
+        current = self.current
+        if current is not None and current.id == claimant.id:
+            current = max((inc for inc in incarnations.values() if inc.conflict_with is None),
+                          key=lambda inc: inc.first_seen, default=None)
+        return dataclasses.replace(self, incarnations=incarnations, current=current)
 
     def _own(self) -> Iterable[Incarnation]:
         """The rank's incarnations, less those in conflict."""
@@ -216,14 +216,92 @@ class RankState:
         return self.optimizer_totals.keys()
 
     def snapshot(self) -> RankSnapshot:
-        """Return this rank now, for the alert evaluator (shares the immutable totals: no copy)."""
+        """Return this rank, for the alert evaluator (shares the immutable totals: no copy)."""
         batch = self.current.batch  # type: ignore[union-attr]
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=self.last_seen, iteration=batch.state.iteration,
                             loss_scale=batch.state.loss_scale, scaler_enabled=batch.scaler.enabled,
-                            closed=self.closed, totals=self.totals, optimizers=dict(self.optimizer_totals),
+                            closed=self.closed, totals=self.totals, optimizers=self.optimizer_totals,
                             consecutive_skipped={name: values.consecutive_skipped
                                                  for name, values in batch.state.optimizers.items()},
                             host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting))
+
+
+class RankState:
+    """One (run, rank): its incarnations and the totals over all of them, as one :class:`RankView`.
+
+    Reads go to the current view; :meth:`install` and :meth:`exclude` swap in the next one (one
+    reference assignment), so a thread holding an older view keeps a consistent rank.
+    """
+
+    __slots__ = ("run", "rank", "view")
+
+    def __init__(self, run: str, rank: int) -> None:
+        self.run, self.rank = run, rank
+        self.view = RankView(run, rank, {}, None, _NO_RANK, {})
+
+    def install(self, new: Incarnation) -> None:
+        """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
+        self.view = self.view.installed(new)
+
+    def claimants(self, live: Incarnation) -> list[Incarnation]:
+        """Return the incarnations in conflict with ``live``, which sends again: those that appeared while it was
+        live (``displaced`` it), not yet judged; each returned with ``conflict_with`` set (nothing changes here)."""
+        return [dataclasses.replace(inc, conflict_with=live.id) for inc in self.view.incarnations.values()
+                if inc.displaced == live.id and inc.conflict_with is None and inc.id != live.id]
+
+    def exclude(self, claimant: Incarnation) -> None:
+        """Put ``claimant`` (from :meth:`claimants`) out of the rank: it is never again its current process, its
+        gauges, liveness or parameter names; the newest other incarnation is the rank again.
+
+        What it counted until now stays in the totals: counters exposed to Prometheus must never go down
+        (a drop reads as a reset, and ``increase()`` would count the whole rank again). It counts no more:
+        the collector refuses its later batches.
+        """
+        self.view = self.view.excluded(claimant)
+
+    @property
+    def incarnations(self) -> Mapping[str, Incarnation]:
+        return self.view.incarnations
+
+    @property
+    def current(self) -> Optional[Incarnation]:
+        return self.view.current
+
+    @property
+    def totals(self) -> RankTotals:
+        return self.view.totals
+
+    @property
+    def optimizer_totals(self) -> Mapping[str, OptimizerTotals]:
+        return self.view.optimizer_totals
+
+    @property
+    def conflicting(self) -> list[Incarnation]:
+        return self.view.conflicting
+
+    @property
+    def last_seen(self) -> float:
+        return self.view.last_seen
+
+    @property
+    def closed(self) -> bool:
+        return self.view.closed
+
+    def longest_streak(self, optimizer: str) -> int:
+        return self.view.longest_streak(optimizer)
+
+    def latest_nonfinite(self, optimizer: str) -> Optional[str]:
+        return self.view.latest_nonfinite(optimizer)
+
+    def consecutive_skipped(self, optimizer: str) -> int:
+        return self.view.consecutive_skipped(optimizer)
+
+    def optimizers(self) -> Iterable[str]:
+        return self.view.optimizers()
+
+    def snapshot(self) -> RankSnapshot:
+        """Return this rank now, for the alert evaluator (see :meth:`RankView.snapshot`)."""
+        return self.view.snapshot()
 
 
 class LimitExceeded(Exception):
@@ -263,7 +341,24 @@ class CollectorState:
         return ranks.get(rank) if ranks else None
 
     def rank_count(self) -> int:
-        return sum(len(ranks) for ranks in self.runs.values())
+        """Ranks held; safe to call from another thread (see :meth:`views`)."""
+        return sum(map(len, list(self.runs.values())))
+
+    def views(self) -> list[tuple[RankState, RankView]]:
+        """Return every rank held that has applied a batch, each with its view as of now; O(ranks).
+
+        Safe to call from a thread other than the event loop's while ingest goes on: each
+        ``list(...)`` copy is one C call, which another Python thread cannot interleave with
+        (the GIL), and a view never changes once built. A batch applied meanwhile shows or not,
+        but whole, per rank.
+        """
+        out = []
+        for ranks in list(self.runs.values()):
+            for rank in list(ranks.values()):
+                view = rank.view
+                if view.current is not None:
+                    out.append((rank, view))
+        return out
 
     def check_limits(self, batch: Batch, known: Optional[RankState]) -> None:
         """Raise :class:`LimitExceeded` when ``batch`` would grow the state past a limit."""

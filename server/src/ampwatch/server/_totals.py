@@ -9,7 +9,8 @@ exposition format its 11 lines per optimizer only when one of them changed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, TypeVar
+from operator import attrgetter
+from typing import Any, Callable, Mapping, TypeVar
 
 from ampwatch.contract.protocol import STREAK_LADDER
 
@@ -20,6 +21,7 @@ __all__ = ["RankTotals", "OptimizerTotals", "NO_STREAKS", "ladder"]
 NO_STREAKS: tuple[int, ...] = (0,) * len(STREAK_LADDER)
 _RUNG = {length: i for i, length in enumerate(STREAK_LADDER)}
 _KEYS = tuple(map(str, STREAK_LADDER))  # how the wire and the database name the rungs
+_REACHED_KEYS = tuple(f"reached_{key}" for key in _KEYS)
 
 T = TypeVar("T", bound="_Counters")
 
@@ -34,8 +36,10 @@ class _Counters:
 
     __slots__ = ()
 
-    def _values(self) -> list[Any]:
-        return [getattr(self, name) for name in self.__dataclass_fields__]  # type: ignore[attr-defined]
+    _fields: Callable[[Any], tuple]  # every field's value in order: an attrgetter set below each class (one C call)
+
+    def _values(self) -> tuple:
+        return self._fields(self)
 
     def at_least(self: T, floor: T) -> T:
         """Return these counters, none lower than in ``floor``: an agent's batch can never undo a count."""
@@ -47,12 +51,10 @@ class _Counters:
 
     def to_json(self) -> dict[str, int]:
         """Return the counters by name, a ladder's rungs as ``reached_<L>`` (the database's form)."""
-        values: dict[str, int] = {}
-        for name, value in zip(self.__dataclass_fields__, self._values()):  # type: ignore[attr-defined]
-            if isinstance(value, tuple):
-                values.update((f"reached_{key}", count) for key, count in zip(_KEYS, value) if count)
-            else:
-                values[name] = value
+        values = dict(zip(self.__dataclass_fields__, self._values()))  # type: ignore[attr-defined]
+        ladder = values.pop("streaks_reached", NO_STREAKS)
+        if ladder is not NO_STREAKS:
+            values.update((key, count) for key, count in zip(_REACHED_KEYS, ladder) if count)
         return values
 
     @classmethod
@@ -61,7 +63,7 @@ class _Counters:
         args = []
         for name, field in cls.__dataclass_fields__.items():  # type: ignore[attr-defined]
             if field.default is NO_STREAKS:
-                reached = tuple(values.get(f"reached_{key}", 0) for key in _KEYS)
+                reached = tuple(values.get(key, 0) for key in _REACHED_KEYS)
                 args.append(reached if any(reached) else NO_STREAKS)
             else:
                 args.append(values.get(name, 0))
@@ -124,3 +126,7 @@ class OptimizerTotals(_Counters):
     def reached(self, length: int) -> int:
         """Return how many skip streaks reached ``length`` (a rung of the streak ladder)."""
         return self.streaks_reached[_RUNG[length]]
+
+
+for _kind in (RankTotals, OptimizerTotals):
+    _kind._fields = attrgetter(*_kind.__dataclass_fields__)  # type: ignore[misc]

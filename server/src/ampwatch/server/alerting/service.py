@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
@@ -22,8 +22,10 @@ class AlertService:
     """Own the evaluator and the notifier of one collector; nothing here ever raises into ingest."""
 
     def __init__(self, targets: Sequence[Target] = (), thresholds: AlertThresholds = DEFAULT_THRESHOLDS,
-                 notify_config: Optional[NotifyConfig] = None, period_s: float = 1.0) -> None:
-        self.alerts = BuiltinAlerts(thresholds)
+                 notify_config: Optional[NotifyConfig] = None, period_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.alerts = BuiltinAlerts(thresholds, clock=clock)
+        self.clock = clock
         self.notifier = Notifier(targets, notify_config)
         self.period_s = period_s
         self.errors = 0
@@ -31,13 +33,13 @@ class AlertService:
     def observe(self, rank: RankState) -> None:
         """Evaluate a rank's own alerts right after its batch was applied (a streak fires at this ingest)."""
         try:
-            self.notifier.submit(self.alerts.observe(rank.snapshot(), now=time.time()))
+            self.notifier.submit(self.alerts.observe(rank.snapshot(), now=self.clock()))
         except Exception:
             self._failed("evaluating the alerts of a batch")
 
     def tick(self, state: CollectorState, now: Optional[float] = None) -> None:
         """Evaluate everything (run-wide alerts, silent ranks, for: durations); forget ranks that left."""
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         try:
             for run, rank in self.alerts.ranks():
                 if state.get(run, rank) is None:
@@ -47,9 +49,9 @@ class AlertService:
             self._failed("the periodic alert evaluation")
 
     async def run(self, state: CollectorState) -> None:
-        """Tick every ``period_s`` until cancelled."""
+        """Tick every ``period_s`` until cancelled, each tick in a worker thread (O(ranks): ingest goes on)."""
         while True:
-            self.tick(state)
+            await asyncio.to_thread(self.tick, state)
             await asyncio.sleep(self.period_s)
 
     def close(self, timeout_s: float = 5.0) -> None:

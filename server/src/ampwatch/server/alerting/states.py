@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable, Optional
+from typing import AbstractSet, Iterable, Optional
 
 from .alert import Alert
 from .conditions import ActiveAlert
@@ -31,11 +31,13 @@ class AlertStates:
         self._resolved: collections.deque[Alert] = collections.deque(maxlen=max_resolved)
         self._retention_s = resolved_retention_s
 
-    def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None) -> list[Alert]:
+    def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None,
+                keep: AbstractSet[tuple] = frozenset()) -> list[Alert]:
         """Apply one evaluation and return the alerts that started firing or resolved.
 
         ``group`` is the one evaluation group (``(run, rank)`` or ``(run,)``) that was
-        evaluated; alerts of other groups are left as they are. None: all of them.
+        evaluated; alerts of other groups are left as they are. None: all of them, but for
+        the groups in ``keep`` (observed anew while a pass ran: the pass's reading is older).
         """
         changes: list[Alert] = []
         seen = set()
@@ -58,7 +60,8 @@ class AlertStates:
             else:
                 self._pending[key] = (since, a)
         if group is None:
-            gone = [k for k in self._pending if k not in seen] + [k for k in self._firing if k not in seen]
+            gone = [k for k, (_, a) in self._pending.items() if k not in seen and a.group not in keep] + \
+                   [k for k in self._firing if k not in seen and self._groups[k] not in keep]
         else:
             gone = [k for k in self._by_group.get(group, ()) if k not in seen]
         for key in gone:
