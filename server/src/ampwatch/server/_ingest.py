@@ -186,8 +186,11 @@ class IngestService:
             self.store.write_incarnation(batch.run, batch.rank, new.to_row(_as_stored(body, events)), events))
         if rank is None:
             rank = RankState(batch.run, batch.rank)
+        shown = rank.shown()
         rank.install(new)
         self.state.adopt(rank)
+        if rank.shown() != shown:
+            self.state.moved(batch.run)
         if self.on_applied is not None:
             self.on_applied(rank)
         self.own.batches.inc()

@@ -12,9 +12,11 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from ampwatch.contract.protocol import DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
 from ._recovery import load_ranks
-from ._run_summary import run_summary
+from ._run_scale import WINDOWS, run_scale
+from ._run_summary import firing_of, summary_page, trouble_rows
 from ._floats import wire_float
 from ._state import RankState
+from ._view_cache import ViewCache
 
 __all__ = ["router", "rank_summary"]
 
@@ -71,8 +73,8 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) ->
     return {"runs": [dict(row, in_metrics=row["run"] in held) for row in rows]}
 
 
-# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events and
-# summary routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
+# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events,
+# summary and scale routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
 @router.get("/runs/{run:path}/events", summary="A run's events, oldest (or newest) first, paginated")
 async def list_events(
     request: Request, run: str,
@@ -108,6 +110,22 @@ async def list_events(
     return {"events": events, "next": page[-1]["cursor"] if len(rows) > limit else None}
 
 
+def _views(request: Request) -> ViewCache:
+    """The app's cache of run-view bodies (made on first use)."""
+    state = request.app.state
+    if getattr(state, "view_cache", None) is None:
+        state.view_cache = ViewCache()
+    return state.view_cache
+
+
+def _held(request: Request, run: str) -> dict[int, RankState]:
+    ranks = request.app.state.collector_state.runs.get(run)
+    if not ranks:
+        raise HTTPException(404, f"no run named {run!r} in memory (a run leaves it after --run-retention or "
+                                 f"--expire-after); GET /v1/runs/{{run}} reads one from the database")
+    return ranks
+
+
 @router.get("/runs/{run:path}/summary", summary="A run at a glance: ranks in trouble first, paged")
 async def get_run_summary(
     request: Request, run: str,
@@ -115,13 +133,33 @@ async def get_run_summary(
     limit: int = Query(50, ge=1, le=1000, description="rows in this page"),
     search: str = Query("", max_length=200, description="a rank number, part of a host name, or a reason"),
 ) -> dict[str, Any]:
-    """Return counts by trouble reason, the loss-scale spread and a page of rank rows (only ranks held in memory)."""
-    ranks = request.app.state.collector_state.runs.get(run)
-    if not ranks:
-        raise HTTPException(404, f"no run named {run!r} in memory (a run leaves it after --run-retention or "
-                                 f"--expire-after); GET /v1/runs/{{run}} reads one from the database")
-    return run_summary(run, list(ranks.values()), request.app.state.alert_service.alerts, time.time(),
-                       request.app.state.config.silent_after, offset, limit, search)
+    """Return counts by trouble reason, the loss-scale spread and a page of rank rows (only ranks held in memory).
+
+    The rows are built once per change of the run (its generation or firing alerts), at most 10 s apart, and
+    shared by every page, search and tab; each answer reads its rows' progress (iteration, steps, last seen) now.
+    """
+    ranks, state, alerts = _held(request, run), request.app.state.collector_state, request.app.state.alert_service.alerts
+    firing = firing_of(run, alerts)
+    version = (state.generation(run), firing)
+    built = _views(request).get(("summary", run), version, lambda: trouble_rows(
+        run, list(ranks.values()), alerts, time.time(), request.app.state.config.silent_after, firing))
+    return dict(summary_page(built, ranks, time.time(), offset, limit, search), generation=state.generation(run))
+
+
+@router.get("/runs/{run:path}/scale", summary="A run's loss scale over recent iterations: spread and outlier ranks")
+async def get_run_scale(
+    request: Request, run: str,
+    window: Literal[tuple(WINDOWS)] = Query("1000", description="the last N iterations, or all held"),  # type: ignore[valid-type]
+    ranks: str = Query("", max_length=400, pattern=r"^[0-9,]*$",
+                       description="comma-separated ranks to include whatever their distance (at most 16)"),
+    outliers: int = Query(6, ge=0, le=16, description="ranks furthest from the median to include"),
+) -> dict[str, Any]:
+    """Return min / median / max of the loss scale across ranks per slice of the window (at most 200 slices) and
+    the points of the outlier ranks; built once per change of the run, at most 2 s apart (iterations move on)."""
+    held, state = _held(request, run), request.app.state.collector_state
+    asked = tuple(sorted({int(r) for r in ranks.split(",") if r}))[:16]
+    return _views(request).get(("scale", run, window, asked, outliers), state.generation(run), lambda: (
+        run_scale(run, list(held.values()), WINDOWS[window], outliers=outliers, asked=asked), time.time() + 2.0))
 
 
 @router.get("/runs/{run:path}", summary="One run: its ranks with their current state")

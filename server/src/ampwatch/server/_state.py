@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
+from ._scale_trace import ScaleTrace
 from ._schema import Batch, SkipEvent
 from ._totals import OptimizerTotals, RankTotals
 
@@ -118,7 +119,7 @@ class RankSnapshot:
 class RankState:
     """One (run, rank): its incarnations and the totals over all of them."""
 
-    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals")
+    __slots__ = ("run", "rank", "incarnations", "current", "totals", "optimizer_totals", "scale_trace")
 
     def __init__(self, run: str, rank: int) -> None:
         self.run, self.rank = run, rank
@@ -126,6 +127,7 @@ class RankState:
         self.current: Optional[Incarnation] = None  # the newest process; its gauges are the rank's gauges
         self.totals = _NO_RANK
         self.optimizer_totals: dict[str, OptimizerTotals] = {}  # in the order the optimizers first appeared
+        self.scale_trace = ScaleTrace()  # the newest process's loss scale over iterations (memory only)
 
     def install(self, new: Incarnation) -> None:
         """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
@@ -136,6 +138,7 @@ class RankState:
             self.optimizer_totals[name] = self.optimizer_totals.get(name, _NO_OPTIMIZER).moved_by(counters, before)
         self.incarnations[new.id] = new
         if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
+            self.scale_trace.record_batch(new.batch, new_process=self.current is None or self.current.id != new.id)
             self.current = new
 
     @property
@@ -167,6 +170,18 @@ class RankState:
     def optimizers(self) -> Iterable[str]:
         """The rank's optimizer names, over every process, in the order they first appeared."""
         return self.optimizer_totals.keys()
+
+    def shown(self) -> tuple:
+        """What the run view shows of this rank, progress counters (iteration, steps, last seen) left out.
+
+        The run's change generation moves when this does; O(optimizers).
+        """
+        if self.current is None:
+            return ()
+        batch = self.current.batch
+        return (self.closed, repr(batch.state.loss_scale), batch.scaler.enabled, batch.host,
+                tuple((o.skipped, o.poisoned_steps) for o in self.optimizer_totals.values()),
+                tuple(values.consecutive_skipped for values in batch.state.optimizers.values()))
 
     def snapshot(self) -> RankSnapshot:
         """Return this rank now, for the alert evaluator (shares the immutable totals: no copy)."""
@@ -210,6 +225,15 @@ class CollectorState:
         # (run, rank) with history in the database but not held here: only these need a database read
         # when a batch arrives (a brand-new rank does not).
         self.stored: set[tuple[str, int]] = set()
+        self.generations: dict[str, int] = {}  # run -> changes to what its run view shows (see moved())
+
+    def moved(self, run: str) -> None:
+        """Note that what the run view of ``run`` shows changed (its cached bodies are stale); O(1)."""
+        self.generations[run] = self.generations.get(run, 0) + 1
+
+    def generation(self, run: str) -> int:
+        """The run's change generation: equal values mean the run view would show the same ranks."""
+        return self.generations.get(run, 0)
 
     def get(self, run: str, rank: int) -> Optional[RankState]:
         ranks = self.runs.get(run)
@@ -245,7 +269,10 @@ class CollectorState:
 
     def adopt(self, rank: RankState) -> None:
         """Hold ``rank`` (new, or restored from the database)."""
-        self.runs.setdefault(rank.run, {})[rank.rank] = rank
+        ranks = self.runs.setdefault(rank.run, {})
+        if ranks.get(rank.rank) is not rank:
+            ranks[rank.rank] = rank
+            self.moved(rank.run)
         self.stored.discard((rank.run, rank.rank))
 
     def retire(self, now: float, expire_after: float, run_retention: float) -> list[tuple[str, int]]:
@@ -256,12 +283,15 @@ class CollectorState:
                     max(r.last_seen for r in ranks.values()) + run_retention <= now:
                 gone.extend((run, rank) for rank in ranks)
                 del self.runs[run]
+                self.generations.pop(run, None)
                 continue
             for rank_id, rank in list(ranks.items()):
                 if not rank.closed and rank.last_seen + expire_after <= now:
                     gone.append((run, rank_id))
                     del ranks[rank_id]
+                    self.moved(run)
             if not ranks:
                 del self.runs[run]
+                self.generations.pop(run, None)
         self.stored.update(gone)
         return gone

@@ -4,9 +4,8 @@
 "use strict";
 
 const REFRESH_MS = 3000;
-const RECENT_S = 3600;          // recent events shown: the last hour
 const MAX_EVENTS_SHOWN = 100;
-const MAX_PAGES = 20;            // per refresh and kind: bounded work however long the run
+const NEWEST_EVENTS = 200;       // events read per refresh, newest first (a storm's are collapsed into rows)
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const SVG = "http://www.w3.org/2000/svg";
 // poisoned_step reasons (docs/protocol.md) in words.
@@ -15,7 +14,7 @@ const POISON_REASONS = {
   nonfinite_param: "parameters non-finite after the step",
 };
 
-const runCache = new Map();  // run -> {scale: Map, recent: Map, scaleSince, recentSince}
+let scaleWindow = "1000";  // the chart's window: the last N iterations, or "all"
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -281,35 +280,10 @@ function eventKey(e) {
   return `${e.rank}/${e.incarnation}/${e.id}`;
 }
 
-async function fetchEvents(run, query, into) {
-  // Pages through /events for this query; returns the newest event time seen.
-  let after = 0, newest = 0;
-  for (let page = 0; page < MAX_PAGES; page++) {
-    const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/events?limit=1000&after=${after}&${query}`);
-    for (const e of body.events || []) {
-      into.set(eventKey(e), e);
-      newest = Math.max(newest, e.time);
-    }
-    if (body.next === null || body.next === undefined) break;
-    after = body.next;
-  }
-  return newest;
-}
-
-async function refreshRunEvents(run) {
-  let cache = runCache.get(run);
-  if (!cache) {
-    cache = {scale: new Map(), recent: new Map(), scaleSince: 0, recentSince: Date.now() / 1000 - RECENT_S};
-    runCache.set(run, cache);
-  }
-  // Re-read a minute back: agent clocks differ and batches arrive late; keys make it idempotent.
-  const scaleNewest = await fetchEvents(run, `kind=scale_change&since=${cache.scaleSince}`, cache.scale);
-  const recentNewest = await fetchEvents(run, `since=${cache.recentSince}`, cache.recent);
-  if (scaleNewest) cache.scaleSince = Math.max(cache.scaleSince, scaleNewest - 60);
-  if (recentNewest) cache.recentSince = Math.max(cache.recentSince, recentNewest - 60);
-  const horizon = Date.now() / 1000 - RECENT_S;
-  for (const [key, e] of cache.recent) if (e.time < horizon) cache.recent.delete(key);
-  return cache;
+// The run's newest events, one page: what the events table and the chart's skip marks read.
+async function fetchNewest(run) {
+  const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/events?newest_first=true&limit=${NEWEST_EVENTS}`);
+  return new Map((body.events || []).map(e => [eventKey(e), e]));
 }
 
 function eventDetails(e) {
@@ -342,47 +316,31 @@ function eventDetails(e) {
   return cell;
 }
 
-function drawChart(container, ranks, scaleEvents, recentEvents) {
-  // Loss scale per rank as a step line on a log2 axis; red dots mark skipped steps.
+// The run's loss scale on a log2 axis over the chosen window (GET /v1/runs/{run}/scale): a band from the
+// lowest to the highest rank's scale, the median rank's line, and the outlier ranks' own lines; red dots mark
+// the outliers' recent skipped steps.
+function drawChart(container, body, recentEvents) {
   const W = 900, H = 260, L = 56, R = 12, T = 12, B = 28;
-  const byRank = new Map(ranks.map(r => [r.rank, []]));
-  for (const e of scaleEvents) if (byRank.has(e.rank)) byRank.get(e.rank).push(e);
-  const lines = [];
-  let maxIt = 1, minY = Infinity, maxY = -Infinity;
-  for (const rank of ranks) {
-    if (!rank.scaler || !rank.scaler.enabled) continue;
-    const changes = byRank.get(rank.rank).sort((a, b) => a.iteration - b.iteration || a.id - b.id);
-    const points = [];
-    let scale = changes.length ? changes[0].before : rank.loss_scale;
-    if (scale === null || scale === undefined) scale = rank.loss_scale;
-    if (scale === null || scale === undefined) continue;
-    scale = scaleNumber(scale);
-    points.push([0, scale]);
-    for (const c of changes) {
-      if (c.after === null || c.after === undefined) continue;
-      points.push([c.iteration, scale], [c.iteration, scaleNumber(c.after)]);
-      scale = scaleNumber(c.after);
-    }
-    points.push([Math.max(rank.iteration, points[points.length - 1][0]), scale]);
-    for (const [x, y] of points) {
-      maxIt = Math.max(maxIt, x);
-      if (!onLogAxis(y)) continue;
-      minY = Math.min(minY, Math.log2(y));
-      maxY = Math.max(maxY, Math.log2(y));
-    }
-    lines.push({rank: rank.rank, points, now: scale});
-  }
-  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "loss scale over iterations per rank"});
-  if (!lines.length || minY === Infinity) {
-    const why = lines.length ? "the loss scale is 0, NaN or infinite: nothing to draw on a log axis"
-                             : "no loss scale reported yet";
+  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img",
+    "aria-label": "loss scale over iterations: spread across ranks and outlier ranks"});
+  const spread = body && body.spread;
+  const lines = (body && body.outliers || []).map(o => ({rank: o.rank, asked: o.asked,
+    points: o.points.map(([x, y]) => [x, scaleNumber(y)]), now: scaleNumber(o.loss_scale)}));
+  let minY = Infinity, maxY = -Infinity;
+  const note = y => { if (onLogAxis(y)) { minY = Math.min(minY, Math.log2(y)); maxY = Math.max(maxY, Math.log2(y)); } };
+  if (spread) for (const k of ["min", "max"]) spread[k].forEach(v => note(scaleNumber(v)));
+  for (const line of lines) for (const [, y] of line.points) note(y);
+  if (!spread || minY === Infinity) {
+    const why = spread ? "the loss scale is 0, NaN or infinite: nothing to draw on a log axis"
+                       : "no loss scale reported yet";
     root.append(svg("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}, why));
     container.replaceChildren(root);
     return;
   }
   minY = Math.floor(minY) - 1;
   maxY = Math.ceil(maxY) + 1;
-  const px = x => L + (x / maxIt) * (W - L - R);
+  const x0 = body.start, x1 = Math.max(body.end, body.start + 1);
+  const px = x => L + ((x - x0) / (x1 - x0)) * (W - L - R);
   const py = y => T + (1 - (Math.log2(y) - minY) / (maxY - minY)) * (H - T - B);
   const step = Math.max(1, Math.ceil((maxY - minY) / 8));
   for (let e = minY; e <= maxY; e += step) {
@@ -390,27 +348,47 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
     root.append(svg("line", {x1: L, x2: W - R, y1: y, y2: y, stroke: "#eef1f4"}));
     root.append(svg("text", {x: L - 6, y: y + 4, "text-anchor": "end"}, `2^${e}`));
   }
-  root.append(svg("text", {x: L, y: H - 8}, "0"));
-  root.append(svg("text", {x: W - R, y: H - 8, "text-anchor": "end"}, `iteration ${maxIt}`));
+  // The x-axis starts where the window starts: recent history fills the chart.
+  root.append(svg("text", {x: L, y: H - 8, class: "axis-start"}, `iteration ${x0}`));
+  root.append(svg("text", {x: W - R, y: H - 8, "text-anchor": "end", class: "axis-end"}, `iteration ${body.end}`));
+  // The band: each slice spans [its first iteration, the next slice's); gaps where no rank is on the axis.
+  const its = spread.iteration, lows = spread.min.map(scaleNumber), highs = spread.max.map(scaleNumber);
+  const edge = i => i + 1 < its.length ? its[i + 1] : body.end;
+  let top = [], bottom = [];
+  const closeBand = () => {
+    if (top.length) root.append(svg("path", {class: "spread-band",
+      d: "M" + top.concat(bottom.reverse()).map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join("L") + "Z"}));
+    top = []; bottom = [];
+  };
+  its.forEach((x, i) => {
+    if (!onLogAxis(lows[i]) || !onLogAxis(highs[i])) { closeBand(); return; }
+    top.push([px(x), py(highs[i])], [px(edge(i)), py(highs[i])]);
+    bottom.push([px(x), py(lows[i])], [px(edge(i)), py(lows[i])]);
+  });
+  closeBand();
+  const medians = spread.median.map(scaleNumber);
+  root.append(svg("path", {class: "spread-median", d: stepPath(its.map((x, i) => [x, medians[i]]), body.end, px, py)}));
   lines.forEach((line, i) => {
     const color = PALETTE[i % PALETTE.length];
-    // The line breaks where the scale leaves the log axis (0, NaN, infinite) and resumes where it comes back.
-    let d = "", drawing = false;
-    for (const [x, y] of line.points) {
-      if (!onLogAxis(y)) { drawing = false; continue; }
-      d += `${drawing ? "L" : "M"}${px(x).toFixed(1)},${py(y).toFixed(1)}`;
-      drawing = true;
+    const d = stepPath(line.points, null, px, py);
+    if (d) {
+      const path = svg("path", {d, class: "scale-line", "data-rank": line.rank});
+      path.style.stroke = color;  // CSSOM, not a style attribute: allowed by the page's CSP
+      root.append(path);
     }
-    if (d) root.append(svg("path", {d, fill: "none", stroke: color, "stroke-width": 2, class: "scale-line", "data-rank": line.rank}));
     const off = onLogAxis(line.now) ? "" : ` (scale ${scaleText(line.now)}, off the axis)`;
-    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend"}, `rank ${line.rank}${off}`);
-    legend.style.fill = color;  // CSSOM, not a style attribute: allowed by the page's CSP
+    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend",
+                                "data-rank": line.rank}, `rank ${line.rank}${off}`);
+    legend.style.fill = color;
     root.append(legend);
   });
-  // Skips: a dot on the rank's line at the iteration it skipped (the scale then in force).
+  const key = svg("text", {x: L + 6, y: T + 12, class: "legend spread-key"},
+    `shaded: lowest to highest of ${body.ranks} ranks · dashed: median`);
+  root.append(key);
+  // Skips: a dot on an outlier's line at the iteration it skipped (the scale then in force).
   const lineOf = new Map(lines.map(l => [l.rank, l.points]));
   for (const e of recentEvents) {
-    if (e.kind !== "skip" || !lineOf.has(e.rank)) continue;
+    if (e.kind !== "skip" || !lineOf.has(e.rank) || e.iteration < x0) continue;
     const points = lineOf.get(e.rank);
     let scale = points[0][1];
     for (const [x, y] of points) { if (x <= e.iteration) scale = y; else break; }
@@ -422,13 +400,29 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
   container.replaceChildren(root);
 }
 
+// A step line through [iteration, scale] points (each scale holds until the next point, the last until
+// ``end`` when given); it breaks where the scale leaves the log axis (0, NaN, infinite) and resumes after.
+function stepPath(points, end, px, py) {
+  let d = "", drawing = false;
+  points.forEach(([x, y], i) => {
+    if (!onLogAxis(y)) { drawing = false; return; }
+    const until = i + 1 < points.length ? points[i + 1][0] : (end ?? x);
+    d += `${drawing ? "L" : "M"}${px(x).toFixed(1)},${py(y).toFixed(1)}L${px(until).toFixed(1)},${py(y).toFixed(1)}`;
+    drawing = true;
+  });
+  return d;
+}
+
 const BIG_RUN = 64;              // ranks from which the full rank table is fetched only while it is open
 const allRanksChosen = new Set();  // runs whose "All ranks" the reader opened or closed
 
-// A summary row as the chart reads a rank (a big run's chart draws only the ranks in trouble).
-function rowAsRank(row) {
-  return {rank: row.rank, loss_scale: row.loss_scale, iteration: row.iteration,
-          scaler: {enabled: row.loss_scale !== null && row.loss_scale !== undefined}};
+const CHART_ASKED = 10;  // ranks in trouble the chart draws besides the ones furthest from the median
+
+function showRunState(run, closed) {
+  document.getElementById("run-name").textContent = run;
+  const state = document.getElementById("run-state");
+  state.textContent = closed ? "closed" : "live";
+  state.className = "badge " + (closed ? "state-closed" : "state-live");
 }
 
 async function refreshRun(run) {
@@ -436,14 +430,12 @@ async function refreshRun(run) {
   const allRanks = document.getElementById("all-ranks");
   const big = summary !== null && summary.ranks >= BIG_RUN;
   if (!allRanksChosen.has(run) && allRanks.open === big) allRanks.open = !big;  // closed by default for big runs only
+  const history = drawRunHistory(run, summary);
   if (big && !allRanks.open) {
     // About 1 MB at 1,024 ranks: not fetched every few seconds unless asked for.
-    document.getElementById("run-name").textContent = run;
-    const state = document.getElementById("run-state");
-    state.textContent = summary.closed ? "closed" : "live";
-    state.className = "badge " + (summary.closed ? "state-closed" : "state-live");
+    showRunState(run, summary.closed);
     fill(document.querySelector("#ranks tbody"), []);
-    await drawRunHistory(run, summary.rows.filter(row => row.reasons.length).map(rowAsRank));
+    await history;
     return;
   }
   let body;
@@ -453,14 +445,23 @@ async function refreshRun(run) {
     document.getElementById("run-name").textContent = run;
     document.getElementById("run-state").textContent = "unknown run";
     fill(document.querySelector("#ranks tbody"), []);
+    await history;
     return;
   }
-  document.getElementById("run-name").textContent = body.run;
-  const state = document.getElementById("run-state");
-  state.textContent = body.closed ? "closed" : "live";
-  state.className = "badge " + (body.closed ? "state-closed" : "state-live");
+  showRunState(body.run, body.closed);
   fill(document.querySelector("#ranks tbody"), body.ranks.map(rankRow));
-  await drawRunHistory(run, body.ranks);
+  await history;
+}
+
+// The chart's data: the spread and outliers over the chosen window, with the ranks in trouble drawn too.
+async function fetchScale(run, summary) {
+  if (summary === null) return null;  // not in memory: no scale history held
+  const asked = summary.rows.filter(row => row.reasons.length).slice(0, CHART_ASKED).map(row => row.rank);
+  try {
+    return await getJSON(`v1/runs/${encodeURIComponent(run)}/scale?window=${scaleWindow}&ranks=${asked.join(",")}`);
+  } catch (error) {
+    return null;
+  }
 }
 
 const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "warning", "scaler_disabled", "close"];
@@ -503,11 +504,10 @@ function eventRows(events) {
   return rows;
 }
 
-async function drawRunHistory(run, ranks) {
-  const [cache, rare] = await Promise.all([refreshRunEvents(run), fetchRare(run)]);
-  const recent = [...cache.recent.values()].sort((a, b) => b.time - a.time || b.id - a.id);
-  drawChart(document.getElementById("chart"), ranks, [...cache.scale.values()], recent);
-  const events = [...new Map([...cache.recent, ...rare]).values()].sort((a, b) => b.time - a.time || b.id - a.id);
+async function drawRunHistory(run, summary) {
+  const [scale, newest, rare] = await Promise.all([fetchScale(run, summary), fetchNewest(run), fetchRare(run)]);
+  const events = [...new Map([...newest, ...rare]).values()].sort((a, b) => b.time - a.time || b.id - a.id);
+  drawChart(document.getElementById("chart"), scale, events);
   const shown = eventRows(events).slice(0, MAX_EVENTS_SHOWN);
   fill(document.querySelector("#events tbody"), shown);
   document.getElementById("no-events").hidden = shown.length !== 0;
@@ -541,6 +541,13 @@ document.getElementById("all-ranks").addEventListener("toggle", () => {
   allRanksChosen.add(run);
   refresh();
 });
+for (const button of document.querySelectorAll("#scale-window button")) {
+  button.addEventListener("click", () => {
+    scaleWindow = button.dataset.window;
+    for (const b of document.querySelectorAll("#scale-window button")) b.setAttribute("aria-pressed", String(b === button));
+    if (currentRun() !== null) refresh();
+  });
+}
 document.getElementById("trouble-search").addEventListener("input", () => {
   const run = currentRun();
   if (run !== null) refreshTrouble(run);
