@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from ampwatch.contract.protocol import DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
+from ._latest_events import collapse
 from ._recovery import load_ranks
 from ._run_scale import WINDOWS, run_scale
 from ._run_summary import firing_of, summary_page, trouble_rows
@@ -74,7 +75,7 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) ->
 
 
 # Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events,
-# summary and scale routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
+# latest events, summary and scale routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
 @router.get("/runs/{run:path}/events", summary="A run's events, oldest (or newest) first, paginated")
 async def list_events(
     request: Request, run: str,
@@ -108,6 +109,27 @@ async def list_events(
     page = rows[:limit]
     events = [dict(json.loads(row["body"]), rank=row["rank"], incarnation=row["incarnation"]) for row in page]
     return {"events": events, "next": page[-1]["cursor"] if len(rows) > limit else None}
+
+
+@router.get("/runs/{run:path}/events/latest", summary="A run's newest events, each storm collapsed into one row")
+async def latest_events(
+    request: Request, run: str,
+    limit: int = Query(100, ge=1, le=1000, description="rows"),
+    scan: int = Query(5000, ge=1, le=50_000, description="newest events read to build them"),
+) -> dict[str, Any]:
+    """Return up to ``limit`` rows, newest first: one per event, except a storm's events (one kind, iteration,
+    optimizer and cause on 5 ranks or more), which share one row with their count and ranks. Reads the newest
+    ``scan`` events once (an indexed read: milliseconds for 5,000); the page asks for rare kinds separately."""
+    rows = await asyncio.to_thread(
+        request.app.state.store.query,
+        "SELECT rank, incarnation, kind, iteration, optimizer, json_extract(body, '$.cause') AS cause, body "
+        "FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?", (run, scan))
+    if not rows:
+        known = await asyncio.to_thread(request.app.state.store.query,
+                                        "SELECT 1 FROM incarnations WHERE run = ? LIMIT 1", (run,))
+        if not known:
+            raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
+    return {"rows": collapse(rows, limit), "scanned": len(rows), "more": len(rows) == scan}
 
 
 def _views(request: Request) -> ViewCache:

@@ -280,10 +280,10 @@ function eventKey(e) {
   return `${e.rank}/${e.incarnation}/${e.id}`;
 }
 
-// The run's newest events, one page: what the events table and the chart's skip marks read.
+// The run's newest events, each storm already collapsed into one row by the collector.
 async function fetchNewest(run) {
-  const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/events?newest_first=true&limit=${NEWEST_EVENTS}`);
-  return new Map((body.events || []).map(e => [eventKey(e), e]));
+  const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/events/latest?limit=${MAX_EVENTS_SHOWN}`);
+  return body.rows || [];
 }
 
 function eventDetails(e) {
@@ -465,50 +465,40 @@ async function fetchScale(run, summary) {
 }
 
 const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "warning", "scaler_disabled", "close"];
-const STORM_KINDS = new Set(["skip", "scale_change", "streak_end"]);
 
 // The newest events of the kinds a skip storm never floods, so they stay in the table however many skips came.
 async function fetchRare(run) {
-  const found = new Map();
   const pages = await Promise.all(RARE_KINDS.map(kind =>
     getJSON(`v1/runs/${encodeURIComponent(run)}/events?kind=${kind}&newest_first=true&limit=${MAX_EVENTS_SHOWN}`)));
-  for (const body of pages) for (const e of body.events || []) found.set(eventKey(e), e);
-  return found;
+  return pages.flatMap(body => (body.events || []).map(e => ({event: e, count: 1, ranks: 1})));
 }
 
-// Newest first; events of one storm (same kind, iteration, optimizer, cause on GROUP_FROM or more ranks) are one row.
-function eventRows(events) {
-  const groups = new Map();
-  for (const e of events) {
-    const key = STORM_KINDS.has(e.kind) ? [e.kind, e.iteration, e.optimizer ?? "", e.cause ?? ""].join("\u0000")
-                                        : eventKey(e);
-    if (!groups.has(key)) groups.set(key, []);
-    groups.get(key).push(e);
-  }
-  const rows = [];
-  for (const members of groups.values()) {
-    const e = members[0];
-    if (members.length < GROUP_FROM) {
-      for (const m of members) rows.push(el("tr", {class: "event", "data-kind": m.kind},
-        el("td", {}, clock(m.time)), el("td", {class: "num"}, m.rank), el("td", {class: "num"}, m.iteration),
-        el("td", {}, m.kind), el("td", {}, m.optimizer ?? ""), eventDetails(m)));
-      continue;
+// Newest first: one row per event, one per storm (the collector grouped its events: count, ranks).
+function eventRows(rows) {
+  return rows.map(({event: e, count, ranks, rank_ranges: ranges}) => {
+    if (count === 1) {
+      return el("tr", {class: "event", "data-kind": e.kind},
+        el("td", {}, clock(e.time)), el("td", {class: "num"}, e.rank), el("td", {class: "num"}, e.iteration),
+        el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), eventDetails(e));
     }
-    const ranks = rankRanges(members.map(m => m.rank));
     const details = eventDetails(e);
-    details.prepend(`${members.length} events, ranks ${ranks}; first: `);
-    rows.push(el("tr", {class: "event storm", "data-kind": e.kind},
-      el("td", {}, clock(e.time)), el("td", {}, `${new Set(members.map(m => m.rank)).size} ranks`),
-      el("td", {class: "num"}, e.iteration), el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), details));
-  }
-  return rows;
+    details.prepend(`${count} events, ranks ${ranges}; latest: `);
+    return el("tr", {class: "event storm", "data-kind": e.kind},
+      el("td", {}, clock(e.time)), el("td", {}, `${ranks} ranks`),
+      el("td", {class: "num"}, e.iteration), el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), details);
+  });
 }
 
 async function drawRunHistory(run, summary) {
   const [scale, newest, rare] = await Promise.all([fetchScale(run, summary), fetchNewest(run), fetchRare(run)]);
-  const events = [...new Map([...newest, ...rare]).values()].sort((a, b) => b.time - a.time || b.id - a.id);
-  drawChart(document.getElementById("chart"), scale, events);
-  const shown = eventRows(events).slice(0, MAX_EVENTS_SHOWN);
+  const rows = new Map();
+  for (const row of [...newest, ...rare]) {
+    const e = row.event;
+    rows.set(row.count === 1 ? eventKey(e) : `storm/${e.kind}/${e.iteration}/${e.optimizer}/${e.cause}`, row);
+  }
+  const sorted = [...rows.values()].sort((a, b) => b.event.time - a.event.time || b.event.id - a.event.id);
+  drawChart(document.getElementById("chart"), scale, sorted.filter(row => row.count === 1).map(row => row.event));
+  const shown = eventRows(sorted.slice(0, MAX_EVENTS_SHOWN));
   fill(document.querySelector("#events tbody"), shown);
   document.getElementById("no-events").hidden = shown.length !== 0;
 }

@@ -1,0 +1,70 @@
+"""A run's newest events with storms collapsed: what the run page's events table shows.
+
+A whole-job storm writes thousands of events within seconds; shipped one by one they would flush
+everything else off the page and cost megabytes per refresh. Here the newest ``scan`` events are
+read once (newest first) and the events of one storm (same kind, iteration, optimizer and cause on
+``group_from`` ranks or more) become one row carrying their count, their ranks and the newest of
+them; other events keep a row each. Costs one indexed read of ``scan`` rows and O(scan) grouping.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+__all__ = ["GROUP_FROM", "STORM_KINDS", "collapse", "rank_ranges"]
+
+STORM_KINDS = frozenset({"skip", "scale_change", "streak_end"})
+"""Kinds a storm produces on every rank at once."""
+
+GROUP_FROM = 5
+"""Events of one storm on this many ranks or more share one row."""
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """Return ``"0-3, 7, 9-10"`` for ranks 0, 1, 2, 3, 7, 9, 10.
+
+    >>> rank_ranges([3, 1, 2, 7, 9, 10, 1])
+    '1-3, 7, 9-10'
+    """
+    parts: list[list[int]] = []
+    for n in sorted(set(ranks)):
+        if parts and parts[-1][1] == n - 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def _storm_key(row: dict[str, Any]) -> tuple:
+    return (row["kind"], row["iteration"], row["optimizer"] or "", row["cause"] or "")
+
+
+def collapse(rows: list[dict[str, Any]], limit: int, group_from: int = GROUP_FROM) -> list[dict[str, Any]]:
+    """Turn event rows (newest first: rank, incarnation, kind, iteration, optimizer, cause, body) into at most
+    ``limit`` table rows, newest first: ``{"event", "count", "ranks", "rank_ranges"}`` (count 1: one event)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["kind"] in STORM_KINDS:
+            groups.setdefault(_storm_key(row), []).append(row)
+    out: list[dict[str, Any]] = []
+    done: set[tuple] = set()
+    for row in rows:
+        if len(out) >= limit:
+            break
+        members = groups.get(_storm_key(row)) if row["kind"] in STORM_KINDS else None
+        if members is not None and len(members) >= group_from:
+            key = _storm_key(row)
+            if key in done:
+                continue
+            done.add(key)
+            ranks = [m["rank"] for m in members]
+            out.append({"event": _event(row), "count": len(members), "ranks": len(set(ranks)),
+                        "rank_ranges": rank_ranges(ranks)})
+        else:
+            out.append({"event": _event(row), "count": 1, "ranks": 1, "rank_ranges": str(row["rank"])})
+    return out
+
+
+def _event(row: dict[str, Any]) -> dict[str, Any]:
+    return dict(json.loads(row["body"]), rank=row["rank"], incarnation=row["incarnation"])
