@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from batches import make_batch, optimizer
+from batches import make_batch, optimizer, skip_event
 
 from ampwatch.server._scale_trace import CAPACITY, ScaleTrace
 
@@ -35,7 +35,7 @@ def _job(client) -> None:
             if rank == 3 and iteration >= 700:
                 scale = 0.25
                 if iteration == 700:
-                    events = [_backoff(1, 650, 65536.0, 0.25)]
+                    events = [skip_event(1, iteration=650), _backoff(2, 650, 65536.0, 0.25)]
             if rank == 6 and iteration >= 900:
                 scale = 32768.0
             _post(client, rank, seq, iteration, scale, events)
@@ -58,6 +58,8 @@ def test_the_spread_is_min_median_max_per_slice_of_the_window_and_the_x_axis_sta
     assert (everything["start"], everything["end"], everything["width"]) == (100, 1000, 5)
     rank3 = everything["outliers"][0]
     assert rank3["rank"] == 3 and [650, 0.25] in rank3["points"] and [100, 65536.0] in rank3["points"]
+    assert rank3["skips"] == [[650, "gen"]]  # the chart's mark, from the events table
+    assert body["outliers"][0]["skips"] == []  # before the 200-iteration window
     # Before rank 3 backed off the band is one scale wide; rank 5's slice of leaving drops it from the count.
     first, at_400, at_450 = 0, (400 - 100) // 5, (450 - 100) // 5
     assert everything["spread"]["min"][first] == everything["spread"]["max"][first] == 65536.0

@@ -9,19 +9,21 @@ every rank skip every step from then on. Events are sent as a streak-compressing
 a skip event where a streak starts, one scale change per batch, the rare kinds each time.
 
     job = StagedJob(url)
-    job.run_ticks(30)       # as fast as the collector answers
+    job.run_ticks(16)       # as fast as the collector answers
     job.storm()
-    job.run_ticks(1)
+    job.run_ticks(1, period_s=2.0)
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import threading
 import time
-from typing import Any
+import urllib.parse
+from typing import Any, Optional
 
-import httpx
 from batches import make_batch, optimizer
 
 __all__ = ["COLLAPSED", "KILLED", "POISONED", "SCHEDULER", "SKIPPY", "StagedJob"]
@@ -128,27 +130,45 @@ class StagedJob:
         """The ranks still sending (rank 1000 is killed after tick 8)."""
         return [r for r in self.ranks if not (r.rank == KILLED and self.tick > 8)]
 
-    async def _send_tick(self, client: httpx.AsyncClient) -> None:
-        bodies = [self.batch(r) for r in self.live()]
+    async def _send_tick(self, connections: int = 64) -> None:
+        bodies = [json.dumps(self.batch(r)).encode() for r in self.live()]
         self.tick += 1
-        gate = asyncio.Semaphore(32)
+        url = urllib.parse.urlsplit(self.url)
 
-        async def post(body: dict[str, Any]) -> None:
-            async with gate:
-                answer = await client.post("/v1/ingest", json=body)
-                if answer.status_code != 200:
-                    raise RuntimeError(f"rank {body['rank']}: HTTP {answer.status_code} {answer.text[:300]}")
+        # Raw keep-alive HTTP/1.1 (an HTTP client library's pool costs more CPU than the collector here).
+        async def sender() -> None:
+            reader, writer = await asyncio.open_connection(url.hostname, url.port)
+            try:
+                while bodies:
+                    body = bodies.pop()
+                    writer.write(b"POST /v1/ingest HTTP/1.1\r\nHost: job\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                    status = int((await reader.readline()).split()[1])
+                    length = 0
+                    while (line := await reader.readline()) not in (b"\r\n", b""):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    answer = await reader.readexactly(length)
+                    if status != 200:
+                        raise RuntimeError(f"HTTP {status}: {answer[:300]!r}")
+            finally:
+                writer.close()
 
-        await asyncio.gather(*(post(b) for b in bodies))
+        # Many ranks at once, as a job's agents send: the collector commits them in groups.
+        await asyncio.gather(*(sender() for _ in range(connections)))
 
-    async def _ticks(self, count: int, period_s: float) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=60,
-                                     limits=httpx.Limits(max_connections=32)) as client:
-            for _ in range(count):
-                started = time.monotonic()
-                await self._send_tick(client)
-                await asyncio.sleep(max(0.0, period_s - (time.monotonic() - started)))
+    async def _ticks(self, count: Optional[int], period_s: float, stop: Optional[threading.Event]) -> None:
+        sent = 0
+        while (count is None or sent < count) and not (stop is not None and stop.is_set()):
+            started = time.monotonic()
+            await self._send_tick()
+            sent += 1
+            await asyncio.sleep(max(0.0, period_s - (time.monotonic() - started)))
 
     def run_ticks(self, count: int, period_s: float = 0.0) -> None:
         """Send ``count`` ticks, each at least ``period_s`` after the previous one started (0: back to back)."""
-        asyncio.run(self._ticks(count, period_s))
+        asyncio.run(self._ticks(count, period_s, None))
+
+    def run_live(self, stop: threading.Event, period_s: float = 2.0) -> None:
+        """Send a tick every ``period_s`` (the agent's interval) until ``stop`` is set (run it in a thread)."""
+        asyncio.run(self._ticks(None, period_s, stop))

@@ -10,30 +10,17 @@ them; other events keep a row each. Costs one indexed read of ``scan`` rows and 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any
 
-__all__ = ["GROUP_FROM", "STORM_KINDS", "collapse", "rank_ranges"]
+from ._rank_ranges import rank_ranges
+
+__all__ = ["GROUP_FROM", "STORM_KINDS", "collapse"]
 
 STORM_KINDS = frozenset({"skip", "scale_change", "streak_end"})
 """Kinds a storm produces on every rank at once."""
 
 GROUP_FROM = 5
 """Events of one storm on this many ranks or more share one row."""
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """Return ``"0-3, 7, 9-10"`` for ranks 0, 1, 2, 3, 7, 9, 10.
-
-    >>> rank_ranges([3, 1, 2, 7, 9, 10, 1])
-    '1-3, 7, 9-10'
-    """
-    parts: list[list[int]] = []
-    for n in sorted(set(ranks)):
-        if parts and parts[-1][1] == n - 1:
-            parts[-1][1] = n
-        else:
-            parts.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def _storm_key(row: dict[str, Any]) -> tuple:

@@ -13,7 +13,7 @@ from ampwatch.contract.protocol import DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LA
 
 from ._latest_events import collapse
 from ._recovery import load_ranks
-from ._run_scale import WINDOWS, run_scale
+from ._run_scale import WINDOWS, run_scale, traces
 from ._run_summary import firing_of, summary_page, trouble_rows
 from ._floats import wire_float
 from ._state import RankState
@@ -74,8 +74,8 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) ->
     return {"runs": [dict(row, in_metrics=row["run"] in held) for row in rows]}
 
 
-# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events,
-# latest events, summary and scale routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
+# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events, latest
+# events, summary and scale routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
 @router.get("/runs/{run:path}/events", summary="A run's events, oldest (or newest) first, paginated")
 async def list_events(
     request: Request, run: str,
@@ -160,7 +160,8 @@ async def get_run_summary(
     The rows are built once per change of the run (its generation or firing alerts), at most 10 s apart, and
     shared by every page, search and tab; each answer reads its rows' progress (iteration, steps, last seen) now.
     """
-    ranks, state, alerts = _held(request, run), request.app.state.collector_state, request.app.state.alert_service.alerts
+    ranks, state = _held(request, run), request.app.state.collector_state
+    alerts = request.app.state.alert_service.alerts
     firing = firing_of(run, alerts)
     version = (state.generation(run), firing)
     built = _views(request).get(("summary", run), version, lambda: trouble_rows(
@@ -171,17 +172,40 @@ async def get_run_summary(
 @router.get("/runs/{run:path}/scale", summary="A run's loss scale over recent iterations: spread and outlier ranks")
 async def get_run_scale(
     request: Request, run: str,
-    window: Literal[tuple(WINDOWS)] = Query("1000", description="the last N iterations, or all held"),  # type: ignore[valid-type]
+    window: Literal[tuple(WINDOWS)] = Query(  # type: ignore[valid-type]
+        "1000", description="the last 200, 1000 or 5000 iterations, or all the collector holds"),
     ranks: str = Query("", max_length=400, pattern=r"^[0-9,]*$",
                        description="comma-separated ranks to include whatever their distance (at most 16)"),
     outliers: int = Query(6, ge=0, le=16, description="ranks furthest from the median to include"),
 ) -> dict[str, Any]:
     """Return min / median / max of the loss scale across ranks per slice of the window (at most 200 slices) and
-    the points of the outlier ranks; built once per change of the run, at most 2 s apart (iterations move on)."""
+    the outlier ranks with their points and skips; built once per change of the run, at most 2 s apart
+    (iterations move on)."""
     held, state = _held(request, run), request.app.state.collector_state
     asked = tuple(sorted({int(r) for r in ranks.split(",") if r}))[:16]
-    return _views(request).get(("scale", run, window, asked, outliers), state.generation(run), lambda: (
-        run_scale(run, list(held.values()), WINDOWS[window], outliers=outliers, asked=asked), time.time() + 2.0))
+    key, generation = ("scale", run, window, asked, outliers), state.generation(run)
+    views = _views(request)
+    if (body := views.peek(key, generation)) is not None:
+        return body
+    copies = traces(held.values())  # on the event loop, while no batch changes them; the rest off it
+    body = await asyncio.to_thread(run_scale, run, copies, WINDOWS[window], outliers=outliers, asked=asked)
+    if body["outliers"]:
+        shown = [o["rank"] for o in body["outliers"]]
+        found = await asyncio.to_thread(request.app.state.store.query, _SKIPS_SQL.format(
+            ranks=",".join("?" * len(shown))), (run, _SKIPS_SCANNED, body["start"], *shown, _SKIPS_SHOWN))
+        skips: dict[int, list] = {}
+        for row in reversed(found):
+            skips.setdefault(row["rank"], []).append([row["iteration"], row["optimizer"]])
+        for o in body["outliers"]:
+            o["skips"] = skips.get(o["rank"], [])
+    return views.put(key, generation, body, time.time() + 2.0)
+
+
+# The shown ranks' skips in the window, for the chart's marks: among the run's newest events only (bounded work).
+_SKIPS_SCANNED, _SKIPS_SHOWN = 50_000, 2_000
+_SKIPS_SQL = ("SELECT rank, iteration, optimizer FROM (SELECT rowid, rank, iteration, optimizer, kind FROM events "
+              "WHERE run = ? ORDER BY rowid DESC LIMIT ?) WHERE kind = 'skip' AND iteration >= ? AND rank IN ({ranks}) "
+              "ORDER BY rowid DESC LIMIT ?")
 
 
 @router.get("/runs/{run:path}", summary="One run: its ranks with their current state")

@@ -46,6 +46,13 @@ class ScaleTrace:
     def __len__(self) -> int:
         return len(self.iterations)
 
+    def copy(self) -> "ScaleTrace":
+        """An independent copy (two array copies: microseconds), to read while the original keeps changing."""
+        twin = ScaleTrace()
+        twin.iterations, twin.scales, twin.last_iteration = array("q", self.iterations), array("d", self.scales), \
+            self.last_iteration
+        return twin
+
     def record(self, iteration: int, scale: float) -> None:
         """Note that ``scale`` was in force from ``iteration`` on; O(1), amortised O(1) when thinning."""
         if iteration < self.last_iteration:

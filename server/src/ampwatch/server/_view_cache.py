@@ -33,16 +33,23 @@ class ViewCache:
 
     def get(self, key: Hashable, version: Hashable, build: Callable[[], tuple[Any, float | None]]) -> Any:
         """Return the body held for ``key`` at ``version``, else ``build()``'s (body, expiry or None) held anew."""
-        now = self._clock()
+        body = self.peek(key, version)
+        return body if body is not None else self.put(key, version, *build())
+
+    def peek(self, key: Hashable, version: Hashable) -> Any:
+        """Return the body held for ``key`` at ``version`` if it has not expired, else None."""
         held = self._bodies.get(key)
-        if held is not None and held[0] == version and now < held[1]:
+        if held is not None and held[0] == version and self._clock() < held[1]:
             self.hits += 1
             return held[2]
-        body, expires = build()
+        return None
+
+    def put(self, key: Hashable, version: Hashable, body: Any, expires: float | None = None) -> Any:
+        """Hold ``body`` for ``key`` at ``version`` until ``expires`` (or ``max_age_s`` from now, if sooner)."""
         self.builds += 1
         self._bodies.pop(key, None)
         while len(self._bodies) >= self.size:
             del self._bodies[next(iter(self._bodies))]
-        until = now + self.max_age_s
+        until = self._clock() + self.max_age_s
         self._bodies[key] = (version, until if expires is None else min(until, expires), body)
         return body

@@ -5,7 +5,6 @@
 
 const REFRESH_MS = 3000;
 const MAX_EVENTS_SHOWN = 100;
-const NEWEST_EVENTS = 200;       // events read per refresh, newest first (a storm's are collapsed into rows)
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const SVG = "http://www.w3.org/2000/svg";
 // poisoned_step reasons (docs/protocol.md) in words.
@@ -100,53 +99,39 @@ function alertRow(alert, when) {
     el("td", {}, when));
 }
 
-const expandedGroups = new Set();  // alert groups (name, run, severity) the reader opened
-let lastAlerts = null;
+const expandedGroups = new Set();  // collapsed alert rows (name, run, severity) the reader opened
+const GROUP_FROM = 5;  // alerts of one alert, run and severity from which the collector sends them as one entry
 
-function rankRanges(ranks) {
-  const numbers = [...new Set(ranks.map(Number))].filter(Number.isInteger).sort((a, b) => a - b);
-  const parts = [];
-  for (const n of numbers) {
-    const last = parts[parts.length - 1];
-    if (last && last[1] === n - 1) last[1] = n; else parts.push([n, n]);
-  }
-  return parts.map(([a, b]) => a === b ? String(a) : `${a}-${b}`).join(", ");
+function groupKey(alert) {
+  const labels = alert.labels || {};
+  return [alert.name, labels.run ?? "", labels.severity ?? ""].join("\u0000");
 }
 
-const GROUP_FROM = 5;  // alerts of one alert, run and severity from which they share one row
-
-// Per-rank alerts of one alert, run and severity collapse into one row that expands (a whole-job storm is
-// thousands of alerts); a handful keep their own rows.
-function alertRows(alerts, whenOf) {
-  const groups = new Map();
-  for (const a of alerts) {
-    const labels = a.labels || {};
-    const key = [a.name, labels.run ?? "", labels.severity ?? ""].join("\u0000");
-    if (!groups.has(key)) groups.set(key, []);
-    groups.get(key).push(a);
-  }
+// A whole-job storm is thousands of per-rank alerts: the collector sends five or more of one alert, run and
+// severity as one entry (count, ranks), shown as one row that expands; its members are fetched only while open.
+function alertRows(alerts, whenOf, members) {
   const rows = [];
-  for (const [key, members] of groups) {
-    if (members.length < GROUP_FROM) {
-      rows.push(...members.map(a => alertRow(a, whenOf(a))));
+  for (const a of alerts) {
+    if (!a.group) {
+      rows.push(alertRow(a, whenOf(a)));
       continue;
     }
-    const open = expandedGroups.has(key);
-    const ranks = members.map(a => (a.labels || {}).rank).filter(r => r !== undefined);
-    const head = alertRow(members[0], whenOf(members[0]));
+    const key = groupKey(a), open = expandedGroups.has(key);
+    const head = alertRow(a, whenOf(a));
     head.className = "alert-group";
     head.setAttribute("aria-expanded", String(open));
-    head.cells[3].textContent = ranks.length ? `${new Set(ranks).size} ranks: ${rankRanges(ranks)}` : "";
-    head.cells[4].textContent = `${members.length} alerts ${open ? "▾" : "▸"}`;
+    head.cells[3].textContent = `${a.ranks} ranks: ${a.rank_ranges}`;
+    head.cells[4].textContent = `${a.count} alerts ${open ? "▾" : "▸"}`;
     head.addEventListener("click", () => {
       if (open) expandedGroups.delete(key); else expandedGroups.add(key);
-      renderAlerts(lastAlerts);
+      refreshAlerts();
     });
     rows.push(head);
-    for (const a of members) {
-      const row = alertRow(a, whenOf(a));
+    if (!open) continue;
+    for (const m of members.get(key) || []) {
+      if (groupKey(m) !== key || m.status !== a.status) continue;
+      const row = alertRow(m, whenOf(m));
       row.classList.add("member");
-      row.hidden = !open;
       rows.push(row);
     }
   }
@@ -154,23 +139,32 @@ function alertRows(alerts, whenOf) {
 }
 
 async function refreshAlerts() {
+  const members = new Map();
+  let body;
   try {
-    lastAlerts = await getJSON("v1/alerts");
+    body = await getJSON(`v1/alerts?collapse=${GROUP_FROM}`);
+    const open = [...expandedGroups];
+    const lists = await Promise.all(open.map(key => {
+      const [name, run] = key.split("\u0000");
+      return getJSON(`v1/alerts?alertname=${encodeURIComponent(name)}&run=${encodeURIComponent(run)}`);
+    }));
+    open.forEach((key, i) => members.set(key, [...(lists[i].firing || []), ...(lists[i].resolved || [])]));
   } catch (error) {
     document.getElementById("no-firing").textContent = "Built-in alerts are not available on this collector.";
     return;
   }
-  renderAlerts(lastAlerts);
+  renderAlerts(body, members);
 }
 
-function renderAlerts(body) {
+function renderAlerts(body, members) {
   const firing = body.firing || [], resolved = body.resolved || [];
-  fill(document.querySelector("#firing tbody"), alertRows(firing, a => ago(a.starts_at)));
+  fill(document.querySelector("#firing tbody"), alertRows(firing, a => ago(a.starts_at), members));
   document.getElementById("firing").hidden = firing.length === 0;
   document.getElementById("no-firing").hidden = firing.length !== 0;
   document.getElementById("no-firing").textContent = "Nothing firing.";
-  fill(document.querySelector("#resolved tbody"), alertRows(resolved, a => ago(a.ends_at)));
-  document.getElementById("resolved-count").textContent = String(resolved.length);
+  fill(document.querySelector("#resolved tbody"), alertRows(resolved, a => ago(a.ends_at), members));
+  document.getElementById("resolved-count").textContent =
+    String(resolved.reduce((n, a) => n + (a.group ? a.count : 1), 0));
 }
 
 // ---- runs list --------------------------------------------------------------------------------
@@ -318,13 +312,13 @@ function eventDetails(e) {
 
 // The run's loss scale on a log2 axis over the chosen window (GET /v1/runs/{run}/scale): a band from the
 // lowest to the highest rank's scale, the median rank's line, and the outlier ranks' own lines; red dots mark
-// the outliers' recent skipped steps.
-function drawChart(container, body, recentEvents) {
+// their skipped steps.
+function drawChart(container, body) {
   const W = 900, H = 260, L = 56, R = 12, T = 12, B = 28;
   const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img",
     "aria-label": "loss scale over iterations: spread across ranks and outlier ranks"});
   const spread = body && body.spread;
-  const lines = (body && body.outliers || []).map(o => ({rank: o.rank, asked: o.asked,
+  const lines = (body && body.outliers || []).map(o => ({rank: o.rank, asked: o.asked, skips: o.skips || [],
     points: o.points.map(([x, y]) => [x, scaleNumber(y)]), now: scaleNumber(o.loss_scale)}));
   let minY = Infinity, maxY = -Infinity;
   const note = y => { if (onLogAxis(y)) { minY = Math.min(minY, Math.log2(y)); maxY = Math.max(maxY, Math.log2(y)); } };
@@ -382,20 +376,20 @@ function drawChart(container, body, recentEvents) {
     legend.style.fill = color;
     root.append(legend);
   });
-  const key = svg("text", {x: L + 6, y: T + 12, class: "legend spread-key"},
+  const key = svg("text", {x: L + 6, y: T + 12, class: "spread-key"},
     `shaded: lowest to highest of ${body.ranks} ranks · dashed: median`);
   root.append(key);
-  // Skips: a dot on an outlier's line at the iteration it skipped (the scale then in force).
-  const lineOf = new Map(lines.map(l => [l.rank, l.points]));
-  for (const e of recentEvents) {
-    if (e.kind !== "skip" || !lineOf.has(e.rank) || e.iteration < x0) continue;
-    const points = lineOf.get(e.rank);
-    let scale = points[0][1];
-    for (const [x, y] of points) { if (x <= e.iteration) scale = y; else break; }
-    if (!onLogAxis(scale)) continue;
-    const dot = svg("circle", {cx: px(e.iteration), cy: py(scale), r: 3.5, fill: "#c62828", class: "skip-mark"});
-    dot.append(svg("title", {}, `rank ${e.rank} skipped ${e.optimizer} at iteration ${e.iteration}`));
-    root.append(dot);
+  // Skips: a dot on a drawn rank's line at each iteration it skipped (the scale then in force).
+  for (const line of lines) {
+    for (const [iteration, optimizer] of line.skips) {
+      if (iteration < x0) continue;
+      let scale = line.points[0][1];
+      for (const [x, y] of line.points) { if (x <= iteration) scale = y; else break; }
+      if (!onLogAxis(scale)) continue;
+      const dot = svg("circle", {cx: px(iteration), cy: py(scale), r: 3.5, fill: "#c62828", class: "skip-mark"});
+      dot.append(svg("title", {}, `rank ${line.rank} skipped ${optimizer} at iteration ${iteration}`));
+      root.append(dot);
+    }
   }
   container.replaceChildren(root);
 }
@@ -489,16 +483,27 @@ function eventRows(rows) {
   });
 }
 
+const RARE_SHOWN = 20;  // rows kept for the newest rare events, however many newer storm or skip rows there are
+
+function rowKey(row) {
+  const e = row.event;
+  return row.count === 1 ? eventKey(e) : `storm/${e.kind}/${e.iteration}/${e.optimizer}/${e.cause}`;
+}
+
+function newestFirst(a, b) {
+  return b.event.time - a.event.time || b.event.id - a.event.id;
+}
+
 async function drawRunHistory(run, summary) {
   const [scale, newest, rare] = await Promise.all([fetchScale(run, summary), fetchNewest(run), fetchRare(run)]);
-  const rows = new Map();
-  for (const row of [...newest, ...rare]) {
-    const e = row.event;
-    rows.set(row.count === 1 ? eventKey(e) : `storm/${e.kind}/${e.iteration}/${e.optimizer}/${e.cause}`, row);
-  }
-  const sorted = [...rows.values()].sort((a, b) => b.event.time - a.event.time || b.event.id - a.event.id);
-  drawChart(document.getElementById("chart"), scale, sorted.filter(row => row.count === 1).map(row => row.event));
-  const shown = eventRows(sorted.slice(0, MAX_EVENTS_SHOWN));
+  // The newest rare events (poisoned steps, scheduler-after-skip, warnings...) keep their rows: a rank that
+  // skips every few steps or a storm cannot push them out of the table.
+  const kept = rare.sort(newestFirst).slice(0, RARE_SHOWN);
+  const keptKeys = new Set(kept.map(rowKey));
+  const rest = newest.filter(row => !keptKeys.has(rowKey(row))).slice(0, MAX_EVENTS_SHOWN - kept.length);
+  const rows = [...kept, ...rest].sort(newestFirst);
+  drawChart(document.getElementById("chart"), scale);
+  const shown = eventRows(rows);
   fill(document.querySelector("#events tbody"), shown);
   document.getElementById("no-events").hidden = shown.length !== 0;
 }
