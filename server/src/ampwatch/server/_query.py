@@ -122,7 +122,8 @@ async def latest_events(
     ``scan`` events once (an indexed read: milliseconds for 5,000); the page asks for rare kinds separately."""
     rows = await asyncio.to_thread(
         request.app.state.store.query,
-        "SELECT rank, incarnation, kind, iteration, optimizer, json_extract(body, '$.cause') AS cause, body "
+        "SELECT rank, incarnation, kind, iteration, optimizer, body, "
+        "CASE kind WHEN 'scale_change' THEN json_extract(body, '$.cause') END AS cause "
         "FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?", (run, scan))
     if not rows:
         known = await asyncio.to_thread(request.app.state.store.query,
@@ -157,15 +158,17 @@ async def get_run_summary(
 ) -> dict[str, Any]:
     """Return counts by trouble reason, the loss-scale spread and a page of rank rows (only ranks held in memory).
 
-    The rows are built once per change of the run (its generation or firing alerts), at most 10 s apart, and
-    shared by every page, search and tab; each answer reads its rows' progress (iteration, steps, last seen) now.
+    The rows are built once per change of the run (its generation or firing alerts), at least 1 s and at most
+    10 s apart, and shared by every page, search and tab; each answer reads its rows' progress (iteration,
+    steps, last seen) now.
     """
     ranks, state = _held(request, run), request.app.state.collector_state
     alerts = request.app.state.alert_service.alerts
     firing = firing_of(run, alerts)
     version = (state.generation(run), firing)
     built = _views(request).get(("summary", run), version, lambda: trouble_rows(
-        run, list(ranks.values()), alerts, time.time(), request.app.state.config.silent_after, firing))
+        run, list(ranks.values()), alerts, time.time(), request.app.state.config.silent_after, firing),
+        min_age_s=_SUMMARY_MIN_AGE_S)
     return dict(summary_page(built, ranks, time.time(), offset, limit, search), generation=state.generation(run))
 
 
@@ -179,8 +182,8 @@ async def get_run_scale(
     outliers: int = Query(6, ge=0, le=16, description="ranks furthest from the median to include"),
 ) -> dict[str, Any]:
     """Return min / median / max of the loss scale across ranks per slice of the window (at most 200 slices) and
-    the outlier ranks with their points and skips; built once per change of the run, at most 2 s apart
-    (iterations move on)."""
+    the outlier ranks with their points and skips; built once per change of the run, at most once per 3 s
+    (a storm changes it at every batch; the chart is redrawn every 3 s)."""
     held, state = _held(request, run), request.app.state.collector_state
     asked = tuple(sorted({int(r) for r in ranks.split(",") if r}))[:16]
     key, generation = ("scale", run, window, asked, outliers), state.generation(run)
@@ -198,11 +201,14 @@ async def get_run_scale(
             skips.setdefault(row["rank"], []).append([row["iteration"], row["optimizer"]])
         for o in body["outliers"]:
             o["skips"] = skips.get(o["rank"], [])
-    return views.put(key, generation, body, time.time() + 2.0)
+    return views.put(key, generation, body, time.time() + _SCALE_MIN_AGE_S, min_age_s=_SCALE_MIN_AGE_S)
 
+
+_SUMMARY_MIN_AGE_S = 1.0  # a summary rebuilt at most once a second per run, however many tabs read it
+_SCALE_MIN_AGE_S = 3.0  # the chart's data, likewise once per page refresh
 
 # The shown ranks' skips in the window, for the chart's marks: among the run's newest events only (bounded work).
-_SKIPS_SCANNED, _SKIPS_SHOWN = 50_000, 2_000
+_SKIPS_SCANNED, _SKIPS_SHOWN = 20_000, 2_000
 _SKIPS_SQL = ("SELECT rank, iteration, optimizer FROM (SELECT rowid, rank, iteration, optimizer, kind FROM events "
               "WHERE run = ? ORDER BY rowid DESC LIMIT ?) WHERE kind = 'skip' AND iteration >= ? AND rank IN ({ranks}) "
               "ORDER BY rowid DESC LIMIT ?")

@@ -225,11 +225,13 @@ class CollectorState:
         # (run, rank) with history in the database but not held here: only these need a database read
         # when a batch arrives (a brand-new rank does not).
         self.stored: set[tuple[str, int]] = set()
-        self.generations: dict[str, int] = {}  # run -> changes to what its run view shows (see moved())
+        self.generations: dict[str, int] = {}  # run -> its latest change to what its run view shows (see moved())
+        self._changes = 0  # over every run: a run that leaves and comes back never repeats an earlier generation
 
     def moved(self, run: str) -> None:
         """Note that what the run view of ``run`` shows changed (its cached bodies are stale); O(1)."""
-        self.generations[run] = self.generations.get(run, 0) + 1
+        self._changes += 1
+        self.generations[run] = self._changes
 
     def generation(self, run: str) -> int:
         """The run's change generation: equal values mean the run view would show the same ranks."""
