@@ -391,7 +391,9 @@ def _job1024(doc: dict) -> list[str]:
                 r = page[side][phase]
                 e, b = r["endpoints"], r["page"]
                 name = f"before ({page[side]['ref']})" if side == "before" else "after"
-                lines.append(f"| {name} | {phase} | {_fmt(b['first_paint_ms'])} | {_fmt(b['refresh_bytes'])} | "
+                per_refresh = _fmt(b["refresh_bytes"]) if b["refresh_bytes"] is not None else \
+                    f"none completed in {_fmt(b['watch_s'])} s ({_fmt(sum(b['by_endpoint'].values()))} read)"
+                lines.append(f"| {name} | {phase} | {_fmt(b['first_paint_ms'])} | {per_refresh} | "
                              f"{ms(e['summary'])} | {_fmt(e['summary'].get('bytes'))} | {ms(e['scale'])} | "
                              f"{_fmt(e['scale'].get('bytes'))} | {ms(e['run'])} | {_fmt(e['run'].get('bytes'))} | "
                              f"{_fmt(r['collector_cpu_pct'])} |")

@@ -19,7 +19,7 @@ from ._state import RankState
 from .alerting.conditions import usable_scale
 from .alerting.evaluator import BuiltinAlerts
 
-__all__ = ["REASONS", "firing_of", "run_summary", "summary_page", "trouble_rows"]
+__all__ = ["REASONS", "firing_of", "summary_page", "trouble_rows"]
 
 REASONS = ("poisoned", "silent", "collapsed", "in_streak", "high_skip_ratio", "desynced", "alert")
 """Why a rank is in trouble, most urgent first: the order of the rows."""
@@ -91,12 +91,12 @@ def trouble_rows(run: str, ranks: Iterable[RankState], alerts: BuiltinAlerts, no
     counts = {reason: sum(reason in row["reasons"] for row in rows) for reason in REASONS}
     rows.sort(key=lambda row: (REASONS.index(row["reasons"][0]) if row["reasons"] else len(REASONS), row["rank"]))
     # The next rank to fall silent changes the rows with no batch arriving: the body holds until then.
-    quiet = [r.last_seen + silent_after for r in held if not r.closed and now - r.last_seen <= silent_after]
+    turning_silent = [r.last_seen + silent_after for r in held if not r.closed and now - r.last_seen <= silent_after]
     return {"run": run, "ranks": len(held), "closed": all(r.closed for r in held),
             "in_trouble": sum(bool(row["reasons"]) for row in rows), "counts": counts, "run_alerts": list(run_alerts),
             "scale": {"min": wire_float(min(open_scales)) if open_scales else None, "median": wire_float(median),
                       "max": wire_float(max(open_scales)) if open_scales else None},
-            "rows": rows}, (min(quiet) if quiet else math.inf)
+            "rows": rows}, (min(turning_silent) if turning_silent else math.inf)
 
 
 def summary_page(built: dict[str, Any], held: dict[int, RankState], now: float, offset: int = 0, limit: int = 50,
@@ -121,11 +121,3 @@ def summary_page(built: dict[str, Any], held: dict[int, RankState], now: float, 
         page.append(row)
     return {**{k: v for k, v in built.items() if k != "rows"}, "now": now, "matched": len(rows), "offset": offset,
             "limit": limit, "next": offset + limit if offset + limit < len(rows) else None, "rows": page}
-
-
-def run_summary(run: str, ranks: Iterable[RankState], alerts: BuiltinAlerts, now: float, silent_after: float,
-                offset: int = 0, limit: int = 50, search: str = "") -> dict[str, Any]:
-    """Return the run's counts by reason, its scale spread and one page of rows, ranks in trouble first (uncached)."""
-    held = {r.rank: r for r in ranks}
-    built, _ = trouble_rows(run, held.values(), alerts, now, silent_after, firing_of(run, alerts))
-    return summary_page(built, held, now, offset, limit, search)
