@@ -1,7 +1,7 @@
 """Measure this tree beside an earlier commit in one run, and keep the result in a JSON file.
 
-The earlier commit's ``server/src`` is extracted with ``git archive`` and put first on a child
-process's ``sys.path``, so both sides run on the same machine, minutes apart, with the same load.
+The earlier commit's ``server/src`` (or ``agent/src``) is extracted with ``git archive`` and put first on
+a child process's ``sys.path``, so both sides run on the same machine, minutes apart, with the same load.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ __all__ = ["ROOT", "before_after", "source_of", "store"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def source_of(ref: str, into: str) -> str:
-    """Extract ``server/src`` of ``ref`` into ``into``; return the folder to put first on sys.path."""
+def source_of(ref: str, into: str, package: str = "server") -> str:
+    """Extract ``<package>/src`` of ``ref`` into ``into``; return the folder to put first on sys.path."""
     archive = os.path.join(into, "src.tar")
-    subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, ref, "server/src"], check=True)
+    subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, ref, f"{package}/src"], check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
-    return os.path.join(into, "server", "src")
+    return os.path.join(into, package, "src")
 
 
 def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:

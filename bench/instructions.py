@@ -4,8 +4,9 @@ Timing ratios on a shared 2-core machine spread by several percent from run to r
 question. Valgrind's callgrind counts the instructions the process executes instead. Each variant runs in
 its own process under callgrind; the counters are zeroed right before the measured iterations (the
 process calls ``os.getppid()``, i.e. libc ``getppid``: ``--zero-before=getppid``) and dumped right after
-(``os.getpgrp()``: ``--dump-before=getpgrp``), so imports, set-up and warm-up are left out. The loops are
-``bench.overhead.Setup``'s: the same model, data, two optimizers, ``GradScaler("cpu")`` and bfloat16
+(``os.getpgrp()``: ``--dump-before=getpgrp``), so imports, set-up and warm-up are left out; they also run
+uninstrumented (``--instr-atstart=no``, switched on by ``callgrind_control`` once the child is set up).
+The loops are ``bench.overhead.Setup``'s: the same model, data, two optimizers, ``GradScaler("cpu")`` and bfloat16
 autocast; the watched loop also asks ``watch.stepped()`` for both optimizers every iteration. No collector:
 the sender thread sleeps between pushes and is measured apart (its CPU time is a few milliseconds per minute).
 
@@ -22,9 +23,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
-__all__ = ["CASES", "run"]
+__all__ = ["CASES", "callgrind_instructions", "counting_ends", "counting_starts", "run"]
 
 CASES = (("mlp", False), ("mlp", True))
 """(model, fused) pairs measured; the tiny MLP is where a fixed per-iteration cost weighs most."""
@@ -36,31 +39,82 @@ def _child(variant: str, model: str, fused: bool, iterations: int) -> None:
 
     setup = Setup(variant, model, fused, None)
     setup.iterate(WARMUP)
-    os.getppid()  # callgrind zeroes its counters here
+    counting_starts()
     setup.iterate(iterations)
-    os.getpgrp()  # ... and dumps them here
-    if setup.watch is not None:
-        setup.watch.close(timeout=0)
+    counting_ends()
+    os._exit(0)  # what is left (closing, tearing down) would only run instrumented, many times slower
 
 
-def _count(variant: str, model: str, fused: bool, iterations: int, workdir: str) -> int:
-    """Return the instructions of ``iterations`` measured iterations of one variant."""
-    out = os.path.join(workdir, f"{variant}-{model}-{'fused' if fused else 'foreach'}.cg")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
-    env["OMP_NUM_THREADS"] = "1"  # one compute thread: the same work in the same order every run
-    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--zero-before=getppid",
-               "--dump-before=getpgrp", sys.executable, "-m", "bench.instructions", "--child", variant, model,
-               str(int(fused)), str(iterations)]
-    subprocess.run(command, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   check=True, capture_output=True, timeout=900)
-    dumps = sorted(glob.glob(out + ".*"))  # the dump taken before getpgrp: only the measured iterations
+_READY = "BENCH_CALLGRIND_READY"  # a file the child writes once set up; it then waits for the same name + ".go"
+
+
+def counting_starts() -> None:
+    """In a child of :func:`callgrind_instructions`: say set-up is done, wait to be instrumented, count.
+
+    Until here the child ran without callgrind's instrumentation (``--instr-atstart=no``, several times
+    faster: importing torch under full instrumentation takes many minutes on a loaded machine).
+    """
+    ready = os.environ.get(_READY)
+    if ready:
+        with open(ready, "w") as f:
+            f.write(str(os.getpid()))
+        while not os.path.exists(ready + ".go"):
+            time.sleep(0.01)
+    os.getppid()  # callgrind zeroes its counters here
+
+
+def counting_ends() -> None:
+    """In a child run by :func:`callgrind_instructions`: stop counting (callgrind dumps its counters here)."""
+    os.getpgrp()
+
+
+def callgrind_instructions(module_args: list[str], out: str, env: Optional[dict] = None) -> int:
+    """Run ``python -m <module_args>`` under callgrind; return the instructions between its two markers.
+
+    The child calls :func:`counting_starts` where counting starts and :func:`counting_ends` where it ends;
+    instrumentation is switched on (``callgrind_control -i on``) only when it says it is ready. ``env`` adds
+    to this process's environment (``AMPWATCH_*`` left out, one compute thread). Minutes per call.
+    """
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
+    child_env["OMP_NUM_THREADS"] = "1"  # one compute thread: the same work in the same order every run
+    child_env.update(env or {})
+    ready = child_env[_READY] = out + ".ready"
+    command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+               "--zero-before=getppid", "--dump-before=getpgrp", sys.executable, "-m", *module_args]
+    with open(out + ".log", "wb") as log, subprocess.Popen(
+            command, env=child_env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            stdout=log, stderr=subprocess.STDOUT) as child:
+        try:
+            deadline = time.monotonic() + 1800
+            while not os.path.exists(ready) and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if os.path.exists(ready):
+                subprocess.run(["callgrind_control", "-i", "on", str(child.pid)], check=True, capture_output=True,
+                               timeout=600)
+                with open(ready + ".go", "w"):
+                    pass
+            child.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if child.poll() is None:
+                child.kill()
+    if child.returncode:
+        with open(out + ".log", errors="replace") as log:
+            raise RuntimeError(f"{module_args} under callgrind exited {child.returncode}: {log.read()[-2000:]}")
+    dumps = sorted(glob.glob(out + ".*[0-9]"))  # the dump taken before getpgrp: only the measured iterations
     if not dumps:
-        raise RuntimeError(f"callgrind wrote no dump for {variant} ({out}.*): was getpgrp ever called?")
+        raise RuntimeError(f"callgrind wrote no dump for {module_args} ({out}.*): was getpgrp ever called?")
     with open(dumps[0]) as f:
         for line in f:
             if line.startswith(("summary:", "totals:")):
                 return int(line.split()[1])
     raise RuntimeError(f"no instruction total in {dumps[0]}")
+
+
+def _count(variant: str, model: str, fused: bool, iterations: int, workdir: str) -> int:
+    """Return the instructions of ``iterations`` measured iterations of one variant."""
+    out = os.path.join(workdir, f"{variant}-{model}-{'fused' if fused else 'foreach'}.cg")
+    return callgrind_instructions(["bench.instructions", "--child", variant, model, str(int(fused)),
+                                   str(iterations)], out)
 
 
 def run(iterations: int = 200) -> dict:

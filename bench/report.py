@@ -12,6 +12,7 @@ __all__ = ["render", "BEFORE_AFTER"]
 
 BEFORE_AFTER = os.path.join(os.path.dirname(__file__), "tail_before_after.json")  # written by hand-run bench.tail
 JOB_1024 = os.path.join(os.path.dirname(__file__), "job1024_before_after.json")
+ORIGIN_HOOK = os.path.join(os.path.dirname(__file__), "origin_hook_before_after.json")  # python -m bench.origin_hook
 """Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``metrics_size`` and ``run_page`` with ``--out``."""
 GPU_RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
@@ -149,7 +150,8 @@ def _ddp_origin(d: Optional[dict]) -> list[str]:
             out.append(f"| {m['model']} | {name} | {v['cpu_us_per_iter']} | {v['ratio']:.3f} "
                        f"[{v['ratio_p25']:.3f}-{v['ratio_p75']:.3f}] | {v['extra_us_per_iter']} | "
                        f"{v['wall_ratio']:.3f} | {v['syncs_per_clean_iter']:g} |")
-    out += ["", "The origin hook's own work, timed inside it (noting each bucket: `aminmax` and a list append): "
+    out += ["", "The origin hook's own work, its thread CPU time timed around it (each bucket's extremes written "
+                "in place by one `aminmax`): "
                 + "; ".join(f"{m['model']} **{m['note_us_per_iter']} us** per iteration ({m['buckets_per_iter']:g} "
                             f"bucket), **{m['note_share_of_plain_iter'] * 100:.2f}%** of the plain iteration"
                             for m in d["measurements"]) + "."]
@@ -411,6 +413,33 @@ def _job1024(doc: dict) -> list[str]:
     return lines
 
 
+def _origin_hook(doc: dict) -> list[str]:
+    d = doc["origin_hook"]
+    ins, timing = d["instructions"], d["timing"]
+    names = {"plain": "`plain`: DDP's built-in C++ all-reduce", "python_hook": "`python_hook`: DDP's `allreduce_hook` "
+             "as a Python comm hook", "origin": "`origin`: `ddp=model`, this tree",
+             "origin_before": f"`origin` before ({d['before']})"}
+    lines = [f"What the hook of `watch(..., ddp=model)` costs on `bench.ddp_origin`'s {d['model']} (one bucket), "
+             f"in a one-process {d['backend']} DDP group (the hook's work does not depend on the world size), both "
+             "revisions measured in one run. Instructions: callgrind, exact, "
+             f"{ins['iterations']} iterations after a warm-up of {ins['warmup']}:", "",
+             "| variant | instructions/iter | ratio to plain | the hook's own (minus `python_hook`) |",
+             "|---|---|---|---|"]
+    for name, count in ins["per_iter"].items():
+        own = ins["hook_own_per_iter"].get(name)
+        lines.append(f"| {names.get(name, name)} | {_fmt(count)} | {ins['ratio_to_plain'][name]:.4f} | "
+                     f"{_fmt(own) if own is not None else '-'} |")
+    lines += ["", "The hook's own CPU time (its call's thread CPU time minus the all-reduce it wraps, timers' cost "
+              "taken off), as a share of `plain`'s process CPU time per iteration, median of "
+              f"{len(timing['runs']['after'])} alternating runs of {timing['rounds']} x {timing['block']} "
+              "iterations:", "", "| revision | hook's own us/iter | plain us/iter | share |", "|---|---|---|---|"]
+    for side, m in timing["median"].items():
+        name = f"before ({d['before']})" if side == "before" else "after"
+        lines.append(f"| {name} | {_fmt(m['hook_own_us_per_iter'], 2)} | {_fmt(m['plain_cpu_us_per_iter'])} | "
+                     f"{m['hook_own_share_of_plain_iter'] * 100:.2f}% |")
+    return lines + ["", f"`{d['command']}`, {d['date']}.", ""]
+
+
 def render(res: dict, json_name: str = "benchmarks.json") -> str:
     """Return the Markdown page for ``res`` (the document ``python -m bench`` writes as ``json_name``)."""
     env = res["environment"]
@@ -454,5 +483,8 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
     if os.path.exists(JOB_1024):
         with open(JOB_1024) as f:
             lines += ["## 7. A 1,024-rank job", "", *_job1024(json.load(f))]
+    if os.path.exists(ORIGIN_HOOK):
+        with open(ORIGIN_HOOK) as f:
+            lines += ["## 8. The DDP origin hook, before and after", "", *_origin_hook(json.load(f))]
     lines += ["## How it is measured", "", *res["notes"], ""]
     return "\n".join(lines)

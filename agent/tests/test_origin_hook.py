@@ -64,7 +64,7 @@ def test_after_close_the_hook_passes_through_and_the_model_pickles_without_the_a
     watch.close()
     assert not hook.flags.enabled
     _iterate(model, opt, scaler, x)  # still trains (the wrapped all-reduce runs), notes nothing
-    assert hook.flags._current == []
+    assert hook.flags.notes is None
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     assert "ampwatch" not in repr(model.state_dict().keys())
@@ -79,3 +79,107 @@ def test_a_model_with_a_builtin_hook_is_refused_with_what_to_do_leaving_nothing(
         agent.watch(scaler, opt, collector=(), run="t", ddp=model)
     assert "step" not in vars(scaler) and not opt._optimizer_step_pre_hooks
     _iterate(model, opt, scaler, torch.randn(3, 4))  # the job trains on, with its own hook
+
+
+def _backward(model, x):
+    model(x).float().pow(2).mean().backward()
+
+
+def _noted(flags):
+    notes = flags.notes
+    return {i: (notes.extremes[i].data_ptr(), notes.outs[i][0].data_ptr()) for i in notes.noted()}
+
+
+def test_after_the_first_iterations_every_bucket_is_noted_into_the_same_storage(group):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01)  # several buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = agent.watch(torch.amp.GradScaler("cpu"), opt, collector=(), run="t", ddp=model)
+    try:
+        flags = model._comm_hooks[0][0].flags
+        x = torch.randn(4, 64)
+        for iteration in range(3):  # DDP rebuilds its buckets after the first backward
+            _backward(model, x)
+            flags.end_iteration(iteration, keep=False)
+        _backward(model, x)
+        storage = _noted(flags)
+        assert len(storage) > 1
+        for bucket in flags.notes.noted():  # the bucket's own extremes (world size 1: the all-reduce keeps them)
+            low, high = flags.notes.extremes[bucket].tolist()
+            buffer = flags.notes.buckets[bucket].buffer()
+            assert (low, high) == (buffer.min().item(), buffer.max().item())
+        for iteration in range(4, 10):
+            flags.end_iteration(iteration - 1, keep=False)
+            _backward(model, x)
+            assert _noted(flags) == storage
+    finally:
+        watch.close()
+
+
+def test_notes_kept_for_pending_outcomes_name_their_own_iteration_and_are_recycled(group):
+    from ampwatch.agent._origin import _KEPT_ITERATIONS
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    watch = agent.watch(torch.amp.GradScaler("cpu"), opt, collector=(), run="t", ddp=model)
+    try:
+        flags = model._comm_hooks[0][0].flags
+        clean, poisoned = torch.randn(3, 8), torch.randn(3, 8)
+        poisoned[0, 0] = float("inf")
+        bad = {2, _KEPT_ITERATIONS + 10}
+        seen = set()
+        for iteration in range(_KEPT_ITERATIONS + 12):
+            model.zero_grad(set_to_none=True)
+            _backward(model, poisoned if iteration in bad else clean)
+            seen.add(id(flags.notes))
+            flags.end_iteration(iteration, keep=True)  # as while a fused outcome is still on the device
+        last = _KEPT_ITERATIONS + 11
+        assert flags.report(2, current=False) == (None, False)  # older than the kept window: let go
+        report, new = flags.report(_KEPT_ITERATIONS + 10, current=False)
+        assert new and report.origin and report.buckets and report.params
+        assert not flags.report(last, current=False)[0].origin
+        assert flags.report(_KEPT_ITERATIONS + 10, current=False) == (report, False)
+        assert len(seen) == _KEPT_ITERATIONS + 1  # the kept window and the current one, then recycled
+        flags.end_iteration(last + 1, keep=False)  # the outcomes landed: everything back to the spares
+        assert not flags._kept and len(flags._spare) == _KEPT_ITERATIONS
+    finally:
+        watch.close()
+
+
+class _MixedDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2).double()
+
+    def forward(self, x):
+        return self.head(self.body(x).double())
+
+
+def test_buckets_of_different_dtypes_are_noted_and_only_the_one_holding_the_inf_is_named(group):
+    torch.manual_seed(0)
+    net = _MixedDtypes()
+    model = DistributedDataParallel(net)  # DDP buckets by dtype: a float32 and a float64 bucket
+    poison = []
+    net.head.bias.register_hook(lambda grad: grad + float("inf") if poison else grad)
+    watch = agent.watch(torch.amp.GradScaler("cpu"), torch.optim.SGD(model.parameters(), lr=0.0), collector=(),
+                        run="t", ddp=model)
+    try:
+        flags = model._comm_hooks[0][0].flags
+        for iteration in range(4):
+            poison[:] = [True] if iteration == 3 else []
+            model.zero_grad(set_to_none=True)
+            model(torch.randn(3, 4)).sum().backward()
+            if iteration < 3:
+                flags.end_iteration(iteration, keep=False)
+        assert len(flags.notes.noted()) == 2
+        dtypes = {flags.notes.extremes[i].dtype for i in flags.notes.noted()}
+        assert dtypes == {torch.float32, torch.float64}
+        report, _ = flags.report(3, current=True)
+        assert report.origin and len(report.buckets) == 1
+        assert "head.bias" in report.params and not any(name.startswith("body") for name in report.params)
+    finally:
+        watch.close()

@@ -2,9 +2,10 @@
 
 DDP averages every rank's gradients, so one rank's inf or NaN reaches every rank and every rank skips.
 :class:`OriginHook` wraps the all-reduce (DDP's default, or the user's own hook): before a bucket is
-reduced it notes, on the device and without a sync, the bucket's local minimum and maximum (one
-``torch.aminmax`` pass over the bucket). They are turned into flags and read only on an iteration
-where some optimizer skipped (:meth:`OriginFlags.report`), with the same read as the fused ``found_inf``.
+reduced it writes, on the device and without a sync, the bucket's local minimum and maximum (one
+``torch.aminmax`` pass over the bucket) into storage kept for that bucket. They are turned into flags and
+read only on an iteration where some optimizer skipped (:meth:`OriginFlags.report`), with the same read as
+the fused ``found_inf``.
 """
 
 from __future__ import annotations
@@ -35,71 +36,145 @@ class OriginReport:
     """How many parameters those buckets hold (named or not)."""
 
 
-class OriginFlags:
-    """Each bucket's local extremes, noted by the comm hook during backward, until the iteration ends.
+class _Notes:
+    """One iteration's notes, by bucket index: the bucket's extremes and the bucket itself.
 
-    The hook appends (from the autograd thread; a list append); the training thread reads at a skip
-    and drops the notes at ``update()``. Holds tensors of the current iteration only, or of the last
-    few while a deferred outcome may still claim them.
+    ``extremes[i]`` is a 2-element tensor on bucket ``i``'s device, in its dtype, written in place
+    (``outs[i]`` are its two 0-d views, ``aminmax``'s ``out=``); ``buckets[i]`` is the GradBucket noted
+    for it this iteration, None when not noted (asked for its parameters only on a skip). The storage is
+    made on a bucket's first note and reused by every later iteration that gets this object.
+    """
+
+    __slots__ = ("buckets", "extremes", "outs")
+
+    def __init__(self) -> None:
+        self.buckets: list[Any] = []
+        self.extremes: list[torch.Tensor | None] = []
+        self.outs: list[tuple[torch.Tensor, ...]] = []  # () until placed: aminmax(out=()) raises, never writes
+
+    def noted(self) -> list[int]:
+        """Return the indices of the buckets noted since the last :meth:`clear`."""
+        return [index for index, bucket in enumerate(self.buckets) if bucket is not None]
+
+    def clear(self) -> None:
+        """Forget which buckets were noted (and let go of them); keep the storage."""
+        buckets = self.buckets
+        for index in range(len(buckets)):
+            buckets[index] = None
+
+    def place(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make (or remake, for a new dtype or device) bucket ``index``'s storage; return its ``out=`` pair."""
+        grow = index + 1 - len(self.buckets)
+        if grow > 0:
+            self.buckets += [None] * grow
+            self.extremes += [None] * grow
+            self.outs += [()] * grow
+        extremes = torch.empty(2, dtype=buffer.dtype, device=buffer.device)
+        self.extremes[index], self.outs[index] = extremes, (extremes[0], extremes[1])
+        return self.outs[index]
+
+
+class OriginFlags:
+    """Each bucket's local extremes, written by the comm hook during backward, until the iteration ends.
+
+    The hook writes (from the autograd thread) into the current iteration's :class:`_Notes`; the training
+    thread reads them at a skip and, at ``update()``, reuses them for the next iteration, or, while a
+    deferred outcome may still claim them, keeps them for the last few iterations and takes spare ones.
+    After the first iterations nothing is allocated per bucket or per iteration.
     """
 
     def __init__(self, names: ParameterNames) -> None:
         self.names = names
-        self.enabled = True
-        # (bucket, its local min, its local max): the GradBucket is kept (not its parameters() list, a copy made
-        # per call) and asked for its index and parameters only on a skipped iteration.
-        self._current: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        self._kept: dict[int, list[tuple[Any, torch.Tensor, torch.Tensor]]] = {}
+        self.notes: _Notes | None = _Notes()
+        """The current iteration's notes; None once closed (the hook then only passes through)."""
+        self._kept: dict[int, _Notes] = {}
+        self._spare: list[_Notes] = []
         self._reports: dict[int, OriginReport] = {}
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the hook still notes buckets (False after :meth:`close`)."""
+        return self.notes is not None
+
     def note(self, bucket: Any) -> None:
-        """Note one bucket's local extremes (one ``aminmax`` kernel, no sync, a few us); called by the hook."""
-        if not self.enabled:
+        """Write one bucket's local extremes into its storage: one ``aminmax`` kernel, no sync, no allocation.
+
+        Called by the hook for every bucket of every synchronising backward. Its Python cost is two
+        calls on the GradBucket (``index()``, ``buffer()``), the kernel launch and a list store.
+        """
+        notes = self.notes
+        if notes is None:
             return
+        try:
+            index = bucket.index()
+            torch.aminmax(bucket.buffer(), out=notes.outs[index])
+            notes.buckets[index] = bucket
+        except (IndexError, TypeError, RuntimeError):  # a first note, or a bucket the fast path cannot take
+            self._note_first(notes, bucket)
+
+    def _note_first(self, notes: _Notes, bucket: Any) -> None:
+        # The slow path: storage for a bucket index not seen by these notes (or whose dtype or device
+        # changed when DDP rebuilt its buckets), a buffer in the autograd graph (backward(create_graph=True))
+        # or one aminmax cannot reduce (empty, complex: not noted, so never named an origin).
         buffer = bucket.buffer()
         if not buffer.numel() or not buffer.is_floating_point():
             return
-        if buffer.requires_grad:  # only under backward(create_graph=True): record no graph
+        if buffer.requires_grad:
             buffer = buffer.detach()
-        low, high = torch.aminmax(buffer)
-        self._current.append((bucket, low, high))
+        index = bucket.index()
+        outs = notes.outs[index] if index < len(notes.outs) else ()
+        if not outs or outs[0].dtype != buffer.dtype or outs[0].device != buffer.device:
+            outs = notes.place(index, buffer)
+        torch.aminmax(buffer, out=outs)
+        notes.buckets[index] = bucket
 
     def end_iteration(self, iteration: int, keep: bool) -> None:
         """Drop the notes of ``iteration`` (``keep``: hold them while its outcome is still on the device)."""
-        current, self._current = self._current, []
-        if not keep:
-            self._kept.clear()
-            self._reports.clear()
+        notes = self.notes
+        if notes is None:
             return
-        if current:
-            self._kept[iteration] = current
-        for held in (self._kept, self._reports):
-            while len(held) > _KEPT_ITERATIONS:
-                del held[next(iter(held))]
+        if not keep:
+            notes.clear()
+            if self._kept or self._reports:
+                self._release(list(self._kept))
+                self._reports.clear()
+            return
+        if any(bucket is not None for bucket in notes.buckets):
+            self._kept[iteration] = notes
+            self._release(list(self._kept)[:-_KEPT_ITERATIONS])
+            self.notes = self._spare.pop() if self._spare else _Notes()
+        while len(self._reports) > _KEPT_ITERATIONS:
+            del self._reports[next(iter(self._reports))]
+
+    def _release(self, iterations: list[int]) -> None:
+        for iteration in iterations:
+            notes = self._kept.pop(iteration)
+            notes.clear()
+            self._spare.append(notes)
 
     def close(self) -> None:
         """Stop noting and let go of every tensor (the hook stays on the model, passing through)."""
-        self.enabled = False
-        self._current, self._kept, self._reports = [], {}, {}
+        self.notes = None
+        self._kept, self._spare, self._reports = {}, [], {}
 
     def report(self, iteration: int, current: bool) -> tuple[OriginReport | None, bool]:
         """Return ``(report, new)`` for ``iteration``: None when no bucket was noted for it.
 
-        ``new`` is True the first time an iteration is reported. Cost: one stack of the extremes and
-        one device-to-host copy of one flag per bucket (a sync on a GPU, only on a skipped iteration).
+        ``new`` is True the first time an iteration is reported. Cost: one ``isfinite`` per noted bucket
+        and one device-to-host copy of one flag per bucket (a sync on a GPU, only on a skipped iteration).
         """
         known = self._reports.get(iteration)
         if known is not None:
             return known, False
-        notes = self._current if current else self._kept.get(iteration)
-        if not notes:
+        notes = self.notes if current else self._kept.get(iteration)
+        noted = notes.noted() if notes is not None else []
+        if not noted:
             return None, False
-        with torch.no_grad():
-            extremes = torch.stack([n[1] for n in notes] + [n[2] for n in notes]).view(2, -1)
-            flags = (~torch.isfinite(extremes)).any(0)
-        bad = [note[0] for note, flag in zip(notes, _device.read_later(flags).wait()) if flag]
+        with torch.no_grad():  # buckets may differ in dtype: one flag each, then one read
+            flags = torch.stack([torch.isfinite(notes.extremes[i]).all().logical_not() for i in noted])
+        bad = [notes.buckets[i] for i, flag in zip(noted, _device.read_later(flags).wait()) if flag]
         params = [p for bucket in bad for p in bucket.parameters()]
-        report = OriginReport(origin=bool(bad), buckets=sorted({bucket.index() for bucket in bad})[:MAX_NAMED_PARAMS],
+        report = OriginReport(origin=bool(bad), buckets=sorted(bucket.index() for bucket in bad)[:MAX_NAMED_PARAMS],
                               params=[self._name(p, k) for k, p in enumerate(params[:MAX_NAMED_PARAMS])],
                               params_total=len(params))
         self._reports[iteration] = report
@@ -119,14 +194,14 @@ class OriginHook:
 
     def __init__(self, flags: OriginFlags, hook: Callable[..., Any], errors: Any) -> None:
         self.flags, self.hook, self.errors = flags, hook, errors
+        self.note = flags.note  # bound once: one attribute lookup per bucket instead of two
         self.__name__ = self.__qualname__ = f"ampwatch_origin({getattr(hook, '__qualname__', 'hook')})"
 
     def __call__(self, state, bucket):  # unannotated: DDP checks the annotations of a hook it is given
-        if self.flags.enabled:
-            try:
-                self.flags.note(bucket)
-            except Exception as error:  # noqa: BLE001 - the all-reduce must run whatever happens here
-                self.errors.report("DDP comm hook", error)
+        try:
+            self.note(bucket)
+        except Exception as error:  # noqa: BLE001 - the all-reduce must run whatever happens here
+            self.errors.report("DDP comm hook", error)
         return self.hook(state, bucket)
 
     def __reduce__(self) -> tuple:

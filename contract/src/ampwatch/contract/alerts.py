@@ -178,6 +178,12 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "of its own before DDP's all-reduce in {value} skipped iterations within the last "
                     "{origin_window_s}, while at most {origin_rank_share} of the run's ranks did: suspect that "
                     "GPU, its host or its data shard."),
+    AlertDefinition(
+        name="AmpRankConflict", scope="rank", severities=_WARNING, for_s=None, parameters=("conflict_window_s",),
+        summary="Two processes claim one run and rank",
+        description=f"A second process claimed {_ON_RANK} while the first one kept sending (conflicts so far: "
+                    "{value}): two jobs share a run id, or something else writes into the collector. The first "
+                    "process stays the rank; the other's later batches are refused."),
 )}
 """Every alert, by name, in the order of the generated rules."""
 

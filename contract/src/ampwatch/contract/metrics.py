@@ -22,7 +22,7 @@ __all__ = [
     "NONFINITE_GRADIENT_INFO",
     "RANK_ORIGIN_ITERATIONS",
     "LOSS_SCALE", "LOSS_SCALE_BACKOFFS", "LOSS_SCALE_GROWTHS", "LOSS_SCALE_MANUAL_SETS", "ITERATION",
-    "RANK_LAST_SEEN", "RANK_CLOSED", "RANK_INFO",
+    "RANK_LAST_SEEN", "RANK_CLOSED", "RANK_INFO", "RANK_CONFLICTS",
     "AGENT_DROPPED_EVENTS", "AGENT_SEND_FAILURES", "AGENT_REJECTED_BATCHES", "AGENT_ERRORS",
     "RUN_RANKS_REPORTING", "RUN_RANKS_IN_SKIP_STREAK", "RUN_LOSS_SCALE_MIN", "RUN_LOSS_SCALE_MAX",
     "COLLECTOR_INGEST_REQUESTS", "COLLECTOR_BATCHES_APPLIED", "COLLECTOR_EVENTS_APPLIED",
@@ -89,6 +89,9 @@ RANK_CLOSED = Metric("ampwatch_rank_closed", "gauge", _RANK, "1 once the rank cl
 RANK_INFO = Metric("ampwatch_rank_info", "gauge",
                    (*_RANK, "host", "local_rank", "world_size", "scaler_enabled", "scaler_kind", "agent_version"),
                    "Identity of the rank (value 1).")
+RANK_CONFLICTS = Metric("ampwatch_rank_conflicts_total", "counter", _RANK,
+                        "Processes (agent incarnations) that claimed the rank while another one was still sending "
+                        "to it; they are put out of the rank, whose gauges stay the first process's.")
 RANK_ORIGIN_ITERATIONS = Metric("ampwatch_rank_origin_iterations_total", "counter", _RANK,
                                 "Iterations where some optimizer skipped and this rank's own gradients held inf/NaN "
                                 "before DDP's all-reduce (only ranks watched with ddp=).")

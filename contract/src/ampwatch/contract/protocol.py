@@ -12,6 +12,7 @@ from typing import Mapping
 
 __all__ = [
     "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
+    "COLLECTOR_EVENT_KINDS",
     "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS",
 ]
 
@@ -44,6 +45,10 @@ MAX_BATCH_EVENTS = 10_000
 EVENT_KINDS = ("skip", "streak_end", "scale_change", "scheduler_after_skip", "poisoned_step", "warning",
                "scaler_disabled", "close")
 """Every ``kind`` an event may have; a new kind means a new protocol version."""
+
+COLLECTOR_EVENT_KINDS = ("rank_conflict",)
+"""Kinds of the events the collector records itself (never accepted from an agent), listed beside the
+agents' events by ``GET /v1/runs/{run}/events``: ``rank_conflict``, two processes claim one run and rank."""
 
 SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
 """Why the scale changed: in update() by backoff_factor or growth_factor, update(new_scale=...), or outside

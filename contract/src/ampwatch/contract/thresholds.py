@@ -115,6 +115,10 @@ class AlertThresholds:
     before DDP's all-reduce, ``ampwatch_rank_origin_iterations_total``) are counted.
     Not above the longest other window, so the collector's per-rank history stays as long."""
 
+    conflict_window_s: int = 1800
+    """How long a rank conflict (a second process claiming a run and rank that another
+    process still sends to) keeps its warning firing."""
+
     origin_min_count: int = 3
     """Skipped iterations a rank must have started within the window: one bad
     sample is news, the same rank again and again is a ticket."""
@@ -144,7 +148,8 @@ class AlertThresholds:
             if field.name.endswith("_s") and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{field.name}={value!r} must be a whole number of seconds >= 0")
         for name in ("skip_streak_window_s", "backoff_window_s", "skip_ratio_window_s",
-                     "scheduler_window_s", "poisoned_window_s", "silent_after_s", "origin_window_s"):
+                     "scheduler_window_s", "poisoned_window_s", "silent_after_s", "origin_window_s",
+                     "conflict_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
         for name in ("calibration_iterations", "backoff_min_count", "skip_ratio_min_steps", "origin_min_count"):
@@ -179,7 +184,8 @@ DEMO_THRESHOLDS = dataclasses.replace(
     DEFAULT_THRESHOLDS, calibration_iterations=10, skip_streak_warning=4, skip_streak_critical=16,
     skip_streak_window_s=5, backoff_window_s=3, backoff_min_count=2, backoff_for_s=0,
     collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
-    silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30, origin_window_s=60)
+    silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30, origin_window_s=60,
+    conflict_window_s=60)
 
 PROFILES: Mapping[str, AlertThresholds] = {"default": DEFAULT_THRESHOLDS, "demo": DEMO_THRESHOLDS}
 """Named thresholds: what ``--alert-thresholds`` accepts besides a JSON file of overrides."""

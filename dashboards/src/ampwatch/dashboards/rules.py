@@ -153,6 +153,9 @@ CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
                                         f"and on (run, rank, optimizer)\n"
                                         f"{_counter_rose(m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s)}"),
     "AmpSkipOriginRank": _origin,
+    "AmpRankConflict": lambda t, r, _: (f"{m.RANK_CONFLICTS}\n"
+                                        f"and on (run, rank)\n"
+                                        f"{_counter_rose(m.RANK_CONFLICTS, t.conflict_window_s)}"),
 }
 
 # Prometheus fills an alert's texts with Go templates over the instance's labels and value.

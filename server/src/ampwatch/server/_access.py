@@ -26,33 +26,36 @@ def bearer_matches(given: Optional[bytes], token: str) -> bool:
 
 
 class RateLimiter:
-    """A token bucket per client address: ``rate`` requests per second on average, bursts up to ``2 * rate``.
+    """A token bucket per client address: ``rate`` tokens per second on average, bursts up to ``burst``
+    (default ``2 * rate``). A request takes one token; a batch's events take one each (``cost``).
 
     At most ``max_clients`` buckets are kept; when full, buckets that refilled (idle clients) go first,
-    so a flood of spoofed or many distinct addresses cannot grow memory without bound.
+    so a flood of spoofed or many distinct addresses cannot grow memory without bound. Each call costs O(1).
     """
 
-    def __init__(self, rate: float, max_clients: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self.max_clients, self.clock = rate, 2.0 * rate, max_clients, clock
+    def __init__(self, rate: float, max_clients: int = 10_000, clock: Callable[[], float] = time.monotonic,
+                 burst: Optional[float] = None) -> None:
+        self.rate, self.max_clients, self.clock = rate, max_clients, clock
+        self.burst = 2.0 * rate if burst is None else burst
         self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, time of last refill)
 
-    def allow(self, client: str) -> bool:
-        """Take one token for ``client``; return False when its bucket is empty."""
+    def allow(self, client: str, cost: float = 1.0) -> bool:
+        """Take ``cost`` tokens for ``client``; return False (taking none) when its bucket holds fewer."""
         now = self.clock()
         tokens, then = self._buckets.get(client, (self.burst, now))
         tokens = min(self.burst, tokens + (now - then) * self.rate)
         if client not in self._buckets and len(self._buckets) >= self.max_clients:
             self._forget_idle(now)
-        if tokens < 1.0:
+        if tokens < cost:
             self._buckets[client] = (tokens, now)
             return False
-        self._buckets[client] = (tokens - 1.0, now)
+        self._buckets[client] = (tokens - cost, now)
         return True
 
-    def retry_after(self, client: str) -> int:
-        """Whole seconds until ``client`` has a token again (at least 1)."""
+    def retry_after(self, client: str, cost: float = 1.0) -> int:
+        """Whole seconds until ``client`` has ``cost`` tokens again (at least 1)."""
         tokens, _ = self._buckets.get(client, (0.0, 0.0))
-        return max(1, int((1.0 - tokens) / self.rate + 0.999))
+        return max(1, int((cost - tokens) / self.rate + 0.999))
 
     def _forget_idle(self, now: float) -> None:
         full = [c for c, (t, then) in self._buckets.items() if t + (now - then) * self.rate >= self.burst]

@@ -119,10 +119,13 @@ def create_app(config: ServerConfig) -> FastAPI:
               responses={200: {"description": '{"applied": true} or {"applied": false, "duplicate": true}'},
                          400: {"description": "malformed JSON"}, 401: {"description": "token missing"},
                          403: {"description": "token wrong"}, 413: {"description": "body too large"},
+                         409: {"description": 'refused for good ("retry": false): this process claimed a rank '
+                                              "that another process kept sending to (rank_conflict)"},
                          422: {"description": 'refused for good ("retry": false): schema error, name too long, '
-                                              "or over --max-optimizers-per-rank / --max-ranks-per-run"},
-                         429: {"description": 'back-pressure ("retry": true, Retry-After): over --max-runs or '
-                                              "--rate-limit"},
+                                              "over --max-optimizers-per-rank / --max-ranks-per-run, or a counter "
+                                              "rising faster than --max-counter-rate"},
+                         429: {"description": 'back-pressure ("retry": true, Retry-After): over --max-runs, '
+                                              "--rate-limit, --client-new-runs or --client-event-rate"},
                          503: {"description": "retry"}})
     async def ingest(request: Request) -> JSONResponse:
         """Validate the batch, store it, answer once it is committed."""

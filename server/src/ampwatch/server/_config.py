@@ -84,6 +84,15 @@ class ServerConfig:
                                            "optimizers per rank (422 above: refused for good)")
     max_label_length: int = _option(TEXT_LIMITS["label"], "longest run/optimizer name (422 above; parameter names "
                                                           "are cut to it)")
+    client_new_runs: int = _option(300, "new runs one client address may open per hour, all at once if it likes; "
+                                        "429 + Retry-After above, so one client cannot fill --max-runs (0: off)")
+    client_event_rate: float = _option(2000.0, "events per second one client address may send, bursts of ten "
+                                               "seconds' worth (at least one full batch); 429 + Retry-After above "
+                                               "(0: off)")
+    max_counter_rate: float = _option(10_000.0, "plausibility bound: a counter may rise by at most this many per "
+                                                "second of the agent's clock between two batches of one process "
+                                                "(plus a minute's worth; a first batch: a day's worth); 422 above. "
+                                                "Training loops count at most a few thousand per second (0: off)")
     log_level: str = _option("info", "debug, info, warning or error")
     webhook: tuple[Target, ...] = _option(
         (), "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager webhook payload), "
@@ -117,6 +126,9 @@ class ServerConfig:
             ("max_optimizers_per_rank", self.max_optimizers_per_rank >= 1, "must be >= 1"),
             ("max_label_length", 1 <= self.max_label_length <= TEXT_LIMITS["label"],
              f"must be between 1 and {TEXT_LIMITS['label']} (the protocol's limit)"),
+            ("client_new_runs", self.client_new_runs >= 0, "must be >= 0 (0 turns the limit off)"),
+            ("client_event_rate", self.client_event_rate >= 0, "must be >= 0 per second (0 turns the limit off)"),
+            ("max_counter_rate", self.max_counter_rate >= 0, "must be >= 0 per second (0 turns the bound off)"),
             ("rate_limit", self.rate_limit >= 0, "must be >= 0 requests per second (0 turns the limit off)"),
             ("ssl_keyfile", bool(self.ssl_certfile) == bool(self.ssl_keyfile),
              "and ssl_certfile must be given together"),

@@ -10,11 +10,13 @@ import time
 from typing import Any, Callable, Optional
 
 from ._access import bearer_matches
+from ._client_budget import ClientBudget
 from ._config import ServerConfig
 from ._metrics import SelfMetrics
+from ._plausibility import implausible_rise
 from ._recovery import load_ranks
 from ._schema import Batch, ValidationError, describe_errors, parse_batch
-from ._state import CollectorState, LimitExceeded, RankState, next_incarnation
+from ._state import CollectorState, Incarnation, LimitExceeded, RankState, next_incarnation
 from ._store import Store, StoreClosed
 
 __all__ = ["IngestService"]
@@ -62,6 +64,7 @@ class IngestService:
 
     def __init__(self, config: ServerConfig, state: CollectorState, store: Store, own: SelfMetrics) -> None:
         self.config, self.state, self.store, self.own = config, state, store, own
+        self.budget = ClientBudget(config.client_new_runs, config.client_event_rate)
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
         self.on_applied: Optional[Callable[[RankState], None]] = None  # built-in alerts; must not raise or block
         self._requests_by_status: dict[int, Any] = {}  # counter children, looked up once per status
@@ -73,7 +76,8 @@ class IngestService:
         # Every refusal says "retry": true (the very same batch may pass later: send it again) or false (it
         # never will: drop it); agents act on that rather than on the status alone (docs/protocol.md).
         try:
-            status, body = await self._ingest(dict(scope["headers"]), receive)
+            client = (scope.get("client") or ("unknown", 0))[0]
+            status, body = await self._ingest(dict(scope["headers"]), receive, client)
         except _Refused as refused:
             self.own.rejected.labels(refused.reason).inc()
             status, retry_after = refused.status, refused.retry_after
@@ -106,7 +110,7 @@ class IngestService:
         counter.inc()
         self.own.latency.observe(time.perf_counter() - started)
 
-    async def _ingest(self, headers: dict[bytes, bytes], receive: Callable) -> tuple[int, bytes]:
+    async def _ingest(self, headers: dict[bytes, bytes], receive: Callable, client: str) -> tuple[int, bytes]:
         self._authenticate(headers.get(b"authorization"))
         _refuse_browsers(headers)
         body = await self._read_body(headers.get(b"content-length"), receive)
@@ -118,7 +122,7 @@ class IngestService:
         done = asyncio.get_running_loop().create_future()
         self._busy[key] = done
         try:
-            return await self._apply(batch, body)
+            return await self._apply(batch, body, client)
         finally:
             del self._busy[key]
             done.set_result(None)
@@ -162,7 +166,7 @@ class IngestService:
             raise _Refused(422, "schema", "the batch does not follow protocol v1 (docs/protocol.md)",
                            describe_errors(exc)) from None
 
-    async def _apply(self, batch: Batch, body: bytes) -> tuple[int, bytes]:
+    async def _apply(self, batch: Batch, body: bytes, client: str) -> tuple[int, bytes]:
         rank = self.state.get(batch.run, batch.rank)
         if rank is None and (batch.run, batch.rank) in self.state.stored:  # back after it left memory
             found = await asyncio.to_thread(load_ranks, self.store, run=batch.run, rank=batch.rank)
@@ -172,21 +176,37 @@ class IngestService:
         except LimitExceeded as exc:
             raise _Refused(exc.status, "cardinality", exc.message, retry=exc.retry,
                            retry_after=exc.retry_after) from None
+        over = self.budget.refusal(client, batch.run not in self.state.runs, len(batch.events))
+        if over is not None:
+            reason, message, wait = over
+            raise _Refused(429, reason, message, retry=True, retry_after=wait)
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
                    getattr(e, "optimizer", None), e.model_dump_json()) for e in batch.events]
         old = rank.incarnations.get(batch.incarnation) if rank else None
+        if old is not None and old.conflict_with is not None:
+            raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
+                                            f"(incarnation {old.conflict_with}), which kept sending after this one "
+                                            "claimed it: two jobs share this run id. Relaunch this job with its own "
+                                            "run id (AMPWATCH_RUN)")
         if old is not None and batch.seq <= old.last_seq:
             # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
             self.own.duplicates.inc()
             if events:
                 self.own.events.inc(await self.store.submit(self.store.insert_events(events)))
             return 200, _DUPLICATE
-        new = next_incarnation(old, batch, time.time(), self.config.max_label_length)
+        now = time.time()
+        implausible = implausible_rise(old, batch, now, self.config.max_counter_rate)
+        if implausible is not None:
+            raise _Refused(422, "implausible", implausible)
+        new = next_incarnation(old, batch, now, self.config.max_label_length,
+                               displaced=self._live_incarnation(rank, batch, now) if old is None else None)
+        shown = rank.shown() if rank is not None else ()  # what the run view showed of it (a conflict changes it too)
+        if rank is not None and old is not None:
+            await self._record_conflicts(rank, old, now)
         added = await self.store.submit(
             self.store.write_incarnation(batch.run, batch.rank, new.to_row(_as_stored(body, events)), events))
         if rank is None:
             rank = RankState(batch.run, batch.rank)
-        shown = rank.shown()
         rank.install(new)
         self.state.adopt(rank)
         if rank.shown() != shown:
@@ -196,6 +216,36 @@ class IngestService:
         self.own.batches.inc()
         self.own.events.inc(added)
         return 200, _APPLIED
+
+    def _live_incarnation(self, rank: Optional[RankState], batch: Batch, now: float) -> Optional[str]:
+        """Return the id of the rank's incarnation if it is live (not closed, seen within --silent-after) and
+        another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim."""
+        live = rank.current if rank is not None else None
+        if live is None or live.closed or now - live.last_seen > self.config.silent_after:
+            return None
+        if (live.batch.host, live.batch.pid) == (batch.host, batch.pid):
+            return None
+        return live.id
+
+    async def _record_conflicts(self, rank: RankState, live: Incarnation, now: float) -> None:
+        """``live`` sends again: every process that claimed the rank meanwhile is in conflict with it.
+
+        A process restarted after a crash displaces a live-looking incarnation too, but that one never
+        sends again, so only two processes that both keep sending make a conflict. Each conflict is an
+        event (kind ``rank_conflict``, stored under the claimant with id 0: agents number theirs from 1)
+        and puts the claimant out of the rank, which stays ``live``'s; its later batches get a 409.
+        """
+        for claimant in rank.claimants(live):
+            body = {"id": 0, "kind": "rank_conflict", "time": now, "iteration": claimant.batch.state.iteration,
+                    "live_incarnation": live.id, "host": claimant.batch.host, "pid": claimant.batch.pid}
+            event = (rank.run, rank.rank, claimant.id, 0, "rank_conflict", now, claimant.batch.state.iteration,
+                     None, json.dumps(body))
+            self.own.events.inc(await self.store.submit(
+                self.store.write_incarnation(rank.run, rank.rank, claimant.to_row(), [event])))
+            rank.exclude(claimant)
+            log.warning("rank %d of run %r: incarnation %s (host %s, pid %d) claimed it while %s kept sending; "
+                        "put out of the rank (rank_conflict)", rank.rank, rank.run, claimant.id,
+                        claimant.batch.host, claimant.batch.pid, live.id)
 
 
 def _as_stored(body: bytes, events: list) -> Optional[str]:

@@ -170,7 +170,8 @@ class Exposition:
                 add(f"{metric.name}{{{lines[r].rank}}} {getattr(r.totals, field)}\n")
         for metric, value in ((m.ITERATION, lambda r: r.current.batch.state.iteration),
                               (m.RANK_LAST_SEEN, lambda r: repr(r.last_seen)),
-                              (m.RANK_CLOSED, lambda r: int(r.closed))):
+                              (m.RANK_CLOSED, lambda r: int(r.closed)),
+                              (m.RANK_CONFLICTS, lambda r: len(r.conflicting))):
             add(_HEADERS[metric])
             for r in ranks:
                 add(f"{metric.name}{{{lines[r].rank}}} {value(r)}\n")

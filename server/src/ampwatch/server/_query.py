@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
-from ampwatch.contract.protocol import DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
+from ampwatch.contract.protocol import COLLECTOR_EVENT_KINDS, DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
 from ._latest_events import collapse
 from ._recovery import load_ranks
@@ -23,7 +23,7 @@ __all__ = ["router", "rank_summary"]
 
 router = APIRouter(prefix="/v1", tags=["query"])
 
-EventKind = Literal[EVENT_KINDS]  # type: ignore[valid-type]
+EventKind = Literal[EVENT_KINDS + COLLECTOR_EVENT_KINDS]  # type: ignore[valid-type]
 
 
 def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
@@ -41,7 +41,8 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         }
     return {
         "rank": rank.rank, "host": batch.host, "local_rank": batch.local_rank, "world_size": batch.world_size,
-        "pid": batch.pid, "incarnation": rank.current.id, "incarnations": len(rank.incarnations),
+        "pid": batch.pid, "incarnation": rank.current.id,
+        "incarnations": len(rank.incarnations) - len(rank.conflicting),
         "last_seen": rank.last_seen, "closed": rank.closed, "in_metrics": in_metrics,
         # Scale values as the protocol writes them: NaN and infinities as strings (JSON has no such numbers).
         "iteration": batch.state.iteration, "loss_scale": wire_float(batch.state.loss_scale),
@@ -52,6 +53,9 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         "origin_iterations": (rank.totals.origin_iterations if rank.totals.origin_iterations
                               or batch.state.origin_iterations is not None else None),
         "optimizers": optimizers,
+        # Processes that claimed this rank while it kept sending (rank_conflict events), kept out of it.
+        "conflicts": [{"incarnation": inc.id, "host": inc.batch.host, "pid": inc.batch.pid,
+                       "last_seen": inc.last_seen} for inc in rank.conflicting],
     }
 
 
@@ -62,16 +66,31 @@ def origin_ranks(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda s: (-s["origin_iterations"], s["rank"]))
 
 
-@router.get("/runs", summary="List runs, most recently seen first")
-async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
-    """Return every run in the database with its rank count and first/last seen times."""
+@router.get("/runs", summary="List runs, most recently seen first, paginated")
+async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000),
+                    after: Optional[str] = Query(None, max_length=1024,
+                                                 description="the 'next' cursor of the previous page")
+                    ) -> dict[str, Any]:
+    """Return a page of the runs in the database (rank count, first/last seen) and the next page's cursor."""
+    having, params = "", []
+    if after is not None:  # the cursor is the previous page's last row: "<last_seen>:<run>"
+        seen, sep, run = after.partition(":")
+        try:
+            last_seen = float(seen)
+        except ValueError:
+            last_seen = None
+        if not sep or last_seen is None:
+            raise HTTPException(422, "'after' must be the 'next' value of the previous page of GET /v1/runs")
+        having, params = " HAVING max(last_seen) < ? OR (max(last_seen) = ? AND run > ?)", [last_seen, last_seen, run]
     store = request.app.state.store
     rows = await asyncio.to_thread(
         store.query, "SELECT run, count(DISTINCT rank) AS ranks, min(first_seen) AS first_seen, "
-                     "max(last_seen) AS last_seen FROM incarnations GROUP BY run ORDER BY last_seen DESC LIMIT ?",
-        (limit,))
+                     f"max(last_seen) AS last_seen FROM incarnations GROUP BY run{having} "
+                     "ORDER BY last_seen DESC, run LIMIT ?", (*params, limit + 1))
     held = request.app.state.collector_state.runs
-    return {"runs": [dict(row, in_metrics=row["run"] in held) for row in rows]}
+    page = rows[:limit]
+    return {"runs": [dict(row, in_metrics=row["run"] in held) for row in page],
+            "next": f"{page[-1]['last_seen']!r}:{page[-1]['run']}" if len(rows) > limit else None}
 
 
 # Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events, latest

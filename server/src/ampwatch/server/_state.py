@@ -38,6 +38,13 @@ class Incarnation:
     optimizers: dict[str, OptimizerTotals]  # likewise, per optimizer
     longest: dict[str, int]
     nonfinite: dict[str, tuple[int, str]]  # optimizer -> (event id, latest offending parameter)
+    displaced: Optional[str] = None
+    """The incarnation that was the rank, live (not closed, seen within --silent-after), when this one appeared:
+    a restart after a crash, or a second process claiming the rank; which one, that process's next batch tells."""
+    conflict_with: Optional[str] = None
+    """Set once the displaced incarnation sent again (two processes claim the rank): this one is then never again
+    the rank's current process, gauges or liveness, and its later batches are refused; what it counted before
+    stays in the totals (exposed counters never go down)."""
 
     def to_row(self, batch_json: Optional[str] = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
@@ -46,8 +53,12 @@ class Incarnation:
         return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
                 "batch": batch_json or self.batch.model_dump_json(exclude={"events"}),
-                "counters": json.dumps({"counters": counters, "longest": self.longest,
-                                        "nonfinite": self.nonfinite}, separators=(",", ":"))}
+                "counters": json.dumps({"counters": counters, "longest": self.longest, "nonfinite": self.nonfinite,
+                                        **self._claims()}, separators=(",", ":"))}
+
+    def _claims(self) -> dict[str, str]:
+        # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
+        return {k: v for k, v in (("displaced", self.displaced), ("conflict_with", self.conflict_with)) if v}
 
     @classmethod
     def from_row(cls, row: dict) -> "Incarnation":
@@ -60,11 +71,16 @@ class Incarnation:
                    totals=RankTotals.from_json(counters.get(_RANK_KEY, {})),
                    optimizers={name: OptimizerTotals.from_json(values) for name, values in counters.items()
                                if name != _RANK_KEY},
-                   longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()})
+                   longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()},
+                   displaced=extra.get("displaced"), conflict_with=extra.get("conflict_with"))
 
 
-def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int) -> Incarnation:
-    """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed)."""
+def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int,
+                     displaced: Optional[str] = None) -> Incarnation:
+    """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed).
+
+    ``displaced``: for a new incarnation, the live incarnation it found as the rank (see ``Incarnation``).
+    """
     state = batch.state
     totals = RankTotals.of(state)
     optimizers = {name: OptimizerTotals.of(values) for name, values in state.optimizers.items()}
@@ -92,7 +108,8 @@ def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_l
             closed = True
     return Incarnation(id=batch.incarnation, first_seen=old.first_seen if old else now, last_seen=now,
                        last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch, totals=totals,
-                       optimizers=optimizers, longest=longest, nonfinite=nonfinite)
+                       optimizers=optimizers, longest=longest, nonfinite=nonfinite,
+                       displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +131,8 @@ class RankSnapshot:
     """The current skip streak of each optimizer (the newest process's gauge); 0 when left out."""
     host: str = ""
     local_rank: int = 0
+    conflicts: int = 0
+    """Processes that claimed the rank while it was live and were kept out (``ampwatch_rank_conflicts_total``)."""
 
 
 class RankState:
@@ -137,13 +156,41 @@ class RankState:
             before = old.optimizers.get(name, _NO_OPTIMIZER) if old else _NO_OPTIMIZER
             self.optimizer_totals[name] = self.optimizer_totals.get(name, _NO_OPTIMIZER).moved_by(counters, before)
         self.incarnations[new.id] = new
-        if self.current is None or self.current.id == new.id or new.first_seen >= self.current.first_seen:
+        if new.conflict_with is None and (self.current is None or self.current.id == new.id
+                                          or new.first_seen >= self.current.first_seen):
             self.scale_trace.record_batch(new.batch, new_process=self.current is None or self.current.id != new.id)
             self.current = new
 
+    def claimants(self, live: Incarnation) -> list[Incarnation]:
+        """Return the incarnations in conflict with ``live``, which sends again: those that appeared while it was
+        live (``displaced`` it), not yet judged; each returned with ``conflict_with`` set (nothing changes here)."""
+        return [dataclasses.replace(inc, conflict_with=live.id) for inc in self.incarnations.values()
+                if inc.displaced == live.id and inc.conflict_with is None and inc.id != live.id]
+
+    def exclude(self, claimant: Incarnation) -> None:
+        """Put ``claimant`` (from :meth:`claimants`) out of the rank: it is never again its current process, its
+        gauges, liveness or parameter names; the newest other incarnation is the rank again.
+
+        What it counted until now stays in the totals: counters exposed to Prometheus must never go down
+        (a drop reads as a reset, and ``increase()`` would count the whole rank again). It counts no more:
+        the collector refuses its later batches.
+        """
+        self.incarnations[claimant.id] = claimant  # the same counters: the totals do not move
+        if self.current is not None and self.current.id == claimant.id:
+            self.current = max(self._own(), key=lambda inc: inc.first_seen, default=None)
+
+    def _own(self) -> Iterable[Incarnation]:
+        """The rank's incarnations, less those in conflict."""
+        return (inc for inc in self.incarnations.values() if inc.conflict_with is None)
+
+    @property
+    def conflicting(self) -> list[Incarnation]:
+        """Incarnations put out of the rank (rank_conflict): counted in ``ampwatch_rank_conflicts_total``."""
+        return [inc for inc in self.incarnations.values() if inc.conflict_with is not None]
+
     @property
     def last_seen(self) -> float:
-        return max(inc.last_seen for inc in self.incarnations.values())
+        return max((inc.last_seen for inc in self._own()), default=0.0)
 
     @property
     def closed(self) -> bool:
@@ -151,12 +198,12 @@ class RankState:
 
     def longest_streak(self, optimizer: str) -> int:
         """Longest skip streak of ``optimizer`` over every incarnation."""
-        return max((inc.longest.get(optimizer, 0) for inc in self.incarnations.values()), default=0)
+        return max((inc.longest.get(optimizer, 0) for inc in self._own()), default=0)
 
     def latest_nonfinite(self, optimizer: str) -> Optional[str]:
         """The latest parameter named on a skip of ``optimizer``, newest incarnation first."""
         best = None
-        for inc in self.incarnations.values():
+        for inc in self._own():
             hit = inc.nonfinite.get(optimizer)
             if hit is not None and (best is None or (inc.first_seen, hit[0]) > best[0]):
                 best = ((inc.first_seen, hit[0]), hit[1])
@@ -191,7 +238,7 @@ class RankState:
                             closed=self.closed, totals=self.totals, optimizers=dict(self.optimizer_totals),
                             consecutive_skipped={name: values.consecutive_skipped
                                                  for name, values in batch.state.optimizers.items()},
-                            host=batch.host, local_rank=batch.local_rank)
+                            host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting))
 
 
 class LimitExceeded(Exception):

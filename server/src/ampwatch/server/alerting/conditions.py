@@ -98,11 +98,14 @@ def usable_scale(scale: float, t: AlertThresholds) -> bool:
 
 
 def rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAlert]:
-    """Return the alerts of one rank that hold at ``now`` (streaks, ratio, collapse, silence, scheduler, poison)."""
+    """Return the alerts of one rank that hold at ``now`` (streaks, ratio, collapse, silence, scheduler, poison,
+    conflict)."""
     cur = h.current
     labels = {"run": cur.run, "rank": str(cur.rank)}
     found = list(_streak_alerts(h, now, t))
     found.extend(_window_alerts(h, now, t))
+    if h.baseline(now, t.conflict_window_s).conflicted_since():
+        found.append(_alert("AmpRankConflict", dict(labels), cur.conflicts, t))
     if cur.closed:
         # A rank that closed cleanly is finished: its last scale and silence are not trouble.
         return found

@@ -31,7 +31,8 @@ _NONE = OptimizerTotals()
 _HEAD = 3  # row: iteration, backoffs, origin iterations; then steps, skipped per optimizer
 _ROW_PER_OPTIMIZER = 2
 _NEVER = -math.inf
-# Rise times: growths; then per optimizer scheduler_steps_after_skip, poisoned_steps, one per streak length.
+_RANK_RISES = 2
+# Rise times: growths, conflicts; then per optimizer scheduler_steps_after_skip, poisoned_steps, one per streak length.
 
 
 class Baseline:
@@ -65,6 +66,10 @@ class Baseline:
         """Return whether the scale grew after this moment."""
         return self._history._rose[0] > self._at
 
+    def conflicted_since(self) -> bool:
+        """Return whether a process claimed the rank in conflict after this moment."""
+        return self._history._rose[1] > self._at
+
     def scheduler_stepped_after_skip_since(self, optimizer: str) -> bool:
         return self._rose(optimizer, 0)
 
@@ -82,7 +87,7 @@ class Baseline:
     def _rose(self, optimizer: str, field: int) -> bool:
         h = self._history
         j = h._index.get(optimizer)
-        return j is not None and h._rose[1 + (2 + len(h._rungs)) * j + field] > self._at
+        return j is not None and h._rose[_RANK_RISES + (2 + len(h._rungs)) * j + field] > self._at
 
 
 class RankHistory:
@@ -103,7 +108,7 @@ class RankHistory:
         self.current: Optional[RankSnapshot] = None
         self._times = array("d")
         self._rows = array("i")  # one row per kept time; widened to 64 bits when a counter passes 2**31
-        self._rose = array("d", [_NEVER])  # when each yes/no counter last rose (a collector time)
+        self._rose = array("d", [_NEVER] * _RANK_RISES)  # when each yes/no counter last rose (a collector time)
         self._index: dict[str, int] = {}  # optimizer -> its number, in the order first seen
         self._rungs = {length: i for i, length in enumerate(dict.fromkeys(streak_lengths))}
         self._horizon_s, self._resolution_s = horizon_s, resolution_s
@@ -157,10 +162,12 @@ class RankHistory:
         rose, at = self._rose, now.last_seen
         if now.totals.growths > before.totals.growths:
             rose[0] = at
+        if now.conflicts > before.conflicts:
+            rose[1] = at
         per = 2 + len(self._rungs)
         for name, opt in now.optimizers.items():
             old = before.optimizers.get(name, _NONE)
-            base = 1 + per * self._index[name]
+            base = _RANK_RISES + per * self._index[name]
             if opt.scheduler_steps_after_skip > old.scheduler_steps_after_skip:
                 rose[base] = at
             if opt.poisoned_steps > old.poisoned_steps:

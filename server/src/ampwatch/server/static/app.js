@@ -5,6 +5,7 @@
 
 const REFRESH_MS = 3000;
 const MAX_EVENTS_SHOWN = 100;
+const MAX_PAGES = 20;            // run list pages read per refresh: bounded work however many runs
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const SVG = "http://www.w3.org/2000/svg";
 // poisoned_step reasons (docs/protocol.md) in words.
@@ -32,8 +33,40 @@ function svg(tag, attrs, text) {
   return node;
 }
 
+// ---- the read token (--read-token) ------------------------------------------------------------
+// Asked for once on a 401, kept in sessionStorage (this tab only, gone when it closes), sent as a
+// bearer header, never put in a URL.
+
+const TOKEN_KEY = "ampwatch-read-token";
+
+class NeedsToken extends Error {}
+
+function askForToken(wrong) {
+  const form = document.getElementById("token-form");
+  document.getElementById("token-wrong").hidden = !wrong;
+  form.hidden = false;
+  document.getElementById("token").focus();
+}
+
+document.getElementById("token-form").addEventListener("submit", event => {
+  event.preventDefault();
+  const input = document.getElementById("token");
+  if (!input.value.trim()) return;
+  sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+  input.value = "";
+  document.getElementById("token-form").hidden = true;
+  refresh();
+});
+
 async function getJSON(path) {
-  const answer = await fetch(path, {headers: {Accept: "application/json"}, cache: "no-store"});
+  const headers = {Accept: "application/json"};
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const answer = await fetch(path, {headers, cache: "no-store"});
+  if (answer.status === 401 || (answer.status === 403 && token)) {
+    if (token) sessionStorage.removeItem(TOKEN_KEY);
+    throw new NeedsToken(token ? "wrong" : "missing");
+  }
   if (!answer.ok) throw new Error(`${path}: HTTP ${answer.status}`);
   return answer.json();
 }
@@ -150,6 +183,7 @@ async function refreshAlerts() {
     }));
     open.forEach((key, i) => members.set(key, [...(lists[i].firing || []), ...(lists[i].resolved || [])]));
   } catch (error) {
+    if (error instanceof NeedsToken) throw error;
     document.getElementById("no-firing").textContent = "Built-in alerts are not available on this collector.";
     return;
   }
@@ -169,9 +203,19 @@ function renderAlerts(body, members) {
 
 // ---- runs list --------------------------------------------------------------------------------
 
+const RUNS_PER_PAGE = 50;
+let runPagesShown = 1;  // "More runs" adds a page; each refresh reads that many pages of GET /v1/runs
+
 async function refreshRuns() {
-  const body = await getJSON("v1/runs");
-  const runs = body.runs || [];
+  let runs = [], next = null;
+  for (let page = 0; page < Math.min(runPagesShown, MAX_PAGES); page++) {
+    const after = next === null ? "" : `&after=${encodeURIComponent(next)}`;
+    const body = await getJSON(`v1/runs?limit=${RUNS_PER_PAGE}${after}`);
+    runs = runs.concat(body.runs || []);
+    next = body.next ?? null;
+    if (next === null) break;
+  }
+  document.getElementById("more-runs").hidden = next === null;
   fill(document.querySelector("#runs tbody"), runs.map(r => el("tr", {class: "run", "data-run": r.run},
     el("td", {}, runLink(r.run)),
     el("td", {class: "num"}, r.ranks),
@@ -458,7 +502,7 @@ async function fetchScale(run, summary) {
   }
 }
 
-const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "warning", "scaler_disabled", "close"];
+const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "rank_conflict", "warning", "scaler_disabled", "close"];
 
 // The newest events of the kinds a skip storm never floods, so they stay in the table however many skips came.
 async function fetchRare(run) {
@@ -522,6 +566,12 @@ async function refresh() {
     banner.hidden = true;
     document.getElementById("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (error) {
+    if (error instanceof NeedsToken) {  // no refresh until the token is given
+      banner.hidden = true;
+      askForToken(error.message === "wrong");
+      document.body.dataset.loaded = "true";
+      return;
+    }
     banner.textContent = `Cannot reach the collector (${error.message}); retrying.`;
     banner.hidden = false;
   }
@@ -543,6 +593,10 @@ for (const button of document.querySelectorAll("#scale-window button")) {
     if (currentRun() !== null) refresh();
   });
 }
+document.getElementById("more-runs").addEventListener("click", () => {
+  runPagesShown += 1;
+  refresh();
+});
 document.getElementById("trouble-search").addEventListener("input", () => {
   const run = currentRun();
   if (run !== null) refreshTrouble(run);

@@ -1,0 +1,166 @@
+"""What the DDP origin hook costs per iteration: this tree beside an earlier revision of the agent, in one run.
+
+Each measurement runs in a process of its own holding a one-process gloo DDP group (world size 1: DDP still
+buckets the gradients, calls the comm hook and all-reduces; the hook's own work does not depend on the world
+size, and no second process blurs the count) and ``bench.ddp_origin``'s MLP loop (AdamW, one GradScaler,
+bfloat16 autocast, one bucket). Variants: ``plain`` (DDP's built-in C++ all-reduce, the agent watching
+without ``ddp=``), ``python_hook`` (DDP's own ``allreduce_hook`` as a Python comm hook, nothing of ampwatch),
+``origin`` (``watch(..., ddp=model)`` of this tree) and ``origin_before`` (the same, with ``agent/src`` of
+``--before REF``, extracted by ``git archive``, first on the child's path).
+
+1. Instructions per iteration, counted by valgrind's callgrind (exact; ``bench.instructions``' markers:
+   set-up, imports and a warm-up left out; four valgrind processes, two at a time).
+2. The hook's own CPU time per iteration (``bench.ddp_origin.HookClock``: the thread CPU time of the hook's
+   call minus the wrapped all-reduce's), as a share of ``plain``'s process CPU time per iteration, both from
+   the same child (rotating blocks). Noisier than the count on a shared machine (caches, clock rate).
+
+    python -m bench.origin_hook [--before REF] [--iterations N] [--rounds R] [--store]
+
+``--store`` keeps the result in ``bench/origin_hook_before_after.json`` (``python -m bench --render
+docs/benchmarks.json`` then shows it as section 8). About 12 minutes on the shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from bench._before_after import ROOT, source_of, store
+from bench.instructions import callgrind_instructions, counting_ends, counting_starts
+
+__all__ = ["run", "main"]
+
+MODEL = "mlp"
+WARMUP = 20
+STORED = os.path.join(ROOT, "bench", "origin_hook_before_after.json")
+
+
+def _group() -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _count_child(variant: str, iterations: int) -> None:
+    from bench.ddp_origin import DdpSetup
+
+    _group()
+    setup = DdpSetup(MODEL, origin=variant.startswith("origin"), python_hook=variant == "python_hook", clock=False)
+    setup.iterate(WARMUP)
+    counting_starts()
+    setup.iterate(iterations)
+    counting_ends()
+    os._exit(0)  # what is left (closing, tearing down) would only run instrumented, many times slower
+
+
+def _time_child(rounds: int, block: int) -> dict:
+    from ampwatch import agent
+    from bench.ddp_origin import DdpSetup, HookClock
+    from bench.overhead import rotate
+
+    _group()
+    setups = {"plain": DdpSetup(MODEL, origin=False), "origin": DdpSetup(MODEL, origin=True)}
+    try:
+        for s in setups.values():
+            s.iterate(WARMUP)
+        clock: HookClock = setups["origin"].clock
+        clock.reset()
+        cpu, _ = rotate(setups, rounds, block)
+        own = clock.per_iteration_us(rounds * block)
+        plain_us = statistics.median(cpu["plain"]) * 1e6
+        return {"agent": agent.__file__, "plain_cpu_us_per_iter": round(plain_us, 1),
+                "origin_cpu_us_per_iter": round(statistics.median(cpu["origin"]) * 1e6, 1),
+                "hook_own_us_per_iter": own["own_us_per_iter"],
+                "hook_own_us_per_iter_median_call": own["own_us_per_iter_median_call"],
+                "timer_us_per_call_taken_off": own["timer_us_per_call_taken_off"],
+                "buckets_per_iter": own["buckets_per_iter"],
+                "hook_own_share_of_plain_iter": round(own["own_us_per_iter"] / plain_us, 5)}
+    finally:
+        for s in setups.values():
+            s.close()
+
+
+def _env(agent_src: Optional[str]) -> dict:
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [agent_src, ROOT]))}
+
+
+def _timed(agent_src: Optional[str], rounds: int, block: int) -> dict:
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}, OMP_NUM_THREADS="1",
+               **_env(agent_src))
+    done = subprocess.run([sys.executable, "-m", "bench.origin_hook", "--child-time", str(rounds), str(block)],
+                          env=env, cwd=ROOT, check=True, capture_output=True, text=True, timeout=1800)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(before: Optional[str], iterations: int = 50, rounds: int = 20, block: int = 50) -> dict:
+    """Count instructions of each variant, then time the hook's own work (before and after, alternating)."""
+    with tempfile.TemporaryDirectory(prefix="ampwatch-origin-hook-") as workdir:
+        old = source_of(before, workdir, "agent") if before else None
+        variants = {"plain": None, "python_hook": None, "origin": None}
+        if old:
+            variants["origin_before"] = old
+
+        def count(name: str) -> int:
+            return callgrind_instructions(["bench.origin_hook", "--child-count", name, str(iterations)],
+                                          os.path.join(workdir, f"{name}.cg"), _env(variants[name]))
+        with ThreadPoolExecutor(2) as pool:
+            counts = dict(zip(variants, pool.map(count, variants)))
+        per_iter = {name: round(total / iterations) for name, total in counts.items()}
+        instructions = {"iterations": iterations, "warmup": WARMUP, "per_iter": per_iter,
+                        "ratio_to_plain": {name: round(n / per_iter["plain"], 4) for name, n in per_iter.items()},
+                        "hook_own_per_iter": {name: per_iter[name] - per_iter["python_hook"]
+                                              for name in per_iter if name.startswith("origin")}}
+        timing: dict[str, list[dict]] = {"after": [], **({"before": []} if old else {})}
+        for _ in range(3):  # alternate the two revisions, three times each: the same load on both
+            for side in timing:
+                timing[side].append(_timed(old if side == "before" else None, rounds, block))
+    return {"model": MODEL, "world_size": 1, "backend": "gloo", "before": before, "instructions": instructions,
+            "timing": {"rounds": rounds, "block": block, "runs": timing,
+                       "median": {side: median_run(runs) for side, runs in timing.items()}}}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose share of the plain iteration is the median (its figures kept together)."""
+    ordered = sorted(runs, key=lambda r: r["hook_own_share_of_plain_iter"])
+    return {k: ordered[len(ordered) // 2][k] for k in ("hook_own_us_per_iter", "hook_own_share_of_plain_iter",
+                                                        "plain_cpu_us_per_iter")}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run and print the results as JSON (``--store``: also keep them in the JSON file)."""
+    parser = argparse.ArgumentParser(prog="python -m bench.origin_hook", description=__doc__.split("\n")[0])
+    parser.add_argument("--before", metavar="REF", help="the earlier revision whose agent/src is measured beside")
+    parser.add_argument("--iterations", type=int, default=50, help="iterations counted under callgrind")
+    parser.add_argument("--rounds", type=int, default=20, help="rotating rounds of 50 iterations, timed")
+    parser.add_argument("--store", action="store_true", help=f"keep the result in {os.path.relpath(STORED, ROOT)}")
+    parser.add_argument("--child-count", nargs=2, metavar=("VARIANT", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-time", nargs=2, type=int, metavar=("ROUNDS", "BLOCK"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_count:
+        _count_child(args.child_count[0], int(args.child_count[1]))
+        return 0
+    if args.child_time:
+        print(json.dumps(_time_child(*args.child_time)))
+        return 0
+    result = run(args.before, args.iterations, args.rounds)
+    if args.store:
+        store(STORED, "origin_hook", result, sys.argv if argv is None else ["", *argv])
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

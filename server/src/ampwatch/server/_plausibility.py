@@ -1,0 +1,75 @@
+"""The counter plausibility bound: a batch whose counters rose faster than any training loop counts is refused.
+
+Counters are cumulative, so one forged batch could raise a rank's totals for good (a skip counter
+by 10^12). Each counter may rise, from one batch of a process to its next, by at most
+``rate`` (``--max-counter-rate``, per second) times the time between the two batches, plus a
+minute's worth. That time is the agent's own clock: each batch carries ``sent_at``, stamped when
+it was built, so an agent cut off for an hour, or replaying its spool, sends batches whose counters
+rose by an hour's worth over an hour of ``sent_at``, however fast they arrive. The collector's
+clock bounds what a batch may claim: ``sent_at`` counts as at most :data:`CLOCK_SKEW_S` after the
+batch arrived, and the previous batch's as at most :data:`FIRST_BATCH_SPAN_S` before it arrived.
+A process's first batch may hold :data:`FIRST_BATCH_SPAN_S` worth (a day: it may have run that
+long before it reached the collector).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from ._schema import Batch
+from ._state import Incarnation
+from ._totals import OptimizerTotals, RankTotals
+
+__all__ = ["implausible_rise", "CLOCK_SKEW_S", "FIRST_BATCH_SPAN_S", "FLOOR_S"]
+
+CLOCK_SKEW_S = 300.0
+"""How far ahead of the collector's clock an agent's clock may run."""
+FIRST_BATCH_SPAN_S = 86400.0
+"""The longest a process may run, or a batch wait, before the collector hears of it."""
+FLOOR_S = 60.0
+"""Every batch may add this many seconds' worth, whatever its clock says."""
+
+_NONE = OptimizerTotals()
+
+
+def implausible_rise(old: Optional[Incarnation], batch: Batch, now: float, rate: float) -> Optional[str]:
+    """Return why ``batch`` (the next of process ``old``, or its first) is implausible, else None.
+
+    ``rate`` 0 turns the bound off. Costs one pass over the batch's counters.
+    """
+    if rate <= 0:
+        return None
+    if old is None:
+        span, over = FIRST_BATCH_SPAN_S, f"over a process's first batch ({FIRST_BATCH_SPAN_S:.0f} s' worth at most)"
+    else:
+        built = min(batch.sent_at, now + CLOCK_SKEW_S)
+        before = max(old.batch.sent_at, old.last_seen - FIRST_BATCH_SPAN_S)
+        span = max(0.0, built - before)
+        over = f"over the {span:.0f} s between this process's batches (their sent_at)"
+    allowed = rate * (FLOOR_S + span)
+    for name, rise in _rises(old, batch):
+        if rise > allowed:
+            return (f"counter {name} rose by {rise} in one batch, over this collector's plausibility bound of "
+                    f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. No training loop counts that "
+                    f"fast; if yours does, raise --max-counter-rate")
+    return None
+
+
+def _rises(old: Optional[Incarnation], batch: Batch) -> Iterator[tuple[str, int]]:
+    """Yield (counter name, rise since ``old``) for every counter of the batch."""
+    state = batch.state
+    yield "state.iteration", state.iteration - (old.batch.state.iteration if old else 0)
+    yield from _field_rises("state", RankTotals.of(state), old.totals if old else RankTotals())
+    for name, wire in state.optimizers.items():
+        before = old.optimizers.get(name, _NONE) if old else _NONE
+        yield from _field_rises(f"state.optimizers[{name!r}]", OptimizerTotals.of(wire), before)
+
+
+def _field_rises(where: str, new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals
+                 ) -> Iterator[tuple[str, int]]:
+    for field in new.__dataclass_fields__:  # type: ignore[attr-defined]
+        a, b = getattr(new, field), getattr(old, field)
+        if isinstance(a, tuple):
+            yield f"{where}.{field}", max(x - y for x, y in zip(a, b))
+        else:
+            yield f"{where}.{field}", a - b
