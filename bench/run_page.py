@@ -20,7 +20,8 @@ ticks after the storm began):
 
     python -m bench.run_page [--ranks 1024] [--before a95d20e] [--out FILE]
 
-About 9 minutes on a shared 2-core machine (each side: 16 back-to-back ticks, then two live phases of ~1 min and a quiet one).
+About 9 minutes on a shared 2-core machine (each side: 16 back-to-back ticks, then two live phases
+of about a minute and a quiet one).
 """
 
 from __future__ import annotations
