@@ -589,7 +589,9 @@ document.getElementById("all-ranks").addEventListener("toggle", () => {
 for (const button of document.querySelectorAll("#scale-window button")) {
   button.addEventListener("click", () => {
     scaleWindow = button.dataset.window;
-    for (const b of document.querySelectorAll("#scale-window button")) b.setAttribute("aria-pressed", String(b === button));
+    for (const other of document.querySelectorAll("#scale-window button")) {
+      other.setAttribute("aria-pressed", String(other === button));
+    }
     if (currentRun() !== null) refresh();
   });
 }
