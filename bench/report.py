@@ -400,20 +400,39 @@ def _job1024(doc: dict) -> list[str]:
         lines += ["", f"`{size['command']}`, {size['date']}. Fewer samples: a streak-ladder rung is exposed once "
                   "a streak reached it.", ""]
     page = doc.get("run_page")
-    if page:
-        lines += [f"One refresh of the run page's data at {_fmt(page['ranks'])} ranks, same collector, median of 7:",
-                  "", "| endpoint | ms | bytes |", "|---|---|---|"]
-        for name in ("run", "summary"):
-            r = page[name]
-            lines.append(f"| `GET {r['path']}` | {_fmt(r['median_ms'])} | {_fmt(r['bytes'])} |")
-        browser = page.get("page")
-        if browser:
-            lines += ["", f"The status page in headless Chromium on that run: the run view drawn "
-                      f"{_fmt(browser['first_paint_ms'])} ms after launching the browser; each refresh (every 3 s) "
-                      f"then reads {_fmt(browser['refresh_bytes'])} bytes from the API (median of "
-                      f"{len(browser['refreshes'])}): a run of 64 ranks or more fetches `GET /v1/runs/{{run}}` "
-                      "only while its 'All ranks' table is open."]
-        lines += ["", f"`{page['command']}`, {page['date']}.", ""]
+    if page and "before" in page:
+        lines += [f"The run page in issue 14's job at {_fmt(page['ranks'])} ranks x 2 optimizers (collapse on 40-43, "
+                  "1 skip in 8 on 777, a poisoned step on 512, scheduler-after-skip on 900, rank 1000 killed, "
+                  "then every rank skipping), live (a batch per rank every 2 s), in headless Chromium. First paint: "
+                  "navigation start to the first ranks-in-trouble row; bytes: every API answer during the watch "
+                  "over the refreshes it saw; endpoint ms: median of 7 GETs a second apart (first GET in brackets):",
+                  "", "| side | phase | first paint ms | bytes per refresh | summary ms | summary bytes | scale ms | "
+                  "scale bytes | full run ms | full run bytes | collector CPU % |", "|" + "---|" * 11]
+        def ms(x: dict) -> str:
+            return "-" if x.get("missing") else f"{_fmt(x['median_ms'])} ({_fmt(x['first_ms'])})"
+
+        for side in ("before", "after"):
+            for phase in ("trouble", "storm"):
+                r = page[side][phase]
+                e, b = r["endpoints"], r["page"]
+                name = f"before ({page[side]['ref']})" if side == "before" else "after"
+                per_refresh = _fmt(b["refresh_bytes"]) if b["refresh_bytes"] is not None else \
+                    f"none completed in {_fmt(b['watch_s'])} s ({_fmt(sum(b['by_endpoint'].values()))} read)"
+                lines.append(f"| {name} | {phase} | {_fmt(b['first_paint_ms'])} | {per_refresh} | "
+                             f"{ms(e['summary'])} | {_fmt(e['summary'].get('bytes'))} | {ms(e['scale'])} | "
+                             f"{_fmt(e['scale'].get('bytes'))} | {ms(e['run'])} | {_fmt(e['run'].get('bytes'))} | "
+                             f"{_fmt(r['collector_cpu_pct'])} |")
+        quiet = [f"`{name}` {side} {_fmt(r['min_ms'])} ms fastest, {_fmt(r['median_ms'])} median"
+                 for name in ("summary", "scale") for side in ("before", "after")
+                 if "quiet" in page[side] and not (r := page[side]["quiet"]["endpoints"][name]).get("missing")]
+        if quiet:
+            lines += ["", "Once the job stopped sending (nothing changing; 20 GETs 0.25 s apart; the median waited "
+                      "for the built-in alert pass on the event loop): " + "; ".join(quiet) + "."]
+        after = page["after"]["storm"]["page"]["by_endpoint"]
+        lines += ["", "Bytes per refresh by endpoint, after, in the storm: " +
+                  ", ".join(f"`{k}` {_fmt(v)}" for k, v in after.items()) + ".",
+                  "", f"`{page['command']}`, {page['date']}; the machine was shared with other jobs (load average "
+                  "above its core count): compare the sides, not the absolute figures.", ""]
     return lines
 
 

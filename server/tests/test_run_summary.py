@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 from batches import make_batch, optimizer
 
+from ampwatch.server._view_cache import ViewCache
 
-def _post(client, rank: int, *, host: str = "node-a", scale: float = 65536.0, iteration: int = 100,
+
+def _post(client, rank: int, *, host: str = "node-a", scale: float = 65536.0, iteration: int = 100, seq: int = 1,
           **counters) -> None:
     batch = make_batch(rank=rank, incarnation=f"{rank + 1:032x}", host=host, iteration=iteration, loss_scale=scale,
+                       seq=seq,
                        world_size=6, optimizers={"gen": optimizer(**{"steps": 100, **counters})})
     assert client.post("/v1/ingest", json=batch).status_code == 200
 
@@ -54,3 +59,30 @@ def test_the_summary_pages_and_searches_by_rank_host_or_reason(client):
 def test_a_run_not_in_memory_is_a_404_that_says_where_to_look(client):
     answer = client.get("/v1/runs/nope/summary")
     assert answer.status_code == 404 and "GET /v1/runs/{run} reads one from the database" in answer.json()["detail"]
+
+
+def test_the_summary_is_built_once_per_change_and_its_rows_progress_is_read_at_each_answer(client):
+    _job(client)
+    clock = [time.time()]
+    cache = client.app.state.view_cache = ViewCache(clock=lambda: clock[0])
+    first = client.get("/v1/runs/exp-42/summary").json()
+    assert cache.builds == 1
+    # Other pages, searches and tabs read the same build.
+    client.get("/v1/runs/exp-42/summary", params={"offset": 2, "limit": 2})
+    client.get("/v1/runs/exp-42/summary", params={"search": "node-b"})
+    assert (cache.builds, cache.hits) == (1, 2)
+    # Progress alone (rank 0 steps on) does not move the run's generation, yet its row reads it now.
+    _post(client, 0, iteration=200, seq=2, steps=200)
+    again = client.get("/v1/runs/exp-42/summary").json()
+    assert cache.builds == 1 and again["generation"] == first["generation"]
+    row0 = next(row for row in again["rows"] if row["rank"] == 0)
+    assert (row0["iteration"], row0["steps"]) == (200, 200)
+    # A change the summary shows (rank 5 starts skipping) moves it: rebuilt, rank 5 now in trouble, once the
+    # body is a second old (a storm moves the generation at every batch: one build a second serves every tab).
+    _post(client, 5, host="node-b", seq=2, skipped=2, consecutive=2, longest=2, streaks=1)
+    assert client.get("/v1/runs/exp-42/summary").json()["in_trouble"] == first["in_trouble"] and cache.builds == 1
+    clock[0] += 1.5
+    moved = client.get("/v1/runs/exp-42/summary").json()
+    assert cache.builds == 2 and moved["generation"] > first["generation"]
+    assert next(row for row in moved["rows"] if row["rank"] == 5)["reasons"][0] == "in_streak"
+    assert moved["in_trouble"] == first["in_trouble"] + 1

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-__all__ = ["CHROMIUM", "needs_browser", "open_page"]
+__all__ = ["CHROMIUM", "needs_browser", "open_page", "wait_until"]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # No GPU, no sandbox (containers), and nothing fetched from outside: the page must work offline.
@@ -45,3 +45,19 @@ def open_page(url: str, *, width: int = 1280, height: int = 900) -> Iterator[tup
             yield page, problems
         finally:
             browser.close()
+
+
+def wait_until(page: Any, script: str, timeout_s: float = 30.0) -> bool:
+    """Poll the JavaScript expression ``script`` in ``page`` until it is truthy; False after ``timeout_s``.
+
+    The status page's Content-Security-Policy forbids eval, which Playwright's ``wait_for_function``
+    uses for a string; ``page.evaluate`` goes through the DevTools protocol and is allowed.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if page.evaluate(script):
+            return True
+        page.wait_for_timeout(50)
+    return False

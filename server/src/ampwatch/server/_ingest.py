@@ -244,6 +244,7 @@ class IngestService:
             raise _Refused(422, "implausible", implausible)
         new = next_incarnation(old, batch, now, self.config.max_label_length,
                                displaced=self._live_incarnation(rank, batch, now) if old is None else None)
+        shown = rank.shown() if rank is not None else ()  # what the run view showed of it (a conflict changes it too)
         if rank is not None and old is not None:
             await self._record_conflicts(rank, old, now)
         added = await self.store.submit(
@@ -252,6 +253,8 @@ class IngestService:
             rank = RankState(batch.run, batch.rank)
         rank.install(new)
         self.state.adopt(rank)
+        if rank.shown() != shown:
+            self.state.moved(batch.run)
         if self.on_applied is not None:
             self.on_applied(rank)
         self.own.batches.inc()

@@ -10,11 +10,14 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from ampwatch.contract.protocol import COLLECTOR_EVENT_KINDS, DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
+from ._latest_events import collapse
 from ._recovery import load_ranks
-from ._run_summary import run_summary
+from ._run_scale import WINDOWS, run_scale, traces
+from ._run_summary import firing_of, summary_page, trouble_rows
 from ._schema import event_of_row
 from ._floats import wire_float
 from ._state import RankState
+from ._view_cache import ViewCache
 
 __all__ = ["router", "rank_summary"]
 
@@ -90,8 +93,8 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000),
             "next": f"{page[-1]['last_seen']!r}:{page[-1]['run']}" if len(rows) > limit else None}
 
 
-# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events and
-# summary routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
+# Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events, latest
+# events, summary and scale routes come first, or the run route's {run:path} would take "<run>/events" as a run id.
 @router.get("/runs/{run:path}/events", summary="A run's events, oldest (or newest) first, paginated")
 async def list_events(
     request: Request, run: str,
@@ -128,6 +131,44 @@ async def list_events(
     return {"events": events, "next": page[-1]["cursor"] if len(rows) > limit else None}
 
 
+@router.get("/runs/{run:path}/events/latest", summary="A run's newest events, each storm collapsed into one row")
+async def latest_events(
+    request: Request, run: str,
+    limit: int = Query(100, ge=1, le=1000, description="rows"),
+    scan: int = Query(5000, ge=1, le=50_000, description="newest events read to build them"),
+) -> dict[str, Any]:
+    """Return up to ``limit`` rows, newest first: one per event, except a storm's events (one kind, iteration,
+    optimizer and cause on 5 ranks or more), which share one row with their count and ranks. Reads the newest
+    ``scan`` events once (an indexed read: milliseconds for 5,000); the page asks for rare kinds separately."""
+    rows = await asyncio.to_thread(
+        request.app.state.store.query,
+        "SELECT id, rank, incarnation, kind, time, iteration, optimizer, body, "
+        "CASE kind WHEN 'scale_change' THEN json_extract(body, '$.cause') END AS cause "
+        "FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?", (run, scan))
+    if not rows:
+        known = await asyncio.to_thread(request.app.state.store.query,
+                                        "SELECT 1 FROM incarnations WHERE run = ? LIMIT 1", (run,))
+        if not known:
+            raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
+    return {"rows": collapse(rows, limit), "scanned": len(rows), "more": len(rows) == scan}
+
+
+def _views(request: Request) -> ViewCache:
+    """The app's cache of run-view bodies (made on first use)."""
+    state = request.app.state
+    if getattr(state, "view_cache", None) is None:
+        state.view_cache = ViewCache(clock=state.clock)
+    return state.view_cache
+
+
+def _held(request: Request, run: str) -> dict[int, RankState]:
+    ranks = request.app.state.collector_state.runs.get(run)
+    if not ranks:
+        raise HTTPException(404, f"no run named {run!r} in memory (a run leaves it after --run-retention or "
+                                 f"--expire-after); GET /v1/runs/{{run}} reads one from the database")
+    return ranks
+
+
 @router.get("/runs/{run:path}/summary", summary="A run at a glance: ranks in trouble first, paged")
 async def get_run_summary(
     request: Request, run: str,
@@ -135,13 +176,70 @@ async def get_run_summary(
     limit: int = Query(50, ge=1, le=1000, description="rows in this page"),
     search: str = Query("", max_length=200, description="a rank number, part of a host name, or a reason"),
 ) -> dict[str, Any]:
-    """Return counts by trouble reason, the loss-scale spread and a page of rank rows (only ranks held in memory)."""
-    ranks = request.app.state.collector_state.runs.get(run)
-    if not ranks:
-        raise HTTPException(404, f"no run named {run!r} in memory (a run leaves it after --run-retention or "
-                                 f"--expire-after); GET /v1/runs/{{run}} reads one from the database")
-    return run_summary(run, list(ranks.values()), request.app.state.alert_service.alerts, request.app.state.clock(),
-                       request.app.state.config.silent_after, offset, limit, search)
+    """Return counts by trouble reason, the loss-scale spread and a page of rank rows (only ranks held in memory).
+
+    The rows are built once per change of the run (its generation or firing alerts), at least 1 s and at most
+    10 s apart, and shared by every page, search and tab; each answer reads its rows' progress (iteration,
+    steps, last seen) now.
+    """
+    ranks, state = _held(request, run), request.app.state.collector_state
+    alerts = request.app.state.alert_service.alerts
+    firing = firing_of(run, alerts)
+    version = (state.generation(run), firing)
+    built = _views(request).get(("summary", run), version, lambda: trouble_rows(
+        run, list(ranks.values()), alerts, request.app.state.clock(), request.app.state.config.silent_after, firing),
+        min_age_s=_SUMMARY_MIN_AGE_S)
+    return dict(summary_page(built, ranks, request.app.state.clock(), offset, limit, search),
+                generation=state.generation(run))
+
+
+@router.get("/runs/{run:path}/scale", summary="A run's loss scale over recent iterations: spread and outlier ranks")
+async def get_run_scale(
+    request: Request, run: str,
+    window: Literal[tuple(WINDOWS)] = Query(  # type: ignore[valid-type]
+        "1000", description="the last 200, 1000 or 5000 iterations, or all the collector holds"),
+    ranks: str = Query("", max_length=400, pattern=r"^[0-9,]*$",
+                       description="comma-separated ranks to include whatever their distance (at most 16)"),
+    outliers: int = Query(6, ge=0, le=16, description="ranks furthest from the median to include"),
+) -> dict[str, Any]:
+    """Return min / median / max of the loss scale across ranks per slice of the window (at most 200 slices) and
+    the outlier ranks with their points and skips; built once per change of the run, at most once per 3 s
+    (a storm changes it at every batch; the chart is redrawn every 3 s)."""
+    held, state = _held(request, run), request.app.state.collector_state
+    asked = tuple(sorted({int(r) for r in ranks.split(",") if r}))[:16]
+    key, generation = ("scale", run, window, asked, outliers), state.generation(run)
+    views = _views(request)
+    if (body := views.peek(key, generation)) is not None:
+        return body
+    copies = traces(held.values())  # on the event loop, while no batch changes them; the rest off it
+    body = await asyncio.to_thread(run_scale, run, copies, WINDOWS[window], outliers=outliers, asked=asked)
+    if body["outliers"]:
+        shown = [o["rank"] for o in body["outliers"]]
+        found = await asyncio.to_thread(request.app.state.store.query, _SKIPS_SQL.format(
+            ranks=",".join("?" * len(shown))), (run, _SKIPS_SCANNED, body["start"], *shown, _SKIPS_SHOWN))
+        skips: dict[int, list] = {}
+        streaks: dict[int, list] = {}
+        for row in reversed(found):
+            if row["kind"] == "skip":
+                skips.setdefault(row["rank"], []).append([row["iteration"], row["optimizer"]])
+            else:  # a streak's end: its whole length, the skips between its rungs were counted, not sent
+                end = event_of_row(row)
+                streaks.setdefault(row["rank"], []).append([end["start_iteration"], end["length"], row["optimizer"]])
+        for o in body["outliers"]:
+            o["skips"], o["streaks"] = skips.get(o["rank"], []), streaks.get(o["rank"], [])
+    return views.put(key, generation, body, request.app.state.clock() + _SCALE_MIN_AGE_S,
+                     min_age_s=_SCALE_MIN_AGE_S)
+
+
+_SUMMARY_MIN_AGE_S = 1.0  # a summary rebuilt at most once a second per run, however many tabs read it
+_SCALE_MIN_AGE_S = 3.0  # the chart's data, likewise once per page refresh
+
+# The shown ranks' skips and streak ends in the window, for the chart's marks: among the run's newest events only
+# (bounded work).
+_SKIPS_SCANNED, _SKIPS_SHOWN = 20_000, 2_000
+_SKIPS_SQL = ("SELECT id, rank, kind, time, iteration, optimizer, body FROM (SELECT rowid, id, rank, kind, time, "
+              "iteration, optimizer, body FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?) "
+              "WHERE kind IN ('skip', 'streak_end') AND iteration >= ? AND rank IN ({ranks}) ORDER BY rowid DESC LIMIT ?")
 
 
 @router.get("/runs/{run:path}", summary="One run: its ranks with their current state")

@@ -1,8 +1,9 @@
 """One run at a glance for the status page: ranks in trouble first, the rest counted, paged; from memory only.
 
 At 1,024 ranks ``GET /v1/runs/{run}`` is about 1 MB rebuilt from SQLite; this summary reads the
-ranks the collector holds (those in ``/metrics``) and the built-in alerts' histories, costs O(ranks)
-per request (a few milliseconds at 1,024 ranks) and returns one page of rows.
+ranks the collector holds (those in ``/metrics``) and the built-in alerts' histories. Building the rows
+costs O(ranks) (milliseconds at 1,024 ranks); the query route keeps them in a :class:`~._view_cache.ViewCache`
+until the run's change generation or its firing alerts move, and pages through them in O(limit).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ._state import RankState
 from .alerting.conditions import usable_scale
 from .alerting.evaluator import BuiltinAlerts
 
-__all__ = ["REASONS", "run_summary"]
+__all__ = ["REASONS", "firing_of", "summary_page", "trouble_rows"]
 
 REASONS = ("poisoned", "silent", "collapsed", "in_streak", "high_skip_ratio", "desynced", "alert")
 """Why a rank is in trouble, most urgent first: the order of the rows."""
@@ -61,34 +62,62 @@ def _row(rank: RankState, now: float, silent_after: float, t: AlertThresholds, a
             "recent_skip_ratio": ratio, "recent_window_s": t.skip_ratio_window_s}
 
 
-def run_summary(run: str, ranks: Iterable[RankState], alerts: BuiltinAlerts, now: float, silent_after: float,
-                offset: int = 0, limit: int = 50, search: str = "") -> dict[str, Any]:
-    """Return the run's counts by reason, its scale spread and one page of rows, ranks in trouble first."""
-    held = [r for r in ranks if r.current is not None]
-    t = alerts.thresholds
-    open_scales = [s for r in held if not r.closed and (s := _scale(r)) is not None and math.isfinite(s) and s > 0]
-    median = statistics.median(open_scales) if open_scales else None
-    firing_by_rank: dict[int, list[str]] = {}
-    run_alerts = []
+def firing_of(run: str, alerts: BuiltinAlerts) -> tuple[dict[int, tuple[str, ...]], tuple[str, ...]]:
+    """The run's firing alerts: names by rank, and the run-wide ones; O(firing alerts)."""
+    by_rank: dict[int, list[str]] = {}
+    run_alerts = set()
     for a in alerts.firing():
         if a.labels.get("run") != run:
             continue
         if "rank" in a.labels:
-            firing_by_rank.setdefault(int(a.labels["rank"]), []).append(a.name)
+            by_rank.setdefault(int(a.labels["rank"]), []).append(a.name)
         else:
-            run_alerts.append(a.name)
+            run_alerts.add(a.name)
+    return {rank: tuple(sorted(names)) for rank, names in sorted(by_rank.items())}, tuple(sorted(run_alerts))
+
+
+def trouble_rows(run: str, ranks: Iterable[RankState], alerts: BuiltinAlerts, now: float, silent_after: float,
+                 firing: tuple[dict[int, tuple[str, ...]], tuple[str, ...]]) -> tuple[dict[str, Any], float]:
+    """Return every rank's row, ranks in trouble first, with the counts, and when a silent rank would change it.
+
+    The expensive part of a summary (O(ranks)): what :func:`summary_page` pages through.
+    """
+    held = [r for r in ranks if r.current is not None]
+    t = alerts.thresholds
+    open_scales = [s for r in held if not r.closed and (s := _scale(r)) is not None and math.isfinite(s) and s > 0]
+    median = statistics.median(open_scales) if open_scales else None
+    firing_by_rank, run_alerts = firing
     rows = [_row(r, now, silent_after, t, alerts, median, firing_by_rank.get(r.rank, ())) for r in held]
     counts = {reason: sum(reason in row["reasons"] for row in rows) for reason in REASONS}
     rows.sort(key=lambda row: (REASONS.index(row["reasons"][0]) if row["reasons"] else len(REASONS), row["rank"]))
-    in_trouble = sum(bool(row["reasons"]) for row in rows)
+    # The next rank to fall silent changes the rows with no batch arriving: the body holds until then.
+    turning_silent = [r.last_seen + silent_after for r in held if not r.closed and now - r.last_seen <= silent_after]
+    return {"run": run, "ranks": len(held), "closed": all(r.closed for r in held),
+            "in_trouble": sum(bool(row["reasons"]) for row in rows), "counts": counts, "run_alerts": list(run_alerts),
+            "scale": {"min": wire_float(min(open_scales)) if open_scales else None, "median": wire_float(median),
+                      "max": wire_float(max(open_scales)) if open_scales else None},
+            "rows": rows}, (min(turning_silent) if turning_silent else math.inf)
+
+
+def summary_page(built: dict[str, Any], held: dict[int, RankState], now: float, offset: int = 0, limit: int = 50,
+                 search: str = "") -> dict[str, Any]:
+    """Return one page of :func:`trouble_rows`' rows, their progress (iteration, steps, last seen) read now.
+
+    O(ranks) for a search, else O(limit): the rows stay in the order they were built in.
+    """
+    rows = built["rows"]
     if search:
         needle = search.strip().lower()
         rows = [row for row in rows if str(row["rank"]) == needle or needle in str(row["host"]).lower()
                 or any(needle in reason for reason in row["reasons"])]
-    page = rows[offset:offset + limit]
-    return {"run": run, "now": now, "ranks": len(held), "closed": all(r.closed for r in held), "in_trouble": in_trouble,
-            "counts": counts, "run_alerts": sorted(set(run_alerts)),
-            "scale": {"min": wire_float(min(open_scales)) if open_scales else None, "median": wire_float(median),
-                      "max": wire_float(max(open_scales)) if open_scales else None},
-            "matched": len(rows), "offset": offset, "limit": limit,
-            "next": offset + limit if offset + limit < len(rows) else None, "rows": page}
+    page = []
+    for row in rows[offset:offset + limit]:
+        rank = held.get(row["rank"])
+        if rank is not None and rank.current is not None:
+            opts = rank.optimizer_totals.values()
+            row = dict(row, iteration=rank.current.batch.state.iteration, last_seen=rank.last_seen,
+                       silent_for=round(now - rank.last_seen, 1), steps=sum(o.steps for o in opts),
+                       skipped=sum(o.skipped for o in opts))
+        page.append(row)
+    return {**{k: v for k, v in built.items() if k != "rows"}, "now": now, "matched": len(rows), "offset": offset,
+            "limit": limit, "next": offset + limit if offset + limit < len(rows) else None, "rows": page}

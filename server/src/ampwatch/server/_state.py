@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
+from ._scale_trace import ScaleTrace
 from ._schema import Batch, SkipEvent
 from ._totals import OptimizerTotals, RankTotals
 
@@ -215,6 +216,18 @@ class RankView:
         """The rank's optimizer names, over every process, in the order they first appeared."""
         return self.optimizer_totals.keys()
 
+    def shown(self) -> tuple:
+        """What the run view shows of this rank, progress counters (iteration, steps, last seen) left out.
+
+        The run's change generation moves when this does; O(optimizers).
+        """
+        if self.current is None:
+            return ()
+        batch = self.current.batch
+        return (self.closed, repr(batch.state.loss_scale), batch.scaler.enabled, batch.host,
+                tuple((o.skipped, o.poisoned_steps) for o in self.optimizer_totals.values()),
+                tuple(values.consecutive_skipped for values in batch.state.optimizers.values()))
+
     def snapshot(self) -> RankSnapshot:
         """Return this rank, for the alert evaluator (shares the immutable totals: no copy)."""
         batch = self.current.batch  # type: ignore[union-attr]
@@ -233,15 +246,19 @@ class RankState:
     reference assignment), so a thread holding an older view keeps a consistent rank.
     """
 
-    __slots__ = ("run", "rank", "view")
+    __slots__ = ("run", "rank", "view", "scale_trace")
 
     def __init__(self, run: str, rank: int) -> None:
         self.run, self.rank = run, rank
         self.view = RankView(run, rank, {}, None, _NO_RANK, {})
+        self.scale_trace = ScaleTrace()  # the newest process's loss scale over iterations (memory only)
 
     def install(self, new: Incarnation) -> None:
         """Make ``new`` the applied state of its incarnation; totals move by the difference only."""
+        before = self.view.current
         self.view = self.view.installed(new)
+        if self.view.current is new:
+            self.scale_trace.record_batch(new.batch, new_process=before is None or before.id != new.id)
 
     def claimants(self, live: Incarnation) -> list[Incarnation]:
         """Return the incarnations in conflict with ``live``, which sends again: those that appeared while it was
@@ -299,6 +316,9 @@ class RankState:
     def optimizers(self) -> Iterable[str]:
         return self.view.optimizers()
 
+    def shown(self) -> tuple:
+        return self.view.shown()
+
     def snapshot(self) -> RankSnapshot:
         """Return this rank now, for the alert evaluator (see :meth:`RankView.snapshot`)."""
         return self.view.snapshot()
@@ -335,6 +355,17 @@ class CollectorState:
         # (run, rank) with history in the database but not held here: only these need a database read
         # when a batch arrives (a brand-new rank does not).
         self.stored: set[tuple[str, int]] = set()
+        self.generations: dict[str, int] = {}  # run -> its latest change to what its run view shows (see moved())
+        self._changes = 0  # over every run: a run that leaves and comes back never repeats an earlier generation
+
+    def moved(self, run: str) -> None:
+        """Note that what the run view of ``run`` shows changed (its cached bodies are stale); O(1)."""
+        self._changes += 1
+        self.generations[run] = self._changes
+
+    def generation(self, run: str) -> int:
+        """The run's change generation: equal values mean the run view would show the same ranks."""
+        return self.generations.get(run, 0)
 
     def get(self, run: str, rank: int) -> Optional[RankState]:
         ranks = self.runs.get(run)
@@ -387,7 +418,10 @@ class CollectorState:
 
     def adopt(self, rank: RankState) -> None:
         """Hold ``rank`` (new, or restored from the database)."""
-        self.runs.setdefault(rank.run, {})[rank.rank] = rank
+        ranks = self.runs.setdefault(rank.run, {})
+        if ranks.get(rank.rank) is not rank:
+            ranks[rank.rank] = rank
+            self.moved(rank.run)
         self.stored.discard((rank.run, rank.rank))
 
     def retire(self, now: float, expire_after: float, run_retention: float) -> list[tuple[str, int]]:
@@ -398,12 +432,15 @@ class CollectorState:
                     max(r.last_seen for r in ranks.values()) + run_retention <= now:
                 gone.extend((run, rank) for rank in ranks)
                 del self.runs[run]
+                self.generations.pop(run, None)
                 continue
             for rank_id, rank in list(ranks.items()):
                 if not rank.closed and rank.last_seen + expire_after <= now:
                     gone.append((run, rank_id))
                     del ranks[rank_id]
+                    self.moved(run)
             if not ranks:
                 del self.runs[run]
+                self.generations.pop(run, None)
         self.stored.update(gone)
         return gone

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
+from .listing import alert_list
 from .service import AlertService
 
 __all__ = ["router"]
@@ -14,9 +15,18 @@ router = APIRouter(prefix="/v1", tags=["alerts"])
 
 
 @router.get("/alerts", summary="Built-in alerts: firing now and recently resolved")
-async def list_alerts(request: Request) -> dict[str, Any]:
+async def list_alerts(
+    request: Request,
+    collapse: Optional[int] = Query(None, ge=2, description="alerts of one alert name, run and severity from which "
+                                                            "they are one entry (count, ranks) instead of one each"),
+    alertname: Optional[str] = Query(None, max_length=200, description="only alerts of this name"),
+    run: Optional[str] = Query(None, max_length=1000, description="only alerts of this run"),
+) -> dict[str, Any]:
     """Return ``{"firing": [...], "resolved": [...]}``, each alert with name, labels, annotations and times."""
     service: Optional[AlertService] = getattr(request.app.state, "alert_service", None)
     if service is None:
         return {"firing": [], "resolved": []}
-    return service.alerts.to_json()
+    if collapse is None and alertname is None and run is None:
+        return service.alerts.to_json()
+    return alert_list(service.alerts.firing(), service.alerts.resolved(), collapse_from=collapse,
+                      alertname=alertname, run=run)

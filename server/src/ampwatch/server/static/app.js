@@ -4,9 +4,8 @@
 "use strict";
 
 const REFRESH_MS = 3000;
-const RECENT_S = 3600;          // recent events shown: the last hour
 const MAX_EVENTS_SHOWN = 100;
-const MAX_PAGES = 20;            // per refresh and kind: bounded work however long the run
+const MAX_PAGES = 20;            // run list pages read per refresh: bounded work however many runs
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 const SVG = "http://www.w3.org/2000/svg";
 // poisoned_step reasons (docs/protocol.md) in words.
@@ -15,7 +14,7 @@ const POISON_REASONS = {
   nonfinite_param: "parameters non-finite after the step",
 };
 
-const runCache = new Map();  // run -> {scale: Map, recent: Map, scaleSince, recentSince}
+let scaleWindow = "1000";  // the chart's window: the last N iterations, or "all"
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -133,53 +132,39 @@ function alertRow(alert, when) {
     el("td", {}, when));
 }
 
-const expandedGroups = new Set();  // alert groups (name, run, severity) the reader opened
-let lastAlerts = null;
+const expandedGroups = new Set();  // collapsed alert rows (name, run, severity) the reader opened
+const GROUP_FROM = 5;  // alerts of one alert, run and severity from which the collector sends them as one entry
 
-function rankRanges(ranks) {
-  const numbers = [...new Set(ranks.map(Number))].filter(Number.isInteger).sort((a, b) => a - b);
-  const parts = [];
-  for (const n of numbers) {
-    const last = parts[parts.length - 1];
-    if (last && last[1] === n - 1) last[1] = n; else parts.push([n, n]);
-  }
-  return parts.map(([a, b]) => a === b ? String(a) : `${a}-${b}`).join(", ");
+function groupKey(alert) {
+  const labels = alert.labels || {};
+  return [alert.name, labels.run ?? "", labels.severity ?? ""].join("\u0000");
 }
 
-const GROUP_FROM = 5;  // alerts of one alert, run and severity from which they share one row
-
-// Per-rank alerts of one alert, run and severity collapse into one row that expands (a whole-job storm is
-// thousands of alerts); a handful keep their own rows.
-function alertRows(alerts, whenOf) {
-  const groups = new Map();
-  for (const a of alerts) {
-    const labels = a.labels || {};
-    const key = [a.name, labels.run ?? "", labels.severity ?? ""].join("\u0000");
-    if (!groups.has(key)) groups.set(key, []);
-    groups.get(key).push(a);
-  }
+// A whole-job storm is thousands of per-rank alerts: the collector sends five or more of one alert, run and
+// severity as one entry (count, ranks), shown as one row that expands; its members are fetched only while open.
+function alertRows(alerts, whenOf, members) {
   const rows = [];
-  for (const [key, members] of groups) {
-    if (members.length < GROUP_FROM) {
-      rows.push(...members.map(a => alertRow(a, whenOf(a))));
+  for (const a of alerts) {
+    if (!a.group) {
+      rows.push(alertRow(a, whenOf(a)));
       continue;
     }
-    const open = expandedGroups.has(key);
-    const ranks = members.map(a => (a.labels || {}).rank).filter(r => r !== undefined);
-    const head = alertRow(members[0], whenOf(members[0]));
+    const key = groupKey(a), open = expandedGroups.has(key);
+    const head = alertRow(a, whenOf(a));
     head.className = "alert-group";
     head.setAttribute("aria-expanded", String(open));
-    head.cells[3].textContent = ranks.length ? `${new Set(ranks).size} ranks: ${rankRanges(ranks)}` : "";
-    head.cells[4].textContent = `${members.length} alerts ${open ? "▾" : "▸"}`;
+    head.cells[3].textContent = `${a.ranks} ranks: ${a.rank_ranges}`;
+    head.cells[4].textContent = `${a.count} alerts ${open ? "▾" : "▸"}`;
     head.addEventListener("click", () => {
       if (open) expandedGroups.delete(key); else expandedGroups.add(key);
-      renderAlerts(lastAlerts);
+      refreshAlerts();
     });
     rows.push(head);
-    for (const a of members) {
-      const row = alertRow(a, whenOf(a));
+    if (!open) continue;
+    for (const m of members.get(key) || []) {
+      if (groupKey(m) !== key || m.status !== a.status) continue;
+      const row = alertRow(m, whenOf(m));
       row.classList.add("member");
-      row.hidden = !open;
       rows.push(row);
     }
   }
@@ -187,24 +172,33 @@ function alertRows(alerts, whenOf) {
 }
 
 async function refreshAlerts() {
+  const members = new Map();
+  let body;
   try {
-    lastAlerts = await getJSON("v1/alerts");
+    body = await getJSON(`v1/alerts?collapse=${GROUP_FROM}`);
+    const open = [...expandedGroups];
+    const lists = await Promise.all(open.map(key => {
+      const [name, run] = key.split("\u0000");
+      return getJSON(`v1/alerts?alertname=${encodeURIComponent(name)}&run=${encodeURIComponent(run)}`);
+    }));
+    open.forEach((key, i) => members.set(key, [...(lists[i].firing || []), ...(lists[i].resolved || [])]));
   } catch (error) {
     if (error instanceof NeedsToken) throw error;
     document.getElementById("no-firing").textContent = "Built-in alerts are not available on this collector.";
     return;
   }
-  renderAlerts(lastAlerts);
+  renderAlerts(body, members);
 }
 
-function renderAlerts(body) {
+function renderAlerts(body, members) {
   const firing = body.firing || [], resolved = body.resolved || [];
-  fill(document.querySelector("#firing tbody"), alertRows(firing, a => ago(a.starts_at)));
+  fill(document.querySelector("#firing tbody"), alertRows(firing, a => ago(a.starts_at), members));
   document.getElementById("firing").hidden = firing.length === 0;
   document.getElementById("no-firing").hidden = firing.length !== 0;
   document.getElementById("no-firing").textContent = "Nothing firing.";
-  fill(document.querySelector("#resolved tbody"), alertRows(resolved, a => ago(a.ends_at)));
-  document.getElementById("resolved-count").textContent = String(resolved.length);
+  fill(document.querySelector("#resolved tbody"), alertRows(resolved, a => ago(a.ends_at), members));
+  document.getElementById("resolved-count").textContent =
+    String(resolved.reduce((n, a) => n + (a.group ? a.count : 1), 0));
 }
 
 // ---- runs list --------------------------------------------------------------------------------
@@ -324,35 +318,10 @@ function eventKey(e) {
   return `${e.rank}/${e.incarnation}/${e.id}`;
 }
 
-async function fetchEvents(run, query, into) {
-  // Pages through /events for this query; returns the newest event time seen.
-  let after = 0, newest = 0;
-  for (let page = 0; page < MAX_PAGES; page++) {
-    const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/events?limit=1000&after=${after}&${query}`);
-    for (const e of body.events || []) {
-      into.set(eventKey(e), e);
-      newest = Math.max(newest, e.time);
-    }
-    if (body.next === null || body.next === undefined) break;
-    after = body.next;
-  }
-  return newest;
-}
-
-async function refreshRunEvents(run) {
-  let cache = runCache.get(run);
-  if (!cache) {
-    cache = {scale: new Map(), recent: new Map(), scaleSince: 0, recentSince: Date.now() / 1000 - RECENT_S};
-    runCache.set(run, cache);
-  }
-  // Re-read a minute back: agent clocks differ and batches arrive late; keys make it idempotent.
-  const scaleNewest = await fetchEvents(run, `kind=scale_change&since=${cache.scaleSince}`, cache.scale);
-  const recentNewest = await fetchEvents(run, `since=${cache.recentSince}`, cache.recent);
-  if (scaleNewest) cache.scaleSince = Math.max(cache.scaleSince, scaleNewest - 60);
-  if (recentNewest) cache.recentSince = Math.max(cache.recentSince, recentNewest - 60);
-  const horizon = Date.now() / 1000 - RECENT_S;
-  for (const [key, e] of cache.recent) if (e.time < horizon) cache.recent.delete(key);
-  return cache;
+// The run's newest events, each storm already collapsed into one row by the collector.
+async function fetchNewest(run) {
+  const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/events/latest?limit=${MAX_EVENTS_SHOWN}`);
+  return body.rows || [];
 }
 
 function eventDetails(e) {
@@ -387,47 +356,32 @@ function eventDetails(e) {
   return cell;
 }
 
-function drawChart(container, ranks, scaleEvents, recentEvents) {
-  // Loss scale per rank as a step line on a log2 axis; red dots mark skipped steps.
+// The run's loss scale on a log2 axis over the chosen window (GET /v1/runs/{run}/scale): a band from the
+// lowest to the highest rank's scale, the median rank's line, and the outlier ranks' own lines; red dots mark
+// their skipped steps.
+function drawChart(container, body) {
   const W = 900, H = 260, L = 56, R = 12, T = 12, B = 28;
-  const byRank = new Map(ranks.map(r => [r.rank, []]));
-  for (const e of scaleEvents) if (byRank.has(e.rank)) byRank.get(e.rank).push(e);
-  const lines = [];
-  let maxIt = 1, minY = Infinity, maxY = -Infinity;
-  for (const rank of ranks) {
-    if (!rank.scaler || !rank.scaler.enabled) continue;
-    const changes = byRank.get(rank.rank).sort((a, b) => a.iteration - b.iteration || a.id - b.id);
-    const points = [];
-    let scale = changes.length ? changes[0].before : rank.loss_scale;
-    if (scale === null || scale === undefined) scale = rank.loss_scale;
-    if (scale === null || scale === undefined) continue;
-    scale = scaleNumber(scale);
-    points.push([0, scale]);
-    for (const c of changes) {
-      if (c.after === null || c.after === undefined) continue;
-      points.push([c.iteration, scale], [c.iteration, scaleNumber(c.after)]);
-      scale = scaleNumber(c.after);
-    }
-    points.push([Math.max(rank.iteration, points[points.length - 1][0]), scale]);
-    for (const [x, y] of points) {
-      maxIt = Math.max(maxIt, x);
-      if (!onLogAxis(y)) continue;
-      minY = Math.min(minY, Math.log2(y));
-      maxY = Math.max(maxY, Math.log2(y));
-    }
-    lines.push({rank: rank.rank, points, now: scale});
-  }
-  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "loss scale over iterations per rank"});
-  if (!lines.length || minY === Infinity) {
-    const why = lines.length ? "the loss scale is 0, NaN or infinite: nothing to draw on a log axis"
-                             : "no loss scale reported yet";
+  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img",
+    "aria-label": "loss scale over iterations: spread across ranks and outlier ranks"});
+  const spread = body && body.spread;
+  const lines = (body && body.outliers || []).map(o => ({rank: o.rank, asked: o.asked, skips: o.skips || [],
+    streaks: o.streaks || [],
+    points: o.points.map(([x, y]) => [x, scaleNumber(y)]), now: scaleNumber(o.loss_scale)}));
+  let minY = Infinity, maxY = -Infinity;
+  const note = y => { if (onLogAxis(y)) { minY = Math.min(minY, Math.log2(y)); maxY = Math.max(maxY, Math.log2(y)); } };
+  if (spread) for (const k of ["min", "max"]) spread[k].forEach(v => note(scaleNumber(v)));
+  for (const line of lines) for (const [, y] of line.points) note(y);
+  if (!spread || minY === Infinity) {
+    const why = spread ? "the loss scale is 0, NaN or infinite: nothing to draw on a log axis"
+                       : "no loss scale reported yet";
     root.append(svg("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}, why));
     container.replaceChildren(root);
     return;
   }
   minY = Math.floor(minY) - 1;
   maxY = Math.ceil(maxY) + 1;
-  const px = x => L + (x / maxIt) * (W - L - R);
+  const x0 = body.start, x1 = Math.max(body.end, body.start + 1);
+  const px = x => L + ((x - x0) / (x1 - x0)) * (W - L - R);
   const py = y => T + (1 - (Math.log2(y) - minY) / (maxY - minY)) * (H - T - B);
   const step = Math.max(1, Math.ceil((maxY - minY) / 8));
   for (let e = minY; e <= maxY; e += step) {
@@ -435,61 +389,99 @@ function drawChart(container, ranks, scaleEvents, recentEvents) {
     root.append(svg("line", {x1: L, x2: W - R, y1: y, y2: y, stroke: "#eef1f4"}));
     root.append(svg("text", {x: L - 6, y: y + 4, "text-anchor": "end"}, `2^${e}`));
   }
-  root.append(svg("text", {x: L, y: H - 8}, "0"));
-  root.append(svg("text", {x: W - R, y: H - 8, "text-anchor": "end"}, `iteration ${maxIt}`));
+  // The x-axis starts where the window starts: recent history fills the chart.
+  root.append(svg("text", {x: L, y: H - 8, class: "axis-start"}, `iteration ${x0}`));
+  root.append(svg("text", {x: W - R, y: H - 8, "text-anchor": "end", class: "axis-end"}, `iteration ${body.end}`));
+  // The band: each slice spans [its first iteration, the next slice's); gaps where no rank is on the axis.
+  const its = spread.iteration, lows = spread.min.map(scaleNumber), highs = spread.max.map(scaleNumber);
+  const edge = i => i + 1 < its.length ? its[i + 1] : body.end;
+  let top = [], bottom = [];
+  const closeBand = () => {
+    if (top.length) root.append(svg("path", {class: "spread-band",
+      d: "M" + top.concat(bottom.reverse()).map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join("L") + "Z"}));
+    top = []; bottom = [];
+  };
+  its.forEach((x, i) => {
+    if (!onLogAxis(lows[i]) || !onLogAxis(highs[i])) { closeBand(); return; }
+    top.push([px(x), py(highs[i])], [px(edge(i)), py(highs[i])]);
+    bottom.push([px(x), py(lows[i])], [px(edge(i)), py(lows[i])]);
+  });
+  closeBand();
+  const medians = spread.median.map(scaleNumber);
+  root.append(svg("path", {class: "spread-median", d: stepPath(its.map((x, i) => [x, medians[i]]), body.end, px, py)}));
   lines.forEach((line, i) => {
     const color = PALETTE[i % PALETTE.length];
-    // The line breaks where the scale leaves the log axis (0, NaN, infinite) and resumes where it comes back.
-    let d = "", drawing = false;
-    for (const [x, y] of line.points) {
-      if (!onLogAxis(y)) { drawing = false; continue; }
-      d += `${drawing ? "L" : "M"}${px(x).toFixed(1)},${py(y).toFixed(1)}`;
-      drawing = true;
+    const d = stepPath(line.points, null, px, py);
+    if (d) {
+      const path = svg("path", {d, class: "scale-line", "data-rank": line.rank});
+      path.style.stroke = color;  // CSSOM, not a style attribute: allowed by the page's CSP
+      root.append(path);
     }
-    if (d) root.append(svg("path", {d, fill: "none", stroke: color, "stroke-width": 2, class: "scale-line", "data-rank": line.rank}));
     const off = onLogAxis(line.now) ? "" : ` (scale ${scaleText(line.now)}, off the axis)`;
-    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend"}, `rank ${line.rank}${off}`);
-    legend.style.fill = color;  // CSSOM, not a style attribute: allowed by the page's CSP
+    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend",
+                                "data-rank": line.rank}, `rank ${line.rank}${off}`);
+    legend.style.fill = color;
     root.append(legend);
   });
-  // Skips: a dot on the rank's line at each skip the agent sent (a streak's 1st, 2nd, 4th, ... skip), and a
-  // stroke along the line over a whole streak once its end arrived (the skips in between are counted, not sent).
-  const lineOf = new Map(lines.map(l => [l.rank, l.points]));
+  const key = svg("text", {x: L + 6, y: T + 12, class: "spread-key"},
+    `shaded: lowest to highest of ${body.ranks} ranks · dashed: median`);
+  root.append(key);
+  // Skips: a dot on a drawn rank's line at each skip the agent sent (a streak's 1st, 2nd, 4th, ... skip: the scale
+  // then in force), and a stroke along the line over a whole streak once its end arrived (the skips in between are
+  // counted, not sent).
   const scaleAt = (points, iteration) => {
     let scale = points[0][1];
     for (const [x, y] of points) { if (x <= iteration) scale = y; else break; }
     return scale;
   };
-  for (const e of recentEvents) {
-    if ((e.kind !== "skip" && e.kind !== "streak_end") || !lineOf.has(e.rank)) continue;
-    const points = lineOf.get(e.rank);
-    if (e.kind === "streak_end") {
-      const last = e.start_iteration + e.length - 1;
-      const [from, to] = [scaleAt(points, e.start_iteration), scaleAt(points, last)];
+  for (const line of lines) {
+    for (const [start, length, optimizer] of line.streaks) {
+      const last = start + length - 1;
+      if (last < x0) continue;
+      const first = Math.max(start, x0);
+      const [from, to] = [scaleAt(line.points, first), scaleAt(line.points, last)];
       if (!onLogAxis(from) || !onLogAxis(to)) continue;
-      const stroke = svg("line", {x1: px(e.start_iteration), y1: py(from), x2: px(last), y2: py(to),
-                                  stroke: "#c62828", "stroke-width": 3, "stroke-opacity": 0.5, class: "skip-streak"});
-      stroke.append(svg("title", {}, `rank ${e.rank}: ${e.optimizer} skipped ${e.length} steps in a row from iteration ` +
-                                    `${e.start_iteration}`));
+      const stroke = svg("line", {x1: px(first), y1: py(from), x2: px(last), y2: py(to), stroke: "#c62828",
+                                  "stroke-width": 3, "stroke-opacity": 0.5, class: "skip-streak"});
+      stroke.append(svg("title", {}, `rank ${line.rank}: ${optimizer} skipped ${length} steps in a row from ` +
+                                    `iteration ${start}`));
       root.append(stroke);
-      continue;
     }
-    const scale = scaleAt(points, e.iteration);
-    if (!onLogAxis(scale)) continue;
-    const dot = svg("circle", {cx: px(e.iteration), cy: py(scale), r: 3.5, fill: "#c62828", class: "skip-mark"});
-    dot.append(svg("title", {}, `rank ${e.rank} skipped ${e.optimizer} at iteration ${e.iteration}`));
-    root.append(dot);
+    for (const [iteration, optimizer] of line.skips) {
+      if (iteration < x0) continue;
+      const scale = scaleAt(line.points, iteration);
+      if (!onLogAxis(scale)) continue;
+      const dot = svg("circle", {cx: px(iteration), cy: py(scale), r: 3.5, fill: "#c62828", class: "skip-mark"});
+      dot.append(svg("title", {}, `rank ${line.rank} skipped ${optimizer} at iteration ${iteration}`));
+      root.append(dot);
+    }
   }
   container.replaceChildren(root);
+}
+
+// A step line through [iteration, scale] points (each scale holds until the next point, the last until
+// ``end`` when given); it breaks where the scale leaves the log axis (0, NaN, infinite) and resumes after.
+function stepPath(points, end, px, py) {
+  let d = "", drawing = false;
+  points.forEach(([x, y], i) => {
+    if (!onLogAxis(y)) { drawing = false; return; }
+    const until = i + 1 < points.length ? points[i + 1][0] : (end ?? x);
+    d += `${drawing ? "L" : "M"}${px(x).toFixed(1)},${py(y).toFixed(1)}L${px(until).toFixed(1)},${py(y).toFixed(1)}`;
+    drawing = true;
+  });
+  return d;
 }
 
 const BIG_RUN = 64;              // ranks from which the full rank table is fetched only while it is open
 const allRanksChosen = new Set();  // runs whose "All ranks" the reader opened or closed
 
-// A summary row as the chart reads a rank (a big run's chart draws only the ranks in trouble).
-function rowAsRank(row) {
-  return {rank: row.rank, loss_scale: row.loss_scale, iteration: row.iteration,
-          scaler: {enabled: row.loss_scale !== null && row.loss_scale !== undefined}};
+const CHART_ASKED = 10;  // ranks in trouble the chart draws besides the ones furthest from the median
+
+function showRunState(run, closed) {
+  document.getElementById("run-name").textContent = run;
+  const state = document.getElementById("run-state");
+  state.textContent = closed ? "closed" : "live";
+  state.className = "badge " + (closed ? "state-closed" : "state-live");
 }
 
 async function refreshRun(run) {
@@ -497,14 +489,12 @@ async function refreshRun(run) {
   const allRanks = document.getElementById("all-ranks");
   const big = summary !== null && summary.ranks >= BIG_RUN;
   if (!allRanksChosen.has(run) && allRanks.open === big) allRanks.open = !big;  // closed by default for big runs only
+  const history = drawRunHistory(run, summary);
   if (big && !allRanks.open) {
     // About 1 MB at 1,024 ranks: not fetched every few seconds unless asked for.
-    document.getElementById("run-name").textContent = run;
-    const state = document.getElementById("run-state");
-    state.textContent = summary.closed ? "closed" : "live";
-    state.className = "badge " + (summary.closed ? "state-closed" : "state-live");
+    showRunState(run, summary.closed);
     fill(document.querySelector("#ranks tbody"), []);
-    await drawRunHistory(run, summary.rows.filter(row => row.reasons.length).map(rowAsRank));
+    await history;
     return;
   }
   let body;
@@ -514,62 +504,71 @@ async function refreshRun(run) {
     document.getElementById("run-name").textContent = run;
     document.getElementById("run-state").textContent = "unknown run";
     fill(document.querySelector("#ranks tbody"), []);
+    await history;
     return;
   }
-  document.getElementById("run-name").textContent = body.run;
-  const state = document.getElementById("run-state");
-  state.textContent = body.closed ? "closed" : "live";
-  state.className = "badge " + (body.closed ? "state-closed" : "state-live");
+  showRunState(body.run, body.closed);
   fill(document.querySelector("#ranks tbody"), body.ranks.map(rankRow));
-  await drawRunHistory(run, body.ranks);
+  await history;
 }
 
-const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "warning", "scaler_disabled", "close"];
-const STORM_KINDS = new Set(["skip", "scale_change", "streak_end"]);
+// The chart's data: the spread and outliers over the chosen window, with the ranks in trouble drawn too.
+async function fetchScale(run, summary) {
+  if (summary === null) return null;  // not in memory: no scale history held
+  const asked = summary.rows.filter(row => row.reasons.length).slice(0, CHART_ASKED).map(row => row.rank);
+  try {
+    return await getJSON(`v1/runs/${encodeURIComponent(run)}/scale?window=${scaleWindow}&ranks=${asked.join(",")}`);
+  } catch (error) {
+    return null;
+  }
+}
+
+const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "rank_conflict", "warning", "scaler_disabled", "close"];
 
 // The newest events of the kinds a skip storm never floods, so they stay in the table however many skips came.
 async function fetchRare(run) {
-  const found = new Map();
   const pages = await Promise.all(RARE_KINDS.map(kind =>
     getJSON(`v1/runs/${encodeURIComponent(run)}/events?kind=${kind}&newest_first=true&limit=${MAX_EVENTS_SHOWN}`)));
-  for (const body of pages) for (const e of body.events || []) found.set(eventKey(e), e);
-  return found;
+  return pages.flatMap(body => (body.events || []).map(e => ({event: e, count: 1, ranks: 1})));
 }
 
-// Newest first; events of one storm (same kind, iteration, optimizer, cause on GROUP_FROM or more ranks) are one row.
-function eventRows(events) {
-  const groups = new Map();
-  for (const e of events) {
-    const key = STORM_KINDS.has(e.kind) ? [e.kind, e.iteration, e.optimizer ?? "", e.cause ?? ""].join("\u0000")
-                                        : eventKey(e);
-    if (!groups.has(key)) groups.set(key, []);
-    groups.get(key).push(e);
-  }
-  const rows = [];
-  for (const members of groups.values()) {
-    const e = members[0];
-    if (members.length < GROUP_FROM) {
-      for (const m of members) rows.push(el("tr", {class: "event", "data-kind": m.kind},
-        el("td", {}, clock(m.time)), el("td", {class: "num"}, m.rank), el("td", {class: "num"}, m.iteration),
-        el("td", {}, m.kind), el("td", {}, m.optimizer ?? ""), eventDetails(m)));
-      continue;
+// Newest first: one row per event, one per storm (the collector grouped its events: count, ranks).
+function eventRows(rows) {
+  return rows.map(({event: e, count, ranks, rank_ranges: ranges}) => {
+    if (count === 1) {
+      return el("tr", {class: "event", "data-kind": e.kind},
+        el("td", {}, clock(e.time)), el("td", {class: "num"}, e.rank), el("td", {class: "num"}, e.iteration),
+        el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), eventDetails(e));
     }
-    const ranks = rankRanges(members.map(m => m.rank));
     const details = eventDetails(e);
-    details.prepend(`${members.length} events, ranks ${ranks}; first: `);
-    rows.push(el("tr", {class: "event storm", "data-kind": e.kind},
-      el("td", {}, clock(e.time)), el("td", {}, `${new Set(members.map(m => m.rank)).size} ranks`),
-      el("td", {class: "num"}, e.iteration), el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), details));
-  }
-  return rows;
+    details.prepend(`${count} events, ranks ${ranges}; latest: `);
+    return el("tr", {class: "event storm", "data-kind": e.kind},
+      el("td", {}, clock(e.time)), el("td", {}, `${ranks} ranks`),
+      el("td", {class: "num"}, e.iteration), el("td", {}, e.kind), el("td", {}, e.optimizer ?? ""), details);
+  });
 }
 
-async function drawRunHistory(run, ranks) {
-  const [cache, rare] = await Promise.all([refreshRunEvents(run), fetchRare(run)]);
-  const recent = [...cache.recent.values()].sort((a, b) => b.time - a.time || b.id - a.id);
-  drawChart(document.getElementById("chart"), ranks, [...cache.scale.values()], recent);
-  const events = [...new Map([...cache.recent, ...rare]).values()].sort((a, b) => b.time - a.time || b.id - a.id);
-  const shown = eventRows(events).slice(0, MAX_EVENTS_SHOWN);
+const RARE_SHOWN = 20;  // rows kept for the newest rare events, however many newer storm or skip rows there are
+
+function rowKey(row) {
+  const e = row.event;
+  return row.count === 1 ? eventKey(e) : `storm/${e.kind}/${e.iteration}/${e.optimizer}/${e.cause}`;
+}
+
+function newestFirst(a, b) {
+  return b.event.time - a.event.time || b.event.id - a.event.id;
+}
+
+async function drawRunHistory(run, summary) {
+  const [scale, newest, rare] = await Promise.all([fetchScale(run, summary), fetchNewest(run), fetchRare(run)]);
+  // The newest rare events (poisoned steps, scheduler-after-skip, warnings...) keep their rows: a rank that
+  // skips every few steps or a storm cannot push them out of the table.
+  const kept = rare.sort(newestFirst).slice(0, RARE_SHOWN);
+  const keptKeys = new Set(kept.map(rowKey));
+  const rest = newest.filter(row => !keptKeys.has(rowKey(row))).slice(0, MAX_EVENTS_SHOWN - kept.length);
+  const rows = [...kept, ...rest].sort(newestFirst);
+  drawChart(document.getElementById("chart"), scale);
+  const shown = eventRows(rows);
   fill(document.querySelector("#events tbody"), shown);
   document.getElementById("no-events").hidden = shown.length !== 0;
 }
@@ -608,6 +607,15 @@ document.getElementById("all-ranks").addEventListener("toggle", () => {
   allRanksChosen.add(run);
   refresh();
 });
+for (const button of document.querySelectorAll("#scale-window button")) {
+  button.addEventListener("click", () => {
+    scaleWindow = button.dataset.window;
+    for (const other of document.querySelectorAll("#scale-window button")) {
+      other.setAttribute("aria-pressed", String(other === button));
+    }
+    if (currentRun() !== null) refresh();
+  });
+}
 document.getElementById("more-runs").addEventListener("click", () => {
   runPagesShown += 1;
   refresh();
