@@ -5,6 +5,14 @@ rank)``, ``count by (run)``) and never reads a collector's ``ampwatch_run_*``
 convenience series, so the rules stay right when the ranks of one run report
 to several collectors.
 
+What an evaluation costs grows with the series each selector reads at the
+evaluation time (at 1,024 ranks x 2 optimizers, 2,048 per selector), so each
+per-rank series that is nearly always 0 (closed, a current streak, scheduler
+steps after skips, poisoned steps) is read once per evaluation, by a recording
+rule that keeps only its non-zero series; the alerts read those few, and
+compare them with the raw series' value one window ago (``offset``, no range
+read) to tell whether a counter rose within the window.
+
 Example::
 
     from ampwatch.dashboards.rules import render_rules
@@ -37,7 +45,8 @@ _HEADER = (
     "# Do not edit by hand: change the thresholds (or the generator) and regenerate.\n"
 )
 
-_OPEN = f"{m.RANK_CLOSED} == 0"  # a rank that has not closed cleanly
+_LARGEST_FLOAT = "1.7976931348623157e+308"
+_OPEN = f"{m.RANK_CLOSED} == 0"  # a rank that has not closed cleanly (reads every rank: see RecordedSeries.closed)
 
 
 class RecordedSeries:
@@ -57,24 +66,34 @@ class RecordedSeries:
         origin_w = dur(t.origin_window_s)
         self.origins = f"run_rank:ampwatch_rank_origin_iterations:increase{origin_w}"
         self.ranks_origin = f"run:ampwatch_ranks_origin:count{origin_w}"
+        self.skipped = f"run_rank_optimizer:ampwatch_optimizer_skipped_steps:increase{ratio_w}"
+        # The non-zero series of metrics that are 0 on nearly every rank, each read once per evaluation.
+        self.closed = _nonzero_name(m.RANK_CLOSED)
+        self.in_streak = _nonzero_name(m.OPTIMIZER_CONSECUTIVE_SKIPPED)
+        self.streaks = _nonzero_name(m.OPTIMIZER_SKIP_STREAKS)
+        self.scheduler_steps = _nonzero_name(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP)
+        self.poisoned = _nonzero_name(m.OPTIMIZER_POISONED_STEPS)
 
 
 def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, Any]]:
     """Return the recording rules the alerts build on."""
     r = RecordedSeries(t)
     backoff_w, ratio_w = dur(t.backoff_window_s), dur(t.skip_ratio_window_s)
+    ladder = "|".join(str(n) for n in sorted({t.skip_streak_warning, t.skip_streak_critical}))
     return [
+        # Read once here, kept only where non-zero: what the alerts below read instead of the whole metric.
+        _record(r.closed, f"{m.RANK_CLOSED} > 0"),
+        _record(r.in_streak, f"{m.OPTIMIZER_CONSECUTIVE_SKIPPED} > 0"),
+        _record(r.streaks, f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length=~"{ladder}"}} > 0'),
+        _record(r.scheduler_steps, f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP} > 0"),
+        _record(r.poisoned, f"{m.OPTIMIZER_POISONED_STEPS} > 0"),
         _record(r.backoffs, f"sum by (run, rank) (increase({m.LOSS_SCALE_BACKOFFS}[{backoff_w}]))"),
         _record(r.growths, f"sum by (run, rank) (increase({m.LOSS_SCALE_GROWTHS}[{backoff_w}]))"),
+        _record(r.skipped, f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}[{ratio_w}]))"),
         # steps_total counts updates only; a scaler.step() call either updates or skips.
-        _record(r.step_calls,
-                f"sum by (run, rank, optimizer) (\n"
-                f"  increase({m.OPTIMIZER_STEPS}[{ratio_w}])\n"
-                f"  + increase({m.OPTIMIZER_SKIPPED_STEPS}[{ratio_w}])\n"
-                f")"),
-        _record(r.skip_ratio,
-                f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}[{ratio_w}]))\n"
-                f"/ {r.step_calls}"),
+        _record(r.step_calls, f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_STEPS}[{ratio_w}]))\n"
+                              f"+ {r.skipped}"),
+        _record(r.skip_ratio, f"{r.skipped} / {r.step_calls}"),
         _record(r.ranks_open, f"count by (run) ({_OPEN})"),
         # Backoffs while a rank calibrates its scale (its first iterations) are normal,
         # so a rank counts only once every sample in the window is past calibration.
@@ -83,11 +102,11 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
                 f"    {r.backoffs} >= {t.backoff_min_count}\n"
                 f"  and on (run, rank) {r.growths} == 0\n"
                 f"  and on (run, rank) min_over_time({m.ITERATION}[{backoff_w}]) >= {t.calibration_iterations}\n"
-                f"  and on (run, rank) {_OPEN}\n"
+                f"  unless on (run, rank) {r.closed}\n"
                 f")"),
         # Closed ranks keep their last scale; only open ranks can disagree.
-        _record(r.scale_max, f"max by (run) ({m.LOSS_SCALE} and on (run, rank) {_OPEN})"),
-        _record(r.scale_min, f"min by (run) ({m.LOSS_SCALE} and on (run, rank) {_OPEN})"),
+        _record(r.scale_max, f"max by (run) ({m.LOSS_SCALE} unless on (run, rank) {r.closed})"),
+        _record(r.scale_min, f"min by (run) ({m.LOSS_SCALE} unless on (run, rank) {r.closed})"),
         _record(r.scale_spread, f"{r.scale_max} / {r.scale_min}"),
         # Skipped iterations each rank started (its own gradients non-finite before DDP's all-reduce), and how
         # many of a run's ranks started any.
@@ -97,18 +116,27 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
 
 
 def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
-    # The value is the current streak; the streak counter catches a streak that
+    # The value is the current streak (0 once it ended); the streak counter catches a streak that
     # began and ended between two scrapes, the gauge one still under way.
-    streaks = f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length="{threshold}"}}'
+    rose = _counter_rose(f'{r.streaks}{{min_length="{threshold}"}}',
+                         f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length="{threshold}"}}', t.skip_streak_window_s)
     return (f"(\n"
-            f"  {m.OPTIMIZER_CONSECUTIVE_SKIPPED}\n"
+            f"  {r.in_streak}\n"
             f"  and on (run, rank, optimizer)\n"
-            f"{_indent(_counter_rose(streaks, t.skip_streak_window_s))}\n"
+            f"  (\n"
+            f"{_indent(_indent(rose))}\n"
+            f"  )\n"
             f")\n"
             f"or\n"
             f"(\n"
-            f"  {m.OPTIMIZER_CONSECUTIVE_SKIPPED} >= {threshold}\n"
-            f"  unless on (run, rank) {m.RANK_CLOSED} == 1\n"
+            f"  {r.in_streak} >= {threshold}\n"
+            f"  unless on (run, rank) {r.closed}\n"
+            f")\n"
+            f"or\n"
+            f"(\n"
+            f"  0 * max without (min_length) (\n"
+            f"{_indent(_indent(rose))}\n"
+            f"  )\n"
             f")")
 
 
@@ -118,19 +146,17 @@ def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
     return (f"(\n"
             f"    {r.origins} >= {t.origin_min_count}\n"
             f"  and on (run) {r.ranks_origin} <= clamp_min({r.ranks_open} * {_num(t.origin_rank_share)}, 1)\n"
-            f"  and on (run, rank) {_OPEN}\n"
+            f"  unless on (run, rank) {r.closed}\n"
             f")\n"
             f"* on (run, rank) group_left (host, local_rank) {m.RANK_INFO}")
 
 
 def _collapsed(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
-    # A scale that cannot work: below the threshold (0 included), NaN (x != x holds only for NaN) or +Inf.
-    return (f"(\n"
-            f"  {m.LOSS_SCALE} < {_num(t.collapsed_loss_scale)}\n"
-            f"  or {m.LOSS_SCALE} != {m.LOSS_SCALE}\n"
-            f"  or {m.LOSS_SCALE} == +Inf\n"
-            f")\n"
-            f"unless on (run, rank) {m.RANK_CLOSED} == 1")
+    # A scale that cannot work: below the threshold (0 included), NaN or +Inf. Clamping into
+    # [threshold, largest float] leaves exactly the finite scales at or above the threshold unchanged,
+    # and x != x holds for NaN: one comparison, two reads of the scale.
+    return (f"{m.LOSS_SCALE} != clamp({m.LOSS_SCALE}, {_num(t.collapsed_loss_scale)}, {_LARGEST_FLOAT})\n"
+            f"unless on (run, rank) {r.closed}")
 
 
 #: The condition of each alert as a PromQL expression, from the thresholds, the recorded series and the
@@ -144,14 +170,10 @@ CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
                                                 f"and on (run, rank, optimizer) {r.step_calls} >= "
                                                 f"{t.skip_ratio_min_steps}"),
     "AmpRankSilent": lambda t, r, _: (f"(time() - {m.RANK_LAST_SEEN} > {t.silent_after_s})\n"
-                                      f"and on (run, rank) {_OPEN}"),
-    "AmpSchedulerStepsOnSkipped": lambda t, r, _: (
-        f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP}\n"
-        f"and on (run, rank, optimizer)\n"
-        f"{_counter_rose(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP, t.scheduler_window_s)}"),
-    "AmpPoisonedStep": lambda t, r, _: (f"{m.OPTIMIZER_POISONED_STEPS}\n"
-                                        f"and on (run, rank, optimizer)\n"
-                                        f"{_counter_rose(m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s)}"),
+                                      f"unless on (run, rank) {r.closed}"),
+    "AmpSchedulerStepsOnSkipped": lambda t, r, _: _counter_rose(r.scheduler_steps, m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP,
+                                                                t.scheduler_window_s),
+    "AmpPoisonedStep": lambda t, r, _: _counter_rose(r.poisoned, m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s),
     "AmpSkipOriginRank": _origin,
 }
 
@@ -192,15 +214,17 @@ def render_rules(
     return _HEADER + dump_yaml(rule_groups(t, runbook_base_url))
 
 
-def _counter_rose(selector: str, window_s: int) -> str:
-    # increase() needs two samples in the window; a series born already above 0 (its
-    # first scrape came after the event) is caught by the "new and non-zero" term.
-    w = dur(window_s)
-    return (f"(\n"
-            f"    increase({selector}[{w}]) > 0\n"
-            f"  or\n"
-            f"    ({selector} > 0 unless {selector} offset {w})\n"
-            f")")
+def _counter_rose(nonzero: str, counter: Any, window_s: int) -> str:
+    # The non-zero counters (recorded, so few) that rose within the window: not equal to their value one window
+    # ago, or without a value then (a series born already above 0, its first scrape after the event). A counter
+    # reset that came back to the very value it had one window ago is the one rise this misses.
+    return f"{nonzero}\nunless\n{nonzero} == {counter} offset {dur(window_s)}"
+
+
+def _nonzero_name(metric: m.Metric) -> str:
+    """Name the recorded non-zero series of a collector metric (``_total`` dropped, as for every recording)."""
+    level = "_".join(label for label in metric.labels if label in ("run", "rank", "optimizer"))
+    return f"{level}:{metric.name.removesuffix('_total')}:nonzero"
 
 
 def _record(name: str, expr: str) -> dict[str, Any]:
