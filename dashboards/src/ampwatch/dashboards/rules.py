@@ -70,7 +70,7 @@ class RecordedSeries:
         # The non-zero series of metrics that are 0 on nearly every rank, each read once per evaluation.
         self.closed = _nonzero_name(m.RANK_CLOSED)
         self.in_streak = _nonzero_name(m.OPTIMIZER_CONSECUTIVE_SKIPPED)
-        self.streaks = _nonzero_name(m.OPTIMIZER_SKIP_STREAKS)
+        self.streaks_rose = f"run_rank_optimizer:ampwatch_optimizer_skip_streaks:rose{dur(t.skip_streak_window_s)}"
         self.scheduler_steps = _nonzero_name(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP)
         self.poisoned = _nonzero_name(m.OPTIMIZER_POISONED_STEPS)
 
@@ -80,11 +80,13 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
     r = RecordedSeries(t)
     backoff_w, ratio_w = dur(t.backoff_window_s), dur(t.skip_ratio_window_s)
     ladder = "|".join(str(n) for n in sorted({t.skip_streak_warning, t.skip_streak_critical}))
+    rungs = f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length=~"{ladder}"}}'
     return [
         # Read once here, kept only where non-zero: what the alerts below read instead of the whole metric.
         _record(r.closed, f"{m.RANK_CLOSED} > 0"),
         _record(r.in_streak, f"{m.OPTIMIZER_CONSECUTIVE_SKIPPED} > 0"),
-        _record(r.streaks, f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length=~"{ladder}"}} > 0'),
+        # The streak counters of the alerts' rungs that rose within the window (a streak reached the rung).
+        _record(r.streaks_rose, _counter_rose(f"{rungs} > 0", rungs, t.skip_streak_window_s, current=rungs)),
         _record(r.scheduler_steps, f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP} > 0"),
         _record(r.poisoned, f"{m.OPTIMIZER_POISONED_STEPS} > 0"),
         _record(r.backoffs, f"sum by (run, rank) (increase({m.LOSS_SCALE_BACKOFFS}[{backoff_w}]))"),
@@ -118,14 +120,10 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
 def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
     # The value is the current streak (0 once it ended); the streak counter catches a streak that
     # began and ended between two scrapes, the gauge one still under way.
-    rose = _counter_rose(f'{r.streaks}{{min_length="{threshold}"}}',
-                         f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length="{threshold}"}}', t.skip_streak_window_s)
+    rose = f'{r.streaks_rose}{{min_length="{threshold}"}}'
     return (f"(\n"
             f"  {r.in_streak}\n"
-            f"  and on (run, rank, optimizer)\n"
-            f"  (\n"
-            f"{_indent(_indent(rose))}\n"
-            f"  )\n"
+            f"  and on (run, rank, optimizer) {rose}\n"
             f")\n"
             f"or\n"
             f"(\n"
@@ -133,11 +131,7 @@ def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
             f"  unless on (run, rank) {r.closed}\n"
             f")\n"
             f"or\n"
-            f"(\n"
-            f"  0 * max without (min_length) (\n"
-            f"{_indent(_indent(rose))}\n"
-            f"  )\n"
-            f")")
+            f"0 * max without (min_length) ({rose})")
 
 
 def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
@@ -214,11 +208,13 @@ def render_rules(
     return _HEADER + dump_yaml(rule_groups(t, runbook_base_url))
 
 
-def _counter_rose(nonzero: str, counter: Any, window_s: int) -> str:
-    # The non-zero counters (recorded, so few) that rose within the window: not equal to their value one window
-    # ago, or without a value then (a series born already above 0, its first scrape after the event). A counter
-    # reset that came back to the very value it had one window ago is the one rise this misses.
-    return f"{nonzero}\nunless\n{nonzero} == {counter} offset {dur(window_s)}"
+def _counter_rose(nonzero: str, counter: Any, window_s: int, current: str = "") -> str:
+    # The non-zero counters that rose within the window: not equal to their value one window ago, or without a
+    # value then (a series born already above 0, its first scrape after the event). Two instant reads instead
+    # of a range read; a counter reset that came back to the very value it had one window ago is the one rise
+    # this misses.
+    # ``nonzero`` selects the counters above 0, ``current`` their value now (default: ``nonzero``, a recording).
+    return f"{nonzero}\nunless\n{current or nonzero} == {counter} offset {dur(window_s)}"
 
 
 def _nonzero_name(metric: m.Metric) -> str:
