@@ -9,6 +9,7 @@ in time order is stored and read exactly as 30 minutes of scrapes would be.
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import struct
 import urllib.request
@@ -68,10 +69,14 @@ class RemoteWriter:
         pack, head = struct.Struct("<d").pack, self._head
         body = b"".join(head(series) + sample + pack(float(value)) + stamp for series, value in samples)
         body = _snappy_literal(body)
-        for url in self.urls:
-            request = urllib.request.Request(url, data=body, method="POST", headers={
-                "Content-Type": "application/x-protobuf", "Content-Encoding": "snappy",
-                "X-Prometheus-Remote-Write-Version": "0.1.0"})
-            with urllib.request.urlopen(request, timeout=120) as answer:
-                if answer.status // 100 != 2:
-                    raise RuntimeError(f"remote write to {url} answered {answer.status}")
+        with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:  # every server ingests at once
+            list(pool.map(lambda url: _post(url, body), self.urls))
+
+
+def _post(url: str, body: bytes) -> None:
+    request = urllib.request.Request(url, data=body, method="POST", headers={
+        "Content-Type": "application/x-protobuf", "Content-Encoding": "snappy",
+        "X-Prometheus-Remote-Write-Version": "0.1.0"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        if answer.status // 100 != 2:
+            raise RuntimeError(f"remote write to {url} answered {answer.status}")

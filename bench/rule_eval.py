@@ -9,7 +9,10 @@ evaluation; then a loopback exporter serves the job's live ``/metrics``, scraped
 servers run side by side, each given the same history: one with the rules of an earlier commit
 (``render_rules`` from ``git archive <ref>``), one with this tree's. Each group
 evaluation's time and every rule's are read from ``/api/v1/rules``; the first evaluation (cold caches) is
-left out. Both servers must fire the same alerts for the same ranks (checked).
+left out. Those are wall-clock times, which stretch when other processes hold the CPU, so each server's CPU
+time per 15 s (from /proc: rule evaluation, the scrape and these reads) is reported too. Both servers must fire the same alerts for the same ranks (checked). Then every query of the
+earlier commit's dashboard and of this tree's runs over the last 30 minutes as Grafana would (15 s steps):
+series and bytes per panel.
 
     python -m bench.rule_eval [--ranks 1024] [--evaluations 8] [--before a95d20e] [--out FILE]
 
@@ -57,6 +60,44 @@ def _rules(pythonpath: Optional[str]) -> str:
                           text=True, timeout=60).stdout
 
 
+def _panels(pythonpath: Optional[str]) -> list[list]:
+    """Return the dashboard's ``[title, query, instant]`` triples, from this tree or the sources on ``pythonpath``."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    code = ("import json; from ampwatch.dashboards.dashboard import dashboard_json; "
+            "print(json.dumps([[p['title'], t['expr'], t.get('instant', False)] for p in dashboard_json()['panels'] "
+            "for t in p.get('targets', [])]))")
+    return json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True,
+                                     text=True, timeout=120).stdout)
+
+
+# What Grafana puts in a query over the dashboard's last 30 minutes at a 15 s scrape interval.
+_GRAFANA = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m", "$__range": "30m"}
+
+
+def _panel_cost(prometheus: str, panels: list[list]) -> dict:
+    """Run every panel query as Grafana would over the last 30 minutes (15 s steps; tables: now); series and bytes."""
+    end = time.time()
+    per_panel: dict[str, dict] = {}
+    for title, expr, instant in panels:
+        for name, value in _GRAFANA.items():
+            expr = expr.replace(name, value)
+        if instant:
+            url = f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': expr, 'time': end})}"
+        else:
+            params = urllib.parse.urlencode({"query": expr, "start": end - 1800, "end": end, "step": INTERVAL_S})
+            url = f"{prometheus}/api/v1/query_range?{params}"
+        with urllib.request.urlopen(url, timeout=120) as answer:
+            body = answer.read()
+        cost = per_panel.setdefault(title, {"series": 0, "bytes": 0})
+        cost["series"] += len(json.loads(body)["data"]["result"])
+        cost["bytes"] += len(body)
+    return {"panels": len(per_panel), "max_series": max(c["series"] for c in per_panel.values()),
+            "panels_over_100_series": sum(c["series"] > 100 for c in per_panel.values()),
+            "bytes": sum(c["bytes"] for c in per_panel.values()), "per_panel": per_panel}
+
+
 class _Exporter:
     """Serve the job's live ``/metrics`` on a loopback port, at the wall-clock time of each scrape."""
 
@@ -77,7 +118,11 @@ class _Exporter:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a scrape that timed out and hung up: Prometheus counts it (up == 0), nothing to print
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -112,14 +157,15 @@ class _Prometheus:
                                       f"--web.listen-address={self.url[len('http://'):]}"],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.evaluations: list[dict] = []
+        self.since = ""
 
     def poll(self) -> None:
         """Record the group's latest evaluation if it is new."""
         group = _get(self.url + "/api/v1/rules")["data"]["groups"][0]
         if self.evaluations and self.evaluations[-1]["at"] == group["lastEvaluation"]:
             return
-        if group["lastEvaluation"].startswith("0001-"):
-            return  # not evaluated yet
+        if group["lastEvaluation"] < self.since:
+            return  # not evaluated since mark() (or never: "0001-01-01...")
         errors = [f"{_rule_key(r)}: {r['lastError']}" for r in group["rules"] if r.get("lastError")]
         if errors:
             raise RuntimeError("rule evaluation failed:\n" + "\n".join(errors))
@@ -128,6 +174,23 @@ class _Prometheus:
 
     def query(self, expr: str) -> list[dict]:
         return _get(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")["data"]["result"]
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the process used so far (Linux /proc)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def mark(self) -> None:
+        """Count evaluations, CPU and wall time from now on."""
+        self.evaluations.clear()
+        self.since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() + 1))  # as /api/v1/rules writes it
+        self.marked = (self.cpu_s(), time.monotonic())
+
+    def cpu_per_interval(self) -> float:
+        """CPU seconds used per evaluation interval since :meth:`mark` (scrapes and API reads included)."""
+        cpu, wall = self.cpu_s() - self.marked[0], time.monotonic() - self.marked[1]
+        return cpu / (wall / INTERVAL_S)
 
     def own_metric(self, name: str) -> float:
         """Return the sum of one of Prometheus's own series, read from its ``/metrics``."""
@@ -167,6 +230,7 @@ def _summary(p: _Prometheus, rules: str) -> dict:
                               "max": round(1000 * max(per_rule[key]), 2)} for key in heaviest},
         "firing": {f"{a['metric']['alertname']} ({a['metric']['severity']})": int(a["value"][1]) for a in alerts},
         "missed_iterations": p.own_metric("prometheus_rule_group_iterations_missed_total"),
+        "cpu_s_per_interval": round(p.cpu_per_interval(), 3),
         "rule_file_bytes": len(rules),
     }
 
@@ -190,7 +254,9 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
     servers: list[_Prometheus] = []
     with tempfile.TemporaryDirectory(prefix="rule-eval-") as tmp:
         try:
-            rules = {"before": _rules(source_of(before, tmp, "contract/src", "dashboards/src")), "after": _rules(None)}
+            earlier = source_of(before, tmp, "contract/src", "dashboards/src")
+            rules = {"before": _rules(earlier), "after": _rules(None)}
+            panels = {"before": _panels(earlier), "after": _panels(None)}
             for side in ("before", "after"):
                 servers.append(_Prometheus(os.path.join(tmp, side), rules[side], exporter.address))
             _wait_ready(servers)
@@ -204,7 +270,7 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
             history_s = time.perf_counter() - started
             exporter.job = job  # scraped from now on
             for p in servers:
-                p.evaluations.clear()  # only evaluations over the whole history count
+                p.mark()  # only evaluations over the whole history count
             deadline = time.monotonic() + (evaluations + 3) * INTERVAL_S * 3
             while any(len(p.evaluations) < evaluations + 1 for p in servers):
                 if time.monotonic() > deadline:
@@ -222,6 +288,7 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
                       "history_samples": samples, "history_write_s": round(history_s, 1)}
             for side, p in zip(("before", "after"), servers):
                 result[side] = _summary(p, rules[side])
+                result[side]["dashboard"] = _panel_cost(servers[1].url, panels[side])
             result["before"]["ref"] = before
         finally:
             for p in servers:
@@ -248,8 +315,13 @@ def main(argv: list[str] | None = None) -> dict:
         top = ", ".join(f"{k} {v['median']:g} ms" for k, v in list(r["per_rule_ms"].items())[:3])
         print(f"{side:>6}: {r['rules']} rules, group median {r['group_median_s'] * 1000:.0f} ms "
               f"({r['median_percent_of_interval']}% of {INTERVAL_S} s), max {r['group_max_s'] * 1000:.0f} ms "
-              f"({r['max_percent_of_interval']}%) over {r['evaluations']} evaluations; heaviest: {top}")
+              f"({r['max_percent_of_interval']}%) over {r['evaluations']} evaluations, "
+              f"{r['cpu_s_per_interval']} CPU s per {INTERVAL_S} s; heaviest: {top}")
     print("firing:", result["after"]["firing"])
+    for side in ("before", "after"):
+        d = result[side]["dashboard"]
+        print(f"{side:>6}: dashboard over 30 minutes: {d['panels']} panels, at most {d['max_series']} series in one, "
+              f"{d['panels_over_100_series']} with over 100, {d['bytes'] / 1e6:.1f} MB in all")
     if args.out:
         store(args.out, KEY, result, sys.argv)
     return result
