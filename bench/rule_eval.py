@@ -46,6 +46,7 @@ __all__ = ["main", "measure"]
 
 KEY = "rule_eval"
 INTERVAL_S = 15
+POLL_S = 5  # /api/v1/rules lists every active alert: read it a few times per interval, not every second
 HISTORY_S = 33 * 60  # the longest rule window (30m) plus room for the first evaluations
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
@@ -157,6 +158,7 @@ class _Prometheus:
                                       f"--web.listen-address={self.url[len('http://'):]}"],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.evaluations: list[dict] = []
+        self.rules: dict[str, dict] = {}  # the latest /api/v1/rules entry of each rule
         self.since = ""
 
     def poll(self) -> None:
@@ -171,6 +173,7 @@ class _Prometheus:
             raise RuntimeError("rule evaluation failed:\n" + "\n".join(errors))
         self.evaluations.append({"at": group["lastEvaluation"], "group_s": group["evaluationTime"],
                                  "rules": {_rule_key(r): r["evaluationTime"] for r in group["rules"]}})
+        self.rules = {_rule_key(r): r for r in group["rules"]}
 
     def query(self, expr: str) -> list[dict]:
         return _get(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")["data"]["result"]
@@ -221,6 +224,14 @@ def _summary(p: _Prometheus, rules: str) -> dict:
     per_rule = {key: [e["rules"][key] for e in kept] for key in kept[0]["rules"]}
     heaviest = sorted(per_rule, key=lambda key: -statistics.median(per_rule[key]))
     alerts = p.query('count by (alertname, severity) (ALERTS{alertstate="firing"})')
+    # The heaviest alerting rule's expression alone (best of 3 instant queries): the rest of its time is
+    # Prometheus building its alerts, which templates every label and annotation of every instance.
+    alerting = next(key for key in heaviest if p.rules[key]["type"] == "alerting")
+    expression_s = []
+    for _ in range(3):
+        started = time.perf_counter()
+        p.query(p.rules[alerting]["query"])
+        expression_s.append(time.perf_counter() - started)
     return {
         "rules": len(per_rule), "evaluations": len(kept),
         "group_median_s": round(statistics.median(group), 4), "group_max_s": round(max(group), 4),
@@ -229,6 +240,9 @@ def _summary(p: _Prometheus, rules: str) -> dict:
         "per_rule_ms": {key: {"median": round(1000 * statistics.median(per_rule[key]), 2),
                               "max": round(1000 * max(per_rule[key]), 2)} for key in heaviest},
         "firing": {f"{a['metric']['alertname']} ({a['metric']['severity']})": int(a["value"][1]) for a in alerts},
+        "heaviest_alert": {"rule": alerting, "instances": len(p.rules[alerting].get("alerts", [])),
+                           "median_ms": round(1000 * statistics.median(per_rule[alerting]), 2),
+                           "expression_alone_ms": round(1000 * min(expression_s), 2)},
         "missed_iterations": p.own_metric("prometheus_rule_group_iterations_missed_total"),
         "cpu_s_per_interval": round(p.cpu_per_interval(), 3),
         "rule_file_bytes": len(rules),
@@ -280,7 +294,7 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
                     if p.proc.poll() is not None:
                         raise RuntimeError(f"prometheus exited: {p.proc.returncode}")
                     p.poll()
-                time.sleep(1)
+                time.sleep(POLL_S)
             window = servers[1].query("quantile(0.5, count_over_time(ampwatch_iteration[30m]))")
             result = {"ranks": ranks, "optimizers": 2, "interval_s": INTERVAL_S, "history_minutes": HISTORY_S / 60,
                       "series": int(float(servers[1].query("count({__name__=~'ampwatch_.*'})")[0]["value"][1])),
@@ -318,6 +332,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"({r['max_percent_of_interval']}%) over {r['evaluations']} evaluations, "
               f"{r['cpu_s_per_interval']} CPU s per {INTERVAL_S} s; heaviest: {top}")
     print("firing:", result["after"]["firing"])
+    for side in ("before", "after"):
+        h = result[side]["heaviest_alert"]
+        print(f"{side:>6}: heaviest alert {h['rule']}: {h['median_ms']:g} ms with {h['instances']} instances, "
+              f"its expression alone {h['expression_alone_ms']:g} ms")
     for side in ("before", "after"):
         d = result[side]["dashboard"]
         print(f"{side:>6}: dashboard over 30 minutes: {d['panels']} panels, at most {d['max_series']} series in one, "

@@ -5,13 +5,14 @@ rank)``, ``count by (run)``) and never reads a collector's ``ampwatch_run_*``
 convenience series, so the rules stay right when the ranks of one run report
 to several collectors.
 
-What an evaluation costs grows with the series each selector reads at the
-evaluation time (at 1,024 ranks x 2 optimizers, 2,048 per selector), so each
-per-rank series that is nearly always 0 (closed, a current streak, scheduler
-steps after skips, poisoned steps) is read once per evaluation, by a recording
-rule that keeps only its non-zero series; the alerts read those few, and
-compare them with the raw series' value one window ago (``offset``, no range
-read) to tell whether a counter rose within the window.
+What an evaluation costs grows with the series each selector reads (at 1,024
+ranks x 2 optimizers, 2,048 per selector), so each per-rank series that is
+nearly always 0 (closed, a current streak, scheduler steps after skips,
+poisoned steps) is read once per evaluation, by a recording rule that keeps
+only its non-zero series, and the alerts read those few; a counter rose within
+a window when it differs from its value one window ago (``offset``: two
+instant reads, no range read), which the streak rungs' recording rule works
+out once for both streak alerts. ``python -m bench.rule_eval`` measures it.
 
 Example::
 
@@ -209,11 +210,11 @@ def render_rules(
 
 
 def _counter_rose(nonzero: str, counter: Any, window_s: int, current: str = "") -> str:
-    # The non-zero counters that rose within the window: not equal to their value one window ago, or without a
-    # value then (a series born already above 0, its first scrape after the event). Two instant reads instead
-    # of a range read; a counter reset that came back to the very value it had one window ago is the one rise
-    # this misses.
-    # ``nonzero`` selects the counters above 0, ``current`` their value now (default: ``nonzero``, a recording).
+    # The counters ``nonzero`` selects (those above 0) that rose within the window: their value now (``current``,
+    # default ``nonzero`` itself, a recording) differs from their value one window ago, or they had none then (a
+    # series born already above 0, its first scrape after the event). Two instant reads instead of increase()'s
+    # range read; it may fire up to one scrape interval longer (the last sample before the window counts), and a
+    # counter reset that came back to the very value it had one window ago is the one rise it misses.
     return f"{nonzero}\nunless\n{current or nonzero} == {counter} offset {dur(window_s)}"
 
 
