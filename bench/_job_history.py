@@ -3,9 +3,10 @@
 Every rank runs 2 iterations per second in lockstep with two optimizers (``gen``, ``disc``) under a
 GradScaler (scale 2**20 at the start, growth every 2,000 clean iterations, backoff 0.5); gradients
 overflow at a scale of 2**24 and above, so every rank backs off once in about 2,000 iterations (rank 5
-holds the inf/NaN first). Trouble is staged as issue 14 staged it: a whole-job storm of 18 skips in a row 2 minutes before ``end``, ranks 40-43 collapsing,
-rank 777 skipping 1 step in 8, a poisoned step on rank 512, the LR scheduler of rank 900 stepping
-after skips, and rank 1000 silent for the last 4 minutes. Ranks with the same trouble share one
+holds the inf/NaN first). Trouble is staged as issue 14 staged it: a whole-job storm of 18 skips in a
+row 2 minutes before ``end`` (ranks 0-511 hold the inf/NaN first), ranks 40-43 collapsing, rank 777
+skipping 1 step in 8, a poisoned step on rank 512, the LR scheduler of rank 900 stepping after skips,
+and rank 1000 silent for the last 4 minutes. Ranks with the same trouble share one
 simulation (a handful of GradScaler-like state machines, stepped once per iteration), so the whole
 job costs a few hundred milliseconds to simulate.
 
@@ -102,13 +103,13 @@ class Job:
     def __init__(self, ranks: int, end: float, run: str = "job-1024", history_s: int = 2 * 3600) -> None:
         self.ranks, self.end, self.run = ranks, end, run
         self.started = end - history_s  # iteration 0
-        storm = self.iteration_at(end - 2 * 60)
+        self._storm = self.iteration_at(end - 2 * 60)
+        never = 10 ** 12  # the silent rank's trouble is its last_seen, frozen from silent_from on
         self._starts = {"collapse": self.iteration_at(end - 20 * 60), "ratio": self.iteration_at(end - 31 * 60),
                         "poison": self.iteration_at(end - 5 * 60), "scheduler": self.iteration_at(end - 12 * 60),
-                        "silent": 10 ** 12, "healthy": 10 ** 12}
+                        "silent": never, "healthy": never}
         self.silent_from = end - 4 * 60
-        self._storm = storm
-        self._live = {kind: _Scaler(kind, storm, start) for kind, start in self._starts.items()}
+        self._live = {kind: _Scaler(kind, self._storm, start) for kind, start in self._starts.items()}
         self._kinds = [_kind(r) for r in range(ranks)]
 
     def iteration_at(self, t: float) -> int:

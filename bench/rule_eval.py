@@ -7,16 +7,16 @@ order, as 33 minutes of scrapes would have stored them (a backfilled block would
 more slowly, than the head a live server holds), so every window of every rule is full from the first
 evaluation; then a loopback exporter serves the job's live ``/metrics``, scraped every 15 s. Two Prometheus
 servers run side by side, each given the same history: one with the rules of an earlier commit
-(``render_rules`` from ``git archive <ref>``), one with this tree's. Each group
-evaluation's time and every rule's are read from ``/api/v1/rules``; the first evaluation (cold caches) is
-left out. Those are wall-clock times, which stretch when other processes hold the CPU, so each server's CPU
-time per 15 s (from /proc: rule evaluation, the scrape and these reads) is reported too. Both servers must fire the same alerts for the same ranks (checked). Then every query of the
-earlier commit's dashboard and of this tree's runs over the last 30 minutes as Grafana would (15 s steps):
-series and bytes per panel.
+(``render_rules`` from ``git archive <ref>``), one with this tree's. Each group evaluation's time and every
+rule's are read from ``/api/v1/rules``; the first evaluation (cold caches) is left out. Those are wall-clock
+times, which stretch when other processes hold the CPU, so each server's CPU time per 15 s (from /proc: rule
+evaluation, the scrape and these reads) is reported too. Both servers must fire the same alerts for the same
+ranks (checked). Then every query of the earlier commit's dashboard and of this tree's runs over the last 30
+minutes as Grafana would (15 s steps; tables at one instant): series and bytes per panel.
 
-    python -m bench.rule_eval [--ranks 1024] [--evaluations 8] [--before a95d20e] [--out FILE]
+    python -m bench.rule_eval [--ranks 1024] [--evaluations 10] [--before a95d20e] [--out FILE]
 
-Takes about 5 minutes on a shared 2-core machine (2 of them building the history); everything listens on
+Takes about 8 minutes on a shared 2-core machine (3-5 of them writing the history); everything listens on
 127.0.0.1 and every process started is stopped at the end, even on failure.
 """
 
@@ -41,6 +41,7 @@ from typing import Any, Optional
 from bench._before_after import ROOT, source_of, store
 from bench._job_history import Job
 from bench._remote_write import RemoteWriter
+from bench._servers import free_port
 
 __all__ = ["main", "measure"]
 
@@ -51,24 +52,16 @@ HISTORY_S = 33 * 60  # the longest rule window (30m) plus room for the first eva
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 
-def _rules(pythonpath: Optional[str]) -> str:
-    """Return the rule file ``render_rules()`` writes, from this tree or from the sources on ``pythonpath``."""
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-    code = "from ampwatch.dashboards.rules import render_rules; print(render_rules(), end='')"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True,
-                          text=True, timeout=60).stdout
-
-
-def _panels(pythonpath: Optional[str]) -> list[list]:
-    """Return the dashboard's ``[title, query, instant]`` triples, from this tree or the sources on ``pythonpath``."""
+def _generated(pythonpath: Optional[str]) -> dict:
+    """Return the rule file and the dashboard's ``[title, query, instant]`` triples, from this tree or from the
+    sources on ``pythonpath`` (an earlier commit's), in a child process so that the two never mix."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     code = ("import json; from ampwatch.dashboards.dashboard import dashboard_json; "
-            "print(json.dumps([[p['title'], t['expr'], t.get('instant', False)] for p in dashboard_json()['panels'] "
-            "for t in p.get('targets', [])]))")
+            "from ampwatch.dashboards.rules import render_rules; "
+            "print(json.dumps({'rules': render_rules(), 'panels': [[p['title'], t['expr'], t.get('instant', False)] "
+            "for p in dashboard_json()['panels'] for t in p.get('targets', [])]}))")
     return json.loads(subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, capture_output=True,
                                      text=True, timeout=120).stdout)
 
@@ -133,13 +126,6 @@ def _get(url: str, timeout: float = 10.0) -> Any:
         return json.loads(answer.read())
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Prometheus:
     """One Prometheus with one rule file, its remote-write receiver on, scraping the job every 15 s."""
 
@@ -151,7 +137,7 @@ class _Prometheus:
             json.dump({"global": {"scrape_interval": f"{INTERVAL_S}s", "evaluation_interval": f"{INTERVAL_S}s"},
                        "rule_files": ["rules.yaml"],
                        "scrape_configs": [{"job_name": "ampwatch", "static_configs": [{"targets": [target]}]}]}, f)
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(os.path.join(folder, "prometheus.log"), "wb")
         self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={folder}/prometheus.yml",
                                       f"--storage.tsdb.path={folder}/data", "--web.enable-remote-write-receiver",
@@ -213,12 +199,12 @@ class _Prometheus:
 
 
 def _rule_key(rule: dict) -> str:
-    severity = rule.get("labels", {}).get("severity")
-    name = rule["name"]
-    return f"{name} ({severity})" if rule["type"] == "alerting" and name == "AmpConsecutiveSkippedSteps" else name
+    """A recording rule's name; an alerting rule's name and severity (one alert may have a rule per severity)."""
+    return f"{rule['name']} ({rule['labels']['severity']})" if rule["type"] == "alerting" else rule["name"]
 
 
 def _summary(p: _Prometheus, rules: str) -> dict:
+    cpu_s = p.cpu_per_interval()  # before the queries below add to it
     kept = p.evaluations[1:]  # the first one runs on cold caches
     group = [e["group_s"] for e in kept]
     per_rule = {key: [e["rules"][key] for e in kept] for key in kept[0]["rules"]}
@@ -244,7 +230,7 @@ def _summary(p: _Prometheus, rules: str) -> dict:
                            "median_ms": round(1000 * statistics.median(per_rule[alerting]), 2),
                            "expression_alone_ms": round(1000 * min(expression_s), 2)},
         "missed_iterations": p.own_metric("prometheus_rule_group_iterations_missed_total"),
-        "cpu_s_per_interval": round(p.cpu_per_interval(), 3),
+        "cpu_s_per_interval": round(cpu_s, 3),
         "rule_file_bytes": len(rules),
     }
 
@@ -268,9 +254,9 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
     servers: list[_Prometheus] = []
     with tempfile.TemporaryDirectory(prefix="rule-eval-") as tmp:
         try:
-            earlier = source_of(before, tmp, "contract/src", "dashboards/src")
-            rules = {"before": _rules(earlier), "after": _rules(None)}
-            panels = {"before": _panels(earlier), "after": _panels(None)}
+            generated = {"before": _generated(source_of(before, tmp, "contract/src", "dashboards/src")),
+                         "after": _generated(None)}
+            rules = {side: g["rules"] for side, g in generated.items()}
             for side in ("before", "after"):
                 servers.append(_Prometheus(os.path.join(tmp, side), rules[side], exporter.address))
             _wait_ready(servers)
@@ -302,7 +288,8 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
                       "history_samples": samples, "history_write_s": round(history_s, 1)}
             for side, p in zip(("before", "after"), servers):
                 result[side] = _summary(p, rules[side])
-                result[side]["dashboard"] = _panel_cost(servers[1].url, panels[side])
+            for side in ("before", "after"):  # both dashboards on the same server, once both CPU figures are in
+                result[side]["dashboard"] = _panel_cost(servers[1].url, generated[side]["panels"])
             result["before"]["ref"] = before
         finally:
             for p in servers:
@@ -317,7 +304,7 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
-    parser.add_argument("--evaluations", type=int, default=8, help="evaluations kept per side (after a first one)")
+    parser.add_argument("--evaluations", type=int, default=10, help="evaluations kept per side (after a first one)")
     parser.add_argument("--before", default="a95d20e", help="the commit whose rules to compare with")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
     args = parser.parse_args(argv)
