@@ -19,13 +19,14 @@ __all__ = ["ROOT", "before_after", "source_of", "store"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def source_of(ref: str, into: str, package: str = "server") -> str:
-    """Extract ``<package>/src`` of ``ref`` into ``into``; return the folder to put first on sys.path."""
+def source_of(ref: str, into: str, *folders: str) -> str:
+    """Extract ``folders`` (default ``server/src``) of ``ref`` into ``into``; return them as a PYTHONPATH to put first."""
+    folders = folders or ("server/src",)
     archive = os.path.join(into, "src.tar")
-    subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, ref, f"{package}/src"], check=True)
+    subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, ref, *folders], check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
-    return os.path.join(into, package, "src")
+    return os.pathsep.join(os.path.join(into, *folder.split("/")) for folder in folders)
 
 
 def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:

@@ -17,7 +17,6 @@ Takes about twice (``--seconds`` + 40 s) at the defaults.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading

@@ -108,7 +108,7 @@ def _timed(agent_src: Optional[str], rounds: int, block: int) -> dict:
 def run(before: Optional[str], iterations: int = 50, rounds: int = 20, block: int = 50) -> dict:
     """Count instructions of each variant, then time the hook's own work (before and after, alternating)."""
     with tempfile.TemporaryDirectory(prefix="ampwatch-origin-hook-") as workdir:
-        old = source_of(before, workdir, "agent") if before else None
+        old = source_of(before, workdir, "agent/src") if before else None
         variants = {"plain": None, "python_hook": None, "origin": None}
         if old:
             variants["origin_before"] = old

@@ -164,3 +164,18 @@ def test_merge_replaces_only_the_sections_run_now_and_says_so(tmp_path):
     page = open(prefix + ".md").read()
     assert page.count("Re-measured by `python -m bench --quick --only footprint --merge") == 1
     assert "## 3. Scrape cost" in page
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rule_eval_runs_both_rule_sets_over_full_30_minute_windows_and_they_fire_the_same_alerts():
+    from bench import rule_eval
+    result = rule_eval.measure(ranks=16, evaluations=3, before="a95d20e")  # raises if the alerts differ
+    assert result["samples_per_series_in_30m"] >= 115  # a sample every 15 s over the whole window
+    assert result["after"]["firing"] and result["after"]["firing"] == result["before"]["firing"]
+    for side in ("before", "after"):
+        assert result[side]["evaluations"] == 3 and result[side]["group_median_s"] > 0
+        assert result[side]["rules"] == len(result[side]["per_rule_ms"])
+    # The earlier dashboard drew a line per rank and optimizer; this one a run's spread and its top ranks.
+    assert result["before"]["dashboard"]["max_series"] == 4 * 16
+    assert result["after"]["dashboard"]["max_series"] < result["before"]["dashboard"]["max_series"]

@@ -14,8 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = dashboard_json()
 PANELS = [p for p in MODEL["panels"] if p["type"] != "row"]
 REQUIRED_TITLES = [
-    "Loss scale per rank", "Skipped steps per optimizer", "Skip ratio per optimizer", "Consecutive-skip streaks",
-    "Backoffs vs growths per rank", "Ranks reporting / silent", "Scale spread across ranks (largest / smallest)",
+    "Loss scale across ranks", "Skipped steps across ranks", "Skip ratio: median and top ranks",
+    "Consecutive-skip streaks", "Backoffs vs growths across ranks", "Ranks reporting / silent",
+    "Scale spread across ranks (largest / smallest)",
     "Offending parameters", "Scheduler steps after skips", "Poisoned steps", "Firing ampwatch alerts",
     "Collector ingest requests by status", "Collector ingest latency (p99)",
 ]
@@ -58,7 +59,7 @@ def test_the_dashboard_has_run_rank_and_optimizer_variables_that_filter_every_pe
 
 
 def test_the_loss_scale_panel_has_a_log2_axis():
-    scale = _panel("Loss scale per rank")["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
+    scale = _panel("Loss scale across ranks")["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]
     assert scale == {"type": "log", "log": 2}
 
 
@@ -68,12 +69,27 @@ def test_threshold_lines_come_from_the_alert_thresholds():
         (panel,) = [p for p in model["panels"] if p["title"] == title]
         return [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     assert steps("Consecutive-skip streaks") == [None, 8]
-    assert steps("Skip ratio per optimizer") == [None, 0.25]
+    assert steps("Skip ratio: median and top ranks") == [None, 0.25]
 
 
 def test_the_alerts_panel_lists_firing_ampwatch_alerts():
     (expr,) = [t["expr"] for t in _panel("Firing ampwatch alerts")["targets"]]
     assert expr == 'ALERTS{alertname=~"Amp.*", alertstate="firing"}'
+
+
+def test_no_time_series_panel_draws_a_line_per_rank_only_a_runs_spread_and_its_top_ranks():
+    # A per-rank selector reaches the panel only through an aggregation by run (or run and optimizer) or
+    # through topk/bottomk, so a 1,024-rank run draws a handful of lines.
+    aggregated = re.compile(r"^(?:(?:sum|min|max|count) by \(run(?:, optimizer)?\)|quantile by \(run(?:, optimizer)?\) "
+                            r"\(0\.5,|(?:topk|bottomk) by \(run(?:, optimizer)?\) \(5,)")
+    for panel in PANELS:
+        if panel["type"] != "timeseries":
+            continue
+        for target in panel["targets"]:
+            expr = target["expr"]
+            if "ampwatch_collector_" in expr:
+                continue
+            assert aggregated.match(expr), (panel["title"], expr)
 
 
 def test_every_panel_query_is_valid_promql(tmp_path, run_tool):

@@ -117,15 +117,16 @@ def test_each_alert_rule_changes_with_every_threshold_its_definition_says_it_rea
 def test_consecutive_skips_have_a_warning_and_a_critical_rule_on_the_streak_ladder():
     streak = [a for a in _alerts() if a["alert"] == "AmpConsecutiveSkippedSteps"]
     assert [a["labels"]["severity"] for a in streak] == ["warning", "critical"]
+    recorded = RecordedSeries(DEFAULT_THRESHOLDS)
     for alert, threshold in zip(streak, (DEFAULT_THRESHOLDS.skip_streak_warning,
                                          DEFAULT_THRESHOLDS.skip_streak_critical)):
-        assert f'ampwatch_optimizer_skip_streaks_total{{min_length="{threshold}"}}' in alert["expr"]
-        assert f"ampwatch_optimizer_consecutive_skipped_steps >= {threshold}" in alert["expr"]
+        assert f'{recorded.streaks_rose}{{min_length="{threshold}"}}' in alert["expr"]
+        assert f"{recorded.in_streak} >= {threshold}" in alert["expr"]
 
 
 def test_changing_a_threshold_changes_the_ladder_series_and_windows_the_rules_read():
     text = render_rules(AlertThresholds(skip_streak_warning=8, skip_streak_critical=32, skip_streak_window_s=120))
-    assert 'min_length="8"}[2m]' in text and 'min_length="32"}[2m]' in text
+    assert 'ampwatch_optimizer_skip_streaks_total{min_length=~"8|32"} offset 2m' in text
     assert 'min_length="16"' not in text
 
 
@@ -173,10 +174,9 @@ def test_the_unit_tests_catch_rules_that_count_calibration_backoffs(tmp_path, ru
 
 
 def test_the_unit_tests_catch_rules_that_miss_streaks_between_scrapes(tmp_path, run_tool):
-    # Keep only the gauge branch: what a naive "consecutive >= N" rule would see.
-    naive = render_rules().replace('increase(ampwatch_optimizer_skip_streaks_total{min_length="16"}[10m]) > 0',
-                                   "vector(0) > 1")
-    naive = naive.replace('(ampwatch_optimizer_skip_streaks_total{min_length="16"} > 0 unless', "(vector(0) > 1 unless")
+    # Record no streak counter, leaving only the gauge branch: what a naive "consecutive >= N" rule would see.
+    naive = render_rules().replace('ampwatch_optimizer_skip_streaks_total{min_length=~"16|64"} > 0', "vector(0) > 1",
+                                   1)
     assert naive != render_rules()
     result = _run_tests_against(run_tool, tmp_path, naive, RULE_TESTS / "consecutive_skipped_steps.test.yaml")
     assert result.returncode != 0

@@ -44,6 +44,9 @@ _RANK = 'run=~"$run", rank=~"$rank"'
 _OPTIMIZER = 'run=~"$run", rank=~"$rank", optimizer=~"$optimizer"'
 _OPEN = f"on (run, rank) {m.RANK_CLOSED} == 0"
 _WIDTH = 24  # Grafana's grid is 24 units wide
+# Per-rank panels show a run's spread (lowest, median, highest) and its few outlier ranks, never a line per
+# rank: at 1,024 ranks x 2 optimizers that is 2,048 lines and megabytes per refresh.
+_OUTLIERS = 5
 
 
 def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
@@ -68,10 +71,12 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
                 hide=["Time", "Value", "__name__", "alertstate"]), 12),
         ]),
         ("Loss scale", 8, [
-            (_series("Loss scale per rank", [
-                (f"{m.LOSS_SCALE}{{{_RANK}}}", "{{run}} rank {{rank}}"),
-            ], "The loss scale after the last update() of each rank, on a log2 axis: halvings are "
-               "backoffs, doublings growths. Below 1 is a collapse (AmpLossScaleCollapsed).",
+            (_series("Loss scale across ranks", [
+                *_spread(f"{m.LOSS_SCALE}{{{_RANK}}}", "run"),
+                (f"bottomk by (run) ({_OUTLIERS}, {m.LOSS_SCALE}{{{_RANK}}})", "{{run}} rank {{rank}}"),
+            ], "Lowest, median and highest loss scale after the last update() of each run's ranks, and the "
+               f"{_OUTLIERS} lowest ranks, on a log2 axis: halvings are backoffs, doublings growths. Below 1 is "
+               "a collapse (AmpLossScaleCollapsed). Pick ranks with the rank variable to see them alone.",
                 log2=True, threshold=t.collapsed_loss_scale, step=True), 12),
             (_series("Scale spread across ranks (largest / smallest)", [
                 (f"max by (run) ({m.LOSS_SCALE}{{run=~\"$run\"}} and {_OPEN})"
@@ -79,55 +84,67 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
             ], "1 when every open rank of a run has the same loss scale; at or above the line for "
                f"{t.desync_for_s}s the ranks are out of sync (AmpLossScaleDesync).",
                 threshold=t.desync_scale_ratio, step=True), 12),
-            (_series("Backoffs vs growths per rank", [
-                (f"sum by (run, rank) (increase({m.LOSS_SCALE_BACKOFFS}{{{_RANK}}}[$__rate_interval]))",
-                 "backoff {{run}} rank {{rank}}"),
-                (f"sum by (run, rank) (increase({m.LOSS_SCALE_GROWTHS}{{{_RANK}}}[$__rate_interval]))",
-                 "growth {{run}} rank {{rank}}"),
-            ], "Scale transitions per interval. Backoffs on many ranks with no growth for "
-               f"{t.backoff_window_s}s is sustained backoff (AmpSustainedLossScaleBackoff).", bars=True), 12),
-            (_series("Iterations per second per rank", [
-                (f"rate({m.ITERATION}{{{_RANK}}}[$__rate_interval])", "{{run}} rank {{rank}}"),
-            ], "scaler.update() calls per second: a rank that stops advancing is stuck or gone.",
-                unit="ops"), 12),
+            (_series("Backoffs vs growths across ranks", [
+                (f"sum by (run) (increase({m.LOSS_SCALE_BACKOFFS}{{{_RANK}}}[$__rate_interval]))", "backoffs {{run}}"),
+                (f"sum by (run) (increase({m.LOSS_SCALE_GROWTHS}{{{_RANK}}}[$__rate_interval]))", "growths {{run}}"),
+                (f"count by (run) (increase({m.LOSS_SCALE_BACKOFFS}{{{_RANK}}}[$__rate_interval]) > 0)",
+                 "ranks backing off {{run}}"),
+            ], "Scale transitions per interval, summed over each run's ranks, and how many ranks backed off. "
+               f"Backoffs on many ranks with no growth for {t.backoff_window_s}s is sustained backoff "
+               "(AmpSustainedLossScaleBackoff).", bars=True), 12),
+            (_series("Iterations per second across ranks", [
+                *_spread(f"rate({m.ITERATION}{{{_RANK}}}[$__rate_interval])", "run"),
+                (f"bottomk by (run) ({_OUTLIERS}, rate({m.ITERATION}{{{_RANK}}}[$__rate_interval]))",
+                 "{{run}} rank {{rank}}"),
+            ], "scaler.update() calls per second: slowest, median and fastest rank of each run, and the "
+               f"{_OUTLIERS} slowest ranks. A rank that stops advancing is stuck or gone.", unit="ops"), 12),
         ]),
         ("Skipped steps", 8, [
-            (_series("Skipped steps per optimizer", [
-                (f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))",
-                 "{{run}} rank {{rank}} {{optimizer}}"),
-            ], "scaler.step(optimizer) calls skipped because the optimizer's unscaled gradients held inf/NaN.",
+            (_series("Skipped steps across ranks", [
+                (f"sum by (run, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))",
+                 "skipped {{run}} {{optimizer}}"),
+                (f"count by (run, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval])"
+                 " > 0)", "ranks skipping {{run}} {{optimizer}}"),
+            ], "scaler.step(optimizer) calls skipped because the optimizer's unscaled gradients held inf/NaN, "
+               "summed over each run's ranks, and how many ranks skipped: all of them at once is a whole-job "
+               "storm (one rank's inf/NaN spreads through DDP's all-reduce), a few is a rank problem.",
                 bars=True), 12),
-            (_series("Skip ratio per optimizer", [
-                (f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))"
-                 f" / sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval])"
-                 f" + increase({m.OPTIMIZER_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))",
-                 "{{run}} rank {{rank}} {{optimizer}}"),
-            ], "Share of scaler.step() calls that skipped. The line is the AmpHighSkippedStepRatio "
+            (_series("Skip ratio: median and top ranks", [
+                (f"quantile by (run, optimizer) (0.5, {_skip_ratio()})", "median {{run}} {{optimizer}}"),
+                (f"topk by (run, optimizer) ({_OUTLIERS}, {_skip_ratio()})", "{{run}} rank {{rank}} {{optimizer}}"),
+            ], f"Share of scaler.step() calls that skipped: the median rank and the {_OUTLIERS} ranks that skip "
+               "most, per run and optimizer. The line is the AmpHighSkippedStepRatio "
                f"threshold (judged over {t.skip_ratio_window_s}s).",
                 unit="percentunit", threshold=t.skip_ratio), 12),
             (_series("Consecutive-skip streaks", [
-                (f"{m.OPTIMIZER_CONSECUTIVE_SKIPPED}{{{_OPTIMIZER}}}", "current {{run}} rank {{rank}} {{optimizer}}"),
-                (f"{m.OPTIMIZER_LONGEST_SKIP_STREAK}{{{_OPTIMIZER}}}", "longest {{run}} rank {{rank}} {{optimizer}}"),
-            ], "Length of the current skip streak and the longest so far. The line is the warning "
-               f"threshold ({t.skip_streak_warning}); a streak shorter than a scrape interval only "
-               "shows in 'longest' and in the alert.", threshold=t.skip_streak_warning, step=True), 12),
+                (f"topk by (run) ({_OUTLIERS}, {m.OPTIMIZER_CONSECUTIVE_SKIPPED}{{{_OPTIMIZER}}})",
+                 "current {{run}} rank {{rank}} {{optimizer}}"),
+                (f"count by (run, optimizer) ({m.OPTIMIZER_CONSECUTIVE_SKIPPED}{{{_OPTIMIZER}}} > 0)",
+                 "ranks in a streak {{run}} {{optimizer}}"),
+                (f"max by (run, optimizer) ({m.OPTIMIZER_LONGEST_SKIP_STREAK}{{{_OPTIMIZER}}})",
+                 "longest so far {{run}} {{optimizer}}"),
+            ], f"The {_OUTLIERS} longest current skip streaks of each run, how many ranks are in one, and the "
+               f"longest streak any rank saw. The line is the warning threshold ({t.skip_streak_warning}); a "
+               "streak shorter than a scrape interval only shows in 'longest' and in the alert.",
+                threshold=t.skip_streak_warning, step=True), 12),
             (_series("Scheduler steps after skips", [
-                (f"sum by (run, rank, optimizer) ({m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP}{{{_OPTIMIZER}}})",
+                (f"topk by (run) ({_OUTLIERS}, {m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP}{{{_OPTIMIZER}}})",
                  "{{run}} rank {{rank}} {{optimizer}}"),
-            ], "LR scheduler steps taken right after a skipped step (AmpSchedulerStepsOnSkipped): "
-               "gate scheduler.step() with watch.stepped(optimizer).", step=True), 12),
+            ], f"LR scheduler steps taken right after a skipped step (AmpSchedulerStepsOnSkipped), the {_OUTLIERS} "
+               "ranks with the most per run: gate scheduler.step() with watch.stepped(optimizer).", step=True), 12),
             (_table("Offending parameters", [
-                (f"{m.NONFINITE_GRADIENT_INFO}{{{_OPTIMIZER}}}", ""),
-            ], "The latest parameter named as holding non-finite gradients on a skip, per rank and "
-               "optimizer. Start the investigation here.",
-                hide=["Time", "Value", "__name__", "job", "instance"]), 24),
+                (f"count by (run, optimizer, parameter) ({m.NONFINITE_GRADIENT_INFO}{{{_OPTIMIZER}}})", ""),
+            ], "The parameters named as holding non-finite gradients on each rank's latest skip, with how many "
+               "ranks named each (column ranks): one parameter on every rank points at the model or the data, "
+               "one rank alone at its GPU. Start the investigation here.",
+                hide=["Time"], rename={"Value": "ranks"}), 24),
             (_table("Ranks where skips started (DDP)", [
-                (f"(sum by (run, rank) (increase({m.RANK_ORIGIN_ITERATIONS}{{{_RANK}}}[$__range])) > 0)"
+                (f"topk by (run) (20, sum by (run, rank) (increase({m.RANK_ORIGIN_ITERATIONS}{{{_RANK}}}[$__range])) > 0)"
                  f" * on (run, rank) group_left (host, local_rank) {m.RANK_INFO}", ""),
             ], "Skipped iterations over the dashboard's time range whose inf/NaN was in the rank's own "
-               "gradients before DDP's all-reduce (agents watching with ddp=), with host and local rank. "
-               "One or a few ranks here again and again: suspect that GPU, host or data shard "
-               f"(AmpSkipOriginRank: >= {t.origin_min_count} within {t.origin_window_s}s).",
+               "gradients before DDP's all-reduce (agents watching with ddp=), with host and local rank, the 20 "
+               "ranks with the most per run. One or a few ranks here again and again: suspect that GPU, host or "
+               f"data shard (AmpSkipOriginRank: >= {t.origin_min_count} within {t.origin_window_s}s).",
                 hide=["Time", "__name__", "job", "instance"]), 24),
         ]),
         ("Collector and agents", 7, [
@@ -141,12 +158,15 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
                 (f"histogram_quantile(0.99, sum by (instance, le) "
                  f"(rate({m.COLLECTOR_INGEST_DURATION}_bucket[$__rate_interval])))", "{{instance}}"),
             ], "Time from request to durable answer (the agent's batches wait this long).", unit="s"), 8),
-            (_series("Agent delivery trouble per rank", [
-                (f"sum by (run, rank) (increase({m.AGENT_SEND_FAILURES}{{{_RANK}}}[$__rate_interval]))",
-                 "send failures {{run}} rank {{rank}}"),
-                (f"sum by (run, rank) (increase({m.AGENT_DROPPED_EVENTS}{{{_RANK}}}[$__rate_interval]))",
-                 "dropped events {{run}} rank {{rank}}"),
-            ], "Failed deliveries and events dropped by a full agent buffer.", bars=True), 8),
+            (_series("Agent delivery trouble", [
+                (f"sum by (run) (increase({m.AGENT_SEND_FAILURES}{{{_RANK}}}[$__rate_interval]))",
+                 "send failures {{run}}"),
+                (f"sum by (run) (increase({m.AGENT_DROPPED_EVENTS}{{{_RANK}}}[$__rate_interval]))",
+                 "dropped events {{run}}"),
+                (f"topk by (run) ({_OUTLIERS}, increase({m.AGENT_SEND_FAILURES}{{{_RANK}}}[$__rate_interval])"
+                 f" + increase({m.AGENT_DROPPED_EVENTS}{{{_RANK}}}[$__rate_interval]))", "{{run}} rank {{rank}}"),
+            ], "Failed deliveries and events dropped by a full agent buffer, summed over each run's ranks, and "
+               f"the {_OUTLIERS} ranks with the most.", bars=True), 8),
         ]),
     ]
     panels = _layout(sections)
@@ -184,6 +204,20 @@ def panel_queries(model: dict[str, Any]) -> list[tuple[str, str]]:
             for panel in model["panels"] for target in panel.get("targets", [])]
 
 
+def _spread(expr: str, by: str) -> list[tuple[str, str]]:
+    """Lowest, median and highest value of ``expr`` across ranks, one line each per ``by``."""
+    return [(f"min by ({by}) ({expr})", "lowest {{%s}}" % by),
+            (f"quantile by ({by}) (0.5, {expr})", "median {{%s}}" % by),
+            (f"max by ({by}) ({expr})", "highest {{%s}}" % by)]
+
+
+def _skip_ratio() -> str:
+    """Skipped / all scaler.step() calls per interval, per rank and optimizer."""
+    skipped = f"increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval])"
+    return (f"sum by (run, rank, optimizer) ({skipped})"
+            f" / sum by (run, rank, optimizer) ({skipped} + increase({m.OPTIMIZER_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))")
+
+
 def _targets(queries: list[tuple[str, str]], instant: bool = False, table: bool = False) -> list[Target]:
     return [Target(expr=expr, legendFormat=legend, refId=chr(ord("A") + i), datasource=_DATASOURCE,
                    instant=instant, format="table" if table else "time_series")
@@ -219,11 +253,13 @@ def _stat(title: str, queries: list[tuple[str, str]], description: str,
                 graphMode="none", thresholds=_steps(None, red_from), noValue="0")
 
 
-def _table(title: str, queries: list[tuple[str, str]], description: str, hide: list[str]) -> Table:
+def _table(title: str, queries: list[tuple[str, str]], description: str, hide: list[str],
+           rename: dict[str, str] | None = None) -> Table:
     return Table(
         title=title, description=description, dataSource=_DATASOURCE,
         targets=_targets(queries, instant=True, table=True), filterable=True,
-        transformations=[{"id": "organize", "options": {"excludeByName": {name: True for name in hide}}}],
+        transformations=[{"id": "organize", "options": {"excludeByName": {name: True for name in hide},
+                                                        "renameByName": rename or {}}}],
     )
 
 

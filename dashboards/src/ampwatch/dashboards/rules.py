@@ -5,6 +5,15 @@ rank)``, ``count by (run)``) and never reads a collector's ``ampwatch_run_*``
 convenience series, so the rules stay right when the ranks of one run report
 to several collectors.
 
+What an evaluation costs grows with the series each selector reads (at 1,024
+ranks x 2 optimizers, 2,048 per selector), so each per-rank series that is
+nearly always 0 (closed, a current streak, scheduler steps after skips,
+poisoned steps) is read once per evaluation, by a recording rule that keeps
+only its non-zero series, and the alerts read those few; a counter rose within
+a window when it differs from its value one window ago (``offset``: two
+instant reads, no range read), which the streak rungs' recording rule works
+out once for both streak alerts. ``python -m bench.rule_eval`` measures it.
+
 Example::
 
     from ampwatch.dashboards.rules import render_rules
@@ -37,7 +46,8 @@ _HEADER = (
     "# Do not edit by hand: change the thresholds (or the generator) and regenerate.\n"
 )
 
-_OPEN = f"{m.RANK_CLOSED} == 0"  # a rank that has not closed cleanly
+_LARGEST_FLOAT = "1.7976931348623157e+308"
+_OPEN = f"{m.RANK_CLOSED} == 0"  # a rank that has not closed cleanly (reads every rank: see RecordedSeries.closed)
 
 
 class RecordedSeries:
@@ -57,24 +67,36 @@ class RecordedSeries:
         origin_w = dur(t.origin_window_s)
         self.origins = f"run_rank:ampwatch_rank_origin_iterations:increase{origin_w}"
         self.ranks_origin = f"run:ampwatch_ranks_origin:count{origin_w}"
+        self.skipped = f"run_rank_optimizer:ampwatch_optimizer_skipped_steps:increase{ratio_w}"
+        # The non-zero series of metrics that are 0 on nearly every rank, each read once per evaluation.
+        self.closed = _nonzero_name(m.RANK_CLOSED)
+        self.in_streak = _nonzero_name(m.OPTIMIZER_CONSECUTIVE_SKIPPED)
+        self.streaks_rose = f"run_rank_optimizer:ampwatch_optimizer_skip_streaks:rose{dur(t.skip_streak_window_s)}"
+        self.scheduler_steps = _nonzero_name(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP)
+        self.poisoned = _nonzero_name(m.OPTIMIZER_POISONED_STEPS)
 
 
 def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, Any]]:
     """Return the recording rules the alerts build on."""
     r = RecordedSeries(t)
     backoff_w, ratio_w = dur(t.backoff_window_s), dur(t.skip_ratio_window_s)
+    ladder = "|".join(str(n) for n in sorted({t.skip_streak_warning, t.skip_streak_critical}))
+    rungs = f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length=~"{ladder}"}}'
     return [
+        # Read once here, kept only where non-zero: what the alerts below read instead of the whole metric.
+        _record(r.closed, f"{m.RANK_CLOSED} > 0"),
+        _record(r.in_streak, f"{m.OPTIMIZER_CONSECUTIVE_SKIPPED} > 0"),
+        # The streak counters of the alerts' rungs that rose within the window (a streak reached the rung).
+        _record(r.streaks_rose, _counter_rose(f"{rungs} > 0", rungs, t.skip_streak_window_s, current=rungs)),
+        _record(r.scheduler_steps, f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP} > 0"),
+        _record(r.poisoned, f"{m.OPTIMIZER_POISONED_STEPS} > 0"),
         _record(r.backoffs, f"sum by (run, rank) (increase({m.LOSS_SCALE_BACKOFFS}[{backoff_w}]))"),
         _record(r.growths, f"sum by (run, rank) (increase({m.LOSS_SCALE_GROWTHS}[{backoff_w}]))"),
+        _record(r.skipped, f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}[{ratio_w}]))"),
         # steps_total counts updates only; a scaler.step() call either updates or skips.
-        _record(r.step_calls,
-                f"sum by (run, rank, optimizer) (\n"
-                f"  increase({m.OPTIMIZER_STEPS}[{ratio_w}])\n"
-                f"  + increase({m.OPTIMIZER_SKIPPED_STEPS}[{ratio_w}])\n"
-                f")"),
-        _record(r.skip_ratio,
-                f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}[{ratio_w}]))\n"
-                f"/ {r.step_calls}"),
+        _record(r.step_calls, f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_STEPS}[{ratio_w}]))\n"
+                              f"+ {r.skipped}"),
+        _record(r.skip_ratio, f"{r.skipped} / {r.step_calls}"),
         _record(r.ranks_open, f"count by (run) ({_OPEN})"),
         # Backoffs while a rank calibrates its scale (its first iterations) are normal,
         # so a rank counts only once every sample in the window is past calibration.
@@ -83,11 +105,11 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
                 f"    {r.backoffs} >= {t.backoff_min_count}\n"
                 f"  and on (run, rank) {r.growths} == 0\n"
                 f"  and on (run, rank) min_over_time({m.ITERATION}[{backoff_w}]) >= {t.calibration_iterations}\n"
-                f"  and on (run, rank) {_OPEN}\n"
+                f"  unless on (run, rank) {r.closed}\n"
                 f")"),
         # Closed ranks keep their last scale; only open ranks can disagree.
-        _record(r.scale_max, f"max by (run) ({m.LOSS_SCALE} and on (run, rank) {_OPEN})"),
-        _record(r.scale_min, f"min by (run) ({m.LOSS_SCALE} and on (run, rank) {_OPEN})"),
+        _record(r.scale_max, f"max by (run) ({m.LOSS_SCALE} unless on (run, rank) {r.closed})"),
+        _record(r.scale_min, f"min by (run) ({m.LOSS_SCALE} unless on (run, rank) {r.closed})"),
         _record(r.scale_spread, f"{r.scale_max} / {r.scale_min}"),
         # Skipped iterations each rank started (its own gradients non-finite before DDP's all-reduce), and how
         # many of a run's ranks started any.
@@ -97,19 +119,20 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
 
 
 def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
-    # The value is the current streak; the streak counter catches a streak that
+    # The value is the current streak (0 once it ended); the streak counter catches a streak that
     # began and ended between two scrapes, the gauge one still under way.
-    streaks = f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length="{threshold}"}}'
+    rose = f'{r.streaks_rose}{{min_length="{threshold}"}}'
     return (f"(\n"
-            f"  {m.OPTIMIZER_CONSECUTIVE_SKIPPED}\n"
-            f"  and on (run, rank, optimizer)\n"
-            f"{_indent(_counter_rose(streaks, t.skip_streak_window_s))}\n"
+            f"  {r.in_streak}\n"
+            f"  and on (run, rank, optimizer) {rose}\n"
             f")\n"
             f"or\n"
             f"(\n"
-            f"  {m.OPTIMIZER_CONSECUTIVE_SKIPPED} >= {threshold}\n"
-            f"  unless on (run, rank) {m.RANK_CLOSED} == 1\n"
-            f")")
+            f"  {r.in_streak} >= {threshold}\n"
+            f"  unless on (run, rank) {r.closed}\n"
+            f")\n"
+            f"or\n"
+            f"0 * max without (min_length) ({rose})")
 
 
 def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
@@ -118,19 +141,17 @@ def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
     return (f"(\n"
             f"    {r.origins} >= {t.origin_min_count}\n"
             f"  and on (run) {r.ranks_origin} <= clamp_min({r.ranks_open} * {_num(t.origin_rank_share)}, 1)\n"
-            f"  and on (run, rank) {_OPEN}\n"
+            f"  unless on (run, rank) {r.closed}\n"
             f")\n"
             f"* on (run, rank) group_left (host, local_rank) {m.RANK_INFO}")
 
 
 def _collapsed(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
-    # A scale that cannot work: below the threshold (0 included), NaN (x != x holds only for NaN) or +Inf.
-    return (f"(\n"
-            f"  {m.LOSS_SCALE} < {_num(t.collapsed_loss_scale)}\n"
-            f"  or {m.LOSS_SCALE} != {m.LOSS_SCALE}\n"
-            f"  or {m.LOSS_SCALE} == +Inf\n"
-            f")\n"
-            f"unless on (run, rank) {m.RANK_CLOSED} == 1")
+    # A scale that cannot work: below the threshold (0 included), NaN or +Inf. Clamping into
+    # [threshold, largest float] leaves exactly the finite scales at or above the threshold unchanged,
+    # and x != x holds for NaN: one comparison, two reads of the scale.
+    return (f"{m.LOSS_SCALE} != clamp({m.LOSS_SCALE}, {_num(t.collapsed_loss_scale)}, {_LARGEST_FLOAT})\n"
+            f"unless on (run, rank) {r.closed}")
 
 
 #: The condition of each alert as a PromQL expression, from the thresholds, the recorded series and the
@@ -144,18 +165,13 @@ CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
                                                 f"and on (run, rank, optimizer) {r.step_calls} >= "
                                                 f"{t.skip_ratio_min_steps}"),
     "AmpRankSilent": lambda t, r, _: (f"(time() - {m.RANK_LAST_SEEN} > {t.silent_after_s})\n"
-                                      f"and on (run, rank) {_OPEN}"),
-    "AmpSchedulerStepsOnSkipped": lambda t, r, _: (
-        f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP}\n"
-        f"and on (run, rank, optimizer)\n"
-        f"{_counter_rose(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP, t.scheduler_window_s)}"),
-    "AmpPoisonedStep": lambda t, r, _: (f"{m.OPTIMIZER_POISONED_STEPS}\n"
-                                        f"and on (run, rank, optimizer)\n"
-                                        f"{_counter_rose(m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s)}"),
+                                      f"unless on (run, rank) {r.closed}"),
+    "AmpSchedulerStepsOnSkipped": lambda t, r, _: _counter_rose(r.scheduler_steps, m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP,
+                                                                t.scheduler_window_s),
+    "AmpPoisonedStep": lambda t, r, _: _counter_rose(r.poisoned, m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s),
     "AmpSkipOriginRank": _origin,
-    "AmpRankConflict": lambda t, r, _: (f"{m.RANK_CONFLICTS}\n"
-                                        f"and on (run, rank)\n"
-                                        f"{_counter_rose(m.RANK_CONFLICTS, t.conflict_window_s)}"),
+    "AmpRankConflict": lambda t, r, _: _counter_rose(f"{m.RANK_CONFLICTS} > 0", m.RANK_CONFLICTS,
+                                                     t.conflict_window_s),
 }
 
 # Prometheus fills an alert's texts with Go templates over the instance's labels and value.
@@ -195,15 +211,19 @@ def render_rules(
     return _HEADER + dump_yaml(rule_groups(t, runbook_base_url))
 
 
-def _counter_rose(selector: str, window_s: int) -> str:
-    # increase() needs two samples in the window; a series born already above 0 (its
-    # first scrape came after the event) is caught by the "new and non-zero" term.
-    w = dur(window_s)
-    return (f"(\n"
-            f"    increase({selector}[{w}]) > 0\n"
-            f"  or\n"
-            f"    ({selector} > 0 unless {selector} offset {w})\n"
-            f")")
+def _counter_rose(nonzero: str, counter: Any, window_s: int, current: str = "") -> str:
+    # The counters ``nonzero`` selects (those above 0) that rose within the window: their value now (``current``,
+    # default ``nonzero`` itself, a recording) differs from their value one window ago, or they had none then (a
+    # series born already above 0, its first scrape after the event). Two instant reads instead of increase()'s
+    # range read; it may fire up to one scrape interval longer (the last sample before the window counts), and a
+    # counter reset that came back to the very value it had one window ago is the one rise it misses.
+    return f"{nonzero}\nunless\n{current or nonzero} == {counter} offset {dur(window_s)}"
+
+
+def _nonzero_name(metric: m.Metric) -> str:
+    """Name the recorded non-zero series of a collector metric (``_total`` dropped, as for every recording)."""
+    level = "_".join(label for label in metric.labels if label in ("run", "rank", "optimizer"))
+    return f"{level}:{metric.name.removesuffix('_total')}:nonzero"
 
 
 def _record(name: str, expr: str) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""End to end: at 64 ranks the dashboard draws each run's spread and its outlier ranks, not a line per rank.
+
+A real collector gets protocol v1 batches from 64 ranks x 2 optimizers of one run; a real Prometheus
+scrapes it every second. Three ranks are staged as outliers: rank 42 with a small scale (2**2) whose
+``gen`` optimizer skips half its steps, rank 7 with a small scale too (2**4), rank 9 iterating at a
+fifth of the others' pace. Every per-rank time-series panel's queries then run as Grafana sends them;
+each panel returns a handful of series whatever the rank count, and the outlier ranks are among them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+import urllib.request
+from pathlib import Path
+
+import pytest
+from batches import make_batch, optimizer
+from collector_process import CollectorProcess
+from prometheus_stack import Processes, get, query_range, start_prometheus, wait_until
+from webhook_receiver import free_port
+
+from ampwatch.dashboards.dashboard import dashboard_json
+from ampwatch.dashboards.rules import render_rules
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+RUN, RANKS, BATCHES = "spread-64", 64, 10
+SCALES = {42: 2.0 ** 2, 7: 2.0 ** 4}  # the rest stay at 2**16
+SLOW = 9
+GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s", "$__range": "30s"}
+SECTIONS = ("Loss scale", "Skipped steps")  # the per-rank time-series panels
+
+
+def _post(url: str, batch: dict) -> None:
+    request = urllib.request.Request(url + "/v1/ingest", data=json.dumps(batch).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.status == 200
+
+
+def _stream(url: str) -> None:
+    for seq in range(1, BATCHES + 1):
+        for rank in range(RANKS):
+            iterations = 2 * seq if rank == SLOW else 10 * seq
+            skipped = iterations // 2 if rank == 42 else 0
+            _post(url, make_batch(run=RUN, rank=rank, world_size=RANKS, local_rank=rank % 8, seq=seq,
+                                  incarnation=f"spread-{rank}", sent_at=time.time(), iteration=iterations,
+                                  loss_scale=SCALES.get(rank, 2.0 ** 16),
+                                  optimizers={"gen": optimizer(steps=iterations - skipped, skipped=skipped),
+                                              "disc": optimizer(steps=iterations)}))
+        time.sleep(0.5)
+
+
+def _panels() -> dict[str, list[dict]]:
+    """Return each per-rank time-series panel's targets, by title."""
+    panels, section = {}, None
+    for panel in dashboard_json()["panels"]:
+        if panel["type"] == "row":
+            section = panel["title"]
+        elif panel["type"] == "timeseries" and section in SECTIONS:
+            panels[panel["title"]] = panel["targets"]
+    return panels
+
+
+def _query(prometheus: str, expr: str, start: float, end: float) -> list[dict]:
+    """Run a panel query as Grafana sends it, over ``start`` to ``end`` at 1 s steps."""
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return query_range(prometheus, expr, start, end)
+
+
+def _values(series: dict) -> list[float]:
+    return [float(v) for _, v in series["values"] if v != "NaN"]
+
+
+def _last(series: dict) -> float:
+    return float(series["values"][-1][1])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp: Path = tmp_path_factory.mktemp("spread")
+    processes = Processes(tmp)
+    collector = CollectorProcess(str(tmp / "ampwatch.db"))
+    try:
+        collector.start()
+        prometheus = start_prometheus(processes, tmp, free_port(), render_rules(), [f"127.0.0.1:{collector.port}"])
+        wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
+        # Prometheus starts scraping a few seconds after it is ready (target discovery is throttled to every 5 s):
+        # stream only once it scrapes, so the stream's whole span is in its history.
+        wait_until(lambda: query_range(prometheus, "up == 1", time.time() - 2), 60, "Prometheus to scrape the collector")
+        start = time.time()
+        _stream(collector.url)
+        end = time.time()
+        wait_until(lambda: query_range(prometheus, f'count(ampwatch_iteration{{run="{RUN}"}}) == {RANKS}', end - 4,
+                                       end), 30, f"Prometheus to have scraped all {RANKS} ranks")
+        time.sleep(2)  # the scrapes up to the end of the stream are in
+        yield prometheus, start, end
+    finally:
+        processes.stop_all()
+        collector.kill()
+
+
+def test_every_per_rank_panel_draws_a_handful_of_lines_at_64_ranks(stack):
+    prometheus, start, end = stack
+    raw = query_range(prometheus, f'ampwatch_optimizer_steps_total{{run="{RUN}"}}', end - 4, end)
+    assert len(raw) == 2 * RANKS  # what a line per rank and optimizer would have drawn
+    panels = _panels()
+    assert len(panels) == 8
+    for title, targets in panels.items():
+        series = [s for target in targets for s in _query(prometheus, target["expr"], start, end)]
+        assert series, title
+        # At any moment: 3 spread lines and 5 outliers per run and optimizer at most (topk may pick other
+        # ranks at other moments, when values move).
+        at_once = max(Counter(t for s in series for t, _ in s["values"]).values())
+        assert at_once <= 16, (title, at_once)
+
+
+def test_the_loss_scale_panel_shows_lowest_median_highest_and_the_small_scale_ranks(stack):
+    prometheus, _, end = stack
+    lines = {}
+    for target in _panels()["Loss scale across ranks"]:
+        for series in _query(prometheus, target["expr"], end - 2, end):  # every rank known: its last scale
+            name = target["legendFormat"].split(" ")[0]
+            lines.setdefault(name, {})[series["metric"].get("rank")] = _last(series)
+    assert lines["lowest"] == {None: 2.0 ** 2}
+    assert lines["median"] == {None: 2.0 ** 16}
+    assert lines["highest"] == {None: 2.0 ** 16}
+    outliers = lines["{{run}}"]
+    assert len(outliers) == 5 and {"42": 2.0 ** 2, "7": 2.0 ** 4}.items() <= outliers.items()
+
+
+def test_the_skip_ratio_panel_shows_the_median_and_the_rank_that_skips(stack):
+    # Ratios per 4 s interval: NaN where an interval saw no step of a rank, so judged over the whole stream.
+    prometheus, start, end = stack
+    (median, top) = _panels()["Skip ratio: median and top ranks"]
+    medians = {s["metric"]["optimizer"]: set(_values(s)) for s in _query(prometheus, median["expr"], start, end)}
+    assert medians == {"gen": {0.0}, "disc": {0.0}}
+    skipping = {(s["metric"]["rank"], s["metric"]["optimizer"]): set(_values(s)) - {0.0}
+                for s in _query(prometheus, top["expr"], start, end)}
+    assert {key: ratios for key, ratios in skipping.items() if ratios} == {("42", "gen"): {0.5}}
+
+
+def test_the_iteration_rate_panel_shows_the_slow_rank_among_the_slowest(stack):
+    prometheus, start, end = stack
+    targets = {t["legendFormat"].split(" ")[0]: t["expr"] for t in _panels()["Iterations per second across ranks"]}
+    slowest = {s["metric"]["rank"]: _values(s) for s in _query(prometheus, targets["{{run}}"], start, end)}
+    (median,) = _query(prometheus, targets["median"], start, end)
+    assert str(SLOW) in slowest
+    assert 0 < max(slowest[str(SLOW)]) < max(_values(median))
