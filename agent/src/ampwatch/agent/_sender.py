@@ -59,7 +59,7 @@ class Sender:
         self._seq = 0  # seq of the last batch built
         self._wake = wake if wake is not None else threading.Event()
         events.wake = self._wake  # news appended by the training thread wakes this sender
-        self._schedule = PushSchedule(config.push_interval)
+        self._schedule = PushSchedule(config.push_interval, ranks=identity.world_size)
         self._stop = threading.Event()
         self._deadline: float | None = None  # monotonic time by which close() gives up
         self._thread: threading.Thread | None = None
@@ -127,7 +127,8 @@ class Sender:
     def _run(self) -> None:
         """Build a batch when the schedule says (news soon, else every push interval), deliver oldest first."""
         self._open_spool()  # here, not in start(): adopting a big spool must not delay training
-        schedule = self._schedule  # nothing built yet: the first batch goes right away, the rank shows up at once
+        schedule = self._schedule
+        schedule.begin(time.monotonic())  # the first batch soon: at once for a small job, spread for a big one
         hurry = False
         while True:
             try:
