@@ -334,3 +334,19 @@ def test_a_storm_of_news_is_coalesced_into_at_most_one_batch_per_news_gap(collec
     assert collector.wait_for(lambda s: len(s.event_ids()) == recorder.skipped, timeout=10)
     # Per-event batches would be hundreds; the gap allows one per NEWS_GAP (the last may come after the storm).
     assert len(collector.acked) - 1 <= storm / NEWS_GAP + 2, len(collector.acked)
+
+
+def test_news_that_waited_out_an_outage_goes_when_delivery_resumes_not_at_the_next_heartbeat(collector, senders):
+    sender, recorder = make_sender(collector.url, push_interval=30.0, max_backoff=0.2)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    collector.stop()
+    recorder.skip()  # news: its batch is built, then retried while the collector is down
+    deadline = time.monotonic() + 10
+    while sender.send_failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.send_failures > 0
+    recorder.skip()  # news again, but the one-batch outbox is full: it waits in the event buffer
+    time.sleep(1.5)
+    collector.start()
+    assert collector.wait_for(lambda s: s.event_ids() == [1, 2], timeout=10), collector.event_ids()

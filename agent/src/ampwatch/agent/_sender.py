@@ -227,6 +227,8 @@ class Sender:
                 if self._failures_in_row:
                     log.info("ampwatch: delivery to %s resumed after %d failed attempt(s)",
                              url, self._failures_in_row)
+                    if len(self.events):
+                        self._wake.set()  # what waited out the outage goes soon, not at the next heartbeat
                 self._failures_in_row = 0
             elif outcome is Outcome.REJECTED:
                 self._outbox.pop()
