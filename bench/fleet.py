@@ -10,13 +10,13 @@ scrapes every 15 s as Prometheus makes them; from a streak's 16th skip to ``AmpC
 firing in the built-in alerts). One rank is killed (no close) early in the healthy phase:
 ``AmpRankSilent`` must fire within ``silent_after_s`` + ``silent_for_s`` of its last
 batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that the bench stays short
-(:data:`SILENCE`; the default is 8 heartbeats + 60 s).
+(:func:`silence`; the default is 8 heartbeats + 60 s).
 
     python -m bench.fleet                          # 16,384 ranks, before and after: about 5 minutes
     python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 3 minutes
     python -m bench.fleet --only after --ranks 4096
-    python -m bench.fleet --out bench/fleet.json   # also store the result (key "fleet")
-    python -m bench.fleet --render bench/fleet.json  # print the Markdown section of a stored result
+    python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
+    python -m bench.fleet --render bench/fleet_delivery.json     # print the Markdown tables stored there
 
 A node relay (one request per node, protocol v2) is a transport of ``bench/_fleet_ranks.py``
 (``TRANSPORTS``): ``--transport NAME`` runs the *after* side through it.
@@ -42,17 +42,23 @@ from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S
 from bench import _servers
 from bench._before_after import ROOT, store
 
-__all__ = ["SILENCE", "run", "render", "main"]
+__all__ = ["SILENCE", "silence", "run", "render", "main"]
 
 KEY = "fleet"
 SCRAPE_EVERY_S = 15.0  # as Prometheus does by default
 VISIBLE_WITHIN_S = 2.0  # the target: a streak's first skip in /metrics and the built-in alerts
-SILENCE = {"silent_after_s": 3 * HEARTBEAT_INTERVAL_S, "silent_for_s": HEARTBEAT_INTERVAL_S}
-"""Bench-only silence thresholds: short enough to see AmpRankSilent fire within the run, still 3
-heartbeats, so that a healthy rank whose heartbeats come late would show up as a false alert."""
+def silence(heartbeat: float) -> dict[str, int]:
+    """Bench-only silence thresholds: short enough to see AmpRankSilent fire within the run, still 3
+    heartbeats (the longest wait between a healthy rank's batches is 1.5), so that a healthy rank
+    whose heartbeats come late shows up as a false alert. The default is 8 heartbeats + 60 s."""
+    return {"silent_after_s": int(3 * heartbeat), "silent_for_s": int(heartbeat)}
 
-PHASES = {"full": (45, 45), "quick": (30, 30)}
-"""Seconds of (healthy, storm) per side; before them, *warm* lets every rank make its first contact."""
+
+SILENCE = silence(HEARTBEAT_INTERVAL_S)
+
+PHASES = {"full": {"before": (20, 25), "after": (45, 45)}, "quick": {"before": (20, 20), "after": (30, 30)}}
+"""Seconds of (healthy, storm) per side; before them, *warm* lets every rank make its first contact. The
+healthy phase of the *after* side is 3 (quick: 2) heartbeats, so every rank sends the same number."""
 
 
 def _warm_s(side: str, ranks: int) -> float:
@@ -76,7 +82,10 @@ def _get(url: str, timeout: float = 120.0) -> bytes:
 def _scrape(url: str) -> dict:
     """Scrape /metrics as Prometheus does; return its times and every rank's ``gen`` skipped count."""
     started = time.time()
-    text = _get(url + "/metrics").decode()
+    try:
+        text = _get(url + "/metrics", timeout=SCRAPE_EVERY_S).decode()
+    except OSError as error:  # an overwhelmed collector: Prometheus would mark the target down
+        return {"start": started, "end": time.time(), "counts": {}, "bytes": 0, "error": str(error)}
     ended = time.time()
     counts = {}
     for labels, value in _SKIPPED.findall(text):
@@ -85,8 +94,12 @@ def _scrape(url: str) -> dict:
     return {"start": started, "end": ended, "counts": counts, "bytes": len(text)}
 
 
-def _alerts(url: str) -> list[dict]:
-    return json.loads(_get(url + "/v1/alerts"))["firing"]
+def _alerts(url: str) -> Optional[list[dict]]:
+    """Return the built-in alerts firing now, or None when the collector does not answer within 30 s."""
+    try:
+        return json.loads(_get(url + "/v1/alerts", timeout=30.0))["firing"]
+    except OSError:
+        return None
 
 
 def _sleep_until(t: float) -> None:
@@ -119,15 +132,17 @@ def _round(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v, 3)
 
 
-def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str) -> dict:
+def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
+          heartbeat: Optional[float] = None) -> dict:
     """Run one side on a fresh collector; return its figures."""
     (healthy, storm), warm = phases, _warm_s(delivery, ranks)
     limit = COLLECTOR_DEFAULTS["max_ranks_per_run"]
     args = ["--max-ranks-per-run", str(ranks)] if ranks > limit else []
     with tempfile.TemporaryDirectory() as tmp:
         thresholds = os.path.join(tmp, "thresholds.json")
+        quiet = silence(heartbeat or HEARTBEAT_INTERVAL_S)
         with open(thresholds, "w") as f:
-            json.dump(SILENCE, f)
+            json.dump(quiet, f)
         args += ["--alert-thresholds", thresholds]
         with _servers.collector(tuple(args)) as srv:
             stats = srv.stats
@@ -137,7 +152,8 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
             sim = subprocess.Popen([sys.executable, "-m", "bench._fleet_ranks", "--port", str(srv.port),
                                     "--ranks", str(ranks), "--delivery", delivery, "--transport", transport,
                                     "--warm", str(warm), "--healthy", str(healthy), "--storm", str(storm),
-                                    "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out],
+                                    "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out,
+                                    *(["--heartbeat", str(heartbeat)] if heartbeat else [])],
                                    cwd=ROOT, stdout=subprocess.PIPE, text=True)
             timeline = json.loads(sim.stdout.readline())
             _sleep_until(timeline["warm_end"])
@@ -162,18 +178,19 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
                 job = json.load(f)
             firing = _alerts(srv.url)
             killed = job["killed"]
-            silent_at = _silent_fired_at(srv.url, str(killed["rank"]), job["killed_last_ack"], firing)
-            firing = _alerts(srv.url)
+            silent_at = _silent_fired_at(srv.url, str(killed["rank"]), job["killed_last_ack"], firing, quiet)
+            firing = _alerts(srv.url) or firing
             peak = stats.memory_kib()
     return _summary(delivery, ranks, timeline, job, scrapes, firing, silent_at, cpu, rss0, rss_healthy, peak,
-                    raised_limit=ranks > limit)
+                    raised_limit=ranks > limit, quiet=quiet)
 
 
-def _silent_fired_at(url: str, rank: str, last_ack: Optional[float], firing: list[dict]) -> Optional[float]:
+def _silent_fired_at(url: str, rank: str, last_ack: Optional[float], firing: Optional[list[dict]],
+                     quiet: dict[str, int]) -> Optional[float]:
     """Wait (bounded) for AmpRankSilent on the killed ``rank``; return when it started firing."""
-    deadline = (last_ack or time.time()) + SILENCE["silent_after_s"] + SILENCE["silent_for_s"] + 10
+    deadline = (last_ack or time.time()) + quiet["silent_after_s"] + quiet["silent_for_s"] + 10
     while True:
-        for alert in firing:
+        for alert in firing or ():
             if alert["name"] == "AmpRankSilent" and alert["labels"].get("rank") == rank:
                 return alert["starts_at"]
         if time.time() > deadline:
@@ -184,7 +201,7 @@ def _silent_fired_at(url: str, rank: str, last_ack: Optional[float], firing: lis
 
 def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[dict], firing: list[dict],
              silent_at: Optional[float], cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
-             raised_limit: bool) -> dict:
+             raised_limit: bool, quiet: dict[str, int]) -> dict:
     healthy_s = timeline["storm_at"] - timeline["warm_end"]
     storm_s = timeline["end"] - timeline["storm_at"]
     storm = job["storm"]
@@ -207,6 +224,8 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
             else:
                 visible.append(acked - t_skip)
         for scrape in scrapes:
+            if "error" in scrape:
+                continue
             shown = scrape["counts"].get(rank)
             before = max((count for done, count in answers if done <= scrape["start"]), default=0)
             if shown is None and before == 0:
@@ -214,7 +233,7 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
             if shown is None or shown < before:
                 disagreements += 1
     streak_alerts = {}
-    for alert in firing:
+    for alert in firing or ():
         if alert["name"] == "AmpConsecutiveSkippedSteps" and alert["labels"].get("optimizer") == "gen":
             rank = alert["labels"]["rank"]
             streak_alerts[rank] = min(streak_alerts.get(rank, float("inf")), alert["starts_at"])
@@ -227,9 +246,9 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
         else:
             alert_missing += 1
     killed = job["killed"]
-    silent_others = sorted({a["labels"]["rank"] for a in firing if a["name"] == "AmpRankSilent"}
+    silent_others = sorted({a["labels"]["rank"] for a in firing or () if a["name"] == "AmpRankSilent"}
                            - {str(killed["rank"])})
-    limit_s = SILENCE["silent_after_s"] + SILENCE["silent_for_s"] + 2  # + a tick to notice, a tick to fire
+    limit_s = quiet["silent_after_s"] + quiet["silent_for_s"] + 2  # + a tick to notice, a tick to fire
     last_ack = job.get("killed_last_ack")
     per_rank_hour = 3600.0 / ranks
     return {
@@ -252,24 +271,29 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
                   "wire_kib_per_rank_hour": round(job["bytes"]["storm"] / storm_s * per_rank_hour / 1024, 1),
                   "storm_ranks": len(storm),
                   "first_skip_to_metrics": _seconds(visible), "first_skips_not_visible_by_end": not_visible,
-                  "scrapes": len(scrapes), "scrape_disagreements": disagreements,
+                  "scrapes": len(scrapes), "scrapes_failed": sum("error" in s for s in scrapes),
+                  "scrape_disagreements": disagreements, "alerts_answered": firing is not None,
                   "scrape_p50_ms": _ms([s["end"] - s["start"] for s in scrapes])["p50_ms"],
                   "rung16_to_builtin_alert": _seconds(alert_delays), "streak_alerts_missing": alert_missing},
         "missed_updates": job["missed"], "refused": job["refused"], "timeouts": job["timeouts"],
         "silence": {"killed_rank": killed["rank"], "last_batch_to_alert_s": _round(
                         None if silent_at is None or last_ack is None else silent_at - last_ack),
-                    "documented_within_s": limit_s, "thresholds": SILENCE, "other_ranks_silent": len(silent_others)},
+                    "documented_within_s": limit_s, "thresholds": quiet, "other_ranks_silent": len(silent_others)},
         "collector_peak_rss_mib": round(peak["VmHWM"] / 1024, 1),
         "generator_cpu_s": job["generator_cpu_s"],
     }
 
 
-def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-rank") -> dict:
+def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-rank",
+        heartbeat: Optional[float] = None) -> dict:
     """Run each side in turn; return ``{side: figures}`` with the run's settings."""
-    plan = PHASES["quick" if quick else "full"]
-    result = {side: _side(side, ranks, plan, transport if side == "after" else "per-rank")
+    plan = dict(PHASES["quick" if quick else "full"])
+    if heartbeat:  # the after side's healthy phase stays a whole number of heartbeats
+        plan["after"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
+    result = {side: _side(side, ranks, plan[side], transport if side == "after" else "per-rank",
+                          heartbeat if side == "after" else None)
               for side in sides}
-    result["settings"] = {"heartbeat_s": HEARTBEAT_INTERVAL_S, "scrape_every_s": SCRAPE_EVERY_S,
+    result["settings"] = {"heartbeat_s": heartbeat or HEARTBEAT_INTERVAL_S, "scrape_every_s": SCRAPE_EVERY_S,
                           "iteration_s": 1.0, "storm_share": 0.1, "cpus": os.cpu_count(),
                           "loadavg_1m": round(os.getloadavg()[0], 2)}
     return result
@@ -317,20 +341,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("before", "after"), help="run one side only")
     parser.add_argument("--transport", default="per-rank", help="how the after side's batches travel "
                                                                 "(bench/_fleet_ranks.py TRANSPORTS)")
-    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
+    parser.add_argument("--heartbeat", type=float, help=f"the after side's push interval (default "
+                                                        f"{HEARTBEAT_INTERVAL_S} s, the agent's)")
+    parser.add_argument("--out", help=f"also store the result under '{KEY}_RANKS' in this JSON file")
     parser.add_argument("--render", metavar="JSON", help="print the Markdown table of a stored result and exit")
     args = parser.parse_args(argv)
     if args.render:
         with open(args.render) as f:
-            print("\n".join(render(json.load(f)[KEY])))
+            for key, result in json.load(f).items():
+                if key.startswith(KEY):
+                    print(f"{key} ({result['command']}, {result['date']}, load {result['settings']['loadavg_1m']}):\n")
+                    print("\n".join(render(result)) + "\n")
         return 0
     ranks = args.ranks or (1024 if args.quick else 16384)
     sides = (args.only,) if args.only else ("before", "after")
-    result = run(ranks, sides, args.quick, args.transport)
+    result = run(ranks, sides, args.quick, args.transport, args.heartbeat)
     print("\n".join(render(result)))
     print(json.dumps(result, indent=1))
     if args.out:
-        store(args.out, KEY, result, sys.argv)
+        key = f"{KEY}_{ranks}" + (f"_heartbeat_{args.heartbeat:g}" if args.heartbeat else "")
+        store(args.out, key, result, sys.argv)
     return 0
 
 
