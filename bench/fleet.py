@@ -12,8 +12,8 @@ firing in the built-in alerts). One rank is killed (no close) early in the healt
 batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that the bench stays short
 (:func:`silence`; the default is 8 heartbeats + 60 s).
 
-    python -m bench.fleet                          # 16,384 ranks, before and after: about 5 minutes
-    python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 3 minutes
+    python -m bench.fleet                          # 16,384 ranks, before and after: about 7 minutes
+    python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
     python -m bench.fleet --only after --ranks 4096
     python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
     python -m bench.fleet --render bench/fleet_delivery.json     # print the Markdown tables stored there
@@ -56,7 +56,7 @@ def silence(heartbeat: float) -> dict[str, int]:
 
 SILENCE = silence(HEARTBEAT_INTERVAL_S)
 
-PHASES = {"full": {"before": (20, 25), "after": (45, 45)}, "quick": {"before": (20, 20), "after": (30, 30)}}
+PHASES = {"full": {"before": (20, 30), "after": (45, 45)}, "quick": {"before": (20, 30), "after": (30, 30)}}
 """Seconds of (healthy, storm) per side; before them, *warm* lets every rank make its first contact. The
 healthy phase of the *after* side is 3 (quick: 2) heartbeats, so every rank sends the same number."""
 
