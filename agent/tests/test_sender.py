@@ -11,6 +11,7 @@ from recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
 from ampwatch.agent._config import AgentConfig
+from ampwatch.agent._schedule import NEWS_GAP
 from ampwatch.agent._sender import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(60)
@@ -307,3 +308,45 @@ def test_closing_against_a_down_collector_waits_out_its_timeout_without_spinning
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     assert 0.9 < wall < 1.3
     assert cpu < 0.3, f"close() burned {cpu:.2f} s of CPU in {wall:.2f} s waiting for a down collector"
+
+
+def test_appended_news_wakes_the_sender_and_routine_events_wait_for_the_heartbeat(collector, senders):
+    sender, recorder = make_sender(collector.url, push_interval=30.0)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    recorder.events.append({"kind": "scale_change", "iteration": 1, "cause": "growth", "before": 2.0, "after": 4.0})
+    time.sleep(1.5)  # longer than the news gap: a growth is no news, so nothing may have gone
+    assert len(collector.received) == 1
+    recorder.skip()  # a streak's first skip: news, without any wake() call
+    assert collector.wait_for(lambda s: s.event_ids() == [1, 2], timeout=10), "news did not trigger a batch"
+    assert len(collector.acked) == 2, "the growth rode along with the news"
+
+
+def test_a_storm_of_news_is_coalesced_into_at_most_one_batch_per_news_gap(collector, senders):
+    sender, recorder = make_sender(collector.url, push_interval=30.0)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    started = time.monotonic()
+    while time.monotonic() - started < 3.0:
+        recorder.skip()  # every one a streak start
+        time.sleep(0.005)
+    storm = time.monotonic() - started
+    assert collector.wait_for(lambda s: len(s.event_ids()) == recorder.skipped, timeout=10)
+    # Per-event batches would be hundreds; the gap allows one per NEWS_GAP (the last may come after the storm).
+    assert len(collector.acked) - 1 <= storm / NEWS_GAP + 2, len(collector.acked)
+
+
+def test_news_that_waited_out_an_outage_goes_when_delivery_resumes_not_at_the_next_heartbeat(collector, senders):
+    sender, recorder = make_sender(collector.url, push_interval=30.0, max_backoff=0.2)
+    senders.append(sender)
+    assert collector.wait_for(lambda s: len(s.acked) == 1)
+    collector.stop()
+    recorder.skip()  # news: its batch is built, then retried while the collector is down
+    deadline = time.monotonic() + 10
+    while sender.send_failures == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.send_failures > 0
+    recorder.skip()  # news again, but the one-batch outbox is full: it waits in the event buffer
+    time.sleep(1.5)
+    collector.start()
+    assert collector.wait_for(lambda s: s.event_ids() == [1, 2], timeout=10), collector.event_ids()

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server._config import config_from_args
 from ampwatch.server.__main__ import build_parser
 
@@ -39,3 +40,15 @@ def test_bad_values_say_which_option_and_variable_to_fix(monkeypatch):
     result = subprocess.run([sys.executable, "-m", "ampwatch.server", "serve", "--max-runs", "0"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "max_runs=0 must be >= 1" in result.stderr
+
+
+def test_silent_after_follows_the_silence_alerts_threshold_unless_given(monkeypatch, tmp_path):
+    monkeypatch.delenv("AMPWATCH_SERVER_SILENT_AFTER", raising=False)
+    assert config_from_args(build_parser().parse_args([])).silent_after == DEFAULT_THRESHOLDS.silent_after_s
+    overrides = tmp_path / "thresholds.json"
+    overrides.write_text('{"silent_after_s": 45}')
+    assert config_from_args(build_parser().parse_args(["--alert-thresholds", str(overrides)])).silent_after == 45
+    given = build_parser().parse_args(["--alert-thresholds", str(overrides), "--silent-after", "7"])
+    assert config_from_args(given).silent_after == 7
+    monkeypatch.setenv("AMPWATCH_SERVER_SILENT_AFTER", "")  # set but empty: not set
+    assert config_from_args(build_parser().parse_args([])).silent_after == DEFAULT_THRESHOLDS.silent_after_s

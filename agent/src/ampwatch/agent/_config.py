@@ -9,6 +9,8 @@ import os
 import urllib.parse
 from typing import Any, Callable, Mapping, Sequence
 
+from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
+
 __all__ = ["AgentConfig"]
 
 _TRUE = ("1", "true", "yes", "on")
@@ -33,8 +35,10 @@ class AgentConfig:
     """Run id shared by all ranks (``AMPWATCH_RUN``); resolved from the launcher when ``None``."""
     token: str | None = dataclasses.field(default=None, repr=False)  # a secret never lands in a log
     """Bearer token for ingest (``AMPWATCH_TOKEN``)."""
-    push_interval: float = 1.0
-    """Seconds between batches (``AMPWATCH_PUSH_INTERVAL``)."""
+    push_interval: float = float(HEARTBEAT_INTERVAL_S)
+    """Seconds between heartbeats, batches of the cumulative state when nothing happened
+    (``AMPWATCH_PUSH_INTERVAL``, default 15). News (a skip streak starting or reaching a rung,
+    its end, a poisoned step, a warning, the close) is sent within a second, whatever this is."""
     spool_dir: str | None = None
     """Directory for an on-disk spool of unsent batches (``AMPWATCH_SPOOL_DIR``)."""
     spool_max_bytes: int = 64 * 1024 * 1024
@@ -104,7 +108,7 @@ class AgentConfig:
             "run": run or env.get("AMPWATCH_RUN") or None,
             "token": token or env.get("AMPWATCH_TOKEN") or None,
             "push_interval": push_interval if push_interval is not None
-            else _number(env, "AMPWATCH_PUSH_INTERVAL", float, 1.0),
+            else _number(env, "AMPWATCH_PUSH_INTERVAL", float, float(HEARTBEAT_INTERVAL_S)),
             "spool_dir": spool_dir or env.get("AMPWATCH_SPOOL_DIR") or None,
             "spool_max_bytes": _number(env, "AMPWATCH_SPOOL_MAX_BYTES", int, 64 * 1024 * 1024),
             "disabled": _flag(env, "AMPWATCH_DISABLED"),

@@ -10,6 +10,8 @@ import time
 import weakref
 from typing import Any
 
+from ._schedule import is_news
+
 __all__ = ["EventBuffer"]
 
 
@@ -19,7 +21,8 @@ class EventBuffer:
     The training thread calls :meth:`append` (a lock-free deque append plus a
     counter); the sender thread calls :meth:`drain`. Every event gets an ``id``
     that increases by one per event within this process (incarnation), so the
-    collector can recognise an event it has already applied.
+    collector can recognise an event it has already applied. Appending news
+    (``_schedule.is_news``) sets ``wake``, when the sender has set one.
 
     >>> buf = EventBuffer(capacity=2)
     >>> for i in range(3):
@@ -36,6 +39,7 @@ class EventBuffer:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.dropped = 0  # events discarded because the buffer was full
+        self.wake: threading.Event | None = None  # set on news: the sender's "send soon"
         _live.add(self)
 
     def append(self, event: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +51,8 @@ class EventBuffer:
                 self._queue.popleft()
                 self.dropped += 1
             self._queue.append(event)
+        if self.wake is not None and is_news(event):
+            self.wake.set()
         return event
 
     def drain(self, limit: int | None = None) -> list[dict[str, Any]]:

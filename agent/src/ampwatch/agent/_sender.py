@@ -20,13 +20,13 @@ from ._identity import Identity
 from ._limits import COLLECTOR_DEFAULTS
 from ._outbox import MemoryOutbox, Pending
 from ._relay_channel import NodeChannel, RelayedClient
+from ._schedule import PushSchedule
 from ._spool import SpoolOutbox
 
 __all__ = ["Sender"]
 
 log = logging.getLogger("ampwatch.agent")
 
-_WAKE_GAP = 0.05  # seconds: a burst of wake() calls yields one batch, not one per call
 _BACKOFF_BASE_MAX = 1.0  # seconds: the first retry waits at most this (or the push interval if shorter)
 MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"]  # a batch is split to stay under a default collector's limit
 
@@ -37,7 +37,10 @@ class Sender:
     ``snapshot()`` returns ``{"scaler": {...}, "state": {...}}`` as in
     docs/protocol.md, without ``state.delivery``: the sender adds those counters.
     ``errors`` and ``wake`` may be shared with the recorder: its failures are
-    counted in the same ``agent_errors``, and setting ``wake`` asks for a batch soon.
+    counted in the same ``agent_errors``, and setting ``wake`` is news: a batch soon.
+    ``events`` sets ``wake`` itself when news is appended (``_schedule.is_news``).
+    When batches go is :class:`~._schedule.PushSchedule`'s: news soon, the cumulative
+    state at least every ``push_interval`` (the heartbeat).
     ``snapshot`` is called on the sender thread, so it must be safe to call there.
 
     The calling (training) thread only ever sets an event (:meth:`wake`) or,
@@ -56,6 +59,8 @@ class Sender:
         self._pid = os.getpid()
         self._seq = 0  # seq of the last batch built
         self._wake = wake if wake is not None else threading.Event()
+        events.wake = self._wake  # news appended by the training thread wakes this sender
+        self._schedule = PushSchedule(config.push_interval, ranks=identity.world_size)
         self._stop = threading.Event()
         self._deadline: float | None = None  # monotonic time by which close() gives up
         self._thread: threading.Thread | None = None
@@ -65,7 +70,7 @@ class Sender:
         self._node = NodeChannel(config, identity, self.errors) if config.relay else None  # no I/O until used
         self._failures_in_row = 0
         self._retry_at = 0.0
-        self._last_build = float("-inf")
+        self._built_at = float("-inf")  # monotonic time the last batch was built
         self._closed_built = False
         self._backlog = False  # the last batch was full and more events wait
         self._said: set[str] = set()
@@ -84,7 +89,7 @@ class Sender:
         _register_exit_flush()
 
     def wake(self) -> None:
-        """Ask for a batch soon (e.g. a new skip streak started); never blocks."""
+        """Note news: ask for a batch soon (within the schedule's news gap); never blocks."""
         self._wake.set()
 
     def close(self, timeout: float | None = None, *, wait: bool = True,
@@ -122,9 +127,11 @@ class Sender:
     # -- the sender thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        """Build a batch every push interval (or soon after wake()), deliver oldest first, until closed."""
+        """Build a batch when the schedule says (news soon, else every push interval), deliver oldest first."""
         self._open_spool()  # here, not in start(): adopting a big spool must not delay training
-        next_push = time.monotonic()  # the first batch right away: the rank shows up at once
+        schedule = self._schedule
+        schedule.begin(time.monotonic())  # the first batch soon: at once for a small job, spread for a big one
+        hurry = False
         while True:
             try:
                 closing = self._stop.is_set()
@@ -134,17 +141,18 @@ class Sender:
                 now = time.monotonic()
                 if self._wake.is_set():
                     self._wake.clear()  # always: a set flag would turn the wait below into a busy loop
-                    next_push = min(next_push, max(now, self._last_build + _WAKE_GAP))
-                if closing or now >= next_push:
+                    schedule.news(now)
+                if closing or hurry or now >= schedule.due():
                     self._build(closing)
-                    next_push = max(now, self._last_build) + self.config.push_interval
+                    schedule.built(max(now, self._built_at))
+                hurry = False
                 self._deliver()
                 if closing and self._finished():
                     break
                 if self._backlog and self._outbox.head() is None:
-                    next_push = time.monotonic()  # more events than one batch holds: send the rest now
+                    hurry = True  # more events than one batch holds: send the rest now
                     continue
-                wait = next_push - time.monotonic()
+                wait = schedule.due() - time.monotonic()
                 if self._outbox.head() is not None:
                     wait = min(wait, self._retry_at - time.monotonic())
                 if closing:
@@ -188,7 +196,7 @@ class Sender:
             self.errors.report("writing to the spool (continuing without it)", exc)
             self._replace_outbox_with_memory()
             self._outbox.put(pending)
-        self._last_build = time.monotonic()
+        self._built_at = time.monotonic()
         self._closed_built = closed
 
     def _encode(self, snapshot: dict[str, Any], events: list[dict[str, Any]], closed: bool) -> bytes:
@@ -221,6 +229,8 @@ class Sender:
                 if self._failures_in_row:
                     log.info("ampwatch: delivery to %s resumed after %d failed attempt(s)",
                              url, self._failures_in_row)
+                    if len(self.events):
+                        self._wake.set()  # what waited out the outage goes soon, not at the next heartbeat
                 self._failures_in_row = 0
             elif outcome is Outcome.REJECTED:
                 self._outbox.pop()
@@ -329,7 +339,7 @@ class Sender:
         if reinit is not None:
             reinit()
         else:  # pragma: no cover - every supported Python has it
-            self._wake = threading.Event()
+            self._wake = self.events.wake = threading.Event()
         self._stop = threading.Event()
         self._outbox.after_fork_in_child()
         self._clients.clear()

@@ -13,7 +13,7 @@ from typing import Mapping
 __all__ = [
     "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
-    "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung",
+    "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung", "HEARTBEAT_INTERVAL_S",
 ]
 
 PROTOCOL_VERSION = 1
@@ -67,6 +67,12 @@ agents' events by ``GET /v1/runs/{run}/events``: ``rank_conflict``, two processe
 SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
 """Why the scale changed: in update() by backoff_factor or growth_factor, update(new_scale=...), or outside
 update() (scaler.load_state_dict() on resume, or a new scaler bound with watch.rebind())."""
+
+HEARTBEAT_INTERVAL_S = 15
+"""Seconds: the agent's default ``AMPWATCH_PUSH_INTERVAL``. A rank's cumulative state reaches the collector
+at least this often while it runs; news (a streak starting or reaching a rung, a poisoned step, a warning,
+the close) goes within a second. Prometheus scrapes every 15-30 s, so a scrape rarely sees a stale count;
+the silence threshold (``thresholds.silent_after_s``) is a multiple of it."""
 
 DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
 """Keys of ``state.delivery``: the agent's own health counters."""

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
-from .protocol import STREAK_LADDER
+from .protocol import HEARTBEAT_INTERVAL_S, STREAK_LADDER
 
 __all__ = ["AlertThresholds", "DEFAULT_THRESHOLDS", "DEMO_THRESHOLDS", "PROFILES", "promql_duration"]
 
@@ -95,10 +95,13 @@ class AlertThresholds:
     skip_ratio_for_s: int = 600
     """How long a high skip ratio must last before the alert fires."""
 
-    silent_after_s: int = 120
+    silent_after_s: int = 8 * HEARTBEAT_INTERVAL_S
     """Seconds without a batch from a rank that has not closed after which it is
-    silent (the agent sends from a background thread, so a busy or paused
-    training loop still reports)."""
+    silent: 8 heartbeats of the agent's default push interval (15 s), so a rank
+    whose batches wait out a collector restart or a few retries with backoff
+    is not called silent. The agent sends from a background thread, so a busy
+    or paused training loop still reports. Keep it at least 4 times the agents'
+    ``AMPWATCH_PUSH_INTERVAL``."""
 
     silent_for_s: int = 60
     """How long a rank must stay silent before the alert fires."""

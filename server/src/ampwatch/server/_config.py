@@ -71,7 +71,10 @@ class ServerConfig:
                                      "(0: off)")
     ssl_certfile: Optional[str] = _option(None, "PEM certificate to serve HTTPS (with --ssl-keyfile)")
     ssl_keyfile: Optional[str] = _option(None, "PEM private key for --ssl-certfile")
-    silent_after: float = _option(60.0, "seconds without a batch before a rank stops counting as reporting")
+    silent_after: float = _option(  # None until __post_init__: then the silence alert's threshold
+        None, "seconds without a batch before a rank stops counting as reporting (default: the AmpRankSilent "
+              "threshold silent_after_s of --alert-thresholds, 120 s: 8 heartbeats of the agents' default "
+              "AMPWATCH_PUSH_INTERVAL)", parse=float, shown="silent_after_s")
     expire_after: float = _option(3600.0, "seconds without a batch before a rank leaves /metrics (keep above the "
                                           "silence alert's threshold + for)")
     run_retention: float = _option(3600.0, "seconds a cleanly closed run stays in /metrics")
@@ -113,6 +116,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         self._read_secret_files()
+        if self.silent_after is None:  # one definition of "silent": the alert's, which follows the heartbeat
+            thresholds = self.alert_thresholds if isinstance(self.alert_thresholds, AlertThresholds) \
+                else DEFAULT_THRESHOLDS  # a wrong type is reported by the checks below
+            self.silent_after = float(thresholds.silent_after_s)
         checks = [
             ("host", _is_loopback(self.host) or bool(self.token) or self.insecure,
              "is not a loopback address, so agents on other machines could reach it, and no ingest token is set: "

@@ -1,0 +1,122 @@
+"""When the sender builds a batch: news soon, the cumulative state at least once per heartbeat.
+
+Pure bookkeeping on a clock the caller passes in (no threads, no I/O), so the load
+generator of ``bench/fleet.py`` replays exactly the agent's schedule.
+
+The ranks of one job act together: they start within a second of each other and, under
+DDP, skip at the same iteration. So that a collector is not asked for a whole job's requests
+at once, each rank draws its own offsets, wider for bigger jobs (:data:`RANKS_PER_SECOND`):
+its first batch within a few seconds (a big job: within a minute), its heartbeats on its own
+grid (news does not move it), its news within a second.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Mapping
+
+__all__ = ["NEWS_GAP", "NEWS_HOLD", "RANKS_PER_SECOND", "PushSchedule", "is_news"]
+
+NEWS_GAP = 1.0
+"""Seconds: at most one batch per gap however much news comes (a storm of events does not multiply
+requests). News after a quiet spell goes after the hold, so a skip reaches the collector within a
+second; news that comes sooner waits for the end of the gap and shares one batch."""
+
+NEWS_HOLD = 0.05
+"""Seconds a news batch waits at least after its first news, so the rest of the iteration joins it:
+the backoff that ``update()`` records right after a streak's first skip, the other optimizers' skips."""
+
+RANKS_PER_SECOND = 500
+"""Ranks of one job whose first batches a collector is asked to take per second: a job of N ranks
+spreads its first batches over N / 500 s (at most 4 heartbeats) and its news over N / 500 s (at
+most ``NEWS_GAP - NEWS_HOLD``, so news still goes within a second). Two ranks: 2 ms; 16,384
+ranks: 33 s and 0.95 s. A rank's first contact costs a collector more than an update (its rows
+are created), and one collector on 2 cores takes about 2,000-2,500 updates per second."""
+
+
+def is_news(event: Mapping[str, Any]) -> bool:
+    """Return whether ``event`` asks for a batch now rather than at the next heartbeat.
+
+    News is what changes an alert or what an operator is shown: a skip that starts a streak
+    or reaches a ladder rung (streak 1, 2, 4, 8, ...), a streak's end, a poisoned step, a
+    warning, a scale set by hand or restored, a disabled scaler, the close. The routine rest
+    rides along with the next batch: the backoff of each skipped iteration (the skip that
+    starts the streak and its rungs carry the streak's backoffs, see :data:`NEWS_HOLD`),
+    growths, the skips between rungs, scheduler steps after a skip. Costs a dict lookup.
+    """
+    kind = event.get("kind")
+    if kind == "skip":
+        streak = event.get("streak")
+        return isinstance(streak, int) and streak > 0 and streak & (streak - 1) == 0
+    if kind == "scale_change":
+        return event.get("cause") not in ("backoff", "growth")
+    return kind != "scheduler_after_skip"
+
+
+class PushSchedule:
+    """The next time a batch is due, given when the last one was built and when news came.
+
+    ``heartbeat`` is the push interval (``AMPWATCH_PUSH_INTERVAL``): heartbeats fall on a
+    grid of that period starting at the first batch; one is left out when another batch went
+    less than half a period before it, so the wait between batches is at most 1.5 periods.
+    News makes a batch due ``news_hold`` (plus this rank's share of the job's spread) after
+    it, but never sooner than ``news_gap`` after the last batch: within one ``news_gap`` in
+    all. A gap or hold longer than the heartbeat is cut to it, so a short push interval
+    (tests, the demo) sends news as often as it sends state. ``ranks`` is the job's world size.
+
+    >>> s = PushSchedule(heartbeat=15.0)
+    >>> s.begin(100.0); s.due()  # one rank: the first batch goes at once
+    100.0
+    >>> s.built(100.0); s.due()
+    115.0
+    >>> s.news(100.2); s.due()  # news within the gap waits for its end
+    101.0
+    >>> s.built(101.0); s.due()  # the heartbeat grid does not move
+    115.0
+    >>> s.news(110.0); s.due()  # news after a quiet spell waits only the hold
+    110.05
+    >>> s.built(110.05); s.due()  # a heartbeat 5 s after a batch is left out
+    130.0
+    """
+
+    __slots__ = ("heartbeat", "news_gap", "news_delay", "first_delay", "last_built", "news_since",
+                 "next_heartbeat")
+
+    def __init__(self, heartbeat: float, news_gap: float = NEWS_GAP, news_hold: float = NEWS_HOLD, *,
+                 ranks: int = 1, rng: random.Random | None = None) -> None:
+        rng = rng if rng is not None else random.Random()
+        self.heartbeat = heartbeat
+        self.news_gap = min(news_gap, heartbeat)
+        news_hold = min(news_hold, self.news_gap)
+        spread = max(0, ranks - 1) / RANKS_PER_SECOND
+        self.news_delay = news_hold + rng.uniform(0.0, min(spread, self.news_gap - news_hold))
+        self.first_delay = rng.uniform(0.0, min(spread, 4 * heartbeat))
+        self.last_built = float("-inf")
+        self.news_since: float | None = None  # when the first news not yet in a batch came
+        self.next_heartbeat = float("-inf")  # set by begin()
+
+    def begin(self, now: float) -> None:
+        """Start the clock: the first batch is due after this rank's share of the job's spread."""
+        self.next_heartbeat = now + self.first_delay
+
+    def news(self, now: float) -> None:
+        """Note news at ``now`` (later news before the next batch changes nothing)."""
+        if self.news_since is None:
+            self.news_since = now
+
+    def due(self) -> float:
+        """Return when the next batch is due (in the caller's clock)."""
+        if self.news_since is None:
+            return self.next_heartbeat
+        return min(self.next_heartbeat, max(self.news_since + self.news_delay, self.last_built + self.news_gap))
+
+    def built(self, now: float) -> None:
+        """Note that a batch was built at ``now``: it carried all news so far."""
+        self.last_built = now
+        self.news_since = None
+        if self.next_heartbeat == float("-inf"):  # never begun: the grid starts here
+            self.next_heartbeat = now
+        if self.next_heartbeat < now + self.heartbeat / 2:  # this batch stands in for the heartbeats until then
+            self.next_heartbeat += self.heartbeat * math.ceil((now + self.heartbeat / 2 - self.next_heartbeat)
+                                                              / self.heartbeat)
