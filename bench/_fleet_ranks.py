@@ -152,6 +152,7 @@ class _KeptAlive:
         self.port = port
         self.source = node_address(node)
         self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = {}
+        self.exchanges: list[tuple[float, float]] = []  # (sent, seconds) of every HTTP request that got an answer
 
     async def _exchange(self, key: int, body: bytes) -> tuple[Optional[int], int, int, bytes]:
         """POST ``body`` on connection ``key``: (status or None, bytes sent, bytes received, answer body).
@@ -160,6 +161,7 @@ class _KeptAlive:
         """
         head = b"POST /v1/ingest HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" \
                b"Content-Length: %d\r\n\r\n" % len(body)
+        sent = time.time()
         for attempt in (0, 1):
             conn = self._conns.pop(key, None)
             if conn is not None and time.monotonic() - conn[2] > IDLE_CLOSE_S:
@@ -185,6 +187,7 @@ class _KeptAlive:
                     continue  # a closed kept-alive connection is not an outage: once more on a new one
                 return None, len(head) + len(body), 0, b""
             self._conns[key] = (reader, writer, time.monotonic())
+            self.exchanges.append((sent, time.time() - sent))
             return status, len(head) + len(body), received, answer
         raise AssertionError("unreachable")
 
@@ -445,11 +448,16 @@ async def _run(args: argparse.Namespace) -> dict:
     await asyncio.gather(*(_rank(r, plans[r], delivery, transports[r // RANKS_PER_NODE], args.run, args.ranks,
                                  end, warm_end + args.kill_after if r == args.kill_rank else None, tally)
                            for r in range(args.ranks)))
+    http: dict[str, list[float]] = {p: [] for p in phases}  # HTTP request latency, whoever sent it
     for transport in transports:
         transport.close()
+        for sent, seconds in transport.exchanges:
+            phase = tally.phase(sent)
+            if phase is not None:
+                http[phase].append(round(seconds, 5))
     return {"delivery": args.delivery, "transport": args.transport, "ranks": args.ranks, "phases": phases,
             "killed": {"rank": args.kill_rank, "at": warm_end + args.kill_after} if args.kill_rank >= 0 else None,
-            "latency": tally.latency, "late": tally.late, "requests": tally.requests, "bytes": tally.bytes,
+            "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests, "bytes": tally.bytes,
             "refused": tally.refused, "timeouts": tally.timeouts, "missed": tally.missed,
             "killed_last_ack": tally.killed_last_ack,
             "storm": {str(r): v for r, v in tally.storm.items()},
