@@ -11,11 +11,11 @@ and ``is_news``, the agent's own code, with the settings of ``--delivery``:
 - ``after``: the agent's defaults: news soon (coalesced per ``NEWS_GAP``), a heartbeat every
   ``AMPWATCH_PUSH_INTERVAL``.
 
-How a batch reaches the collector is a *transport*: ``per-rank`` (one keep-alive connection and
-one request per batch, protocol v1, as the agent does). A node relay (protocol v2, one request per
-node) plugs in as another entry of :data:`TRANSPORTS`: a class built with ``(port, node)`` whose
-``async post(rank, body) -> Answer`` is awaited by each of the node's 8 ranks; it may gather the
-bodies of ranks posting at about the same time into one request and answer each rank its part.
+How a batch reaches the collector is a *transport* (:data:`TRANSPORTS`): ``per-rank`` (one
+keep-alive connection and one request per batch, protocol v1, as the agent does) or
+``node-relay`` (the opt-in node relay: the node's ranks' batches gathered into one protocol v2
+request, each rank answered its part). A transport is a class built with ``(port, node)`` whose
+``async post(rank, body) -> Answer`` is awaited by each of the node's 8 ranks.
 
 Prints one JSON line when ready (``{"t0": ...}``: the wall-clock start of the timeline), then
 writes the results to ``--out`` at the end: latencies, lateness, failures, bytes, and per storm
@@ -37,6 +37,7 @@ import uuid
 from typing import Callable, Optional
 
 from ampwatch.agent._schedule import NEWS_GAP, NEWS_HOLD, PushSchedule, is_news
+from ampwatch.contract.node_batch import encode_node_batch
 from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
 
 __all__ = ["DELIVERIES", "TRANSPORTS", "main"]
@@ -144,20 +145,25 @@ class Answer:
     received_bytes: int
 
 
-class PerRankTransport:
-    """One kept-alive connection per rank, one request per batch (protocol v1): what the agent does."""
+class _KeptAlive:
+    """Kept-alive HTTP connections to the collector, one per key, each from the node's own address."""
 
     def __init__(self, port: int, node: int) -> None:
         self.port = port
         self.source = node_address(node)
         self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = {}
+        self.exchanges: list[tuple[float, float]] = []  # (sent, seconds) of every HTTP request that got an answer
 
-    async def post(self, rank: int, body: bytes) -> Answer:
-        """POST ``body`` for ``rank``; reconnect (once) if the collector closed an idle connection."""
+    async def _exchange(self, key: int, body: bytes) -> tuple[Optional[int], int, int, bytes]:
+        """POST ``body`` on connection ``key``: (status or None, bytes sent, bytes received, answer body).
+
+        Reconnects (once) if the collector closed an idle kept-alive connection.
+        """
         head = b"POST /v1/ingest HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" \
                b"Content-Length: %d\r\n\r\n" % len(body)
+        sent = time.time()
         for attempt in (0, 1):
-            conn = self._conns.pop(rank, None)
+            conn = self._conns.pop(key, None)
             if conn is not None and time.monotonic() - conn[2] > IDLE_CLOSE_S:
                 conn[1].close()
                 conn = None
@@ -169,7 +175,7 @@ class PerRankTransport:
                 else:
                     reader, writer, _ = conn
                 writer.write(head + body)
-                status, received = await _answer(reader)
+                status, received, answer = await _answer(reader)
             except asyncio.CancelledError:  # the agent's timeout: this connection is in an unknown state
                 if writer is not None:
                     writer.close()
@@ -179,14 +185,99 @@ class PerRankTransport:
                     writer.close()
                 if attempt == 0 and conn is not None:
                     continue  # a closed kept-alive connection is not an outage: once more on a new one
-                return Answer(None, len(head) + len(body), 0)
-            self._conns[rank] = (reader, writer, time.monotonic())
-            return Answer(status, len(head) + len(body), received)
+                return None, len(head) + len(body), 0, b""
+            self._conns[key] = (reader, writer, time.monotonic())
+            self.exchanges.append((sent, time.time() - sent))
+            return status, len(head) + len(body), received, answer
         raise AssertionError("unreachable")
 
     def close(self) -> None:
         for _, writer, _ in self._conns.values():
             writer.close()
+
+
+class PerRankTransport(_KeptAlive):
+    """One kept-alive connection per rank, one request per batch (protocol v1): what the agent does."""
+
+    async def post(self, rank: int, body: bytes) -> Answer:
+        """POST ``body`` for ``rank`` on its own connection."""
+        status, sent, received, _ = await self._exchange(rank, body)
+        return Answer(status, sent, received)
+
+
+class NodeRelayTransport(_KeptAlive):
+    """The node relay (agent/_relay.py) as the bench runs it: one protocol v2 request per node.
+
+    A rank's batch waits until every rank of the node that has posted so far has one waiting,
+    or until its hold ends (news 0.2 s, counters only 1 s: ``relay_wait`` at the default
+    push interval), then the waiting batches go as one v2 body on one kept-alive connection,
+    one request at a time as the relay's single thread does; each rank gets its own result
+    and its share of the request's bytes. A rank whose wait times out (the agent's timeout)
+    leaves the queue and posts the same batch again, as the agent's retry does.
+    """
+
+    NEWS_HOLD_S = 0.2
+    COUNTERS_HOLD_S = 1.0
+
+    def __init__(self, port: int, node: int) -> None:
+        super().__init__(port, node)
+        self._members: set[int] = set()  # ranks that have posted through this relay (connected)
+        self._waiting: dict[int, tuple[bytes, float, asyncio.Future]] = {}  # rank -> (body, due, answer)
+        self._arrived = asyncio.Event()
+        self._pump: Optional[asyncio.Task] = None
+
+    async def post(self, rank: int, body: bytes) -> Answer:
+        """Hand ``body`` to the relay; return this rank's part of the node request's answer."""
+        news = b'"events": []' not in body or b'"closed": true' in body  # the bench's json.dumps layout
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._members.add(rank)
+        self._waiting[rank] = (body, time.monotonic() + (self.NEWS_HOLD_S if news else self.COUNTERS_HOLD_S),
+                               answer)
+        self._arrived.set()
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._run())
+        try:
+            return await answer
+        finally:
+            if self._waiting.get(rank, (None, None, None))[2] is answer:
+                del self._waiting[rank]  # timed out before it went: out of the queue
+
+    async def _run(self) -> None:
+        """Post while batches wait: when every member has one waiting, or the first one's hold ends."""
+        while self._waiting:
+            self._arrived.clear()
+            due = min(d for _, d, _ in self._waiting.values())
+            if len(self._waiting) < len(self._members) and due > time.monotonic():
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), due - time.monotonic())
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            ranks = sorted(self._waiting)
+            batch = [self._waiting.pop(r) for r in ranks]
+            status, sent, received, text = await self._exchange(0, encode_node_batch([b for b, _, _ in batch]))
+            results = _node_results(status, text, len(batch))
+            for (_, _, answer), result in zip(batch, results):
+                if not answer.done():
+                    answer.set_result(Answer(result, sent // len(batch), received // len(batch)))
+
+    def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        super().close()
+
+
+def _node_results(status: Optional[int], text: bytes, count: int) -> list[Optional[int]]:
+    """Each rank's status from a v2 answer (the whole request's status when it has no per-rank results)."""
+    if status == 200:
+        try:
+            results = json.loads(text)["results"]
+            if len(results) == count:
+                return [int(r["status"]) for r in results]
+        except (ValueError, KeyError, TypeError):
+            pass
+        return [502] * count  # a malformed v2 answer: as the relay's _rank_answer says
+    return [status] * count
 
 
 def node_address(node: int) -> str:
@@ -199,20 +290,21 @@ def node_address(node: int) -> str:
     return f"127.1.{node // 250}.{node % 250 + 1}"
 
 
-TRANSPORTS: dict[str, Callable[[int, int], PerRankTransport]] = {"per-rank": PerRankTransport}
-"""Delivery modes by name: ``factory(port, node)`` for each node of 8 ranks; add the node relay here."""
+TRANSPORTS: dict[str, Callable[[int, int], _KeptAlive]] = {"per-rank": PerRankTransport,
+                                                            "node-relay": NodeRelayTransport}
+"""Delivery modes by name: ``factory(port, node)`` for each node of 8 ranks."""
 
 
-async def _answer(reader: asyncio.StreamReader) -> tuple[int, int]:
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    """Read one HTTP answer: (status, bytes received, body)."""
     line = await reader.readline()
     status, received, length = int(line.split(b" ")[1]), len(line), 0
     while (line := await reader.readline()) not in (b"\r\n", b""):
         received += len(line)
         if line[:15].lower() == b"content-length:":
             length = int(line[15:])
-    if length:
-        await reader.readexactly(length)
-    return status, received + 2 + length
+    body = await reader.readexactly(length) if length else b""
+    return status, received + 2 + length, body
 
 
 # ----- one rank -------------------------------------------------------------------------------------
@@ -239,7 +331,7 @@ class Tally:
         return None
 
 
-async def _rank(rank: int, plan: Plan, delivery: Delivery, transport: PerRankTransport, run: str, world: int,
+async def _rank(rank: int, plan: Plan, delivery: Delivery, transport: _KeptAlive, run: str, world: int,
                 end: float, kill_at: Optional[float], tally: Tally) -> None:
     schedule = PushSchedule(delivery.heartbeat, delivery.news_gap, delivery.news_hold,
                             ranks=world if delivery.spread else 1, rng=random.Random(rank))
@@ -356,11 +448,16 @@ async def _run(args: argparse.Namespace) -> dict:
     await asyncio.gather(*(_rank(r, plans[r], delivery, transports[r // RANKS_PER_NODE], args.run, args.ranks,
                                  end, warm_end + args.kill_after if r == args.kill_rank else None, tally)
                            for r in range(args.ranks)))
+    http: dict[str, list[float]] = {p: [] for p in phases}  # HTTP request latency, whoever sent it
     for transport in transports:
         transport.close()
+        for sent, seconds in transport.exchanges:
+            phase = tally.phase(sent)
+            if phase is not None:
+                http[phase].append(round(seconds, 5))
     return {"delivery": args.delivery, "transport": args.transport, "ranks": args.ranks, "phases": phases,
             "killed": {"rank": args.kill_rank, "at": warm_end + args.kill_after} if args.kill_rank >= 0 else None,
-            "latency": tally.latency, "late": tally.late, "requests": tally.requests, "bytes": tally.bytes,
+            "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests, "bytes": tally.bytes,
             "refused": tally.refused, "timeouts": tally.timeouts, "missed": tally.missed,
             "killed_last_ack": tally.killed_last_ack,
             "storm": {str(r): v for r, v in tally.storm.items()},

@@ -18,8 +18,10 @@ batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that th
     python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
     python -m bench.fleet --render bench/fleet_delivery.json     # print the Markdown tables stored there
 
-A node relay (one request per node, protocol v2) is a transport of ``bench/_fleet_ranks.py``
-(``TRANSPORTS``): ``--transport NAME`` runs the *after* side through it.
+``--transport node-relay`` runs the *after* side through the node relay (one protocol v2 request
+per node, ``bench/_fleet_ranks.py`` ``TRANSPORTS``). A rank's ingest latency is from handing its
+batch over to its answer (with the relay, the hold for the node's other ranks included); the HTTP
+request row times the requests themselves, whoever sent them.
 """
 
 from __future__ import annotations
@@ -257,6 +259,8 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
         "phases_s": {"warm": round(timeline["warm_end"] - timeline["t0"], 1), "healthy": round(healthy_s, 1),
                      "storm": round(storm_s, 1)},
         "healthy": {"requests_per_s": round(job["requests"]["healthy"] / healthy_s, 1),
+                    "http_requests_per_s": round(len(job["http_latency"]["healthy"]) / healthy_s, 1),
+                    "http_latency": _ms(job["http_latency"]["healthy"]),
                     "latency": _ms(latency["healthy"]), "latency_outside_scrapes": _ms(unscraped["healthy"]),
                     "late_p99_ms": _ms(job["late"]["healthy"])["p99_ms"],
                     "collector_cpu_cores": round((cpu["healthy_end"] - cpu["healthy"]) / healthy_s, 3),
@@ -266,6 +270,8 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
                     "collector_kib_per_rank": round((rss_healthy - rss0) / ranks, 2),
                     "wire_kib_per_rank_hour": round(job["bytes"]["healthy"] / healthy_s * per_rank_hour / 1024, 1)},
         "storm": {"requests_per_s": round(job["requests"]["storm"] / storm_s, 1),
+                  "http_requests_per_s": round(len(job["http_latency"]["storm"]) / storm_s, 1),
+                  "http_latency": _ms(job["http_latency"]["storm"]),
                   "latency": _ms(latency["storm"]), "latency_outside_scrapes": _ms(unscraped["storm"]),
                   "collector_cpu_cores": round((cpu["end"] - cpu["healthy_end"]) / storm_s, 3),
                   "wire_kib_per_rank_hour": round(job["bytes"]["storm"] / storm_s * per_rank_hour / 1024, 1),
@@ -304,8 +310,12 @@ def render(result: dict) -> list[str]:
     sides = [s for s in ("before", "after") if s in result]
     rows = [
         ("ranks", lambda r: f"{r['ranks']:,}"),
-        ("requests/s, healthy", lambda r: r["healthy"]["requests_per_s"]),
-        ("ingest p50 / p99 / max ms, healthy", lambda r: "{p50_ms} / {p99_ms} / {max_ms}".format(**r["healthy"]["latency"])),
+        ("rank batches / HTTP requests per s, healthy", lambda r: f"{r['healthy']['requests_per_s']} / "
+                                                                  f"{r['healthy'].get('http_requests_per_s', '-')}"),
+        ("ingest p50 / p99 / max ms, healthy", lambda r: "{p50_ms} / {p99_ms} / {max_ms}".format(
+            **r["healthy"]["latency"])),
+        ("HTTP request p50 / p99 ms, healthy / storm", lambda r: " / ".join(
+            str(r[p].get("http_latency", {}).get(q, "-")) for p in ("healthy", "storm") for q in ("p50_ms", "p99_ms"))),
         ("ingest p99 ms outside scrapes, healthy", lambda r: r["healthy"]["latency_outside_scrapes"]["p99_ms"]),
         ("ingest p99 ms, storm (outside scrapes)", lambda r: f"{r['storm']['latency']['p99_ms']} "
                                                              f"({r['storm']['latency_outside_scrapes']['p99_ms']})"),

@@ -179,3 +179,28 @@ def test_rule_eval_runs_both_rule_sets_over_full_30_minute_windows_and_they_fire
     # The earlier dashboard drew a line per rank and optimizer; this one a run's spread and its top ranks.
     assert result["before"]["dashboard"]["max_series"] == 4 * 16
     assert result["after"]["dashboard"]["max_series"] < result["before"]["dashboard"]["max_series"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_fleet_node_relay_transport_posts_one_request_per_node_and_answers_every_rank(tmp_path):
+    out = tmp_path / "ranks.json"
+    with _servers.collector() as srv:
+        sim = subprocess.run([sys.executable, "-m", "bench._fleet_ranks", "--port", str(srv.port), "--ranks", "32",
+                              "--delivery", "after", "--transport", "node-relay", "--heartbeat", "1",
+                              "--warm", "2", "--healthy", "3", "--storm", "6", "--storm-share", "0.25", "--iteration-s", "0.2",
+                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert sim.returncode == 0, sim.stderr
+        text = urllib.request.urlopen(srv.url + "/metrics", timeout=10).read().decode()
+    result = json.loads(out.read_text())
+    assert result["transport"] == "node-relay" and result["refused"] == {} and result["timeouts"] == 0, result
+    applied = value(text, "ampwatch_collector_batches_applied_total")
+    requests = value(text, "ampwatch_collector_ingest_requests_total", code="200")
+    # Every rank's batch was applied and answered on its own, while 4 nodes made the requests.
+    answered = sum(len(v) for v in result["latency"].values()) + 32  # + each rank's first contact
+    assert applied >= answered and requests < applied / 2, (applied, requests, answered)
+    # Counts stay exact: each storm rank's skips acknowledged last are the collector's count for it.
+    assert any(storm["answers"][-1][1] > 0 for storm in result["storm"].values()), result["storm"]
+    for rank, storm in result["storm"].items():
+        assert value(text, "ampwatch_optimizer_skipped_steps_total", run="fleet", rank=rank,
+                     optimizer="gen") == storm["answers"][-1][1], rank

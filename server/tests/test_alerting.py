@@ -85,6 +85,29 @@ def test_consecutive_skip_warning_fires_at_the_ingest_where_the_streak_reaches_t
     assert alert.annotations["runbook_url"].endswith("ampconsecutiveskippedsteps")
 
 
+def test_a_firing_alerts_text_follows_its_value_and_is_rendered_only_when_read(monkeypatch):
+    from ampwatch.server.alerting import annotations
+
+    rendered = []
+    real = annotations.annotations_for
+    monkeypatch.setattr(annotations, "annotations_for", lambda *a: rendered.append(a[2]) or real(*a))
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    for _ in range(T.skip_streak_warning):
+        r.iterate(skipped=True)
+    (fired,) = r.send(1000.0)
+    assert rendered == []  # judged on every batch, rendered only when someone reads it
+    assert f"current streak: {T.skip_streak_warning} skipped" in fired.annotations["description"]
+    for t in range(3):  # the streak goes on: the firing alert's value and text follow it
+        r.iterate(skipped=True)
+        assert r.send(1001.0 + t) == []
+    (firing,) = alerts.firing()
+    assert firing.value == T.skip_streak_warning + 3
+    assert f"current streak: {T.skip_streak_warning + 3} skipped" in firing.annotations["description"]
+    assert firing.annotations == real("AmpConsecutiveSkippedSteps", firing.labels, firing.value, T, "warning")
+    assert rendered == [T.skip_streak_warning, T.skip_streak_warning + 3]  # once each, the states between never
+
+
 def test_critical_streak_fires_beside_the_warning_and_both_resolve_after_the_window():
     alerts = BuiltinAlerts(T)
     r = FakeRank(alerts, scale=2.0 ** 80)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
 
-__all__ = ["annotations_for"]
+__all__ = ["annotations_for", "AlertTexts"]
 
 
 def annotations_for(name: str, labels: Mapping[str, Any], value: float, thresholds: AlertThresholds,
@@ -23,6 +23,41 @@ def annotations_for(name: str, labels: Mapping[str, Any], value: float, threshol
               **{k: str(v) for k, v in labels.items()},
               "value": _number(value), "percent": _percent(value), "duration": _duration(value)}
     return ALERTS[name].annotations(thresholds, fields, level)
+
+
+class AlertTexts(Mapping[str, str]):
+    """The annotations of one alert instance, rendered by :func:`annotations_for` when first read, then kept.
+
+    An alert that keeps firing is re-judged on every batch its rank sends (in a storm, thousands a
+    second) while its texts are read only when someone looks (``GET /v1/alerts``, a notification):
+    building this costs one small object, rendering it happens at most once.
+    """
+
+    __slots__ = ("_args", "_texts")
+
+    def __init__(self, name: str, labels: Mapping[str, Any], value: float, thresholds: AlertThresholds,
+                 level: Optional[str] = None) -> None:
+        self._args: Optional[tuple] = (name, labels, value, thresholds, level)
+        self._texts: dict[str, str] = {}
+
+    def _rendered(self) -> dict[str, str]:
+        args = self._args
+        if args is not None:
+            self._texts = annotations_for(*args)
+            self._args = None  # the labels may belong to a caller; keep only the texts
+        return self._texts
+
+    def __getitem__(self, key: str) -> str:
+        return self._rendered()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rendered())
+
+    def __len__(self) -> int:
+        return len(self._rendered())
+
+    def __repr__(self) -> str:
+        return f"AlertTexts({self._rendered()!r})"
 
 
 def _number(value: float) -> str:

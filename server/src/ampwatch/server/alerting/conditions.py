@@ -22,7 +22,7 @@ from ampwatch.contract.thresholds import AlertThresholds
 
 from .._floats import promql_divide, promql_max, promql_min
 from .._state import RankSnapshot
-from .annotations import annotations_for
+from .annotations import AlertTexts
 from .history import RankHistory
 
 __all__ = ["ActiveAlert", "RankFacts", "usable_scale", "rank_alerts", "rank_facts", "run_alerts", "run_alerts_of",
@@ -57,7 +57,7 @@ def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Opt
     definition = ALERTS[name]
     labels["severity"] = definition.severity(level).level
     return ActiveAlert(name=name, labels=labels, value=value, for_s=definition.for_seconds(t),
-                       annotations=annotations_for(name, labels, value, t, level))
+                       annotations=AlertTexts(name, labels, value, t, level))
 
 
 def _streak_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[ActiveAlert]:

@@ -44,15 +44,18 @@ class AlertStates:
         for a in active:
             key = a.key
             seen.add(key)
-            if key in self._firing:
-                # Still firing: keep its value and text current, but that is no transition to announce.
-                self._firing[key] = dataclasses.replace(self._firing[key], value=a.value, annotations=a.annotations)
+            firing = self._firing.get(key)
+            if firing is not None:
+                # Still firing: keep its value and text current, but that is no transition to announce. The
+                # texts follow the value (a.annotations renders only when read): same value, nothing to do.
+                if not _same(firing.value, a.value):
+                    self._firing[key] = dataclasses.replace(firing, value=a.value, annotations=a.annotations)
                 continue
             since, _ = self._pending.get(key, (now, a))
             self._by_group.setdefault(a.group, {})[key] = None
             if now - since >= a.for_s:
                 self._pending.pop(key, None)
-                alert = Alert(name=a.name, labels=dict(a.labels), annotations=dict(a.annotations),
+                alert = Alert(name=a.name, labels=dict(a.labels), annotations=a.annotations,
                               starts_at=now, value=a.value)
                 self._firing[key] = alert
                 self._groups[key] = a.group
@@ -90,3 +93,8 @@ class AlertStates:
     def resolved(self) -> list[Alert]:
         """Return the alerts resolved within the retention, latest first."""
         return list(reversed(self._resolved))
+
+
+def _same(old: Optional[float], new: float) -> bool:
+    """Return whether an alert's value did not change (NaN stays NaN)."""
+    return old == new or (old != old and new != new)
