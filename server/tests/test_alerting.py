@@ -584,7 +584,9 @@ def test_passes_in_a_thread_and_batches_on_another_end_in_the_same_alerts_as_one
 
     def passes() -> None:
         try:
-            while not stop.is_set():
+            # A pass, a short breath, the next: as the service ticks (every second there), never a tight loop that
+            # would keep the evaluator's lock from the batches' thread (Python's locks are not fair).
+            while not stop.wait(0.002):
                 alerts.evaluate(150.0)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             failures.append(exc)
