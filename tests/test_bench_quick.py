@@ -174,7 +174,7 @@ def test_rule_eval_runs_both_rule_sets_over_full_30_minute_windows_and_they_fire
     assert result["samples_per_series_in_30m"] >= 115  # a sample every 15 s over the whole window
     assert result["after"]["firing"] and result["after"]["firing"] == result["before"]["firing"]
     for side in ("before", "after"):
-        assert result[side]["evaluations"] == 3 and result[side]["group_median_s"] > 0
+        assert result[side]["evaluations"] >= 3 and result[side]["group_median_s"] > 0  # a slow machine: more
         assert result[side]["rules"] == len(result[side]["per_rule_ms"])
     # The earlier dashboard drew a line per rank and optimizer; this one a run's spread and its top ranks.
     assert result["before"]["dashboard"]["max_series"] == 4 * 16

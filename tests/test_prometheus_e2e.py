@@ -112,6 +112,10 @@ def stack(tmp_path_factory):
         wait_until(lambda: get(f"http://127.0.0.1:{am_port}/-/ready"), 30,
                     lambda: "alertmanager ready\n" + processes.log("alertmanager"))
         wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
+        # Prometheus starts scraping seconds after it is ready (target discovery is throttled): start the jobs only
+        # once it scrapes both collectors, so a short streak cannot come and go before the first scrape.
+        wait_until(lambda: len(query_range(prometheus, "up == 1", time.time() - 2)) >= 2, 60,
+                   "Prometheus to scrape both collectors")
         # One malformed batch, so the collector-health panel's "rejected" series has data too.
         bad = urllib.request.Request(collector + "/v1/ingest", data=b"{not json", method="POST",
                                      headers={"Content-Type": "application/json"})
