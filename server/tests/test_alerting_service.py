@@ -80,3 +80,30 @@ def test_the_status_page_and_its_files_are_served_with_a_strict_content_policy(c
     assert script.status_code == 200
     assert not any(sink in script.text for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"))
     assert client.get("/static/style.css").status_code == 200
+
+
+def test_the_periodic_pass_breathes_between_slices_of_ranks_and_finds_what_a_pass_without_breaks_finds():
+    from ampwatch.server._state import RankSnapshot
+    from ampwatch.server.alerting.evaluator import BuiltinAlerts
+    from ampwatch.server.alerting.service import PASS_BREATHER_S, AlertService
+
+    assert AlertService().alerts._breather_s == PASS_BREATHER_S > 0
+    sleeps: list[float] = []
+    breathing = BuiltinAlerts(breather_s=0.5)
+    plain = BuiltinAlerts()
+    for alerts in (breathing, plain):
+        for rank in range(300):
+            alerts.observe(RankSnapshot(run="r", rank=rank, last_seen=0.0))
+    import ampwatch.server.alerting.evaluator as evaluator
+    real_sleep = evaluator.time.sleep
+    evaluator.time.sleep = sleeps.append  # counted, not slept
+    try:
+        for now in (10_000.0, 20_000.0):  # silent, then silent for longer than the alert's for:
+            breathing.evaluate(now=now)
+            plain.evaluate(now=now)
+    finally:
+        evaluator.time.sleep = real_sleep
+    assert sleeps == [0.5, 0.5] * 2  # 300 ranks: three slices of 128 per pass, a breath between two
+    firing = sorted(a.fingerprint for a in breathing.firing())
+    assert firing == sorted(a.fingerprint for a in plain.firing())
+    assert len(firing) == 300  # every rank is silent by then

@@ -126,20 +126,25 @@ def test_every_exposed_family_is_in_the_contract_and_docs_metrics_and_every_docu
     assert {n for n in documented if not n.startswith("ampwatch_collector")} - exposed == set()
 
 
-def test_scraping_1024_ranks_exposes_each_ranks_own_counters_once(client):
-    # Correctness at the size of a big job; how long the scrape takes is measured by bench.scrape, not here.
+def _hold_ranks(state, ranks: int) -> None:
+    """Put ``ranks`` ranks of run exp-42 straight into the state (HTTP posts would only slow a test down)."""
     import time
 
     from ampwatch.server._schema import parse_batch
     from ampwatch.server._state import RankState, next_incarnation
-    state = client.app.state.collector_state
-    for rank in range(1024):  # straight into the state: 1,024 HTTP posts would only slow the test down
+    for rank in range(ranks):
         batch = parse_batch(json.dumps(make_batch(
-            rank=rank, world_size=1024, incarnation=f"{rank:032x}",
+            rank=rank, world_size=ranks, incarnation=f"{rank:032x}",
             optimizers={"gen": optimizer(steps=rank + 5, skipped=rank % 3), "disc": optimizer(steps=2 * rank)})))
         held = RankState(batch.run, batch.rank)
         held.install(next_incarnation(None, batch, time.time(), 128))
         state.adopt(held)
+
+
+def test_scraping_1024_ranks_exposes_each_ranks_own_counters_once(client):
+    # Correctness at the size of a big job; how long the scrape takes is measured by bench.scrape, not here.
+    state = client.app.state.collector_state
+    _hold_ranks(state, 1024)
     text = client.get("/metrics").text
     assert 'ampwatch_run_ranks_reporting{run="exp-42"} 1024\n' in text
     # Read by regular expression: parsing 50,000 samples with prometheus_client's parser takes seconds.
@@ -156,6 +161,22 @@ def test_scraping_1024_ranks_exposes_each_ranks_own_counters_once(client):
                      (OPTIMIZER_SKIPPED_STEPS.name, rank, "gen"): rank % 3,
                      (OPTIMIZER_SKIPPED_STEPS.name, rank, "disc"): 0}
     assert exposed == expected
+
+
+def test_a_render_that_pauses_for_the_event_loop_is_the_same_text_as_one_that_does_not(client, monkeypatch):
+    from ampwatch.server import _pacing
+    from ampwatch.server._metrics import RENDER_PAUSE_S, Exposition
+
+    state, own = client.app.state.collector_state, client.app.state.own
+    _hold_ranks(state, 1100)
+    assert client.app.state.exposition.pause_s == RENDER_PAUSE_S > 0  # the app's render, in a worker thread
+    pauses: list[float] = []
+    monkeypatch.setattr(_pacing.time, "sleep", pauses.append)
+    paced = Exposition(state, own, 60.0, clock=lambda: 1e9, pause_s=RENDER_PAUSE_S).render_ranks(1e9)
+    families = len(pauses) // 2
+    assert families >= 10 and pauses == [RENDER_PAUSE_S] * 2 * families  # 1,100 ranks: 3 slices of 512 a family
+    assert paced == Exposition(state, own, 60.0, clock=lambda: 1e9).render_ranks(1e9)
+    assert len(pauses) == 2 * families  # the plain render did not pause
 
 
 def _scrape(url: str, accept_encoding: Optional[str]) -> tuple[dict, bytes]:

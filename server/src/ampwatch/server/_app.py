@@ -15,7 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
 from ._ingest import IngestService
-from ._metrics import CONTENT_TYPE, Exposition, NotificationMetrics, SelfMetrics, accepts_gzip, gzip_exposition
+from ._metrics import (CONTENT_TYPE, RENDER_PAUSE_S, Exposition, NotificationMetrics, SelfMetrics, accepts_gzip,
+                       gzip_exposition)
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState
@@ -85,7 +86,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         state.retire(clock(), config.expire_after, config.run_retention)
         own = SelfMetrics(state, store.size_bytes, VERSION)
         app.state.store, app.state.collector_state, app.state.own = store, state, own
-        app.state.exposition = Exposition(state, own, config.silent_after, clock)
+        app.state.exposition = Exposition(state, own, config.silent_after, clock, pause_s=RENDER_PAUSE_S)
         app.state.ingest = IngestService(config, state, store, own, clock)
         notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval,
                               repeat_interval_s=config.notify_repeat_interval)

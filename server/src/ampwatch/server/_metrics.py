@@ -12,7 +12,7 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,9 +22,11 @@ from ampwatch.contract import metrics as m
 from ampwatch.contract.protocol import STREAK_LADDER
 
 from ._floats import exposition_float, promql_max, promql_min
+from ._pacing import paced as _paced
 from ._state import CollectorState, RankState, RankView
 
-__all__ = ["CONTENT_TYPE", "Exposition", "SelfMetrics", "NotificationMetrics", "accepts_gzip", "gzip_exposition"]
+__all__ = ["CONTENT_TYPE", "RENDER_PAUSE_S", "Exposition", "SelfMetrics", "NotificationMetrics", "accepts_gzip",
+           "gzip_exposition"]
 
 # We write the classic text format 0.0.4 (what Prometheus asks for by default).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -116,6 +118,10 @@ def _info_labels(view: RankView, labels: str) -> str:
             f'scaler_kind="{escape_label(batch.scaler.kind)}",agent_version="{escape_label(batch.agent.version)}"')
 
 
+_PACE_EVERY = 512  # ranks of one family between two pauses: ~1-2 ms of formatting
+RENDER_PAUSE_S = 0.001  # what the app's worker-thread render sleeps between them
+
+
 class Exposition:
     """Render ``/metrics`` from the state at each scrape; keeps each rank's label strings between scrapes.
 
@@ -127,8 +133,10 @@ class Exposition:
     """
 
     def __init__(self, state: CollectorState, own: "SelfMetrics", silent_after: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, pause_s: float = 0.0) -> None:
         self.state, self.own, self.silent_after, self.clock = state, own, silent_after, clock
+        self.pause_s = pause_s
+        """Sleep this long every 512 ranks of each family: the app renders in a worker thread (``_pacing``)."""
         self._lines: dict[RankState, _RankLines] = {}
         self._rendering = threading.Lock()  # the label cache is one render's at a time
 
@@ -145,47 +153,51 @@ class Exposition:
         cached = self._lines
         self._lines = by_rank = {r: cached.get(r) or _RankLines(r) for r, _ in held}
         ranks = [(v, by_rank[r]) for r, v in held]
+        pause_s = self.pause_s
+
+        def paced(items: list) -> Iterable:
+            return _paced(items, _PACE_EVERY, pause_s)
         out: list[str] = []
         add = out.append
         for metric, field in _OPTIMIZER_TOTALS:
             add(_HEADERS[metric])
-            for v, lines in ranks:
+            for v, lines in paced(ranks):
                 totals = v.optimizer_totals
                 for opt, labels in lines.labels(v).items():
                     add(f"{metric.name}{{{labels}}} {getattr(totals[opt], field)}\n")
         for metric, value in ((m.OPTIMIZER_CONSECUTIVE_SKIPPED, RankView.consecutive_skipped),
                               (m.OPTIMIZER_LONGEST_SKIP_STREAK, RankView.longest_streak)):
             add(_HEADERS[metric])
-            for v, lines in ranks:
+            for v, lines in paced(ranks):
                 for opt, labels in lines.labels(v).items():
                     add(f"{metric.name}{{{labels}}} {value(v, opt)}\n")
         add(_HEADERS[m.OPTIMIZER_SKIP_STREAKS])
-        for v, lines in ranks:
+        for v, lines in paced(ranks):
             add(lines.ladder_lines(v))
         add(_HEADERS[m.NONFINITE_GRADIENT_INFO])
-        for v, lines in ranks:
+        for v, lines in paced(ranks):
             for opt, labels in lines.labels(v).items():
                 param = v.latest_nonfinite(opt)
                 if param is not None:
                     add(f'{m.NONFINITE_GRADIENT_INFO.name}{{{labels},parameter="{escape_label(param)}"}} 1\n')
         add(_HEADERS[m.LOSS_SCALE])
-        for v, lines in ranks:
+        for v, lines in paced(ranks):
             scale = _loss_scale(v)
             if scale is not None:
                 add(f"{m.LOSS_SCALE.name}{{{lines.rank}}} {exposition_float(scale)}\n")
         for metric, field in _RANK_TOTALS:
             add(_HEADERS[metric])
-            for v, lines in ranks:
+            for v, lines in paced(ranks):
                 add(f"{metric.name}{{{lines.rank}}} {getattr(v.totals, field)}\n")
         for metric, value in ((m.ITERATION, lambda v: v.current.batch.state.iteration),
                               (m.RANK_LAST_SEEN, lambda v: repr(v.last_seen)),
                               (m.RANK_CLOSED, lambda v: int(v.closed)),
                               (m.RANK_CONFLICTS, lambda v: len(v.conflicting))):
             add(_HEADERS[metric])
-            for v, lines in ranks:
+            for v, lines in paced(ranks):
                 add(f"{metric.name}{{{lines.rank}}} {value(v)}\n")
         add(_HEADERS[m.RANK_INFO])
-        for v, lines in ranks:
+        for v, lines in paced(ranks):
             add(f"{m.RANK_INFO.name}{{{_info_labels(v, lines.rank)}}} 1\n")
         self._render_runs([v for v, _ in ranks], now, add)
         return "".join(out)

@@ -185,16 +185,21 @@ def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[
 
 
 def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
-             hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 256) -> list[ActiveAlert]:
+             hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
+             between: Callable[[], object] = lambda: None) -> list[ActiveAlert]:
     """Return every alert that holds at ``now`` over all ranks and runs; O(ranks), ~16 us a rank.
 
     The histories are read in slices of ``slice_size`` ranks, each inside ``hold()`` (the
     evaluator's lock), so whoever records into a history waits for one slice, not the whole pass;
-    the run-wide alerts are then judged from what the slices read, outside it.
+    ``between()`` runs between two slices, outside the lock (a pass in a worker thread sleeps there,
+    handing the GIL to the event loop); the run-wide alerts are then judged from what the slices
+    read, outside it.
     """
     by_run: dict[str, list[RankFacts]] = {}
     found: list[ActiveAlert] = []
     for first in range(0, len(histories), slice_size):
+        if first:
+            between()
         with hold():
             for h in histories[first:first + slice_size]:
                 found.extend(rank_alerts(h, now, t))

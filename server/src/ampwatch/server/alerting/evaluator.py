@@ -36,8 +36,13 @@ class BuiltinAlerts:
     """
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
-                 resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time) -> None:
+                 resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time,
+                 breather_s: float = 0.0) -> None:
         self.thresholds = thresholds
+        # Sleep this long between two slices of a pass: a pass run in a worker thread otherwise holds the GIL
+        # for most of its ~0.3 s at 16,384 ranks, and the event loop's answers wait for it (an I/O-bound
+        # thread beside a CPU-bound one gets the GIL back only every switch interval).
+        self._breather_s = breather_s
         windows = [getattr(thresholds, name) for name in _WINDOWS]
         self._horizon_s = max(windows)
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
@@ -81,7 +86,7 @@ class BuiltinAlerts:
             histories = list(self._ranks.values())
             self._observed_during = observed = set()
         try:
-            found = evaluate(histories, now, self.thresholds, hold=lambda: self._lock)
+            found = evaluate(histories, now, self.thresholds, hold=lambda: self._lock, between=self._breathe)
             with self._lock:
                 self._observed_during = None
                 if observed:
@@ -89,6 +94,10 @@ class BuiltinAlerts:
                 return self._states.advance(found, now, keep=observed)
         finally:
             self._observed_during = None  # also when the pass failed
+
+    def _breathe(self) -> None:
+        if self._breather_s:
+            time.sleep(self._breather_s)
 
     def forget(self, run: str, rank: int, now: Optional[float] = None) -> list[Alert]:
         """Drop an expired rank; its alerts resolve; return the transitions."""
