@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
-__all__ = ["find", "fmt", "ratio"]
+__all__ = ["SIDES", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows"]
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -28,3 +28,31 @@ def ratio(a: Optional[float], b: Optional[float], digits: int = 1) -> str:
     if not a or not b:
         return "-"
     return f"{a / b:,.{digits}f}x"
+
+
+SIDES = ("before", "after")
+"""A before/after result's two sides, in the order every table lists them."""
+
+
+def measured_by(doc: dict) -> str:
+    """The command and date of a hand-run result, as its table's caption starts: ``python -m bench.x``, date."""
+    return f"`{doc['command']}`, {doc['date']}"
+
+
+def _side_name(doc: dict, side: str, ref: Optional[str]) -> str:
+    return f"before ({doc[side]['ref'] if ref is None else ref})" if side == "before" else "after"
+
+
+def side_rows(doc: dict, row: Callable[[str, dict], str], ref: Optional[str] = None,
+              sides: Iterable[str] = SIDES) -> list[str]:
+    """One row per side of a before/after result: ``row(name, doc[side])``, named ``before (<ref>)`` or ``after``.
+
+    ``ref`` is the earlier commit where the result keeps it outside its sides; ``sides``, an order other than
+    before then after.
+    """
+    return [row(_side_name(doc, side, ref), doc[side]) for side in sides]
+
+
+def phase_rows(doc: dict, phases: Iterable[str], row: Callable[[str, str, dict], str]) -> list[str]:
+    """Rows of a before/after result measured in phases: ``row(name, phase, doc[side][phase])``, side by side."""
+    return [row(_side_name(doc, side, None), phase, doc[side][phase]) for side in SIDES for phase in phases]

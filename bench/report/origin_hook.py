@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from bench.report._format import fmt
+from bench.report._format import fmt, measured_by, side_rows
 
 __all__ = ["section"]
 
 
 def section(doc: dict) -> list[str]:
+    """The section's lines for ``doc``, the file ``python -m bench.origin_hook --store`` writes."""
     d = doc["origin_hook"]
     ins, timing = d["instructions"], d["timing"]
     names = {"plain": "`plain`: DDP's built-in C++ all-reduce", "python_hook": "`python_hook`: DDP's `allreduce_hook` "
@@ -27,8 +28,8 @@ def section(doc: dict) -> list[str]:
               "taken off), as a share of `plain`'s process CPU time per iteration, median of "
               f"{len(timing['runs']['after'])} alternating runs of {timing['rounds']} x {timing['block']} "
               "iterations:", "", "| revision | hook's own us/iter | plain us/iter | share |", "|---|---|---|---|"]
-    for side, m in timing["median"].items():
-        name = f"before ({d['before']})" if side == "before" else "after"
-        lines.append(f"| {name} | {fmt(m['hook_own_us_per_iter'], 2)} | {fmt(m['plain_cpu_us_per_iter'])} | "
-                     f"{m['hook_own_share_of_plain_iter'] * 100:.2f}% |")
-    return lines + ["", f"`{d['command']}`, {d['date']}.", ""]
+    lines += side_rows(timing["median"], lambda name, m: f"| {name} | {fmt(m['hook_own_us_per_iter'], 2)} | "
+                                                         f"{fmt(m['plain_cpu_us_per_iter'])} | "
+                                                         f"{m['hook_own_share_of_plain_iter'] * 100:.2f}% |",
+                       ref=d["before"], sides=timing["median"])  # the bench's order: after, then before if it had one
+    return lines + ["", f"{measured_by(d)}.", ""]
