@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
-__all__ = ["SIDES", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows"]
+__all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows"]
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -21,6 +21,14 @@ def fmt(value: Any, digits: int = 1) -> str:
 def find(rows: list[dict], **match: Any) -> Optional[dict]:
     """The first row whose fields equal ``match`` (a server at a level, say), or None when it was not measured."""
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def beside_pushgateway(rows: list[dict]) -> Iterator[tuple[int, dict, dict]]:
+    """``(ranks, ampwatch's row, the Pushgateway's row)`` at 1,024 and 4,096 ranks, where both were measured."""
+    for ranks in (1024, 4096):
+        a, p = find(rows, target="ampwatch", ranks=ranks), find(rows, target="pushgateway", ranks=ranks)
+        if a and p:
+            yield ranks, a, p
 
 
 def ratio(a: Optional[float], b: Optional[float], digits: int = 1) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["section"]
+from typing import Optional
+
+__all__ = ["section", "summary_rows"]
 
 
 def section(fp: dict) -> list[str]:
@@ -24,3 +26,11 @@ def section(fp: dict) -> list[str]:
             "- What keeps it bounded: `--db-retention` (default 30 days) deletes the history of runs last seen "
             "earlier (checked hourly); memory holds only ranks in `/metrics` (`--expire-after`, "
             "`--run-retention`), and the agent caps the events it keeps between batches."]
+
+
+def summary_rows(fp: Optional[dict]) -> list[str]:
+    """The summary's row: the database's growth per event, which `--db-retention` bounds."""
+    if not fp or "bytes_per_event_on_disk" not in fp:
+        return []
+    return [f"| database growth | {fp['bytes_per_event_on_disk']:.0f} B per event; 0 B per event-free "
+            f"batch | Pushgateway keeps no history | bounded by `--db-retention` |"]

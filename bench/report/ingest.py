@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from bench.report._format import fmt
+from typing import Optional
 
-__all__ = ["section"]
+from bench.report._format import beside_pushgateway, find, fmt, ratio
+
+__all__ = ["section", "summary_rows"]
 
 
 def section(ing: dict) -> list[str]:
@@ -23,4 +25,23 @@ def section(ing: dict) -> list[str]:
                    f"{r['missed_slots']} | {r['server_cpu_pct']} | {fmt(r['server_cpu_us_per_update'])} | "
                    f"{r.get('vmrss', 0) / 1024:.0f} | {r['generator_cpu_s']} | {fmt(r.get('lag_p99_ms'))} | "
                    f"{r['loadavg_1m']} |")
+    return out
+
+
+def summary_rows(ing: Optional[dict]) -> list[str]:
+    """The summary's rows: paced and back-to-back ingest, each beside the Pushgateway's at the same level."""
+    if not ing or "paced" not in ing:
+        return []
+    out = []
+    for ranks, a, p in beside_pushgateway(ing["paced"]):
+        out.append(f"| ingest, {ranks:,} ranks x 1 update/s: sustained updates/s (p99 ms) | "
+                   f"{fmt(a['updates_per_s'])} ({fmt(a['p99_ms'])}) | Pushgateway {fmt(p['updates_per_s'])} "
+                   f"({fmt(p['p99_ms'])}) | {ratio(a['updates_per_s'], p['updates_per_s'])} |")
+    for s in ing.get("saturated", []):
+        if s["target"] == "ampwatch":
+            p = find(ing["saturated"], target="pushgateway", ranks=s["ranks"])
+            if p:
+                out.append(f"| ingest capacity, {s['ranks']:,} ranks, back to back: updates/s | "
+                           f"{fmt(s['updates_per_s'])} | Pushgateway {fmt(p['updates_per_s'])} | "
+                           f"{ratio(s['updates_per_s'], p['updates_per_s'])} |")
     return out

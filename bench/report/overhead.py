@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["section"]
+__all__ = ["section", "summary_rows"]
 
 
 def section(ov: dict) -> list[str]:
@@ -53,4 +53,34 @@ def _ddp_origin(d: Optional[dict]) -> list[str]:
                 + "; ".join(f"{m['model']} **{m['note_us_per_iter']} us** per iteration ({m['buckets_per_iter']:g} "
                             f"bucket), **{m['note_share_of_plain_iter'] * 100:.2f}%** of the plain iteration"
                             for m in d["measurements"]) + "."]
+    return out
+
+
+def summary_rows(ov: Optional[dict]) -> list[str]:
+    """The summary's rows: the ratio to the bare loop beside Accelerate's and the recipe's, the host cost."""
+    if not ov or "measurements" not in ov:
+        return []
+    out = []
+    for m in ov["measurements"]:
+        v = m["variants"]
+        aw, acc, forum = v["ampwatch"], v["accelerate"], v["forum"]
+        out.append(f"| training iteration, {m['model']} (CPU time vs bare loop) | "
+                   f"{aw['ratio']:.3f} [{aw['ratio_p25']:.3f}-{aw['ratio_p75']:.3f}] | "
+                   f"Accelerate {acc['ratio']:.3f}, "
+                   f"get_scale recipe {forum['ratio']:.3f} | extra syncs per clean iteration: ampwatch "
+                   f"{aw['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f}, Accelerate "
+                   f"{acc['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f}, recipe "
+                   f"{forum['syncs_per_clean_iter'] - v['bare']['syncs_per_clean_iter']:+.0f} |")
+    if "host_cost" in ov:
+        h = ov["host_cost"]
+        out.append(f"| agent host CPU per iteration (2 optimizers) | "
+                   f"hot path {h.get('hot_path_us_per_iter', '-')} us; "
+                   f"whole agent {h['agent_host_us_per_iter']} us [{h['agent_host_us_p25']}-"
+                   f"{h['agent_host_us_p75']}] | - | on a {h['tiny_bare_cpu_us_per_iter']} us iteration |")
+    fused = ov.get("storm_fused", {}).get("variants")
+    if fused:
+        out.append(f"| skip storm, fused AdamW: iterations whose skip was reported | "
+                   f"{fused['ampwatch']['storm_flagged']}/{fused['ampwatch']['checked_iterations']} | Accelerate "
+                   f"{fused['accelerate']['storm_flagged']}/{fused['accelerate']['checked_iterations']} | "
+                   f"Accelerate's step hook fires although the fused kernel skipped |")
     return out

@@ -11,8 +11,7 @@ import os
 from typing import Optional
 
 from bench.gpu import report as gpu_report
-from bench.report import (footprint, ingest, inspection, instructions, job1024, origin_hook, overhead, scrape,
-                          summary, tail)
+from bench.report import footprint, ingest, inspection, instructions, job1024, origin_hook, overhead, scrape, tail
 
 __all__ = ["BEFORE_AFTER", "GPU_RESULTS", "JOB_1024", "ORIGIN_HOOK", "render"]
 
@@ -24,6 +23,15 @@ JOB_1024 = os.path.join(_BENCH, "job1024_before_after.json")
 ORIGIN_HOOK = os.path.join(_BENCH, "origin_hook_before_after.json")  # python -m bench.origin_hook
 GPU_RESULTS = os.path.join(os.path.dirname(_BENCH), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
+
+_SECTIONS = (("overhead", "1. Agent overhead per training iteration", overhead),
+             ("instructions", "1b. Agent overhead in CPU instructions (exact)", instructions),
+             ("inspection", "1c. Inspecting skips on models with many tensors", inspection),
+             ("ingest", "2. Ingest throughput and latency vs the Pushgateway", ingest),
+             ("scrape", "3. Scrape cost", scrape),
+             ("footprint", "4. Collector footprint", footprint))
+"""The run's sections in the page's order: its key in the JSON document, its title, and the module whose
+``section`` renders it and whose ``summary_rows`` give its rows of the summary table."""
 
 
 def _committed(path: str) -> Optional[dict]:
@@ -51,23 +59,19 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
              f"{' (quick mode: short runs, wide spread)' if res['quick'] else ''}; raw figures in "
              f"[`{json_name}`]({json_name}). Do not edit by hand: run `make bench`.", "",
              "## Summary", ""]
-    lines += summary.table(res)
+    lines += ["| what | ampwatch | peer | ratio / verdict |", "|---|---|---|---|"]
+    for key, _, module in _SECTIONS:
+        lines += module.summary_rows(res.get(key))
     lines += ["", f"Machine: {env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB, Linux {env['kernel']}; "
               f"load average {env['loadavg_start']} at start, {env['loadavg_end']} at the end (other jobs shared "
               "the machine: absolute times drift, so every comparison is a ratio from the same run, with "
               "alternating order).", "",
               "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
-    sections = [("overhead", "1. Agent overhead per training iteration", overhead.section),
-                ("instructions", "1b. Agent overhead in CPU instructions (exact)", instructions.section),
-                ("inspection", "1c. Inspecting skips on models with many tensors", inspection.section),
-                ("ingest", "2. Ingest throughput and latency vs the Pushgateway", ingest.section),
-                ("scrape", "3. Scrape cost", scrape.section),
-                ("footprint", "4. Collector footprint", footprint.section)]
-    for key, title, fn in sections:
+    for key, title, module in _SECTIONS:
         if key in res:
             lines += [f"## {title}", ""]
             lines += _remeasured(res, key)
-            lines += fn(res[key]) if "error" not in res[key] else [f"Failed: `{res[key]['error']}`"]
+            lines += module.section(res[key]) if "error" not in res[key] else [f"Failed: `{res[key]['error']}`"]
             lines += [""]
     if "tail" in res:
         lines += ["## 5. The ingest tail at 1,024 ranks", ""]
