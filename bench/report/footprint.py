@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 __all__ = ["section", "summary_rows"]
 
 
@@ -28,9 +26,7 @@ def section(fp: dict) -> list[str]:
             "`--run-retention`), and the agent caps the events it keeps between batches."]
 
 
-def summary_rows(fp: Optional[dict]) -> list[str]:
+def summary_rows(fp: dict) -> list[str]:
     """The summary's row: the database's growth per event, which `--db-retention` bounds."""
-    if not fp or "bytes_per_event_on_disk" not in fp:
-        return []
     return [f"| database growth | {fp['bytes_per_event_on_disk']:.0f} B per event; 0 B per event-free "
             f"batch | Pushgateway keeps no history | bounded by `--db-retention` |"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.report._format import beside_pushgateway, find, fmt, ratio
 
 __all__ = ["section", "summary_rows"]
@@ -28,15 +26,12 @@ def section(ing: dict) -> list[str]:
     return out
 
 
-def summary_rows(ing: Optional[dict]) -> list[str]:
+def summary_rows(ing: dict) -> list[str]:
     """The summary's rows: paced and back-to-back ingest, each beside the Pushgateway's at the same level."""
-    if not ing or "paced" not in ing:
-        return []
-    out = []
-    for ranks, a, p in beside_pushgateway(ing["paced"]):
-        out.append(f"| ingest, {ranks:,} ranks x 1 update/s: sustained updates/s (p99 ms) | "
-                   f"{fmt(a['updates_per_s'])} ({fmt(a['p99_ms'])}) | Pushgateway {fmt(p['updates_per_s'])} "
-                   f"({fmt(p['p99_ms'])}) | {ratio(a['updates_per_s'], p['updates_per_s'])} |")
+    out = [f"| ingest, {ranks:,} ranks x 1 update/s: sustained updates/s (p99 ms) | "
+           f"{fmt(a['updates_per_s'])} ({fmt(a['p99_ms'])}) | Pushgateway {fmt(p['updates_per_s'])} "
+           f"({fmt(p['p99_ms'])}) | {ratio(a['updates_per_s'], p['updates_per_s'])} |"
+           for ranks, a, p in beside_pushgateway(ing["paced"])]
     for s in ing.get("saturated", []):
         if s["target"] == "ampwatch":
             p = find(ing["saturated"], target="pushgateway", ranks=s["ranks"])

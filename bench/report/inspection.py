@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.report._format import fmt
 
 __all__ = ["section", "summary_rows"]
@@ -13,9 +11,8 @@ def _shape(cost: dict) -> str:
     return f"{cost['tensors']:,} x {cost['elements']:,}"
 
 
-def summary_rows(insp: Optional[dict]) -> list[str]:
-    if not insp or "skip_cost" not in insp:
-        return []
+def summary_rows(insp: dict) -> list[str]:
+    """The summary's rows: an inspected skip's cost beside GradScaler's own check, and each skip storm's."""
     out = []
     for cost in insp["skip_cost"]:
         one, every = (cost["scenarios"][k]["variants"] for k in ("one", "all"))

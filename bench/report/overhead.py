@@ -56,10 +56,8 @@ def _ddp_origin(d: Optional[dict]) -> list[str]:
     return out
 
 
-def summary_rows(ov: Optional[dict]) -> list[str]:
+def summary_rows(ov: dict) -> list[str]:
     """The summary's rows: the ratio to the bare loop beside Accelerate's and the recipe's, the host cost."""
-    if not ov or "measurements" not in ov:
-        return []
     out = []
     for m in ov["measurements"]:
         v = m["variants"]

@@ -24,14 +24,15 @@ ORIGIN_HOOK = os.path.join(_BENCH, "origin_hook_before_after.json")  # python -m
 GPU_RESULTS = os.path.join(os.path.dirname(_BENCH), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
 
-_SECTIONS = (("overhead", "1. Agent overhead per training iteration", overhead),
-             ("instructions", "1b. Agent overhead in CPU instructions (exact)", instructions),
-             ("inspection", "1c. Inspecting skips on models with many tensors", inspection),
-             ("ingest", "2. Ingest throughput and latency vs the Pushgateway", ingest),
-             ("scrape", "3. Scrape cost", scrape),
-             ("footprint", "4. Collector footprint", footprint))
-"""The run's sections in the page's order: its key in the JSON document, its title, and the module whose
-``section`` renders it and whose ``summary_rows`` give its rows of the summary table."""
+_SECTIONS = (("overhead", "1. Agent overhead per training iteration", overhead, "measurements"),
+             ("instructions", "1b. Agent overhead in CPU instructions (exact)", instructions, "rows"),
+             ("inspection", "1c. Inspecting skips on models with many tensors", inspection, "skip_cost"),
+             ("ingest", "2. Ingest throughput and latency vs the Pushgateway", ingest, "paced"),
+             ("scrape", "3. Scrape cost", scrape, "levels"),
+             ("footprint", "4. Collector footprint", footprint, "bytes_per_event_on_disk"))
+"""The run's sections in the page's order: its key in the JSON document, its title, the module whose
+``section`` renders it and whose ``summary_rows`` give its rows of the summary table, and the field those
+rows read (a section that failed, or ran in part, has no summary rows without it)."""
 
 
 def _committed(path: str) -> Optional[dict]:
@@ -60,14 +61,15 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
              f"[`{json_name}`]({json_name}). Do not edit by hand: run `make bench`.", "",
              "## Summary", ""]
     lines += ["| what | ampwatch | peer | ratio / verdict |", "|---|---|---|---|"]
-    for key, _, module in _SECTIONS:
-        lines += module.summary_rows(res.get(key))
+    for key, _, module, needs in _SECTIONS:
+        if needs in (res.get(key) or {}):
+            lines += module.summary_rows(res[key])
     lines += ["", f"Machine: {env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB, Linux {env['kernel']}; "
               f"load average {env['loadavg_start']} at start, {env['loadavg_end']} at the end (other jobs shared "
               "the machine: absolute times drift, so every comparison is a ratio from the same run, with "
               "alternating order).", "",
               "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", ""]
-    for key, title, module in _SECTIONS:
+    for key, title, module, _ in _SECTIONS:
         if key in res:
             lines += [f"## {title}", ""]
             lines += _remeasured(res, key)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.report._format import beside_pushgateway, find, fmt, ratio
 
 __all__ = ["section", "summary_rows"]
@@ -22,15 +20,12 @@ def section(sc: dict) -> list[str]:
     return out
 
 
-def summary_rows(sc: Optional[dict]) -> list[str]:
+def summary_rows(sc: dict) -> list[str]:
     """The summary's rows: scrape time and size, and memory per rank, each beside the Pushgateway's."""
-    if not sc or "levels" not in sc:
-        return []
-    out = []
-    for ranks, a, p in beside_pushgateway(sc["levels"]):
-        out.append(f"| /metrics at {ranks:,} ranks x 2 optimizers: ms (MB) | {fmt(a['scrape_median_ms'])} "
-                   f"({a['bytes'] / 1e6:.1f}) | Pushgateway {fmt(p['scrape_median_ms'])} "
-                   f"({p['bytes'] / 1e6:.1f}) | {ratio(p['scrape_median_ms'], a['scrape_median_ms'])} faster |")
+    out = [f"| /metrics at {ranks:,} ranks x 2 optimizers: ms (MB) | {fmt(a['scrape_median_ms'])} "
+           f"({a['bytes'] / 1e6:.1f}) | Pushgateway {fmt(p['scrape_median_ms'])} "
+           f"({p['bytes'] / 1e6:.1f}) | {ratio(p['scrape_median_ms'], a['scrape_median_ms'])} faster |"
+           for ranks, a, p in beside_pushgateway(sc["levels"])]
     a = find(sc["levels"], target="ampwatch", ranks=4096) or find(sc["levels"], target="ampwatch", ranks=1024)
     if a and a.get("rss_kib_per_rank") is not None:
         p = find(sc["levels"], target="pushgateway", ranks=a["ranks"])
