@@ -1,4 +1,5 @@
-"""The cell formats every section of docs/benchmarks.md shares, so one figure reads the same in each table."""
+"""What every section of docs/benchmarks.md shares: cell formats, so one figure reads the same in each table,
+and the rows of a before/after table, so every such table names and orders its sides alike."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ __all__ = ["BEFORE_AFTER", "GPU_RESULTS", "JOB_1024", "ORIGIN_HOOK", "render"]
 _BENCH = os.path.dirname(os.path.dirname(__file__))
 BEFORE_AFTER = os.path.join(_BENCH, "tail_before_after.json")  # written by hand-run bench.tail
 JOB_1024 = os.path.join(_BENCH, "job1024_before_after.json")
-"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``storm``, ``metrics_size`` and ``run_page`` with
-``--out``."""
+"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``storm``, ``metrics_size``, ``run_page`` and
+``rule_eval`` with ``--out``."""
 ORIGIN_HOOK = os.path.join(_BENCH, "origin_hook_before_after.json")  # python -m bench.origin_hook
 GPU_RESULTS = os.path.join(os.path.dirname(_BENCH), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
