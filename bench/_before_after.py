@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
-__all__ = ["ROOT", "before_after", "source_of", "store"]
+__all__ = ["ROOT", "before_after", "print_and_store", "source_of", "store"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,3 +48,18 @@ def store(path: str, key: str, result: dict, argv: list[str]) -> None:
     with open(path, "w") as f:
         json.dump(document, f, indent=1)
         f.write("\n")
+
+
+def print_and_store(result: dict, key: str, out: Optional[str], line: Callable[[str, dict], str],
+                    rows: Optional[Iterable[tuple[str, dict]]] = None) -> dict:
+    """End a bench's ``main()``: print ``line(side, result[side])`` for before then after, and with ``out`` (its
+    ``--out``) ``store`` the result under ``key`` there with this command; return the result.
+
+    ``rows``, pairs of a name and a row to print instead of the two sides, serves a result that is not split
+    in before and after; ``line`` may return several lines joined by newlines (a side measured in phases).
+    """
+    for name, row in rows if rows is not None else ((side, result[side]) for side in ("before", "after")):
+        print(line(name, row))
+    if out:
+        store(out, key, result, sys.argv)
+    return result

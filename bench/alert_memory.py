@@ -22,7 +22,7 @@ import sys
 import time
 from array import array
 
-from bench._before_after import ROOT as _ROOT, before_after, store
+from bench._before_after import ROOT as _ROOT, before_after, print_and_store
 
 __all__ = ["measure", "main"]
 
@@ -100,6 +100,13 @@ def _side(ranks: int, minutes: float, path: str | None) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _line(name: str, r: dict) -> str:
+    return (f"{name:>6}: {r['kib_per_rank']:>7} KiB/rank ({r['rss_kib'] / 1024:.1f} MiB at {r['ranks']} ranks, "
+            f"{r['minutes']} simulated min), {r['cpu_s']} s CPU, {r['firing']} firing, "
+            f"{r['transitions']} transitions, history arrays {r['history_array_kib_per_rank']} KiB/rank  "
+            f"[{r['server']}]")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -109,14 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
     args = parser.parse_args(argv)
     result = before_after(args.before, lambda path: _side(args.ranks, args.minutes, path))
-    for name, r in result.items():
-        print(f"{name:>6}: {r['kib_per_rank']:>7} KiB/rank ({r['rss_kib'] / 1024:.1f} MiB at {r['ranks']} ranks, "
-              f"{r['minutes']} simulated min), {r['cpu_s']} s CPU, {r['firing']} firing, "
-              f"{r['transitions']} transitions, history arrays {r['history_array_kib_per_rank']} KiB/rank  "
-              f"[{r['server']}]")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(result, KEY, args.out, _line)
 
 
 if __name__ == "__main__":

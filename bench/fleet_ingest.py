@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 import urllib.request
 from typing import Optional
 
 from bench import _servers
-from bench._before_after import before_after, store
+from bench._before_after import before_after, print_and_store
 
 __all__ = ["KEY", "measure", "main"]
 
@@ -73,6 +72,13 @@ def measure(ranks: int, interval: float, seconds: int, scrape_every: float, pyth
         return result
 
 
+def _line(side: str, r: dict) -> str:
+    return (f"{side:>6} {r['ranks']:>6} {r['updates_per_s']:>7.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+            f"{r['max_ms']:>8.1f} {r['missed_slots']:>6} {r['unanswered']:>6} {r['scrapes']:>7} "
+            f"{r['scrape_median_ms'] or float('nan'):>9.1f} {r['server_cpu_us_per_update']:>10.1f} "
+            f"{r['loadavg_1m']:>5.2f}")
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     """Run both sides and print them side by side; ``--out`` also stores them under ``fleet_ingest``."""
     parser = argparse.ArgumentParser(prog="python -m bench.fleet_ingest", description=__doc__.split("\n")[0])
@@ -87,14 +93,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                                             args.scrape_every, path))
     print(f"{'side':>6} {'ranks':>6} {'upd/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'missed':>6} "
           f"{'unansw':>6} {'scrapes':>7} {'scrape ms':>9} {'cpu us/upd':>10} {'load':>5}")
-    for side, r in result.items():
-        print(f"{side:>6} {r['ranks']:>6} {r['updates_per_s']:>7.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
-              f"{r['max_ms']:>8.1f} {r['missed_slots']:>6} {r['unanswered']:>6} {r['scrapes']:>7} "
-              f"{r['scrape_median_ms'] or float('nan'):>9.1f} {r['server_cpu_us_per_update']:>10.1f} "
-              f"{r['loadavg_1m']:>5.2f}")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(result, KEY, args.out, _line)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from bench._before_after import ROOT as _ROOT, before_after, store
+from bench._before_after import ROOT as _ROOT, before_after, print_and_store
 
 __all__ = ["main"]
 
@@ -39,13 +39,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
     args = parser.parse_args(argv)
-    result = before_after(args.before, lambda path: _side(args.ranks, path))
-    for name, r in result.items():
-        print(f"{name:>6}: {r['samples']} samples, {r['bytes']} bytes plain, {r['gzip_bytes']} bytes when gzip is "
-              f"asked, scrape {r['scrape_median_ms']} / {r['gzip_scrape_median_ms']} ms")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(before_after(args.before, lambda path: _side(args.ranks, path)), KEY, args.out,
+                           lambda name, r: f"{name:>6}: {r['samples']} samples, {r['bytes']} bytes plain, "
+                                           f"{r['gzip_bytes']} bytes when gzip is asked, scrape "
+                                           f"{r['scrape_median_ms']} / {r['gzip_scrape_median_ms']} ms")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from bench._before_after import ROOT as _ROOT, before_after, store
+from bench._before_after import ROOT as _ROOT, before_after, print_and_store
 
 __all__ = ["measure", "main"]
 
@@ -69,6 +69,15 @@ def _side(ranks: int, path: str | None) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _lines(name: str, r: dict, ranks: int) -> str:
+    lines = []
+    for phase in ("firing", "resolved"):
+        p = r[phase]
+        lines.append(f"{name:>6} {phase:>8}: {len(_NAMES) * ranks} alerts -> {p['posts']} POSTs, "
+                     f"{p['bytes'] / 1e6:.2f} MB, {p['seconds']} s, dropped so far {p['dropped_so_far']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -77,14 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
     args = parser.parse_args(argv)
     result = before_after(args.before, lambda path: _side(args.ranks, path))
-    for name, r in result.items():
-        for phase in ("firing", "resolved"):
-            p = r[phase]
-            print(f"{name:>6} {phase:>8}: {len(_NAMES) * args.ranks} alerts -> {p['posts']} POSTs, "
-                  f"{p['bytes'] / 1e6:.2f} MB, {p['seconds']} s, dropped so far {p['dropped_so_far']}")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(result, KEY, args.out, lambda name, r: _lines(name, r, args.ranks))
 
 
 if __name__ == "__main__":

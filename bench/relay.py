@@ -29,7 +29,7 @@ import tempfile
 import urllib.request
 
 from bench import _servers
-from bench._before_after import store
+from bench._before_after import print_and_store
 
 __all__ = ["run", "main", "KEY"]
 
@@ -108,6 +108,12 @@ def _print(result: dict) -> None:
     print(f"v2/v1: CPU per rank update x{result['cpu_per_update_ratio']}, requests x{result['requests_ratio']}")
 
 
+def _real_relay_line(scenario: str, real: dict) -> str:
+    return (f"real relay, {scenario}: {real['agents']} sender processes, push every "
+            f"{real['push_interval_s']} s for {real['seconds']} s: {real['batches']:.0f} batches in "
+            f"{real['requests']:.0f} requests ({real['batches_per_request']} per request)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run each level both ways, print a table per level (``--json``: the raw results), store with ``--out``."""
     parser = argparse.ArgumentParser(prog="python -m bench.relay", description=__doc__.splitlines()[0])
@@ -122,13 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
               "real_relay": [real_relay(args.per_node, args.real_seconds, scenario) for scenario in SCENARIOS]}
     for level in result["levels"]:
         print(json.dumps(level, indent=1)) if args.json else _print(level)
-    for real in result["real_relay"]:
-        print(f"real relay, {real['scenario']}: {real['agents']} sender processes, push every "
-              f"{real['push_interval_s']} s for {real['seconds']} s: {real['batches']:.0f} batches in "
-              f"{real['requests']:.0f} requests ({real['batches_per_request']} per request)")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(result, KEY, args.out, _real_relay_line,
+                           rows=((real["scenario"], real) for real in result["real_relay"]))
 
 
 if __name__ == "__main__":

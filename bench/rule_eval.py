@@ -38,7 +38,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
-from bench._before_after import ROOT, source_of, store
+from bench._before_after import ROOT, print_and_store, source_of
 from bench._job_history import Job
 from bench._remote_write import RemoteWriter
 from bench._servers import free_port
@@ -301,6 +301,12 @@ def measure(ranks: int, evaluations: int, before: str) -> dict:
     return result
 
 
+def _dashboard_line(side: str, r: dict) -> str:
+    d = r["dashboard"]
+    return (f"{side:>6}: dashboard over 30 minutes: {d['panels']} panels, at most {d['max_series']} series in one, "
+            f"{d['panels_over_100_series']} with over 100, {d['bytes'] / 1e6:.1f} MB in all")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -323,13 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         h = result[side]["heaviest_alert"]
         print(f"{side:>6}: heaviest alert {h['rule']}: {h['median_ms']:g} ms with {h['instances']} instances, "
               f"its expression alone {h['expression_alone_ms']:g} ms")
-    for side in ("before", "after"):
-        d = result[side]["dashboard"]
-        print(f"{side:>6}: dashboard over 30 minutes: {d['panels']} panels, at most {d['max_series']} series in one, "
-              f"{d['panels_over_100_series']} with over 100, {d['bytes'] / 1e6:.1f} MB in all")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(result, KEY, args.out, _dashboard_line)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import urllib.request
 from typing import Optional
 
 from bench import _servers
-from bench._before_after import before_after, store
+from bench._before_after import before_after, print_and_store
 
 __all__ = ["main"]
 
@@ -148,6 +148,12 @@ def _side(ranks: int, watch_s: float, path: Optional[str]) -> dict:
     return result
 
 
+def _lines(side: str, r: dict) -> str:
+    return "\n".join(f"{side} {phase}: first paint {r[phase]['page']['first_paint_ms']} ms, "
+                     f"{r[phase]['page']['refresh_bytes']} bytes per refresh, "
+                     f"summary {r[phase]['endpoints']['summary']}" for phase in ("trouble", "storm"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -157,14 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
     args = parser.parse_args(argv)
     result = dict(before_after(args.before, lambda path: _side(args.ranks, args.watch, path)), ranks=args.ranks)
-    for side in ("before", "after"):
-        for phase in ("trouble", "storm"):
-            r = result[side][phase]
-            print(f"{side} {phase}: first paint {r['page']['first_paint_ms']} ms, "
-                  f"{r['page']['refresh_bytes']} bytes per refresh, summary {r['endpoints']['summary']}")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(result, KEY, args.out, _lines)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from bench._before_after import ROOT as _ROOT, before_after, store
+from bench._before_after import ROOT as _ROOT, before_after, print_and_store
 
 __all__ = ["measure", "main"]
 
@@ -107,6 +107,13 @@ def _side(args: argparse.Namespace, path: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _line(name: str, r: dict) -> str:
+    return (f"{name:>6} ({r['pattern']}): storm ingest p50 {r['storm_p50_ms']} ms, p99 {r['storm_p99_ms']} ms, "
+            f"max {r['storm_max_ms']} ms, {r['timeouts_2s']} answers over 2 s, collector CPU "
+            f"{r['server_cpu_pct']}%, database +{r['db_mb_per_storm_minute']} MB and "
+            f"{r['event_rows_per_storm_minute']} event rows ({r['event_mb_per_storm_minute']} MB) per storm-minute")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -115,15 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--before", default="a95d20e", help="the commit to compare with")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
     args = parser.parse_args(argv)
-    result = before_after(args.before, lambda path: _side(args, path))
-    for name, r in result.items():
-        print(f"{name:>6} ({r['pattern']}): storm ingest p50 {r['storm_p50_ms']} ms, p99 {r['storm_p99_ms']} ms, "
-              f"max {r['storm_max_ms']} ms, {r['timeouts_2s']} answers over 2 s, collector CPU "
-              f"{r['server_cpu_pct']}%, database +{r['db_mb_per_storm_minute']} MB and "
-              f"{r['event_rows_per_storm_minute']} event rows ({r['event_mb_per_storm_minute']} MB) per storm-minute")
-    if args.out:
-        store(args.out, KEY, result, sys.argv)
-    return result
+    return print_and_store(before_after(args.before, lambda path: _side(args, path)), KEY, args.out, _line)
 
 
 if __name__ == "__main__":

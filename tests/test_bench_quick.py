@@ -141,7 +141,7 @@ def test_inspection_bench_times_the_scan_beside_gradscalers_check_and_a_storm_be
     assert st["skips"] == 3 and 1 <= st["named_skips"] <= 3
     assert st["poisoned_steps"] == 0 and st["agent_errors"] == 0 and st["ratio"] > 0
     section = {"skip_cost": [cost], "storms": [st], "issue_before": {"storm_ratio": 2.55, "note": "quoted"}}
-    page = "\n".join(report._inspection(section) + report._inspection_summary(section))
+    page = "\n".join(report.inspection.section(section) + report.inspection.summary_rows(section))
     assert "300 x 16" in page and "GradScaler's own check" in page and "mlp-2opt" in page and "2.55x" in page
 
 

@@ -1,0 +1,28 @@
+"""Section 1b: the agent's overhead counted in instructions (callgrind), which load does not move."""
+
+from __future__ import annotations
+
+__all__ = ["section", "summary_rows"]
+
+
+def section(ins: dict) -> list[str]:
+    out = ["Instructions executed by the training process over the measured iterations, counted by valgrind's "
+           "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
+           f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the count "
+           "does not move with the machine's load, so it can answer a 1% question on a shared machine.", "",
+           "| model | optimizer | iterations | bare instructions/iter | watched instructions/iter | agent | ratio |",
+           "|---|---|---|---|---|---|---|"]
+    for r in ins["rows"]:
+        out.append(f"| {r['model']} | {r['optimizer']} | {r['iterations']} | {r['bare_per_iter']:,} | "
+                   f"{r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | {r['ratio']:.4f} |")
+    return out
+
+
+def summary_rows(ins: dict) -> list[str]:
+    """The summary's rows: the instructions ratio per model, which the machine's load does not move."""
+    out = []
+    for r in ins["rows"]:
+        out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} (callgrind, exact) | "
+                   f"{r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per iteration) | - | "
+                   f"{(r['ratio'] - 1) * 100:.2f}% |")
+    return out

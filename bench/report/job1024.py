@@ -1,0 +1,83 @@
+"""Section 7: what issue 14 asked of one collector at 1,024 ranks, each figure beside the commit before.
+
+Each part is one hand-run benchmark's result in ``bench/job1024_before_after.json`` (under the benchmark's
+name), rendered when it is there: a table with a row per side, then the command and date that measured it.
+"""
+
+from __future__ import annotations
+
+from bench.report import rule_eval, run_page
+from bench.report._format import fmt, measured_by, phase_rows, side_rows
+
+__all__ = ["section"]
+
+
+def _alert_memory(memory: dict) -> list[str]:
+    return ["Built-in alerts' memory after a full 30-minute alert window (simulated clock: 1,024 ranks report "
+            "every 2 s for 31 minutes, the last one a whole-job skip storm; resident memory of a fresh "
+            "process after minus before, per rank, alert states of the storm included):", "",
+            "| | KiB per rank | MiB at 1,024 ranks | of which history arrays, KiB per rank | CPU s | firing |",
+            "|---|---|---|---|---|---|",
+            *side_rows(memory, lambda name, r: f"| {name} | {fmt(r['kib_per_rank'])} | {fmt(r['rss_kib'] / 1024)} | "
+                                               f"{fmt(r.get('history_array_kib_per_rank'))} | {fmt(r['cpu_s'])} | "
+                                               f"{fmt(r['firing'])} |"),
+            "", f"{measured_by(memory)}.", ""]
+
+
+def _notify_storm(storm: dict) -> list[str]:
+    return ["Built-in webhook notifications when 3,072 alerts (1,024 ranks x 3 alerts) fire at once, then "
+            "resolve, default settings, a real HTTP receiver on loopback:", "",
+            "| | phase | POSTs | MB | seconds | alerts dropped (cumulative) |", "|---|---|---|---|---|---|",
+            *phase_rows(storm, ("firing", "resolved"),
+                        lambda name, phase, r: f"| {name} | {phase} | {fmt(r['posts'])} | {fmt(r['bytes'] / 1e6, 2)} | "
+                                               f"{fmt(r['seconds'])} | {fmt(r['dropped_so_far'])} |"),
+            "", f"{measured_by(storm)}. Grouped by alert and run, the resolved phase goes out one "
+            "`--notify-group-interval` (60 s) after the firing one.", ""]
+
+
+def _skip_storm(skip_storm: dict) -> list[str]:
+    a = skip_storm["after"]
+    return [f"A whole-job skip storm: {fmt(a['ranks'])} ranks x 2 optimizers push every {fmt(a['interval_s'])} s; "
+            f"after a clean warm-up every rank skips every iteration ({a['iterations_per_push']} per push) for "
+            f"{fmt(a['storm_seconds'])} s. Each side gets the events its agent sends (before: one per skipped "
+            "step per optimizer and one per backoff; after: a streak's rungs and end, backoffs folded), "
+            "`bench/_storm.py`, checked against a real agent by `tests/test_bench_storm.py`:", "",
+            "| | ingest p50 ms | p99 ms | max ms | answers over 2 s | batches answered (slots missed) | "
+            "collector CPU µs per batch | event rows per storm-minute | event MB per storm-minute | "
+            "database MB per storm-minute |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *side_rows(skip_storm, lambda name, r: (
+                f"| {name} | {fmt(r['storm_p50_ms'])} | {fmt(r['storm_p99_ms'])} | {fmt(r['storm_max_ms'])} | "
+                f"{fmt(r['timeouts_2s'])} | {fmt(r.get('answered'))} ({fmt(r['missed_slots'])}) | "
+                f"{fmt(r.get('server_cpu_us_per_batch'))} | {fmt(r['event_rows_per_storm_minute'])} | "
+                f"{fmt(r['event_mb_per_storm_minute'], 2)} | {fmt(r['db_mb_per_storm_minute'], 2)} |")),
+            "", f"{measured_by(skip_storm)}, load average {fmt(a['loadavg_1m'])} at the end (a shared machine: "
+            "latencies are the machine's as much as the collector's).", ""]
+
+
+def _metrics_size(size: dict) -> list[str]:
+    return ["`/metrics` of a collector filled with 1,024 ranks x 2 optimizers (three batches each), scraped "
+            "plain and as Prometheus asks for it (`Accept-Encoding: gzip`), median of 5:", "",
+            "| | samples | bytes plain | bytes when gzip is asked | scrape ms plain | scrape ms gzip asked |",
+            "|---|---|---|---|---|---|",
+            *side_rows(size, lambda name, r: f"| {name} | {fmt(r['samples'])} | {fmt(r['bytes'])} | "
+                                             f"{fmt(r['gzip_bytes'])} | {fmt(r['scrape_median_ms'])} | "
+                                             f"{fmt(r['gzip_scrape_median_ms'])} |"),
+            "", f"{measured_by(size)}. Fewer samples: a streak-ladder rung is exposed once a streak reached it.", ""]
+
+
+_PARTS = (("alert_memory", _alert_memory), ("notify_storm", _notify_storm), ("storm", _skip_storm),
+          ("metrics_size", _metrics_size))
+"""The parts before the run page, in the page's order, each under the key its benchmark stores it."""
+
+
+def section(doc: dict) -> list[str]:
+    """The section's lines for ``doc`` (the whole JSON file), each part that was measured in its order."""
+    lines = ["What issue 14 asked of one collector at 1,024 ranks x 2 optimizers, each figure beside the commit "
+             "before the change, both measured in one run (command and date under each table).", ""]
+    for key, part in _PARTS:
+        if doc.get(key):
+            lines += part(doc[key])
+    lines += run_page.section(doc.get("run_page"))
+    lines += rule_eval.section(doc.get("rule_eval"))
+    return lines
