@@ -23,18 +23,11 @@ import time
 from array import array
 
 from bench._before_after import ROOT as _ROOT, before_after, store
+from bench._resident import resident_kib
 
 __all__ = ["measure", "main"]
 
 KEY = "alert_memory"
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
@@ -45,7 +38,7 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
     from ampwatch.contract.protocol import STREAK_LADDER
 
     gc.collect()
-    before = _rss_kib()
+    before = resident_kib()
     t0 = 1_800_000_000.0
     alerts = BuiltinAlerts(clock=lambda: t0)
     opts = ("adamw", "sgd")
@@ -80,7 +73,7 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
             transitions += len(alerts.evaluate(now))
     cpu = time.process_time() - started
     gc.collect()
-    after = _rss_kib()
+    after = resident_kib()
     # The histories' own arrays, where they are arrays (this tree): the rest is alert states and snapshots.
     arrays = sum(sys.getsizeof(getattr(h, name)) for h in alerts._ranks.values()
                  for name in ("_times", "_rows", "_rose", "_origin") if isinstance(getattr(h, name, None), array))
