@@ -23,6 +23,7 @@ import time
 from array import array
 
 from bench._before_after import ROOT as _ROOT, before_after, store
+from bench._job1024 import add_comparison_options
 from bench._resident import resident_kib
 
 __all__ = ["measure", "main"]
@@ -97,9 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--minutes", type=float, default=31.0, help="simulated minutes (the window is 30)")
-    parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
-    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
-                                      f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
+    add_comparison_options(parser, KEY, before="d90d65f")
     args = parser.parse_args(argv)
     result = before_after(args.before, lambda path: _side(args.ranks, args.minutes, path))
     for name, r in result.items():
