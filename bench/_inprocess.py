@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import uuid
 from typing import Any, AsyncIterator, Callable, Optional
+
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, identity
 
 __all__ = ["SimulatedRank", "post", "collector_app"]
 
@@ -19,9 +20,7 @@ class SimulatedRank:
     """One simulated rank: cumulative counters of two optimizers, 4 iterations a second."""
 
     def __init__(self, run: str, rank: int, ranks: int) -> None:
-        self.head = {"protocol": 1, "agent": {"version": "0.1.0", "torch": "2.13.0"}, "run": run, "rank": rank,
-                     "world_size": ranks, "local_rank": rank % 8, "host": f"node-{rank // 8}", "pid": 1000 + rank,
-                     "incarnation": uuid.uuid4().hex}
+        self.head = identity(run, rank, ranks)
         self.seq = self.iteration = self.skipped = self.backoffs = self.streak = self.longest = self.event = 0
         self.streaks = 0
         self.reached: dict[str, int] = {}
@@ -47,7 +46,7 @@ class SimulatedRank:
             self.event += 1
             events.append({"id": self.event, "kind": "skip", "time": now, "iteration": self.iteration,
                            "optimizer": "gen", "streak": self.streak,
-                           "params": [{"name": "decoder.layers.11.mlp.fc2.weight", "inf": 3, "nan": 0}],
+                           "params": [OFFENDING_PARAM],
                            "params_total": 1, "inspected": True})
         else:
             self.streak = 0
@@ -57,12 +56,10 @@ class SimulatedRank:
         disc = dict(gen, steps=self.iteration, skipped=0, consecutive_skipped=0, longest_streak=0, streaks=0,
                     streaks_reached={})
         batch = dict(self.head, seq=self.seq, sent_at=now,
-                     scaler={"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
-                             "backoff_factor": 0.5, "growth_interval": 2000},
+                     scaler=SCALER,
                      state={"iteration": self.iteration, "loss_scale": 32768.0, "backoffs": self.backoffs,
                             "growths": 0, "manual_sets": 0, "optimizers": {"gen": gen, "disc": disc},
-                            "delivery": {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0,
-                                         "agent_errors": 0}},
+                            "delivery": CLEAN_DELIVERY},
                      events=events, closed=False)
         return json.dumps(batch).encode()
 

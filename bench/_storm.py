@@ -24,13 +24,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM
+
 from ampwatch.contract.protocol import STREAK_LADDER as _LADDER, is_rung as _rung
 
 __all__ = ["PATTERNS", "StormRank"]
 
 PATTERNS = ("per-skip", "streaks")
 OPTIMIZERS = ("gen", "disc")
-_PARAM = {"name": "decoder.layers.11.mlp.fc2.weight", "inf": 3, "nan": 0}
 _SMALLEST = 2.0 ** -149  # the smallest float32 subnormal: half of it rounds to 0.0
 
 
@@ -104,7 +105,7 @@ class StormRank:
         if self.pattern == "per-skip" or _rung(position):
             named = _rung(position)  # naming is rate-limited to the rungs either way
             self._event(out, "skip", iteration=self.iteration, optimizer=name, streak=position,
-                        params=[_PARAM] if named else [], params_total=1 if named else None, inspected=named)
+                        params=[OFFENDING_PARAM] if named else [], params_total=1 if named else None, inspected=named)
 
     def _backoff(self, out: list) -> None:
         before, after = self.scale, self.scale * 0.5
@@ -132,4 +133,4 @@ class StormRank:
         """The batch's ``state`` (cumulative counters) as of the last push."""
         return {"iteration": self.iteration, "loss_scale": self.scale, "backoffs": self.backoffs, "growths": 0,
                 "manual_sets": 0, "optimizers": {n: o.counters() for n, o in self.optimizers.items()},
-                "delivery": {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0, "agent_errors": 0}}
+                "delivery": CLEAN_DELIVERY}

@@ -23,18 +23,12 @@ import time
 from array import array
 
 from bench._before_after import ROOT as _ROOT, before_after, print_and_store
+from bench._job1024 import add_comparison_options
+from bench._resident import resident_kib
 
 __all__ = ["measure", "main"]
 
 KEY = "alert_memory"
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
@@ -45,7 +39,7 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
     from ampwatch.contract.protocol import STREAK_LADDER
 
     gc.collect()
-    before = _rss_kib()
+    before = resident_kib()
     t0 = 1_800_000_000.0
     alerts = BuiltinAlerts(clock=lambda: t0)
     opts = ("adamw", "sgd")
@@ -80,7 +74,7 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
             transitions += len(alerts.evaluate(now))
     cpu = time.process_time() - started
     gc.collect()
-    after = _rss_kib()
+    after = resident_kib()
     # The histories' own arrays, where they are arrays (this tree): the rest is alert states and snapshots.
     arrays = sum(sys.getsizeof(getattr(h, name)) for h in alerts._ranks.values()
                  for name in ("_times", "_rows", "_rose", "_origin") if isinstance(getattr(h, name, None), array))
@@ -111,9 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--minutes", type=float, default=31.0, help="simulated minutes (the window is 30)")
-    parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
-    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
-                                      f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
+    add_comparison_options(parser, KEY, before="d90d65f")
     args = parser.parse_args(argv)
     result = before_after(args.before, lambda path: _side(args.ranks, args.minutes, path))
     return print_and_store(result, KEY, args.out, _line)

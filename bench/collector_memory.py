@@ -31,20 +31,13 @@ import time
 
 from bench._before_after import store
 from bench._inprocess import SimulatedRank, collector_app, post
+from bench._resident import resident_kib
 
 __all__ = ["KEY", "measure", "main"]
 
 KEY = "collector_memory"
 CONCURRENT = 64
 TICK_S = 5.0
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 async def _run(ranks: int, minutes: float, push_s: float, db: str) -> dict:
@@ -60,7 +53,7 @@ async def _run(ranks: int, minutes: float, push_s: float, db: str) -> dict:
         ingest, alerts, state = app.state.ingest, app.state.alert_service, app.state.collector_state
         await asyncio.to_thread(app.state.exposition.render)  # the render's own start-up (a thread, a registry)
         gc.collect()
-        rss0 = _rss_kib()  # a started collector holding nothing yet
+        rss0 = resident_kib()  # a started collector holding nothing yet
         next_tick = next_scrape = now[0]
         for push in range(pushes):
             storm = push >= storm_from
@@ -76,7 +69,7 @@ async def _run(ranks: int, minutes: float, push_s: float, db: str) -> dict:
                 next_scrape += 60
                 scrape_bytes = len(await asyncio.to_thread(app.state.exposition.render))
         gc.collect()
-        rss = _rss_kib()
+        rss = resident_kib()
         firing = len(alerts.alerts.firing())
         held = state.rank_count()
     return {"ranks": ranks, "optimizers": 2, "minutes": minutes, "push_s": push_s, "pushes_per_rank": pushes,

@@ -19,6 +19,7 @@ import sys
 import time
 
 from bench._before_after import ROOT as _ROOT, before_after, print_and_store
+from bench._job1024 import add_comparison_options
 
 __all__ = ["measure", "main"]
 
@@ -81,9 +82,7 @@ def _lines(name: str, r: dict, ranks: int) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
-    parser.add_argument("--before", default="d90d65f", help="the commit to compare with")
-    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
-                                      f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
+    add_comparison_options(parser, KEY, before="d90d65f")
     args = parser.parse_args(argv)
     result = before_after(args.before, lambda path: _side(args.ranks, path))
     return print_and_store(result, KEY, args.out, lambda name, r: _lines(name, r, args.ranks))

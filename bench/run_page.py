@@ -38,6 +38,7 @@ from typing import Optional
 
 from bench import _servers
 from bench._before_after import before_after, print_and_store
+from bench._job1024 import add_comparison_options
 
 __all__ = ["main"]
 
@@ -158,9 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--watch", type=float, default=15.0, help="seconds of refreshes counted per phase")
-    parser.add_argument("--before", default="a95d20e", help="the commit to compare with")
-    parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file (the committed "
-                                      f"bench/job1024_before_after.json renders as docs/benchmarks.md section 7)")
+    add_comparison_options(parser, KEY, before="a95d20e")
     args = parser.parse_args(argv)
     result = dict(before_after(args.before, lambda path: _side(args.ranks, args.watch, path)), ranks=args.ranks)
     return print_and_store(result, KEY, args.out, _lines)

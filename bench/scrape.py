@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 from bench import _servers
-from bench._loadgen import ampwatch_template
+from bench._loadgen_bodies import ampwatch_template
 
 __all__ = ["LEVELS", "fill", "run", "main"]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench._loadgen import storm_template
+from bench._loadgen_bodies import storm_template
 from bench._storm import OPTIMIZERS, StormRank
 
 CLEAN = 3

@@ -1,8 +1,11 @@
-"""Read a Prometheus exposition (``GET /metrics``) back into samples."""
+"""Read a Prometheus exposition (``GET /metrics``) back into samples, and have promtool judge it."""
 
 from __future__ import annotations
 
-__all__ = ["samples", "value"]
+import shutil
+import subprocess
+
+__all__ = ["assert_promtool_accepts", "samples", "value"]
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -15,3 +18,16 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 def value(text: str, name: str, **labels: str) -> float | None:
     """The value of one sample of an exposition, or None when absent."""
     return samples(text).get((name, frozenset(labels.items())))
+
+
+def assert_promtool_accepts(text: str) -> None:
+    """Fail unless ``promtool check metrics`` passes the exposition ``text`` without a word (no lint warning).
+
+    promtool is Prometheus's own reader, stricter than the Python parser: a test that only parsed
+    the text back would miss what a real scrape would refuse or warn about.
+    """
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: install the Debian package 'prometheus' (.ci/run does)"
+    result = subprocess.run([promtool, "check", "metrics"], input=text, text=True, capture_output=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout.strip() + result.stderr.strip(), \
+        result.stdout + result.stderr

@@ -1,0 +1,50 @@
+"""What every simulated rank's protocol v1 batch says alike, written once for the benches' generators.
+
+The fleet's ranks (``bench._fleet_ranks``), the load generator's (``bench._loadgen``), the storm
+model (``bench._storm``) and the in-process ones (``bench._inprocess``) all claim the same agent,
+the same GradScaler settings, 8 ranks a node, clean delivery counters and one offending
+parameter; a change to any of them is a change to all of them.
+
+The socket generators build thousands of batches a second, so a rank's identity is encoded once
+per incarnation and left open (:func:`open_identity`), and each batch appends its own fields
+(:func:`batch_body`): the bytes are what ``json.dumps`` of the whole batch would give.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+__all__ = ["CLEAN_DELIVERY", "OFFENDING_PARAM", "RANKS_PER_NODE", "SCALER", "batch_body", "identity",
+           "open_identity"]
+
+RANKS_PER_NODE = 8
+"""Ranks per simulated host: ``local_rank`` and ``host`` follow from the rank."""
+
+SCALER = {"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
+          "backoff_factor": 0.5, "growth_interval": 2000}
+"""The batch's ``scaler``: torch's defaults but for ``growth_interval``."""
+
+CLEAN_DELIVERY = {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0, "agent_errors": 0}
+"""The state's ``delivery`` counters of an agent that lost and was refused nothing."""
+
+OFFENDING_PARAM = {"name": "decoder.layers.11.mlp.fc2.weight", "inf": 3, "nan": 0}
+"""The parameter a skip event names (where it names one)."""
+
+
+def identity(run: str, rank: int, world: int) -> dict[str, Any]:
+    """Return the identity fields of ``rank``'s batches, with a fresh incarnation (a new process)."""
+    return {"protocol": 1, "agent": {"version": "0.1.0", "torch": "2.13.0"}, "run": run, "rank": rank,
+            "world_size": world, "local_rank": rank % RANKS_PER_NODE, "host": f"node-{rank // RANKS_PER_NODE}",
+            "pid": 1000 + rank, "incarnation": uuid.uuid4().hex}
+
+
+def open_identity(run: str, rank: int, world: int) -> str:
+    """Return :func:`identity` as JSON without its closing brace, for :func:`batch_body`."""
+    return json.dumps(identity(run, rank, world))[:-1]
+
+
+def batch_body(prefix: str, rest: dict[str, Any]) -> bytes:
+    """Return the batch of identity ``prefix`` (from :func:`open_identity`) and the fields ``rest``, encoded."""
+    return (prefix + ", " + json.dumps(rest)[1:]).encode()
