@@ -239,11 +239,11 @@ class IngestService:
                 self.own.events.inc(await self.store.submit(self.store.insert_events(events)))
             return 200, _DUPLICATE
         now = self.clock()
-        implausible = implausible_rise(old, batch, now, self.config.max_counter_rate)
-        if implausible is not None:
-            raise _Refused(422, "implausible", implausible)
         new = next_incarnation(old, batch, now, self.config.max_label_length,
                                displaced=self._live_incarnation(rank, batch, now) if old is None else None)
+        implausible = implausible_rise(old, new, now, self.config.max_counter_rate)  # judged on new's counters
+        if implausible is not None:
+            raise _Refused(422, "implausible", implausible)
         # What the run view showed of it (a conflict changes it too).
         shown = rank.view.shown() if rank is not None else ()
         if rank is not None and old is not None:
