@@ -4,7 +4,7 @@ Each side runs in a fresh process: 1,024 ranks x 2 optimizers report every 2 s (
 second, a skip now and then) for the longest alert window (30 min by default) plus a minute, on a
 simulated clock, with an ``evaluate()`` tick every 5 s; the last minute is a whole-job skip storm
 (every rank skips every step, so streak counters move). The snapshots are built as
-``RankState.snapshot()`` builds them (new totals per batch, one dict per snapshot). The figure is the
+``RankView.snapshot()`` builds them (new totals per batch, one dict per snapshot). The figure is the
 process's resident memory after the run minus before the evaluator existed (the snapshots of the
 ranks' current state, which the collector's state holds anyway, are counted too), per rank.
 The earlier side imports ``ampwatch.server`` from ``git archive <ref>``.

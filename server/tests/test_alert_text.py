@@ -1,13 +1,19 @@
-"""The built-in alerts' texts are the Prometheus rules' texts, filled in as Prometheus fills them."""
+"""The built-in alerts' texts: the Prometheus rules' texts, filled in as Prometheus does, rendered only when read."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from alert_ranks import FakeRank
 
 from ampwatch.contract.alerts import ALERT_NAMES
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 from ampwatch.dashboards.rules import alerting_rules
 from ampwatch.server.alerting.annotations import annotations_for
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
+
+T = DEFAULT_THRESHOLDS
 
 SHORT = AlertThresholds(skip_streak_warning=4, skip_streak_critical=8, skip_streak_window_s=6, backoff_window_s=60,
                         backoff_min_count=5, collapsed_loss_scale=0.5, skip_ratio_window_s=90)
@@ -33,3 +39,47 @@ def test_every_built_in_alert_says_what_its_prometheus_rule_says(t):
         expected = {key: _fill(text, value, percent, duration) for key, text in rule["annotations"].items()}
         assert ours == expected, name
         assert "{" not in ours["summary"] + ours["description"], name  # nothing left unfilled
+
+
+def test_a_firing_alerts_text_follows_its_value_and_is_rendered_only_when_read(monkeypatch):
+    from ampwatch.server.alerting import annotations
+
+    rendered = []
+    real = annotations.annotations_for
+    monkeypatch.setattr(annotations, "annotations_for", lambda *a: rendered.append(a[2]) or real(*a))
+    alerts = BuiltinAlerts(T)
+    r = FakeRank(alerts)
+    for _ in range(T.skip_streak_warning):
+        r.iterate(skipped=True)
+    (fired,) = r.send(1000.0)
+    assert rendered == []  # judged on every batch, rendered only when someone reads it
+    assert f"current streak: {T.skip_streak_warning} skipped" in fired.annotations["description"]
+    for t in range(3):  # the streak goes on: the firing alert's value and text follow it
+        r.iterate(skipped=True)
+        assert r.send(1001.0 + t) == []
+    (firing,) = alerts.firing()
+    assert firing.value == T.skip_streak_warning + 3
+    assert f"current streak: {T.skip_streak_warning + 3} skipped" in firing.annotations["description"]
+    assert firing.annotations == real("AmpConsecutiveSkippedSteps", firing.labels, firing.value, T, "warning")
+    assert rendered == [T.skip_streak_warning, T.skip_streak_warning + 3]  # once each, the states between never
+
+
+def test_every_alert_has_severity_summary_description_and_runbook():
+    alerts = BuiltinAlerts(dataclasses.replace(T, silent_for_s=0, collapsed_for_s=0, desync_for_s=0))
+    a, b = FakeRank(alerts, rank=0, scale=0.25), FakeRank(alerts, rank=1)
+    seen = []
+    for r in (a, b):
+        seen += r.send(-1.0)
+        for _ in range(200):
+            r.iterate()
+    a.scheduler = a.poisoned = 1
+    for _ in range(T.skip_streak_warning):
+        a.iterate(skipped=True)
+    seen += a.send(0.0) + b.send(0.0) + alerts.evaluate(0.0) + alerts.evaluate(T.silent_after_s + 1.0)
+    assert {x.name for x in seen} >= {"AmpConsecutiveSkippedSteps", "AmpLossScaleCollapsed", "AmpLossScaleDesync",
+                                       "AmpRankSilent", "AmpSchedulerStepsOnSkipped", "AmpPoisonedStep"}
+    for x in seen:
+        assert x.name in ALERT_NAMES
+        assert x.labels["severity"] in ("warning", "critical")
+        assert set(x.annotations) == {"summary", "description", "runbook_url"}
+        assert x.labels["run"] in x.annotations["description"]

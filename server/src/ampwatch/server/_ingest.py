@@ -226,7 +226,7 @@ class IngestService:
             raise _Refused(429, reason, message, retry=True, retry_after=wait)
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
                    getattr(e, "optimizer", None), stored_event(e)) for e in batch.events]
-        old = rank.incarnations.get(batch.incarnation) if rank else None
+        old = rank.view.incarnations.get(batch.incarnation) if rank else None
         if old is not None and old.conflict_with is not None:
             raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
                                             f"(incarnation {old.conflict_with}), which kept sending after this one "
@@ -239,12 +239,13 @@ class IngestService:
                 self.own.events.inc(await self.store.submit(self.store.insert_events(events)))
             return 200, _DUPLICATE
         now = self.clock()
-        implausible = implausible_rise(old, batch, now, self.config.max_counter_rate)
-        if implausible is not None:
-            raise _Refused(422, "implausible", implausible)
         new = next_incarnation(old, batch, now, self.config.max_label_length,
                                displaced=self._live_incarnation(rank, batch, now) if old is None else None)
-        shown = rank.shown() if rank is not None else ()  # what the run view showed of it (a conflict changes it too)
+        implausible = implausible_rise(old, new, now, self.config.max_counter_rate)  # judged on new's counters
+        if implausible is not None:
+            raise _Refused(422, "implausible", implausible)
+        # What the run view showed of it (a conflict changes it too).
+        shown = rank.view.shown() if rank is not None else ()
         if rank is not None and old is not None:
             await self._record_conflicts(rank, old, now)
         added = await self.store.submit(
@@ -253,7 +254,7 @@ class IngestService:
             rank = RankState(batch.run, batch.rank)
         rank.install(new)
         self.state.adopt(rank)
-        if rank.shown() != shown:
+        if rank.view.shown() != shown:
             self.state.moved(batch.run)
         if self.on_applied is not None:
             self.on_applied(rank)
@@ -264,7 +265,7 @@ class IngestService:
     def _live_incarnation(self, rank: Optional[RankState], batch: Batch, now: float) -> Optional[str]:
         """Return the id of the rank's incarnation if it is live (not closed, seen within --silent-after) and
         another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim."""
-        live = rank.current if rank is not None else None
+        live = rank.view.current if rank is not None else None
         if live is None or live.closed or now - live.last_seen > self.config.silent_after:
             return None
         if (live.batch.host, live.batch.pid) == (batch.host, batch.pid):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from ._schema import Batch
 from ._state import Incarnation
 from ._totals import OptimizerTotals, RankTotals
 
@@ -30,15 +29,20 @@ FLOOR_S = 60.0
 """Every batch may add this many seconds' worth, whatever its clock says."""
 
 _NONE = OptimizerTotals()
+_NO_RANK = RankTotals()
 
 
-def implausible_rise(old: Optional[Incarnation], batch: Batch, now: float, rate: float) -> Optional[str]:
-    """Return why ``batch`` (the next of process ``old``, or its first) is implausible, else None.
+def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, rate: float) -> Optional[str]:
+    """Return why ``new.batch`` (the next of process ``old``, or its first) is implausible, else None.
 
-    ``rate`` 0 turns the bound off. Costs one pass over the batch's counters.
+    ``new`` is :func:`~._state.next_incarnation` of ``old`` and the batch, so its counters are the batch's
+    counted once for both: the batch's own, none lower than ``old``'s. A counter the batch lowered rises
+    by 0 here, which the bound (always above 0) never refuses, as it would not refuse a fall.
+    ``rate`` 0 turns the bound off. Costs one pass over the counters.
     """
     if rate <= 0:
         return None
+    batch = new.batch
     if old is None:
         span, over = FIRST_BATCH_SPAN_S, f"over a process's first batch ({FIRST_BATCH_SPAN_S:.0f} s' worth at most)"
     else:
@@ -47,7 +51,7 @@ def implausible_rise(old: Optional[Incarnation], batch: Batch, now: float, rate:
         span = max(0.0, built - before)
         over = f"over the {span:.0f} s between this process's batches (their sent_at)"
     allowed = rate * (FLOOR_S + span)
-    for name, rise in _rises(old, batch):
+    for name, rise in _rises(old, new):
         if rise > allowed:
             return (f"counter {name} rose by {rise} in one batch, over this collector's plausibility bound of "
                     f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. No training loop counts that "
@@ -55,14 +59,13 @@ def implausible_rise(old: Optional[Incarnation], batch: Batch, now: float, rate:
     return None
 
 
-def _rises(old: Optional[Incarnation], batch: Batch) -> Iterator[tuple[str, int]]:
+def _rises(old: Optional[Incarnation], new: Incarnation) -> Iterator[tuple[str, int]]:
     """Yield (counter name, rise since ``old``) for every counter of the batch."""
-    state = batch.state
-    yield "state.iteration", state.iteration - (old.batch.state.iteration if old else 0)
-    yield from _field_rises("state", RankTotals.of(state), old.totals if old else RankTotals())
-    for name, wire in state.optimizers.items():
+    yield "state.iteration", new.batch.state.iteration - (old.batch.state.iteration if old else 0)
+    yield from _field_rises("state", new.totals, old.totals if old else _NO_RANK)
+    for name in new.batch.state.optimizers:
         before = old.optimizers.get(name, _NONE) if old else _NONE
-        yield from _field_rises(f"state.optimizers[{name!r}]", OptimizerTotals.of(wire), before)
+        yield from _field_rises(f"state.optimizers[{name!r}]", new.optimizers[name], before)
 
 
 def _field_rises(where: str, new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals

@@ -28,34 +28,35 @@ EventKind = Literal[EVENT_KINDS + COLLECTOR_EVENT_KINDS]  # type: ignore[valid-t
 
 def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
     """Describe a rank: identity, gauges of its newest process, totals over all its processes."""
-    batch = rank.current.batch
-    totals = rank.totals.to_json()
+    view = rank.view  # one batch's view throughout
+    batch = view.current.batch
+    totals = view.totals.to_json()
     optimizers = {}
-    for name, t in rank.optimizer_totals.items():
+    for name, t in view.optimizer_totals.items():
         optimizers[name] = {
-            "steps": t.steps, "skipped": t.skipped, "consecutive_skipped": rank.consecutive_skipped(name),
-            "longest_streak": rank.longest_streak(name), "streaks": t.streaks,
+            "steps": t.steps, "skipped": t.skipped, "consecutive_skipped": view.consecutive_skipped(name),
+            "longest_streak": view.longest_streak(name), "streaks": t.streaks,
             "streaks_reached": {str(length): count for length, count in zip(STREAK_LADDER, t.streaks_reached)},
             "scheduler_steps_after_skip": t.scheduler_steps_after_skip, "poisoned_steps": t.poisoned_steps,
-            "latest_nonfinite_parameter": rank.latest_nonfinite(name),
+            "latest_nonfinite_parameter": view.latest_nonfinite(name),
         }
     return {
         "rank": rank.rank, "host": batch.host, "local_rank": batch.local_rank, "world_size": batch.world_size,
-        "pid": batch.pid, "incarnation": rank.current.id,
-        "incarnations": len(rank.incarnations) - len(rank.conflicting),
-        "last_seen": rank.last_seen, "closed": rank.closed, "in_metrics": in_metrics,
+        "pid": batch.pid, "incarnation": view.current.id,
+        "incarnations": len(view.incarnations) - len(view.conflicting),
+        "last_seen": view.last_seen, "closed": view.closed, "in_metrics": in_metrics,
         # Scale values as the protocol writes them: NaN and infinities as strings (JSON has no such numbers).
         "iteration": batch.state.iteration, "loss_scale": wire_float(batch.state.loss_scale),
         "scaler": json.loads(batch.scaler.model_dump_json()), "agent": batch.agent.model_dump(),
         **{name: totals[name] for name in ("backoffs", "growths", "manual_sets")},
         "delivery": {name: totals[name] for name in DELIVERY_COUNTERS},
         # Skipped iterations that started on this rank (DDP, issue 17); null when its agent does not watch DDP.
-        "origin_iterations": (rank.totals.origin_iterations if rank.totals.origin_iterations
+        "origin_iterations": (view.totals.origin_iterations if view.totals.origin_iterations
                               or batch.state.origin_iterations is not None else None),
         "optimizers": optimizers,
         # Processes that claimed this rank while it kept sending (rank_conflict events), kept out of it.
         "conflicts": [{"incarnation": inc.id, "host": inc.batch.host, "pid": inc.batch.pid,
-                       "last_seen": inc.last_seen} for inc in rank.conflicting],
+                       "last_seen": inc.last_seen} for inc in view.conflicting],
     }
 
 
@@ -248,7 +249,7 @@ async def get_run(request: Request, run: str) -> dict[str, Any]:
     held = request.app.state.collector_state.runs.get(run, {})
     stored = await asyncio.to_thread(load_ranks, request.app.state.store, run=run)
     ranks = {r.rank: (r, False) for r in stored}
-    ranks.update({r.rank: (r, True) for r in held.values() if r.current is not None})
+    ranks.update({r.rank: (r, True) for r in held.values() if r.view.current is not None})
     if not ranks:
         raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
     summaries = [rank_summary(r, shown) for _, (r, shown) in sorted(ranks.items())]

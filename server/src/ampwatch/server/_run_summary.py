@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 from ampwatch.contract.thresholds import AlertThresholds
 
 from ._floats import wire_float
-from ._state import RankState
+from ._state import RankState, RankView
 from .alerting.conditions import usable_scale
 from .alerting.evaluator import BuiltinAlerts
 
@@ -25,12 +25,12 @@ REASONS = ("poisoned", "silent", "collapsed", "in_streak", "high_skip_ratio", "d
 """Why a rank is in trouble, most urgent first: the order of the rows."""
 
 
-def _scale(rank: RankState) -> Optional[float]:
+def _scale(rank: RankView) -> Optional[float]:
     batch = rank.current.batch  # type: ignore[union-attr]
     return batch.state.loss_scale if batch.scaler.enabled else None
 
 
-def _row(rank: RankState, now: float, silent_after: float, t: AlertThresholds, alerts: BuiltinAlerts,
+def _row(rank: RankView, now: float, silent_after: float, t: AlertThresholds, alerts: BuiltinAlerts,
          median: Optional[float], firing: Iterable[str]) -> dict[str, Any]:
     opts = rank.optimizer_totals.values()
     streak = max((rank.consecutive_skipped(name) for name in rank.optimizers()), default=0)
@@ -82,7 +82,7 @@ def trouble_rows(run: str, ranks: Iterable[RankState], alerts: BuiltinAlerts, no
 
     The expensive part of a summary (O(ranks)): what :func:`summary_page` pages through.
     """
-    held = [r for r in ranks if r.current is not None]
+    held = [view for r in ranks if (view := r.view).current is not None]  # each rank as of one batch
     t = alerts.thresholds
     open_scales = [s for r in held if not r.closed and (s := _scale(r)) is not None and math.isfinite(s) and s > 0]
     median = statistics.median(open_scales) if open_scales else None
@@ -113,10 +113,11 @@ def summary_page(built: dict[str, Any], held: dict[int, RankState], now: float, 
     page = []
     for row in rows[offset:offset + limit]:
         rank = held.get(row["rank"])
-        if rank is not None and rank.current is not None:
-            opts = rank.optimizer_totals.values()
-            row = dict(row, iteration=rank.current.batch.state.iteration, last_seen=rank.last_seen,
-                       silent_for=round(now - rank.last_seen, 1), steps=sum(o.steps for o in opts),
+        view = rank.view if rank is not None else None
+        if view is not None and view.current is not None:
+            opts = view.optimizer_totals.values()
+            row = dict(row, iteration=view.current.batch.state.iteration, last_seen=view.last_seen,
+                       silent_for=round(now - view.last_seen, 1), steps=sum(o.steps for o in opts),
                        skipped=sum(o.skipped for o in opts))
         page.append(row)
     return {**{k: v for k, v in built.items() if k != "rows"}, "now": now, "matched": len(rows), "offset": offset,

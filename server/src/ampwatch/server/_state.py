@@ -242,8 +242,9 @@ class RankView:
 class RankState:
     """One (run, rank): its incarnations and the totals over all of them, as one :class:`RankView`.
 
-    Reads go to the current view; :meth:`install` and :meth:`exclude` swap in the next one (one
-    reference assignment), so a thread holding an older view keeps a consistent rank.
+    Readers take ``rank.view`` (one attribute read) and read everything from it: :meth:`install` and
+    :meth:`exclude` swap in the next view (one reference assignment), so a thread holding an older view
+    keeps a consistent rank. Nothing here forwards to the view, so no reader can mix two batches' views.
     """
 
     __slots__ = ("run", "rank", "view", "scale_trace")
@@ -275,53 +276,6 @@ class RankState:
         the collector refuses its later batches.
         """
         self.view = self.view.excluded(claimant)
-
-    @property
-    def incarnations(self) -> Mapping[str, Incarnation]:
-        return self.view.incarnations
-
-    @property
-    def current(self) -> Optional[Incarnation]:
-        return self.view.current
-
-    @property
-    def totals(self) -> RankTotals:
-        return self.view.totals
-
-    @property
-    def optimizer_totals(self) -> Mapping[str, OptimizerTotals]:
-        return self.view.optimizer_totals
-
-    @property
-    def conflicting(self) -> list[Incarnation]:
-        return self.view.conflicting
-
-    @property
-    def last_seen(self) -> float:
-        return self.view.last_seen
-
-    @property
-    def closed(self) -> bool:
-        return self.view.closed
-
-    def longest_streak(self, optimizer: str) -> int:
-        return self.view.longest_streak(optimizer)
-
-    def latest_nonfinite(self, optimizer: str) -> Optional[str]:
-        return self.view.latest_nonfinite(optimizer)
-
-    def consecutive_skipped(self, optimizer: str) -> int:
-        return self.view.consecutive_skipped(optimizer)
-
-    def optimizers(self) -> Iterable[str]:
-        return self.view.optimizers()
-
-    def shown(self) -> tuple:
-        return self.view.shown()
-
-    def snapshot(self) -> RankSnapshot:
-        """Return this rank now, for the alert evaluator (see :meth:`RankView.snapshot`)."""
-        return self.view.snapshot()
 
 
 class LimitExceeded(Exception):
@@ -410,7 +364,7 @@ class CollectorState:
                                 f"the limit", retry=False)
         names = set(batch.state.optimizers)
         if known is not None:
-            names.update(known.optimizers())
+            names.update(known.view.optimizers())
         if len(names) > lim.max_optimizers_per_rank:
             raise LimitExceeded(f"rank {batch.rank} of run {batch.run!r} would have {len(names)} optimizers "
                                 f"(--max-optimizers-per-rank {lim.max_optimizers_per_rank}); watch fewer "
@@ -428,14 +382,15 @@ class CollectorState:
         """Drop ranks silent past ``expire_after`` and runs closed for ``run_retention``; return what left."""
         gone = []
         for run, ranks in list(self.runs.items()):
-            if ranks and all(r.closed for r in ranks.values()) and \
-                    max(r.last_seen for r in ranks.values()) + run_retention <= now:
+            if ranks and all(r.view.closed for r in ranks.values()) and \
+                    max(r.view.last_seen for r in ranks.values()) + run_retention <= now:
                 gone.extend((run, rank) for rank in ranks)
                 del self.runs[run]
                 self.generations.pop(run, None)
                 continue
             for rank_id, rank in list(ranks.items()):
-                if not rank.closed and rank.last_seen + expire_after <= now:
+                view = rank.view
+                if not view.closed and view.last_seen + expire_after <= now:
                     gone.append((run, rank_id))
                     del ranks[rank_id]
                     self.moved(run)

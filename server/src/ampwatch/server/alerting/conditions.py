@@ -6,7 +6,7 @@ Pure: thresholds come in as an ``ampwatch.contract.thresholds.AlertThresholds``
 seconds passed in by the caller.
 
 Windowed conditions (``increase(x[w])`` in PromQL) compare a rank's current
-snapshot (``RankState.snapshot()``) with the counters it had ``w`` seconds ago,
+snapshot (``RankView.snapshot()``) with the counters it had ``w`` seconds ago,
 kept by :class:`~.history.RankHistory`.
 """
 

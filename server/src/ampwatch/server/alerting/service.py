@@ -38,7 +38,7 @@ class AlertService:
     def observe(self, rank: RankState) -> None:
         """Evaluate a rank's own alerts right after its batch was applied (a streak fires at this ingest)."""
         try:
-            self.notifier.submit(self.alerts.observe(rank.snapshot(), now=self.clock()))
+            self.notifier.submit(self.alerts.observe(rank.view.snapshot(), now=self.clock()))
         except Exception:
             self._failed("evaluating the alerts of a batch")
 

@@ -1,0 +1,65 @@
+"""Ranks counted as the agent counts them, fed straight to the collector's built-in alert evaluator.
+
+Not a mock: a ``FakeRank`` builds the same ``RankSnapshot`` the collector's state hands the evaluator
+after each applied batch, so the evaluator's tests drive the real ``BuiltinAlerts``.
+"""
+
+from __future__ import annotations
+
+from ampwatch.contract.protocol import STREAK_LADDER
+from ampwatch.server._state import RankSnapshot
+from ampwatch.server._totals import OptimizerTotals, RankTotals, ladder
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
+
+__all__ = ["FakeRank", "firing_names", "names"]
+
+
+class FakeRank:
+    """Counters of one rank driven like the agent would count them (not a mock: the evaluator's input)."""
+
+    def __init__(self, alerts: BuiltinAlerts, run: str = "exp", rank: int = 0, scale: float = 65536.0) -> None:
+        self.alerts, self.run, self.rank = alerts, run, rank
+        self.iteration = self.backoffs = self.growths = 0
+        self.scale = scale
+        self.steps = self.skipped = self.streak = 0
+        self.reached: dict[int, int] = {}
+        self.scheduler = self.poisoned = 0
+        self.origins = 0  # skipped iterations this rank started (DDP, issue 17)
+        self.closed = False
+
+    def iterate(self, skipped: bool = False) -> None:
+        """One training iteration of the single optimizer "gen" (a skip backs off the scale)."""
+        self.iteration += 1
+        if skipped:
+            self.skipped += 1
+            self.streak += 1
+            if self.streak in STREAK_LADDER:
+                self.reached[self.streak] = self.reached.get(self.streak, 0) + 1
+            self.backoffs += 1
+            self.scale /= 2
+        else:
+            self.steps += 1
+            self.streak = 0
+
+    def snapshot(self, now: float) -> RankSnapshot:
+        opt = OptimizerTotals(steps=self.steps, skipped=self.skipped, streaks_reached=ladder(self.reached),
+                              scheduler_steps_after_skip=self.scheduler, poisoned_steps=self.poisoned)
+        return RankSnapshot(run=self.run, rank=self.rank, last_seen=now, iteration=self.iteration,
+                            loss_scale=self.scale, totals=RankTotals(backoffs=self.backoffs, growths=self.growths,
+                                                                     origin_iterations=self.origins),
+                            closed=self.closed, optimizers={"gen": opt}, consecutive_skipped={"gen": self.streak},
+                            host=f"node-{self.rank // 8}", local_rank=self.rank % 8)
+
+    def send(self, now: float) -> list:
+        """Deliver a batch to the evaluator; return the transitions of this rank's alerts."""
+        return self.alerts.observe(self.snapshot(now), now)
+
+
+def names(alerts) -> list[tuple[str, str, str]]:
+    """Each alert as (name, status, severity), sorted: what a test compares."""
+    return sorted((a.name, a.status, a.labels.get("severity", "")) for a in alerts)
+
+
+def firing_names(alerts: BuiltinAlerts) -> set[str]:
+    """The names of the alerts firing now."""
+    return {a.name for a in alerts.firing()}
