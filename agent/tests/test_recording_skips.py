@@ -347,7 +347,7 @@ def test_the_streak_start_interval_counts_from_the_end_of_a_long_naming_scan(amp
     The agent's clock is replaced by one that moves only while a scan names a parameter (2 s each,
     twice the interval): counted from the start of the scan, every streak start would be named.
     """
-    from ampwatch.agent import _recorder
+    from ampwatch.agent import _inspection
 
     class ScanClock:
         now = 0.0
@@ -356,7 +356,7 @@ def test_the_streak_start_interval_counts_from_the_end_of_a_long_naming_scan(amp
         def monotonic(cls) -> float:
             return cls.now
 
-    monkeypatch.setattr(_recorder, "time", ScanClock)
+    monkeypatch.setattr(_inspection, "time", ScanClock)
     model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     w = watching(torch.amp.GradScaler("cpu"), opt)
@@ -399,7 +399,7 @@ def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):
 
 
 def test_a_failure_inside_the_agent_never_reaches_the_training_loop(amp, watching, monkeypatch, caplog):
-    from ampwatch.agent import _device, _recorder
+    from ampwatch.agent import _device, _inspection
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected agent fault")
@@ -408,7 +408,7 @@ def test_a_failure_inside_the_agent_never_reaches_the_training_loop(amp, watchin
     opt_a, opt_b = two_optimizers(model, fused=True)
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, {"a": opt_a, "b": opt_b}, model=model)
-    monkeypatch.setattr(_recorder, "scan_optimizers", broken)  # breaks skip inspection
+    monkeypatch.setattr(_inspection, "scan_optimizers", broken)  # breaks skip inspection
     monkeypatch.setattr(_device, "fused_found_inf", broken)  # breaks the step pre-hook
     monkeypatch.setattr(_device, "scale_tensor", broken)  # breaks the update wrapper
     caplog.set_level(logging.ERROR, logger="ampwatch.agent")
