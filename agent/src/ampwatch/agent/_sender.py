@@ -121,20 +121,13 @@ class Sender:
             "agent_errors": self.errors.count,
         }
 
-    @property
-    def send_failures(self) -> int:
-        """Attempts to retry: no answer, 5xx, 408, 429, or the collector said ``"retry": true``."""
-        return self._outcomes.send_failures
-
-    @property
-    def rejected_batches(self) -> int:
-        """Batches the collector refused for good (``"retry": false``, another 4xx): dropped."""
-        return self._outcomes.rejected_batches
-
-    @property
-    def batches_acked(self) -> int:
-        """Batches the collector acknowledged."""
-        return self._outcomes.batches_acked
+    # Read-only views of the answers' counters (tests and tools read them here).
+    send_failures = property(lambda self: self._outcomes.send_failures,
+                             doc='Attempts to retry: no answer, 5xx, 408, 429, or the collector said "retry": true.')
+    rejected_batches = property(lambda self: self._outcomes.rejected_batches,
+                                doc='Batches the collector refused for good ("retry": false, another 4xx): dropped.')
+    batches_acked = property(lambda self: self._outcomes.batches_acked,
+                             doc="Batches the collector acknowledged.")
 
     # -- the sender thread -----------------------------------------------------------------
 
