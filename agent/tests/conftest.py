@@ -28,6 +28,13 @@ class AmpLoop:
     TwoPart = TwoPart
 
     @staticmethod
+    def two_optimizers(model: TwoPart, fused: bool = False) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        """Return an AdamW over ``model.a`` (fused when asked) and an SGD over ``model.b``."""
+        opt_a = torch.optim.AdamW(model.a.parameters(), lr=1e-3, fused=fused or None)
+        opt_b = torch.optim.SGD(model.b.parameters(), lr=0.01)
+        return opt_a, opt_b
+
+    @staticmethod
     def bits(params) -> list[torch.Tensor]:
         """Copy the bit patterns of ``params`` (NaN compares equal to itself this way)."""
         return [p.detach().view(torch.int32).clone() for p in params]
@@ -109,3 +116,14 @@ def drain(watch_handle) -> list[dict]:
 def events() -> Callable:
     """Return a function that takes the recorded events of a watch."""
     return drain
+
+
+def optimizer_counters(watch_handle, name: str) -> dict:
+    """Return the protocol counters of the watched optimizer ``name`` (its ``state.optimizers`` entry)."""
+    return watch_handle.snapshot()["state"]["optimizers"][name]
+
+
+@pytest.fixture
+def counters() -> Callable:
+    """Return a function that reads one optimizer's counters from a watch's snapshot."""
+    return optimizer_counters

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_harness import scaled_backward
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.overhead
 from bench.overhead import SyncCounter  # noqa: E402 - the counter test_recording_cost.py uses
 
@@ -67,13 +69,7 @@ def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iteration
     try:
         with counter:
             for i in range(iterations):
-                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i))
-                if rank in plan.get(i, ()):
-                    x[0, 0] = float("inf")
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = model(x).float().pow(2).mean()
-                scaler.scale(loss).backward()
+                scaled_backward(model, opt, scaler, rank=rank, iteration=i, inject=rank in plan.get(i, ()))
                 before = bits(net.parameters())
                 scaler.step(opt)
                 truth.append(before != bits(net.parameters()))

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_harness import scaled_backward
+
 ITERATIONS = 4
 INJECT_AT = 2  # iteration at which rank 1 feeds an inf into its input
 WORLD_SIZE = 2
@@ -39,13 +41,7 @@ def scenario(rank: int, kind: str) -> dict:
     truth, reported = [], []
     with agent.watch(scaler, {"net": opt}, model=net, collector=(), run=f"ddp-{kind}") as w:
         for i in range(ITERATIONS):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i))
-            if rank == 1 and i == INJECT_AT:
-                x[0, 0] = float("inf")
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean()
-            scaler.scale(loss).backward()
+            scaled_backward(model, opt, scaler, rank=rank, iteration=i, inject=rank == 1 and i == INJECT_AT)
             before = bits(net.parameters())
             scaler.step(opt)
             truth.append(any(not torch.equal(b, p.detach().view(torch.int32))

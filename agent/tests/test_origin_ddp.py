@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from ports import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ddp_harness import run_ranks  # noqa: E402
 from ddp_origin_worker import ITERATIONS, injections  # noqa: E402
 
 WORKER = Path(__file__).with_name("ddp_origin_worker.py")
@@ -25,21 +21,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     """Run the N-rank worker once (bounded in time, whole process group killed on timeout)."""
     world_size = request.param
     out = tmp_path_factory.mktemp(f"origin{world_size}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), str(free_port()), str(world_size)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"the {world_size}-rank DDP worker did not finish within 300 s")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return run_ranks(WORKER, out, world_size, [str(world_size)], timeout=300, what=f"{world_size}-rank")
 
 
 def origin_iterations(run: dict) -> list[int]:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from ports import free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ddp_harness import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 INJECT_AT = 2
@@ -20,21 +18,7 @@ INJECT_AT = 2
 def ranks(tmp_path_factory) -> list[dict]:
     """Run the two-rank worker once (bounded in time, whole process group killed on timeout)."""
     out = tmp_path_factory.mktemp("ddp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), str(free_port())], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("the two-rank DDP worker did not finish within 120 s")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ranks(WORKER, out, 2, timeout=120, what="two-rank")
 
 
 pytestmark = pytest.mark.slow

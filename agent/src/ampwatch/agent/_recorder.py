@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -17,8 +16,9 @@ from ampwatch.contract.protocol import STREAK_LADDER, is_rung  # streaks_reached
 from . import _device
 from ._errors import AgentErrors
 from ._events import EventBuffer
+from ._inspection import SkipInspection
 from ._origin import OriginFlags
-from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
+from ._params import ParameterNames
 from ._scale import LossScale
 
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
@@ -76,7 +76,8 @@ class Recorder:
 
     The training thread calls the ``on_*`` methods (through the wrappers in
     ``_attach``); the sender thread calls :meth:`snapshot`, which only copies
-    plain Python values.
+    plain Python values. The parameter scans of a skipped iteration (naming the
+    offenders, poisoned steps) are :class:`~._inspection.SkipInspection`'s.
     """
 
     def __init__(self, scaler: Any, records: list[OptimizerRecord], names: ParameterNames,
@@ -87,7 +88,7 @@ class Recorder:
         self.events = events
         self.errors = errors if errors is not None else AgentErrors()  # shared with the sender
         self.wake = wake if wake is not None else threading.Event()  # set: the sender sends soon
-        self.inspect_interval = inspect_interval
+        self.inspection = SkipInspection(names, events, self.errors, inspect_interval)  # runs on skips only
         self.iteration = 0
         self.attached = False  # the wrappers and hooks pass straight through while False
         self.active: OptimizerRecord | None = None  # the record inside scaler.step right now
@@ -105,6 +106,15 @@ class Recorder:
     def scaler(self) -> Any:
         """The watched scaler, or None once it has been garbage-collected."""
         return self._scaler()
+
+    @property
+    def inspect_interval(self) -> float:
+        """Seconds between naming scans at streak starts, per optimizer (tests raise it to rule the clock out)."""
+        return self.inspection.interval
+
+    @inspect_interval.setter
+    def inspect_interval(self, seconds: float) -> None:
+        self.inspection.interval = seconds
 
     @property
     def enabled(self) -> bool:
@@ -189,7 +199,7 @@ class Recorder:
             if record.pending:  # fused outcomes that have landed count toward the iteration they belong to
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
-            self._check_poisoned_steps(iteration)  # whatever the naming rate limit did
+            self.inspection.check_poisoned_steps(self.records, iteration)  # whatever the naming rate limit did
         if self.origin is not None:
             self.origin.end_iteration(iteration, keep=any(r.pending for r in self.records))
         scaler = self._scaler()
@@ -306,14 +316,6 @@ class Recorder:
                             "start_iteration": record.streak_start, "length": record.consecutive})
         record.consecutive = 0
 
-    def _may_name(self, record: OptimizerRecord, position: int) -> bool:
-        # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
-        # streak starts at most once per interval per optimizer, counted from the END of the previous
-        # naming scan, so a scan longer than the interval cannot run at every streak start.
-        if not is_rung(position):
-            return False
-        return position > 1 or time.monotonic() - record.last_streak_inspection >= self.inspect_interval
-
     def _report_skip(self, record: OptimizerRecord, position: int, iteration: int) -> None:
         # A streak is reported by its rungs (positions 1, 2, 4, 8, ...: where naming may scan) and its
         # streak_end; a skip in between is sent only when it carries news: a change of origin (issue 17).
@@ -330,19 +332,8 @@ class Recorder:
         # else in update(), with the optimizers that stepped (one scan, one copy, either way).
         check_weights = current and position == 1 and record.last_step_iteration is not None
         weights = None
-        if current and self._may_name(record, position):
-            targets: list[tuple[torch.optim.Optimizer, Part]] = [(record.optimizer, "grads")]
-            if check_weights:
-                targets.append((record.optimizer, "weights"))
-            try:
-                grads, *checked = scan_optimizers(targets, self.names)
-                event.update(params=grads.params, params_total=grads.total, inspected=True)
-                weights = checked[0] if checked else None
-                check_weights = False
-            except Exception as error:  # noqa: BLE001 - the skip itself is still reported
-                self.internal_error("parameter scan", error)
-            if position == 1:
-                record.last_streak_inspection = time.monotonic()
+        if current:
+            weights, check_weights = self.inspection.name_offenders(record, position, event, check_weights)
         record.check_weights = check_weights
         if self.origin is not None:
             self._add_origin(event, iteration, current)
@@ -352,7 +343,7 @@ class Recorder:
                 record.origin_sent = origin
             self.events.append(event)
         if weights is not None and weights.total:
-            self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
+            self.inspection.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     def _add_origin(self, event: dict[str, Any], iteration: int, current: bool) -> None:
         # Whether this rank's own gradients held inf/NaN before DDP's all-reduce (issue 17): read once per
@@ -368,43 +359,3 @@ class Recorder:
             self.origin_iterations += 1
         event.update(origin=report.origin, origin_buckets=report.buckets, origin_params=report.params,
                      origin_params_total=report.params_total)
-
-    # ----- poisoned steps (issue 8) ---------------------------------------------------------
-
-    def _check_poisoned_steps(self, iteration: int) -> None:
-        # On every iteration where some optimizer skipped, never rate-limited: an optimizer that stepped
-        # may have been handed gradients that became non-finite after its own check (e.g. whole-model
-        # clipping), or have stepped into non-finite weights; and an optimizer whose skips began now may
-        # find its weights already non-finite: its last step poisoned them. One scan for all of them.
-        stepped = [r for r in self.records if r.stepped_this_iteration]
-        started = [r for r in self.records if r.check_weights]
-        for record in started:
-            record.check_weights = False
-        targets: list[tuple[torch.optim.Optimizer, Part]] = [
-            (r.optimizer, part) for r in stepped for part in ("grads", "weights")]
-        targets += [(r.optimizer, "weights") for r in started]
-        if not targets:
-            return
-        try:
-            reports = scan_optimizers(targets, self.names)
-        except Exception as error:  # noqa: BLE001 - the rest of update() must still be accounted
-            self.internal_error("parameter scan", error)
-            return
-        for k, record in enumerate(stepped):
-            grads, weights = reports[2 * k], reports[2 * k + 1]
-            if grads.total:
-                self._report_poisoned(record, iteration, grads, "nonfinite_grad")
-            elif weights.total:
-                self._report_poisoned(record, iteration, weights, "nonfinite_param")
-        for record, weights in zip(started, reports[2 * len(stepped):]):
-            if weights.total and record.last_step_iteration is not None:
-                self._report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
-
-    def _report_poisoned(self, record: OptimizerRecord, iteration: int,
-                         report: NonfiniteReport, reason: str) -> None:
-        if record.poison_reported_for == iteration:
-            return
-        record.poison_reported_for = iteration
-        record.poisoned += 1
-        self.events.append({"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
-                            "params": report.params, "params_total": report.total, "reason": reason})

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import random
 import threading
 import time
 import weakref
@@ -15,10 +14,11 @@ from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
-from ._http import Answer, IngestClient, Outcome
+from ._http import IngestClient, Outcome
 from ._identity import Identity
 from ._limits import COLLECTOR_DEFAULTS
 from ._outbox import MemoryOutbox, Pending
+from ._outcomes import DeliveryOutcomes
 from ._relay_channel import NodeChannel, RelayedClient
 from ._schedule import PushSchedule
 from ._spool import SpoolOutbox
@@ -27,7 +27,6 @@ __all__ = ["Sender"]
 
 log = logging.getLogger("ampwatch.agent")
 
-_BACKOFF_BASE_MAX = 1.0  # seconds: the first retry waits at most this (or the push interval if shorter)
 MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"]  # a batch is split to stay under a default collector's limit
 
 
@@ -46,6 +45,8 @@ class Sender:
     The calling (training) thread only ever sets an event (:meth:`wake`) or,
     in :meth:`close`, waits at most ``timeout`` seconds. Nothing here raises
     into the caller: failures are logged once and counted in ``agent_errors``.
+    What each answer counts, and how long a retry waits, is
+    :class:`~._outcomes.DeliveryOutcomes`'s.
     """
 
     def __init__(self, config: AgentConfig, identity: Identity,
@@ -53,9 +54,7 @@ class Sender:
                  errors: AgentErrors | None = None, wake: threading.Event | None = None) -> None:
         self.config, self.identity, self.snapshot, self.events = config, identity, snapshot, events
         self.errors = errors if errors is not None else AgentErrors()
-        self.send_failures = 0  # attempts to retry: no answer, 5xx, 408, 429, or the collector said "retry": true
-        self.rejected_batches = 0  # batches the collector refused for good ("retry": false, other 4xx): dropped
-        self.batches_acked = 0
+        self._outcomes = DeliveryOutcomes(config.push_interval, config.max_backoff)  # counters, backoff, what was said
         self._pid = os.getpid()
         self._seq = 0  # seq of the last batch built
         self._wake = wake if wake is not None else threading.Event()
@@ -68,12 +67,9 @@ class Sender:
         self._lost_by_outboxes = 0  # events dropped by an outbox we had to replace
         self._clients: dict[str, IngestClient | RelayedClient] = {}
         self._node = NodeChannel(config, identity, self.errors) if config.relay else None  # no I/O until used
-        self._failures_in_row = 0
-        self._retry_at = 0.0
         self._built_at = float("-inf")  # monotonic time the last batch was built
         self._closed_built = False
         self._backlog = False  # the last batch was full and more events wait
-        self._said: set[str] = set()
         self._last_snapshot: dict[str, Any] = {}
         self._finish: Callable[[], None] | None = None
         _live.add(self)
@@ -117,12 +113,21 @@ class Sender:
     @property
     def delivery(self) -> dict[str, int]:
         """Return the delivery counters as sent in ``state.delivery``."""
+        outcomes = self._outcomes
         return {
             "dropped_events": self.events.dropped + self._outbox.dropped_events + self._lost_by_outboxes,
-            "send_failures": self.send_failures,
-            "rejected_batches": self.rejected_batches,
+            "send_failures": outcomes.send_failures,
+            "rejected_batches": outcomes.rejected_batches,
             "agent_errors": self.errors.count,
         }
+
+    # Read-only views of the answers' counters (tests and tools read them here).
+    send_failures = property(lambda self: self._outcomes.send_failures,
+                             doc='Attempts to retry: no answer, 5xx, 408, 429, or the collector said "retry": true.')
+    rejected_batches = property(lambda self: self._outcomes.rejected_batches,
+                                doc='Batches the collector refused for good ("retry": false, another 4xx): dropped.')
+    batches_acked = property(lambda self: self._outcomes.batches_acked,
+                             doc="Batches the collector acknowledged.")
 
     # -- the sender thread -----------------------------------------------------------------
 
@@ -154,7 +159,7 @@ class Sender:
                     continue
                 wait = schedule.due() - time.monotonic()
                 if self._outbox.head() is not None:
-                    wait = min(wait, self._retry_at - time.monotonic())
+                    wait = min(wait, self._outcomes.retry_at - time.monotonic())
                 if closing:
                     wait = min(wait, self._deadline_left())
                 self._wake.wait(max(0.0, min(wait, self.config.push_interval)))
@@ -170,7 +175,7 @@ class Sender:
         """Put the next batch in the outbox when there is room: cumulative state plus waiting events."""
         if self._outbox.full() or self._closed_built:
             return
-        if self._failures_in_row and not closing and not len(self.events):
+        if self._outcomes.failures_in_row and not closing and not len(self.events):
             return  # collector unreachable: a heartbeat would only repeat state the next batch carries
         events = self.events.drain(MAX_BATCH_EVENTS)
         full = len(events) == MAX_BATCH_EVENTS
@@ -209,7 +214,7 @@ class Sender:
         """Send outbox batches oldest first until it is empty, one fails, or a backoff is due."""
         while (pending := self._outbox.head()) is not None and not self._in_forked_child():
             now = time.monotonic()
-            if now < self._retry_at:
+            if now < self._outcomes.retry_at:
                 return
             timeout = min(self.config.timeout, self._deadline_left())
             if timeout <= 0:
@@ -225,38 +230,13 @@ class Sender:
             outcome = answer.outcome
             if outcome is Outcome.ACKED:
                 self._outbox.pop()
-                self.batches_acked += 1
-                if self._failures_in_row:
-                    log.info("ampwatch: delivery to %s resumed after %d failed attempt(s)",
-                             url, self._failures_in_row)
-                    if len(self.events):
-                        self._wake.set()  # what waited out the outage goes soon, not at the next heartbeat
-                self._failures_in_row = 0
+                if self._outcomes.acked(url) and len(self.events):
+                    self._wake.set()  # what waited out the outage goes soon, not at the next heartbeat
             elif outcome is Outcome.REJECTED:
                 self._outbox.pop()
-                self.rejected_batches += 1
-                self._say_once(f"rejected {answer.status} {answer.body.get('error')}",
-                               "ampwatch: %s refused batch seq=%d with HTTP %s: %s. It is dropped and counted in "
-                               "rejected_batches, and so will be every batch refused for this reason.%s",
-                               url, pending.seq, answer.status, answer.reason, _advice(answer))
+                self._outcomes.rejected(url, pending.seq, answer)
             else:
-                self.send_failures += 1
-                self._failures_in_row += 1
-                delay = min(self.config.max_backoff,
-                            min(_BACKOFF_BASE_MAX, self.config.push_interval) * 2 ** (self._failures_in_row - 1))
-                delay *= random.uniform(0.5, 1.0)  # jitter: ranks spread out
-                if answer.retry_after is not None:  # the collector said when: wait that long, within our cap
-                    delay = max(delay, min(answer.retry_after, self.config.max_backoff))
-                self._retry_at = time.monotonic() + delay
-                if answer.status is None:
-                    self._say_once("retry", "ampwatch: cannot deliver to %s (%s); retrying with backoff, training "
-                                   "is not affected. Check that the collector runs and AMPWATCH_URL is right.",
-                                   url, answer.detail)
-                else:  # it answered: its own reason says more than any guess of ours
-                    self._say_once(f"retry {answer.status} {answer.body.get('error')}",
-                                   "ampwatch: %s cannot take batch seq=%d now (HTTP %s: %s); the batch is kept and "
-                                   "sent again with backoff, training is not affected.",
-                                   url, pending.seq, answer.status, answer.reason)
+                self._outcomes.failed(url, pending.seq, answer)  # sets when the same batch goes again
                 return
 
     def _finished(self) -> bool:
@@ -325,12 +305,6 @@ class Sender:
         """Return whether this process is a fork of the one that made the sender (it must never send)."""
         return os.getpid() != self._pid
 
-    def _say_once(self, key: str, message: str, *args: Any) -> None:
-        """Log ``message`` the first time ``key`` comes up."""
-        if key not in self._said:
-            self._said.add(key)
-            log.warning(message, *args)
-
     def _after_fork_in_child(self) -> None:
         """Forget the parent's thread and spool: a forked child never sends."""
         self._thread = None
@@ -343,22 +317,6 @@ class Sender:
         self._stop = threading.Event()
         self._outbox.after_fork_in_child()
         self._clients.clear()
-
-
-def _advice(answer: Answer) -> str:
-    """Say what the user can do about a refused batch, where the collector's own message may not."""
-    status = answer.status
-    if answer.body.get("message"):
-        return ""  # the collector said what was wrong and what to do
-    if status in (401, 403):
-        return " Set AMPWATCH_TOKEN (or token=) to the collector's token."
-    if status == 404:
-        return " Check AMPWATCH_URL: it should be the collector's base URL, e.g. http://host:9457."
-    if status == 413:
-        return " Raise the collector's body size limit."
-    if status == 422:
-        return " The collector speaks another protocol version, or the agent sent a bad batch: upgrade both."
-    return " See the collector's log."
 
 
 _live: "weakref.WeakSet[Sender]" = weakref.WeakSet()

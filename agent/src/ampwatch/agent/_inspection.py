@@ -1,0 +1,114 @@
+"""Look at the parameters when an optimizer skips: name the offending ones, find poisoned steps.
+
+The recorder counts every step and skip on the training thread (its hot path, no device reads);
+what lives here runs only on an iteration where some optimizer skipped, and holds every parameter
+scan the agent makes, so their device syncs are in one place (docs/agent.md: "How a skip is
+detected, and what it costs").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampwatch.contract.protocol import is_rung
+
+from ._errors import AgentErrors
+from ._events import EventBuffer
+from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
+
+if TYPE_CHECKING:  # the recorder imports this module
+    from ._recorder import OptimizerRecord
+
+__all__ = ["SkipInspection"]
+
+
+class SkipInspection:
+    """Scan the parameters around a skip: the offenders named in its event, and poisoned steps.
+
+    Naming is rate-limited (a streak's rungs; a streak start at most once per
+    ``interval`` seconds per optimizer); the poisoned-step check runs on every
+    skipped iteration. A failing scan is counted in ``errors``, never raised:
+    the skip itself is still reported.
+    """
+
+    def __init__(self, names: ParameterNames, events: EventBuffer, errors: AgentErrors,
+                 interval: float = 1.0) -> None:
+        self.names = names
+        self.events = events
+        self.errors = errors
+        self.interval = interval  # seconds between naming scans at streak starts, per optimizer
+
+    def name_offenders(self, record: OptimizerRecord, position: int, event: dict[str, Any],
+                       check_weights: bool) -> tuple[NonfiniteReport | None, bool]:
+        """Name the parameters whose gradients hold inf/NaN in the skip ``event``, when the rate limit allows.
+
+        With ``check_weights`` (a streak starts), the same scan looks at the weights
+        the optimizer's last step left. Return that weights report (None when not
+        scanned) and whether the weights still need a look (in :meth:`check_poisoned_steps`).
+        Costs 2 device syncs when it scans.
+        """
+        # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
+        # streak starts at most once per interval per optimizer, counted from the END of the previous
+        # naming scan, so a scan longer than the interval cannot run at every streak start.
+        if not is_rung(position) or (
+                position == 1 and time.monotonic() - record.last_streak_inspection < self.interval):
+            return None, check_weights
+        weights = None
+        targets: list[tuple[torch.optim.Optimizer, Part]] = [(record.optimizer, "grads")]
+        if check_weights:
+            targets.append((record.optimizer, "weights"))
+        try:
+            grads, *checked = scan_optimizers(targets, self.names)
+            event.update(params=grads.params, params_total=grads.total, inspected=True)
+            weights = checked[0] if checked else None
+            check_weights = False
+        except Exception as error:  # noqa: BLE001 - the skip itself is still reported
+            self.errors.report("parameter scan", error)
+        if position == 1:
+            record.last_streak_inspection = time.monotonic()
+        return weights, check_weights
+
+    # ----- poisoned steps (issue 8) ---------------------------------------------------------
+
+    def check_poisoned_steps(self, records: list[OptimizerRecord], iteration: int) -> None:
+        """Report the poisoned steps of a skipped ``iteration``: one scan of every optimizer that needs a look."""
+        # On every iteration where some optimizer skipped, never rate-limited: an optimizer that stepped
+        # may have been handed gradients that became non-finite after its own check (e.g. whole-model
+        # clipping), or have stepped into non-finite weights; and an optimizer whose skips began now may
+        # find its weights already non-finite: its last step poisoned them. One scan for all of them.
+        stepped = [r for r in records if r.stepped_this_iteration]
+        started = [r for r in records if r.check_weights]
+        for record in started:
+            record.check_weights = False
+        targets: list[tuple[torch.optim.Optimizer, Part]] = [
+            (r.optimizer, part) for r in stepped for part in ("grads", "weights")]
+        targets += [(r.optimizer, "weights") for r in started]
+        if not targets:
+            return
+        try:
+            reports = scan_optimizers(targets, self.names)
+        except Exception as error:  # noqa: BLE001 - the rest of update() must still be accounted
+            self.errors.report("parameter scan", error)
+            return
+        for k, record in enumerate(stepped):
+            grads, weights = reports[2 * k], reports[2 * k + 1]
+            if grads.total:
+                self.report_poisoned(record, iteration, grads, "nonfinite_grad")
+            elif weights.total:
+                self.report_poisoned(record, iteration, weights, "nonfinite_param")
+        for record, weights in zip(started, reports[2 * len(stepped):]):
+            if weights.total and record.last_step_iteration is not None:
+                self.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
+
+    def report_poisoned(self, record: OptimizerRecord, iteration: int,
+                        report: NonfiniteReport, reason: str) -> None:
+        """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step."""
+        if record.poison_reported_for == iteration:
+            return
+        record.poison_reported_for = iteration
+        record.poisoned += 1
+        self.events.append({"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
+                            "params": report.params, "params_total": report.total, "reason": reason})

@@ -1,0 +1,65 @@
+"""What the real-DDP worker scripts and their tests share: a rank's scaled backward, and running a worker once.
+
+The workers (``ddp_worker.py``, ``ddp_origin_worker.py``) run as scripts, one process per rank,
+outside pytest and without tests/helpers on ``sys.path``: :func:`run_ranks` imports its pytest-side
+helpers when it runs, so that every rank can import this module cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["run_ranks", "scaled_backward"]
+
+
+def scaled_backward(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, *,
+                    rank: int, iteration: int, inject: bool) -> None:
+    """Run one iteration up to ``scaler.step``: this rank's input (an inf in it when ``inject``), a bf16 forward.
+
+    The input depends only on ``rank`` and ``iteration``, so the same job run with and
+    without the agent (or its comm hook) trains on the same data.
+    """
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + iteration))
+    if inject:
+        x[0, 0] = float("inf")
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+
+
+def run_ranks(worker: Path, out: Path, world_size: int, args: Sequence[str] = (), *,
+              timeout: int, what: str) -> list[dict]:
+    """Run ``worker OUT PORT [args]`` once and return each rank's ``OUT/rank{r}.json``.
+
+    Bounded in time: past ``timeout`` seconds its whole process group is killed and the
+    test fails, naming the worker as ``what``. The agent's settings are kept out of its
+    environment, so a developer's ``AMPWATCH_URL`` cannot make it send.
+    """
+    import pytest  # here, not above: the workers import this module outside pytest
+    from ports import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
+    proc = subprocess.Popen([sys.executable, str(worker), str(out), str(free_port()), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the {what} DDP worker did not finish within {timeout} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
