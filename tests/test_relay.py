@@ -12,20 +12,17 @@ import pathlib
 import signal
 import stat
 import subprocess
-import sys
 import tarfile
-import textwrap
-import time
 
 import httpx
 import pytest
 from collector_process import CollectorProcess
-from exposition import value
+from exposition import scrape, value
+from rank_processes import check_rank_truth, spawn_rank, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
-ROOT = HELPERS.parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 V1_ONLY = "a95d20e"  # the last commit whose collector knows only protocol v1
 
 # A rank trains until told to stop; it leaves a file "relay<rank>" once it runs the host's relay.
@@ -44,23 +41,8 @@ pathlib.Path(out, "truth" + rank + ".json").write_text(json.dumps(trainer.truth(
 
 
 def _spawn(url: str, run: str, tmp: pathlib.Path, rank: int, world_size: int, relay: bool) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]),
-           "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "AMPWATCH_MAX_BACKOFF": "0.3",
-           "AMPWATCH_RELAY": "1" if relay else "0", "AMPWATCH_RELAY_DIR": str(tmp / "relay")}
-    env.pop("AMPWATCH_SPOOL_DIR", None)
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK), url, run, str(tmp / "stop"), str(tmp),
-                             str(rank)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _metrics(url: str) -> str:
-    return httpx.get(url + "/metrics", timeout=10).text
-
-
-def _wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
+    return spawn_rank(RANK, url, run, str(tmp / "stop"), str(tmp), str(rank), rank=rank, world_size=world_size,
+                      env={"AMPWATCH_RELAY": "1" if relay else "0", "AMPWATCH_RELAY_DIR": str(tmp / "relay")})
 
 
 def _finish(ranks: dict[int, subprocess.Popen], tmp: pathlib.Path) -> dict[int, dict]:
@@ -85,15 +67,7 @@ def _kill_all(ranks: dict[int, subprocess.Popen]) -> None:
 
 def _check_exact(url: str, run: str, rank: int, truth: dict) -> None:
     """The collector shows exactly the rank's truth, and each of its events once."""
-    text = _metrics(url)
-    labels = {"run": run, "rank": str(rank)}
-    main = dict(labels, optimizer="main")
-    assert value(text, "ampwatch_optimizer_skipped_steps_total", **main) == len(truth["skipped_at"])
-    assert value(text, "ampwatch_optimizer_steps_total", **main) == truth["steps"]
-    assert value(text, "ampwatch_loss_scale_backoffs_total", **labels) == truth["backoffs"]
-    assert value(text, "ampwatch_loss_scale_growths_total", **labels) == truth["growths"]
-    assert value(text, "ampwatch_iteration", **labels) == truth["iterations"]
-    assert value(text, "ampwatch_rank_closed", **labels) == 1
+    check_rank_truth(scrape(url), run, rank, truth)
     skips, after = [], 0
     while after is not None:
         page = httpx.get(f"{url}/v1/runs/{run}/events", params={"limit": 1000, "rank": rank, "kind": "skip",
@@ -105,7 +79,7 @@ def _check_exact(url: str, run: str, rank: int, truth: dict) -> None:
 
 def _requests_and_batches(url: str) -> tuple[float, float]:
     """Requests answered 200, and the rank batches they carried (applied or recognised as duplicates)."""
-    text = _metrics(url)
+    text = scrape(url)
     return (value(text, "ampwatch_collector_ingest_requests_total", code="200") or 0,
             (value(text, "ampwatch_collector_batches_applied_total") or 0)
             + (value(text, "ampwatch_collector_duplicate_batches_total") or 0))
@@ -116,8 +90,8 @@ def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
         try:
-            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
-                                  > 100 for r in range(world)))
+            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
+                                 > 100 for r in range(world)), timeout=60)
             truths = _finish(ranks, tmp_path)
         finally:
             _kill_all(ranks)
@@ -138,26 +112,27 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--expire-after", "120"]) as collector:
         ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
         try:
-            _wait_for(lambda: list(tmp_path.glob("relay?")) and all(
-                value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)))
+            wait_for(lambda: list(tmp_path.glob("relay?")) and all(
+                value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)),
+                     timeout=60)
             killed = int(next(tmp_path.glob("relay?")).name[-1])
             ranks[killed].send_signal(signal.SIGKILL)  # mid-job: no close(), no exit flush, batches in flight
             ranks[killed].wait(10)
             (tmp_path / f"relay{killed}").unlink()
             survivors = [r for r in range(world) if r != killed]
-            _wait_for(lambda: list(tmp_path.glob("relay?")), timeout=60)  # a surviving rank took over
+            wait_for(lambda: list(tmp_path.glob("relay?")), timeout=60)  # a surviving rank took over
             takeover = _requests_and_batches(collector.url)
-            before = {r: value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+            before = {r: value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
                       for r in survivors}
-            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
-                                  > before[r] + 50 for r in survivors))
+            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+                                 > before[r] + 50 for r in survivors), timeout=60)
             after = _requests_and_batches(collector.url)
             truths = _finish(ranks, tmp_path)
         finally:
             _kill_all(ranks)
         for rank in survivors:
             _check_exact(collector.url, run, rank, truths[rank])
-        assert value(_metrics(collector.url), "ampwatch_rank_closed", run=run, rank=str(killed)) == 0
+        assert value(scrape(collector.url), "ampwatch_rank_closed", run=run, rank=str(killed)) == 0
     new_relay = [p.name for p in tmp_path.glob("relay?")]
     print(f"\nrelay rank {killed} killed; {new_relay} took over; after it: "
           f"{after[1] - takeover[1]:.0f} batches in {after[0] - takeover[0]:.0f} requests")
@@ -170,8 +145,8 @@ def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=r < 2) for r in range(world)}
         try:
-            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
-                                  > 100 for r in range(world)))
+            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
+                                 > 100 for r in range(world)), timeout=60)
             truths = _finish(ranks, tmp_path)
         finally:
             _kill_all(ranks)
@@ -203,14 +178,14 @@ def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_ex
         assert schema.status_code == 422, "this collector must refuse protocol v2"
         ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
         try:
-            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
-                                  > 100 for r in range(world)))
+            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
+                                 > 100 for r in range(world)), timeout=60)
             truths = _finish(ranks, tmp_path)
         finally:
             _kill_all(ranks)
         for rank, truth in truths.items():
             _check_exact(collector.url, run, rank, truth)
-        text = _metrics(collector.url)
+        text = scrape(collector.url)
         requests, batches = _requests_and_batches(collector.url)
     refused = value(text, "ampwatch_collector_ingest_requests_total", code="422") - 1  # less the probe above
     print(f"\nthe v1-only collector refused {refused:.0f} v2 request(s); then {batches:.0f} batches went as v1 "
@@ -227,14 +202,15 @@ def test_a_stopped_relay_rank_is_bypassed_and_the_other_ranks_keep_reporting_exa
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
         try:
-            _wait_for(lambda: list(tmp_path.glob("relay?")) and all(
-                value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)))
+            wait_for(lambda: list(tmp_path.glob("relay?")) and all(
+                value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)),
+                     timeout=60)
             stopped = int(next(tmp_path.glob("relay?")).name[-1])
             ranks[stopped].send_signal(signal.SIGSTOP)  # alive, holding its lock, answering nobody
             others = [r for r in range(world) if r != stopped]
-            before = {r: value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in others}
-            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
-                                  > before[r] + 50 for r in others))
+            before = {r: value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in others}
+            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+                                 > before[r] + 50 for r in others), timeout=60)
             ranks[stopped].send_signal(signal.SIGCONT)
             truths = _finish(ranks, tmp_path)
         finally:

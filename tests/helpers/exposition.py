@@ -1,8 +1,14 @@
-"""Read a Prometheus exposition (``GET /metrics``) back into samples."""
+"""Fetch a collector's Prometheus exposition (``GET /metrics``) and read it back into samples."""
 
 from __future__ import annotations
 
-__all__ = ["samples", "value"]
+__all__ = ["samples", "scrape", "value"]
+
+
+def scrape(url: str) -> str:
+    """Return the exposition the collector at ``url`` serves now."""
+    import httpx
+    return httpx.get(url + "/metrics", timeout=10).text
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
