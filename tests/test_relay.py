@@ -6,6 +6,7 @@ the collector is a real one (this tree's, or an earlier commit's that knows only
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -13,6 +14,7 @@ import signal
 import stat
 import subprocess
 import tarfile
+from collections.abc import Container, Iterator
 
 import httpx
 import pytest
@@ -40,9 +42,22 @@ pathlib.Path(out, "truth" + rank + ".json").write_text(json.dumps(trainer.truth(
 """
 
 
-def _spawn(url: str, run: str, tmp: pathlib.Path, rank: int, world_size: int, relay: bool) -> subprocess.Popen:
-    return spawn_rank(RANK, url, run, str(tmp / "stop"), str(tmp), str(rank), rank=rank, world_size=world_size,
-                      env={"AMPWATCH_RELAY": "1" if relay else "0", "AMPWATCH_RELAY_DIR": str(tmp / "relay")})
+@contextlib.contextmanager
+def _ranks(url: str, run: str, tmp: pathlib.Path, world: int,
+           relayed: Container[int]) -> Iterator[dict[int, subprocess.Popen]]:
+    """Start ``world`` ranks, those in ``relayed`` with the node relay on; kill any still running at the end."""
+    ranks = {r: spawn_rank(RANK, url, run, str(tmp / "stop"), str(tmp), str(r), rank=r, world_size=world,
+                           env={"AMPWATCH_RELAY": "1" if r in relayed else "0",
+                                "AMPWATCH_RELAY_DIR": str(tmp / "relay")})
+             for r in range(world)}
+    try:
+        yield ranks
+    finally:
+        for proc in ranks.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # one the test stopped
+                proc.kill()
+                proc.wait(10)
 
 
 def _finish(ranks: dict[int, subprocess.Popen], tmp: pathlib.Path) -> dict[int, dict]:
@@ -58,11 +73,26 @@ def _finish(ranks: dict[int, subprocess.Popen], tmp: pathlib.Path) -> dict[int, 
     return truths
 
 
-def _kill_all(ranks: dict[int, subprocess.Popen]) -> None:
-    for proc in ranks.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+def _iteration(url: str, run: str, rank: int) -> float | None:
+    """The rank's iteration as the collector has it (None before its first batch)."""
+    return value(scrape(url), "ampwatch_iteration", run=run, rank=str(rank))
+
+
+def _all_reported(url: str, run: str, world: int) -> bool:
+    """Whether the collector has an iteration past 0 from each of the ``world`` ranks."""
+    return all(_iteration(url, run, r) for r in range(world))
+
+
+def _relay_rank(url: str, run: str, tmp: pathlib.Path, world: int) -> int:
+    """Wait until a rank runs the host's relay and every rank has reported; return the relay's rank."""
+    wait_for(lambda: list(tmp.glob("relay?")) and _all_reported(url, run, world), timeout=60)
+    return int(next(tmp.glob("relay?")).name[-1])
+
+
+def _wait_past(url: str, run: str, ranks: list[int], iterations: int) -> None:
+    """Wait until each of ``ranks`` has reported more than ``iterations`` iterations past where it is now."""
+    before = {r: _iteration(url, run, r) for r in ranks}
+    wait_for(lambda: all(_iteration(url, run, r) > before[r] + iterations for r in ranks), timeout=60)
 
 
 def _check_exact(url: str, run: str, rank: int, truth: dict) -> None:
@@ -77,6 +107,15 @@ def _check_exact(url: str, run: str, rank: int, truth: dict) -> None:
     assert skips == truth["skipped_at"], "a skip event is missing or doubled"
 
 
+def _run_and_check_exact(url: str, run: str, tmp: pathlib.Path, world: int, relayed: Container[int]) -> None:
+    """Run ``world`` ranks until every one has reported, stop them, and check the collector shows each exactly."""
+    with _ranks(url, run, tmp, world, relayed) as ranks:
+        wait_for(lambda: _all_reported(url, run, world), timeout=60)
+        truths = _finish(ranks, tmp)
+    for rank, truth in truths.items():
+        _check_exact(url, run, rank, truth)
+
+
 def _requests_and_batches(url: str) -> tuple[float, float]:
     """Requests answered 200, and the rank batches they carried (applied or recognised as duplicates)."""
     text = scrape(url)
@@ -88,15 +127,7 @@ def _requests_and_batches(url: str) -> tuple[float, float]:
 def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact_counts(tmp_path):
     run, world = "relayed", 4
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
-        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
-        try:
-            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
-                                 > 100 for r in range(world)), timeout=60)
-            truths = _finish(ranks, tmp_path)
-        finally:
-            _kill_all(ranks)
-        for rank, truth in truths.items():
-            _check_exact(collector.url, run, rank, truth)
+        _run_and_check_exact(collector.url, run, tmp_path, world, relayed=range(world))
         requests, batches = _requests_and_batches(collector.url)
     relays = sorted(p.name for p in tmp_path.glob("relay?"))
     socket_dir = tmp_path / "relay"
@@ -110,26 +141,17 @@ def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact
 def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_a_new_relay_takes_over(tmp_path):
     run, world = "relay-killed", 3
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--expire-after", "120"]) as collector:
-        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
-        try:
-            wait_for(lambda: list(tmp_path.glob("relay?")) and all(
-                value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)),
-                     timeout=60)
-            killed = int(next(tmp_path.glob("relay?")).name[-1])
+        with _ranks(collector.url, run, tmp_path, world, relayed=range(world)) as ranks:
+            killed = _relay_rank(collector.url, run, tmp_path, world)
             ranks[killed].send_signal(signal.SIGKILL)  # mid-job: no close(), no exit flush, batches in flight
             ranks[killed].wait(10)
             (tmp_path / f"relay{killed}").unlink()
             survivors = [r for r in range(world) if r != killed]
             wait_for(lambda: list(tmp_path.glob("relay?")), timeout=60)  # a surviving rank took over
             takeover = _requests_and_batches(collector.url)
-            before = {r: value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
-                      for r in survivors}
-            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
-                                 > before[r] + 50 for r in survivors), timeout=60)
+            _wait_past(collector.url, run, survivors, 50)
             after = _requests_and_batches(collector.url)
             truths = _finish(ranks, tmp_path)
-        finally:
-            _kill_all(ranks)
         for rank in survivors:
             _check_exact(collector.url, run, rank, truths[rank])
         assert value(scrape(collector.url), "ampwatch_rank_closed", run=run, rank=str(killed)) == 0
@@ -143,15 +165,7 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
 def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
     run, world = "mixed", 4
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
-        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=r < 2) for r in range(world)}
-        try:
-            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
-                                 > 100 for r in range(world)), timeout=60)
-            truths = _finish(ranks, tmp_path)
-        finally:
-            _kill_all(ranks)
-        for rank, truth in truths.items():
-            _check_exact(collector.url, run, rank, truth)
+        _run_and_check_exact(collector.url, run, tmp_path, world, relayed=range(2))
         requests, batches = _requests_and_batches(collector.url)
     print(f"\n{batches:.0f} batches in {requests:.0f} requests (2 relayed ranks, 2 posting v1)")
     assert len(list(tmp_path.glob("relay?"))) == 1
@@ -176,15 +190,7 @@ def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_ex
         schema = httpx.post(collector.url + "/v1/ingest", content=b'{"protocol":2,"lengths":[],"batches":[]}',
                             headers={"content-type": "application/json"}, timeout=10)
         assert schema.status_code == 422, "this collector must refuse protocol v2"
-        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
-        try:
-            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) or 0
-                                 > 100 for r in range(world)), timeout=60)
-            truths = _finish(ranks, tmp_path)
-        finally:
-            _kill_all(ranks)
-        for rank, truth in truths.items():
-            _check_exact(collector.url, run, rank, truth)
+        _run_and_check_exact(collector.url, run, tmp_path, world, relayed=range(world))
         text = scrape(collector.url)
         requests, batches = _requests_and_batches(collector.url)
     refused = value(text, "ampwatch_collector_ingest_requests_total", code="422") - 1  # less the probe above
@@ -200,24 +206,13 @@ def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_ex
 def test_a_stopped_relay_rank_is_bypassed_and_the_other_ranks_keep_reporting_exactly(tmp_path):
     run, world = "relay-stopped", 3
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
-        ranks = {r: _spawn(collector.url, run, tmp_path, r, world, relay=True) for r in range(world)}
-        try:
-            wait_for(lambda: list(tmp_path.glob("relay?")) and all(
-                value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in range(world)),
-                     timeout=60)
-            stopped = int(next(tmp_path.glob("relay?")).name[-1])
+        with _ranks(collector.url, run, tmp_path, world, relayed=range(world)) as ranks:
+            stopped = _relay_rank(collector.url, run, tmp_path, world)
             ranks[stopped].send_signal(signal.SIGSTOP)  # alive, holding its lock, answering nobody
             others = [r for r in range(world) if r != stopped]
-            before = {r: value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r)) for r in others}
-            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
-                                 > before[r] + 50 for r in others), timeout=60)
+            _wait_past(collector.url, run, others, 50)
             ranks[stopped].send_signal(signal.SIGCONT)
             truths = _finish(ranks, tmp_path)
-        finally:
-            for proc in ranks.values():
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGCONT)
-            _kill_all(ranks)
         for rank, truth in truths.items():
             _check_exact(collector.url, run, rank, truth)
     print(f"\nrelay rank {stopped} stopped; ranks {others} kept reporting past it")
