@@ -173,7 +173,18 @@ def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
 
 
 def _v1_only_server(into: pathlib.Path) -> str:
-    """Extract the server of a commit that knows only protocol v1; return the folder for PYTHONPATH."""
+    """Extract the server of a commit that knows only protocol v1; return the folder for PYTHONPATH.
+
+    Skips the test where this checkout's git history lacks that commit (a shallow clone, a source archive).
+    """
+    try:
+        found = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", V1_ONLY + "^{commit}"],
+                               capture_output=True).returncode == 0
+    except FileNotFoundError:  # no git at all
+        found = False
+    if not found:
+        pytest.skip(f"needs commit {V1_ONLY} (the last collector that knows only protocol v1) in this checkout's git "
+                    f"history, which a shallow clone or a source archive lacks: `git fetch --unshallow` brings it")
     archive = into / "src.tar"
     subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), V1_ONLY, "server/src"], check=True)
     with tarfile.open(archive) as tar:
