@@ -12,16 +12,16 @@ along: a skip ratio exactly at its threshold, loss scales of NaN and 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from prometheus_stack import Processes, get, query_range, start_prometheus, wait_until
+from prometheus_stack import Processes, get, query_range, start_prometheus, wait_for_scrapes, wait_until
 from webhook_receiver import free_port
-from batches import make_batch, optimizer
+from batches import make_batch, optimizer, post_batch
 from collector_process import CollectorProcess
 
 from ampwatch.contract.thresholds import AlertThresholds
@@ -112,11 +112,7 @@ class ScriptedRank:
         return batch
 
 
-def _post(url: str, batch: dict) -> None:
-    request = urllib.request.Request(url + "/v1/ingest", data=json.dumps(batch).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=5) as answer:
-        assert answer.status == 200
+_post = functools.partial(post_batch, timeout=5)
 
 
 def _stream(url: str) -> None:
@@ -188,9 +184,8 @@ def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_
         collector.start()
         prometheus = start_prometheus(processes, tmp_path, free_port(), render_rules(THRESHOLDS),
                                       [f"127.0.0.1:{collector.port}"])
-        wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
         # Let Prometheus scrape the empty collector once, so every run's series is born inside the test.
-        wait_until(lambda: query_range(prometheus, "up", time.time() - 5), 30, "a first scrape")
+        wait_for_scrapes(processes, prometheus)
         start = time.time()
         _stream(collector.url)
         # Prometheus lags by a scrape and an evaluation; the silent rank needs silent_after_s + for.

@@ -9,16 +9,14 @@ each panel returns a handful of series whatever the rank count, and the outlier 
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-import urllib.request
 from pathlib import Path
 
 import pytest
-from batches import make_batch, optimizer
+from batches import make_batch, optimizer, post_batch
 from collector_process import CollectorProcess
-from prometheus_stack import Processes, get, query_range, start_prometheus, wait_until
+from prometheus_stack import Processes, query_range, start_prometheus, wait_for_scrapes, wait_until
 from webhook_receiver import free_port
 
 from ampwatch.dashboards.dashboard import dashboard_json
@@ -33,23 +31,16 @@ GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_i
 SECTIONS = ("Loss scale", "Skipped steps")  # the per-rank time-series panels
 
 
-def _post(url: str, batch: dict) -> None:
-    request = urllib.request.Request(url + "/v1/ingest", data=json.dumps(batch).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
-
-
 def _stream(url: str) -> None:
     for seq in range(1, BATCHES + 1):
         for rank in range(RANKS):
             iterations = 2 * seq if rank == SLOW else 10 * seq
             skipped = iterations // 2 if rank == 42 else 0
-            _post(url, make_batch(run=RUN, rank=rank, world_size=RANKS, local_rank=rank % 8, seq=seq,
-                                  incarnation=f"spread-{rank}", sent_at=time.time(), iteration=iterations,
-                                  loss_scale=SCALES.get(rank, 2.0 ** 16),
-                                  optimizers={"gen": optimizer(steps=iterations - skipped, skipped=skipped),
-                                              "disc": optimizer(steps=iterations)}))
+            post_batch(url, make_batch(run=RUN, rank=rank, world_size=RANKS, local_rank=rank % 8, seq=seq,
+                                       incarnation=f"spread-{rank}", sent_at=time.time(), iteration=iterations,
+                                       loss_scale=SCALES.get(rank, 2.0 ** 16),
+                                       optimizers={"gen": optimizer(steps=iterations - skipped, skipped=skipped),
+                                                   "disc": optimizer(steps=iterations)}))
         time.sleep(0.5)
 
 
@@ -87,10 +78,7 @@ def stack(tmp_path_factory):
     try:
         collector.start()
         prometheus = start_prometheus(processes, tmp, free_port(), render_rules(), [f"127.0.0.1:{collector.port}"])
-        wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
-        # Prometheus starts scraping a few seconds after it is ready (target discovery is throttled to every 5 s):
-        # stream only once it scrapes, so the stream's whole span is in its history.
-        wait_until(lambda: query_range(prometheus, "up == 1", time.time() - 2), 60, "Prometheus to scrape the collector")
+        wait_for_scrapes(processes, prometheus)  # so that the stream's whole span is in its history
         start = time.time()
         _stream(collector.url)
         end = time.time()

@@ -7,23 +7,18 @@ Plain fork of a process with a live sender: agent/tests/test_delivery_process.py
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 
 import httpx
 import pytest
 from collector_process import CollectorProcess
-from exposition import value
+from exposition import scrape, value
+from rank_processes import check_rank_truth, spawn_rank, wait_for
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-HELPERS = pathlib.Path(__file__).resolve().parent / "helpers"
 
 RANK = """
 import json, os, pathlib, sys
@@ -68,36 +63,6 @@ pathlib.Path(truth).write_text(json.dumps(dict(trainer.truth(), pid=os.getpid(),
 """
 
 
-def _spawn(script: str, *args: str, rank: int = 0, world_size: int = 1) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]),
-           "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "AMPWATCH_MAX_BACKOFF": "0.3"}
-    env.pop("AMPWATCH_SPOOL_DIR", None)
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _metrics(url: str) -> str:
-    return httpx.get(url + "/metrics", timeout=10).text
-
-
-def _wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
-def _check_rank(text: str, run: str, rank: int, truth: dict) -> None:
-    labels = {"run": run, "rank": str(rank)}
-    main = dict(labels, optimizer="main")
-    assert value(text, "ampwatch_optimizer_skipped_steps_total", **main) == len(truth["skipped_at"])
-    assert value(text, "ampwatch_optimizer_steps_total", **main) == truth["steps"]
-    assert value(text, "ampwatch_loss_scale_backoffs_total", **labels) == truth["backoffs"]
-    assert value(text, "ampwatch_loss_scale_growths_total", **labels) == truth["growths"]
-    assert value(text, "ampwatch_iteration", **labels) == truth["iterations"]
-    assert value(text, "ampwatch_rank_closed", **labels) == 1
-
-
 def test_a_killed_rank_is_exposed_as_silent_and_alerted_while_the_other_rank_carries_on_exactly(tmp_path):
     thresholds = tmp_path / "thresholds.json"
     thresholds.write_text(json.dumps({"silent_after_s": 1, "silent_for_s": 1}))
@@ -106,10 +71,10 @@ def test_a_killed_rank_is_exposed_as_silent_and_alerted_while_the_other_rank_car
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--silent-after", "1", "--expire-after", "60",
                                                                "--alert-thresholds", str(thresholds)]) as collector:
         try:
-            ranks = [_spawn(RANK, collector.url, run, stop, str(tmp_path / f"truth{r}.json"), rank=r, world_size=2)
-                     for r in (0, 1)]
-            _wait_for(lambda: all(value(_metrics(collector.url), "ampwatch_iteration", run=run, rank=str(r))
-                                  for r in (0, 1)))
+            ranks = [spawn_rank(RANK, collector.url, run, stop, str(tmp_path / f"truth{r}.json"), rank=r,
+                                world_size=2) for r in (0, 1)]
+            wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
+                                 for r in (0, 1)), timeout=30)
             ranks[1].send_signal(signal.SIGKILL)  # no close(), no exit flush: the process is simply gone
             ranks[1].wait(10)
             killed_at = time.time()
@@ -117,15 +82,16 @@ def test_a_killed_rank_is_exposed_as_silent_and_alerted_while_the_other_rank_car
             def silent_alert() -> list:
                 firing = httpx.get(collector.url + "/v1/alerts", timeout=10).json()["firing"]
                 return [a for a in firing if a["name"] == "AmpRankSilent"]
-            _wait_for(lambda: silent_alert(), timeout=20)
-            alerts, text = silent_alert(), _metrics(collector.url)
+            wait_for(lambda: silent_alert(), timeout=20)
+            alerts, text = silent_alert(), scrape(collector.url)
             print(f"\nAmpRankSilent fired {time.time() - killed_at:.1f} s after the SIGKILL")
             running = value(text, "ampwatch_iteration", run=run, rank="0")
-            _wait_for(lambda: value(_metrics(collector.url), "ampwatch_iteration", run=run, rank="0") > running)
+            wait_for(lambda: value(scrape(collector.url), "ampwatch_iteration", run=run, rank="0") > running,
+                     timeout=30)
             pathlib.Path(stop).touch()
             out, _ = ranks[0].communicate(timeout=60)
             assert ranks[0].returncode == 0, out[-3000:]
-            final = _metrics(collector.url)
+            final = scrape(collector.url)
         finally:
             for proc in ranks:
                 if proc.poll() is None:
@@ -137,14 +103,14 @@ def test_a_killed_rank_is_exposed_as_silent_and_alerted_while_the_other_rank_car
     assert last_seen["1"] <= killed_at and time.time() - last_seen["1"] > 1.0
     assert last_seen["0"] > killed_at, "the surviving rank kept reporting"
     assert value(text, "ampwatch_run_ranks_reporting", run=run) == 1
-    _check_rank(final, run, 0, json.loads((tmp_path / "truth0.json").read_text()))
+    check_rank_truth(final, run, 0, json.loads((tmp_path / "truth0.json").read_text()))
     assert value(final, "ampwatch_rank_closed", run=run, rank="1") == 0  # still exposed, still not closed
 
 
 def test_dataloader_workers_forked_from_a_watched_process_never_send_and_no_event_is_doubled(tmp_path):
     run = "forking"
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
-        job = _spawn(FORKING, collector.url, run, str(tmp_path / "truth.json"))
+        job = spawn_rank(FORKING, collector.url, run, str(tmp_path / "truth.json"))
         try:
             out, _ = job.communicate(timeout=90)
         finally:
@@ -153,7 +119,7 @@ def test_dataloader_workers_forked_from_a_watched_process_never_send_and_no_even
                 job.wait(10)
         assert job.returncode == 0, out[-3000:]
         truth = json.loads((tmp_path / "truth.json").read_text())
-        text = _metrics(collector.url)
+        text = scrape(collector.url)
         summary = httpx.get(f"{collector.url}/v1/runs/{run}", timeout=10).json()["ranks"]
         events = httpx.get(f"{collector.url}/v1/runs/{run}/events", params={"limit": 1000}, timeout=10).json()
     print(f"\n{len(truth['worker_pids'])} workers forked; {truth['iterations']} iterations; "
@@ -162,7 +128,7 @@ def test_dataloader_workers_forked_from_a_watched_process_never_send_and_no_even
     assert truth["worker_senders"] == 0, "a forked worker has a running sender"
     assert truth["parent_senders"] == 1, "exactly one sender in the training process"
     assert len(summary) == 1 and summary[0]["incarnations"] == 1 and summary[0]["pid"] == truth["pid"]
-    _check_rank(text, run, 0, truth)
+    check_rank_truth(text, run, 0, truth)
     ids = [e["id"] for e in events["events"]]
     assert events["next"] is None and ids == list(range(1, len(ids) + 1)), "an event is missing or doubled"
     assert [e["iteration"] for e in events["events"] if e["kind"] == "skip"] == truth["skipped_at"]

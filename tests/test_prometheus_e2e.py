@@ -24,7 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_stack import Processes, binary, get, query_range, start_prometheus, wait_until
+from prometheus_stack import Processes, binary, get, query_range, start_prometheus, wait_for_scrapes, wait_until
 from webhook_receiver import free_port
 
 from ampwatch.contract.metrics import METRICS
@@ -111,11 +111,8 @@ def stack(tmp_path_factory):
             wait_until(lambda: get(url + "/readyz"), 30, lambda: f"{name} ready\n" + processes.log(name))
         wait_until(lambda: get(f"http://127.0.0.1:{am_port}/-/ready"), 30,
                     lambda: "alertmanager ready\n" + processes.log("alertmanager"))
-        wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
-        # Prometheus starts scraping seconds after it is ready (target discovery is throttled): start the jobs only
-        # once it scrapes both collectors, so a short streak cannot come and go before the first scrape.
-        wait_until(lambda: len(query_range(prometheus, "up == 1", time.time() - 2)) >= 2, 60,
-                   "Prometheus to scrape both collectors")
+        # Start the jobs only once it scrapes both collectors, so a short streak cannot come and go before that.
+        wait_for_scrapes(processes, prometheus, targets=2)
         # One malformed batch, so the collector-health panel's "rejected" series has data too.
         bad = urllib.request.Request(collector + "/v1/ingest", data=b"{not json", method="POST",
                                      headers={"Content-Type": "application/json"})

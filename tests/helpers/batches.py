@@ -1,5 +1,7 @@
 """Protocol v1 batches built by hand, as JSON-ready dicts (the real agent is tested against the same schema).
 
+``post_batch`` sends one to a real collector, as an agent would.
+
 >>> batch = make_batch(run="exp-1", optimizers={"gen": optimizer(steps=10, skipped=1)}, events=[skip_event(1)])
 >>> batch["state"]["optimizers"]["gen"]["skipped"], batch["events"][0]["kind"]
 (1, 'skip')
@@ -8,12 +10,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
+import urllib.request
 from typing import Any
 
 from ampwatch.contract.protocol import PROTOCOL_VERSION
 
-__all__ = ["BASE", "make_batch", "optimizer", "skip_event"]
+__all__ = ["BASE", "make_batch", "optimizer", "post_batch", "skip_event"]
 
 BASE: dict[str, Any] = {
     "protocol": PROTOCOL_VERSION, "agent": {"version": "0.1.0", "torch": "2.13.0"}, "run": "exp-42", "rank": 0,
@@ -56,3 +60,11 @@ def skip_event(id: int, optimizer: str = "gen", iteration: int = 0, streak: int 
     return {"id": id, "kind": "skip", "time": time.time(), "iteration": iteration, "optimizer": optimizer,
             "streak": streak, "params": [{"name": p, "inf": 1, "nan": 0} for p in params],
             "params_total": len(params), "inspected": True}
+
+
+def post_batch(url: str, batch: dict[str, Any], timeout: float = 10.0) -> None:
+    """POST ``batch`` to the collector at ``url``; fail unless it answers 200."""
+    request = urllib.request.Request(url + "/v1/ingest", data=json.dumps(batch).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        assert answer.status == 200

@@ -1,11 +1,17 @@
-"""Read a Prometheus exposition (``GET /metrics``) back into samples, and have promtool judge it."""
+"""Fetch a collector's exposition (``GET /metrics``), read it back into samples, have promtool judge it."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 
-__all__ = ["assert_promtool_accepts", "samples", "value"]
+__all__ = ["assert_promtool_accepts", "samples", "scrape", "value"]
+
+
+def scrape(url: str) -> str:
+    """Return the exposition the collector at ``url`` serves now."""
+    import httpx
+    return httpx.get(url + "/metrics", timeout=10).text
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import pytest
 import yaml
 
-__all__ = ["Processes", "binary", "get", "query_range", "start_prometheus", "wait_until"]
+__all__ = ["Processes", "binary", "get", "query_range", "start_prometheus", "wait_for_scrapes", "wait_until"]
 
 
 def binary(name: str) -> str:
@@ -98,3 +98,14 @@ def query_range(prometheus: str, expr: str, start: float, end: Optional[float] =
     answer = json.loads(get(f"{prometheus}/api/v1/query_range?{params}"))
     assert answer["status"] == "success", answer
     return answer["data"]["result"]
+
+
+def wait_for_scrapes(processes: Processes, prometheus: str, targets: int = 1) -> None:
+    """Wait until Prometheus is ready and then until it has scraped ``targets`` targets successfully.
+
+    Prometheus scrapes a few seconds after it is ready (target discovery is throttled to every 5 s): what a
+    test sends before that first scrape would be missing from its history.
+    """
+    wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
+    wait_until(lambda: len(query_range(prometheus, "up == 1", time.time() - 2)) >= targets, 60,
+               f"Prometheus to scrape {targets} target(s)")

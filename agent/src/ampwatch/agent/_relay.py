@@ -25,13 +25,13 @@ import struct
 import tempfile
 import threading
 import time
-import weakref
 from typing import Any, Iterator
 
 from ampwatch.contract.node_batch import MAX_NODE_BATCHES, encode_node_batch
 
 from ._config import AgentConfig
 from ._errors import AgentErrors
+from ._fork import forget_in_forked_children
 from ._http import Answer, IngestClient, Outcome
 from ._identity import Identity
 from ._limits import COLLECTOR_DEFAULTS
@@ -137,7 +137,7 @@ class NodeRelay:
         self._peers: dict[socket.socket, _Peer] = {}
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="ampwatch-relay", daemon=True)
-        _live.add(self)
+        forget_in_forked_children(self)
 
     @classmethod
     def claim(cls, config: AgentConfig, paths: RelayPaths, errors: AgentErrors) -> "NodeRelay | None":
@@ -370,15 +370,3 @@ def _chunks(peers: list[_Peer]) -> Iterator[list[_Peer]]:
         size += length
     if chunk:
         yield chunk
-
-
-_live: "weakref.WeakSet[NodeRelay]" = weakref.WeakSet()
-
-
-def _forget_relays_in_child() -> None:
-    for relay in list(_live):
-        relay._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_relays_in_child)

@@ -16,10 +16,10 @@ import logging
 import os
 import socket
 import time
-import weakref
 
 from ._config import AgentConfig
 from ._errors import AgentErrors
+from ._fork import forget_in_forked_children
 from ._http import Answer, IngestClient
 from ._identity import Identity
 from ._relay import REPLY_HEAD, NodeRelay, RelayPaths, encode_frame, relay_hold, relay_paths
@@ -44,7 +44,7 @@ class NodeChannel:
         self._broken = False  # the relay directory is unusable: always post directly
         self._said_fallback = False
         self._pid = os.getpid()
-        _live.add(self)
+        forget_in_forked_children(self)
 
     def post(self, url: str, body: bytes, timeout: float) -> Answer | None:
         """Hand ``body`` to the relay and return the collector's answer; ``None``: post it yourself.
@@ -157,15 +157,3 @@ def _read_exactly(conn: socket.socket, size: int) -> bytes:
             raise ConnectionResetError("the relay closed the connection")
         data += chunk
     return bytes(data)
-
-
-_live: "weakref.WeakSet[NodeChannel]" = weakref.WeakSet()
-
-
-def _forget_channels_in_child() -> None:
-    for channel in list(_live):
-        channel._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_channels_in_child)

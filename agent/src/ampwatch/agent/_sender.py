@@ -14,6 +14,7 @@ from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
+from ._fork import forget_in_forked_children
 from ._http import IngestClient, Outcome
 from ._identity import Identity
 from ._limits import COLLECTOR_DEFAULTS
@@ -72,7 +73,8 @@ class Sender:
         self._backlog = False  # the last batch was full and more events wait
         self._last_snapshot: dict[str, Any] = {}
         self._finish: Callable[[], None] | None = None
-        _live.add(self)
+        _live.add(self)  # for the exit flush
+        forget_in_forked_children(self)
 
     # -- called from the training thread -------------------------------------------------
 
@@ -352,13 +354,3 @@ def _register_exit_flush() -> None:
     if not _exit_flush_registered:
         _exit_flush_registered = True
         atexit.register(close_all_senders)
-
-
-def _forget_senders_in_child() -> None:
-    """After fork, in the child: disarm every sender inherited from the parent."""
-    for sender in list(_live):
-        sender._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_senders_in_child)
