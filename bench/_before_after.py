@@ -37,14 +37,17 @@ def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:
     return {"before": dict(old, ref=ref), "after": side(None)}
 
 
-def store(path: str, key: str, result: dict, argv: list[str]) -> None:
-    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command and date."""
+def store(path: str, key: str, result: dict, argv: list[str], module: Optional[str] = None) -> None:
+    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command, date and
+    the machine's load average (1, 5, 15 min) as it ended, which says how far its absolute figures can be trusted.
+    The command is ``python -m bench.<module>`` with ``argv``'s arguments; ``module`` defaults to ``key``."""
     document = {}
     if os.path.exists(path):
         with open(path) as f:
             document = json.load(f)
-    document[key] = dict(result, command=" ".join(["python -m bench." + key, *argv[1:]]),
-                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    document[key] = dict(result, command=" ".join(["python -m bench." + (module or key), *argv[1:]]),
+                         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                         load_average=[round(x, 2) for x in os.getloadavg()])
     with open(path, "w") as f:
         json.dump(document, f, indent=1)
         f.write("\n")

@@ -19,7 +19,7 @@ def section(r: Optional[dict]) -> list[str]:
              "commit's rules and these side by side on the same data, a whole-job storm's streak alerts firing "
              f"({fmt(r['after']['firing'].get('AmpConsecutiveSkippedSteps (warning)', 0))} instances). Wall-clock "
              f"times over {r['after']['evaluations']} evaluations each, as `/api/v1/rules` reports them (they stretch "
-             "while other jobs hold this shared machine's 2 cores), and the CPU each Prometheus used per interval "
+             "when other jobs share this machine's 2 cores: the caption gives the load), and the CPU each Prometheus used per interval "
              "(evaluation, scrape, the bench's reads):", "",
              "| | rules | group median ms | % of interval | group max ms | % of interval | CPU s per interval |",
              "|---|---|---|---|---|---|---|"]

@@ -45,5 +45,4 @@ def section(page: Optional[dict]) -> list[str]:
     after = page["after"]["storm"]["page"]["by_endpoint"]
     return lines + ["", "Bytes per refresh by endpoint, after, in the storm: " +
                     ", ".join(f"`{k}` {fmt(v)}" for k, v in after.items()) + ".",
-                    "", f"{measured_by(page)}; the machine was shared with other jobs (load average above its core "
-                    "count): compare the sides, not the absolute figures.", ""]
+                    "", f"{measured_by(page)}.", ""]
