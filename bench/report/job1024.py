@@ -71,10 +71,48 @@ _PARTS = (("alert_memory", _alert_memory), ("notify_storm", _notify_storm), ("st
 """The parts before the run page, in the page's order, each under the key its benchmark stores it."""
 
 
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def _targets(doc: dict) -> list[str]:
+    """Issue 14's four targets beside the figures below that answer them, where all four parts were measured."""
+    needed = ("storm", "notify_storm", "run_page", "alert_memory", "rule_eval", "metrics_size")
+    if not all(doc.get(key, {}).get("after") for key in needed):
+        return []
+    storm, notify, memory = doc["storm"]["after"], doc["notify_storm"]["after"], doc["alert_memory"]["after"]
+    page, rules, size = doc["run_page"]["after"]["storm"]["page"], doc["rule_eval"]["after"], doc["metrics_size"]["after"]
+    rows = [("whole-job storm: ingest p99 < 250 ms, no answer past the agent's 2 s",
+             f"p99 {fmt(storm['storm_p99_ms'])} ms, {fmt(storm['timeouts_2s'])} past 2 s",
+             storm["storm_p99_ms"] < 250 and storm["timeouts_2s"] == 0),
+            ("notifications grouped by alert and run", f"{fmt(notify['firing']['posts'])} POSTs for 3,072 alerts, "
+             f"{fmt(notify['firing']['dropped_so_far'])} dropped", notify["firing"]["dropped_so_far"] == 0),
+            ("storage grows by streaks: a few MB per storm-minute",
+             f"{fmt(storm['event_mb_per_storm_minute'], 2)} MB of events, {fmt(storm['db_mb_per_storm_minute'], 2)} MB "
+             "of database", storm["db_mb_per_storm_minute"] < 10),
+            ("status page: first paint < 2 s, a refresh < 200 KB (storm phase)",
+             f"{fmt(page['first_paint_ms'])} ms, {fmt(page['refresh_bytes'])} bytes",
+             page["first_paint_ms"] < 2000 and page["refresh_bytes"] < 200_000),
+            ("built-in alerts' memory < 50 KiB per rank after a full window", f"{fmt(memory['kib_per_rank'])} KiB",
+             memory["kib_per_rank"] < 50),
+            ("rule evaluation < 20% of a 15 s interval over full 30-minute windows",
+             f"median {fmt(rules['median_percent_of_interval'])}%, max {fmt(rules['max_percent_of_interval'])}%",
+             rules["max_percent_of_interval"] < 20),
+            ("`/metrics` gzipped when asked", f"{fmt(size['bytes'])} -> {fmt(size['gzip_bytes'])} bytes",
+             size["gzip_bytes"] < size["bytes"] / 2),
+            ("dashboard panels show spread and top-k, not 1,024 lines",
+             f"{rules['dashboard']['panels_over_100_series']} panel over 100 series (the firing-alerts table)",
+             rules["dashboard"]["panels_over_100_series"] <= 1)]
+    return ["Issue 14's targets, each with the figure below that answers it (the after side):", "",
+            "| target | measured | |", "|---|---|---|",
+            *(f"| {target} | {figure} | {_verdict(ok)} |" for target, figure, ok in rows), ""]
+
+
 def section(doc: dict) -> list[str]:
     """The section's lines for ``doc`` (the whole JSON file), each part that was measured in its order."""
     lines = ["What issue 14 asked of one collector at 1,024 ranks x 2 optimizers, each figure beside the commit "
-             "before the change, both measured in one run (command and date under each table).", ""]
+             "before the change, both measured in one run (command and date under each table).", "",
+             *_targets(doc)]
     for key, part in _PARTS:
         if doc.get(key):
             lines += part(doc[key])
