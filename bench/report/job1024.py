@@ -6,6 +6,8 @@ name), rendered when it is there: a table with a row per side, then the command 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from bench.report import rule_eval, run_page
 from bench.report._format import fmt, measured_by, phase_rows, side_rows
 
@@ -75,6 +77,17 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
+def _memory(alerts: dict, collector: Optional[dict]) -> list[tuple[str, str, bool]]:
+    """The memory target's row: the built-in alerts' share, and the whole collector's where it was measured."""
+    figure = f"built-in alerts {fmt(alerts['kib_per_rank'])} KiB"
+    worst = alerts["kib_per_rank"]
+    if collector:
+        whole = collector["after"]["kib_per_rank"]
+        figure += f"; the whole collector {fmt(whole)} KiB (`python -m bench.collector_memory`, {collector['date']})"
+        worst = max(worst, whole)
+    return [("memory < 50 KiB per rank after a full 30-minute window", figure, worst < 50)]
+
+
 def _targets(doc: dict) -> list[str]:
     """Issue 14's four targets beside the figures below that answer them, where all four parts were measured."""
     needed = ("storm", "notify_storm", "run_page", "alert_memory", "rule_eval", "metrics_size")
@@ -93,8 +106,7 @@ def _targets(doc: dict) -> list[str]:
             ("status page: first paint < 2 s, a refresh < 200 KB (storm phase)",
              f"{fmt(page['first_paint_ms'])} ms, {fmt(page['refresh_bytes'])} bytes",
              page["first_paint_ms"] < 2000 and page["refresh_bytes"] < 200_000),
-            ("built-in alerts' memory < 50 KiB per rank after a full window", f"{fmt(memory['kib_per_rank'])} KiB",
-             memory["kib_per_rank"] < 50),
+            *_memory(memory, doc.get("collector_memory")),
             ("rule evaluation < 20% of a 15 s interval over full 30-minute windows",
              f"median {fmt(rules['median_percent_of_interval'])}%, max {fmt(rules['max_percent_of_interval'])}%",
              rules["max_percent_of_interval"] < 20),
