@@ -43,8 +43,10 @@ from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S
 
 from bench import _servers
 from bench._before_after import ROOT, store
+from bench.report._format import measured_by
+from bench.report.fleet import table
 
-__all__ = ["SILENCE", "silence", "run", "render", "main"]
+__all__ = ["SILENCE", "silence", "run", "main"]
 
 KEY = "fleet"
 SCRAPE_EVERY_S = 15.0  # as Prometheus does by default
@@ -305,44 +307,6 @@ def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-r
     return result
 
 
-def render(result: dict) -> list[str]:
-    """Return the Markdown lines of a stored result (for docs/benchmarks.md)."""
-    sides = [s for s in ("before", "after") if s in result]
-    rows = [
-        ("ranks", lambda r: f"{r['ranks']:,}"),
-        ("rank batches / HTTP requests per s, healthy", lambda r: f"{r['healthy']['requests_per_s']} / "
-                                                                  f"{r['healthy'].get('http_requests_per_s', '-')}"),
-        ("ingest p50 / p99 / max ms, healthy", lambda r: "{p50_ms} / {p99_ms} / {max_ms}".format(
-            **r["healthy"]["latency"])),
-        ("HTTP request p50 / p99 ms, healthy / storm", lambda r: " / ".join(
-            str(r[p].get("http_latency", {}).get(q, "-")) for p in ("healthy", "storm") for q in ("p50_ms", "p99_ms"))),
-        ("ingest p99 ms outside scrapes, healthy", lambda r: r["healthy"]["latency_outside_scrapes"]["p99_ms"]),
-        ("ingest p99 ms, storm (outside scrapes)", lambda r: f"{r['storm']['latency']['p99_ms']} "
-                                                             f"({r['storm']['latency_outside_scrapes']['p99_ms']})"),
-        ("missed / refused / timed-out updates", lambda r: f"{r['missed_updates']} / {sum(r['refused'].values())}"
-                                                           f" / {r['timeouts']}"),
-        ("collector CPU, cores (healthy)", lambda r: r["healthy"]["collector_cpu_cores"]),
-        ("collector CPU us per rank-second", lambda r: r["healthy"]["collector_cpu_us_per_rank_s"]),
-        ("collector memory KiB per rank", lambda r: r["healthy"]["collector_kib_per_rank"]),
-        ("wire KiB per rank-hour, healthy / storm", lambda r: f"{r['healthy']['wire_kib_per_rank_hour']:,} / "
-                                                              f"{r['storm']['wire_kib_per_rank_hour']:,}"),
-        ("first skip -> /metrics p50 / p99 / max s", lambda r: "{p50_s} / {p99_s} / {max_s}".format(
-            **r["storm"]["first_skip_to_metrics"])),
-        ("first skips within 2 s", lambda r: f"{r['storm']['first_skip_to_metrics']['within_2s']:,} of "
-                                             f"{r['storm']['first_skip_to_metrics']['n'] + r['storm']['first_skips_not_visible_by_end']:,}"),
-        ("16th skip -> built-in alert p50 / p99 / max s", lambda r: "{p50_s} / {p99_s} / {max_s}".format(
-            **r["storm"]["rung16_to_builtin_alert"])),
-        ("scrapes disagreeing with answers", lambda r: r["storm"]["scrape_disagreements"]),
-        ("killed rank: last batch -> AmpRankSilent s (bound)", lambda r: f"{r['silence']['last_batch_to_alert_s']} "
-                                                                        f"({r['silence']['documented_within_s']})"),
-        ("other ranks called silent", lambda r: r["silence"]["other_ranks_silent"]),
-    ]
-    lines = ["| | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
-    for label, cell in rows:
-        lines.append(f"| {label} | " + " | ".join(str(cell(result[s])) for s in sides) + " |")
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the fleet comparison, print a table, and store the result with ``--out``."""
     parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n")[0])
@@ -360,17 +324,18 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.render) as f:
             for key, result in json.load(f).items():
                 if key.startswith(KEY):
-                    print(f"{key} ({result['command']}, {result['date']}, load {result['settings']['loadavg_1m']}):\n")
-                    print("\n".join(render(result)) + "\n")
+                    print(f"{key} ({measured_by(result)}):\n")
+                    print("\n".join(table(result)) + "\n")
         return 0
     ranks = args.ranks or (1024 if args.quick else 16384)
     sides = (args.only,) if args.only else ("before", "after")
     result = run(ranks, sides, args.quick, args.transport, args.heartbeat)
-    print("\n".join(render(result)))
+    print("\n".join(table(result)))
     print(json.dumps(result, indent=1))
     if args.out:
-        key = f"{KEY}_{ranks}" + (f"_heartbeat_{args.heartbeat:g}" if args.heartbeat else "")
-        store(args.out, key, result, sys.argv)
+        key = (f"{KEY}_{ranks}" + (f"_heartbeat_{args.heartbeat:g}" if args.heartbeat else "")
+               + ("" if args.transport == "per-rank" else "_" + args.transport.replace("-", "_")))
+        store(args.out, key, result, sys.argv, module="fleet")
     return 0
 
 

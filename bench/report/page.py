@@ -1,6 +1,6 @@
 """The whole page: the header, the summary, each section in its order, and the notes on how it is measured.
 
-Sections 1 to 5 come from the run's JSON document; 5's before/after table, 6 (GPU), 7 and 8 from files
+Sections 1 to 5 come from the run's JSON document; 5's before/after table, 6 (GPU), 7, 8 and 9 from files
 committed beside it by the hand-run benchmarks (each read when it exists, so a fresh checkout renders).
 """
 
@@ -11,16 +11,17 @@ import os
 from typing import Optional
 
 from bench.gpu import report as gpu_report
-from bench.report import footprint, ingest, inspection, instructions, job1024, origin_hook, overhead, scrape, tail
+from bench.report import fleet, footprint, ingest, inspection, instructions, job1024, origin_hook, overhead, scrape, tail
 
-__all__ = ["BEFORE_AFTER", "GPU_RESULTS", "JOB_1024", "ORIGIN_HOOK", "render"]
+__all__ = ["BEFORE_AFTER", "FLEET", "GPU_RESULTS", "JOB_1024", "ORIGIN_HOOK", "render"]
 
 _BENCH = os.path.dirname(os.path.dirname(__file__))
 BEFORE_AFTER = os.path.join(_BENCH, "tail_before_after.json")  # written by hand-run bench.tail
 JOB_1024 = os.path.join(_BENCH, "job1024_before_after.json")
-"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``storm``, ``metrics_size``, ``run_page`` and
-``rule_eval`` with ``--out``."""
+"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``storm``, ``metrics_size``, ``run_page``,
+``rule_eval`` and ``collector_memory`` with ``--out``."""
 ORIGIN_HOOK = os.path.join(_BENCH, "origin_hook_before_after.json")  # python -m bench.origin_hook
+FLEET = os.path.join(_BENCH, "fleet_delivery.json")  # python -m bench.fleet --out
 GPU_RESULTS = os.path.join(os.path.dirname(_BENCH), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
 
@@ -88,5 +89,8 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
     hook = _committed(ORIGIN_HOOK)
     if hook is not None:
         lines += ["## 8. The DDP origin hook, before and after", "", *origin_hook.section(hook)]
+    delivery = fleet.section(_committed(FLEET))
+    if delivery:
+        lines += ["## 9. A 16,384-rank job on one collector", "", *delivery]
     lines += ["## How it is measured", "", *res["notes"], ""]
     return "\n".join(lines)
