@@ -86,18 +86,27 @@ def _backward(model, x):
 
 
 def _noted(flags):
+    """Where each noted bucket's note lives: its fused flag's storage, or its extremes and their out= views."""
     notes = flags.notes
-    return {i: (notes.extremes[i].data_ptr(), notes.outs[i][0].data_ptr()) for i in notes.noted()}
+    return {i: (notes.flags[i].data_ptr(),) if notes.flags[i] is not None
+            else (notes.extremes[i].data_ptr(), notes.outs[i][0].data_ptr()) for i in notes.noted()}
 
 
-def test_after_the_first_iterations_every_bucket_is_noted_into_the_same_storage(group):
+def _users_all_reduce(state, bucket):  # a user's own hook: DDP's all-reduce, called from another function
+    return allreduce_hook(state, bucket)
+
+
+@pytest.mark.parametrize("comm_hook", [None, _users_all_reduce], ids=["fused", "aminmax"])
+def test_after_the_first_iterations_every_bucket_is_noted_into_the_same_storage(group, comm_hook):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
     model = DistributedDataParallel(net, bucket_cap_mb=0.01)  # several buckets
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    watch = agent.watch(torch.amp.GradScaler("cpu"), opt, collector=(), run="t", ddp=model)
+    watch = agent.watch(torch.amp.GradScaler("cpu"), opt, collector=(), run="t", ddp=model, comm_hook=comm_hook,
+                        comm_state=dist.group.WORLD if comm_hook else None)
     try:
         flags = model._comm_hooks[0][0].flags
+        assert flags.fused is (comm_hook is None)
         x = torch.randn(4, 64)
         for iteration in range(3):  # DDP rebuilds its buckets after the first backward
             _backward(model, x)
@@ -105,10 +114,13 @@ def test_after_the_first_iterations_every_bucket_is_noted_into_the_same_storage(
         _backward(model, x)
         storage = _noted(flags)
         assert len(storage) > 1
-        for bucket in flags.notes.noted():  # the bucket's own extremes (world size 1: the all-reduce keeps them)
-            low, high = flags.notes.extremes[bucket].tolist()
+        for bucket in flags.notes.noted():  # world size 1: the all-reduce keeps the bucket's own values
             buffer = flags.notes.buckets[bucket].buffer()
-            assert (low, high) == (buffer.min().item(), buffer.max().item())
+            if comm_hook is None:
+                assert flags.notes.flags[bucket].tolist() == [0.0] and buffer.isfinite().all()
+            else:
+                low, high = flags.notes.extremes[bucket].tolist()
+                assert (low, high) == (buffer.min().item(), buffer.max().item())
         for iteration in range(4, 10):
             flags.end_iteration(iteration - 1, keep=False)
             _backward(model, x)
@@ -176,7 +188,7 @@ def test_buckets_of_different_dtypes_are_noted_and_only_the_one_holding_the_inf_
             if iteration < 3:
                 flags.end_iteration(iteration, keep=False)
         assert len(flags.notes.noted()) == 2
-        dtypes = {flags.notes.extremes[i].dtype for i in flags.notes.noted()}
+        dtypes = {flags.notes.buckets[i].buffer().dtype for i in flags.notes.noted()}
         assert dtypes == {torch.float32, torch.float64}
         report, _ = flags.report(3, current=True)
         assert report.origin and len(report.buckets) == 1

@@ -7,7 +7,7 @@ device sync at rare moments) instead of breaking.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -23,6 +23,7 @@ __all__ = [
     "nonfinite_counts",
     "nonfinite_indices",
     "read_later",
+    "scale_and_flag_nonfinite",
     "scale_tensor",
     "steps_with_amp_scaling",
 ]
@@ -77,6 +78,32 @@ def ddp_comm_hooks(model: Any) -> list[Any]:
     """
     pairs = getattr(model, "_comm_hooks", None)
     return [pair[0] for pair in pairs] if isinstance(pairs, list) else []
+
+
+_amp_check_and_unscale = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)  # private op
+
+
+def scale_and_flag_nonfinite() -> Callable[..., Any] | None:
+    """Return GradScaler's one-pass kernel ``op(tensors, found_inf, inv_scale)``, or None when it is unusable.
+
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` (private: what ``GradScaler.unscale_`` calls)
+    multiplies each tensor in place by ``inv_scale`` and sets ``found_inf`` to 1.0 when any element is
+    inf or NaN (it never writes 0), in one pass, no sync. ``found_inf`` and ``inv_scale`` are one-element
+    float32 tensors on the tensors' device. It records nothing for autograd: never pass it a tensor that
+    requires grad. Feature-detected here by one call on a two-element CPU tensor (its result checked);
+    None: callers use the public path, one ``torch.aminmax`` per tensor beside the division they keep.
+    """
+    op = _amp_check_and_unscale
+    if op is None:
+        return None
+    try:
+        probe, found = torch.tensor([3.0, float("inf")]), torch.zeros(1)
+        op([probe], found, torch.full((), 0.5))
+        if probe.tolist() != [1.5, float("inf")] or found.tolist() != [1.0]:
+            return None
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return op
 
 
 def growth_tracker(scaler: Any) -> int:

@@ -1,11 +1,19 @@
 """Which rank's local gradients were non-finite before DDP's all-reduce: a wrapping DDP communication hook.
 
 DDP averages every rank's gradients, so one rank's inf or NaN reaches every rank and every rank skips.
-:class:`OriginHook` wraps the all-reduce (DDP's default, or the user's own hook): before a bucket is
-reduced it writes, on the device and without a sync, the bucket's local minimum and maximum (one
-``torch.aminmax`` pass over the bucket) into storage kept for that bucket. They are turned into flags and
-read only on an iteration where some optimizer skipped (:meth:`OriginFlags.report`), with the same read as
-the fused ``found_inf``.
+:class:`OriginHook` wraps the all-reduce (DDP's default, or the user's own hook) and notes, per bucket, on
+the device and without a sync, whether the bucket held inf/NaN before it was reduced, in storage kept for
+that bucket. Two ways:
+
+- **fused** (DDP's own ``allreduce_hook`` over a group whose size is a power of two): the hook does that
+  hook's division itself, as a multiplication by the exact reciprocal in GradScaler's one-pass kernel, which
+  also sets the bucket's flag (:func:`._device.scale_and_flag_nonfinite`), then the same all-reduce. No
+  extra pass over the gradients; bit for bit the same result as ``div_(world_size)``.
+- **aminmax** (every other case: a user's hook, another world size, a bucket in the autograd graph, the
+  kernel missing): one ``torch.aminmax`` pass over the bucket into two numbers, then the wrapped hook.
+
+They are turned into flags and read only on an iteration where some optimizer skipped
+(:meth:`OriginFlags.report`), with the same read as the fused ``found_inf``.
 """
 
 from __future__ import annotations
@@ -37,45 +45,72 @@ class OriginReport:
 
 
 class _Notes:
-    """One iteration's notes, by bucket index: the bucket's extremes and the bucket itself.
+    """One iteration's notes, by bucket index: the bucket's flag or extremes, and the bucket itself.
 
-    ``extremes[i]`` is a 2-element tensor on bucket ``i``'s device, in its dtype, written in place
-    (``outs[i]`` are its two 0-d views, ``aminmax``'s ``out=``); ``buckets[i]`` is the GradBucket noted
-    for it this iteration, None when not noted (asked for its parameters only on a skip). The storage is
-    made on a bucket's first note and reused by every later iteration that gets this object.
+    Fused buckets: ``flags[i]`` is a one-element view of ``found`` (float32, one element per bucket, on the
+    buckets' device), set to 1.0 by the kernel when bucket ``i`` held inf/NaN, zeroed at :meth:`clear`.
+    aminmax buckets (``flags[i]`` None): ``extremes[i]`` is a 2-element tensor on the bucket's device, in
+    its dtype, written in place (``outs[i]`` are its two 0-d views, ``aminmax``'s ``out=``).
+    ``buckets[i]`` is the GradBucket noted for it this iteration, None when not noted (asked for its
+    parameters only on a skip). The storage is made on a bucket's first note and reused by every later
+    iteration that gets this object.
     """
 
-    __slots__ = ("buckets", "extremes", "outs")
+    __slots__ = ("buckets", "extremes", "flags", "found", "outs")
 
     def __init__(self) -> None:
         self.buckets: list[Any] = []
         self.extremes: list[torch.Tensor | None] = []
         self.outs: list[tuple[torch.Tensor, ...]] = []  # () until placed: aminmax(out=()) raises, never writes
+        self.flags: list[torch.Tensor | None] = []
+        self.found: torch.Tensor | None = None
 
     def noted(self) -> list[int]:
         """Return the indices of the buckets noted since the last :meth:`clear`."""
         return [index for index, bucket in enumerate(self.buckets) if bucket is not None]
 
     def clear(self) -> None:
-        """Forget which buckets were noted (and let go of them); keep the storage."""
+        """Forget which buckets were noted (and let go of them), zero the fused flags; keep the storage."""
         buckets = self.buckets
         for index in range(len(buckets)):
             buckets[index] = None
+        if self.found is not None:
+            self.found.zero_()  # one small kernel per iteration, not per bucket
 
-    def place(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Make (or remake, for a new dtype or device) bucket ``index``'s storage; return its ``out=`` pair."""
+    def _grow(self, index: int) -> None:
         grow = index + 1 - len(self.buckets)
         if grow > 0:
             self.buckets += [None] * grow
             self.extremes += [None] * grow
             self.outs += [()] * grow
+            self.flags += [None] * grow
+
+    def place(self, index: int, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make (or remake, for a new dtype or device) bucket ``index``'s extremes; return its ``out=`` pair."""
+        self._grow(index)
         extremes = torch.empty(2, dtype=buffer.dtype, device=buffer.device)
         self.extremes[index], self.outs[index] = extremes, (extremes[0], extremes[1])
+        self.flags[index] = None
         return self.outs[index]
+
+    def place_flag(self, index: int, device: torch.device) -> torch.Tensor | None:
+        """Return bucket ``index``'s fused flag (made on first use), or None when ``found`` is on another device."""
+        self._grow(index)
+        found = self.found
+        if found is not None and found.device != device:
+            return None
+        if found is None or found.numel() <= index:
+            grown = torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
+            if found is not None:  # flags already set this iteration are kept
+                grown[:found.numel()] = found
+            self.found = found = grown
+            self.flags = [None if flag is None else found[i:i + 1] for i, flag in enumerate(self.flags)]
+        flag = self.flags[index] = found[index:index + 1]
+        return flag
 
 
 class OriginFlags:
-    """Each bucket's local extremes, written by the comm hook during backward, until the iteration ends.
+    """Each bucket's local flag or extremes, written by the comm hook during backward, until the iteration ends.
 
     The hook writes (from the autograd thread) into the current iteration's :class:`_Notes`; the training
     thread reads them at a skip and, at ``update()``, reuses them for the next iteration, or, while a
@@ -90,43 +125,90 @@ class OriginFlags:
         self._kept: dict[int, _Notes] = {}
         self._spare: list[_Notes] = []
         self._reports: dict[int, OriginReport] = {}
+        self._scale_and_flag: Callable[..., Any] | None = None  # set by fuse(): the fused path
+        self._inv_scale_value = 1.0
+        self._inv_scale: torch.Tensor | None = None  # 1/world size, 0-d float32 on the buckets' device
 
     @property
     def enabled(self) -> bool:
         """Whether the hook still notes buckets (False after :meth:`close`)."""
         return self.notes is not None
 
-    def note(self, bucket: Any) -> None:
-        """Write one bucket's local extremes into its storage: one ``aminmax`` kernel, no sync, no allocation.
+    @property
+    def fused(self) -> bool:
+        """Whether buckets are noted on the fused path (the hook then does DDP's division itself)."""
+        return self._scale_and_flag is not None
 
-        Called by the hook for every bucket of every synchronising backward. Its Python cost is two
-        calls on the GradBucket (``index()``, ``buffer()``), the kernel launch and a list store.
+    def fuse(self, world_size: int) -> bool:
+        """Take the fused path from now on, when ``world_size`` is a power of two and the kernel is there.
+
+        Only for DDP's own ``allreduce_hook`` (the caller's check): a note on the fused path DIVIDES the
+        bucket by ``world_size`` and the hook must then all-reduce it without dividing again. A power of
+        two, because only there is multiplying by the reciprocal exactly dividing (in every float dtype).
+        Returns whether it did.
+        """
+        op = _device.scale_and_flag_nonfinite()
+        if op is None or world_size < 1 or world_size & (world_size - 1):
+            return False
+        self._scale_and_flag, self._inv_scale_value = op, 1.0 / world_size
+        return True
+
+    def note(self, bucket: Any) -> torch.Tensor | None:
+        """Note one bucket: return its buffer, already divided by the world size, when noted on the fused path.
+
+        Fused: one kernel call that divides the bucket and sets its flag; aminmax: one ``aminmax`` kernel
+        into the bucket's extremes, the bucket untouched (None returned, as when not noted). No sync, no
+        allocation. Called by the hook for every bucket of every synchronising backward; its Python cost is
+        two calls on the GradBucket (``index()``, ``buffer()``), the kernel launch and a list store. The
+        kernel is the last thing that can raise: once the bucket is divided nothing here fails.
         """
         notes = self.notes
         if notes is None:
-            return
+            return None
         try:
             index = bucket.index()
-            torch.aminmax(bucket.buffer(), out=notes.outs[index])
+            buffer = bucket.buffer()
+            flag = notes.flags[index]
+            if flag is not None and not buffer.requires_grad:
+                self._scale_and_flag([buffer], flag, self._inv_scale)
+                notes.buckets[index] = bucket
+                return buffer
+            torch.aminmax(buffer, out=notes.outs[index])
             notes.buckets[index] = bucket
-        except (IndexError, TypeError, RuntimeError):  # a first note, or a bucket the fast path cannot take
-            self._note_first(notes, bucket)
+            return None
+        except (IndexError, TypeError, RuntimeError, NotImplementedError):  # a first note, or not this path
+            return self._note_first(notes, bucket)
 
-    def _note_first(self, notes: _Notes, bucket: Any) -> None:
+    def _note_first(self, notes: _Notes, bucket: Any) -> torch.Tensor | None:
         # The slow path: storage for a bucket index not seen by these notes (or whose dtype or device
-        # changed when DDP rebuilt its buckets), a buffer in the autograd graph (backward(create_graph=True))
-        # or one aminmax cannot reduce (empty, complex: not noted, so never named an origin).
+        # changed when DDP rebuilt its buckets), a buffer in the autograd graph (backward(create_graph=True):
+        # the kernel records nothing for autograd, so aminmax of it detached, and the wrapped hook divides)
+        # or one neither can reduce (empty, complex: not noted, so never named an origin).
         buffer = bucket.buffer()
         if not buffer.numel() or not buffer.is_floating_point():
-            return
+            return None
+        index = bucket.index()
+        if self._scale_and_flag is not None and not buffer.requires_grad:
+            inv_scale = self._inv_scale
+            if inv_scale is None:  # made once, on the first bucket's device; a bucket elsewhere takes aminmax
+                inv_scale = self._inv_scale = torch.full((), self._inv_scale_value, dtype=torch.float32,
+                                                         device=buffer.device)
+            if inv_scale.device == buffer.device:
+                flag = notes.place_flag(index, buffer.device)
+                if flag is not None:
+                    self._scale_and_flag([buffer], flag, inv_scale)
+                    notes.buckets[index] = bucket
+                    return buffer
         if buffer.requires_grad:
             buffer = buffer.detach()
-        index = bucket.index()
         outs = notes.outs[index] if index < len(notes.outs) else ()
         if not outs or outs[0].dtype != buffer.dtype or outs[0].device != buffer.device:
             outs = notes.place(index, buffer)
+        else:
+            notes.flags[index] = None
         torch.aminmax(buffer, out=outs)
         notes.buckets[index] = bucket
+        return None
 
     def end_iteration(self, iteration: int, keep: bool) -> None:
         """Drop the notes of ``iteration`` (``keep``: hold them while its outcome is still on the device)."""
@@ -160,8 +242,9 @@ class OriginFlags:
     def report(self, iteration: int, current: bool) -> tuple[OriginReport | None, bool]:
         """Return ``(report, new)`` for ``iteration``: None when no bucket was noted for it.
 
-        ``new`` is True the first time an iteration is reported. Cost: one ``isfinite`` per noted bucket
-        and one device-to-host copy of one flag per bucket (a sync on a GPU, only on a skipped iteration).
+        ``new`` is True the first time an iteration is reported. Cost: one small op per noted bucket (a
+        comparison of its flag, or ``isfinite`` of its extremes), one ``stack`` and one device-to-host copy
+        of one bool per bucket (a sync on a GPU, only on a skipped iteration).
         """
         known = self._reports.get(iteration)
         if known is not None:
@@ -170,8 +253,9 @@ class OriginFlags:
         noted = notes.noted() if notes is not None else []
         if not noted:
             return None, False
-        with torch.no_grad():  # buckets may differ in dtype: one flag each, then one read
-            flags = torch.stack([torch.isfinite(notes.extremes[i]).all().logical_not() for i in noted])
+        with torch.no_grad():  # buckets may differ in dtype and path: one bool each, then one read
+            flags = torch.stack([notes.flags[i][0] != 0 if notes.flags[i] is not None
+                                 else torch.isfinite(notes.extremes[i]).all().logical_not() for i in noted])
         bad = [notes.buckets[i] for i, flag in zip(noted, _device.read_later(flags).wait()) if flag]
         params = [p for bucket in bad for p in bucket.parameters()]
         report = OriginReport(origin=bool(bad), buckets=sorted(bucket.index() for bucket in bad)[:MAX_NAMED_PARAMS],
@@ -186,10 +270,12 @@ class OriginFlags:
 
 
 class OriginHook:
-    """The comm hook DDP calls per bucket: note the bucket's extremes, then run the wrapped hook unchanged.
+    """The comm hook DDP calls per bucket: note the bucket, then all-reduce it as the wrapped hook does.
 
-    Pickles (with the DDP model) as the wrapped hook, so nothing of the agent travels in a copy. DDP
-    cannot unregister a hook: after ``close()`` this one only passes through.
+    On the fused path the note has already divided the bucket by the world size, so the hook runs the rest of
+    DDP's ``allreduce_hook`` itself (:func:`_all_reduce_divided`); otherwise it runs the wrapped hook
+    unchanged. Pickles (with the DDP model) as the wrapped hook, so nothing of the agent travels in a copy.
+    DDP cannot unregister a hook: after ``close()`` this one only passes through to the wrapped hook.
     """
 
     def __init__(self, flags: OriginFlags, hook: Callable[..., Any], errors: Any) -> None:
@@ -199,13 +285,32 @@ class OriginHook:
 
     def __call__(self, state, bucket):  # unannotated: DDP checks the annotations of a hook it is given
         try:
-            self.note(bucket)
+            divided = self.note(bucket)
         except Exception as error:  # noqa: BLE001 - the all-reduce must run whatever happens here
             self.errors.report("DDP comm hook", error)
-        return self.hook(state, bucket)
+            divided = None  # note() raises only before it divides: the wrapped hook's own division is due
+        if divided is None:
+            return self.hook(state, bucket)
+        return _all_reduce_divided(state, divided)
 
     def __reduce__(self) -> tuple:
         return (_same, (self.hook,))
+
+
+def _all_reduce_divided(process_group: Any, tensor: torch.Tensor) -> torch.futures.Future:
+    """DDP's ``_allreduce_fut`` (``default_hooks.py``, what ``allreduce_hook`` runs) after its ``div_``.
+
+    The same group (``process_group``, or the default group when None), the same asynchronous all-reduce
+    and the same future: ``.then`` returning the reduced tensor.
+    """
+    import torch.distributed as dist
+
+    group_to_use = process_group if process_group is not None else dist.group.WORLD
+    return dist.all_reduce(tensor, group=group_to_use, async_op=True).get_future().then(_reduced)
+
+
+def _reduced(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.value()[0]
 
 
 def _same(value: Any) -> Any:
@@ -230,12 +335,16 @@ def attach_origin_hook(model: Any, flags: OriginFlags, errors: Any, hook: Callab
                          "DDP takes one hook per model and cannot remove it. Do not register it yourself: "
                          "pass it to ampwatch instead, watch(..., ddp=model, comm_hook=hook, comm_state=state), "
                          "and ampwatch wraps it (it still runs, unchanged).")
-    if hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    if hook is None:
         hook, state = allreduce_hook, model.process_group
     elif not callable(hook):
         raise TypeError(f"comm_hook must be a DDP communication hook (a callable), got {type(hook).__name__}")
+    if hook is allreduce_hook:  # DDP's own: its division can carry the check (a power-of-two world size)
+        import torch.distributed as dist
+
+        flags.fuse((state if state is not None else dist.group.WORLD).size())
     try:
         model.register_comm_hook(state, OriginHook(flags, hook, errors))
     except RuntimeError as error:
