@@ -1,12 +1,15 @@
 """Real DDP over gloo with N ranks: which rank's own gradients held the inf that made every rank skip (issue 17).
 
 Run as a script (``python ddp_origin_worker.py OUT_DIR PORT WORLD_SIZE``); each rank writes
-``OUT_DIR/rank{r}.json`` with, per scenario, the ground truth, what the agent reported and the final
-weights' bits. Used by test_origin_ddp.py, which owns the time limit and the cleanup.
+``OUT_DIR/rank{r}.json`` with, per scenario, the ground truth, what the agent reported, the reduced
+gradients of every iteration (a digest of their bits, and whether they were finite), which path the hook
+took (fused or aminmax) and the final weights' bits. Used by test_origin_ddp.py, which owns the time
+limit and the cleanup.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -31,12 +34,43 @@ CLEAN_ITERATIONS = 6
 def injections(world_size: int) -> dict[int, list[int]]:
     """Iteration -> the ranks that feed an inf into their input: one rank twice, then two ranks at once."""
     one = world_size - 1 if world_size > 2 else 1
-    two = [0, 1] if world_size == 2 else [1, 3]
+    two = [0, 1] if world_size == 2 else [1, world_size - 1]
     return {2: [one], 5: [one], 6: two}
 
 
+def _as_ints(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
 def bits(params) -> list[list[int]]:
-    return [p.detach().view(torch.int32).reshape(-1).tolist() for p in params]
+    return [_as_ints(p).reshape(-1).tolist() for p in params]
+
+
+def reduced_gradients(params) -> tuple[str, bool]:
+    """The gradients after DDP's all-reduce: a digest of their bits, and whether they are all finite."""
+    grads = [p.grad for p in params]
+    digest = hashlib.sha256(b"".join(_as_ints(g).contiguous().numpy().tobytes() for g in grads)).hexdigest()
+    return digest, all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+class HookAminmaxCount:
+    """Count ``torch.aminmax(..., out=...)`` calls (the origin hook's aminmax path) while entered."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __enter__(self) -> "HookAminmaxCount":
+        self._original = original = torch.aminmax
+
+        def counting(*args, **kwargs):
+            if "out" in kwargs:
+                self.calls += 1
+            return original(*args, **kwargs)
+        torch.aminmax = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.aminmax = self._original
 
 
 class CountingHook:
@@ -50,26 +84,37 @@ class CountingHook:
         return allreduce_hook(state, bucket)
 
 
-def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iterations: int = ITERATIONS,
-          inject: bool = True, count_syncs: bool = False) -> dict:
-    from ampwatch import agent
-
+def _net(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)  # same initial weights on every rank
     # Two Linear blocks in separate small buckets, so that a bucket index says something.
     net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    return net.to(dtype)
+
+
+def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iterations: int = ITERATIONS,
+          inject: bool = True, count_syncs: bool = False, python_hook: bool = False,
+          dtype: torch.dtype = torch.float32) -> dict:
+    """Train with the agent (``origin``: with ``ddp=model``; ``python_hook``: without it, DDP's own
+    ``allreduce_hook`` registered as a Python comm hook), ``dtype`` the weights' and so the buckets' dtype."""
+    from ampwatch import agent
+
+    net = _net(dtype)
     model = DistributedDataParallel(net, bucket_cap_mb=0.01)
+    if python_hook:
+        model.register_comm_hook(dist.group.WORLD, allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     plan = injections(world_size) if inject else {}
     kwargs = {"ddp": model, "comm_hook": comm_hook, "comm_state": dist.group.WORLD if comm_hook else None} \
         if origin else {"model": net}
-    truth, reported, skips = [], [], []
+    truth, reported, skips, grads = [], [], [], []
     w = agent.watch(scaler, {"net": opt}, collector=(), run="origin-test", **kwargs)
     counter = SyncCounter()
     try:
-        with counter:
+        with counter, HookAminmaxCount() as aminmax:
             for i in range(iterations):
                 scaled_backward(model, opt, scaler, rank=rank, iteration=i, inject=rank in plan.get(i, ()))
+                grads.append(reduced_gradients(net.parameters()))
                 before = bits(net.parameters())
                 scaler.step(opt)
                 truth.append(before != bits(net.parameters()))
@@ -77,10 +122,44 @@ def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iteration
                 scaler.update()
         state = w.snapshot()["state"]
         skips = [e for e in w._recorder.events.drain() if e["kind"] == "skip"]
+        fused = model._comm_hooks[0][0].flags.fused if origin else None
     finally:
         w.close()
     return {"truth": truth, "reported": reported, "skips": skips, "state": state, "bits": bits(net.parameters()),
-            "syncs": counter.syncs if count_syncs else None}
+            "syncs": counter.syncs if count_syncs else None, "grads": grads, "fused": fused,
+            "hook_aminmax_calls": aminmax.calls}
+
+
+def train_fp16(rank: int, world_size: int, *, origin: bool, python_hook: bool = False) -> dict:
+    """float16 weights and buckets: GradScaler refuses to unscale float16 gradients, so no scaler steps here;
+    a plain backward (an inf fed in as in :func:`train`) and SGD on the iterations whose reduced gradients
+    are finite. The agent watches (with ``ddp=model`` when ``origin``); its scaler is never stepped."""
+    from ampwatch import agent
+
+    net = _net(torch.float16)
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01)
+    if python_hook:
+        model.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = injections(world_size)
+    w = agent.watch(torch.amp.GradScaler("cpu"), {"net": opt}, collector=(), run="origin-test",
+                    **({"ddp": model} if origin else {"model": net}))
+    grads = []
+    try:
+        with HookAminmaxCount() as aminmax:
+            for i in range(ITERATIONS):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i)).half()
+                if rank in plan.get(i, ()):
+                    x[0, 0] = float("inf")
+                opt.zero_grad()
+                model(x).float().pow(2).mean().backward()
+                grads.append(reduced_gradients(net.parameters()))
+                if grads[-1][1]:
+                    opt.step()
+        fused = model._comm_hooks[0][0].flags.fused if origin else None
+    finally:
+        w.close()
+    return {"bits": bits(net.parameters()), "grads": grads, "fused": fused, "hook_aminmax_calls": aminmax.calls}
 
 
 def already_hooked(world_size: int) -> dict:
@@ -112,6 +191,13 @@ def main(rank: int, out_dir: str, port: int, world_size: int) -> None:
                                   count_syncs=True),
             "clean_plain": train(rank, world_size, origin=False, inject=False, iterations=CLEAN_ITERATIONS,
                                  count_syncs=True),
+            "python_hook": train(rank, world_size, origin=False, python_hook=True),
+            "bf16_origin": train(rank, world_size, origin=True, dtype=torch.bfloat16),
+            "bf16_plain": train(rank, world_size, origin=False, dtype=torch.bfloat16),
+            "bf16_python_hook": train(rank, world_size, origin=False, python_hook=True, dtype=torch.bfloat16),
+            "fp16_origin": train_fp16(rank, world_size, origin=True),
+            "fp16_plain": train_fp16(rank, world_size, origin=False),
+            "fp16_python_hook": train_fp16(rank, world_size, origin=False, python_hook=True),
         }
         results["user_hook"]["hook_calls"] = hook.calls
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -1,4 +1,7 @@
-"""Real DDP over gloo with 2 and 4 processes: the rank whose own gradients held the inf is named (issue 17)."""
+"""Real DDP over gloo with 2, 3 and 4 processes: the rank whose own gradients held the inf is named (issue 17).
+
+At 2 and 4 ranks the hook takes the fused path (the check rides DDP's own division); at 3 the aminmax one.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +19,21 @@ WORKER = Path(__file__).with_name("ddp_origin_worker.py")
 pytestmark = pytest.mark.slow
 
 
+def _run(world_size: int, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"origin{world_size}")
+    return run_ranks(WORKER, out, world_size, [str(world_size)], timeout=300, what=f"{world_size}-rank")
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
 def ranks(request, tmp_path_factory) -> list[dict]:
     """Run the N-rank worker once (bounded in time, whole process group killed on timeout)."""
-    world_size = request.param
-    out = tmp_path_factory.mktemp(f"origin{world_size}")
-    return run_ranks(WORKER, out, world_size, [str(world_size)], timeout=300, what=f"{world_size}-rank")
+    return _run(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory) -> list[dict]:
+    """The worker with 3 ranks: a world size that is not a power of two."""
+    return _run(3, tmp_path_factory)
 
 
 def origin_iterations(run: dict) -> list[int]:
@@ -86,3 +98,61 @@ def test_a_model_with_a_hook_already_registered_is_refused_with_what_to_do(ranks
         already = result["already"]
         assert already["error"] and "comm_hook=" in already["error"] and "allreduce_hook" in already["error"]
         assert already["scaler_patched"] is False  # watch() left nothing behind
+
+
+def test_at_a_power_of_two_world_size_without_a_user_hook_the_fused_path_is_taken(ranks):
+    """DDP's own all-reduce at 2 and 4 ranks: the check rides its division, no aminmax pass over any bucket;
+    a user's hook (even one that calls DDP's all-reduce) keeps the aminmax pass and the hook's own division."""
+    for result in ranks:
+        for name in ("origin", "clean_origin", "bf16_origin", "fp16_origin"):
+            assert result[name]["fused"] is True, name
+            assert result[name]["hook_aminmax_calls"] == 0, name
+        user = result["user_hook"]
+        assert user["fused"] is False and user["hook_aminmax_calls"] >= user["hook_calls"] >= ITERATIONS
+
+
+def test_fused_training_is_bit_identical_gradient_for_gradient_including_the_skipped_steps(ranks):
+    """Every iteration's reduced gradients (the skipped ones, holding inf/NaN, included) and the final weights
+    are bit for bit those of DDP's built-in all-reduce and of DDP's allreduce_hook as a Python hook."""
+    plan = injections(len(ranks))
+    for result in ranks:
+        origin = result["origin"]
+        assert [finite for _, finite in origin["grads"]] == [i not in plan for i in range(ITERATIONS)]
+        for reference in ("plain", "python_hook"):
+            assert origin["grads"] == result[reference]["grads"], reference
+            assert origin["bits"] == result[reference]["bits"], reference
+
+
+def test_bf16_and_fp16_buckets_on_the_fused_path_reduce_bit_identically_and_name_the_origin(ranks):
+    """bfloat16 and float16 weights, so bfloat16 and float16 gradient buckets (gloo all-reduces both).
+    bfloat16 trains with the GradScaler; GradScaler refuses to unscale float16 gradients, so float16 runs a
+    plain backward and SGD (the agent watching, the hook fused): there only the gradients and weights are
+    compared."""
+    plan = injections(len(ranks))
+    for rank, result in enumerate(ranks):
+        for dtype in ("bf16", "fp16"):
+            origin = result[f"{dtype}_origin"]
+            assert [finite for _, finite in origin["grads"]] == [i not in plan for i in range(ITERATIONS)], dtype
+            for reference in ("plain", "python_hook"):
+                assert origin["grads"] == result[f"{dtype}_{reference}"]["grads"], (dtype, reference)
+                assert origin["bits"] == result[f"{dtype}_{reference}"]["bits"], (dtype, reference)
+        bf16 = result["bf16_origin"]
+        assert bf16["truth"] == bf16["reported"] == [i not in plan for i in range(ITERATIONS)]
+        assert origin_iterations(bf16) == [i for i in sorted(plan) if rank in plan[i]]
+
+
+def test_three_ranks_take_the_aminmax_path_name_the_origin_and_train_as_ddps_allreduce_hook(three_ranks):
+    """3 is not a power of two: multiplying by 1/3 does not round like dividing by 3, so the hook keeps its
+    aminmax pass and runs DDP's allreduce_hook (which divides). Training is bit for bit that of allreduce_hook
+    as a Python hook without the agent. (DDP's built-in C++ all-reduce multiplies by 1/3 instead, so at this
+    world size it differs from allreduce_hook, with or without ampwatch, in the last bit of some float32
+    gradients: not compared here.)"""
+    plan = injections(3)
+    for rank, result in enumerate(three_ranks):
+        run = result["origin"]
+        assert run["fused"] is False and run["hook_aminmax_calls"] >= ITERATIONS
+        assert run["truth"] == run["reported"] == [i not in plan for i in range(ITERATIONS)]
+        assert origin_iterations(run) == [i for i in sorted(plan) if rank in plan[i]]
+        assert [finite for _, finite in run["grads"]] == [i not in plan for i in range(ITERATIONS)]
+        assert run["grads"] == result["python_hook"]["grads"] and run["bits"] == result["python_hook"]["bits"]
+        assert result["clean_origin"]["syncs"] == result["clean_plain"]["syncs"]

@@ -195,3 +195,42 @@ def test_buckets_of_different_dtypes_are_noted_and_only_the_one_holding_the_inf_
         assert "head.bias" in report.params and not any(name.startswith("body") for name in report.params)
     finally:
         watch.close()
+
+
+def test_a_failing_fused_note_leaves_the_bucket_to_the_wrapped_all_reduce_and_is_counted(group, caplog):
+    """The fused path replaces DDP's allreduce_hook (it divides and all-reduces itself); when its kernel fails,
+    the bucket goes, undivided, through the wrapped allreduce_hook instead, and the failure is counted."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0001)  # several buckets
+    twin = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+    twin.load_state_dict(model.state_dict())
+    watch = agent.watch(torch.amp.GradScaler("cpu"), torch.optim.SGD(model.parameters(), lr=0.1), collector=(),
+                        run="t", ddp=model)
+    try:
+        hook = model._comm_hooks[0][0]
+        flags, wrapped_calls = hook.flags, []
+
+        def wrapped(state, bucket):
+            wrapped_calls.append(bucket.index())
+            return allreduce_hook(state, bucket)
+        hook.hook = wrapped
+        x = torch.randn(3, 8)
+        for _ in range(2):  # past DDP's bucket rebuild
+            _backward(model, x)
+            flags.end_iteration(0, keep=False)
+        assert flags.fused and not wrapped_calls  # the fused path does the all-reduce itself
+
+        def failing(*args):
+            raise RuntimeError("kernel unavailable")
+        flags._scale_and_flag = failing
+        model.zero_grad(set_to_none=True)
+        _backward(model, x)
+        _backward(twin, x)
+        assert len(wrapped_calls) > 1  # every bucket went through the wrapped all-reduce
+        assert watch.snapshot()["state"]["delivery"]["agent_errors"] == len(wrapped_calls)
+        assert "internal error in DDP comm hook" in caplog.text
+        for mine, theirs in zip(net.parameters(), twin.module.parameters()):
+            assert torch.equal(mine.grad, theirs.grad)
+    finally:
+        watch.close()
