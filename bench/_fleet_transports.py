@@ -18,10 +18,11 @@ from typing import Callable, Optional
 from bench._async_http import INGEST_HEAD, read_answer, request
 
 from ampwatch.contract.node_batch import encode_node_batch
+from ampwatch.contract.protocol import KEEP_ALIVE_S
 
 __all__ = ["Answer", "KeptAlive", "NodeRelayTransport", "PerRankTransport", "TRANSPORTS", "node_address"]
 
-IDLE_CLOSE_S = 4.0  # uvicorn closes a kept-alive connection idle for 5 s: reconnect before, as the agent must
+IDLE_CLOSE_S = KEEP_ALIVE_S - 1.0  # the collector closes a connection idle that long: reconnect before, as the agent must
 
 
 @dataclasses.dataclass
@@ -36,9 +37,10 @@ class Answer:
 def node_address(node: int) -> str:
     """Return the loopback address node ``node`` connects from, as if it were its own host.
 
-    From one address, 16,384 ranks reconnecting every heartbeat (the collector closes idle
-    kept-alive connections after 5 s) would run out of the 4-tuples that TIME_WAIT holds for
-    60 s, and connections would stall: an artefact of loopback that 2,048 real hosts never see.
+    From one address, 16,384 ranks reconnecting (the *before* side's collector closed idle
+    kept-alive connections after 5 s, so every heartbeat reconnected) would run out of the 4-tuples
+    that TIME_WAIT holds for 60 s, and connections would stall: an artefact of loopback that 2,048
+    real hosts never see.
     """
     return f"127.1.{node // 250}.{node % 250 + 1}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from typing import Callable, Optional, Sequence
@@ -44,11 +45,31 @@ def serve(argv: Sequence[str]) -> int:
     # One worker on purpose: the per-rank state lives in this process.
     # access_log off: request lines carry client addresses and paths, never needed, and must never carry tokens.
     app = create_app(config)
+    _allow_open_connections()
     tune_gc()  # the collector's own process only: tests that build apps in-process keep the defaults
     uvicorn.run(app, host=config.host, port=config.port, workers=1, log_level=config.log_level,
                 access_log=False, timeout_graceful_shutdown=10, ssl_certfile=config.ssl_certfile,
-                ssl_keyfile=config.ssl_keyfile)
+                ssl_keyfile=config.ssl_keyfile, timeout_keep_alive=math.ceil(config.keep_alive))
     return 0
+
+
+def _allow_open_connections() -> None:
+    """Raise this process's open-file limit to its hard limit: every running rank keeps a connection open.
+
+    A soft limit of 1,024 (a common default) would refuse connections past about a thousand ranks; the hard
+    limit is what the operator (systemd, the container runtime) allows.
+    """
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                        hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError) as exc:  # not on this platform, or not allowed: keep the limit
+        logging.getLogger("ampwatch.server").debug("open-file limit unchanged: %s", exc)
+        return
+    logging.getLogger("ampwatch.server").info("open-file limit %d: room for about as many agent connections", soft)
 
 
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"serve": serve}

@@ -13,7 +13,7 @@ import ipaddress
 import os
 from typing import Any, Callable, Mapping, Optional
 
-from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, TEXT_LIMITS
+from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, KEEP_ALIVE_S, TEXT_LIMITS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .alerting.grouping import REPEAT_INTERVAL_S
@@ -69,6 +69,10 @@ class ServerConfig:
                                     "from a public CDN); /openapi.json is always served")
     rate_limit: float = _option(0.0, "requests per second per client address, bursts up to twice that; 429 above "
                                      "(0: off)")
+    keep_alive: float = _option(float(KEEP_ALIVE_S), "seconds an idle kept-alive agent connection stays open; keep it "
+                                                   "above 1.5 x the agents' AMPWATCH_PUSH_INTERVAL (15 s by default), "
+                                                   "so that each batch reuses its rank's connection instead of "
+                                                   "opening one")
     ssl_certfile: Optional[str] = _option(None, "PEM certificate to serve HTTPS (with --ssl-keyfile)")
     ssl_keyfile: Optional[str] = _option(None, "PEM private key for --ssl-certfile")
     silent_after: float = _option(  # None until __post_init__: then the silence alert's threshold
@@ -128,6 +132,7 @@ class ServerConfig:
             ("port", 0 <= self.port <= 65535, "must be between 0 and 65535"),
             ("db", bool(self.db), "must name a file"),
             ("silent_after", self.silent_after > 0, "must be > 0 seconds"),
+            ("keep_alive", self.keep_alive > 0, "must be > 0 seconds"),
             ("expire_after", self.expire_after >= self.silent_after, "must be >= silent_after"),
             ("run_retention", self.run_retention >= 0, "must be >= 0 seconds"),
             ("db_retention", self.db_retention >= self.expire_after, "must be >= expire_after"),
