@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from . import _device
 from ._params import MAX_NAMED_PARAMS, ParameterNames
@@ -99,6 +100,8 @@ class _Notes:
         found = self.found
         if found is not None and found.device != device:
             return None
+        if self.flags[index] is not None:
+            return self.flags[index]
         if found is None or found.numel() <= index:
             grown = torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
             if found is not None:  # flags already set this iteration are kept
@@ -173,17 +176,20 @@ class OriginFlags:
                 self._scale_and_flag([buffer], flag, self._inv_scale)
                 notes.buckets[index] = bucket
                 return buffer
-            torch.aminmax(buffer, out=notes.outs[index])
-            notes.buckets[index] = bucket
-            return None
+            if self._scale_and_flag is None:
+                torch.aminmax(buffer, out=notes.outs[index])
+                notes.buckets[index] = bucket
+                return None
         except (IndexError, TypeError, RuntimeError, NotImplementedError):  # a first note, or not this path
-            return self._note_first(notes, bucket)
+            pass
+        return self._note_first(notes, bucket)  # also a bucket the fused path does not take this time
 
     def _note_first(self, notes: _Notes, bucket: Any) -> torch.Tensor | None:
         # The slow path: storage for a bucket index not seen by these notes (or whose dtype or device
         # changed when DDP rebuilt its buckets), a buffer in the autograd graph (backward(create_graph=True):
-        # the kernel records nothing for autograd, so aminmax of it detached, and the wrapped hook divides)
-        # or one neither can reduce (empty, complex: not noted, so never named an origin).
+        # the kernel records nothing for autograd, so aminmax of it detached, and the wrapped hook divides;
+        # the next backward outside the graph is fused again), a bucket on another device than the first
+        # fused one (aminmax), or one neither can reduce (empty, complex: not noted, so never named an origin).
         buffer = bucket.buffer()
         if not buffer.numel() or not buffer.is_floating_point():
             return None
@@ -273,14 +279,17 @@ class OriginHook:
     """The comm hook DDP calls per bucket: note the bucket, then all-reduce it as the wrapped hook does.
 
     On the fused path the note has already divided the bucket by the world size, so the hook runs the rest of
-    DDP's ``allreduce_hook`` itself (:func:`_all_reduce_divided`); otherwise it runs the wrapped hook
-    unchanged. Pickles (with the DDP model) as the wrapped hook, so nothing of the agent travels in a copy.
-    DDP cannot unregister a hook: after ``close()`` this one only passes through to the wrapped hook.
+    DDP's ``allreduce_hook`` itself (``_allreduce_fut`` in ``default_hooks.py`` after its ``div_``: the same
+    group, ``process_group`` or the default group when None, the same asynchronous all-reduce and the same
+    future, ``.then`` returning the reduced tensor); otherwise it runs the wrapped hook unchanged. Pickles
+    (with the DDP model) as the wrapped hook, so nothing of the agent travels in a copy. DDP cannot
+    unregister a hook: after ``close()`` this one only passes through to the wrapped hook.
     """
 
     def __init__(self, flags: OriginFlags, hook: Callable[..., Any], errors: Any) -> None:
         self.flags, self.hook, self.errors = flags, hook, errors
         self.note = flags.note  # bound once: one attribute lookup per bucket instead of two
+        self._all_reduce, self._groups = dist.all_reduce, dist.group
         self.__name__ = self.__qualname__ = f"ampwatch_origin({getattr(hook, '__qualname__', 'hook')})"
 
     def __call__(self, state, bucket):  # unannotated: DDP checks the annotations of a hook it is given
@@ -291,22 +300,11 @@ class OriginHook:
             divided = None  # note() raises only before it divides: the wrapped hook's own division is due
         if divided is None:
             return self.hook(state, bucket)
-        return _all_reduce_divided(state, divided)
+        group_to_use = state if state is not None else self._groups.WORLD
+        return self._all_reduce(divided, group=group_to_use, async_op=True).get_future().then(_reduced)
 
     def __reduce__(self) -> tuple:
         return (_same, (self.hook,))
-
-
-def _all_reduce_divided(process_group: Any, tensor: torch.Tensor) -> torch.futures.Future:
-    """DDP's ``_allreduce_fut`` (``default_hooks.py``, what ``allreduce_hook`` runs) after its ``div_``.
-
-    The same group (``process_group``, or the default group when None), the same asynchronous all-reduce
-    and the same future: ``.then`` returning the reduced tensor.
-    """
-    import torch.distributed as dist
-
-    group_to_use = process_group if process_group is not None else dist.group.WORLD
-    return dist.all_reduce(tensor, group=group_to_use, async_op=True).get_future().then(_reduced)
 
 
 def _reduced(fut: torch.futures.Future) -> torch.Tensor:
@@ -342,8 +340,6 @@ def attach_origin_hook(model: Any, flags: OriginFlags, errors: Any, hook: Callab
     elif not callable(hook):
         raise TypeError(f"comm_hook must be a DDP communication hook (a callable), got {type(hook).__name__}")
     if hook is allreduce_hook:  # DDP's own: its division can carry the check (a power-of-two world size)
-        import torch.distributed as dist
-
         flags.fuse((state if state is not None else dist.group.WORLD).size())
     try:
         model.register_comm_hook(state, OriginHook(flags, hook, errors))
