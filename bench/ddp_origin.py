@@ -3,12 +3,13 @@
 Each rank holds three identical DDP models (same weights, same data, each with its own optimizer and
 GradScaler), all watched by the agent without a collector. ``plain``: DDP's built-in C++ all-reduce.
 ``python_hook``: DDP's own ``allreduce_hook`` registered as a Python comm hook, nothing of ampwatch
-(what any Python comm hook costs). ``origin``: ``ddp=model``, ampwatch's hook wrapping that all-reduce
-(one ``aminmax`` per bucket, written in place). Blocks of iterations rotate between them
-(``bench.overhead.rotate``) in the same order on both ranks; the cost is the median of per-round ratios
-of rank 0's process CPU time to ``plain`` (noisy: it includes waiting on the other rank). Steadier: the
-hook's own work (its call's thread CPU time, minus the wrapped all-reduce it runs) as a share of the
-plain iteration. Also: host-device syncs (``aten._local_scalar_dense``) per clean iteration.
+(what any Python comm hook costs). ``origin``: ``ddp=model``, ampwatch's hook in place of that all-reduce
+(at this world size, 2, the fused path: the check rides the hook's division). Blocks of iterations rotate
+between them (``bench.overhead.rotate``) in the same order on both ranks; the cost is the median of
+per-round ratios of rank 0's process CPU time to ``plain`` (noisy: it includes waiting on the other rank).
+Steadier: the hook's own work (:class:`HookClock`: the thread CPU time of its calls and of its flags' end
+of iteration, minus that of ``python_hook``'s calls of ``allreduce_hook``) as a share of the plain
+iteration. Also: host-device syncs (``aten._local_scalar_dense``) per clean iteration.
 
     python -m bench.ddp_origin [--quick]
 """
@@ -40,63 +41,92 @@ COMPARED = ("mlp", "transformer")
 
 
 class HookClock:
-    """Time the origin hook's own work: each call of it timed from outside, minus the wrapped hook it runs.
+    """Time, per iteration, the comm hook's whole call and (for ampwatch's) the flags' end of iteration.
 
-    Works on any revision of ``OriginHook`` that keeps the wrapped hook as ``.hook`` (it patches the class's
-    ``__call__`` once per process, so only for benchmarks). Counts the calling thread's CPU time
-    (``time.thread_time``), not the wall clock: on a machine shared with other jobs a call's wall time also
-    counts the time another job held the core. The timers' own cost, measured at start, is taken off each call.
+    For ampwatch's hook (:meth:`on_origin`) the whole call is its note and the all-reduce it runs or wraps;
+    for the ``python_hook`` variant (:meth:`around`) the call of DDP's own ``allreduce_hook``, what any Python
+    comm hook runs. The hook's own cost is the difference of the two (:func:`own_per_iteration`): honest
+    whether the hook wraps ``allreduce_hook`` (the aminmax path, every revision before the fused one) or does
+    its division and all-reduce itself (the fused path), on any revision whose ``OriginHook`` keeps its flags
+    as ``.flags`` with an ``end_iteration`` (patched on the classes, once per process: benchmarks only).
+    ``end_iteration`` is timed too, since the fused path zeroes its flags there, on the training thread.
+    Counts the calling thread's CPU time (``time.thread_time``), not the wall clock: on a machine shared with
+    other jobs a call's wall time also counts the time another job held the core. One timer call's own cost,
+    measured at start, is taken off each timed call.
     """
 
-    def __init__(self, ddp: DistributedDataParallel) -> None:
+    def __init__(self) -> None:
         self.calls: list[float] = []
-        self._wrapped_s = 0.0
+        self.ends: list[float] = []
         self.timer_s = _timer_cost()
-        hook = ddp._comm_hooks[0][0]
-        wrapped = hook.hook
 
-        def timed_wrapped(state, bucket):  # type: ignore[no-untyped-def]
-            start = time.thread_time()
+    def around(self, hook):  # type: ignore[no-untyped-def]
+        """Return ``hook`` timed, to register as the model's comm hook (unannotated, as DDP wants)."""
+        calls, timer_s, clock = self.calls, self.timer_s, time.thread_time
+
+        def timed_hook(state, bucket):  # type: ignore[no-untyped-def]
+            start = clock()
             try:
-                return wrapped(state, bucket)
+                return hook(state, bucket)
             finally:
-                self._wrapped_s = time.thread_time() - start
-        hook.hook, hook.bench_clock = timed_wrapped, self
-        cls = type(hook)
-        if not getattr(cls.__call__, "bench_timed", False):
-            untimed = cls.__call__
+                calls.append(clock() - start - timer_s)
+        return timed_hook
 
-            def timed_call(this, state, bucket):  # type: ignore[no-untyped-def]
-                clock = this.bench_clock
-                clock._wrapped_s = 0.0
-                start = time.thread_time()
-                try:
-                    return untimed(this, state, bucket)
-                finally:
-                    clock.calls.append(time.thread_time() - start - clock._wrapped_s - clock.timer_s)
-            timed_call.bench_timed = True  # type: ignore[attr-defined]
-            cls.__call__ = timed_call
+    def on_origin(self, ddp: DistributedDataParallel) -> "HookClock":
+        """Time the ampwatch hook registered on ``ddp`` (its whole call) and its flags' ``end_iteration``."""
+        hook = ddp._comm_hooks[0][0]
+        hook.bench_clock = hook.flags.bench_clock = self
+        _time_method(type(hook), "__call__", "calls")
+        _time_method(type(hook.flags), "end_iteration", "ends")
+        return self
 
     def reset(self) -> None:
-        self.calls = []
+        self.calls.clear()
+        self.ends.clear()
 
     def per_iteration_us(self, iterations: int) -> dict:
-        """The hook's own CPU time per iteration (mean, and median call x calls per iteration)."""
+        """The hook's CPU time per iteration (mean, and median call x calls per iteration), and the flags'."""
         buckets = len(self.calls) / iterations
         return {"buckets_per_iter": buckets,
-                "own_us_per_iter": round(sum(self.calls) / iterations * 1e6, 2),
-                "own_us_per_iter_median_call": round(statistics.median(self.calls) * buckets * 1e6, 2),
+                "call_us_per_iter": round(sum(self.calls) / iterations * 1e6, 2),
+                "call_us_per_iter_median_call": round(statistics.median(self.calls) * buckets * 1e6, 2),
+                "end_iteration_us_per_iter": round(sum(self.ends) / iterations * 1e6, 2),
                 "timer_us_per_call_taken_off": round(self.timer_s * 1e6, 3)}
 
 
+def own_per_iteration(origin: dict, python_hook: dict) -> dict:
+    """The origin hook's own CPU time per iteration: its calls and end of iteration minus ``python_hook``'s calls."""
+    return {"own_us_per_iter": round(origin["call_us_per_iter"] + origin["end_iteration_us_per_iter"]
+                                     - python_hook["call_us_per_iter"], 2),
+            "own_us_per_iter_median_call": round(origin["call_us_per_iter_median_call"]
+                                                 + origin["end_iteration_us_per_iter"]
+                                                 - python_hook["call_us_per_iter_median_call"], 2)}
+
+
+def _time_method(cls: type, name: str, into: str) -> None:
+    untimed = getattr(cls, name)
+    if getattr(untimed, "bench_timed", False):
+        return
+    clock = time.thread_time
+
+    def timed(this, *args, **kwargs):  # type: ignore[no-untyped-def]
+        start = clock()
+        try:
+            return untimed(this, *args, **kwargs)
+        finally:
+            bench = getattr(this, "bench_clock", None)  # None: an instance no clock was put on
+            if bench is not None:
+                getattr(bench, into).append(clock() - start - bench.timer_s)
+    timed.bench_timed = True  # type: ignore[attr-defined]
+    setattr(cls, name, timed)
+
+
 def _timer_cost(n: int = 2000) -> float:
-    """The CPU time HookClock's two nested timer pairs add to one measured call (median of ``n``)."""
+    """The CPU time one ``time.thread_time`` call adds to a timed interval (median of ``n`` back-to-back pairs)."""
     costs = []
     for _ in range(n):
         start = time.thread_time()
-        inner = time.thread_time()
-        inner = time.thread_time() - inner
-        costs.append(time.thread_time() - start - inner)
+        costs.append(time.thread_time() - start)
     return statistics.median(costs)
 
 
@@ -109,14 +139,16 @@ class DdpSetup:
         torch.manual_seed(0)
         net = _build(model)
         self.ddp = DistributedDataParallel(net)
+        self.clock = HookClock() if clock and (origin or python_hook) else None
         if python_hook:  # DDP's all-reduce as a Python comm hook, nothing of ampwatch in it
-            self.ddp.register_comm_hook(None, allreduce_hook)
+            self.ddp.register_comm_hook(None, self.clock.around(allreduce_hook) if self.clock else allreduce_hook)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-3, foreach=True)
         self.scaler = torch.amp.GradScaler("cpu")
         self.x = _input(model)
         extra = {"ddp": self.ddp} if origin else {"model": net}
         self.watch = agent.watch(self.scaler, {"net": self.opt}, collector=(), run=f"bench-ddp-{model}", **extra)
-        self.clock = HookClock(self.ddp) if origin and clock else None
+        if origin and self.clock:
+            self.clock.on_origin(self.ddp)
 
     def iterate(self, n: int) -> None:
         for _ in range(n):
@@ -149,17 +181,20 @@ def _measure(model: str, rounds: int, block: int) -> dict:
     try:
         for s in setups.values():
             s.iterate(10)  # warm-up (DDP's bucket rebuild, autocast caches)
-        clock = setups["origin"].clock
-        clock.reset()
+        clocks = {name: setups[name].clock for name in ("origin", "python_hook")}
+        for clock in clocks.values():
+            clock.reset()
         cpu, wall = rotate(setups, rounds, block)
         result = {"model": model, "variants": compare(cpu, wall, base="plain")}
         iterations = rounds * block
-        # The hook's own CPU time, timed around it: steadier than a difference of two noisy loop times.
-        own = clock.per_iteration_us(iterations)
+        # The hook's own CPU time: the calls of ampwatch's hook (and its end of iteration) minus those of DDP's
+        # allreduce_hook as a Python hook, timed around them: steadier than a difference of two noisy loop times.
+        timed = {name: clock.per_iteration_us(iterations) for name, clock in clocks.items()}
+        own = own_per_iteration(timed["origin"], timed["python_hook"])
         plain_s = result["variants"]["plain"]["cpu_us_per_iter"] / 1e6
         result.update(note_us_per_iter=own["own_us_per_iter"],
                       note_us_per_iter_median_call=own["own_us_per_iter_median_call"],
-                      buckets_per_iter=own["buckets_per_iter"],
+                      buckets_per_iter=timed["origin"]["buckets_per_iter"], hook_calls=timed,
                       note_share_of_plain_iter=round(own["own_us_per_iter"] / 1e6 / plain_s, 5))
         for name, s in setups.items():
             with SyncCounter() as counter:

@@ -1,18 +1,24 @@
 """What the DDP origin hook costs per iteration: this tree beside an earlier revision of the agent, in one run.
 
 Each measurement runs in a process of its own holding a one-process gloo DDP group (world size 1: DDP still
-buckets the gradients, calls the comm hook and all-reduces; the hook's own work does not depend on the world
-size, and no second process blurs the count) and ``bench.ddp_origin``'s MLP loop (AdamW, one GradScaler,
-bfloat16 autocast, one bucket). Variants: ``plain`` (DDP's built-in C++ all-reduce, the agent watching
-without ``ddp=``), ``python_hook`` (DDP's own ``allreduce_hook`` as a Python comm hook, nothing of ampwatch),
-``origin`` (``watch(..., ddp=model)`` of this tree) and ``origin_before`` (the same, with ``agent/src`` of
-``--before REF``, extracted by ``git archive``, first on the child's path).
+buckets the gradients, calls the comm hook and all-reduces; 1 is a power of two, so the hook takes the fused
+path, as at 2, 4, 8, ... ranks; otherwise its work does not depend on the world size, and no second process
+blurs the count) and ``bench.ddp_origin``'s MLP loop (AdamW, one GradScaler, bfloat16 autocast, one bucket).
+Variants: ``plain`` (DDP's built-in C++ all-reduce, the agent watching without ``ddp=``), ``python_hook``
+(DDP's own ``allreduce_hook`` as a Python comm hook, nothing of ampwatch), ``origin`` (``watch(...,
+ddp=model)`` of this tree) and ``origin_before`` (the same, with ``agent/src`` of ``--before REF``, extracted
+by ``git archive``, first on the child's path).
 
 1. Instructions per iteration, counted by valgrind's callgrind (exact; ``bench.instructions``' markers:
-   set-up, imports and a warm-up left out; four valgrind processes, two at a time).
-2. The hook's own CPU time per iteration (``bench.ddp_origin.HookClock``: the thread CPU time of the hook's
-   call minus the wrapped all-reduce's), as a share of ``plain``'s process CPU time per iteration, both from
-   the same child (rotating blocks). Noisier than the count on a shared machine (caches, clock rate).
+   set-up, imports and a warm-up left out; four valgrind processes, two at a time). The hook's own: minus
+   ``python_hook``.
+2. The hook's own CPU time per iteration (``bench.ddp_origin.HookClock``: the thread CPU time of the origin
+   hook's whole calls and of its flags' ``end_iteration``, minus that of ``python_hook``'s calls of
+   ``allreduce_hook`` in the same child; the same measure for both revisions, whether the hook wraps
+   ``allreduce_hook`` or does its division and all-reduce itself), as a share of ``plain``'s process CPU
+   time per iteration, all from the same child (rotating blocks); beside it the whole iterations' CPU time
+   of ``origin`` and ``python_hook`` against ``plain`` (noisier). Noisier than the count on a shared machine
+   (caches, clock rate).
 
     python -m bench.origin_hook [--before REF] [--iterations N] [--rounds R] [--store]
 
@@ -68,25 +74,34 @@ def _count_child(variant: str, iterations: int) -> None:
 
 def _time_child(rounds: int, block: int) -> dict:
     from ampwatch import agent
-    from bench.ddp_origin import DdpSetup, HookClock
+    from bench.ddp_origin import DdpSetup, own_per_iteration
     from bench.overhead import rotate
 
     _group()
-    setups = {"plain": DdpSetup(MODEL, origin=False), "origin": DdpSetup(MODEL, origin=True)}
+    setups = {"plain": DdpSetup(MODEL, origin=False), "python_hook": DdpSetup(MODEL, origin=False, python_hook=True),
+              "origin": DdpSetup(MODEL, origin=True)}
     try:
         for s in setups.values():
             s.iterate(WARMUP)
-        clock: HookClock = setups["origin"].clock
-        clock.reset()
+        for name in ("python_hook", "origin"):
+            setups[name].clock.reset()
         cpu, _ = rotate(setups, rounds, block)
-        own = clock.per_iteration_us(rounds * block)
-        plain_us = statistics.median(cpu["plain"]) * 1e6
+        timed = {name: setups[name].clock.per_iteration_us(rounds * block) for name in ("python_hook", "origin")}
+        own = own_per_iteration(timed["origin"], timed["python_hook"])
+        cpu_us = {name: statistics.median(times) * 1e6 for name, times in cpu.items()}
+        plain_us = cpu_us["plain"]
         return {"agent": agent.__file__, "plain_cpu_us_per_iter": round(plain_us, 1),
-                "origin_cpu_us_per_iter": round(statistics.median(cpu["origin"]) * 1e6, 1),
+                "python_hook_cpu_us_per_iter": round(cpu_us["python_hook"], 1),
+                "origin_cpu_us_per_iter": round(cpu_us["origin"], 1),
+                "origin_iter_ratio_to_plain": round(statistics.median(o / p for o, p in zip(cpu["origin"],
+                                                                                            cpu["plain"])), 4),
+                "python_hook_iter_ratio_to_plain": round(statistics.median(
+                    h / p for h, p in zip(cpu["python_hook"], cpu["plain"])), 4),
+                "hook_calls": timed,
                 "hook_own_us_per_iter": own["own_us_per_iter"],
                 "hook_own_us_per_iter_median_call": own["own_us_per_iter_median_call"],
-                "timer_us_per_call_taken_off": own["timer_us_per_call_taken_off"],
-                "buckets_per_iter": own["buckets_per_iter"],
+                "timer_us_per_call_taken_off": timed["origin"]["timer_us_per_call_taken_off"],
+                "buckets_per_iter": timed["origin"]["buckets_per_iter"],
                 "hook_own_share_of_plain_iter": round(own["own_us_per_iter"] / plain_us, 5)}
     finally:
         for s in setups.values():
@@ -135,8 +150,13 @@ def run(before: Optional[str], iterations: int = 50, rounds: int = 20, block: in
 def median_run(runs: list[dict]) -> dict:
     """The run whose share of the plain iteration is the median (its figures kept together)."""
     ordered = sorted(runs, key=lambda r: r["hook_own_share_of_plain_iter"])
-    return {k: ordered[len(ordered) // 2][k] for k in ("hook_own_us_per_iter", "hook_own_share_of_plain_iter",
-                                                        "plain_cpu_us_per_iter")}
+    middle = ordered[len(ordered) // 2]
+    calls = middle["hook_calls"]
+    return dict({k: middle[k] for k in ("hook_own_us_per_iter", "hook_own_share_of_plain_iter", "plain_cpu_us_per_iter",
+                                        "origin_iter_ratio_to_plain", "python_hook_iter_ratio_to_plain")},
+                origin_calls_us_per_iter=calls["origin"]["call_us_per_iter"],
+                origin_end_iteration_us_per_iter=calls["origin"]["end_iteration_us_per_iter"],
+                python_hook_calls_us_per_iter=calls["python_hook"]["call_us_per_iter"])
 
 
 def main(argv: Optional[list[str]] = None) -> int:

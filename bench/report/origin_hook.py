@@ -15,8 +15,9 @@ def section(doc: dict) -> list[str]:
              "as a Python comm hook", "origin": "`origin`: `ddp=model`, this tree",
              "origin_before": f"`origin` before ({d['before']})"}
     lines = [f"What the hook of `watch(..., ddp=model)` costs on `bench.ddp_origin`'s {d['model']} (one bucket), "
-             f"in a one-process {d['backend']} DDP group (the hook's work does not depend on the world size), both "
-             "revisions measured in one run. Instructions: callgrind, exact, "
+             f"in a one-process {d['backend']} DDP group (world size 1, a power of two: where this tree's hook "
+             "takes its fused path, the inf/NaN check riding `allreduce_hook`'s division, as at 2, 4, 8, ... "
+             "ranks), both revisions measured in one run. Instructions: callgrind, exact, "
              f"{ins['iterations']} iterations after a warm-up of {ins['warmup']}:", "",
              "| variant | instructions/iter | ratio to plain | the hook's own (minus `python_hook`) |",
              "|---|---|---|---|"]
@@ -24,12 +25,23 @@ def section(doc: dict) -> list[str]:
         own = ins["hook_own_per_iter"].get(name)
         lines.append(f"| {names.get(name, name)} | {fmt(count)} | {ins['ratio_to_plain'][name]:.4f} | "
                      f"{fmt(own) if own is not None else '-'} |")
-    lines += ["", "The hook's own CPU time (its call's thread CPU time minus the all-reduce it wraps, timers' cost "
-              "taken off), as a share of `plain`'s process CPU time per iteration, median of "
+    lines += ["", "The hook's own CPU time: the thread CPU time of the origin hook's calls (its note and the "
+              "all-reduce it runs or wraps) and of its flags' `end_iteration` (which lets go of the iteration's "
+              "buckets and, on the fused path, zeroes their flags), minus that of `python_hook`'s calls of "
+              "`allreduce_hook`, timers' cost taken off, as a share of `plain`'s process CPU time per iteration; "
+              "beside it the whole iterations' process CPU time against `plain` (noisier). Median of "
               f"{len(timing['runs']['after'])} alternating runs of {timing['rounds']} x {timing['block']} "
-              "iterations:", "", "| revision | hook's own us/iter | plain us/iter | share |", "|---|---|---|---|"]
-    lines += side_rows(timing["median"], lambda name, m: f"| {name} | {fmt(m['hook_own_us_per_iter'], 2)} | "
+              "iterations:", "",
+              "| revision | hook calls us/iter | end_iteration us/iter | `python_hook` calls us/iter | hook's own "
+              "us/iter | plain us/iter | share | iteration: origin / plain | iteration: `python_hook` / plain |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    lines += side_rows(timing["median"], lambda name, m: f"| {name} | {fmt(m['origin_calls_us_per_iter'], 2)} | "
+                                                         f"{fmt(m['origin_end_iteration_us_per_iter'], 2)} | "
+                                                         f"{fmt(m['python_hook_calls_us_per_iter'], 2)} | "
+                                                         f"{fmt(m['hook_own_us_per_iter'], 2)} | "
                                                          f"{fmt(m['plain_cpu_us_per_iter'])} | "
-                                                         f"{m['hook_own_share_of_plain_iter'] * 100:.2f}% |",
+                                                         f"{m['hook_own_share_of_plain_iter'] * 100:.2f}% | "
+                                                         f"{m['origin_iter_ratio_to_plain']:.3f} | "
+                                                         f"{m['python_hook_iter_ratio_to_plain']:.3f} |",
                        ref=d["before"], sides=timing["median"])  # the bench's order: after, then before if it had one
     return lines + ["", f"{measured_by(d)}.", ""]
