@@ -1,4 +1,4 @@
-"""A 16,384-rank job (2,048 nodes x 8 ranks) on one collector: today's delivery vs news now, state every 15 s.
+"""A 16,384-rank job (2,048 nodes x 8 ranks) on one collector: state every second vs news now, state every heartbeat.
 
 Both sides in one run, each on a fresh collector (this tree's, default settings but for
 ``--max-ranks-per-run`` when its default refuses the job) with a simulated job in another process
@@ -12,7 +12,7 @@ firing in the built-in alerts). One rank is killed (no close) early in the healt
 batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that the bench stays short
 (:func:`silence`; the default is 8 heartbeats + 60 s).
 
-    python -m bench.fleet                          # 16,384 ranks, before and after: about 7 minutes
+    python -m bench.fleet                          # 16,384 ranks, before and after: about 9 minutes
     python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
     python -m bench.fleet --only after --ranks 4096
     python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
@@ -38,8 +38,8 @@ import time
 import urllib.request
 from typing import Optional
 
-from ampwatch.agent._schedule import RANKS_PER_SECOND
-from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S
+from ampwatch.agent._schedule import RANKS_PER_SECOND, default_heartbeat
+from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
 
 from bench import _servers
 from bench._before_after import ROOT, store
@@ -69,7 +69,7 @@ def _warm_s(side: str, ranks: int) -> float:
     """Seconds until every rank has sent its first batch: the agent spreads a big job's first batches."""
     if side == "before":
         return 2.0  # the ranks start within a second and send at once
-    return min((ranks - 1) / RANKS_PER_SECOND, 4 * HEARTBEAT_INTERVAL_S) + 3.0
+    return min((ranks - 1) / RANKS_PER_SECOND, 4 * default_heartbeat(ranks)) + 3.0
 
 
 _SKIPPED = re.compile(r'^ampwatch_optimizer_skipped_steps_total\{([^}]*)\} (\S+)', re.M)
@@ -296,12 +296,13 @@ def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-r
         heartbeat: Optional[float] = None) -> dict:
     """Run each side in turn; return ``{side: figures}`` with the run's settings."""
     plan = dict(PHASES["quick" if quick else "full"])
-    if heartbeat:  # the after side's healthy phase stays a whole number of heartbeats
-        plan["after"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
+    heartbeat = heartbeat or default_heartbeat(ranks)  # the agent's default for a job of this size
+    # The after side's healthy phase stays a whole number of heartbeats (3; quick: 2).
+    plan["after"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
     result = {side: _side(side, ranks, plan[side], transport if side == "after" else "per-rank",
                           heartbeat if side == "after" else None)
               for side in sides}
-    result["settings"] = {"heartbeat_s": heartbeat or HEARTBEAT_INTERVAL_S, "scrape_every_s": SCRAPE_EVERY_S,
+    result["settings"] = {"heartbeat_s": heartbeat, "scrape_every_s": SCRAPE_EVERY_S,
                           "iteration_s": 1.0, "storm_share": 0.1, "cpus": os.cpu_count(),
                           "loadavg_1m": round(os.getloadavg()[0], 2)}
     return result
@@ -315,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("before", "after"), help="run one side only")
     parser.add_argument("--transport", default="per-rank", help="how the after side's batches travel "
                                                                 "(bench/_fleet_ranks.py TRANSPORTS)")
-    parser.add_argument("--heartbeat", type=float, help=f"the after side's push interval (default "
-                                                        f"{HEARTBEAT_INTERVAL_S} s, the agent's)")
+    parser.add_argument("--heartbeat", type=float, help=f"the after side's push interval (default: the agent's "
+                                                        f"for the job's size, {HEARTBEAT_INTERVAL_S} s up to "
+                                                        f"{MAX_HEARTBEAT_INTERVAL_S} s; 16,384 ranks: "
+                                                        f"{default_heartbeat(16384):.1f} s)")
     parser.add_argument("--out", help=f"also store the result under '{KEY}_RANKS' in this JSON file")
     parser.add_argument("--render", metavar="JSON", help="print the Markdown table of a stored result and exit")
     args = parser.parse_args(argv)

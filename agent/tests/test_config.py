@@ -6,6 +6,7 @@ import hashlib
 import re
 
 import pytest
+from delivery_harness import make_sender
 
 from ampwatch.agent._config import AgentConfig
 
@@ -71,3 +72,29 @@ def test_each_rank_is_pinned_to_one_collector_by_a_stable_hash_of_run_and_rank()
     # sha1 of "exp-42\0<rank>": a fixed answer, so every process (and every Python) agrees
     assert config.collector_for("exp-42", 0) == urls[
         int.from_bytes(hashlib.sha1(b"exp-42\x000").digest()[:8], "big") % 3]
+
+
+def test_the_default_push_interval_follows_the_ranks_each_collector_serves():
+    config = AgentConfig.from_env(collector="http://a:1", environ={})
+    assert config.push_interval is None  # not set: resolved once the job's size is known
+    assert config.for_job(8).push_interval == 15.0
+    assert config.for_job(16_384).push_interval == pytest.approx(32.768)
+    two = AgentConfig.from_env(collector="http://a:1,http://b:2", environ={})
+    assert two.for_job(16_384).push_interval == pytest.approx(16.384)  # 8,192 ranks on each collector
+    assert two.for_job(7_000).push_interval == 15.0  # 3,500 each: the floor
+    assert AgentConfig.from_env(environ={}).for_job(100_000).push_interval == 40.0
+
+
+def test_an_explicit_push_interval_is_kept_whatever_the_job_size():
+    env = AgentConfig.from_env(collector="http://a:1", environ={"AMPWATCH_PUSH_INTERVAL": "15"})
+    assert env.for_job(16_384).push_interval == 15.0
+    assert AgentConfig.from_env(push_interval=2.0, environ={}).for_job(16_384).push_interval == 2.0
+
+
+def test_a_sender_of_a_big_job_heartbeats_on_the_job_sized_interval():
+    sender, _ = make_sender(None, rank=3, world_size=16_384, push_interval=None)
+    try:
+        assert sender.config.push_interval == pytest.approx(32.768)
+        assert sender._schedule.heartbeat == pytest.approx(32.768)
+    finally:
+        sender.close(1.0)

@@ -38,14 +38,18 @@ def _requests_and_batches(url: str) -> tuple[float, float]:
 def test_two_ranks_in_one_process_share_one_relay_and_every_skip_arrives_once(tmp_path):
     relay_dir = tmp_path / "relay"
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
-        pairs = [make_sender(collector.url, rank=r, world_size=2, relay=True, relay_dir=str(relay_dir))
-                 for r in (0, 1)]
+        # A 1 s push interval: the relay holds a heartbeat up to 1 s for the other rank's to join. At 50 ms
+        # (a 50 ms hold) the two ranks' batches often missed each other on a loaded machine.
+        pairs = [make_sender(collector.url, rank=r, world_size=2, relay=True, relay_dir=str(relay_dir),
+                             push_interval=1.0) for r in (0, 1)]
         try:
             for _ in range(40):
                 for _, recorder in pairs:
                     recorder.skip()
                 time.sleep(0.01)
             _wait_for(lambda: _relay_threads() == 1)
+            # Both ranks' heartbeats come through the relay once both have found it: one request, two batches.
+            _wait_for(lambda: (lambda requests, batches: requests < batches)(*_requests_and_batches(collector.url)))
             assert stat.S_IMODE(relay_dir.stat().st_mode) == 0o700
             sockets = list(relay_dir.glob("*.sock"))
             assert len(sockets) == 1 and stat.S_IMODE(sockets[0].stat().st_mode) == 0o600

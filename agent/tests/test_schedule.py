@@ -8,8 +8,9 @@ import random
 import pytest
 
 from ampwatch.agent import _schedule
-from ampwatch.agent._schedule import NEWS_GAP, NEWS_HOLD, RANKS_PER_SECOND, PushSchedule, is_news
-from ampwatch.contract.protocol import EVENT_KINDS, HEARTBEAT_INTERVAL_S
+from ampwatch.agent._schedule import NEWS_GAP, NEWS_HOLD, RANKS_PER_SECOND, PushSchedule, default_heartbeat, is_news
+from ampwatch.contract.protocol import EVENT_KINDS, HEARTBEAT_INTERVAL_S, KEEP_ALIVE_S, MAX_HEARTBEAT_INTERVAL_S
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 
 
 def test_the_examples_in_the_docstrings_hold():
@@ -131,3 +132,27 @@ def test_news_is_what_changes_an_alert_or_the_operators_picture(event, news):
 
 def test_every_event_kind_of_the_protocol_is_classified_above():
     assert {event["kind"] for event, _ in CASES} == set(EVENT_KINDS)  # a new kind must be decided on here
+
+
+def test_the_default_heartbeat_is_15_s_until_a_job_would_ask_one_collector_for_more_than_500_a_second():
+    assert default_heartbeat(1) == default_heartbeat(7_500) == HEARTBEAT_INTERVAL_S
+    assert default_heartbeat(16_384) == pytest.approx(16_384 / RANKS_PER_SECOND)  # 32.8 s: 500 heartbeats/s
+    assert 16_384 / default_heartbeat(16_384) == pytest.approx(RANKS_PER_SECOND)
+    assert default_heartbeat(20_000) == default_heartbeat(10 ** 6) == MAX_HEARTBEAT_INTERVAL_S
+
+
+def test_the_longest_default_heartbeat_keeps_a_healthy_rank_far_from_silent_and_on_its_connection():
+    longest_gap = 1.5 * MAX_HEARTBEAT_INTERVAL_S  # the schedule leaves at most 1.5 heartbeats between batches
+    assert longest_gap <= DEFAULT_THRESHOLDS.silent_after_s / 2
+    assert longest_gap < KEEP_ALIVE_S
+    schedule = PushSchedule(heartbeat=default_heartbeat(10 ** 6), ranks=10 ** 6, rng=random.Random(1))
+    schedule.begin(0.0)
+    built, now = [], 0.0
+    while now < 600.0:  # 10 minutes on a 50 ms clock, news now and then
+        if random.Random(int(now * 20)).random() < 0.002:
+            schedule.news(now)
+        if now >= schedule.due():
+            schedule.built(now)
+            built.append(now)
+        now += 0.05
+    assert max(b - a for a, b in zip(built, built[1:])) <= longest_gap + 0.05

@@ -9,7 +9,7 @@ import os
 import urllib.parse
 from typing import Any, Callable, Mapping, Sequence
 
-from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
+from ._schedule import default_heartbeat
 
 __all__ = ["AgentConfig"]
 
@@ -35,9 +35,11 @@ class AgentConfig:
     """Run id shared by all ranks (``AMPWATCH_RUN``); resolved from the launcher when ``None``."""
     token: str | None = dataclasses.field(default=None, repr=False)  # a secret never lands in a log
     """Bearer token for ingest (``AMPWATCH_TOKEN``)."""
-    push_interval: float = float(HEARTBEAT_INTERVAL_S)
+    push_interval: float | None = None
     """Seconds between heartbeats, batches of the cumulative state when nothing happened
-    (``AMPWATCH_PUSH_INTERVAL``, default 15). News (a skip streak starting or reaching a rung,
+    (``AMPWATCH_PUSH_INTERVAL``). ``None``, the default: 15 s, longer for a job of more than 7,500
+    ranks per collector (at most 40 s; :func:`~._schedule.default_heartbeat`), resolved by
+    :meth:`for_job` once the job's size is known. News (a skip streak starting or reaching a rung,
     its end, a poisoned step, a warning, the close) is sent within a second, whatever this is."""
     spool_dir: str | None = None
     """Directory for an on-disk spool of unsent batches (``AMPWATCH_SPOOL_DIR``)."""
@@ -68,6 +70,8 @@ class AgentConfig:
         for name, var in (("push_interval", "AMPWATCH_PUSH_INTERVAL"), ("timeout", "AMPWATCH_TIMEOUT"),
                           ("max_backoff", "AMPWATCH_MAX_BACKOFF")):
             value = getattr(self, name)
+            if value is None and name == "push_interval":
+                continue
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{var} / {name}= must be a positive number of seconds, got {value!r}")
         if not (math.isfinite(self.close_timeout) and self.close_timeout >= 0):
@@ -76,6 +80,20 @@ class AgentConfig:
             raise ValueError(f"AMPWATCH_SPOOL_MAX_BYTES must be a positive integer, got {self.spool_max_bytes!r}")
         if self.max_events < 1:
             raise ValueError(f"AMPWATCH_MAX_EVENTS must be a positive integer, got {self.max_events!r}")
+
+    def for_job(self, world_size: int) -> "AgentConfig":
+        """Return this config with its push interval resolved for a job of ``world_size`` ranks.
+
+        An explicit ``AMPWATCH_PUSH_INTERVAL`` (or ``push_interval=``) is kept as it is; the default
+        follows the ranks each collector serves (:func:`~._schedule.default_heartbeat`).
+
+        >>> AgentConfig().for_job(16_384).push_interval, AgentConfig(push_interval=2.0).for_job(16_384).push_interval
+        (32.768, 2.0)
+        """
+        if self.push_interval is not None:
+            return self
+        per_collector = world_size / max(1, len(self.collectors))
+        return dataclasses.replace(self, push_interval=default_heartbeat(per_collector))
 
     @property
     def sends(self) -> bool:
@@ -108,7 +126,7 @@ class AgentConfig:
             "run": run or env.get("AMPWATCH_RUN") or None,
             "token": token or env.get("AMPWATCH_TOKEN") or None,
             "push_interval": push_interval if push_interval is not None
-            else _number(env, "AMPWATCH_PUSH_INTERVAL", float, float(HEARTBEAT_INTERVAL_S)),
+            else _number(env, "AMPWATCH_PUSH_INTERVAL", float, None),
             "spool_dir": spool_dir or env.get("AMPWATCH_SPOOL_DIR") or None,
             "spool_max_bytes": _number(env, "AMPWATCH_SPOOL_MAX_BYTES", int, 64 * 1024 * 1024),
             "disabled": _flag(env, "AMPWATCH_DISABLED"),

@@ -16,7 +16,9 @@ import math
 import random
 from typing import Any, Mapping
 
-__all__ = ["NEWS_GAP", "NEWS_HOLD", "RANKS_PER_SECOND", "PushSchedule", "is_news"]
+from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
+
+__all__ = ["NEWS_GAP", "NEWS_HOLD", "RANKS_PER_SECOND", "PushSchedule", "default_heartbeat", "is_news"]
 
 NEWS_GAP = 1.0
 """Seconds: at most one batch per gap however much news comes (a storm of events does not multiply
@@ -32,7 +34,26 @@ RANKS_PER_SECOND = 500
 spreads its first batches over N / 500 s (at most 4 heartbeats) and its news over N / 500 s (at
 most ``NEWS_GAP - NEWS_HOLD``, so news still goes within a second). Two ranks: 2 ms; 16,384
 ranks: 33 s and 0.95 s. A rank's first contact costs a collector more than an update (its rows
-are created), and one collector on 2 cores takes about 2,000-2,500 updates per second."""
+are created), and one collector on 2 cores takes about 2,000-2,500 updates per second. It is also
+the most heartbeats per second a job asks of one collector by default (:func:`default_heartbeat`): at
+16,384 ranks, 1,092 heartbeats a second (every 15 s) overloaded one collector on this 2-core machine
+while it also rendered ``/metrics`` for 16,384 ranks; 500 a second did not."""
+
+
+def default_heartbeat(ranks_per_collector: float) -> float:
+    """Return the push interval when ``AMPWATCH_PUSH_INTERVAL`` is not set, for a job of this many ranks per collector.
+
+    15 s, or longer for a job whose heartbeats alone would ask one collector for more than
+    :data:`RANKS_PER_SECOND` batches a second: that many ranks' heartbeats per second, at most
+    ``MAX_HEARTBEAT_INTERVAL_S`` (40 s; a healthy rank's batches then stay 60 s apart at most, half
+    the silence threshold). At 16,384 ranks on one collector: 33 s, 500 heartbeats a second instead
+    of 1,092, which took the collector on this 2-core machine from overloaded (ingest p99 4.5 s) to
+    within its target (docs/benchmarks.md, section 9). News goes within a second whatever this is.
+
+    >>> [round(default_heartbeat(n), 1) for n in (8, 4096, 7500, 16384, 1_000_000)]
+    [15.0, 15.0, 15.0, 32.8, 40.0]
+    """
+    return min(float(MAX_HEARTBEAT_INTERVAL_S), max(float(HEARTBEAT_INTERVAL_S), ranks_per_collector / RANKS_PER_SECOND))
 
 
 def is_news(event: Mapping[str, Any]) -> bool:

@@ -53,6 +53,7 @@ class Sender:
     def __init__(self, config: AgentConfig, identity: Identity,
                  snapshot: Callable[[], dict[str, Any]], events: EventBuffer, *,
                  errors: AgentErrors | None = None, wake: threading.Event | None = None) -> None:
+        config = config.for_job(identity.world_size)  # the default heartbeat follows the job's size
         self.config, self.identity, self.snapshot, self.events = config, identity, snapshot, events
         self.errors = errors if errors is not None else AgentErrors()
         self._outcomes = DeliveryOutcomes(config.push_interval, config.max_backoff)  # counters, backoff, what was said

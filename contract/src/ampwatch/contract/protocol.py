@@ -14,7 +14,7 @@ __all__ = [
     "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
     "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung", "HEARTBEAT_INTERVAL_S",
-    "KEEP_ALIVE_S",
+    "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S",
 ]
 
 PROTOCOL_VERSION = 1
@@ -73,7 +73,15 @@ HEARTBEAT_INTERVAL_S = 15
 """Seconds: the agent's default ``AMPWATCH_PUSH_INTERVAL``. A rank's cumulative state reaches the collector
 at least this often while it runs; news (a streak starting or reaching a rung, a poisoned step, a warning,
 the close) goes within a second. Prometheus scrapes every 15-30 s, so a scrape rarely sees a stale count;
-the silence threshold (``thresholds.silent_after_s``) is a multiple of it."""
+the silence threshold (``thresholds.silent_after_s``) is a multiple of it. A job too big for one collector
+to take every rank's heartbeat that often gets a longer one by default, up to
+:data:`MAX_HEARTBEAT_INTERVAL_S` (the agent's ``_schedule.default_heartbeat``)."""
+
+MAX_HEARTBEAT_INTERVAL_S = 40
+"""Seconds: the longest default push interval, that of the biggest jobs. A healthy rank's batches are at most
+1.5 heartbeats apart (60 s), half the silence threshold (``thresholds.silent_after_s``, 120 s), so a rank that
+is merely on a long heartbeat is never called silent, and within :data:`KEEP_ALIVE_S`, so its connection stays
+open."""
 
 KEEP_ALIVE_S = 65
 """Seconds a collector keeps an agent's idle kept-alive connection open by default (``--keep-alive``): above
