@@ -109,14 +109,25 @@ def _time_method(cls: type, name: str, into: str) -> None:
         return
     clock = time.thread_time
 
-    def timed(this, *args, **kwargs):  # type: ignore[no-untyped-def]
-        start = clock()
-        try:
-            return untimed(this, *args, **kwargs)
-        finally:
-            bench = getattr(this, "bench_clock", None)  # None: an instance no clock was put on
-            if bench is not None:
-                getattr(bench, into).append(clock() - start - bench.timer_s)
+    def record(this, start: float) -> None:  # type: ignore[no-untyped-def]
+        bench = getattr(this, "bench_clock", None)  # None: an instance no clock was put on
+        if bench is not None:
+            getattr(bench, into).append(clock() - start - bench.timer_s)
+
+    if name == "__call__":
+        def timed(this, state, bucket):  # type: ignore[no-untyped-def]  # DDP checks a hook's parameter names
+            start = clock()
+            try:
+                return untimed(this, state, bucket)
+            finally:
+                record(this, start)
+    else:
+        def timed(this, *args, **kwargs):  # type: ignore[no-untyped-def]
+            start = clock()
+            try:
+                return untimed(this, *args, **kwargs)
+            finally:
+                record(this, start)
     timed.bench_timed = True  # type: ignore[attr-defined]
     setattr(cls, name, timed)
 
