@@ -136,14 +136,13 @@ def test_every_event_kind_of_the_protocol_is_classified_above():
 
 def test_the_default_heartbeat_is_15_s_until_a_job_would_ask_one_collector_for_more_than_500_a_second():
     assert default_heartbeat(1) == default_heartbeat(7_500) == HEARTBEAT_INTERVAL_S
-    assert default_heartbeat(16_384) == pytest.approx(16_384 / RANKS_PER_SECOND)  # 32.8 s: 500 heartbeats/s
-    assert 16_384 / default_heartbeat(16_384) == pytest.approx(RANKS_PER_SECOND)
-    assert default_heartbeat(20_000) == default_heartbeat(10 ** 6) == MAX_HEARTBEAT_INTERVAL_S
+    assert default_heartbeat(10_000) == pytest.approx(10_000 / RANKS_PER_SECOND)  # 20 s: 500 heartbeats/s
+    assert default_heartbeat(16_384) == default_heartbeat(10 ** 6) == MAX_HEARTBEAT_INTERVAL_S
 
 
 def test_the_longest_default_heartbeat_keeps_a_healthy_rank_far_from_silent_and_on_its_connection():
     longest_gap = 1.5 * MAX_HEARTBEAT_INTERVAL_S  # the schedule leaves at most 1.5 heartbeats between batches
-    assert longest_gap <= DEFAULT_THRESHOLDS.silent_after_s / 2
+    assert DEFAULT_THRESHOLDS.silent_after_s >= 4 * MAX_HEARTBEAT_INTERVAL_S  # docs/alerts.md's rule
     assert longest_gap < KEEP_ALIVE_S
     schedule = PushSchedule(heartbeat=default_heartbeat(10 ** 6), ranks=10 ** 6, rng=random.Random(1))
     schedule.begin(0.0)

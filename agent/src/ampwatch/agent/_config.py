@@ -38,7 +38,7 @@ class AgentConfig:
     push_interval: float | None = None
     """Seconds between heartbeats, batches of the cumulative state when nothing happened
     (``AMPWATCH_PUSH_INTERVAL``). ``None``, the default: 15 s, longer for a job of more than 7,500
-    ranks per collector (at most 40 s; :func:`~._schedule.default_heartbeat`), resolved by
+    ranks per collector (at most 30 s; :func:`~._schedule.default_heartbeat`), resolved by
     :meth:`for_job` once the job's size is known. News (a skip streak starting or reaching a rung,
     its end, a poisoned step, a warning, the close) is sent within a second, whatever this is."""
     spool_dir: str | None = None
@@ -88,7 +88,7 @@ class AgentConfig:
         follows the ranks each collector serves (:func:`~._schedule.default_heartbeat`).
 
         >>> AgentConfig().for_job(16_384).push_interval, AgentConfig(push_interval=2.0).for_job(16_384).push_interval
-        (32.768, 2.0)
+        (30.0, 2.0)
         """
         if self.push_interval is not None:
             return self

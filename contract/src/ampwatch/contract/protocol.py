@@ -77,16 +77,16 @@ the silence threshold (``thresholds.silent_after_s``) is a multiple of it. A job
 to take every rank's heartbeat that often gets a longer one by default, up to
 :data:`MAX_HEARTBEAT_INTERVAL_S` (the agent's ``_schedule.default_heartbeat``)."""
 
-MAX_HEARTBEAT_INTERVAL_S = 40
-"""Seconds: the longest default push interval, that of the biggest jobs. A healthy rank's batches are at most
-1.5 heartbeats apart (60 s), half the silence threshold (``thresholds.silent_after_s``, 120 s), so a rank that
-is merely on a long heartbeat is never called silent, and within :data:`KEEP_ALIVE_S`, so its connection stays
-open."""
+MAX_HEARTBEAT_INTERVAL_S = 30
+"""Seconds: the longest default push interval, that of the biggest jobs. The silence threshold
+(``thresholds.silent_after_s``, 120 s) stays at least 4 heartbeats, as docs/alerts.md asks of any push
+interval (a healthy rank's batches are at most 1.5 heartbeats apart: 45 s), and a rank's connection stays
+open between its batches (:data:`KEEP_ALIVE_S`)."""
 
 KEEP_ALIVE_S = 65
 """Seconds a collector keeps an agent's idle kept-alive connection open by default (``--keep-alive``): above
-the longest wait between one rank's batches at the default heartbeat (1.5 heartbeats, 22.5 s) and at a push
-interval of 40 s, so every batch of a running rank reuses its connection. Below it, each heartbeat opened a
+the longest wait between one rank's batches at any default heartbeat (1.5 heartbeats: 22.5 s at 15 s, 45 s
+at :data:`MAX_HEARTBEAT_INTERVAL_S`) and at a push interval of 40 s, so every batch of a running rank reuses its connection. Below it, each heartbeat opened a
 new connection (a TCP handshake, with TLS a TLS one too): at 16,384 ranks that was a quarter of the
 collector's CPU."""
 
