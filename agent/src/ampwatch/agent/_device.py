@@ -80,6 +80,18 @@ def ddp_comm_hooks(model: Any) -> list[Any]:
     return [pair[0] for pair in pairs] if isinstance(pairs, list) else []
 
 
+def ddp_builtin_multiplies(model: Any) -> bool:
+    """Tell whether DDP's built-in all-reduce scales every gradient of ``model`` by MULTIPLYING by 1/world size.
+
+    Its reducer (``mark_variable_ready_dense`` in torch's reducer.cpp) multiplies a gradient while copying it
+    into its bucket (``mul_out(bucket_view, grad, 1.0 / world_size)``) and divides in place one that already
+    is its bucket view (``div_(world_size)``); with ``batched_grad_copy=True`` it divides the whole bucket
+    once it is filled. Every gradient is copied with ``gradient_as_bucket_view=False`` (DDP's default) and
+    no ``batched_grad_copy`` (absent before torch 2.13). False where the settings cannot be read.
+    """
+    return getattr(model, "gradient_as_bucket_view", None) is False and not getattr(model, "batched_grad_copy", False)
+
+
 _amp_check_and_unscale = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)  # private op
 
 

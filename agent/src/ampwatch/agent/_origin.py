@@ -5,12 +5,20 @@ DDP averages every rank's gradients, so one rank's inf or NaN reaches every rank
 the device and without a sync, whether the bucket held inf/NaN before it was reduced, in storage kept for
 that bucket. Two ways:
 
-- **fused** (DDP's own ``allreduce_hook`` over a group whose size is a power of two): the hook does that
-  hook's division itself, as a multiplication by the exact reciprocal in GradScaler's one-pass kernel, which
-  also sets the bucket's flag (:func:`._device.scale_and_flag_nonfinite`), then the same all-reduce. No
-  extra pass over the gradients; bit for bit the same result as ``div_(world_size)``.
-- **aminmax** (every other case: a user's hook, another world size, a bucket in the autograd graph, the
-  kernel missing): one ``torch.aminmax`` pass over the bucket into two numbers, then the wrapped hook.
+- **fused** (DDP's own ``allreduce_hook``: at any world size where DDP's built-in all-reduce would
+  MULTIPLY each gradient by 1/world size, as with ``gradient_as_bucket_view=False``, DDP's default
+  (:func:`._device.ddp_builtin_multiplies`); otherwise at a power of two, where multiplying by the
+  reciprocal is exactly dividing): the hook scales the bucket itself by the float32 reciprocal in
+  GradScaler's one-pass kernel, which also sets the bucket's flag (:func:`._device.scale_and_flag_nonfinite`),
+  then the same all-reduce. No extra pass over the gradients; bit for bit the built-in's
+  ``mul_out(bucket, grad, 1/world_size)`` (float32, bfloat16 and float16 compute it in float32) and, at a
+  power of two, ``allreduce_hook``'s ``div_(world_size)`` too. A bucket the kernel does not take (in the
+  autograd graph, on another device, float64 at a world size that is not a power of two) keeps one aminmax
+  pass, then, at a world size that is not a power of two, ``mul_(1 / world_size)`` as the built-in does
+  (at a power of two the wrapped hook divides).
+- **aminmax** (every other case: a user's hook, ``gradient_as_bucket_view=True`` or ``batched_grad_copy``
+  at a world size that is not a power of two, the kernel missing): one ``torch.aminmax`` pass over the
+  bucket into two numbers, then the wrapped hook.
 
 They are turned into flags and read only on an iteration where some optimizer skipped
 (:meth:`OriginFlags.report`), with the same read as the fused ``found_inf``.
@@ -29,6 +37,8 @@ from ._params import MAX_NAMED_PARAMS, ParameterNames
 
 __all__ = ["OriginFlags", "OriginHook", "OriginReport", "attach_origin_hook"]
 
+_FLOAT32_OPMATH = frozenset({torch.float32, torch.bfloat16, torch.float16})
+"""Bucket dtypes whose built-in scaling is a float32 multiplication (the kernel's; float64 computes in float64)."""
 _KEPT_ITERATIONS = 64  # iterations whose flags are kept while a deferred (fused, on-device) outcome is pending
 
 
@@ -131,6 +141,8 @@ class OriginFlags:
         self._scale_and_flag: Callable[..., Any] | None = None  # set by fuse(): the fused path
         self._inv_scale_value = 1.0
         self._inv_scale: torch.Tensor | None = None  # 1/world size, 0-d float32 on the buckets' device
+        self._kernel_dtypes: frozenset[torch.dtype] | None = None  # fused: the kernel's dtypes; None: any
+        self._multiply: float | None = None  # fused, not a power of two: the slow path multiplies by this
 
     @property
     def enabled(self) -> bool:
@@ -142,25 +154,35 @@ class OriginFlags:
         """Whether buckets are noted on the fused path (the hook then does DDP's division itself)."""
         return self._scale_and_flag is not None
 
-    def fuse(self, world_size: int) -> bool:
-        """Take the fused path from now on, when ``world_size`` is a power of two and the kernel is there.
+    def fuse(self, world_size: int, *, multiplies: bool = False) -> bool:
+        """Take the fused path from now on, when the kernel is there and the world size allows it.
 
-        Only for DDP's own ``allreduce_hook`` (the caller's check): a note on the fused path DIVIDES the
-        bucket by ``world_size`` and the hook must then all-reduce it without dividing again. A power of
-        two, because only there is multiplying by the reciprocal exactly dividing (in every float dtype).
+        Only for DDP's own ``allreduce_hook`` (the caller's check): a note on the fused path scales the
+        bucket by ``1/world_size`` and the hook must then all-reduce it without dividing again. At a power
+        of two at all: there multiplying by the reciprocal is exactly dividing, in every float dtype. At
+        another world size only when ``multiplies`` (DDP's built-in all-reduce, which the hook replaces,
+        would multiply by ``1/world_size``: :func:`._device.ddp_builtin_multiplies`): the hook then
+        multiplies as it does, by the kernel's float32 reciprocal for float32, bfloat16 and float16 buckets
+        (the built-in's scalar for them: they compute in float32), by ``mul_`` for any other bucket (float64
+        computes in float64).
         Returns whether it did.
         """
         op = _device.scale_and_flag_nonfinite()
-        if op is None or world_size < 1 or world_size & (world_size - 1):
+        exact = world_size >= 1 and not world_size & (world_size - 1)
+        if op is None or world_size < 1 or not (exact or multiplies):
             return False
         self._scale_and_flag, self._inv_scale_value = op, 1.0 / world_size
+        self._kernel_dtypes = None if exact else _FLOAT32_OPMATH
+        self._multiply = None if exact else 1.0 / world_size
         return True
 
     def note(self, bucket: Any) -> torch.Tensor | None:
         """Note one bucket: return its buffer, already divided by the world size, when noted on the fused path.
 
-        Fused: one kernel call that divides the bucket and sets its flag; aminmax: one ``aminmax`` kernel
-        into the bucket's extremes, the bucket untouched (None returned, as when not noted). No sync, no
+        Fused: one kernel call that divides the bucket and sets its flag (a bucket the kernel does not take,
+        at a world size that is not a power of two: an ``aminmax`` and a multiplication); aminmax: one
+        ``aminmax`` kernel into the bucket's extremes, the bucket untouched (None returned, as when not
+        noted). No sync, no
         allocation. Called by the hook for every bucket of every synchronising backward; its Python cost is
         two calls on the GradBucket (``index()``, ``buffer()``), the kernel launch and a list store. The
         kernel is the last thing that can raise: once the bucket is divided nothing here fails.
@@ -172,7 +194,9 @@ class OriginFlags:
             index = bucket.index()
             buffer = bucket.buffer()
             flag = notes.flags[index]
-            if flag is not None and not buffer.requires_grad:
+            kernel_dtypes = self._kernel_dtypes  # a bucket index changes dtype if DDP rebuilds its buckets
+            if flag is not None and not buffer.requires_grad and (kernel_dtypes is None
+                                                                  or buffer.dtype in kernel_dtypes):
                 self._scale_and_flag([buffer], flag, self._inv_scale)
                 notes.buckets[index] = bucket
                 return buffer
@@ -189,12 +213,18 @@ class OriginFlags:
         # changed when DDP rebuilt its buckets), a buffer in the autograd graph (backward(create_graph=True):
         # the kernel records nothing for autograd, so aminmax of it detached, and the wrapped hook divides;
         # the next backward outside the graph is fused again), a bucket on another device than the first
-        # fused one (aminmax), or one neither can reduce (empty, complex: not noted, so never named an origin).
+        # fused one (aminmax), a fused bucket of a dtype the kernel's float32 reciprocal would scale unlike
+        # the built-in (float64 at a world size not a power of two: aminmax), or one neither can reduce
+        # (empty, complex: not noted, so never named an origin). Fused at a world size that is not a power of
+        # two, a bucket noted by aminmax is then multiplied by the reciprocal here, as the built-in does
+        # (allreduce_hook would divide), and the hook all-reduces it.
         buffer = bucket.buffer()
         if not buffer.numel() or not buffer.is_floating_point():
             return None
         index = bucket.index()
-        if self._scale_and_flag is not None and not buffer.requires_grad:
+        kernel_dtypes = self._kernel_dtypes
+        if self._scale_and_flag is not None and not buffer.requires_grad and (kernel_dtypes is None
+                                                                              or buffer.dtype in kernel_dtypes):
             inv_scale = self._inv_scale
             if inv_scale is None:  # made once, on the first bucket's device; a bucket elsewhere takes aminmax
                 inv_scale = self._inv_scale = torch.full((), self._inv_scale_value, dtype=torch.float32,
@@ -205,6 +235,7 @@ class OriginFlags:
                     self._scale_and_flag([buffer], flag, inv_scale)
                     notes.buckets[index] = bucket
                     return buffer
+        scaled = buffer
         if buffer.requires_grad:
             buffer = buffer.detach()
         outs = notes.outs[index] if index < len(notes.outs) else ()
@@ -213,8 +244,12 @@ class OriginFlags:
         else:
             notes.flags[index] = None
         torch.aminmax(buffer, out=outs)
+        if self._multiply is None:
+            notes.buckets[index] = bucket
+            return None
+        scaled.mul_(self._multiply)  # a Python float: the built-in's double reciprocal, in the bucket's opmath
         notes.buckets[index] = bucket
-        return None
+        return scaled
 
     def end_iteration(self, iteration: int, keep: bool) -> None:
         """Drop the notes of ``iteration`` (``keep``: hold them while its outcome is still on the device)."""
@@ -339,8 +374,9 @@ def attach_origin_hook(model: Any, flags: OriginFlags, errors: Any, hook: Callab
         hook, state = allreduce_hook, model.process_group
     elif not callable(hook):
         raise TypeError(f"comm_hook must be a DDP communication hook (a callable), got {type(hook).__name__}")
-    if hook is allreduce_hook:  # DDP's own: its division can carry the check (a power-of-two world size)
-        flags.fuse((state if state is not None else dist.group.WORLD).size())
+    if hook is allreduce_hook:  # DDP's own: its division can carry the check (see OriginFlags.fuse)
+        flags.fuse((state if state is not None else dist.group.WORLD).size(),
+                   multiplies=_device.ddp_builtin_multiplies(model))
     try:
         model.register_comm_hook(state, OriginHook(flags, hook, errors))
     except RuntimeError as error:
