@@ -22,13 +22,14 @@ __all__ = ["run_ranks", "scaled_backward"]
 
 
 def scaled_backward(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, *,
-                    rank: int, iteration: int, inject: bool) -> None:
+                    rank: int, iteration: int, inject: bool, dtype: torch.dtype = torch.float32) -> None:
     """Run one iteration up to ``scaler.step``: this rank's input (an inf in it when ``inject``), a bf16 forward.
 
     The input depends only on ``rank`` and ``iteration``, so the same job run with and
-    without the agent (or its comm hook) trains on the same data.
+    without the agent (or its comm hook) trains on the same data. ``dtype``: the input's (float64 for a
+    float64 model: autocast leaves float64 alone, so its forward stays float64).
     """
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + iteration))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + iteration)).to(dtype)
     if inject:
         x[0, 0] = float("inf")
     opt.zero_grad()

@@ -93,13 +93,13 @@ def _net(dtype: torch.dtype) -> nn.Module:
 
 def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iterations: int = ITERATIONS,
           inject: bool = True, count_syncs: bool = False, python_hook: bool = False,
-          dtype: torch.dtype = torch.float32) -> dict:
+          dtype: torch.dtype = torch.float32, gradient_as_bucket_view: bool = False) -> dict:
     """Train with the agent (``origin``: with ``ddp=model``; ``python_hook``: without it, DDP's own
     ``allreduce_hook`` registered as a Python comm hook), ``dtype`` the weights' and so the buckets' dtype."""
     from ampwatch import agent
 
     net = _net(dtype)
-    model = DistributedDataParallel(net, bucket_cap_mb=0.01)
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01, gradient_as_bucket_view=gradient_as_bucket_view)
     if python_hook:
         model.register_comm_hook(dist.group.WORLD, allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -113,7 +113,8 @@ def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iteration
     try:
         with counter, HookAminmaxCount() as aminmax:
             for i in range(iterations):
-                scaled_backward(model, opt, scaler, rank=rank, iteration=i, inject=rank in plan.get(i, ()))
+                scaled_backward(model, opt, scaler, rank=rank, iteration=i, inject=rank in plan.get(i, ()),
+                                dtype=torch.float64 if dtype is torch.float64 else torch.float32)
                 grads.append(reduced_gradients(net.parameters()))
                 before = bits(net.parameters())
                 scaler.step(opt)
@@ -199,6 +200,14 @@ def main(rank: int, out_dir: str, port: int, world_size: int) -> None:
             "fp16_plain": train_fp16(rank, world_size, origin=False),
             "fp16_python_hook": train_fp16(rank, world_size, origin=False, python_hook=True),
         }
+        if world_size == 3:  # a world size that is not a power of two: how DDP scales decides the path
+            results.update({
+                "fp64_origin": train(rank, world_size, origin=True, dtype=torch.float64),
+                "fp64_plain": train(rank, world_size, origin=False, dtype=torch.float64),
+                "view_origin": train(rank, world_size, origin=True, gradient_as_bucket_view=True),
+                "view_python_hook": train(rank, world_size, origin=False, python_hook=True,
+                                          gradient_as_bucket_view=True),
+            })
         results["user_hook"]["hook_calls"] = hook.calls
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)

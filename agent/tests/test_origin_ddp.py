@@ -1,6 +1,7 @@
 """Real DDP over gloo with 2, 3 and 4 processes: the rank whose own gradients held the inf is named (issue 17).
 
-At 2 and 4 ranks the hook takes the fused path (the check rides DDP's own division); at 3 the aminmax one.
+With DDP's default (``gradient_as_bucket_view=False``) the hook takes the fused path at 2, 3 and 4 ranks (the
+check rides DDP's own scaling); at 3 ranks with ``gradient_as_bucket_view=True`` it takes the aminmax one.
 """
 
 from __future__ import annotations
@@ -141,18 +142,61 @@ def test_bf16_and_fp16_buckets_on_the_fused_path_reduce_bit_identically_and_name
         assert origin_iterations(bf16) == [i for i in sorted(plan) if rank in plan[i]]
 
 
-def test_three_ranks_take_the_aminmax_path_name_the_origin_and_train_as_ddps_allreduce_hook(three_ranks):
-    """3 is not a power of two: multiplying by 1/3 does not round like dividing by 3, so the hook keeps its
-    aminmax pass and runs DDP's allreduce_hook (which divides). Training is bit for bit that of allreduce_hook
-    as a Python hook without the agent. (DDP's built-in C++ all-reduce multiplies by 1/3 instead, so at this
-    world size it differs from allreduce_hook, with or without ampwatch, in the last bit of some float32
-    gradients: not compared here.)"""
+def _assert_origins(run: dict, rank: int, plan: dict) -> None:
+    assert run["truth"] == run["reported"] == [i not in plan for i in range(ITERATIONS)]
+    assert origin_iterations(run) == [i for i in sorted(plan) if rank in plan[i]]
+    assert [finite for _, finite in run["grads"]] == [i not in plan for i in range(ITERATIONS)]
+
+
+def test_three_ranks_with_ddps_default_take_the_fused_path_and_train_bit_for_bit_as_ddps_builtin(three_ranks):
+    """3 is not a power of two, but with gradient_as_bucket_view=False (DDP's default) DDP's built-in
+    all-reduce multiplies every gradient by float32(1/3) while copying it into its bucket, and so does the
+    fused kernel: no aminmax pass, the origin named, and every iteration's reduced gradients (the skipped
+    ones included) and the final weights bit for bit the built-in's, in float32, bfloat16 and float16.
+    (DDP's allreduce_hook divides by 3: in float32 its gradients differ from the built-in's here, which is
+    what makes this comparison tell multiplying from dividing.)"""
     plan = injections(3)
     for rank, result in enumerate(three_ranks):
-        run = result["origin"]
-        assert run["fused"] is False and run["hook_aminmax_calls"] >= ITERATIONS
-        assert run["truth"] == run["reported"] == [i not in plan for i in range(ITERATIONS)]
-        assert origin_iterations(run) == [i for i in sorted(plan) if rank in plan[i]]
-        assert [finite for _, finite in run["grads"]] == [i not in plan for i in range(ITERATIONS)]
-        assert run["grads"] == result["python_hook"]["grads"] and run["bits"] == result["python_hook"]["bits"]
+        for name in ("origin", "clean_origin", "bf16_origin", "fp16_origin"):
+            assert result[name]["fused"] is True, name
+            assert result[name]["hook_aminmax_calls"] == 0, name
+        _assert_origins(result["origin"], rank, plan)
+        _assert_origins(result["bf16_origin"], rank, plan)
+        for prefix in ("", "bf16_", "fp16_"):
+            origin, plain = result[f"{prefix}origin"], result[f"{prefix}plain"]
+            assert [finite for _, finite in origin["grads"]] == [i not in plan for i in range(ITERATIONS)], prefix
+            assert origin["grads"] == plain["grads"] and origin["bits"] == plain["bits"], prefix
+        assert result["clean_origin"]["bits"] == result["clean_plain"]["bits"]
         assert result["clean_origin"]["syncs"] == result["clean_plain"]["syncs"]
+    assert any(result["python_hook"]["grads"] != result["plain"]["grads"] for result in three_ranks)
+
+
+def test_three_ranks_float64_buckets_are_multiplied_as_ddps_builtin_does_not_by_the_kernels_float32(three_ranks):
+    """The fused kernel's reciprocal is float32; the built-in multiplies a float64 gradient by the float64
+    1/3. So at 3 ranks a float64 bucket keeps one aminmax pass and is multiplied by 1/3 by the hook
+    (``mul_``, the built-in's scalar), then all-reduced by it: the origin named, gradients and weights bit for
+    bit the built-in's."""
+    plan = injections(3)
+    for rank, result in enumerate(three_ranks):
+        run = result["fp64_origin"]
+        assert run["fused"] is True and run["hook_aminmax_calls"] >= ITERATIONS
+        _assert_origins(run, rank, plan)
+        assert run["grads"] == result["fp64_plain"]["grads"] and run["bits"] == result["fp64_plain"]["bits"]
+
+
+def test_three_ranks_with_gradient_as_bucket_view_take_the_aminmax_path_and_train_as_ddps_allreduce_hook(
+        three_ranks):
+    """With gradient_as_bucket_view=True DDP's built-in scales gradients two ways: it multiplies one by
+    float32(1/3) while copying it into its bucket (the first iteration, and every iteration after
+    ``zero_grad()``'s default ``set_to_none=True``) and divides in place, by 3, one that already is its bucket
+    view (``zero_grad(set_to_none=False)``). A comm hook sees the bucket, not which of the two it would have
+    been, so at 3 ranks the hook keeps its aminmax pass and DDP's allreduce_hook (which divides): the origin
+    named, training bit for bit that of allreduce_hook as a Python hook without the agent, not always the
+    built-in's."""
+    plan = injections(3)
+    for rank, result in enumerate(three_ranks):
+        run = result["view_origin"]
+        assert run["fused"] is False and run["hook_aminmax_calls"] >= ITERATIONS
+        _assert_origins(run, rank, plan)
+        reference = result["view_python_hook"]
+        assert run["grads"] == reference["grads"] and run["bits"] == reference["bits"]

@@ -234,3 +234,62 @@ def test_a_failing_fused_note_leaves_the_bucket_to_the_wrapped_all_reduce_and_is
             assert torch.equal(mine.grad, theirs.grad)
     finally:
         watch.close()
+
+
+def test_ddps_builtin_multiplies_only_where_it_copies_every_gradient_into_its_bucket(group):
+    """DDP's built-in multiplies by 1/world size a gradient it copies into its bucket, and divides one that
+    already is its bucket view (gradient_as_bucket_view=True) or a whole bucket (batched_grad_copy=True)."""
+    from ampwatch.agent._device import ddp_builtin_multiplies
+
+    def ddp(**kwargs):
+        return DistributedDataParallel(nn.Linear(4, 2), **kwargs)
+    assert ddp_builtin_multiplies(ddp()) is True
+    assert ddp_builtin_multiplies(ddp(gradient_as_bucket_view=True)) is False
+    assert ddp_builtin_multiplies(ddp(batched_grad_copy=True)) is False
+    assert ddp_builtin_multiplies(nn.Linear(4, 2)) is False  # settings it cannot read: as if it divided
+
+
+class _Bucket:
+    """What the origin hook asks of DDP's GradBucket."""
+
+    def __init__(self, index: int, buffer: torch.Tensor) -> None:
+        self._index, self._buffer = index, buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list:
+        return []
+
+
+def test_the_fused_path_at_three_ranks_scales_each_bucket_as_ddps_builtin_multiplies_it():
+    """At a world size that is not a power of two the hook is fused only where the built-in multiplies; then
+    float32, bfloat16 and float16 buckets go through the kernel (its float32 1/3 is the built-in's scalar for
+    them) and float64 ones (also one that was float32 before DDP rebuilt its buckets) through aminmax and
+    ``mul_(1/3)``, the built-in's double scalar; each result is bit for bit ``torch.mul(gradient, 1/3)``, as
+    the built-in's ``mul_out``."""
+    from ampwatch.agent._origin import OriginFlags
+    from ampwatch.agent._params import ParameterNames
+
+    assert OriginFlags(ParameterNames()).fuse(3) is False  # as allreduce_hook's division: not a multiply
+    assert OriginFlags(ParameterNames()).fuse(4) is True and OriginFlags(ParameterNames()).fuse(0) is False
+    flags = OriginFlags(ParameterNames())
+    assert flags.fuse(3, multiplies=True) is True and flags.fused
+    grads = torch.randn(4, 10_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e3
+    grads[3, 7] = float("inf")
+    for rebuilt in (False, True):
+        for index, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16, torch.float64)):
+            if rebuilt:  # every index changes dtype, as when DDP rebuilds its buckets
+                dtype = {torch.float32: torch.float64, torch.float64: torch.float32}.get(dtype, dtype)
+            grad = grads[index].to(dtype)
+            buffer = grad.clone()
+            assert flags.note(_Bucket(index, buffer)) is buffer, (rebuilt, dtype)
+            assert torch.equal(buffer, torch.mul(grad, 1 / 3)), (rebuilt, dtype)
+            kernel = flags.notes.flags[index] is not None
+            assert kernel is (dtype is not torch.float64), (rebuilt, dtype)
+        report, _ = flags.report(iteration=rebuilt, current=True)
+        assert report.origin and report.buckets == [3]  # the one bucket that held the inf, on either path
+        flags.end_iteration(iteration=rebuilt, keep=False)
