@@ -10,6 +10,7 @@ limit and the cleanup.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -93,13 +94,14 @@ def _net(dtype: torch.dtype) -> nn.Module:
 
 def train(rank: int, world_size: int, *, origin: bool, comm_hook=None, iterations: int = ITERATIONS,
           inject: bool = True, count_syncs: bool = False, python_hook: bool = False,
-          dtype: torch.dtype = torch.float32, gradient_as_bucket_view: bool = False) -> dict:
+          dtype: torch.dtype = torch.float32, **ddp_options) -> dict:
     """Train with the agent (``origin``: with ``ddp=model``; ``python_hook``: without it, DDP's own
-    ``allreduce_hook`` registered as a Python comm hook), ``dtype`` the weights' and so the buckets' dtype."""
+    ``allreduce_hook`` registered as a Python comm hook), ``dtype`` the weights' and so the buckets' dtype,
+    ``ddp_options`` DistributedDataParallel's own (``gradient_as_bucket_view``, ``batched_grad_copy``)."""
     from ampwatch import agent
 
     net = _net(dtype)
-    model = DistributedDataParallel(net, bucket_cap_mb=0.01, gradient_as_bucket_view=gradient_as_bucket_view)
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01, **ddp_options)
     if python_hook:
         model.register_comm_hook(dist.group.WORLD, allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -208,6 +210,11 @@ def main(rank: int, out_dir: str, port: int, world_size: int) -> None:
                 "view_python_hook": train(rank, world_size, origin=False, python_hook=True,
                                           gradient_as_bucket_view=True),
             })
+            if "batched_grad_copy" in inspect.signature(DistributedDataParallel).parameters:  # torch >= 2.13
+                results.update({
+                    "batched_origin": train(rank, world_size, origin=True, batched_grad_copy=True),
+                    "batched_plain": train(rank, world_size, origin=False, batched_grad_copy=True),
+                })
         results["user_hook"]["hook_calls"] = hook.calls
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)

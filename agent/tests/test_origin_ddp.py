@@ -200,3 +200,17 @@ def test_three_ranks_with_gradient_as_bucket_view_take_the_aminmax_path_and_trai
         _assert_origins(run, rank, plan)
         reference = result["view_python_hook"]
         assert run["grads"] == reference["grads"] and run["bits"] == reference["bits"]
+
+
+def test_three_ranks_with_batched_grad_copy_take_the_aminmax_path_and_train_as_ddps_builtin(three_ranks):
+    """With batched_grad_copy=True (torch 2.13) DDP's built-in divides each whole bucket by 3 once it is
+    filled, as allreduce_hook does: at 3 ranks the hook keeps its aminmax pass and allreduce_hook, the origin
+    named, and training is bit for bit the built-in's (the fused kernel's multiply would not be)."""
+    if "batched_origin" not in three_ranks[0]:
+        pytest.skip("this torch's DistributedDataParallel has no batched_grad_copy")
+    plan = injections(3)
+    for rank, result in enumerate(three_ranks):
+        run = result["batched_origin"]
+        assert run["fused"] is False and run["hook_aminmax_calls"] >= ITERATIONS
+        _assert_origins(run, rank, plan)
+        assert run["grads"] == result["batched_plain"]["grads"] and run["bits"] == result["batched_plain"]["bits"]
