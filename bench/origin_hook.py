@@ -1,9 +1,9 @@
 """What the DDP origin hook costs per iteration: this tree beside an earlier revision of the agent, in one run.
 
 Each measurement runs in a process of its own holding a one-process gloo DDP group (world size 1: DDP still
-buckets the gradients, calls the comm hook and all-reduces; 1 is a power of two, so the hook takes the fused
-path, as at 2, 4, 8, ... ranks; otherwise its work does not depend on the world size, and no second process
-blurs the count) and ``bench.ddp_origin``'s MLP loop (AdamW, one GradScaler, bfloat16 autocast, one bucket).
+buckets the gradients, calls the comm hook and all-reduces; the hook takes the fused path, as at any world
+size with DDP's default settings, and its work does not depend on the world size; no second process blurs
+the count) and ``bench.ddp_origin``'s MLP loop (AdamW, one GradScaler, bfloat16 autocast, one bucket).
 Variants: ``plain`` (DDP's built-in C++ all-reduce, the agent watching without ``ddp=``), ``python_hook``
 (DDP's own ``allreduce_hook`` as a Python comm hook, nothing of ampwatch), ``origin`` (``watch(...,
 ddp=model)`` of this tree) and ``origin_before`` (the same, with ``agent/src`` of ``--before REF``, extracted

@@ -15,9 +15,9 @@ def section(doc: dict) -> list[str]:
              "as a Python comm hook", "origin": "`origin`: `ddp=model`, this tree",
              "origin_before": f"`origin` before ({d['before']})"}
     lines = [f"What the hook of `watch(..., ddp=model)` costs on `bench.ddp_origin`'s {d['model']} (one bucket), "
-             f"in a one-process {d['backend']} DDP group (world size 1, a power of two: where this tree's hook "
-             "takes its fused path, the inf/NaN check riding `allreduce_hook`'s division, as at 2, 4, 8, ... "
-             "ranks), both revisions measured in one run. Instructions: callgrind, exact, "
+             f"in a one-process {d['backend']} DDP group (world size 1: this tree's hook takes its fused path, "
+             "the inf/NaN check riding DDP's scaling by 1/world size, as at any world size with DDP's default "
+             "settings), both revisions measured in one run. Instructions: callgrind, exact, "
              f"{ins['iterations']} iterations after a warm-up of {ins['warmup']}:", "",
              "| variant | instructions/iter | ratio to plain | the hook's own (minus `python_hook`) |",
              "|---|---|---|---|"]
