@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import pathlib
 import re
 import shutil
@@ -165,7 +166,7 @@ def test_scraping_1024_ranks_exposes_each_ranks_own_counters_once(client):
 
 def test_a_render_that_pauses_for_the_event_loop_is_the_same_text_as_one_that_does_not(client, monkeypatch):
     from ampwatch.server import _pacing
-    from ampwatch.server._metrics import RENDER_PAUSE_S, Exposition
+    from ampwatch.server._metrics import _PACE_EVERY, RENDER_PAUSE_S, Exposition
 
     state, own = client.app.state.collector_state, client.app.state.own
     _hold_ranks(state, 1100)
@@ -173,10 +174,10 @@ def test_a_render_that_pauses_for_the_event_loop_is_the_same_text_as_one_that_do
     pauses: list[float] = []
     monkeypatch.setattr(_pacing.time, "sleep", pauses.append)
     paced = Exposition(state, own, 60.0, clock=lambda: 1e9, pause_s=RENDER_PAUSE_S).render_ranks(1e9)
-    families = len(pauses) // 2
-    assert families >= 10 and pauses == [RENDER_PAUSE_S] * 2 * families  # 1,100 ranks: 3 slices of 512 a family
+    slices = math.ceil(1100 / _PACE_EVERY)
+    assert slices >= 10 and pauses == [RENDER_PAUSE_S] * (slices - 1)  # a pause between two slices of ranks
     assert paced == Exposition(state, own, 60.0, clock=lambda: 1e9).render_ranks(1e9)
-    assert len(pauses) == 2 * families  # the plain render did not pause
+    assert len(pauses) == slices - 1  # the plain render did not pause
 
 
 def _scrape(url: str, accept_encoding: Optional[str]) -> tuple[dict, bytes]:
@@ -211,3 +212,30 @@ def test_metrics_are_gzipped_when_the_scraper_asks_and_plain_text_otherwise(tmp_
                                timeout=60)
         assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), \
             check.stdout + check.stderr
+
+
+def test_a_render_after_some_ranks_changed_equals_a_fresh_render_and_shows_their_new_counters(client):
+    """Each rank's lines are kept between scrapes while its view is the same: a changed rank must not show
+    its old lines, a rank that left must not linger."""
+    import time
+
+    from ampwatch.server._metrics import Exposition
+    from ampwatch.server._schema import parse_batch
+    from ampwatch.server._state import next_incarnation
+
+    state, own = client.app.state.collector_state, client.app.state.own
+    _hold_ranks(state, 200)
+    kept = Exposition(state, own, 60.0, clock=lambda: 1e9)
+    first = kept.render_ranks(1e9)
+    for rank in (3, 150):  # a newer batch of the same process: steps 1,000, a skip of "disc"
+        held = state.get("exp-42", rank)
+        old = held.view.current
+        batch = parse_batch(json.dumps(make_batch(
+            rank=rank, world_size=200, incarnation=f"{rank:032x}", seq=2,
+            optimizers={"gen": optimizer(steps=1000, skipped=rank % 3), "disc": optimizer(steps=2 * rank, skipped=1)})))
+        held.install(next_incarnation(old, batch, time.time(), 128))
+    again = kept.render_ranks(1e9)
+    assert again != first
+    assert again == Exposition(state, own, 60.0, clock=lambda: 1e9).render_ranks(1e9)
+    assert f'{OPTIMIZER_STEPS.name}{{run="exp-42",rank="150",optimizer="gen"}} 1000\n' in again
+    assert f'{OPTIMIZER_SKIPPED_STEPS.name}{{run="exp-42",rank="3",optimizer="disc"}} 1\n' in again
