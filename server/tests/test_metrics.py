@@ -225,8 +225,9 @@ def test_a_render_after_some_ranks_changed_equals_a_fresh_render_and_shows_their
 
     state, own = client.app.state.collector_state, client.app.state.own
     _hold_ranks(state, 200)
-    kept = Exposition(state, own, 60.0, clock=lambda: 1e9)
+    kept = Exposition(state, own, 60.0, clock=lambda: 1e9, keep_lines_from=100)
     first = kept.render_ranks(1e9)
+    assert all(lines.lines for lines in kept._lines.values())  # 200 ranks >= 100: every rank's lines kept
     for rank in (3, 150):  # a newer batch of the same process: steps 1,000, a skip of "disc"
         held = state.get("exp-42", rank)
         old = held.view.current
@@ -239,3 +240,15 @@ def test_a_render_after_some_ranks_changed_equals_a_fresh_render_and_shows_their
     assert again == Exposition(state, own, 60.0, clock=lambda: 1e9).render_ranks(1e9)
     assert f'{OPTIMIZER_STEPS.name}{{run="exp-42",rank="150",optimizer="gen"}} 1000\n' in again
     assert f'{OPTIMIZER_SKIPPED_STEPS.name}{{run="exp-42",rank="3",optimizer="disc"}} 1\n' in again
+
+
+def test_below_keep_lines_from_a_render_keeps_no_ranks_lines(client):
+    from ampwatch.server._metrics import KEEP_LINES_FROM, Exposition
+
+    state, own = client.app.state.collector_state, client.app.state.own
+    _hold_ranks(state, 300)
+    assert KEEP_LINES_FROM > 300
+    exposition = Exposition(state, own, 60.0, clock=lambda: 1e9)
+    text = exposition.render_ranks(1e9)
+    assert 'rank="299"' in text
+    assert not any(lines.lines or lines.view is not None for lines in exposition._lines.values())
