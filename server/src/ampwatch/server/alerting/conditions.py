@@ -109,15 +109,29 @@ def rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAl
     found.extend(_window_alerts(h, now, t))
     if h.baseline(now, t.conflict_window_s).conflicted_since():
         found.append(_alert("AmpRankConflict", dict(labels), cur.conflicts, t))
+    found.extend(_state_alerts(cur, now, t))
+    return found
+
+
+def _state_alerts(cur: RankSnapshot, now: float, t: AlertThresholds) -> list[ActiveAlert]:
+    """The alerts of one rank's latest state alone, no window: scale collapsed, rank silent."""
     if cur.closed:
         # A rank that closed cleanly is finished: its last scale and silence are not trouble.
-        return found
+        return []
+    found = []
+    labels = {"run": cur.run, "rank": str(cur.rank)}
     if cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
         found.append(_alert("AmpLossScaleCollapsed", dict(labels), cur.loss_scale, t))
     silent_for = now - cur.last_seen
     if silent_for > t.silent_after_s:
-        found.append(_alert("AmpRankSilent", dict(labels), silent_for, t))
+        found.append(_alert("AmpRankSilent", labels, silent_for, t))
     return found
+
+
+def _windows_need_moves(t: AlertThresholds) -> bool:
+    """Whether every window alert needs a counter to move (a ratio or count threshold above 0), so that a
+    :meth:`~.history.RankHistory.quiet` rank has none."""
+    return t.skip_ratio > 0 and t.backoff_min_count > 0 and t.origin_min_count > 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,7 +201,7 @@ def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[
 def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
              hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
              between: Callable[[], object] = lambda: None) -> list[ActiveAlert]:
-    """Return every alert that holds at ``now`` over all ranks and runs; O(ranks), ~16 us a rank.
+    """Return every alert that holds at ``now`` over all ranks and runs; O(ranks), ~20 us a rank, ~3 us a quiet one.
 
     The histories are read in slices of ``slice_size`` ranks, each inside ``hold()`` (the
     evaluator's lock), so whoever records into a history waits for one slice, not the whole pass;
@@ -197,11 +211,16 @@ def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
     """
     by_run: dict[str, list[RankFacts]] = {}
     found: list[ActiveAlert] = []
+    skip_quiet = _windows_need_moves(t)
     for first in range(0, len(histories), slice_size):
         if first:
             between()
         with hold():
             for h in histories[first:first + slice_size]:
+                if skip_quiet and h.quiet(now):  # no window alert can hold: only the state's own
+                    found.extend(_state_alerts(h.current, now, t))
+                    by_run.setdefault(h.run, []).append(RankFacts(h.current, 0, False))
+                    continue
                 found.extend(rank_alerts(h, now, t))
                 by_run.setdefault(h.run, []).append(rank_facts(h, now, t))
     for run, ranks in by_run.items():

@@ -35,6 +35,20 @@ _RANK_RISES = 2
 # Rise times: growths, conflicts; then per optimizer scheduler_steps_after_skip, poisoned_steps, one per streak length.
 
 
+def _moved(before: RankSnapshot, now: RankSnapshot) -> bool:
+    """Return whether anything a window alert reads moved from ``before`` to ``now`` (growths, steps and the
+    iteration aside: they matter only beside a skip or a backoff), or a streak is running."""
+    if (now.totals.backoffs != before.totals.backoffs or now.conflicts != before.conflicts
+            or now.totals.origin_iterations != before.totals.origin_iterations or any(now.consecutive_skipped.values())):
+        return True
+    for name, opt in now.optimizers.items():
+        old = before.optimizers.get(name, _NONE)
+        if (opt.skipped != old.skipped or opt.scheduler_steps_after_skip != old.scheduler_steps_after_skip
+                or opt.poisoned_steps != old.poisoned_steps):
+            return True
+    return False
+
+
 class Baseline:
     """A rank at one past moment: its counters then, and whether others rose since. Reads cost O(1)."""
 
@@ -100,7 +114,7 @@ class RankHistory:
     """
 
     __slots__ = ("run", "rank", "current", "_times", "_rows", "_rose", "_index", "_rungs", "_horizon_s",
-                 "_resolution_s", "_origin")
+                 "_resolution_s", "_origin", "_moved_at")
 
     def __init__(self, run: str, rank: int, horizon_s: float, resolution_s: float = 5.0,
                  streak_lengths: Iterable[int] = ()) -> None:
@@ -113,6 +127,7 @@ class RankHistory:
         self._rungs = {length: i for i, length in enumerate(dict.fromkeys(streak_lengths))}
         self._horizon_s, self._resolution_s = horizon_s, resolution_s
         self._origin: Optional[array] = None
+        self._moved_at = _NEVER  # when a counter a window alert reads last moved, or a streak was last seen
 
     def record(self, snapshot: RankSnapshot, calibration_iterations: int) -> None:
         """Make ``snapshot`` the current one and keep what the windows need (replacing a too-close predecessor)."""
@@ -126,6 +141,8 @@ class RankHistory:
             young = snapshot.iteration <= calibration_iterations
             previous = RankSnapshot(run=self.run, rank=self.rank, last_seen=_NEVER) if young else snapshot
         self._note_rises(previous, snapshot)
+        if _moved(previous, snapshot):
+            self._moved_at = snapshot.last_seen
         row = self._row(snapshot)
         if self._origin is None:
             self._origin = row if previous is snapshot else array(row.typecode, [0] * len(row))
@@ -157,6 +174,19 @@ class RankHistory:
 
     def __len__(self) -> int:
         return len(self._times)
+
+    def quiet(self, now: float) -> bool:
+        """Return whether no window alert can hold at ``now``: nothing they read moved within any window.
+
+        True when, since the earliest moment any window's baseline can be (the kept sample at or before the
+        horizon; the origin for a rank younger than the horizon), no skip, backoff, origin iteration,
+        scheduler step after a skip, poisoned step or conflict was counted and no streak was running. Every
+        window's increase is then 0 and every "rose since" false: the periodic pass skips those reads
+        (most ranks of a healthy job, whose calibration skips are older than the longest window). O(1).
+        """
+        if self._moved_at == _NEVER:
+            return True
+        return bool(self._times) and now - self._horizon_s >= self._times[0] >= self._moved_at
 
     def _note_rises(self, before: RankSnapshot, now: RankSnapshot) -> None:
         rose, at = self._rose, now.last_seen

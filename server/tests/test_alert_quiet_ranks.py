@@ -1,0 +1,163 @@
+"""The periodic pass skips the window reads of quiet ranks, and finds exactly what reading every window finds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ampwatch.contract.protocol import STREAK_LADDER
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
+from ampwatch.server._state import RankSnapshot
+from ampwatch.server._totals import OptimizerTotals, RankTotals
+from ampwatch.server.alerting import conditions
+from ampwatch.server.alerting.conditions import evaluate, rank_alerts, rank_facts, run_alerts_of
+from ampwatch.server.alerting.history import RankHistory
+
+HORIZON = max(T.skip_streak_window_s, T.backoff_window_s, T.skip_ratio_window_s, T.scheduler_window_s,
+              T.poisoned_window_s, T.origin_window_s, T.conflict_window_s)
+
+
+def _history() -> RankHistory:
+    return RankHistory("exp", 0, HORIZON, 5.0, (T.skip_streak_warning, T.skip_streak_critical))
+
+
+class _Rank:
+    """One rank's cumulative counters, moved by a random plan."""
+
+    def __init__(self, rank: int, rng: random.Random, trouble: float) -> None:
+        self.rank, self.rng, self.trouble = rank, rng, trouble
+        self.iteration = self.steps = self.skipped = self.backoffs = self.growths = self.origin = 0
+        self.sched = self.poisoned = self.conflicts = self.streak = 0
+        self.scale = 65536.0
+
+    def step(self, t: float, calibrating: bool, stalled: bool = False) -> RankSnapshot:
+        rng = self.rng
+        if stalled:  # hung (say mid-streak): the agent's heartbeats still come, the counters stand still
+            return self._snapshot(t)
+        self.iteration += 10
+        if calibrating or rng.random() < self.trouble:
+            self.skipped += 1
+            self.streak += 1
+            self.backoffs += 1
+            self.scale /= 2
+            self.origin += rng.random() < 0.3
+            self.sched += rng.random() < 0.1
+        else:
+            self.steps += 10
+            self.streak = 0
+            self.growths += rng.random() < 0.05
+        self.poisoned += rng.random() < self.trouble / 10
+        self.conflicts += rng.random() < self.trouble / 20
+        return self._snapshot(t)
+
+    def _snapshot(self, t: float) -> RankSnapshot:
+        reached = tuple(1 if self.streak >= n else 0 for n in STREAK_LADDER)
+        return RankSnapshot(run="exp", rank=self.rank, last_seen=t, iteration=self.iteration, loss_scale=self.scale,
+                            totals=RankTotals(backoffs=self.backoffs, growths=self.growths,
+                                              origin_iterations=self.origin),
+                            optimizers={"gen": OptimizerTotals(steps=self.steps, skipped=self.skipped,
+                                                               scheduler_steps_after_skip=self.sched,
+                                                               poisoned_steps=self.poisoned,
+                                                               streaks_reached=reached)},
+                            consecutive_skipped={"gen": self.streak}, conflicts=self.conflicts)
+
+
+def _full_pass(histories: list[RankHistory], now: float) -> list:
+    found, by_run = [], {}
+    for h in histories:
+        found.extend(rank_alerts(h, now, T))
+        by_run.setdefault(h.run, []).append(rank_facts(h, now, T))
+    for run, ranks in by_run.items():
+        found.extend(run_alerts_of(run, ranks, T))
+    return found
+
+
+def _key(alert) -> tuple:
+    return alert.name, tuple(sorted(alert.labels.items())), repr(alert.value)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pass_that_skips_quiet_ranks_finds_what_reading_every_window_finds(seed):
+    rng = random.Random(seed)
+    # Most ranks healthy after calibration, a few in trouble now and then; some stop reporting (silent).
+    ranks = [_Rank(r, random.Random(seed * 100 + r), rng.choice((0.0, 0.0, 0.0, 0.001, 0.02, 0.3)))
+             for r in range(40)]
+    histories = []
+    for r in ranks:
+        h = _history()
+        h.rank = r.rank
+        histories.append(h)
+    stops = {r.rank: rng.uniform(600, 9000) for r in ranks if rng.random() < 0.15}
+    stalls = {r.rank: rng.uniform(600, 6000) for r in ranks if rng.random() < 0.15}
+    # Some ranks send their first batch only after calibration skipped (a young first batch with skips in it).
+    late = {r.rank for r in ranks if rng.random() < 0.3}
+    skipped_reads = 0
+    for step in range(1, 1100):  # 10 s apart, over three hours: every window fills and rolls past calibration
+        t = step * 10.0
+        for r, h in zip(ranks, histories):
+            if t >= stops.get(r.rank, float("inf")):
+                continue
+            snapshot = r.step(t, calibrating=step <= 3, stalled=t >= stalls.get(r.rank, float("inf")))
+            if r.rank not in late or step > 3:
+                h.record(snapshot, T.calibration_iterations)
+        if step % 25 == 0:
+            now = t + rng.uniform(0, 9)
+            skipped_reads += sum(h.quiet(now) for h in histories)
+            assert sorted(map(_key, evaluate(histories, now, T))) == sorted(map(_key, _full_pass(histories, now)))
+    assert skipped_reads > 0  # the shortcut was taken (else this test proves nothing about it)
+
+
+def test_a_rank_whose_calibration_skips_are_older_than_every_window_is_quiet_but_still_goes_silent():
+    h, rank = _history(), _Rank(0, random.Random(1), 0.0)
+    for step in range(1, 400):
+        h.record(rank.step(step * 10.0, calibrating=step <= 3), T.calibration_iterations)
+    last = 399 * 10.0
+    assert not h.quiet(30.0 + HORIZON - 1)  # its calibration skips are still inside the longest window
+    assert h.quiet(last)
+    silent = evaluate([h], last + T.silent_after_s + 1, T)
+    assert [a.name for a in silent] == ["AmpRankSilent"]
+
+
+def test_a_rank_in_a_streak_or_with_a_recent_poisoned_step_is_not_quiet():
+    h, rank = _history(), _Rank(0, random.Random(1), 0.0)
+    for step in range(1, 400):
+        h.record(rank.step(step * 10.0, calibrating=False), T.calibration_iterations)
+    assert h.quiet(3990.0)
+    rank.poisoned += 1
+    h.record(rank.step(4000.0, calibrating=False), T.calibration_iterations)
+    assert not h.quiet(4000.0)
+    assert "AmpPoisonedStep" in {a.name for a in evaluate([h], 4000.0, T)}
+
+
+def test_thresholds_that_fire_without_a_move_read_every_window():
+    assert conditions._windows_need_moves(T)
+    from dataclasses import replace
+    assert not conditions._windows_need_moves(replace(T, backoff_min_count=0))
+
+
+def test_a_rank_hung_in_a_long_streak_keeps_its_streak_alert_past_every_window():
+    h, rank = _history(), _Rank(0, random.Random(1), 0.0)
+    for step in range(1, 400):  # clean past calibration, then a streak longer than the critical threshold
+        h.record(rank.step(step * 10.0, calibrating=400 - T.skip_streak_critical - 5 <= step), T.calibration_iterations)
+    assert rank.streak > T.skip_streak_critical
+    for step in range(400, 400 + int(2 * HORIZON / 10)):  # then hung: heartbeats, nothing moves, for two horizons
+        h.record(rank.step(step * 10.0, calibrating=False, stalled=True), T.calibration_iterations)
+    now = (400 + 2 * HORIZON / 10) * 10.0
+    assert not h.quiet(now)
+    found = {(a.name, a.labels.get("optimizer")) for a in evaluate([h], now, T)}
+    assert ("AmpConsecutiveSkippedSteps", "gen") in found
+    assert sorted(map(_key, evaluate([h], now, T))) == sorted(map(_key, _full_pass([h], now)))
+
+
+def test_a_young_ranks_first_batch_counts_against_its_origin_until_the_window_passes():
+    """A rank's first batch, still in calibration, already carries a poisoned step: every window is measured
+    from zero (the origin) until the rank is older than the window."""
+    h, rank = _history(), _Rank(0, random.Random(1), 0.0)
+    rank.poisoned = 1
+    h.record(rank.step(40.0, calibrating=True), T.calibration_iterations)
+    for step in range(5, int(HORIZON / 10)):
+        h.record(rank.step(step * 10.0, calibrating=False), T.calibration_iterations)
+    for now in (40.0 + T.poisoned_window_s - 300, 40.0 + T.poisoned_window_s - 20):
+        assert not h.quiet(now)
+        assert "AmpPoisonedStep" in {a.name for a in evaluate([h], now, T)}
