@@ -161,7 +161,7 @@ def _format_rank(v: RankView, lines: "_RankLines") -> tuple[str, ...]:
     return tuple(out)
 
 
-_PACE_EVERY = 64  # ranks formatted between two pauses: ~1.5 ms when every one changed
+RENDER_WORK_S = 0.001  # formatting between two pauses of the worker-thread render
 KEEP_LINES_FROM = 4096
 """Ranks held from which each rank's lines are kept between scrapes: at 16,384 ranks x 2 optimizers a render
 with half the ranks changed then takes about 0.75 s of CPU instead of 1.8 s (``python -m bench.metrics_render``)
@@ -186,7 +186,7 @@ class Exposition:
         self.pause_s = pause_s
         self.keep_lines_from = keep_lines_from
         """Keep each rank's lines between scrapes while at least this many ranks are held."""
-        """Sleep this long every 512 ranks of each family: the app renders in a worker thread (``_pacing``)."""
+        """Sleep this long after each millisecond of formatting: the app renders in a worker thread (``_pacing``)."""
         self._lines: dict[RankState, _RankLines] = {}
         self._rendering = threading.Lock()  # the label cache is one render's at a time
 
@@ -207,9 +207,9 @@ class Exposition:
         # since the last scrape (a view is replaced whole by each applied batch): at a 30 s heartbeat and
         # 15 s scrapes, about half the ranks are unchanged from one scrape to the next.
         keep = len(ranks) >= self.keep_lines_from
-        blocks = [lines.block(v, keep) for v, lines in _paced(ranks, _PACE_EVERY, self.pause_s)]
+        blocks = [lines.block(v, keep) for v, lines in _paced(ranks, RENDER_WORK_S, self.pause_s)]
         out: list[str] = []
-        for family, metric in enumerate(_FAMILIES):
+        for family, metric in _paced(list(enumerate(_FAMILIES)), RENDER_WORK_S, self.pause_s):
             out.append(_HEADERS[metric])
             out.extend(block[family] for block in blocks)
         self._render_runs([v for v, _ in ranks], now, out.append)
