@@ -55,12 +55,23 @@ ROWS: tuple[tuple[str, Callable[[dict], str]], ...] = (
 """Each row's label and how it reads one side's figures."""
 
 
+SIDES = ("before", "previous", "after")
+"""``before``: the delivery before issue 18 (state every second); ``previous``, where stored: the *after* side
+as an earlier commit ran it (its ``label`` says which); ``after``: this tree."""
+
+
+def _name(result: dict, side: str) -> str:
+    if side == "before":
+        return "before (state every 1 s)"
+    if "label" in result[side]:
+        return result[side]["label"]
+    return f"after (news at once, heartbeat {fmt(result['settings']['heartbeat_s'])} s)"
+
+
 def table(result: dict) -> list[str]:
     """The Markdown table of a stored ``bench.fleet`` result: a column per side it ran."""
-    sides = [s for s in ("before", "after") if s in result]
-    heartbeat = fmt(result["settings"]["heartbeat_s"])
-    names = ["before (state every 1 s)" if s == "before" else f"after (news at once, heartbeat {heartbeat} s)"
-             for s in sides]
+    sides = [s for s in SIDES if s in result]
+    names = [_name(result, s) for s in sides]
     return ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(sides),
             *(f"| {label} | " + " | ".join(cell(result[s]) for s in sides) + " |" for label, cell in ROWS)]
 
