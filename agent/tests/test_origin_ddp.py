@@ -176,12 +176,8 @@ def test_three_ranks_float64_buckets_are_multiplied_as_ddps_builtin_does_not_by_
     1/3. So at 3 ranks a float64 bucket keeps one aminmax pass and is multiplied by 1/3 by the hook
     (``mul_``, the built-in's scalar), then all-reduced by it: the origin named, gradients and weights bit for
     bit the built-in's."""
-    plan = injections(3)
     for rank, result in enumerate(three_ranks):
-        run = result["fp64_origin"]
-        assert run["fused"] is True and run["hook_aminmax_calls"] >= ITERATIONS
-        _assert_origins(run, rank, plan)
-        assert run["grads"] == result["fp64_plain"]["grads"] and run["bits"] == result["fp64_plain"]["bits"]
+        _assert_aminmax_run(result["fp64_origin"], rank, fused=True, reference=result["fp64_plain"])
 
 
 def test_three_ranks_with_gradient_as_bucket_view_take_the_aminmax_path_and_train_as_ddps_allreduce_hook(
@@ -193,13 +189,8 @@ def test_three_ranks_with_gradient_as_bucket_view_take_the_aminmax_path_and_trai
     been, so at 3 ranks the hook keeps its aminmax pass and DDP's allreduce_hook (which divides): the origin
     named, training bit for bit that of allreduce_hook as a Python hook without the agent, not always the
     built-in's."""
-    plan = injections(3)
     for rank, result in enumerate(three_ranks):
-        run = result["view_origin"]
-        assert run["fused"] is False and run["hook_aminmax_calls"] >= ITERATIONS
-        _assert_origins(run, rank, plan)
-        reference = result["view_python_hook"]
-        assert run["grads"] == reference["grads"] and run["bits"] == reference["bits"]
+        _assert_aminmax_run(result["view_origin"], rank, fused=False, reference=result["view_python_hook"])
 
 
 def test_three_ranks_with_batched_grad_copy_take_the_aminmax_path_and_train_as_ddps_builtin(three_ranks):
@@ -208,9 +199,13 @@ def test_three_ranks_with_batched_grad_copy_take_the_aminmax_path_and_train_as_d
     named, and training is bit for bit the built-in's (the fused kernel's multiply would not be)."""
     if "batched_origin" not in three_ranks[0]:
         pytest.skip("this torch's DistributedDataParallel has no batched_grad_copy")
-    plan = injections(3)
     for rank, result in enumerate(three_ranks):
-        run = result["batched_origin"]
-        assert run["fused"] is False and run["hook_aminmax_calls"] >= ITERATIONS
-        _assert_origins(run, rank, plan)
-        assert run["grads"] == result["batched_plain"]["grads"] and run["bits"] == result["batched_plain"]["bits"]
+        _assert_aminmax_run(result["batched_origin"], rank, fused=False, reference=result["batched_plain"])
+
+
+def _assert_aminmax_run(run: dict, rank: int, *, fused: bool, reference: dict) -> None:
+    """A 3-rank run whose buckets were noted by aminmax (every iteration): ``fused`` as said, the origin named
+    on the injected rank only, every iteration's reduced gradients and the weights bit for bit ``reference``'s."""
+    assert run["fused"] is fused and run["hook_aminmax_calls"] >= ITERATIONS
+    _assert_origins(run, rank, injections(3))
+    assert run["grads"] == reference["grads"] and run["bits"] == reference["bits"]
