@@ -86,9 +86,9 @@ open between its batches (:data:`KEEP_ALIVE_S`)."""
 KEEP_ALIVE_S = 65
 """Seconds a collector keeps an agent's idle kept-alive connection open by default (``--keep-alive``): above
 the longest wait between one rank's batches at any default heartbeat (1.5 heartbeats: 22.5 s at 15 s, 45 s
-at :data:`MAX_HEARTBEAT_INTERVAL_S`) and at a push interval of 40 s, so every batch of a running rank reuses its connection. Below it, each heartbeat opened a
-new connection (a TCP handshake, with TLS a TLS one too): at 16,384 ranks that was a quarter of the
-collector's CPU."""
+at :data:`MAX_HEARTBEAT_INTERVAL_S`) and at a push interval of 40 s, so every batch of a running rank
+reuses its connection. Below it, each heartbeat opened a new connection (a TCP handshake, with TLS a TLS
+one too): at 16,384 ranks that was a quarter of the collector's CPU."""
 
 DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
 """Keys of ``state.delivery``: the agent's own health counters."""

@@ -62,10 +62,10 @@ def _allow_open_connections() -> None:
     try:
         import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
-                                                        hard))
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        wanted = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard  # Linux caps it at nr_open
+        if soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
     except (ImportError, ValueError, OSError) as exc:  # not on this platform, or not allowed: keep the limit
         logging.getLogger("ampwatch.server").debug("open-file limit unchanged: %s", exc)
         return
