@@ -12,7 +12,7 @@ firing in the built-in alerts). One rank is killed (no close) early in the healt
 batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that the bench stays short
 (:func:`silence`; the default is 8 heartbeats + 60 s).
 
-    python -m bench.fleet                          # 16,384 ranks, before and after: about 9 minutes
+    python -m bench.fleet                          # 16,384 ranks, before and after: about 6 minutes
     python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
     python -m bench.fleet --only after --ranks 4096
     python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
