@@ -76,7 +76,10 @@ def test_the_demo_once_shows_skips_backoff_recovery_an_alert_that_fired_then_res
                 f"head skipped 8 of 150 steps (longest streak 8); loss scale: 8 backoffs, 4 growths") in summary
     assert "offending parameters" in summary and "body: body.0.weight x" in summary and "head: head.weight x" in summary
     assert "alert AmpSustainedLossScaleBackoff (warning, run=demo-" in summary and "still firing" not in summary
-    assert "status page   http://127.0.0.1:" in summary and "/metrics" in summary
+    # Where to look was said while the collector ran; after --once stopped it, no dead links, but how to look again.
+    assert "status page   http://127.0.0.1:" in out[:out.index("Summary of run")]
+    assert "status page   http://" not in summary, summary
+    assert "The collector has stopped (--once)" in summary and f"ampwatch-server --db {tmp_path / 'demo.db'}" in summary
     assert (tmp_path / "demo.db").exists()
 
 
