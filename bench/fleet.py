@@ -46,7 +46,7 @@ from bench._before_after import ROOT, store
 from bench.report._format import measured_by
 from bench.report.fleet import table
 
-__all__ = ["SILENCE", "silence", "run", "main"]
+__all__ = ["SILENCE", "first_skip_delays", "ms_summary", "seconds_summary", "silence", "run", "main", "warm_seconds"]
 
 KEY = "fleet"
 SCRAPE_EVERY_S = 15.0  # as Prometheus does by default
@@ -65,7 +65,7 @@ PHASES = {"full": {"before": (20, 30), "after": (45, 45)}, "quick": {"before": (
 healthy phase of the *after* side is 3 (quick: 2) heartbeats, so every rank sends the same number."""
 
 
-def _warm_s(side: str, ranks: int) -> float:
+def warm_seconds(ranks: int, side: str = "after") -> float:
     """Seconds until every rank has sent its first batch: the agent spreads a big job's first batches."""
     if side == "before":
         return 2.0  # the ranks start within a second and send at once
@@ -117,7 +117,8 @@ def _pct(values: list[float], q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _ms(values: list[float]) -> dict:
+def ms_summary(values: list[float]) -> dict:
+    """``n``, p50, p99 and max of ``values`` (seconds) in ms."""
     out = {"n": len(values)}
     for name, q in (("p50_ms", .5), ("p99_ms", .99)):
         v = _pct(values, q)
@@ -126,7 +127,8 @@ def _ms(values: list[float]) -> dict:
     return out
 
 
-def _seconds(values: list[float]) -> dict:
+def seconds_summary(values: list[float]) -> dict:
+    """``n``, p50, p99 and max of ``values`` in seconds, and how many are within 2 s."""
     return {"n": len(values), "p50_s": _round(_pct(values, .5)), "p99_s": _round(_pct(values, .99)),
             "max_s": _round(max(values) if values else None),
             "within_2s": sum(v <= VISIBLE_WITHIN_S for v in values)}
@@ -139,7 +141,7 @@ def _round(v: Optional[float]) -> Optional[float]:
 def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
           heartbeat: Optional[float] = None) -> dict:
     """Run one side on a fresh collector; return its figures."""
-    (healthy, storm), warm = phases, _warm_s(delivery, ranks)
+    (healthy, storm), warm = phases, warm_seconds(ranks, delivery)
     limit = COLLECTOR_DEFAULTS["max_ranks_per_run"]
     args = ["--max-ranks-per-run", str(ranks)] if ranks > limit else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,6 +205,21 @@ def _silent_fired_at(url: str, rank: str, last_ack: Optional[float], firing: Opt
         firing = _alerts(url)
 
 
+def first_skip_delays(storm: dict) -> tuple[list[float], int]:
+    """Seconds from each streak's first skip to the answer of the batch that carried it, and how many were never
+    answered, of a simulated job's storm ranks. The skip is in /metrics (and the built-in alerts) from then on:
+    the collector applies a batch before it answers."""
+    visible, not_visible = [], 0
+    for s in storm.values():
+        for t_skip, skipped in s["starts"]:
+            acked = next((done for done, count in s["answers"] if count >= skipped), None)
+            if acked is None:
+                not_visible += 1
+            else:
+                visible.append(acked - t_skip)
+    return visible, not_visible
+
+
 def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[dict], firing: list[dict],
              silent_at: Optional[float], cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
              raised_limit: bool, quiet: dict[str, int]) -> dict:
@@ -216,17 +233,11 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
     unscraped = {phase: [seconds for sent, seconds in pairs
                          if not any(a - seconds <= sent <= b for a, b in busy)]
                  for phase, pairs in job["latency"].items()}
-    # A streak's first skip is in /metrics once the batch carrying it is answered (applied before the answer);
-    # every scrape must agree: it shows at least what was answered before it began, at most what was sent.
-    visible, not_visible, disagreements = [], 0, 0
+    # Every scrape must agree with the answers: it shows at least what was answered before it began.
+    visible, not_visible = first_skip_delays(storm)
+    disagreements = 0
     for rank, s in storm.items():
         answers = s["answers"]
-        for t_skip, skipped in s["starts"]:
-            acked = next((done for done, count in answers if count >= skipped), None)
-            if acked is None:
-                not_visible += 1
-            else:
-                visible.append(acked - t_skip)
         for scrape in scrapes:
             if "error" in scrape:
                 continue
@@ -262,9 +273,9 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
                      "storm": round(storm_s, 1)},
         "healthy": {"requests_per_s": round(job["requests"]["healthy"] / healthy_s, 1),
                     "http_requests_per_s": round(len(job["http_latency"]["healthy"]) / healthy_s, 1),
-                    "http_latency": _ms(job["http_latency"]["healthy"]),
-                    "latency": _ms(latency["healthy"]), "latency_outside_scrapes": _ms(unscraped["healthy"]),
-                    "late_p99_ms": _ms(job["late"]["healthy"])["p99_ms"],
+                    "http_latency": ms_summary(job["http_latency"]["healthy"]),
+                    "latency": ms_summary(latency["healthy"]), "latency_outside_scrapes": ms_summary(unscraped["healthy"]),
+                    "late_p99_ms": ms_summary(job["late"]["healthy"])["p99_ms"],
                     "collector_cpu_cores": round((cpu["healthy_end"] - cpu["healthy"]) / healthy_s, 3),
                     "collector_cpu_us_per_rank_s": round(1e6 * (cpu["healthy_end"] - cpu["healthy"])
                                                          / (ranks * healthy_s), 2),
@@ -273,16 +284,16 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
                     "wire_kib_per_rank_hour": round(job["bytes"]["healthy"] / healthy_s * per_rank_hour / 1024, 1)},
         "storm": {"requests_per_s": round(job["requests"]["storm"] / storm_s, 1),
                   "http_requests_per_s": round(len(job["http_latency"]["storm"]) / storm_s, 1),
-                  "http_latency": _ms(job["http_latency"]["storm"]),
-                  "latency": _ms(latency["storm"]), "latency_outside_scrapes": _ms(unscraped["storm"]),
+                  "http_latency": ms_summary(job["http_latency"]["storm"]),
+                  "latency": ms_summary(latency["storm"]), "latency_outside_scrapes": ms_summary(unscraped["storm"]),
                   "collector_cpu_cores": round((cpu["end"] - cpu["healthy_end"]) / storm_s, 3),
                   "wire_kib_per_rank_hour": round(job["bytes"]["storm"] / storm_s * per_rank_hour / 1024, 1),
                   "storm_ranks": len(storm),
-                  "first_skip_to_metrics": _seconds(visible), "first_skips_not_visible_by_end": not_visible,
+                  "first_skip_to_metrics": seconds_summary(visible), "first_skips_not_visible_by_end": not_visible,
                   "scrapes": len(scrapes), "scrapes_failed": sum("error" in s for s in scrapes),
                   "scrape_disagreements": disagreements, "alerts_answered": firing is not None,
-                  "scrape_p50_ms": _ms([s["end"] - s["start"] for s in scrapes])["p50_ms"],
-                  "rung16_to_builtin_alert": _seconds(alert_delays), "streak_alerts_missing": alert_missing},
+                  "scrape_p50_ms": ms_summary([s["end"] - s["start"] for s in scrapes])["p50_ms"],
+                  "rung16_to_builtin_alert": seconds_summary(alert_delays), "streak_alerts_missing": alert_missing},
         "missed_updates": job["missed"], "refused": job["refused"], "timeouts": job["timeouts"],
         "silence": {"killed_rank": killed["rank"], "last_batch_to_alert_s": _round(
                         None if silent_at is None or last_ack is None else silent_at - last_ack),
