@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
+import msgspec
+
 from ._scale_trace import ScaleTrace
 from ._schema import Batch, SkipEvent, encode_batch_state, parse_batch
 from ._totals import OptimizerTotals, RankTotals
@@ -53,8 +55,8 @@ class Incarnation:
         return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
                 "batch": batch_json or encode_batch_state(self.batch),
-                "counters": json.dumps({"counters": counters, "longest": self.longest, "nonfinite": self.nonfinite,
-                                        **self._claims()}, separators=(",", ":"))}
+                "counters": msgspec.json.encode({"counters": counters, "longest": self.longest,
+                                                 "nonfinite": self.nonfinite, **self._claims()}).decode()}
 
     def _claims(self) -> dict[str, str]:
         # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
