@@ -16,6 +16,8 @@ batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that th
     python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
     python -m bench.fleet --only after --ranks 4096
     python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
+    python -m bench.fleet --lockstep --before f833925            # a whole-job storm, f833925's collector beside
+                                                                 # this tree's (key "fleet_16384_lockstep")
     python -m bench.fleet --render bench/fleet_delivery.json     # print the Markdown tables stored there
 
 ``--transport node-relay`` runs the *after* side through the node relay (one protocol v2 request
@@ -42,7 +44,7 @@ from ampwatch.agent._schedule import RANKS_PER_SECOND, default_heartbeat
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
 
 from bench import _servers
-from bench._before_after import ROOT, store
+from bench._before_after import ROOT, source_of, store
 from bench.report._format import measured_by
 from bench.report.fleet import table
 
@@ -139,8 +141,9 @@ def _round(v: Optional[float]) -> Optional[float]:
 
 
 def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
-          heartbeat: Optional[float] = None) -> dict:
-    """Run one side on a fresh collector; return its figures."""
+          heartbeat: Optional[float] = None, lockstep: bool = False, server: Optional[str] = None) -> dict:
+    """Run one side on a fresh collector (``server``: the ``server/src`` it runs, default this tree's); return
+    its figures."""
     (healthy, storm), warm = phases, warm_seconds(ranks, delivery)
     limit = COLLECTOR_DEFAULTS["max_ranks_per_run"]
     args = ["--max-ranks-per-run", str(ranks)] if ranks > limit else []
@@ -150,7 +153,7 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
         with open(thresholds, "w") as f:
             json.dump(quiet, f)
         args += ["--alert-thresholds", thresholds]
-        with _servers.collector(tuple(args)) as srv:
+        with _servers.collector(tuple(args), env={"PYTHONPATH": server} if server else None) as srv:
             stats = srv.stats
             rss0 = stats.memory_kib()["VmRSS"]
             out = os.path.join(tmp, "ranks.json")
@@ -159,7 +162,8 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
                                     "--ranks", str(ranks), "--delivery", delivery, "--transport", transport,
                                     "--warm", str(warm), "--healthy", str(healthy), "--storm", str(storm),
                                     "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out,
-                                    *(["--heartbeat", str(heartbeat)] if heartbeat else [])],
+                                    *(["--heartbeat", str(heartbeat)] if heartbeat else []),
+                                    *(["--lockstep"] if lockstep else [])],
                                    cwd=ROOT, stdout=subprocess.PIPE, text=True)
             timeline = json.loads(sim.stdout.readline())
             _sleep_until(timeline["warm_end"])
@@ -304,18 +308,28 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
 
 
 def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-rank",
-        heartbeat: Optional[float] = None) -> dict:
-    """Run each side in turn; return ``{side: figures}`` with the run's settings."""
+        heartbeat: Optional[float] = None, lockstep: bool = False, before: Optional[str] = None) -> dict:
+    """Run each side in turn; return ``{side: figures}`` with the run's settings.
+
+    ``before``: a commit whose collector runs the *after* delivery first, as side ``previous`` (its
+    ``server/src`` from ``git archive``); ``lockstep``: a DDP job whose whole storm is every rank's.
+    """
     plan = dict(PHASES["quick" if quick else "full"])
     heartbeat = heartbeat or default_heartbeat(ranks)  # the agent's default for a job of this size
     # The after side's healthy phase stays a whole number of heartbeats (3; quick: 2).
-    plan["after"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
-    result = {side: _side(side, ranks, plan[side], transport if side == "after" else "per-rank",
-                          heartbeat if side == "after" else None)
-              for side in sides}
+    plan["after"] = plan["previous"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
+    result: dict = {}
+    for side in sides:
+        with tempfile.TemporaryDirectory() as tmp:
+            server = source_of(before, tmp) if side == "previous" else None
+            delivery = "before" if side == "before" else "after"
+            result[side] = _side(delivery, ranks, plan[side], transport if side != "before" else "per-rank",
+                                 heartbeat if side != "before" else None, lockstep, server)
+        if side == "previous":
+            result[side]["label"] = f"at {before} (the same job)"
     result["settings"] = {"heartbeat_s": heartbeat, "scrape_every_s": SCRAPE_EVERY_S,
-                          "iteration_s": 1.0, "storm_share": 0.1, "cpus": os.cpu_count(),
-                          "loadavg_1m": round(os.getloadavg()[0], 2)}
+                          "iteration_s": 1.0, "storm_share": 1.0 if lockstep else 0.1, "lockstep": lockstep,
+                          "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
     return result
 
 
@@ -331,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                                                         f"for the job's size, {HEARTBEAT_INTERVAL_S} s up to "
                                                         f"{MAX_HEARTBEAT_INTERVAL_S} s; 16,384 ranks: "
                                                         f"{default_heartbeat(16384):.1f} s)")
+    parser.add_argument("--lockstep", action="store_true", help="a DDP job: every rank iterates and skips together "
+                                                                    "(a whole-job storm, each rank's news in the "
+                                                                    "same second)")
+    parser.add_argument("--before", metavar="REF", help="instead of the delivery before issue 18, compare with "
+                                                        "the collector of commit REF under the same job")
     parser.add_argument("--out", help=f"also store the result under '{KEY}_RANKS' in this JSON file")
     parser.add_argument("--render", metavar="JSON", help="print the Markdown table of a stored result and exit")
     args = parser.parse_args(argv)
@@ -342,12 +361,14 @@ def main(argv: list[str] | None = None) -> int:
                     print("\n".join(table(result)) + "\n")
         return 0
     ranks = args.ranks or (1024 if args.quick else 16384)
-    sides = (args.only,) if args.only else ("before", "after")
-    result = run(ranks, sides, args.quick, args.transport, args.heartbeat)
+    first = "previous" if args.before else "before"
+    sides = ((first if args.only == "before" else "after"),) if args.only else (first, "after")
+    result = run(ranks, sides, args.quick, args.transport, args.heartbeat, args.lockstep, args.before)
     print("\n".join(table(result)))
     print(json.dumps(result, indent=1))
     if args.out:
-        key = (f"{KEY}_{ranks}" + (f"_heartbeat_{args.heartbeat:g}" if args.heartbeat else "")
+        key = (f"{KEY}_{ranks}" + ("_lockstep" if args.lockstep else "")
+               + (f"_heartbeat_{args.heartbeat:g}" if args.heartbeat else "")
                + ("" if args.transport == "per-rank" else "_" + args.transport.replace("-", "_")))
         store(args.out, key, result, sys.argv, module="fleet")
     return 0
