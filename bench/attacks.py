@@ -9,7 +9,9 @@ Each side starts a real collector on loopback (the earlier one runs ``ampwatch.s
 - cross-site write: a valid batch posted as ``text/plain`` with ``Origin: http://evil.example``;
 - event flood: ten batches of 10,000 events, with the database growth they cause;
 - run flood: 1,000 junk runs as fast as one client sends them, then a real job's first batch from
-  another address (127.0.0.2, loopback on Linux).
+  another address (127.0.0.2, loopback on Linux);
+- wide body: one batch whose ``state.optimizers`` holds 500,000 keys (5.6 MiB), then one holding 90,000
+  optimizers' counters (8 MiB), while a real job's rank keeps sending (``bench/_wide_body.py``).
 
 About a minute per side on a loaded 2-core machine.
 
@@ -29,7 +31,7 @@ from typing import Optional
 
 import httpx
 
-from bench import _servers  # puts tests/helpers on sys.path
+from bench import _servers, _wide_body  # puts tests/helpers on sys.path
 from bench._before_after import before_after, store
 from batches import make_batch, optimizer, skip_event  # noqa: E402
 from exposition import value  # noqa: E402
@@ -38,6 +40,7 @@ __all__ = ["main"]
 
 KEY = "attacks"
 RUN = "victim-run"
+JSON = {"Content-Type": "application/json"}
 
 
 def _poisoned(event_id: int) -> dict:
@@ -109,6 +112,10 @@ def _side(path: Optional[str]) -> dict:
                                    "real_job_from_another_address": elsewhere.post(
                                        "/v1/ingest", json=make_batch(run="real-job")).status_code,
                                    "run_list_first_page": len(runs["runs"]), "run_list_pages": "next" in runs}
+            result["wide_body"] = _wide_body.play(
+                lambda body: client.post("/v1/ingest", content=body, headers=JSON).status_code, collector.proc.pid,
+                lambda: elsewhere.post("/v1/ingest", json=make_batch(run="real-job", seq=int(time.time() * 1e3))
+                                       ).status_code)
     return result
 
 

@@ -14,7 +14,7 @@ long before it reached the collector).
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 from ._state import Incarnation
 from ._totals import OptimizerTotals, RankTotals
@@ -51,28 +51,36 @@ def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, r
         span = max(0.0, built - before)
         over = f"over the {span:.0f} s between this process's batches (their sent_at)"
     allowed = rate * (FLOOR_S + span)
-    for name, rise in _rises(old, new):
-        if rise > allowed:
-            return (f"counter {name} rose by {rise} in one batch, over this collector's plausibility bound of "
-                    f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. No training loop counts that "
-                    f"fast; if yours does, raise --max-counter-rate")
+    over_by = _first_over(old, new, allowed)
+    if over_by is not None:
+        name, rise = over_by
+        return (f"counter {name} rose by {rise} in one batch, over this collector's plausibility bound of "
+                f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. No training loop counts that "
+                f"fast; if yours does, raise --max-counter-rate")
     return None
 
 
-def _rises(old: Optional[Incarnation], new: Incarnation) -> Iterator[tuple[str, int]]:
-    """Yield (counter name, rise since ``old``) for every counter of the batch."""
-    yield "state.iteration", new.batch.state.iteration - (old.batch.state.iteration if old else 0)
-    yield from _field_rises("state", new.totals, old.totals if old else _NO_RANK)
+def _first_over(old: Optional[Incarnation], new: Incarnation, allowed: float) -> Optional[tuple[str, int]]:
+    """Return (counter name, rise since ``old``) of the first counter of the batch that rose by more than
+    ``allowed``, else None; names are formatted only for that one (this runs for every batch)."""
+    rise = new.batch.state.iteration - (old.batch.state.iteration if old else 0)
+    if rise > allowed:
+        return "state.iteration", rise
+    found = _over("state", new.totals, old.totals if old else _NO_RANK, allowed)
     for name in new.batch.state.optimizers:
+        if found is not None:
+            return found
         before = old.optimizers.get(name, _NONE) if old else _NONE
-        yield from _field_rises(f"state.optimizers[{name!r}]", new.optimizers[name], before)
+        found = _over(f"state.optimizers[{name!r}]", new.optimizers[name], before, allowed)
+    return found
 
 
-def _field_rises(where: str, new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals
-                 ) -> Iterator[tuple[str, int]]:
-    for field in new.__dataclass_fields__:  # type: ignore[attr-defined]
-        a, b = getattr(new, field), getattr(old, field)
-        if isinstance(a, tuple):
-            yield f"{where}.{field}", max(x - y for x, y in zip(a, b))
-        else:
-            yield f"{where}.{field}", a - b
+def _over(where: str, new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals, allowed: float
+          ) -> Optional[tuple[str, int]]:
+    if new is old:
+        return None
+    for field, a, b in zip(new.__dataclass_fields__, new._values(), old._values()):  # type: ignore[attr-defined]
+        rise = (0 if a is b else max(x - y for x, y in zip(a, b))) if isinstance(a, tuple) else a - b
+        if rise > allowed:
+            return f"{where}.{field}", rise
+    return None

@@ -6,8 +6,10 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
+import msgspec
+
 from ._scale_trace import ScaleTrace
-from ._schema import Batch, SkipEvent
+from ._schema import Batch, SkipEvent, encode_batch_state, parse_batch
 from ._totals import OptimizerTotals, RankTotals
 
 if TYPE_CHECKING:
@@ -52,9 +54,9 @@ class Incarnation:
         counters = {_RANK_KEY: self.totals.to_json(), **{name: t.to_json() for name, t in self.optimizers.items()}}
         return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
-                "batch": batch_json or self.batch.model_dump_json(exclude={"events"}),
-                "counters": json.dumps({"counters": counters, "longest": self.longest, "nonfinite": self.nonfinite,
-                                        **self._claims()}, separators=(",", ":"))}
+                "batch": batch_json or encode_batch_state(self.batch),
+                "counters": msgspec.json.encode({"counters": counters, "longest": self.longest,
+                                                 "nonfinite": self.nonfinite, **self._claims()}).decode()}
 
     def _claims(self) -> dict[str, str]:
         # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
@@ -67,7 +69,7 @@ class Incarnation:
         counters = extra["counters"]
         return cls(id=row["incarnation"], first_seen=row["first_seen"], last_seen=row["last_seen"],
                    last_seq=row["last_seq"], max_event_id=row["max_event_id"], closed=bool(row["closed"]),
-                   batch=Batch.model_validate_json(row["batch"]),
+                   batch=parse_batch(row["batch"]),
                    totals=RankTotals.from_json(counters.get(_RANK_KEY, {})),
                    optimizers={name: OptimizerTotals.from_json(values) for name, values in counters.items()
                                if name != _RANK_KEY},
