@@ -33,7 +33,8 @@ class OptimizerRecord:
     """Counters and per-iteration flags of one watched optimizer."""
 
     name: str
-    optimizer: torch.optim.Optimizer
+    optimizer_ref: weakref.ref
+    """The optimizer, held weakly: its own step hook holds this record, which must not hold it in turn."""
     steps: int = 0
     skipped: int = 0
     consecutive: int = 0
@@ -55,6 +56,16 @@ class OptimizerRecord:
     stepped_this_iteration: bool = False
     # Fused optimizers on an asynchronous device: outcomes still on their way to the host.
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    @classmethod
+    def of(cls, name: str, optimizer: torch.optim.Optimizer) -> "OptimizerRecord":
+        """Return a fresh record of ``optimizer`` named ``name``."""
+        return cls(name=name, optimizer_ref=weakref.ref(optimizer))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The watched optimizer (None once it has been garbage-collected)."""
+        return self.optimizer_ref()
 
     def counters(self) -> dict[str, Any]:
         """Return this optimizer's protocol counters as plain values."""
