@@ -83,6 +83,48 @@ def test_a_new_scaler_without_rebind_is_warned_about_once_naming_rebind(amp, wat
     assert codes == ["stepped_outside_scaler"]
 
 
+@pytest.mark.parametrize("old_scaler_kept", [False, True], ids=["old-scaler-dropped", "old-scaler-kept"])
+def test_a_notebook_cell_run_again_with_a_new_scaler_and_watch_warns_of_nothing(amp, no_collector, caplog,
+                                                                                old_scaler_kept):
+    # The cell: a new scaler and a new watch of the same optimizer (and scheduler), the old handle overwritten.
+    # Every step goes through a watched scaler, so the old watch has nothing to warn about, whether its scaler
+    # was freed with the handle or is kept (e.g. in IPython's output history), and counts nothing after.
+    from ampwatch import agent
+
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+    history = []
+
+    def train(scaler, poisoned):
+        for i in range(3):
+            amp.iteration(model, scaler, [opt], x(),
+                          after_backward=(lambda: amp.poison_grad(model.a.weight)) if i in poisoned else None)
+            scheduler.step()
+
+    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
+        scaler = torch.amp.GradScaler("cpu")
+        w = agent.watch(scaler, {"main": opt}, model=model, schedulers={"main": scheduler}, collector=(), run="nb")
+        train(scaler, poisoned=(2,))  # the first run ends on a skip
+        old_events, (old_record,) = w._recorder.events, w._recorder.records
+        if old_scaler_kept:
+            history.append(scaler)
+        old_counts = old_record.counters()
+
+        scaler = torch.amp.GradScaler("cpu")  # the same cell, run again
+        w = agent.watch(scaler, {"main": opt}, model=model, schedulers={"main": scheduler}, collector=(), run="nb")
+        try:
+            train(scaler, poisoned=(1,))
+            new_counts = w.snapshot()["state"]["optimizers"]["main"]
+        finally:
+            w.close()
+    said = [r.getMessage() for r in caplog.records if "stepped" in r.getMessage()]
+    assert said == [], said
+    assert [e for e in old_events.drain() if e["kind"] == "warning"] == []
+    assert old_record.counters() == old_counts, "the overwritten watch counted the new watch's steps"
+    assert (new_counts["steps"], new_counts["skipped"], new_counts["scheduler_steps_after_skip"]) == (2, 1, 1)
+
+
 def test_rebind_carries_the_watch_over_to_a_new_scaler(amp, watching, events):
     model, opt, old = job(amp)
     w = watching(old, {"main": opt}, model=model)

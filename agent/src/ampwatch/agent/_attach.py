@@ -24,6 +24,9 @@ __all__ = ["OptimizerHooks", "ScalerPatch", "record_of"]
 
 _MISSING = object()
 
+_in_watched_step: set[int] = set()
+"""Ids of the optimizers inside a watched scaler's ``step()`` right now, whichever watch watches it."""
+
 
 def _weak(owner: Any) -> Callable[[], Any]:
     """Return a weak reference to ``owner`` (a strong one for the rare object that cannot have one)."""
@@ -180,11 +183,14 @@ class ScalerPatch:
             except Exception as error:  # noqa: BLE001 - the agent must never break the loop
                 recorder.internal_error("scaler.step (before)", error)
                 record = None
+            _in_watched_step.add(id(optimizer))  # an older watch of the same optimizer: not "outside" (notebooks)
             try:
                 result = original(optimizer, *args, **kwargs)
             except BaseException:
                 recorder.active = None  # the scaler refused (misuse): record no outcome
                 raise
+            finally:
+                _in_watched_step.discard(id(optimizer))
             if record is not None:
                 try:
                     recorder.after_step(record)
@@ -270,7 +276,7 @@ class OptimizerHooks:
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:
-                recorder.on_optimizer_step(record)
+                recorder.on_optimizer_step(record, in_watched_step=id(optimizer) in _in_watched_step)
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
