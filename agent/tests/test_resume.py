@@ -5,8 +5,10 @@ Ground truth: the scaler's own float32 scale before and after, and parameter bit
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import weakref
 
 import pytest
 import torch
@@ -31,13 +33,17 @@ def counts(w):
     return state["backoffs"], state["growths"], state["manual_sets"]
 
 
-@pytest.mark.parametrize("checkpoint_scale", [1024.0, 2.0 ** 20])
-def test_load_state_dict_is_a_restore_never_a_backoff_or_growth(amp, watching, events, checkpoint_scale):
+@pytest.mark.parametrize("checkpoint_scale, by_keyword", [(1024.0, False), (2.0 ** 20, True)])
+def test_load_state_dict_is_a_restore_never_a_backoff_or_growth(amp, watching, events, checkpoint_scale,
+                                                                by_keyword):
     model, opt, scaler = job(amp)
     w = watching(scaler, opt, model=model)
     amp.iteration(model, scaler, [opt], x())
     saved = torch.amp.GradScaler("cpu", init_scale=checkpoint_scale, growth_interval=7).state_dict()
-    scaler.load_state_dict(saved)
+    if by_keyword:
+        scaler.load_state_dict(state_dict=saved)
+    else:
+        scaler.load_state_dict(saved)
     for _ in range(3):
         amp.iteration(model, scaler, [opt], x())
     assert counts(w) == (0, 0, 0), "the checkpoint's scale was booked as a backoff or growth"
@@ -141,6 +147,55 @@ def test_rebind_carries_the_watch_over_to_a_new_scaler(amp, watching, events):
     assert [(e["cause"], e["before"], e["after"]) for e in transitions(events(w))] == [
         ("backoff", 65536.0, 32768.0), ("restored", 32768.0, 4096.0), ("backoff", 4096.0, 2048.0)]
     assert counts(w) == (2, 0, 0)
+
+
+def test_after_rebind_collecting_the_old_scaler_leaves_the_watch_on_the_new_one(amp, watching):
+    model, opt, old = job(amp)
+    w = watching(old, {"main": opt}, model=model)
+    w.rebind(new := torch.amp.GradScaler("cpu"))
+    old_ref = weakref.ref(old)
+    del old
+    gc.collect()
+    assert old_ref() is None
+    assert not w.closed, "collecting the scaler the watch left ended the watch"
+    amp.iteration(model, new, [opt], x(), after_backward=lambda: amp.poison_grad(model.a.weight))
+    assert w.snapshot()["state"]["optimizers"]["main"]["skipped"] == 1 and w.stepped(opt) is False
+
+
+def test_after_rebind_the_old_scaler_can_be_watched_again(amp, watching):
+    model, opt, old = job(amp)
+    w = watching(old, {"main": opt})
+    w.rebind(new := torch.amp.GradScaler("cpu"))
+    _, other_opt, _ = job(amp)
+    again = watching(old, {"other": other_opt})
+    amp.iteration(model, new, [opt], x())
+    assert w.stepped(opt) is True and again.stepped(other_opt) is None
+
+
+def test_after_rebind_the_watch_holds_the_new_scaler_weakly_and_its_id_leaves_the_watched_set(amp, no_collector):
+    # The handle is dropped (it alone holds its scaler strongly); dropping the new scaler then ends the watch by
+    # reference counting, and its id is free for a later scaler that happens to get the same address.
+    from ampwatch import agent
+    from ampwatch.agent import _watch
+
+    model, opt, old = job(amp)
+    w = agent.watch(old, {"main": opt}, model=model, collector=(), run="r")
+    w.rebind(new := torch.amp.GradScaler("cpu"))
+    session, new_ref, new_id = w._session, weakref.ref(new), id(new)
+    del w, old
+    gc.collect()
+    gc.disable()
+    try:
+        del new
+        assert new_ref() is None, "the watch kept the scaler it was carried over to alive"
+    finally:
+        gc.enable()
+    assert session.closed and new_id not in _watch._watched
+    plain = torch.amp.GradScaler("cpu")
+    w = agent.watch(plain, {"main": opt}, collector=(), run="r")
+    plain_id, session = id(plain), w._session
+    del w, plain
+    assert session.closed and plain_id not in _watch._watched
 
 
 def test_rebind_refuses_a_scaler_another_watch_has(amp, watching):
