@@ -17,6 +17,7 @@ import pytest
 from ports import LoopbackServer
 
 from ampwatch.agent._http import ANSWER_BYTES, RESULT_BYTES, IngestClient, Outcome, answer_limit
+from ampwatch.contract.node_batch import encode_node_batch
 
 HUGE = 400 << 20
 CHUNK = 1 << 16
@@ -116,8 +117,9 @@ def test_a_huge_refusal_is_still_retried_and_an_answer_of_the_protocols_size_kee
     results = [{"status": 422, "error": "schema", "retry": False, "rank": rank,
                 "message": "m" * (RESULT_BYTES - 200)} for rank in range(64)]
     whole = json.dumps({"protocol": 2, "results": results}).encode()
-    assert ANSWER_BYTES < len(whole) <= answer_limit(64)
+    relayed = encode_node_batch([b'{"protocol":1,"rank":%d}' % rank for rank in range(64)])
+    assert answer_limit(b'{"protocol":1}') == ANSWER_BYTES < len(whole) <= answer_limit(relayed)
     with HugeAnswers("content-length", body=whole) as server:  # a relay's v2 answer: 64 long refusals
         client = IngestClient(server.url, None)
-        answer = client.post(b"{}", timeout=30, batches=64)
+        answer = client.post(relayed, timeout=30)
         assert answer.detail.encode() == whole and client._conn is not None

@@ -8,6 +8,8 @@ import http.client
 import json
 import urllib.parse
 
+from ampwatch.contract.node_batch import is_node_batch
+
 __all__ = ["ANSWER_BYTES", "RESULT_BYTES", "Answer", "Outcome", "IngestClient", "answer_limit", "classify"]
 
 INGEST_PATH = "/v1/ingest"
@@ -17,11 +19,17 @@ ANSWER_BYTES = 16 * 1024
 ten detail lines) is a few KiB. Whatever answers at the collector's address with more is cut here, and
 its connection dropped rather than read to the end: the training process never holds a long answer."""
 RESULT_BYTES = 4 * 1024
-"""What each inner batch of a node relay's protocol-v2 request adds to that: its one result."""
+"""What each further inner batch of a node relay's protocol-v2 request adds to that: its one result."""
 
 
-def answer_limit(batches: int = 1) -> int:
-    """Return the most bytes read of the answer to a request carrying ``batches`` batches (v2: one result each)."""
+def answer_limit(body: bytes) -> int:
+    """Return the most bytes of the answer to ``body`` the agent reads (a v2 body's answer has one result per batch).
+
+    Costs a prefix check, and for a v2 body a count of the commas in its head.
+    """
+    batches = 1
+    if is_node_batch(body):
+        batches += body.count(b",", 0, body.find(b"]"))  # the head: {"protocol":2,"lengths":[812,815],...
     return ANSWER_BYTES + RESULT_BYTES * (batches - 1)
 
 
@@ -102,14 +110,13 @@ class IngestClient:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
 
-    def post(self, body: bytes, timeout: float, *, batches: int = 1) -> Answer:
-        """Send ``body`` (``batches``: how many batches it carries); return the answer.
+    def post(self, body: bytes, timeout: float) -> Answer:
+        """Send ``body``; return the answer (status ``None``: no answer, with the error as ``detail``).
 
-        Status ``None``: no answer, with the error as ``detail``. Reads at most
-        :func:`answer_limit` bytes of the answer's body.
+        Reads at most :func:`answer_limit` bytes of the answer's body.
         """
         reused = self._conn is not None
-        limit = answer_limit(batches)
+        limit = answer_limit(body)
         answer, timed_out = self._attempt(body, timeout, limit)
         if answer.status is None and reused and not timed_out:
             # The collector may have closed an idle kept-alive connection: that is not an outage.

@@ -283,7 +283,7 @@ class NodeRelay:
             client = self._clients[url] = IngestClient(url, self.config.token)
         timeout = self.config.timeout
         if len(bodies) > 1 and self._v1_until.get(url, 0.0) <= time.monotonic():
-            answer = client.post(encode_node_batch(bodies), timeout, batches=len(bodies))
+            answer = client.post(encode_node_batch(bodies), timeout)
             answers = _per_rank(answer, len(bodies))
             if answers is not None:
                 return answers
