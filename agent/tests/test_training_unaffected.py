@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import torch
@@ -68,10 +69,15 @@ def _global_streams(draws: int) -> list:
     return values + numpy.random.random(draws).tolist()
 
 
-def test_a_jobs_seeded_random_streams_are_the_same_watched_with_failing_deliveries_as_unwatched(amp, no_collector):
+def test_a_jobs_seeded_random_streams_are_the_same_watched_with_failing_deliveries_as_unwatched(
+        amp, no_collector, monkeypatch, tmp_path):
     # Data order and augmentation come from the global generators the job seeded: the agent's retry jitter
-    # (drawn on its sender thread at every failed delivery), its skip scans and scale accounting draw none.
+    # (drawn on its sender thread at every failed delivery), its node relay's thread, its skip scans and its
+    # scale accounting draw none.
     from ampwatch import agent
+
+    monkeypatch.setenv("AMPWATCH_RELAY", "1")  # batches go through this process's own relay thread
+    monkeypatch.setenv("AMPWATCH_RELAY_DIR", str(tmp_path / "relay"))
 
     def job(watched: bool) -> list:
         random.seed(7)
@@ -102,6 +108,7 @@ def test_a_jobs_seeded_random_streams_are_the_same_watched_with_failing_deliveri
                 while w.snapshot()["state"]["delivery"]["send_failures"] < 4 and time.monotonic() < deadline:
                     time.sleep(0.02)
                 assert w.snapshot()["state"]["delivery"]["send_failures"] >= 4
+                assert any(t.name == "ampwatch-relay" for t in threading.enumerate())
                 assert w.snapshot()["state"]["optimizers"]["b"]["skipped"] == 3
             values += _global_streams(3)
         finally:
