@@ -33,7 +33,8 @@ class OptimizerRecord:
     """Counters and per-iteration flags of one watched optimizer."""
 
     name: str
-    optimizer: torch.optim.Optimizer
+    optimizer_ref: weakref.ref
+    """The optimizer, held weakly: its own step hook holds this record, which must not hold it in turn."""
     steps: int = 0
     skipped: int = 0
     consecutive: int = 0
@@ -55,6 +56,16 @@ class OptimizerRecord:
     stepped_this_iteration: bool = False
     # Fused optimizers on an asynchronous device: outcomes still on their way to the host.
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    @classmethod
+    def of(cls, name: str, optimizer: torch.optim.Optimizer) -> "OptimizerRecord":
+        """Return a fresh record of ``optimizer`` named ``name``."""
+        return cls(name=name, optimizer_ref=weakref.ref(optimizer))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The watched optimizer (None once it has been garbage-collected)."""
+        return self.optimizer_ref()
 
     def counters(self) -> dict[str, Any]:
         """Return this optimizer's protocol counters as plain values."""
@@ -140,14 +151,21 @@ class Recorder:
         record.found_inf = None
         self.active = record
 
-    def on_optimizer_step(self, record: OptimizerRecord) -> None:
-        """Note that ``optimizer.step()`` is being called (step pre-hook)."""
+    def on_optimizer_step(self, record: OptimizerRecord, *, in_watched_step: bool = False) -> None:
+        """Note that ``optimizer.step()`` is being called (step pre-hook).
+
+        ``in_watched_step``: it is called inside the ``step()`` of a scaler some watch
+        watches (this one's, or a newer watch's of the same optimizer, as when a
+        notebook cell runs again): that step is reported, so it is not "outside".
+        """
         if self.active is record:
             record.hook_fired = True
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
-        elif self.active is None and not self._warned_outside:
-            self._stepped_outside_scaler(record)
+        elif self.active is None:
+            record.last_stepped = None  # this watch no longer knows the optimizer's last step
+            if not in_watched_step and not self._warned_outside:
+                self._stepped_outside_scaler(record)
 
     def _stepped_outside_scaler(self, record: OptimizerRecord) -> None:
         # Typically resume code that made a new GradScaler: the watch would go quiet without a word.

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ._arguments import check_scaler, named_optimizers, named_params, per_step_schedulers
-from ._attach import OptimizerHooks, ScalerPatch
+from ._attach import OptimizerHooks, ScalerPatch, record_of
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
@@ -132,7 +132,7 @@ class Watch:
         still be on its way from the device; then this waits for it (one
         device sync, only when you ask, only for fused optimizers).
         """
-        record = self._by_id.get(id(optimizer))
+        record = record_of(self._by_id, optimizer)
         if record is None:
             names = ", ".join(r.name for r in self._recorder.records)
             raise ValueError(f"stepped() got a {type(optimizer).__name__} that this watch does not know; "
@@ -279,7 +279,7 @@ def watch(scaler: torch.amp.GradScaler,
     if ddp is not None and model is None and named_parameters is None:
         model = getattr(ddp, "module", None)
     names = ParameterNames(named_params(model, named_parameters))
-    records = [OptimizerRecord(name=n, optimizer=o) for n, (o, _) in named.items()]
+    records = [OptimizerRecord.of(n, o) for n, (o, _) in named.items()]
     by_id = {id(alias): record for record, (_, aliases) in zip(records, named.values())
              for alias in (record.optimizer, *aliases)}
     scheduler_list = per_step_schedulers(schedulers, {r.name: r for r in records})
