@@ -189,6 +189,8 @@ class Batch(_Model):
     host: str = Field(max_length=TEXT_LIMITS["host"])
     pid: Count
     incarnation: str = Field(min_length=8, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")
+    # Secret, shared by every watch() in one process; never shown (absent from agents before it).
+    process_key: Optional[str] = Field(default=None, min_length=16, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")
     seq: Positive
     sent_at: float
     scaler: ScalerInfo
