@@ -122,3 +122,15 @@ def test_docker_compose_configures_the_collector_to_answer_to_the_name_prometheu
     targets = re.findall(r'"([\w.-]+):9457"', (repo / "deploy" / "prometheus.yml").read_text())
     assert targets == ["collector"] and all(hosts.serves(t) for t in targets)
     assert hosts.serves("192.0.2.10") and not hosts.serves("attacker.example")  # any address: it listens on all
+
+
+def test_database_files_an_earlier_version_left_readable_by_others_are_made_owner_only(tmp_path):
+    from ampwatch.server._store import prepare_database
+
+    db = tmp_path / "ampwatch.db"
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"ampwatch.db{suffix}").write_bytes(b"")
+        os.chmod(tmp_path / f"ampwatch.db{suffix}", 0o644)
+    assert prepare_database(str(db)) == str(db)
+    for suffix in ("", "-wal", "-shm"):
+        assert stat.S_IMODE(os.stat(f"{db}{suffix}").st_mode) == 0o600, suffix

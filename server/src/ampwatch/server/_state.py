@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from ._scale_trace import ScaleTrace
@@ -150,7 +149,7 @@ class RankView:
     current: Optional[Incarnation]  # the newest process not in conflict; its gauges are the rank's gauges
     totals: RankTotals
     optimizer_totals: Mapping[str, OptimizerTotals]  # in the order the optimizers first appeared
-    first_seen: float = math.inf  # when the collector first saw any of the rank's processes
+    first_seen: float = float("inf")  # when the collector first saw any of the rank's processes
 
     def installed(self, new: Incarnation) -> "RankView":
         """Return the view after ``new`` became the applied state of its incarnation (totals move by the difference)."""
