@@ -228,9 +228,8 @@ class IngestService:
                    getattr(e, "optimizer", None), stored_event(e)) for e in batch.events]
         old = rank.view.incarnations.get(batch.incarnation) if rank else None
         if old is not None and batch.process_key != old.batch.process_key:
-            # The incarnation id is shown by the read API; the process key is not: a stranger's batch.
-            log.warning("rank %d of run %r: a batch for incarnation %s came from another process (its process key "
-                        "differs); refused", batch.rank, batch.run, batch.incarnation)
+            # The incarnation id is shown by the read API; the process key is not: a stranger's batch (counted,
+            # not logged: a forger would fill the log).
             raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r}: incarnation "
                                             f"{batch.incarnation} belongs to another process. Each process sends its "
                                             "own; if two jobs share this run id, relaunch this one with its own "
