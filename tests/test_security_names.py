@@ -111,17 +111,26 @@ def test_docker_compose_configures_the_collector_to_answer_to_the_name_prometheu
 
     repo = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AMPWATCH_", "GRAFANA_"))}
-    compose = subprocess.run([shutil.which("docker-compose") or "/usr/bin/docker-compose", "-f", "docker-compose.yml",
-                              "config"], cwd=repo, env=dict(env, AMPWATCH_TOKEN="compose-token"),
-                             capture_output=True, text=True, timeout=60)
-    assert compose.returncode == 0, compose.stderr
-    environment = yaml.safe_load(compose.stdout)["services"]["collector"]["environment"]
-    parser = argparse.ArgumentParser()
-    add_arguments(parser, environ={k: str(v) for k, v in environment.items()})
-    hosts = HostAllowList.of(config_from_args(parser.parse_args(["--db", str(tmp_path / "a.db")])))
+
+    def served(**environ: str) -> HostAllowList:
+        """The names the collector serves as `docker compose up` would start it with ``environ``."""
+        compose = subprocess.run([shutil.which("docker-compose") or "/usr/bin/docker-compose", "-f",
+                                  "docker-compose.yml", "config"], cwd=repo,
+                                 env=dict(env, AMPWATCH_TOKEN="compose-token", **environ),
+                                 capture_output=True, text=True, timeout=60)
+        assert compose.returncode == 0, compose.stderr
+        environment = yaml.safe_load(compose.stdout)["services"]["collector"]["environment"]
+        parser = argparse.ArgumentParser()
+        add_arguments(parser, environ={k: str(v) for k, v in environment.items()})
+        return HostAllowList.of(config_from_args(parser.parse_args(["--db", str(tmp_path / "a.db")])))
+
+    hosts = served()
     targets = re.findall(r'"([\w.-]+):9457"', (repo / "deploy" / "prometheus.yml").read_text())
     assert targets == ["collector"] and all(hosts.serves(t) for t in targets)
     assert hosts.serves("192.0.2.10") and not hosts.serves("attacker.example")  # any address: it listens on all
+    assert not hosts.serves("gpu-head.example")
+    # The names agents use for the host, as the compose file's comment says.
+    assert served(AMPWATCH_ALLOWED_HOSTS="gpu-head.example").serves("gpu-head.example")
 
 
 def test_database_files_an_earlier_version_left_readable_by_others_are_made_owner_only(tmp_path):
