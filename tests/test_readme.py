@@ -225,6 +225,7 @@ watch.close()
 
 # ----- "Run the collector for real": the shell block, as written, in a temporary root ----
 
+@pytest.mark.slow
 def test_the_collector_setup_runs_as_written_in_a_fresh_root(tmp_path):
     (block,) = _snippets("## Run the collector for real", "bash")
     install = "pip install ./contract ./server"

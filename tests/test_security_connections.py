@@ -42,6 +42,7 @@ def _agent_is_served(url: str, address: str = "127.0.0.2", run: str = "agent") -
         return agent.post("/v1/ingest", json=make_batch(run=run)).json() == {"applied": True}
 
 
+@pytest.mark.slow
 def test_connections_that_never_complete_a_request_are_closed_and_one_address_holds_few(tmp_path):
     args = ["--header-timeout", "1", "--body-timeout", "2", "--max-client-connections", str(PER_CLIENT)]
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=args) as collector:
@@ -66,6 +67,7 @@ def test_connections_that_never_complete_a_request_are_closed_and_one_address_ho
     assert refused == {"client_connections": 20 - PER_CLIENT, "request_timeout": PER_CLIENT + 5 + 1 + 1}, refused
 
 
+@pytest.mark.slow
 def test_idle_connections_from_one_address_or_many_never_leave_a_new_agent_without_room(tmp_path):
     # 256 open files: idle connections may hold half of them; past that the oldest idle one is closed.
     args = ["--max-client-connections", "0"]

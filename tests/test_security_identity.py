@@ -158,6 +158,7 @@ def test_the_node_relay_posts_only_to_the_collectors_its_ranks_are_configured_fo
         relay.close()
 
 
+@pytest.mark.slow
 def test_a_client_idle_for_long_keeps_its_burst_cap(collector):
     # Started in the module fixture: one batch with one event, then IDLE_S seconds of nothing. Uncapped,
     # the bucket would now hold 9,999 + 80 tokens: the full burst and then 79 more. Capped it holds 10,000.
