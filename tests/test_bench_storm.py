@@ -91,7 +91,8 @@ def test_storm_batches_are_accepted_and_applied_by_the_collector(tmp_path):
     from ampwatch.server import ServerConfig, create_app
 
     build = storm_template("storm-accept", 0, 1, "streaks")
-    with TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db")))) as client:
+    config = ServerConfig(db=str(tmp_path / "ampwatch.db"), allowed_hosts=("testserver",))  # TestClient's Host
+    with TestClient(create_app(config)) as client:
         for seq, storm in enumerate([False, True, True, False], start=1):  # 10 iterations a push
             answer = client.post("/v1/ingest", content=build(seq, storm), headers={"Content-Type": "application/json"})
             assert answer.json() == {"applied": True}, answer.text

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
 from ._gc import release_free_memory
+from ._hosts import HostAllowList
 from ._ingest import IngestService
 from ._metrics import (CONTENT_TYPE, RENDER_PAUSE_S, Exposition, NotificationMetrics, SelfMetrics, accepts_gzip,
                        gzip_exposition)
@@ -123,7 +124,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
     app.state.ready = False
     app.state.config = config
     app.state.clock = clock
-    app.state.guard = AccessGuard(config.read_token, config.rate_limit)
+    app.state.guard = AccessGuard(config.read_token, config.rate_limit, HostAllowList.of(config))
 
     @app.post("/v1/ingest", tags=["ingest"],
               summary="Apply one agent batch (protocol v1) or one node's batches (v2)",

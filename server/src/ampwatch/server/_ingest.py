@@ -244,6 +244,13 @@ class IngestService:
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
                    getattr(e, "optimizer", None), stored) for e, stored in zip(batch.events, bodies)]
         old = rank.view.incarnations.get(batch.incarnation) if rank else None
+        if old is not None and batch.process_key != old.batch.process_key:
+            # The incarnation id is shown by the read API; the process key is not: a stranger's batch (counted,
+            # not logged: a forger would fill the log).
+            raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r}: incarnation "
+                                            f"{batch.incarnation} belongs to another process. Each process sends its "
+                                            "own; if two jobs share this run id, relaunch this one with its own "
+                                            "(AMPWATCH_RUN)")
         if old is not None and old.conflict_with is not None:
             raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
                                             f"(incarnation {old.conflict_with}), which kept sending after this one "
@@ -258,7 +265,8 @@ class IngestService:
         now = self.clock()
         new = next_incarnation(old, batch, now, self.config.max_label_length,
                                displaced=self._live_incarnation(rank, batch, now) if old is None else None)
-        implausible = implausible_rise(old, new, now, self.config.max_counter_rate)  # judged on new's counters
+        # Judged on new's counters, and on the rank's totals over all its processes.
+        implausible = implausible_rise(old, new, now, self.config.max_counter_rate, rank.view if rank else None)
         if implausible is not None:
             raise _Refused(422, "implausible", implausible)
         # What the run view showed of it (a conflict changes it too).
@@ -281,11 +289,14 @@ class IngestService:
 
     def _live_incarnation(self, rank: Optional[RankState], batch: Batch, now: float) -> Optional[str]:
         """Return the id of the rank's incarnation if it is live (not closed, seen within --silent-after) and
-        another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim."""
+        another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim.
+
+        One process is told by its secret process key, never by host and pid, which the read API shows.
+        """
         live = rank.view.current if rank is not None else None
         if live is None or live.closed or now - live.last_seen > self.config.silent_after:
             return None
-        if (live.batch.host, live.batch.pid) == (batch.host, batch.pid):
+        if batch.process_key is not None and batch.process_key == live.batch.process_key:
             return None
         return live.id
 

@@ -213,6 +213,8 @@ class Batch(_Model):
     state: WireRankState
     events: Annotated[list[Event], Meta(max_length=MAX_BATCH_EVENTS)] = []
     closed: bool = False
+    # Secret, shared by every watch() in one process; never shown (absent from agents before it).
+    process_key: Optional[Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")]] = None
 
     def __post_init__(self) -> None:
         # Raised here, an error names no field: each message starts with the one it is about.

@@ -151,6 +151,7 @@ class RankView:
     current: Optional[Incarnation]  # the newest process not in conflict; its gauges are the rank's gauges
     totals: RankTotals
     optimizer_totals: Mapping[str, OptimizerTotals]  # in the order the optimizers first appeared
+    first_seen: float = float("inf")  # when the collector first saw any of the rank's processes
 
     def installed(self, new: Incarnation) -> "RankView":
         """Return the view after ``new`` became the applied state of its incarnation (totals move by the difference)."""
@@ -166,7 +167,8 @@ class RankView:
         if new.conflict_with is None and (current is None or current.id == new.id
                                           or new.first_seen >= current.first_seen):
             current = new
-        return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals)
+        return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals,
+                        min(self.first_seen, new.first_seen))
 
     def excluded(self, claimant: Incarnation) -> "RankView":
         """Return the view with ``claimant`` (from :meth:`RankState.claimants`) out of the rank (see
