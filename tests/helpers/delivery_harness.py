@@ -60,13 +60,16 @@ class StandInRecorder:
 
 def make_sender(collector: str | list[str] | None, *, run: str = "test-run", rank: int = 0,
                 world_size: int = 1, max_events: int = 10_000, recorder: StandInRecorder | None = None,
-                **overrides: Any) -> tuple[Sender, StandInRecorder]:
-    """Return a started Sender for ``rank`` and its stand-in recorder; ``overrides`` tune AgentConfig."""
+                wake: threading.Event | None = None, **overrides: Any) -> tuple[Sender, StandInRecorder]:
+    """Return a started Sender for ``rank`` and its stand-in recorder; ``overrides`` tune AgentConfig.
+
+    ``wake`` is the sender's wake event (default: its own).
+    """
     settings = {**FAST, **overrides}
     config = AgentConfig.from_env(collector=collector or "", run=run, environ={}, max_events=max_events,
                                   **settings)
     identity = resolve_identity(config.run, environ={"RANK": str(rank), "WORLD_SIZE": str(world_size)})
     recorder = recorder or StandInRecorder(max_events)
-    sender = Sender(config, identity, recorder.snapshot, recorder.events, errors=recorder.errors)
+    sender = Sender(config, identity, recorder.snapshot, recorder.events, errors=recorder.errors, wake=wake)
     sender.start()
     return sender, recorder
