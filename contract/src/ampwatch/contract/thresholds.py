@@ -155,10 +155,16 @@ class AlertThresholds:
                      "conflict_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
-        for name in ("calibration_iterations", "backoff_min_count", "skip_ratio_min_steps", "origin_min_count"):
+        for name in ("calibration_iterations", "skip_ratio_min_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a whole number >= 0")
+        # At least one: a rank that backed off (or started a skip) 0 times is no news, and every windowed alert
+        # then needs a counter to rise, which lets the collector skip the windows of ranks where none did.
+        for name in ("backoff_min_count", "origin_min_count"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
         if not 0 < self.backoff_rank_share <= 1:
             raise ValueError(f"backoff_rank_share={self.backoff_rank_share!r} must be in (0, 1]")
         if not 0 < self.origin_rank_share <= 1:

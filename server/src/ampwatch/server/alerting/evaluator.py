@@ -6,20 +6,15 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
 from .conditions import evaluate, rank_alerts
-from .history import RankHistory
+from .history import HistoryLayout, RankHistory
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
-
-# The thresholds fields that are windows the conditions look back over (each alert's ``increase(x[w])``).
-_WINDOWS = tuple(dict.fromkeys(p for d in ALERTS.values() for p in d.parameters if p.endswith("_window_s")))
-
 
 class BuiltinAlerts:
     """Evaluate the ampwatch alerts inside the collector, as batches arrive and on a periodic tick.
@@ -43,14 +38,12 @@ class BuiltinAlerts:
         # for most of its ~0.3 s at 16,384 ranks, and the event loop's answers wait for it (an I/O-bound
         # thread beside a CPU-bound one gets the GIL back only every switch interval).
         self._breather_s = breather_s
-        windows = [getattr(thresholds, name) for name in _WINDOWS]
-        self._horizon_s = max(windows)
+        # What each rank's history keeps (counters, rungs, how far back), from the alert definitions.
+        self._layout = HistoryLayout(thresholds)
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
         # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.
-        self._resolution_s = resolution_s if resolution_s is not None else min(5.0, min(windows) / 10)
-        # The streak alert compares ladder rungs at its thresholds: the only rungs a history keeps.
-        self._streak_lengths = tuple(getattr(thresholds, s.threshold)
-                                     for s in ALERTS["AmpConsecutiveSkippedSteps"].severities)
+        self._resolution_s = resolution_s if resolution_s is not None else \
+            min(5.0, min(self._layout.windows.values()) / 10)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
         self._states = AlertStates(resolved_retention_s)
@@ -64,8 +57,8 @@ class BuiltinAlerts:
         with self._lock:
             history = self._ranks.get(key)
             if history is None:
-                history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._horizon_s,
-                                                         self._resolution_s, self._streak_lengths)
+                history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._layout,
+                                                         self._resolution_s)
             history.record(snapshot, self.thresholds.calibration_iterations)
             group = (snapshot.run, str(snapshot.rank))
             if self._observed_during is not None:
