@@ -84,7 +84,8 @@ CHANGED = dict(calibration_iterations=7, skip_streak_warning=8, skip_streak_crit
                collapsed_loss_scale=0.5, collapsed_for_s=90, desync_scale_ratio=4.0, desync_for_s=600, skip_ratio=0.2,
                skip_ratio_window_s=3600, skip_ratio_min_steps=100, skip_ratio_for_s=300, silent_after_s=240,
                silent_for_s=120, scheduler_window_s=1200, poisoned_window_s=2400,
-               origin_window_s=2700, origin_min_count=5, origin_rank_share=0.1, conflict_window_s=900)
+               origin_window_s=2700, origin_min_count=5, origin_rank_share=0.1, conflict_window_s=900,
+               storm_rank_share=0.25)
 
 
 def _alert_and_its_recordings(t: AlertThresholds, name: str) -> list[tuple]:

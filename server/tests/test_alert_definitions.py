@@ -32,6 +32,17 @@ def _streak(ranks: list[FakeRank], now: float) -> list:
     return changes + r.send(now + 1)
 
 
+def _storm(ranks: list[FakeRank], now: float) -> list:
+    changes = []
+    for r in ranks:  # every rank skips together, then the storm passes: the ladder keeps it for its window
+        for _ in range(T.skip_streak_warning):
+            r.iterate(skipped=True)
+        r.scale *= 2 ** T.skip_streak_warning
+        r.iterate()
+        changes += r.send(now)
+    return changes
+
+
 def _backoff(ranks: list[FakeRank], now: float) -> list:
     changes = []
     for _ in range(T.backoff_min_count):  # every rank backs off, a skip apart, no growth
@@ -105,6 +116,7 @@ def _conflict(ranks: list[FakeRank], now: float) -> list:
 # alert -> (how many ranks the run has, the trip, the ranks that stop sending at the trip)
 SCENARIOS: dict[str, tuple[int, Callable[[list[FakeRank], float], list]]] = {
     "AmpConsecutiveSkippedSteps": (1, _streak),
+    "AmpRunSkipStorm": (4, _storm),
     "AmpSustainedLossScaleBackoff": (2, _backoff),
     "AmpLossScaleCollapsed": (1, _collapsed),
     "AmpLossScaleDesync": (2, _desync),

@@ -10,7 +10,7 @@ from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals
-from ampwatch.server.alerting.conditions import evaluate, rank_alerts, rank_facts, run_alerts_of
+from ampwatch.server.alerting.conditions import evaluate, held_back, rank_alerts, rank_facts, run_alerts_of
 from ampwatch.server.alerting.history import HistoryLayout, RankHistory
 
 LAYOUT = HistoryLayout(T)
@@ -67,9 +67,9 @@ def _full_pass(histories: list[RankHistory], now: float) -> list:
     for h in histories:
         found.extend(rank_alerts(h, now, T))
         by_run.setdefault(h.run, []).append(rank_facts(h, now, T))
-    for run, ranks in by_run.items():
-        found.extend(run_alerts_of(run, ranks, T))
-    return found
+    run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, T)]
+    held = held_back(found, run_wide, by_run)
+    return [a for a in found if a.key not in held] + run_wide
 
 
 def _key(alert) -> tuple:

@@ -83,6 +83,11 @@ class AlertDefinition:
     gauges: tuple[str, ...] = ()
     """Gauges (:data:`~ampwatch.contract.counters.GAUGES`) that can make it hold on their own while its counters stand
     still (a current streak): while one is above 0 the rank is read in full."""
+    stands_for: tuple[tuple[str, str, str], ...] = ()
+    """A run-wide alert: the per-rank alerts it speaks for, as ``(alert, its severity, this alert's severity)``.
+    While it holds for a run at that severity, the instances of that alert and severity on the ranks that are in it
+    (its condition holds for the rank at that severity) are held back; a rank that stands out (another severity, or
+    not in it) keeps its own."""
 
     def __post_init__(self) -> None:
         where = f"alert {self.name}"
@@ -98,6 +103,11 @@ class AlertDefinition:
             raise ValueError(f"{where}: context {self.context} must be among its counts and rises")
         if self.window and not set(self.counts + self.rises) - set(self.context):
             raise ValueError(f"{where}: some counter it reads must be able to make it hold (not all context)")
+        if self.stands_for and self.scope != "run":
+            raise ValueError(f"{where}: only an alert of scope run can stand for per-rank alerts")
+        for _, _, level in self.stands_for:
+            if level not in {s.level for s in self.severities}:
+                raise ValueError(f"{where}: it speaks for others at {level!r}, not one of its severities")
         fields = {f.name for f in dataclasses.fields(AlertThresholds)}
         for name in (self.window, self.for_s, *self.parameters, *(s.threshold for s in self.severities)):
             if name is not None and name not in fields:
@@ -179,6 +189,19 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
         description=f"The {_WHERE} skipped at least {{threshold}} consecutive steps within the last "
                     "{skip_streak_window_s}: its parameters were not updated (current streak: {value} skipped "
                     "steps)."),
+    AlertDefinition(
+        name="AmpRunSkipStorm", scope="run",
+        severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
+        for_s=None, parameters=("storm_rank_share",), window="skip_streak_window_s", rises=("streaks_reached",),
+        gauges=("consecutive_skipped",),
+        stands_for=(("AmpConsecutiveSkippedSteps", "warning", "warning"),
+                    ("AmpConsecutiveSkippedSteps", "critical", "critical"),
+                    ("AmpLossScaleCollapsed", "critical", "warning")),
+        summary="Most ranks of a run skip together: {threshold} or more steps in a row",
+        description="{percent} of the ranks of run {run} have an optimizer that skipped at least {threshold} "
+                    "consecutive steps within the last {skip_streak_window_s}: the whole job stopped updating its "
+                    "parameters. This alert speaks for those ranks: their own streak alerts of this severity, and their "
+                    "collapsed-scale alerts, are held back; a rank that stands out keeps its own."),
     AlertDefinition(
         name="AmpSustainedLossScaleBackoff", scope="run", severities=_WARNING, for_s="backoff_for_s",
         parameters=("backoff_min_count", "backoff_rank_share", "calibration_iterations"),

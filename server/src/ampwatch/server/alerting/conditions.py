@@ -28,7 +28,8 @@ from .annotations import AlertTexts
 from .history import Baseline, RankHistory
 
 __all__ = ["ActiveAlert", "RankFacts", "RankReading", "RunCondition", "RANK_CONDITIONS", "RUN_CONDITIONS",
-           "usable_scale", "rank_alerts", "rank_facts", "run_alerts", "run_alerts_of", "evaluate"]
+           "usable_scale", "rank_alerts", "rank_facts", "run_alerts", "run_alerts_of", "held_back", "evaluate",
+           "evaluate_with_facts"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,15 +84,21 @@ def _optimizer_labels(cur: RankSnapshot, optimizer: str) -> dict:
     return {"run": cur.run, "rank": str(cur.rank), "optimizer": optimizer}
 
 
-def _streak(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
-    cur, base = r.current, r.since("AmpConsecutiveSkippedSteps")
+def _streaks(r: RankReading, t: AlertThresholds, alert: str) -> Iterable[tuple[str, int, str]]:
+    """Yield ``(optimizer, current streak, severity)`` for each streak alert that holds (read as ``alert`` declares)."""
+    cur, base = r.current, r.since(alert)
     for opt_name in cur.optimizers:
         streak = cur.consecutive_skipped.get(opt_name, 0)
         for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
             threshold = getattr(t, severity.threshold)
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
             if base.rose("streaks_reached", opt_name, threshold) or (streak >= threshold and not cur.closed):
-                yield _alert("AmpConsecutiveSkippedSteps", _optimizer_labels(cur, opt_name), streak, t, severity.level)
+                yield opt_name, streak, severity.level
+
+
+def _streak(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+    for opt_name, streak, level in _streaks(r, t, "AmpConsecutiveSkippedSteps"):
+        yield _alert("AmpConsecutiveSkippedSteps", _optimizer_labels(r.current, opt_name), streak, t, level)
 
 
 def _skip_ratio(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
@@ -171,7 +178,7 @@ class RunCondition:
     """An alert judged across a run: what it reads of each rank, then what holds for the run."""
 
     judge: Callable[[str, list[RankFacts], list[RankFacts], AlertThresholds], Iterable[ActiveAlert]]
-    """``(run, its ranks' facts, those of its open ranks (not closed), t)`` -> the instances that hold."""
+    """``(run, its ranks' facts, those of its open ranks (not closed; maybe none), t)`` -> the instances that hold."""
     fact: Optional[Callable[[RankReading, AlertThresholds], Any]] = None
     """What it needs of one rank's window (None: its snapshot alone)."""
     idle: Any = None
@@ -190,6 +197,8 @@ def _backing_off(r: RankReading, t: AlertThresholds) -> bool:
 
 def _sustained_backoff(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts],
                        t: AlertThresholds) -> Iterable[ActiveAlert]:
+    if not open_ranks:
+        return
     backing_off = sum(1 for f in open_ranks if f.facts["AmpSustainedLossScaleBackoff"])
     share = backing_off / len(open_ranks)
     if backing_off and share >= t.backoff_rank_share:
@@ -224,7 +233,23 @@ def _origin(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: Al
             yield _alert("AmpSkipOriginRank", labels, f.facts["AmpSkipOriginRank"], t)
 
 
+def _streak_levels(r: RankReading, t: AlertThresholds) -> frozenset[str]:
+    """The severities at which the rank's streak alert holds (for any optimizer)."""
+    return frozenset(level for _, _, level in _streaks(r, t, "AmpRunSkipStorm"))
+
+
+def _storm(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: AlertThresholds) -> Iterable[ActiveAlert]:
+    # Most of the ranks (and two at least) hold the streak alert at a severity: one alert for the run. Closed ranks
+    # count too, as their streak alerts do within the window: a job that ends in a storm stays one alert.
+    for severity in ALERTS["AmpRunSkipStorm"].severities:
+        skipping = sum(1 for f in ranks if severity.level in f.facts["AmpRunSkipStorm"])
+        share = skipping / len(ranks)
+        if skipping >= 2 and share >= t.storm_rank_share:
+            yield _alert("AmpRunSkipStorm", {"run": run}, share, t, severity.level)
+
+
 RUN_CONDITIONS: Mapping[str, RunCondition] = {
+    "AmpRunSkipStorm": RunCondition(_storm, _streak_levels, idle=frozenset()),
     "AmpSustainedLossScaleBackoff": RunCondition(_sustained_backoff, _backing_off, idle=False),
     "AmpLossScaleDesync": RunCondition(_desync),
     "AmpSkipOriginRank": RunCondition(_origin, _origin_started, idle=0),
@@ -280,11 +305,27 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThres
     return run_alerts_of(run, [rank_facts(h, now, t) for h in ranks], t)
 
 
+def held_back(rank_alerts: Iterable[ActiveAlert], run_alerts: Iterable[ActiveAlert],
+              by_run: Mapping[str, list[RankFacts]]) -> set[tuple]:
+    """Return the keys of the per-rank alerts that a run-wide alert which holds speaks for (its ``stands_for``) on
+    the ranks that are in it (its fact of the rank holds that severity)."""
+    speaking: dict[tuple[str, str, str], list[tuple[str, str]]] = {}  # (run, alert, severity) -> (speaker, level)
+    for a in run_alerts:
+        for name, severity, level in ALERTS[a.name].stands_for:
+            if a.labels["severity"] == level:
+                speaking.setdefault((a.labels["run"], name, severity), []).append((a.name, level))
+    if not speaking:
+        return set()
+    runs = {run for run, _, _ in speaking}
+    facts = {(run, str(f.current.rank)): f.facts for run in runs for f in by_run.get(run, ())}
+    return {a.key for a in rank_alerts
+            for speaker, level in speaking.get((a.labels["run"], a.name, a.labels["severity"]), ())
+            if level in facts[(a.labels["run"], a.labels["rank"])][speaker]}
+
+
 def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[ActiveAlert]:
     """Return the run-wide alerts of ``run`` from its ranks' :func:`rank_facts` (pure: no history read)."""
     open_ranks = [f for f in ranks if not f.current.closed]
-    if not open_ranks:
-        return []
     found: list[ActiveAlert] = []
     for condition in RUN_CONDITIONS.values():
         found.extend(condition.judge(run, ranks, open_ranks, t))
@@ -302,16 +343,24 @@ def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
     handing the GIL to the event loop); the run-wide alerts are then judged from what the slices
     read, outside it. ``skip_quiet=False`` reads every rank's windows (what quiet ranks spare, measured).
     """
+    return evaluate_with_facts(histories, now, t, hold, slice_size, between, skip_quiet)[0]
+
+
+def evaluate_with_facts(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
+                        hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
+                        between: Callable[[], object] = lambda: None, skip_quiet: bool = True) \
+        -> tuple[list[ActiveAlert], dict[str, list[RankFacts]]]:
+    """Return :func:`evaluate`'s alerts (per-rank ones a run-wide alert speaks for held back) and each run's facts."""
     by_run: dict[str, list[RankFacts]] = {}
-    found: list[ActiveAlert] = []
+    per_rank: list[ActiveAlert] = []
     for first in range(0, len(histories), slice_size):
         if first:
             between()
         with hold():
             for h in histories[first:first + slice_size]:
                 reading = RankReading(h, now, still=skip_quiet and h.quiet(now))
-                found.extend(_rank_alerts(reading, t))
+                per_rank.extend(_rank_alerts(reading, t))
                 by_run.setdefault(h.run, []).append(_rank_facts(reading, t))
-    for run, ranks in by_run.items():
-        found.extend(run_alerts_of(run, ranks, t))
-    return found
+    run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, t)]
+    held = held_back(per_rank, run_wide, by_run)
+    return [a for a in per_rank if a.key not in held] + run_wide, by_run

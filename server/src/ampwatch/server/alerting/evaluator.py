@@ -10,11 +10,23 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
-from .conditions import evaluate, rank_alerts
+from ampwatch.contract.alerts import ALERTS
+
+from .conditions import evaluate_with_facts, rank_alerts
 from .history import HistoryLayout, RankHistory
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
+
+# Per-rank alerts a run-wide alert may speak for (its stands_for): in a run of several ranks, the periodic pass
+# decides them, after it judged whether most of the run's ranks are in the same trouble.
+_FOLDABLE = frozenset(name for d in ALERTS.values() for name, _, _ in d.stands_for)
+# (alert, severity) -> the run-wide alerts that speak for it and at which of their severities; their fact of a rank
+# is the severities at which the rank is in the trouble they speak for.
+_SPOKEN_FOR: dict[tuple[str, str], list[tuple[str, str]]] = {}
+for _speaker in ALERTS.values():
+    for _name, _severity, _level in _speaker.stands_for:
+        _SPOKEN_FOR.setdefault((_name, _severity), []).append((_speaker.name, _level))
 
 class BuiltinAlerts:
     """Evaluate the ampwatch alerts inside the collector, as batches arrive and on a periodic tick.
@@ -24,10 +36,14 @@ class BuiltinAlerts:
     []
 
     :meth:`observe` (call it after each applied batch) evaluates that rank's
-    own alerts at once, so a skip streak fires at the ingest that crosses the
-    threshold. :meth:`evaluate` (call it every second or so) evaluates
-    everything, including run-wide alerts and silent ranks; it costs
-    O(ranks), so it is kept off the ingest path.
+    own alerts at once, so a skip streak of a one-rank run fires at the ingest
+    that crosses the threshold. :meth:`evaluate` (call it every second or so)
+    evaluates everything, including run-wide alerts and silent ranks; it costs
+    O(ranks), so it is kept off the ingest path. In a run of several ranks, the
+    per-rank alerts a run-wide alert may speak for (``stands_for``: a streak, a
+    collapsed scale) are decided by the pass: once two passes in a row found one
+    while other ranks of its run hold the same severity, or at once when no other
+    does. A whole-job storm is then one alert, not one per rank.
     """
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
@@ -49,6 +65,8 @@ class BuiltinAlerts:
         self._states = AlertStates(resolved_retention_s)
         self._lock = threading.Lock()
         self._observed_during: Optional[set[tuple[str, str]]] = None  # rank groups observed while evaluate() runs
+        self._run_sizes: dict[str, int] = {}  # run -> ranks watched
+        self._waiting: set[tuple] = set()  # per-rank alerts the last pass held for a second look
 
     def observe(self, snapshot: RankSnapshot, now: Optional[float] = None) -> list[Alert]:
         """Record a rank's new state and return the transitions of that rank's alerts."""
@@ -59,12 +77,14 @@ class BuiltinAlerts:
             if history is None:
                 history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._layout,
                                                          self._resolution_s)
+                self._run_sizes[snapshot.run] = self._run_sizes.get(snapshot.run, 0) + 1
             history.record(snapshot, self.thresholds.calibration_iterations)
             group = (snapshot.run, str(snapshot.rank))
             if self._observed_during is not None:
                 self._observed_during.add(group)
             active = rank_alerts(history, now, self.thresholds)
-            return self._states.advance(active, now, group)
+            leave = {a.key for a in active if a.name in _FOLDABLE} if self._run_sizes[snapshot.run] > 1 else set()
+            return self._states.advance(active, now, group, leave=leave)
 
     def evaluate(self, now: Optional[float] = None) -> list[Alert]:
         """Evaluate every alert of every rank and run; return the transitions.
@@ -82,14 +102,34 @@ class BuiltinAlerts:
             histories = list(self._ranks.values())
             self._observed_during = observed = set()
         try:
-            found = evaluate(histories, now, self.thresholds, hold=lambda: self._lock, between=self._breathe)
+            found, by_run = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
+                                                between=self._breathe)
             with self._lock:
                 self._observed_during = None
+                found = self._second_look(found, by_run)
                 if observed:
                     found = [a for a in found if a.group not in observed]
                 return self._states.advance(found, now, keep=observed)
         finally:
             self._observed_during = None  # also when the pass failed
+
+    def _second_look(self, found: list, by_run: dict) -> list:
+        """Hold back, for one pass, a per-rank alert a run-wide one may speak for that is not firing yet, while
+        other ranks of its run hold the same severity: a whole-job storm whose batches straddle two passes is
+        then judged whole, not announced rank by rank and withdrawn a second later."""
+        speakers = {speaker for spoken in _SPOKEN_FOR.values() for speaker, _ in spoken}
+        in_trouble: dict[tuple[str, str, str], int] = {}  # (run, speaker, level) -> ranks
+        for run, ranks in by_run.items():
+            for f in ranks:
+                for speaker in speakers:
+                    for level in f.facts[speaker]:
+                        in_trouble[(run, speaker, level)] = in_trouble.get((run, speaker, level), 0) + 1
+        waiting = {a.key for a in found if a.name in _FOLDABLE and not self._states.is_firing(a.key)
+                   and any(in_trouble.get((a.labels["run"], speaker, level), 0) > 1
+                           for speaker, level in _SPOKEN_FOR[(a.name, a.labels["severity"])])}
+        found = [a for a in found if a.key not in waiting or a.key in self._waiting]
+        self._waiting = waiting
+        return found
 
     def _breathe(self) -> None:
         if self._breather_s:
@@ -99,7 +139,10 @@ class BuiltinAlerts:
         """Drop an expired rank; its alerts resolve; return the transitions."""
         now = self._clock() if now is None else now
         with self._lock:
-            self._ranks.pop((run, rank), None)
+            if self._ranks.pop((run, rank), None) is not None:
+                self._run_sizes[run] -= 1
+                if not self._run_sizes[run]:
+                    del self._run_sizes[run]
             group = (run, str(rank))
             return self._states.advance((), now, group)
 
