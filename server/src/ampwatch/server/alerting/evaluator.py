@@ -28,6 +28,18 @@ for _speaker in ALERTS.values():
     for _name, _severity, _level in _speaker.stands_for:
         _SPOKEN_FOR.setdefault((_name, _severity), []).append((_speaker.name, _level))
 
+def _in_trouble(by_run: dict) -> dict[tuple[str, str, str], int]:
+    """Count, per run, the ranks in the trouble each speaking alert judges, at each of its severities."""
+    speakers = {speaker for spoken in _SPOKEN_FOR.values() for speaker, _ in spoken}
+    counts: dict[tuple[str, str, str], int] = {}  # (run, speaker, level) -> ranks
+    for run, ranks in by_run.items():
+        for f in ranks:
+            for speaker in speakers:
+                for level in f.facts[speaker]:
+                    counts[(run, speaker, level)] = counts.get((run, speaker, level), 0) + 1
+    return counts
+
+
 class BuiltinAlerts:
     """Evaluate the ampwatch alerts inside the collector, as batches arrive and on a periodic tick.
 
@@ -104,26 +116,20 @@ class BuiltinAlerts:
         try:
             found, by_run = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
                                                 between=self._breathe)
+            in_trouble = _in_trouble(by_run)  # O(ranks), outside the lock
             with self._lock:
                 self._observed_during = None
-                found = self._second_look(found, by_run)
+                found = self._second_look(found, in_trouble)
                 if observed:
                     found = [a for a in found if a.group not in observed]
                 return self._states.advance(found, now, keep=observed)
         finally:
             self._observed_during = None  # also when the pass failed
 
-    def _second_look(self, found: list, by_run: dict) -> list:
+    def _second_look(self, found: list, in_trouble: dict[tuple[str, str, str], int]) -> list:
         """Hold back, for one pass, a per-rank alert a run-wide one may speak for that is not firing yet, while
         other ranks of its run hold the same severity: a whole-job storm whose batches straddle two passes is
         then judged whole, not announced rank by rank and withdrawn a second later."""
-        speakers = {speaker for spoken in _SPOKEN_FOR.values() for speaker, _ in spoken}
-        in_trouble: dict[tuple[str, str, str], int] = {}  # (run, speaker, level) -> ranks
-        for run, ranks in by_run.items():
-            for f in ranks:
-                for speaker in speakers:
-                    for level in f.facts[speaker]:
-                        in_trouble[(run, speaker, level)] = in_trouble.get((run, speaker, level), 0) + 1
         waiting = {a.key for a in found if a.name in _FOLDABLE and not self._states.is_firing(a.key)
                    and any(in_trouble.get((a.labels["run"], speaker, level), 0) > 1
                            for speaker, level in _SPOKEN_FOR[(a.name, a.labels["severity"])])}
