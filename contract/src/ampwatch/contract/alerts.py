@@ -109,9 +109,9 @@ class AlertDefinition:
             if level not in {s.level for s in self.severities}:
                 raise ValueError(f"{where}: it speaks for others at {level!r}, not one of its severities")
         fields = {f.name for f in dataclasses.fields(AlertThresholds)}
-        for name in (self.window, self.for_s, *self.parameters, *(s.threshold for s in self.severities)):
-            if name is not None and name not in fields:
-                raise ValueError(f"{where}: {name!r} is not a field of AlertThresholds")
+        for field in (self.window, self.for_s, *self.parameters, *(s.threshold for s in self.severities)):
+            if field is not None and field not in fields:
+                raise ValueError(f"{where}: {field!r} is not a field of AlertThresholds")
 
     @property
     def thresholds_read(self) -> tuple[str, ...]:

@@ -66,7 +66,8 @@ class RankReading:
     __slots__ = ("history", "current", "now", "still")
 
     def __init__(self, history: RankHistory, now: float, still: bool = False) -> None:
-        self.history, self.current, self.now, self.still = history, history.current, now, still
+        self.history, self.now, self.still = history, now, still
+        self.current: RankSnapshot = history.current  # type: ignore[assignment]  # a read history has recorded
 
     def since(self, alert: str) -> Baseline:
         """Return the rank one window of ``alert`` before now (it answers for the counters ``alert`` declares)."""

@@ -112,7 +112,7 @@ class BuiltinAlerts:
         now = self._clock() if now is None else now
         with self._lock:
             histories = list(self._ranks.values())
-            self._observed_during = observed = set()
+            self._observed_during = observed = set[tuple[str, str]]()
         try:
             found, by_run = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
                                                 between=self._breathe)
@@ -165,8 +165,8 @@ class BuiltinAlerts:
                 return None
             base = history.baseline(now, window_s)
             optimizers = history.current.optimizers.items()
-            skipped = sum(o.skipped - base.skipped(name) for name, o in optimizers)
-            stepped = sum(o.steps - base.steps(name) for name, o in optimizers)
+            skipped = sum(o.skipped - base.count("skipped", name) for name, o in optimizers)
+            stepped = sum(o.steps - base.count("steps", name) for name, o in optimizers)
             return skipped, skipped + stepped
 
     def ranks(self) -> list[tuple[str, int]]:

@@ -176,7 +176,8 @@ class RankHistory:
         self._resolution_s = resolution_s
         self._origin: Optional[array] = None
         self._moved_at = _NEVER  # when a trigger last moved, or a declared gauge was last above 0
-        self._found_at, self._found = math.nan, {}  # baselines searched at that time, by window (one reading)
+        self._found_at = math.nan  # baselines searched at that time, by window (one reading)
+        self._found: dict[float, Baseline] = {}
 
     @property
     def horizon_s(self) -> float:
