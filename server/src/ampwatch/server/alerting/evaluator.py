@@ -142,6 +142,13 @@ class BuiltinAlerts:
         with self._lock:
             return self._states.resolved()
 
+    def fired(self, run: str, by_rank: bool = False) -> tuple[list[dict], dict[int, tuple[str, ...]]]:
+        """Return the alerts that fired in ``run`` since the collector started (see :class:`~.fired.FiredAlerts`)
+        and, with ``by_rank``, their names by rank (else an empty dict)."""
+        with self._lock:
+            fired = self._states.fired
+            return fired.of_run(run), (fired.by_rank(run) if by_rank else {})
+
     def to_json(self) -> dict:
         """Return the body of ``GET /v1/alerts``: firing now and recently resolved."""
         with self._lock:
