@@ -31,6 +31,8 @@ REASONS = ("poisoned", "silent", "collapsed", "in_streak", "long_streak", "high_
 """Why a rank is in trouble, most urgent first: the order of the rows (a rank sorts by its most urgent reason).
 Skipping (a streak, a high skip ratio, an alert) comes before a scale merely out of line with the others."""
 
+_RANKED = {reason: i for i, reason in enumerate(REASONS)}
+
 Firing = tuple[dict[int, tuple[str, ...]], tuple[str, ...]]
 
 
@@ -56,12 +58,6 @@ def _band(scales: Iterable[Optional[float]], t: AlertThresholds) -> tuple[dict[s
             "collapsed": sum(not usable_scale(s, t) for s in known), "no_scale": len(held) - len(known)}, median
 
 
-def _calls(view: RankView) -> tuple[int, int]:
-    opts = view.optimizer_totals.values()
-    skipped = sum(o.skipped for o in opts)
-    return skipped, skipped + sum(o.steps for o in opts)
-
-
 def _high_lifetime_ratio(skipped: int, calls: int, t: AlertThresholds) -> bool:
     """A lifetime skip ratio at or above the alert's, judged once the rank made the alert's minimum of step calls
     or skipped as many steps as that minimum allows (a short run that skipped 31 of 160 is judged)."""
@@ -69,43 +65,52 @@ def _high_lifetime_ratio(skipped: int, calls: int, t: AlertThresholds) -> bool:
         (calls >= t.skip_ratio_min_steps or skipped >= t.skip_ratio * t.skip_ratio_min_steps)
 
 
-def _row(rank: RankView, now: float, silent_after: float, t: AlertThresholds, alerts: BuiltinAlerts,
+def _progress(rank: RankView) -> tuple[int, int, int]:
+    """The rank's skipped steps, step calls and poisoned steps over every process; O(optimizers)."""
+    skipped = calls = poisoned = 0
+    for o in rank.optimizer_totals.values():
+        skipped, calls, poisoned = skipped + o.skipped, calls + o.skipped + o.steps, poisoned + o.poisoned_steps
+    return skipped, calls, poisoned
+
+
+def _row(rank: RankView, now: float, silent_after: float, t: AlertThresholds, recent: Optional[tuple[int, int]],
          median: Optional[float], names: Iterable[str], finished: bool) -> dict[str, Any]:
-    opts = rank.optimizer_totals.values()
-    streak = max((rank.consecutive_skipped(name) for name in rank.optimizers()), default=0)
-    longest = max((rank.longest_streak(name) for name in rank.optimizers()), default=0)
-    skipped, calls = _calls(rank)
-    recent = alerts.recent_skips(rank.run, rank.rank, t.skip_ratio_window_s, now)
+    # The hot loop of a summary (once per rank per build): each view property is read once.
+    current = rank.current
+    batch = current.batch  # type: ignore[union-attr]
+    last_seen, closed = rank.last_seen, rank.closed
+    streak = max((o.consecutive_skipped for o in batch.state.optimizers.values()), default=0)
+    longest = max(current.longest.values(), default=0) if len(rank.incarnations) == 1 else \
+        max((rank.longest_streak(name) for name in rank.optimizers()), default=0)  # type: ignore[union-attr]
+    skipped, calls, poisoned = _progress(rank)
     ratio = recent[0] / recent[1] if recent and recent[1] else None
-    scale, closed = _scale(rank), rank.closed
+    scale = _scale(rank)
     live = not closed and not finished
+    judged = live or finished  # a closed rank of a live run: only what it did for good
     names = sorted(set(names))
-    found = set()
-    if any(o.poisoned_steps for o in opts):
-        found.add("poisoned")
-    if live and now - rank.last_seen > silent_after:
-        found.add("silent")
-    if (live or finished) and scale is not None and not usable_scale(scale, t):
-        found.add("collapsed")
+    reasons = []  # in the order of REASONS
+    if poisoned:
+        reasons.append("poisoned")
+    if live and now - last_seen > silent_after:
+        reasons.append("silent")
+    if judged and scale is not None and not usable_scale(scale, t):
+        reasons.append("collapsed")
     if live and streak:
-        found.add("in_streak")
+        reasons.append("in_streak")
     if finished and longest >= t.skip_streak_warning:
-        found.add("long_streak")
-    if finished and _high_lifetime_ratio(skipped, calls, t):
-        found.add("high_skip_ratio")
-    elif not finished and ratio is not None and recent[1] >= t.skip_ratio_min_steps and ratio >= t.skip_ratio:  # type: ignore[index]
-        found.add("high_skip_ratio")
+        reasons.append("long_streak")
+    if _high_lifetime_ratio(skipped, calls, t) if finished else \
+            (ratio is not None and recent[1] >= t.skip_ratio_min_steps and ratio >= t.skip_ratio):  # type: ignore[index]
+        reasons.append("high_skip_ratio")
     if names:
-        found.add("alert")
-    if (live or finished) and scale is not None and median and math.isfinite(scale) and scale > 0 and \
+        reasons.append("alert")
+    if judged and scale is not None and median and math.isfinite(scale) and scale > 0 and \
             max(scale / median, median / scale) >= t.desync_scale_ratio:
-        found.add("desynced")
-    batch = rank.current.batch  # type: ignore[union-attr]
-    return {"rank": rank.rank, "host": batch.host, "reasons": [r for r in REASONS if r in found], "alerts": names,
+        reasons.append("desynced")
+    return {"rank": rank.rank, "host": batch.host, "reasons": reasons, "alerts": names,
             "iteration": batch.state.iteration, "loss_scale": wire_float(scale), "closed": closed,
-            "last_seen": rank.last_seen, "silent_for": round(now - rank.last_seen, 1), "streak": streak,
-            "longest_streak": longest, "steps": calls - skipped, "skipped": skipped,
-            "poisoned_steps": sum(o.poisoned_steps for o in opts),
+            "last_seen": last_seen, "silent_for": round(now - last_seen, 1), "streak": streak,
+            "longest_streak": longest, "steps": calls - skipped, "skipped": skipped, "poisoned_steps": poisoned,
             "recent_skip_ratio": ratio, "recent_window_s": t.skip_ratio_window_s}
 
 
@@ -160,16 +165,19 @@ def trouble_rows(run: str, ranks: Iterable[RankState], alerts: BuiltinAlerts, no
     band, median = _band((_scale(r) for r in held if finished or not r.closed), t)
     firing_by_rank, run_alerts = firing
     fired, fired_by_rank = alerts.fired(run, by_rank=finished)
-    rows = [_row(r, now, silent_after, t, alerts, median,
+    recent = alerts.recent_skips(run, [r.rank for r in held], t.skip_ratio_window_s, now)
+    rows = [_row(r, now, silent_after, t, recent.get(r.rank), median,
                  firing_by_rank.get(r.rank, ()) + fired_by_rank.get(r.rank, ()), finished) for r in held]
-    counts = {reason: sum(reason in row["reasons"] for row in rows) for reason in REASONS}
-    rows.sort(key=lambda row: (REASONS.index(row["reasons"][0]) if row["reasons"] else len(REASONS), row["rank"]))
-    live = [r for r in held if not r.closed]
+    counted = collections.Counter(reason for row in rows for reason in row["reasons"])
+    counts = {reason: counted[reason] for reason in REASONS}
+    rows.sort(key=lambda row: (_RANKED[row["reasons"][0]] if row["reasons"] else len(REASONS), row["rank"]))
+    live = sum(not row["closed"] for row in rows)
     # The first rank to fall silent changes the rows with no batch arriving: the body holds until then.
-    turning_silent = [r.last_seen + silent_after for r in live if now - r.last_seen <= silent_after]
+    turning_silent = [row["last_seen"] + silent_after for row in rows
+                      if not row["closed"] and now - row["last_seen"] <= silent_after]
     return {"run": run, "ranks": len(held), "closed": finished, "counts_cover": "whole_run" if finished else "live",
-            "live_ranks": len(live), "in_trouble": sum(bool(row["reasons"]) for row in rows), "counts": counts,
-            "run_alerts": list(run_alerts), "scale": band, "whole_job": _whole_job(rows, len(live), t),
+            "live_ranks": live, "in_trouble": sum(bool(row["reasons"]) for row in rows), "counts": counts,
+            "run_alerts": list(run_alerts), "scale": band, "whole_job": _whole_job(rows, live, t),
             "life": _life(held, rows, fired), "rows": rows}, (min(turning_silent) if turning_silent else math.inf)
 
 
@@ -189,7 +197,7 @@ def summary_page(built: dict[str, Any], held: dict[int, RankState], now: float, 
         rank = held.get(row["rank"])
         view = rank.view if rank is not None else None
         if view is not None and view.current is not None:
-            skipped, calls = _calls(view)
+            skipped, calls, _ = _progress(view)
             row = dict(row, iteration=view.current.batch.state.iteration, last_seen=view.last_seen,
                        silent_for=round(now - view.last_seen, 1), steps=calls - skipped, skipped=skipped)
         page.append(row)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
@@ -16,6 +16,8 @@ from .history import RankHistory
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
+
+_SLICE = 256  # ranks read per taking of the lock by recent_skips()
 
 # The thresholds fields that are windows the conditions look back over (each alert's ``increase(x[w])``).
 _WINDOWS = tuple(dict.fromkeys(p for d in ALERTS.values() for p in d.parameters if p.endswith("_window_s")))
@@ -110,22 +112,29 @@ class BuiltinAlerts:
             group = (run, str(rank))
             return self._states.advance((), now, group)
 
-    def recent_skips(self, run: str, rank: int, window_s: float, now: Optional[float] = None) \
-            -> Optional[tuple[int, int]]:
-        """Return ``(skipped, step calls)`` of a rank's optimizers over the last ``window_s`` (None if not watched).
+    def recent_skips(self, run: str, ranks: Iterable[int], window_s: float, now: Optional[float] = None) \
+            -> dict[int, tuple[int, int]]:
+        """Return ``{rank: (skipped, step calls)}`` of the ranks' optimizers over the last ``window_s`` (ranks not
+        watched left out).
 
-        Read from the rank's history (as the skip-ratio alert reads it); costs O(optimizers).
+        Read from each rank's history (as the skip-ratio alert reads it); O(ranks x optimizers), the lock taken
+        once per slice of ranks, as the periodic pass takes it.
         """
         now = self._clock() if now is None else now
-        with self._lock:
-            history = self._ranks.get((run, rank))
-            if history is None or history.current is None:
-                return None
-            base = history.baseline(now, window_s)
-            optimizers = history.current.optimizers.items()
-            skipped = sum(o.skipped - base.skipped(name) for name, o in optimizers)
-            stepped = sum(o.steps - base.steps(name) for name, o in optimizers)
-            return skipped, skipped + stepped
+        wanted, found = list(ranks), {}
+        for start in range(0, len(wanted), _SLICE):
+            with self._lock:
+                for rank in wanted[start:start + _SLICE]:
+                    history = self._ranks.get((run, rank))
+                    if history is None or history.current is None:
+                        continue
+                    base = history.baseline(now, window_s)
+                    skipped = stepped = 0
+                    for name, o in history.current.optimizers.items():
+                        skipped += o.skipped - base.skipped(name)
+                        stepped += o.steps - base.steps(name)
+                    found[rank] = (skipped, skipped + stepped)
+        return found
 
     def ranks(self) -> list[tuple[str, int]]:
         """Return the ``(run, rank)`` pairs being watched."""
