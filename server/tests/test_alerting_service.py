@@ -80,6 +80,13 @@ def test_the_status_page_and_its_files_are_served_with_a_strict_content_policy(c
     assert script.status_code == 200
     assert not any(sink in script.text for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"))
     assert client.get("/static/style.css").status_code == 200
+    # Answered from memory with a version: a browser revalidating gets a 304, an unknown file a 404.
+    assert script.headers["content-type"].startswith("text/javascript") and script.headers["etag"]
+    again = client.get("/static/app.js", headers={"If-None-Match": script.headers["etag"]})
+    assert again.status_code == 304 and not again.content
+    assert client.get("/", headers={"If-None-Match": page.headers["etag"]}).status_code == 304
+    assert client.get("/static/app.js", headers={"If-None-Match": '"other"'}).text == script.text
+    assert client.get("/static/nope.js").status_code == 404
 
 
 def test_the_periodic_pass_breathes_between_slices_of_ranks_and_finds_what_a_pass_without_breaks_finds():
