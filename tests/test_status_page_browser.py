@@ -71,7 +71,8 @@ def test_the_status_page_shows_the_finished_run_its_ranks_skips_and_the_streak_a
                                      "AmpConsecutiveSkippedSteps (warning, 2 ranks)"), banner
             assert page.locator("#trouble-title").text_content() == "Ranks that had trouble"
             assert page.locator("#trouble-count").text_content() == "2 of 2"
-            assert page.locator("#trouble-summary").text_content().startswith("over the whole run: scale ended collapsed: 2")
+            assert page.locator("#trouble-summary").text_content().startswith(
+                "over the whole run: scale ended collapsed: 2")
             for rank in ("0", "1"):
                 assert page.locator(f'#trouble tr.trouble[data-rank="{rank}"] .reason').all_text_contents() == [
                     "scale ended collapsed", "long streak", "high skip ratio", "alert fired"]

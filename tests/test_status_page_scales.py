@@ -81,7 +81,8 @@ def test_zero_nan_and_restored_scales_show_as_text_and_the_chart_draws_only_what
             for path in page.locator("path.scale-line").all():
                 assert "NaN" not in path.get_attribute("d") and "Infinity" not in path.get_attribute("d")
             # The caption counts the ranks in words, above the plot; no label lies on a line or the band.
-            assert page.locator("#chart text.spread-key").text_content().startswith("shaded: lowest to highest of 3 ranks")
+            caption = page.locator("#chart text.spread-key").text_content()
+            assert caption == "shaded: lowest to highest of 3 ranks · dashed: median", caption
             assert page.evaluate(_LABELS_CLEAR)
             page.wait_for_selector("#firing tr.alert[data-alert=AmpLossScaleCollapsed]", timeout=30_000)
 

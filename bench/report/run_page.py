@@ -46,7 +46,8 @@ def section(page: Optional[dict]) -> list[str]:
     if quiet:
         lines += ["", "Once the job stopped sending (nothing changing; 20 GETs 0.25 s apart; the median waited "
                   "for the built-in alert pass on the event loop): " + "; ".join(quiet) + "."]
-    parts = [f"{side} {phase} " + ", ".join(f"{_PARTS[k]} {fmt(v)}" for k, v in found.items() if k in _PARTS)
+    parts = [f"{side} {phase} " + ", ".join(f"{_PARTS[k]} {fmt(v)}" for k, v in found.items()
+                                            if k in _PARTS and v is not None)
              for side in SIDES for phase in ("trouble", "storm")
              if (found := page[side][phase]["page"].get("first_paint_parts"))]
     if parts:
