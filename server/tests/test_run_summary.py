@@ -229,3 +229,9 @@ def test_a_finished_run_tells_what_happened_over_its_life_and_the_alerts_that_fi
          "longest_streak_rank": 0, "poisoned_steps": 0}
     assert [(a["name"], a["severity"], a["instances"], a["ranks"]) for a in life["alerts_fired"]] == \
         [("AmpConsecutiveSkippedSteps", "warning", 1, 1)]
+    # Once the run retired from memory, what fired in it is forgotten too (memory stays bounded by the runs held).
+    state, config = client.app.state.collector_state, client.app.state.config
+    now[0] += config.run_retention
+    assert state.retire(now[0], config.expire_after, config.run_retention)
+    client.app.state.alert_service.tick(state)
+    assert client.app.state.alert_service.alerts.fired("edges", by_rank=True) == ([], {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Collection, Iterable, Optional
 
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
@@ -157,6 +157,11 @@ class BuiltinAlerts:
         with self._lock:
             fired = self._states.fired
             return fired.of_run(run), (fired.by_rank(run) if by_rank else {})
+
+    def keep_runs(self, runs: Collection[str]) -> None:
+        """Forget which alerts fired in runs not in ``runs`` (runs the collector no longer holds)."""
+        with self._lock:
+            self._states.fired.keep(runs)
 
     def to_json(self) -> dict:
         """Return the body of ``GET /v1/alerts``: firing now and recently resolved."""

@@ -4,14 +4,14 @@ The state machine keeps firing alerts and, for a while, resolved ones; a run tha
 ago needs more: every alert that fired in it, however long ago. :class:`FiredAlerts` counts each
 alert's start of firing by run, alert name and severity, and the ranks it fired on (O(1) per
 transition; a whole-job storm's thousands of per-rank alerts are a set entry per rank and alert),
-for the most recent ``max_runs`` runs that fired anything. Memory only: a restarted collector
-starts afresh.
+for the most recent ``max_runs`` runs that fired anything, as long as the collector holds the run.
+Memory only: a restarted collector starts afresh.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Collection
 
 from .alert import Alert
 
@@ -69,6 +69,12 @@ class FiredAlerts:
             if key not in seen:
                 seen.add(key)
                 entry["ranks"] += 1
+
+    def keep(self, runs: Collection[str]) -> None:
+        """Forget the runs not in ``runs`` (those the collector no longer holds): a run that comes back under the same
+        name starts afresh. O(runs remembered)."""
+        for run in [run for run in self._runs if run not in runs]:
+            del self._runs[run]
 
     def of_run(self, run: str) -> list[dict[str, Any]]:
         """The run's alerts that fired, critical first: name, severity, instances (starts of firing), ranks (how
