@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Collection, Iterable, Optional
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
@@ -28,6 +28,7 @@ for _speaker in ALERTS.values():
     for _name, _severity, _level in _speaker.stands_for:
         _SPOKEN_FOR.setdefault((_name, _severity), []).append((_speaker.name, _level))
 
+
 def _in_trouble(by_run: dict) -> dict[tuple[str, str, str], int]:
     """Count, per run, the ranks in the trouble each speaking alert judges, at each of its severities."""
     speakers = {speaker for spoken in _SPOKEN_FOR.values() for speaker, _ in spoken}
@@ -38,6 +39,9 @@ def _in_trouble(by_run: dict) -> dict[tuple[str, str, str], int]:
                 for level in f.facts[speaker]:
                     counts[(run, speaker, level)] = counts.get((run, speaker, level), 0) + 1
     return counts
+
+
+_SLICE = 256  # ranks read per taking of the lock by recent_skips()
 
 
 class BuiltinAlerts:
@@ -152,22 +156,29 @@ class BuiltinAlerts:
             group = (run, str(rank))
             return self._states.advance((), now, group)
 
-    def recent_skips(self, run: str, rank: int, window_s: float, now: Optional[float] = None) \
-            -> Optional[tuple[int, int]]:
-        """Return ``(skipped, step calls)`` of a rank's optimizers over the last ``window_s`` (None if not watched).
+    def recent_skips(self, run: str, ranks: Iterable[int], window_s: float, now: Optional[float] = None) \
+            -> dict[int, tuple[int, int]]:
+        """Return ``{rank: (skipped, step calls)}`` of the ranks' optimizers over the last ``window_s`` (ranks not
+        watched left out).
 
-        Read from the rank's history (as the skip-ratio alert reads it); costs O(optimizers).
+        Read from each rank's history (as the skip-ratio alert reads it); O(ranks x optimizers), the lock taken
+        once per slice of ranks, as the periodic pass takes it.
         """
         now = self._clock() if now is None else now
-        with self._lock:
-            history = self._ranks.get((run, rank))
-            if history is None or history.current is None:
-                return None
-            base = history.baseline(now, window_s)
-            optimizers = history.current.optimizers.items()
-            skipped = sum(o.skipped - base.count("skipped", name) for name, o in optimizers)
-            stepped = sum(o.steps - base.count("steps", name) for name, o in optimizers)
-            return skipped, skipped + stepped
+        wanted, found = list(ranks), {}
+        for start in range(0, len(wanted), _SLICE):
+            with self._lock:
+                for rank in wanted[start:start + _SLICE]:
+                    history = self._ranks.get((run, rank))
+                    if history is None or history.current is None:
+                        continue
+                    base = history.baseline(now, window_s)
+                    skipped = stepped = 0
+                    for name, o in history.current.optimizers.items():
+                        skipped += o.skipped - base.count("skipped", name)
+                        stepped += o.steps - base.count("steps", name)
+                    found[rank] = (skipped, skipped + stepped)
+        return found
 
     def ranks(self) -> list[tuple[str, int]]:
         """Return the ``(run, rank)`` pairs being watched."""
@@ -183,6 +194,18 @@ class BuiltinAlerts:
         """Return the alerts resolved recently, latest first."""
         with self._lock:
             return self._states.resolved()
+
+    def fired(self, run: str, by_rank: bool = False) -> tuple[list[dict], dict[int, tuple[str, ...]]]:
+        """Return the alerts that fired in ``run`` since the collector started (see :class:`~.fired.FiredAlerts`)
+        and, with ``by_rank``, their names by rank (else an empty dict)."""
+        with self._lock:
+            fired = self._states.fired
+            return fired.of_run(run), (fired.by_rank(run) if by_rank else {})
+
+    def keep_runs(self, runs: Collection[str]) -> None:
+        """Forget which alerts fired in runs not in ``runs`` (runs the collector no longer holds)."""
+        with self._lock:
+            self._states.fired.keep(runs)
 
     def to_json(self) -> dict:
         """Return the body of ``GET /v1/alerts``: firing now and recently resolved."""

@@ -8,6 +8,7 @@ from typing import AbstractSet, Iterable, Optional
 
 from .alert import Alert
 from .conditions import ActiveAlert
+from .fired import FiredAlerts
 
 __all__ = ["AlertStates"]
 
@@ -30,6 +31,7 @@ class AlertStates:
         self._by_group: dict[tuple, dict[tuple, None]] = {}  # evaluation group -> its pending and firing alerts
         self._resolved: collections.deque[Alert] = collections.deque(maxlen=max_resolved)
         self._retention_s = resolved_retention_s
+        self.fired = FiredAlerts()  # every alert that fired, by run: what a finished run's summary lists
 
     def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None,
                 keep: AbstractSet[tuple] = frozenset(), leave: AbstractSet[tuple] = frozenset()) -> list[Alert]:
@@ -62,6 +64,7 @@ class AlertStates:
                               starts_at=now, value=a.value)
                 self._firing[key] = alert
                 self._groups[key] = a.group
+                self.fired.note(alert)
                 changes.append(alert)
             else:
                 self._pending[key] = (since, a)
