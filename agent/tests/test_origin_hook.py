@@ -62,13 +62,17 @@ def _hooks_on(module: nn.Module) -> int:
     return sum(len(p._backward_hooks or {}) for p in module.parameters())
 
 
-def test_a_model_that_is_not_ddp_and_the_old_comm_hook_arguments_are_refused_leaving_nothing(group):
+def test_a_model_that_is_not_ddp_and_the_old_comm_hook_arguments_are_refused_leaving_nothing(group, monkeypatch):
     net, model, opt, scaler = _job()
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         agent.watch(scaler, opt, collector=(), run="t", ddp=net)
     for arguments in ({"comm_hook": allreduce_hook}, {"comm_state": dist.group.WORLD}):
         with pytest.raises(TypeError, match=r"model\.register_comm_hook\(state, hook\)"):
             agent.watch(scaler, opt, collector=(), run="t", ddp=model, **arguments)
+    monkeypatch.setenv("AMPWATCH_DISABLED", "1")  # disabled, the job would silently train without its hook
+    with pytest.raises(TypeError, match="comm_hook"):
+        agent.watch(scaler, opt, collector=(), run="t", ddp=model, comm_hook=allreduce_hook)
+    monkeypatch.delenv("AMPWATCH_DISABLED")
     assert "step" not in vars(scaler) and not model._comm_hooks and _hooks_on(net) == 0
     agent.watch(scaler, opt, collector=(), run="t").close()  # the scaler is free to be watched again
 
@@ -164,6 +168,36 @@ def test_an_inf_in_any_backward_of_an_iteration_is_kept_and_the_next_iteration_s
         assert [(e["iteration"], e["origin"]) for e in _skips(watch)] == [(2, True)]
         assert storage[1:] == storage[-1:] * 5
         assert local._groups[0].extremes.shape[0] == 4  # rows grew by doubling to hold three backwards
+    finally:
+        watch.close()
+
+
+def test_notes_an_earlier_iteration_wrote_are_not_read_as_this_ones(group):
+    """Rows and parameters an iteration did not write still hold an earlier iteration's notes: a skip whose inf
+    came after DDP's all-reduce (written into ``.grad`` after backward here) must not be taken for this rank's
+    own because of them: after an iteration of two backwards whose second held an inf, an iteration of one;
+    after an iteration whose every gradient held one, an iteration where the head takes no gradient."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    try:
+        plan = [([torch.randn(3, 4), _poisoned()], False), ([torch.randn(3, 4)], True), ([_poisoned()], False),
+                ([torch.randn(3, 8)], True)]
+        for inputs, after in plan:
+            opt.zero_grad()
+            for x in inputs:
+                body_only = x.shape[1] == 8  # only the head runs: the first layer writes no note
+                out = model.module[2:](x) if body_only else model(x)
+                scaler.scale(out.float().pow(2).mean()).backward()
+            if after:  # an inf that no rank's own gradient held
+                next(p for p in net.parameters() if p.grad is not None).grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        assert [(e["iteration"], e["origin"]) for e in _skips(watch)] == [(0, True), (1, False), (2, True),
+                                                                          (3, False)]
     finally:
         watch.close()
 
