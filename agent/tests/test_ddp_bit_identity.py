@@ -24,7 +24,8 @@ from ddp_matrix_worker import CLOSE_AT, COMPILED_AT, WORLD_SIZES, eager_configur
 
 WORKER = Path(__file__).with_name("ddp_matrix_worker.py")
 
-pytestmark = pytest.mark.slow
+# The matrix runs once, in the first test's set-up: its own deadline (run_ranks) bounds it, not the default 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1300)]
 
 
 @pytest.fixture(scope="module")
