@@ -17,7 +17,7 @@ from . import _device
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._inspection import SkipInspection
-from ._origin import OriginFlags
+from ._origin import LocalGradients
 from ._params import ParameterNames
 from ._scale import LossScale
 
@@ -110,7 +110,7 @@ class Recorder:
         self._warned: set[int] = set()
         self._warned_outside = False
         self.orphaned = False  # the scaler was garbage-collected: the hooks only warn, once
-        self.origin: OriginFlags | None = None  # set by watch(ddp=...): each bucket's local extremes
+        self.origin: LocalGradients | None = None  # set by watch(ddp=...): each parameter's own gradient, noted
         self.origin_iterations = 0  # skipped iterations where this rank's own gradients held inf/NaN
 
     @property
@@ -355,7 +355,7 @@ class Recorder:
         record.check_weights = check_weights
         if self.origin is not None:
             self._add_origin(event, iteration, current)
-        origin = (event["origin"], tuple(event["origin_buckets"])) if "origin" in event else None
+        origin = (event["origin"], tuple(event["origin_params"])) if "origin" in event else None
         if rung or (origin is not None and origin != record.origin_sent):
             if origin is not None:
                 record.origin_sent = origin
@@ -375,5 +375,4 @@ class Recorder:
             return
         if new and report.origin:
             self.origin_iterations += 1
-        event.update(origin=report.origin, origin_buckets=report.buckets, origin_params=report.params,
-                     origin_params_total=report.params_total)
+        event.update(origin=report.origin, origin_params=report.params, origin_params_total=report.params_total)

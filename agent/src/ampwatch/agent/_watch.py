@@ -17,7 +17,7 @@ from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
-from ._origin import OriginFlags, attach_origin_hook
+from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._recorder import OptimizerRecord, Recorder
 from ._sender import Sender, close_all_senders
@@ -263,19 +263,22 @@ def watch(scaler: torch.amp.GradScaler,
     ``AMPWATCH_PUSH_INTERVAL``.
 
     ``ddp``: the job's DistributedDataParallel model, to report whether this rank's own gradients held
-    inf/NaN before the all-reduce (the rank where a skip started; docs/agent.md). It registers a DDP
-    communication hook that wraps DDP's all-reduce, or ``comm_hook`` (with its ``comm_state``, as you
-    would pass them to ``register_comm_hook``) when the job uses its own hook: pass it here instead of
-    registering it. Names parameters by ``ddp.module`` when ``model`` is not given.
+    inf/NaN before DDP reduced them (the rank where a skip started; docs/agent.md). A tensor hook on each
+    of its parameters looks at the gradient on its way in; DDP's reduction, and any communication hook the
+    job registers on the model itself, run as they would without ampwatch. Names parameters by
+    ``ddp.module`` when ``model`` is not given. ``comm_hook`` and ``comm_state`` are refused: register your
+    hook with ``ddp.register_comm_hook(state, hook)``, as without ampwatch.
     """
+    if comm_hook is not None or comm_state is not None:
+        raise TypeError("watch() no longer takes comm_hook= or comm_state=: ampwatch does not wrap DDP's "
+                        "reduction, it looks at each parameter's own gradient before DDP takes it. Register "
+                        "your communication hook on the model yourself, model.register_comm_hook(state, hook), "
+                        "as you would without ampwatch, and call watch(..., ddp=model) without them.")
     config = AgentConfig.from_env(collector=collector, run=run, token=token, push_interval=push_interval)
     if config.disabled:
         return DisabledWatch()
     check_scaler(scaler)
     named = named_optimizers(optimizers)
-    if comm_hook is not None and ddp is None:
-        raise ValueError("comm_hook= is wrapped around DDP's all-reduce only with ddp=model: pass the "
-                         "DistributedDataParallel model as ddp=")
     if ddp is not None and model is None and named_parameters is None:
         model = getattr(ddp, "module", None)
     names = ParameterNames(named_params(model, named_parameters))
@@ -299,10 +302,8 @@ def watch(scaler: torch.amp.GradScaler,
         hooks.attach()
         patch = ScalerPatch(scaler, recorder)
         patch.attach(by_id)
-        if ddp is not None:  # last: DDP cannot take a hook back
-            origin = OriginFlags(names)
-            attach_origin_hook(ddp, origin, errors, comm_hook, comm_state)
-            recorder.origin = origin
+        if ddp is not None:
+            recorder.origin = observe_ddp(ddp, names, errors)
         recorder.attached = True
     except BaseException:
         if patch is not None:
