@@ -61,12 +61,12 @@ def _ranks(url: str, run: str, tmp: pathlib.Path, world: int,
                 proc.wait(SETTLE_S)
 
 
-def _finish(ranks: dict[int, RankProcess], tmp: pathlib.Path) -> dict[int, dict]:
-    """Stop the ranks still running; return each one's ground truth."""
+def _finish(ranks: dict[int, RankProcess], tmp: pathlib.Path, ended: Container[int] = ()) -> dict[int, dict]:
+    """Stop the ranks still running; return each one's ground truth. Only those in ``ended`` may have ended before."""
     (tmp / "stop").touch()
     truths = {}
     for rank, proc in ranks.items():
-        if proc.returncode is not None:
+        if rank in ended:
             continue
         out, _ = proc.communicate(timeout=START_S)
         assert proc.returncode == 0, out[-3000:]
@@ -127,6 +127,12 @@ def _requests_and_batches(url: str) -> tuple[float, float]:
             + (value(text, "ampwatch_collector_duplicate_batches_total") or 0))
 
 
+def _gathered_since(url: str, before: tuple[float, float]) -> bool:
+    """Whether the requests since ``before`` (requests, batches) carried more batches than there were requests."""
+    requests, batches = _requests_and_batches(url)
+    return requests - before[0] < batches - before[1]
+
+
 def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact_counts(tmp_path):
     run, world = "relayed", 4
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
@@ -152,9 +158,13 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
             survivors = [r for r in range(world) if r != killed]
             wait_for(lambda: list(tmp_path.glob("relay?")), what="a surviving rank to take the relay over")
             takeover = _requests_and_batches(collector.url)
-            _wait_past(collector.url, run, survivors, 50)
+            # The new relay gathers batches again: a request carries several. Waited for, not counted over a
+            # window: on a loaded machine a rank's batch may miss the other's for a while.
+            wait_for(lambda: _gathered_since(collector.url, takeover),
+                     what="a request through the new relay carrying several ranks' batches")
             after = _requests_and_batches(collector.url)
-            truths = _finish(ranks, tmp_path)
+            _wait_past(collector.url, run, survivors, 50)
+            truths = _finish(ranks, tmp_path, ended={killed})
         for rank in survivors:
             _check_exact(collector.url, run, rank, truths[rank])
         assert value(scrape(collector.url), "ampwatch_rank_closed", run=run, rank=str(killed)) == 0
@@ -162,7 +172,6 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
     print(f"\nrelay rank {killed} killed; {new_relay} took over; after it: "
           f"{after[1] - takeover[1]:.0f} batches in {after[0] - takeover[0]:.0f} requests")
     assert len(new_relay) == 1 and int(new_relay[0][-1]) in survivors
-    assert after[0] - takeover[0] < after[1] - takeover[1], "the new relay gathers batches again"
 
 
 def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
