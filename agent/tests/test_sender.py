@@ -348,7 +348,7 @@ def test_a_storm_of_news_is_coalesced_into_at_most_one_batch_per_news_gap(collec
     senders.append(sender)
     assert collector.wait_for(lambda s: len(s.acked) == 1)
     started = time.monotonic()
-    while time.monotonic() - started < 3.0:
+    while time.monotonic() - started < 1.5:  # the gap itself is tested on its clock in test_schedule.py
         recorder.skip()  # every one a streak start
         time.sleep(0.005)
     storm = time.monotonic() - started
