@@ -75,8 +75,8 @@ def _count_child(variant: str, model: str, iterations: int) -> None:
 
 def _time_child(model: str, rounds: int, block: int) -> dict:
     from ampwatch import agent
+    from bench._loops import rotate
     from bench.ddp_origin import DdpSetup, own_per_iteration
-    from bench.overhead import rotate
 
     _group()
     setups = {"plain": DdpSetup(model, origin=False), "python_hook": DdpSetup(model, origin=False, python_hook=True),
