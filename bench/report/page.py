@@ -16,12 +16,14 @@ from bench.report import fleet, footprint, ingest, inspection, instructions, job
 __all__ = ["BEFORE_AFTER", "FLEET", "GPU_RESULTS", "JOB_1024", "ORIGIN_HOOK", "render"]
 
 _BENCH = os.path.dirname(os.path.dirname(__file__))
-BEFORE_AFTER = os.path.join(_BENCH, "tail_before_after.json")  # written by hand-run bench.tail
-JOB_1024 = os.path.join(_BENCH, "job1024_before_after.json")
-"""Written by hand-run ``bench.alert_memory``, ``notify_storm``, ``storm``, ``metrics_size``, ``run_page``,
+_RESULTS = os.path.join(_BENCH, "experiments", "results")
+"""Where the hand-run benchmarks (``bench/experiments/``) keep the results this page renders."""
+BEFORE_AFTER = os.path.join(_RESULTS, "tail_before_after.json")  # written by hand-run bench.tail
+JOB_1024 = os.path.join(_RESULTS, "job1024_before_after.json")
+"""Written by hand-run ``bench.experiments.alert_memory``, ``notify_storm``, ``storm``, ``metrics_size``, ``run_page``,
 ``rule_eval`` and ``collector_memory`` with ``--out``."""
-ORIGIN_HOOK = os.path.join(_BENCH, "origin_hook_before_after.json")  # python -m bench.origin_hook
-FLEET = os.path.join(_BENCH, "fleet_delivery.json")  # python -m bench.fleet --out
+ORIGIN_HOOK = os.path.join(_RESULTS, "origin_hook_before_after.json")  # python -m bench.experiments.origin_hook
+FLEET = os.path.join(_RESULTS, "fleet_delivery.json")  # python -m bench.experiments.fleet --out
 GPU_RESULTS = os.path.join(os.path.dirname(_BENCH), "docs", "benchmarks-gpu.json")
 """The latest ``python -m bench.gpu`` result run on a GPU, committed by hand (docs/benchmarks.md, GPU)."""
 

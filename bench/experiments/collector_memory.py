@@ -14,7 +14,7 @@ rank state, the alert histories and states, label caches, SQLite's page cache, t
 slack. The alert histories keep one moment per 5 s whatever the push interval, so 5 s pushes give the
 figure of 2 s pushes in less time.
 
-    python -m bench.collector_memory [--ranks 1024] [--minutes 31] [--push-s 5] [--out FILE]
+    python -m bench.experiments.collector_memory [--ranks 1024] [--minutes 31] [--push-s 5] [--out FILE]
 
 Takes about 16 minutes at the defaults on a shared 2-core machine (most of it waiting for commits).
 """
@@ -30,8 +30,8 @@ import tempfile
 import time
 
 from bench._before_after import store
-from bench._inprocess import SimulatedRank, collector_app, post
-from bench._resident import resident_kib
+from bench.experiments._inprocess import SimulatedRank, collector_app, post
+from bench.experiments._resident import resident_kib
 
 __all__ = ["KEY", "measure", "main"]
 
@@ -87,7 +87,7 @@ def measure(ranks: int = 1024, minutes: float = 31.0, push_s: float = 5.0) -> di
 
 def main(argv: list[str] | None = None) -> dict:
     """Measure in a fresh process (so the figure is this run's alone) and print it; ``--out`` also stores it."""
-    parser = argparse.ArgumentParser(prog="python -m bench.collector_memory", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.collector_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--minutes", type=float, default=31.0, help="simulated minutes (the longest window is 30)")
     parser.add_argument("--push-s", type=float, default=5.0, help="simulated seconds between two pushes of a rank")

@@ -4,7 +4,7 @@ Each side fills a fresh collector (``bench.scrape.level``: three batches per ran
 plain and as Prometheus asks (``Accept-Encoding: gzip``); the earlier side's collector runs
 ``ampwatch.server`` from ``git archive <ref>`` (first on PYTHONPATH).
 
-    python -m bench.metrics_size [--ranks 1024] [--before d90d65f] [--out FILE]
+    python -m bench.experiments.metrics_size [--ranks 1024] [--before d90d65f] [--out FILE]
 """
 
 from __future__ import annotations

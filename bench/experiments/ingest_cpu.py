@@ -1,6 +1,6 @@
 """CPU per steady-state rank-update of the collector's ingest path, this tree beside an earlier commit, in one run.
 
-Each side runs in a fresh process: a real collector app (``bench/_inprocess.py``: its ingest handler
+Each side runs in a fresh process: a real collector app (``bench/experiments/_inprocess.py``: its ingest handler
 called as uvicorn would, its SQLite store, built-in alerts and retirement loop; no HTTP parsing or
 socket), N ranks x 2 optimizers with a skip every 50th batch. Two warm-up pushes per rank (first
 contact and the first update), then ``--pushes`` more, 64 batches in flight at a time; the figure is
@@ -10,7 +10,7 @@ With ``--storm`` every measured push skips all its iterations on every rank (a w
 the streak alerts fire at the second and stay firing, their values changing with every batch),
 stored under ``ingest_cpu_storm``.
 
-    python -m bench.ingest_cpu [--ranks 1024] [--pushes 8] [--rounds 3] [--storm] [--before REF] [--out FILE]
+    python -m bench.experiments.ingest_cpu [--ranks 1024] [--pushes 8] [--rounds 3] [--storm] [--before REF] [--out FILE]
 
 Takes about a minute at the defaults.
 """
@@ -29,7 +29,7 @@ import time
 from typing import Optional
 
 from bench._before_after import ROOT, source_of, store
-from bench._inprocess import SimulatedRank, collector_app, post
+from bench.experiments._inprocess import SimulatedRank, collector_app, post
 
 __all__ = ["KEY", "measure", "main"]
 
@@ -68,7 +68,7 @@ def measure(ranks: int, pushes: int, storm: bool = False) -> dict:
 
 def _side(ranks: int, pushes: int, path: Optional[str], storm: bool = False) -> dict:
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
-            "import ampwatch.server; from bench.ingest_cpu import measure;"
+            "import ampwatch.server; from bench.experiments.ingest_cpu import measure;"
             "r = measure(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == '1');"
             "r['server'] = ampwatch.server.__file__; print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, path or "", str(ranks), str(pushes), str(int(storm))],
@@ -78,7 +78,7 @@ def _side(ranks: int, pushes: int, path: Optional[str], storm: bool = False) -> 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     """Alternate both sides ``--rounds`` times; print and return each side's rounds and median."""
-    parser = argparse.ArgumentParser(prog="python -m bench.ingest_cpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.ingest_cpu", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--pushes", type=int, default=8, help="measured pushes per rank, after two warm-up ones")
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,4 +1,4 @@
-"""How a simulated rank's batch reaches the collector in ``bench._fleet_ranks``: :data:`TRANSPORTS`.
+"""How a simulated rank's batch reaches the collector in ``bench.experiments._fleet_ranks``: :data:`TRANSPORTS`.
 
 ``per-rank``: one keep-alive connection and one request per batch (protocol v1), as the agent
 does. ``node-relay``: the opt-in node relay, the node's ranks' batches gathered into one

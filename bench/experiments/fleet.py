@@ -2,7 +2,7 @@
 
 Both sides in one run, each on a fresh collector (this tree's, default settings but for
 ``--max-ranks-per-run`` when its default refuses the job) with a simulated job in another process
-(``bench/_fleet_ranks.py``: the agent's own schedule, real HTTP on loopback). Timeline per side:
+(``bench/experiments/_fleet_ranks.py``: the agent's own schedule, real HTTP on loopback). Timeline per side:
 every rank starts within a second and sends its first batch (*warm*), trains healthily (*healthy*: ingest latency,
 collector CPU and memory, bytes on the wire), then 10% of the ranks run skip streaks (*storm*: from
 each streak's first skip to its answer, which is when ``/metrics`` shows it, checked against real
@@ -12,16 +12,16 @@ firing in the built-in alerts). One rank is killed (no close) early in the healt
 batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that the bench stays short
 (:func:`silence`; the default is 8 heartbeats + 60 s).
 
-    python -m bench.fleet                          # 16,384 ranks, before and after: about 6 minutes
-    python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
-    python -m bench.fleet --only after --ranks 4096
-    python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
-    python -m bench.fleet --lockstep --before f833925            # a whole-job storm, f833925's collector beside
+    python -m bench.experiments.fleet                          # 16,384 ranks, before and after: about 6 minutes
+    python -m bench.experiments.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
+    python -m bench.experiments.fleet --only after --ranks 4096
+    python -m bench.experiments.fleet --out bench/experiments/results/fleet_delivery.json        # also store it (key "fleet_16384")
+    python -m bench.experiments.fleet --lockstep --before f833925            # a whole-job storm, f833925's collector beside
                                                                  # this tree's (key "fleet_16384_lockstep")
-    python -m bench.fleet --render bench/fleet_delivery.json     # print the Markdown tables stored there
+    python -m bench.experiments.fleet --render bench/experiments/results/fleet_delivery.json     # print the Markdown tables stored there
 
 ``--transport node-relay`` runs the *after* side through the node relay (one protocol v2 request
-per node, ``bench/_fleet_ranks.py`` ``TRANSPORTS``). A rank's ingest latency is from handing its
+per node, ``bench/experiments/_fleet_ranks.py`` ``TRANSPORTS``). A rank's ingest latency is from handing its
 batch over to its answer (with the relay, the hold for the node's other ranks included); the HTTP
 request row times the requests themselves, whoever sent them.
 """
@@ -158,7 +158,7 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
             rss0 = stats.memory_kib()["VmRSS"]
             out = os.path.join(tmp, "ranks.json")
             kill_rank = ranks // 2 + 3  # a rank in no storm (the simulation keeps it out)
-            sim = subprocess.Popen([sys.executable, "-m", "bench._fleet_ranks", "--port", str(srv.port),
+            sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port),
                                     "--ranks", str(ranks), "--delivery", delivery, "--transport", transport,
                                     "--warm", str(warm), "--healthy", str(healthy), "--storm", str(storm),
                                     "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out,
@@ -335,12 +335,12 @@ def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-r
 
 def main(argv: list[str] | None = None) -> int:
     """Run the fleet comparison, print a table, and store the result with ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.fleet", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=None, help="simulated ranks (default 16,384; --quick 1,024)")
     parser.add_argument("--quick", action="store_true", help="1,024 ranks and shorter phases")
     parser.add_argument("--only", choices=("before", "after"), help="run one side only")
     parser.add_argument("--transport", default="per-rank", help="how the after side's batches travel "
-                                                                "(bench/_fleet_ranks.py TRANSPORTS)")
+                                                                "(bench/experiments/_fleet_ranks.py TRANSPORTS)")
     parser.add_argument("--heartbeat", type=float, help=f"the after side's push interval (default: the agent's "
                                                         f"for the job's size, {HEARTBEAT_INTERVAL_S} s up to "
                                                         f"{MAX_HEARTBEAT_INTERVAL_S} s; 16,384 ranks: "

@@ -1,6 +1,6 @@
 """This process's resident memory, for the benches that measure memory inside their own process.
 
-``bench.alert_memory`` and ``bench.collector_memory`` take the difference of two readings around
+``bench.experiments.alert_memory`` and ``bench.experiments.collector_memory`` take the difference of two readings around
 what they measure; a server in another process is read through ``bench._servers.ProcessStats``.
 """
 

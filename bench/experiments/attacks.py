@@ -11,7 +11,7 @@ Each side starts a real collector on loopback (the earlier one runs ``ampwatch.s
 - run flood: 1,000 junk runs as fast as one client sends them, then a real job's first batch from
   another address (127.0.0.2, loopback on Linux);
 - wide body: one batch whose ``state.optimizers`` holds 500,000 keys (5.6 MiB), then one holding 90,000
-  optimizers' counters (8 MiB), while a real job's rank keeps sending (``bench/_wide_body.py``);
+  optimizers' counters (8 MiB), while a real job's rank keeps sending (``bench/experiments/_wide_body.py``);
 - rebinding: a web page whose name is rebound to 127.0.0.1 posts a batch and reads ``/v1/runs`` and
   ``/metrics`` with ``Host`` and ``Origin`` both its own name;
 - forged close: a batch from a fresh incarnation with the host and pid that ``GET /v1/runs/{run}`` shows
@@ -24,7 +24,7 @@ Each side starts a real collector on loopback (the earlier one runs ``ampwatch.s
 
 About two and a half minutes per side on a loaded 2-core machine.
 
-    python -m bench.attacks [--before 23f3925^] [--key attacks] [--out FILE]
+    python -m bench.experiments.attacks [--before 23f3925^] [--key attacks] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from typing import Optional
 
 import httpx
 
-from bench import _servers, _wide_body  # puts tests/helpers on sys.path
+from bench import _servers
+from bench.experiments import _wide_body  # puts tests/helpers on sys.path
 from bench._before_after import before_after, store
 from batches import make_batch, optimizer, skip_event  # noqa: E402
 from exposition import value  # noqa: E402

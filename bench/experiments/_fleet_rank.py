@@ -1,8 +1,8 @@
-"""One simulated rank of ``bench._fleet_ranks`` at work, and the :class:`Tally` of what all of them saw.
+"""One simulated rank of ``bench.experiments._fleet_ranks`` at work, and the :class:`Tally` of what all of them saw.
 
 :func:`run_rank` is the agent's sender for one rank: it wakes when the agent's own
 :class:`~ampwatch.agent._schedule.PushSchedule` says a batch is due (or news came), builds the
-batch from the rank's :class:`~bench._fleet_plan.Plan` as of now, and hands it to the node's
+batch from the rank's :class:`~bench.experiments._fleet_plan.Plan` as of now, and hands it to the node's
 transport, retrying the very same batch with backoff until it is acknowledged, as the agent does.
 """
 
@@ -13,8 +13,8 @@ import random
 import time
 from typing import Optional
 
-from bench._fleet_plan import Delivery, LockstepPlan, Plan
-from bench._fleet_transports import Answer, KeptAlive
+from bench.experiments._fleet_plan import Delivery, LockstepPlan, Plan
+from bench.experiments._fleet_transports import Answer, KeptAlive
 from bench._rank_batch import SCALER, batch_body, open_identity
 
 from ampwatch.agent._schedule import PushSchedule

@@ -1,4 +1,4 @@
-"""What one simulated rank of ``bench._fleet_ranks`` trains, and when its agent sends.
+"""What one simulated rank of ``bench.experiments._fleet_ranks`` trains, and when its agent sends.
 
 A :class:`Plan` is a rank's training timeline (iterations at a fixed period from its own start,
 skip streaks at given iterations) and everything that follows from it: the events the agent's

@@ -6,7 +6,7 @@ alerts (3,072) fire at once, as when every rank of a DDP job skips; once each is
 all resolve. Reported per phase: POSTs the receiver got, their bytes, alerts dropped, seconds.
 The earlier side imports ``ampwatch.server`` from ``git archive <ref>``.
 
-    python -m bench.notify_storm [--ranks 1024] [--before d90d65f]
+    python -m bench.experiments.notify_storm [--ranks 1024] [--before d90d65f]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 
 from bench._before_after import ROOT as _ROOT, before_after, print_and_store
-from bench._job1024 import add_comparison_options
+from bench.experiments._job1024 import add_comparison_options
 
 __all__ = ["measure", "main"]
 
@@ -63,7 +63,7 @@ def measure(ranks: int) -> dict:
 
 def _side(ranks: int, path: str | None) -> dict:
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
-            "import ampwatch.server; from bench.notify_storm import measure;"
+            "import ampwatch.server; from bench.experiments.notify_storm import measure;"
             "r = measure(int(sys.argv[2])); r['server'] = ampwatch.server.__file__; print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, path or "", str(ranks)], cwd=_ROOT, check=True,
                          capture_output=True, text=True, timeout=900).stdout

@@ -19,7 +19,7 @@ ticks after the storm began):
   run, the summary asked for and answered); *bytes per refresh* is every ``/v1/`` answer's body during
   ``--watch`` seconds divided by the refreshes completed meanwhile, by endpoint too.
 
-    python -m bench.run_page [--ranks 1024] [--before a95d20e] [--out FILE]
+    python -m bench.experiments.run_page [--ranks 1024] [--before a95d20e] [--out FILE]
 
 About 9 minutes on a shared 2-core machine (each side: 16 back-to-back ticks, then two live phases
 of about a minute and a quiet one).
@@ -39,7 +39,7 @@ from typing import Optional
 
 from bench import _servers
 from bench._before_after import before_after, print_and_store
-from bench._job1024 import add_comparison_options
+from bench.experiments._job1024 import add_comparison_options
 
 __all__ = ["main"]
 

@@ -6,7 +6,7 @@ quiet (``RankHistory.quiet``). Both ways run in this process, alternating, on th
 window* with the shortcut turned off, *quiet ranks skipped* as the collector runs it. Thread CPU time,
 median of 5 passes each.
 
-    python -m bench.alert_pass [--ranks 16384]
+    python -m bench.experiments.alert_pass [--ranks 16384]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _histories(ranks: int) -> list[RankHistory]:
 
 def main(argv: list[str] | None = None) -> int:
     """Time both ways; print the medians and their ratio."""
-    parser = argparse.ArgumentParser(prog="python -m bench.alert_pass", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.alert_pass", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=16384)
     args = parser.parse_args(argv)
     histories = _histories(args.ranks)

@@ -14,8 +14,8 @@ started together as a launcher starts them, against one more collector, twice: c
 healthy job), and a skip on every rank at the same moment every 5 s (as DDP ranks skip together).
 The collector's own counters give batches applied per request.
 
-    python -m bench.relay                          # 1,024 ranks, 10 s per side, then the real relay: ~3 min
-    python -m bench.relay --ranks 1024 4096 --out bench/relay.json   # both levels: about 4 minutes
+    python -m bench.experiments.relay                          # 1,024 ranks, 10 s per side, then the real relay: ~3 min
+    python -m bench.experiments.relay --ranks 1024 4096 --out bench/experiments/results/relay.json   # both levels: about 4 minutes
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _real_relay_line(scenario: str, real: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run each level both ways, print a table per level (``--json``: the raw results), store with ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.relay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.relay", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024], help="one or more levels, each both ways")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--per-node", type=int, default=8)

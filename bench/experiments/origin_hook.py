@@ -21,9 +21,9 @@ extracted by ``git archive``, first on the child's path).
    time per iteration, all from the same child (rotating blocks); beside it the whole iterations' CPU time
    of ``origin`` and ``python_hook`` against ``plain`` (noisier). Noisier than the count on a shared machine.
 
-    python -m bench.origin_hook [--before REF] [--iterations N] [--rounds R] [--store]
+    python -m bench.experiments.origin_hook [--before REF] [--iterations N] [--rounds R] [--store]
 
-``--store`` keeps the result in ``bench/origin_hook_before_after.json`` (``python -m bench --render
+``--store`` keeps the result in ``bench/experiments/results/origin_hook_before_after.json`` (``python -m bench --render
 docs/benchmarks.json`` then shows it as section 8). About 20-40 minutes on the shared 2-core machine.
 """
 
@@ -47,7 +47,7 @@ __all__ = ["run", "main"]
 
 MODELS = ("mlp", "transformer")
 WARMUP = 20
-STORED = os.path.join(ROOT, "bench", "origin_hook_before_after.json")
+STORED = os.path.join(ROOT, "bench", "experiments", "results", "origin_hook_before_after.json")
 
 
 def _group() -> None:
@@ -116,7 +116,7 @@ def _env(agent_src: Optional[str]) -> dict:
 def _timed(agent_src: Optional[str], model: str, rounds: int, block: int) -> dict:
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}, OMP_NUM_THREADS="1",
                **_env(agent_src))
-    done = subprocess.run([sys.executable, "-m", "bench.origin_hook", "--child-time", model, str(rounds), str(block)],
+    done = subprocess.run([sys.executable, "-m", "bench.experiments.origin_hook", "--child-time", model, str(rounds), str(block)],
                           env=env, cwd=ROOT, check=True, capture_output=True, text=True, timeout=1800)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -133,7 +133,7 @@ def run(before: Optional[str], iterations: int = 50, rounds: int = 20, block: in
 
         def count(job: tuple[str, str]) -> int:
             model, name = job
-            return callgrind_instructions(["bench.origin_hook", "--child-count", name, model, str(iterations)],
+            return callgrind_instructions(["bench.experiments.origin_hook", "--child-count", name, model, str(iterations)],
                                           os.path.join(workdir, f"{model}-{name}.cg"), _env(sources[name]))
         with ThreadPoolExecutor(2) as pool:
             counts = dict(zip(jobs, pool.map(count, jobs)))
@@ -172,7 +172,7 @@ def median_run(runs: list[dict]) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run and print the results as JSON (``--store``: also keep them in the JSON file)."""
-    parser = argparse.ArgumentParser(prog="python -m bench.origin_hook", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.origin_hook", description=__doc__.split("\n")[0])
     parser.add_argument("--before", metavar="REF", help="the earlier revision whose agent/src is measured beside")
     parser.add_argument("--iterations", type=int, default=50, help="iterations counted under callgrind")
     parser.add_argument("--rounds", type=int, default=20, help="rotating rounds of 50 iterations, timed")

@@ -9,7 +9,7 @@ process's resident memory after the run minus before the evaluator existed (the 
 ranks' current state, which the collector's state holds anyway, are counted too), per rank.
 The earlier side imports ``ampwatch.server`` from ``git archive <ref>``.
 
-    python -m bench.alert_memory [--ranks 1024] [--before d90d65f] [--minutes 31]
+    python -m bench.experiments.alert_memory [--ranks 1024] [--before d90d65f] [--minutes 31]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from array import array
 
 from bench._before_after import ROOT as _ROOT, before_after, print_and_store
-from bench._job1024 import add_comparison_options
-from bench._resident import resident_kib
+from bench.experiments._job1024 import add_comparison_options
+from bench.experiments._resident import resident_kib
 
 __all__ = ["measure", "main"]
 
@@ -86,7 +86,7 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
 
 def _side(ranks: int, minutes: float, path: str | None) -> dict:
     code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
-            "import ampwatch.server; from bench.alert_memory import measure;"
+            "import ampwatch.server; from bench.experiments.alert_memory import measure;"
             "r = measure(int(sys.argv[2]), float(sys.argv[3])); r['server'] = ampwatch.server.__file__;"
             "print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, path or "", str(ranks), str(minutes)], cwd=_ROOT,

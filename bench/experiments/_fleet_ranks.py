@@ -5,7 +5,7 @@ batches with the cumulative state and the events the real recorder emits for it:
 runs skip streaks (a skip and a backoff per skipped iteration, ``streak_end`` after) from
 ``--storm-at``. With ``--lockstep`` the job is a DDP job: its ranks iterate together (within
 ``LOCKSTEP_DRIFT_S``), every one of them skips through the storm and the checkpoint restore that
-ends it, so each one's news comes at the same iteration (``bench._fleet_plan.JobTimeline``). When a batch goes is decided by :class:`ampwatch.agent._schedule.PushSchedule`
+ends it, so each one's news comes at the same iteration (``bench.experiments._fleet_plan.JobTimeline``). When a batch goes is decided by :class:`ampwatch.agent._schedule.PushSchedule`
 and ``is_news``, the agent's own code, with the settings of ``--delivery``:
 
 - ``before``: today's delivery up to issue 18: the full state every second, a streak's first
@@ -21,13 +21,13 @@ request, each rank answered its part). A transport is a class built with ``(port
 
 Prints one JSON line when ready (``{"t0": ...}``: the wall-clock start of the timeline), then
 writes the results to ``--out`` at the end: latencies, lateness, failures, bytes, and per storm
-rank the skip times and the answers, for ``bench.fleet`` to check against scrapes and alerts.
+rank the skip times and the answers, for ``bench.experiments.fleet`` to check against scrapes and alerts.
 
-    python -m bench._fleet_ranks --port P --ranks 16384 --delivery after --seconds 90 --out r.json
+    python -m bench.experiments._fleet_ranks --port P --ranks 16384 --delivery after --seconds 90 --out r.json
 
 This module is the process: the job's timeline and plans, and the results. A rank's plan and its
-delivery policy are in ``bench._fleet_plan``, its sender loop in ``bench._fleet_rank``, the
-transports in ``bench._fleet_transports``.
+delivery policy are in ``bench.experiments._fleet_plan``, its sender loop in ``bench.experiments._fleet_rank``, the
+transports in ``bench.experiments._fleet_transports``.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import sys
 import time
 
 from bench._async_http import run_loop
-from bench._fleet_plan import DELIVERIES, JobTimeline, LockstepPlan, Plan, storm_streaks
-from bench._fleet_rank import Tally, run_rank
-from bench._fleet_transports import TRANSPORTS
+from bench.experiments._fleet_plan import DELIVERIES, JobTimeline, LockstepPlan, Plan, storm_streaks
+from bench.experiments._fleet_rank import Tally, run_rank
+from bench.experiments._fleet_transports import TRANSPORTS
 from bench._rank_batch import RANKS_PER_NODE
 
 __all__ = ["DELIVERIES", "LOCKSTEP_DRIFT_S", "TRANSPORTS", "main"]
@@ -123,7 +123,7 @@ async def _run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the simulated job; write its results as JSON to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m bench._fleet_ranks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments._fleet_ranks", description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--delivery", choices=sorted(DELIVERIES), required=True)

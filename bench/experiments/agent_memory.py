@@ -8,7 +8,7 @@ Each side runs in fresh child processes (the earlier commit's ``agent/src`` firs
   sweep unwatched;
 - answer: the peak RSS one delivery adds when the far end answers it with a 400 MiB body.
 
-    python -m bench.agent_memory [--before REF] [--out FILE]
+    python -m bench.experiments.agent_memory [--before REF] [--out FILE]
 """
 
 from __future__ import annotations

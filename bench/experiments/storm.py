@@ -2,7 +2,7 @@
 
 Each side starts a fresh collector (default settings; the earlier side's from ``git archive <ref>``, first
 on PYTHONPATH) and drives it over real HTTP on loopback with a simulated DDP job in another process
-(``bench._fleet_ranks --lockstep``): N ranks x 2 optimizers that iterate together every
+(``bench.experiments._fleet_ranks --lockstep``): N ranks x 2 optimizers that iterate together every
 ``--iteration-s``, each sending when the agent's own schedule (``ampwatch.agent._schedule``) says:
 a heartbeat, and news at the iteration it happens, within the agent's own spread. Timeline: the ranks
 start together (*warm*), train healthily (*healthy*), then every rank skips every iteration for
@@ -16,10 +16,10 @@ asks for it), collector CPU; at the end the collector's resident memory over the
 rank, and the database's growth per storm-minute. The sides run one after the other, each about
 ``--minutes`` plus start-up.
 
-    python -m bench.storm                      # 1,024 ranks, 15 minutes a side: about 32 minutes
-    python -m bench.storm --minutes 4          # the same phases, a shorter hold: about 10 minutes
-    python -m bench.storm --only after --minutes 4
-    python -m bench.storm --out bench/job1024_before_after.json   # also store it (key "lockstep_storm")
+    python -m bench.experiments.storm                      # 1,024 ranks, 15 minutes a side: about 32 minutes
+    python -m bench.experiments.storm --minutes 4          # the same phases, a shorter hold: about 10 minutes
+    python -m bench.experiments.storm --only after --minutes 4
+    python -m bench.experiments.storm --out bench/experiments/results/job1024_before_after.json   # also store it (key "lockstep_storm")
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import urllib.request
 from typing import Optional
 
 from bench._before_after import ROOT, print_and_store, source_of
-from bench.fleet import first_skip_delays, seconds_summary, ms_summary, warm_seconds
+from bench.experiments.fleet import first_skip_delays, seconds_summary, ms_summary, warm_seconds
 
 __all__ = ["KEY", "PHASES", "measure", "main"]
 
@@ -80,7 +80,7 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float) -> d
         _scrape(srv.url, False)  # the exposition's own start-up (a thread, label caches) is not the job's
         rss_empty = stats.memory_kib()["VmRSS"]
         out = os.path.join(tmp, "job.json")
-        sim = subprocess.Popen([sys.executable, "-m", "bench._fleet_ranks", "--port", str(srv.port), "--ranks",
+        sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port), "--ranks",
                                 str(ranks), "--delivery", "after", "--lockstep", "--iteration-s", str(iteration_s),
                                 "--warm", str(warm), "--healthy", str(HEALTHY_S), "--storm", str(storm_s),
                                 "--recovery", str(RECOVERY_S), "--hold", str(hold), "--run", "storm", "--out", out],
@@ -168,7 +168,7 @@ def _side(args: argparse.Namespace, path: Optional[str]) -> dict:
     env = dict(os.environ)
     if path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
-    code = ("import sys, json; import ampwatch.server; from bench.storm import measure;"
+    code = ("import sys, json; import ampwatch.server; from bench.experiments.storm import measure;"
             "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5])); r['server'] = ampwatch.server.__file__;"
             "print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, str(args.ranks), str(args.minutes), str(args.storm_seconds),
@@ -199,7 +199,7 @@ def _line(name: str, r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench.storm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.storm", description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--minutes", type=float, default=15.0, help="from the job's start to the memory reading")
     parser.add_argument("--storm-seconds", type=float, default=60.0)

@@ -1,6 +1,6 @@
 """Cost of the collector's built-in alerts: per applied batch, and per 1 s evaluation tick.
 
-    python -m bench.alerts [--ranks 1024] [--seconds 60]
+    python -m bench.experiments.alerts [--ranks 1024] [--seconds 60]
 
 Reports the time per ``observe`` (on the ingest path) and per ``evaluate`` tick
 (every second, on the event loop), and the tick's share of that second.
