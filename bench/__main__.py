@@ -1,5 +1,7 @@
 """Run the benchmarks: ``python -m bench [--quick] [--only SECTION ...] [--merge]`` (``make bench``).
 
+``python -m bench --list`` says what each section measures and how long it takes (``bench/_catalogue.py``).
+
 Full run: about 15 minutes on a 2-core machine (5 of them under valgrind); writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 ``--quick`` (about two minutes) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
 ``--only SECTION --merge`` re-measures one section into an earlier run's page, e.g. after changing the agent's scan:
@@ -19,9 +21,10 @@ import traceback
 from importlib import metadata
 
 from bench import footprint, ingest, inspection, instructions, overhead, report, scrape, tail
+from bench._catalogue import BENCHMARKS, listing
 
-SECTIONS = ("overhead", "instructions", "inspection", "ingest", "scrape", "footprint", "tail")
-FULL_ONLY = ("instructions",)  # minutes under valgrind: left out of --quick unless asked for with --only
+SECTIONS = tuple(b.name for b in BENCHMARKS)
+FULL_ONLY = tuple(b.name for b in BENCHMARKS if not b.in_quick)  # left out of --quick unless asked for with --only
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NOTES = [
@@ -113,6 +116,7 @@ def _section(name: str, quick: bool) -> object:
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections, then write the JSON results and the Markdown page."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="say what each benchmark measures and how long it takes")
     parser.add_argument("--quick", action="store_true", help="about two minutes; short runs, wide spread")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
     parser.add_argument("--render", metavar="JSON", help="only re-render the page of an earlier run's JSON")
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="keep the other sections of PREFIX.json (an earlier run) and replace only those run now")
     args = parser.parse_args(argv)
+    if args.list:
+        print(listing(os.path.join(ROOT, "docs", "benchmarks.json")))
+        return 0
     prefix = args.out or os.path.join(ROOT, "artifacts/bench-quick" if args.quick else "docs/benchmarks")
     earlier_run = None
     if args.merge:
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one failed section must not lose the others' figures
             traceback.print_exc()
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results.setdefault("section_s", {})[name] = round(time.perf_counter() - t, 1)
         print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", flush=True)
     results["environment"]["loadavg_end"] = round(os.getloadavg()[0], 2)
     results["duration_s"] = round(time.perf_counter() - started, 1)
