@@ -22,6 +22,7 @@ from importlib import metadata
 
 from bench import footprint, ingest, inspection, instructions, overhead, report, scrape, tail
 from bench._catalogue import BENCHMARKS, listing
+from bench.report._hand_written import carry_over
 
 SECTIONS = tuple(b.name for b in BENCHMARKS)
 FULL_ONLY = tuple(b.name for b in BENCHMARKS if not b.in_quick)  # left out of --quick unless asked for with --only
@@ -113,6 +114,17 @@ def _section(name: str, quick: bool) -> object:
     return [tail.profile(1024, 4 if quick else 10, tuned) for tuned in (False, True)]
 
 
+def _write_page(path: str, page: str) -> None:
+    """Write ``page`` at ``path``, keeping the hand-written blocks of the page there (``bench/README.md``)."""
+    earlier = None
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = f.read()
+    page = carry_over(page, earlier)
+    with open(path, "w") as f:
+        f.write(page)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections, then write the JSON results and the Markdown page."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
@@ -141,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.render) as f:
             earlier = json.load(f)
         earlier["notes"] = NOTES
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(report.render(earlier, os.path.basename(args.render)))
+        _write_page(os.path.splitext(args.render)[0] + ".md", report.render(earlier, os.path.basename(args.render)))
         return 0
     started = time.perf_counter()
     results: dict = {"command": "python -m bench" + " ".join([""] + (argv if argv is not None else sys.argv[1:])),
@@ -173,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(prefix + ".json", "w") as f:
         json.dump(results, f, indent=1)
     page = report.render(results, os.path.basename(prefix) + ".json")
-    with open(prefix + ".md", "w") as f:
-        f.write(page)
+    _write_page(prefix + ".md", page)
     print(page.split("## 1.")[0])
     print(f"bench: wrote {prefix}.md and {prefix}.json in {time.perf_counter() - started:.0f} s")
     failed = [name for name in chosen if isinstance(results.get(name), dict) and "error" in results[name]]

@@ -109,3 +109,80 @@ def test_bench_has_no_import_cycles():
     assert graph["bench.overhead"] >= {"bench._loops", "bench.ddp_origin"}  # the parser sees both kinds of import
     assert _cycle(graph) == []
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # and the search finds one
+
+
+def _section_of(lines: list[str], index: int) -> str:
+    return next(line for line in reversed(lines[:index]) if line.startswith("## "))
+
+
+def _block(name: str, text: str) -> list[str]:
+    return [f"<!-- hand-written: {name} -->", text, f"<!-- end hand-written: {name} -->"]
+
+
+def test_a_re_render_keeps_each_hand_written_block_in_its_place(tmp_path):
+    import shutil
+
+    import pytest
+
+    from bench.report._hand_written import blocks
+    json_path = tmp_path / "benchmarks.json"
+    shutil.copy(os.path.join(ROOT, "docs", "benchmarks.json"), json_path)
+    page = tmp_path / "benchmarks.md"
+    assert bench_main.main(["--render", str(json_path)]) == 0
+    lines = page.read_text().split("\n")
+    # after_line: after a rendered line; its neighbour right after it; at_end: its anchor line edited by hand (so
+    # absent from the next render), it goes to the end of its section; orphan: its section is gone.
+    scrape = lines.index("## 3. Scrape cost")
+    anchor = next(k for k in range(scrape + 1, len(lines)) if lines[k].startswith("|"))
+    anchor_line = lines[anchor]
+    lines[anchor + 1:anchor + 1] = _block("after_line", "Kept after the table's first line.") + \
+        _block("neighbour", "Kept right after the block before it.")
+    overhead = lines.index("## 1. Agent overhead per training iteration")
+    lines[overhead + 2] += " (edited by hand)"
+    lines[overhead + 3:overhead + 3] = ["", *_block("at_end", "Kept at the end of section 1."), ""]
+    last = lines.index("## How it is measured")
+    lines[last:last] = ["## 99. A section no render makes", "", *_block("orphan", "Kept, not dropped."), ""]
+    page.write_text("\n".join(lines))
+    assert bench_main.main(["--render", str(json_path)]) == 0
+    again = page.read_text()
+    new = again.split("\n")
+    assert "## 99. A section no render makes" not in new and "(edited by hand)" not in again
+    assert [b.name for b in blocks(again)] == ["at_end", "after_line", "neighbour", "orphan"]
+    start = new.index("<!-- hand-written: after_line -->")
+    assert new[start - 2] == anchor_line and new[start + 4] == "<!-- hand-written: neighbour -->"
+    assert _section_of(new, start) == "## 3. Scrape cost"
+    at_end = new.index("<!-- hand-written: at_end -->")
+    assert _section_of(new, at_end) == "## 1. Agent overhead per training iteration"
+    assert new[at_end + 4].startswith("## ")  # the last thing in its section
+    orphan = new.index("<!-- hand-written: orphan -->")
+    assert new[orphan + 4] == "## How it is measured"
+    # Rendering again changes nothing.
+    assert bench_main.main(["--render", str(json_path)]) == 0
+    assert page.read_text() == again
+    # A block left open or named twice is refused with what to do, before the page is overwritten.
+    page.write_text(again.replace("<!-- end hand-written: orphan -->", ""))
+    with pytest.raises(ValueError, match="'orphan' has no closing line"):
+        bench_main.main(["--render", str(json_path)])
+    page.write_text(again.replace("hand-written: neighbour", "hand-written: after_line"))
+    with pytest.raises(ValueError, match="two hand-written blocks are named 'after_line'"):
+        bench_main.main(["--render", str(json_path)])
+    assert "hand-written: after_line" in page.read_text()
+
+
+def test_a_stored_result_says_the_commit_it_ran_at_and_its_caption_shows_it(tmp_path):
+    import json
+    import subprocess
+
+    from bench._before_after import store
+    from bench.report._format import measured_by
+    store(str(tmp_path / "r.json"), "k", {"after": {}}, ["prog", "--out", "r.json"], module="experiments.k")
+    stored = json.loads((tmp_path / "r.json").read_text())["k"]
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert stored["commit"].split(" ")[0] == head.stdout.strip()
+    assert stored["command"] == "python -m bench.experiments.k --out r.json"
+    assert f", at commit {stored['commit']}, load average " in measured_by(stored)
+    # Every result the page renders from says its commit (backfilled for those stored before commits were).
+    for name in os.listdir(os.path.join(BENCH, "experiments", "results")):
+        document = json.loads(open(os.path.join(BENCH, "experiments", "results", name)).read())
+        for key, result in document.items():
+            assert not (isinstance(result, dict) and "date" in result) or result.get("commit"), (name, key)
