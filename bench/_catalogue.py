@@ -37,13 +37,13 @@ BENCHMARKS = (
     Benchmark("overhead", "bench.overhead",
               "training-iteration CPU time with the agent vs a bare loop, Accelerate and the get_scale recipe; "
               "host-device syncs; right answers in a skip storm; the DDP origin hook (bench.ddp_origin)",
-              "about 2 min", "about 30 s", parts=("bench.ddp_origin",)),
+              "about 2 min", "about 45 s", parts=("bench.ddp_origin",)),
     Benchmark("instructions", "bench.instructions",
               "the agent's overhead in CPU instructions per iteration, counted exactly under valgrind's callgrind",
               "about 3 min", "about 1 min (only with --only instructions)", in_quick=False),
     Benchmark("inspection", "bench.inspection",
               "cost of naming the offending parameters of a skip on models with many tensors, vs GradScaler's "
-              "own inf check, and skip storms on such models", "about 2.5 min", "about 30 s"),
+              "own inf check, and skip storms on such models", "about 2.5 min", "about 1 min"),
     Benchmark("ingest", "bench.ingest",
               "collector ingest throughput and latency at 64-4,096 ranks vs the Prometheus Pushgateway, "
               "same load; saturation rate", "about 3 min", "about 30 s"),
@@ -91,7 +91,8 @@ def _last_run(path: str) -> dict[str, float]:
 def listing(last_run_json: str) -> str:
     """The text ``python -m bench --list`` prints."""
     took = _last_run(last_run_json)
-    lines = ["make bench (python -m bench) runs, in this order:", ""]
+    lines = ["make bench (python -m bench) runs, in this order (times on a quiet 2-core machine; a loaded one takes "
+             "two or three times longer):", ""]
     for b in (*BENCHMARKS, GPU):
         if b is GPU:
             lines += ["make bench-gpu (python -m bench.gpu) runs on a machine with a GPU:", ""]
