@@ -88,6 +88,15 @@ def test_list_names_every_section_make_bench_runs_with_what_it_measures_and_how_
     assert on_disk and on_disk <= listed
 
 
+def test_list_says_how_long_each_section_took_in_the_last_run_where_it_recorded_that(tmp_path):
+    import json
+
+    (tmp_path / "run.json").write_text(json.dumps({"section_s": {"scrape": 61.4}}))
+    text = _catalogue.listing(str(tmp_path / "run.json"))
+    assert "full: about 1 min; last full run 61 s; --quick" in text and text.count("last full run") == 1
+    assert "last full run" not in _catalogue.listing(str(tmp_path / "missing.json"))
+
+
 def test_every_listed_benchmark_imports_and_bench_holds_no_unlisted_entry_point():
     listed = {b.module for b in (*_catalogue.BENCHMARKS, _catalogue.GPU)}
     listed |= {part for b in _catalogue.BENCHMARKS for part in b.parts}
