@@ -1,7 +1,7 @@
 """What every simulated rank's protocol v1 batch says alike, written once for the benches' generators.
 
-The fleet's ranks (``bench._fleet_ranks``), the load generator's (``bench._loadgen``), the storm
-model (``bench._storm``) and the in-process ones (``bench._inprocess``) all claim the same agent,
+The fleet's ranks (``bench.experiments._fleet_ranks``), the load generator's (``bench._loadgen``), the storm
+model (``bench._storm``) and the in-process ones (``bench.experiments._inprocess``) all claim the same agent,
 the same GradScaler settings, 8 ranks a node, clean delivery counters and one offending
 parameter; a change to any of them is a change to all of them.
 

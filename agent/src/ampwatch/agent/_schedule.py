@@ -1,7 +1,7 @@
 """When the sender builds a batch: news soon, the cumulative state at least once per heartbeat.
 
 Pure bookkeeping on a clock the caller passes in (no threads, no I/O), so the load
-generator of ``bench/fleet.py`` replays exactly the agent's schedule.
+generator of ``bench/experiments/fleet.py`` replays exactly the agent's schedule.
 
 The ranks of one job act together: they start within a second of each other and, under
 DDP, skip at the same iteration. So that a collector is not asked for a whole job's requests
