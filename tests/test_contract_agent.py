@@ -110,6 +110,19 @@ def test_every_field_the_real_agent_sends_is_one_the_contract_declares(agent_bod
         assert set(body["state"]["delivery"]) == set(fields(DeliveryCounters))
 
 
+def test_the_batch_builder_of_tests_and_benchmarks_sends_the_contracts_counters():
+    from batches import OptimizerRun, make_batch, optimizer
+
+    run = OptimizerRun()
+    for iteration, skipped in enumerate((False, True, True, False, True)):
+        run.skip(iteration) if skipped else run.step()
+    assert run.counters() == optimizer(steps=2, skipped=3, consecutive=1, longest=2, streaks=2,
+                                      reached={"1": 2, "2": 1})
+    assert undeclared(make_batch(optimizers={"gen": run.counters()})) == []
+    with pytest.raises(TypeError, match="poisoned"):
+        optimizer(poisoned=1)
+
+
 def test_the_contract_check_reports_what_a_typo_would_send():
     from batches import make_batch, skip_event
 
