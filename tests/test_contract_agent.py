@@ -6,7 +6,10 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
+from ports import free_port
 from recording_collector import RecordingCollector
+from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
 from ampwatch.contract.batch import (EVENTS, STAMPED, DeliveryCounters, OptimizerCounters, ParamCount, RankState,
@@ -26,22 +29,32 @@ def _nan_in_second_then_clip_all(model, scaler, opt_a, opt_b) -> None:
 
 @pytest.fixture(scope="module")
 def agent_bodies():
-    """What the real agent sent (real GradScaler, real skips), every event kind among it, as raw JSON bodies."""
+    """What the real agent sent (real GradScaler, real skips, DDP's origin watched), every event kind among it, as
+    raw JSON bodies."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        return _agent_bodies()
+    finally:
+        dist.destroy_process_group()
+
+
+def _agent_bodies() -> list[bytes]:
     with RecordingCollector() as server:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        ddp = DistributedDataParallel(model)
         opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
         opt_b = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
         schedule = torch.optim.lr_scheduler.StepLR(opt_a, step_size=100)
         scaler = torch.amp.GradScaler("cpu", growth_interval=3)
         watch = agent.watch(scaler, {"first": opt_a, "second": opt_b}, model=model, schedulers={"first": schedule},
-                            collector=server.url, run="contract", push_interval=0.05)
+                            ddp=ddp, collector=server.url, run="contract", push_interval=0.05)
         for iteration in range(14):
             x = torch.randn(8, 4)
             if iteration in (4, 5):
                 x[0, 0] = float("inf")  # non-finite gradients: both optimizers skip, the scale backs off
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean()
+                loss = ddp(x).float().pow(2).mean()
             opt_a.zero_grad()
             opt_b.zero_grad()
             scaler.scale(loss).backward()
@@ -66,6 +79,7 @@ def test_batches_from_the_real_agent_validate_against_the_collector_schema(agent
     batches: list[Batch] = [parse_batch(body) for body in agent_bodies]  # raises with the field on a mismatch
     kinds = {event.kind for b in batches for event in b.events}
     assert kinds == set(EVENTS), "the run must show every event kind the contract declares"
+    assert any(event.origin for b in batches for event in b.events if event.kind == "skip")
     last = [b for b in batches if b.run == "contract"][-1]
     assert last.closed
     first, second = last.state.optimizers["first"], last.state.optimizers["second"]
