@@ -337,8 +337,7 @@ class Recorder:
     def _end_streak(self, record: OptimizerRecord, iteration: int | None = None) -> None:
         event: StreakEndEvent = {"kind": "streak_end", "optimizer": record.name,
                                  "iteration": self.iteration if iteration is None else iteration,
-                                 "start_iteration": record.streak_start, "length": record.consecutive,
-                                 "scale": self.scale.value}
+                                 "start_iteration": record.streak_start, "length": record.consecutive}
         self.events.append(event)
         record.consecutive = 0
 

@@ -128,16 +128,11 @@ class SkipEvent(_SkipRequired, total=False):
     origin_params_total: Optional[int]
 
 
-class _StreakEndRequired(_Event):
+class StreakEndEvent(_Event):
     kind: Literal["streak_end"]
     optimizer: str
     start_iteration: int
     length: int
-
-
-class StreakEndEvent(_StreakEndRequired, total=False):
-    scale: Optional[float]
-    """The loss scale when the streak ended."""
 
 
 class _ScaleChangeRequired(_Event):

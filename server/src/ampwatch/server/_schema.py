@@ -149,7 +149,6 @@ class StreakEndEvent(_EventBase, tag="streak_end"):
     optimizer: Label
     start_iteration: Count
     length: Positive
-    scale: Optional[ScaleValue] = None
 
 
 class ScaleChangeEvent(_EventBase, tag="scale_change"):
