@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import weakref
+
 from ampwatch.contract.batch import Event
 
 from ._schedule import is_news
