@@ -15,7 +15,7 @@ import dataclasses
 import random
 from typing import Callable, Optional
 
-from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, optimizer
 from bench._storm import StormRank
 
 from ampwatch.agent._schedule import NEWS_GAP, NEWS_HOLD, is_news
@@ -92,9 +92,8 @@ class Plan:
             while n <= done and n <= 1024:
                 reached[str(n)] = reached.get(str(n), 0) + 1
                 n *= 2
-        gen = {"steps": iteration - skipped, "skipped": skipped, "consecutive_skipped": consecutive,
-               "longest_streak": longest, "streaks": streaks, "streaks_reached": reached,
-               "scheduler_steps_after_skip": 0, "poisoned_steps": 0}
+        gen = optimizer(steps=iteration - skipped, skipped=skipped, consecutive=consecutive, longest=longest,
+                        streaks=streaks, reached=reached)
         return gen, skipped, 65536.0 * 0.5 ** skipped
 
     def batch_state(self, iteration: int) -> dict:

@@ -11,7 +11,7 @@ import contextlib
 import json
 from typing import Any, AsyncIterator, Callable, Optional
 
-from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, identity
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, identity, optimizer
 
 __all__ = ["SimulatedRank", "post", "collector_app"]
 
@@ -50,9 +50,8 @@ class SimulatedRank:
                            "params_total": 1, "inspected": True})
         else:
             self.streak = 0
-        gen = {"steps": self.iteration - self.skipped, "skipped": self.skipped, "consecutive_skipped": self.streak,
-               "longest_streak": self.longest, "streaks": self.streaks, "streaks_reached": self.reached,
-               "scheduler_steps_after_skip": 0, "poisoned_steps": 0}
+        gen = optimizer(steps=self.iteration - self.skipped, skipped=self.skipped, consecutive=self.streak,
+                        longest=self.longest, streaks=self.streaks, reached=self.reached)
         disc = dict(gen, steps=self.iteration, skipped=0, consecutive_skipped=0, longest_streak=0, streaks=0,
                     streaks_reached={})
         batch = dict(self.head, seq=self.seq, sent_at=now,
