@@ -72,7 +72,7 @@ class SkipInspection:
             record.last_streak_inspection = time.monotonic()
         return weights, check_weights
 
-    # ----- poisoned steps (issue 8) ---------------------------------------------------------
+    # ----- poisoned steps -------------------------------------------------------------------
 
     def check_poisoned_steps(self, records: list[OptimizerRecord], iteration: int) -> None:
         """Report the poisoned steps of a skipped ``iteration``: one scan of every optimizer that needs a look."""

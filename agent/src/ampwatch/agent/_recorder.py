@@ -343,7 +343,7 @@ class Recorder:
 
     def _report_skip(self, record: OptimizerRecord, position: int, iteration: int) -> None:
         # A streak is reported by its rungs (positions 1, 2, 4, 8, ...: where naming may scan) and its
-        # streak_end; a skip in between is sent only when it carries news: a change of origin (issue 17).
+        # streak_end; a skip in between is sent only when it carries news: a change of origin.
         # The counters count every skip, so storage and wire grow with log2 of a streak, not its length.
         rung = is_rung(position)
         if position == 1:
@@ -370,7 +370,7 @@ class Recorder:
             self.inspection.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     def _add_origin(self, event: SkipEvent, iteration: int, current: bool) -> None:
-        # Whether this rank's own gradients held inf/NaN before DDP's all-reduce (issue 17): read once per
+        # Whether this rank's own gradients held inf/NaN before DDP's all-reduce: read once per
         # skipped iteration, shared by the skip events of every optimizer that skipped in it.
         try:
             report, new = self.origin.report(iteration, current)

@@ -33,7 +33,7 @@ def is_rung(position: int) -> bool:
     """Tell whether the ``position``-th skip of a streak (or backoff of a run) is sent as an event: 1, 2, 4, 8, ...
 
     A streak is reported by its rungs and its ``streak_end``, consecutive backoffs by their rungs and the
-    rest at the run's end (``count``), so events grow with log2 of a storm, not its length (issue 14).
+    rest at the run's end (``count``), so events grow with log2 of a storm, not its length.
 
     >>> [n for n in range(1, 20) if is_rung(n)]
     [1, 2, 4, 8, 16]

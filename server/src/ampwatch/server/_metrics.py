@@ -1,8 +1,8 @@
 """The /metrics exposition: metric names defined once, rendered fresh from the in-memory state at each scrape.
 
 Why a hand renderer for the per-rank series: 1,024 ranks x 2 optimizers is ~50,000 samples, and
-prometheus_client's ``generate_latest`` formats them in ~0.7 s on this machine; formatting lines from
-label strings cached per rank takes a few tens of milliseconds. The collector's own metrics (a few
+prometheus_client's ``generate_latest`` formats them an order of magnitude slower than formatting lines
+from label strings cached per rank (figures: docs/benchmarks.md). The collector's own metrics (a few
 dozen series) use prometheus_client objects on the app's own registry, with a custom Collector for the
 values read at scrape time.
 """
