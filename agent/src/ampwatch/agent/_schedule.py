@@ -1,7 +1,7 @@
 """When the sender builds a batch: news soon, the cumulative state at least once per heartbeat.
 
 Pure bookkeeping on a clock the caller passes in (no threads, no I/O), so the load
-generator of ``bench/fleet.py`` replays exactly the agent's schedule.
+generator of ``bench/experiments/fleet.py`` replays exactly the agent's schedule.
 
 The ranks of one job act together: they start within a second of each other and, under
 DDP, skip at the same iteration. So that a collector is not asked for a whole job's requests
@@ -16,7 +16,7 @@ import math
 import random
 from typing import Any, Mapping
 
-from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
+from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S, is_rung
 
 __all__ = ["NEWS_GAP", "NEWS_HOLD", "RANKS_PER_SECOND", "PushSchedule", "default_heartbeat", "is_news"]
 
@@ -34,10 +34,9 @@ RANKS_PER_SECOND = 500
 spreads its first batches over N / 500 s (at most 4 heartbeats) and its news over N / 500 s (at
 most ``NEWS_GAP - NEWS_HOLD``, so news still goes within a second). Two ranks: 2 ms; 16,384
 ranks: 33 s and 0.95 s. A rank's first contact costs a collector more than an update (its rows
-are created), and one collector on 2 cores takes about 2,000-2,500 updates per second. It is also
-the most heartbeats per second a job asks of one collector by default (:func:`default_heartbeat`): at
-16,384 ranks, 1,092 heartbeats a second (every 15 s) overloaded one collector on this 2-core machine
-while it also rendered ``/metrics`` for 16,384 ranks; 500 a second did not."""
+are created), and a collector on two cores keeps up with a few thousand updates a second. It is also
+the most heartbeats per second a job asks of one collector by default (:func:`default_heartbeat`);
+docs/benchmarks.md (the fleet section) has the figures behind it."""
 
 
 def default_heartbeat(ranks_per_collector: float) -> float:
@@ -46,9 +45,8 @@ def default_heartbeat(ranks_per_collector: float) -> float:
     15 s, or longer for a job whose heartbeats alone would ask one collector for more than
     :data:`RANKS_PER_SECOND` batches a second: that many ranks' heartbeats per second, at most
     ``MAX_HEARTBEAT_INTERVAL_S`` (30 s, so that the 120 s silence threshold stays 4 heartbeats). At
-    16,384 ranks on one collector: 30 s, 546 heartbeats a second instead of 1,092; with the
-    collector's keep-alive that took one collector on this 2-core machine from overloaded (ingest p99
-    4.9 s, 81,338 timed-out updates) to keeping up (233 ms, none; docs/benchmarks.md, section 9). News goes within a second whatever this is.
+    16,384 ranks on one collector: 30 s, 546 heartbeats a second instead of 1,092 (what that does to a
+    collector: docs/benchmarks.md, section 9). News goes within a second whatever this is.
 
     >>> [round(default_heartbeat(n), 1) for n in (8, 4096, 7500, 10000, 16384, 1_000_000)]
     [15.0, 15.0, 15.0, 20.0, 30.0, 30.0]
@@ -69,7 +67,7 @@ def is_news(event: Mapping[str, Any]) -> bool:
     kind = event.get("kind")
     if kind == "skip":
         streak = event.get("streak")
-        return isinstance(streak, int) and streak > 0 and streak & (streak - 1) == 0
+        return isinstance(streak, int) and is_rung(streak)
     if kind == "scale_change":
         return event.get("cause") not in ("backoff", "growth")
     return kind != "scheduler_after_skip"

@@ -50,7 +50,7 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         "scaler": wire_document(batch.scaler), "agent": wire_document(batch.agent),
         **{name: totals[name] for name in ("backoffs", "growths", "manual_sets")},
         "delivery": {name: totals[name] for name in DELIVERY_COUNTERS},
-        # Skipped iterations that started on this rank (DDP, issue 17); null when its agent does not watch DDP.
+        # Skipped iterations that started on this rank (DDP); null when its agent does not watch DDP.
         "origin_iterations": (view.totals.origin_iterations if view.totals.origin_iterations
                               or batch.state.origin_iterations is not None else None),
         "optimizers": optimizers,

@@ -395,7 +395,7 @@ function eventDetails(e) {
       if (e.params_total && e.params_total > names.length) cell.append(` … ${e.params_total} parameters in all`);
       if (e.inspected === false) cell.append(" (not inspected: naming is rate-limited)");
       if (e.origin) {
-        // This rank's own gradients held the inf/NaN before DDP's all-reduce spread it (issue 17).
+        // This rank's own gradients held the inf/NaN before DDP's all-reduce spread it.
         const local = (e.origin_params || []).join(", ");
         cell.append(" · ", el("span", {class: "streak"}, "started on this rank"),
           ` (DDP bucket ${(e.origin_buckets || []).join(", ")}${local ? ": " + local : ""})`);
