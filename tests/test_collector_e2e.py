@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 from collector_process import CollectorProcess
 from exposition import value
+from patience import START_S, wait_until
 
 
 JOB = pathlib.Path(__file__).with_name("e2e_ddp_job.py")
@@ -101,13 +102,11 @@ def test_sigkill_of_the_collector_mid_job_then_restart_ends_at_exactly_the_groun
     job = None
     try:
         job = _run_job(collector.url, "e2e-kill", sleep=0.05)  # ~4 s of training
-        deadline = time.monotonic() + 90
-        seen = None
-        while time.monotonic() < deadline and not seen:  # kill once the job is visibly under way
-            time.sleep(0.2)
+        def under_way() -> float | None:  # kill once the job is visibly under way
             with urllib.request.urlopen(collector.url + "/metrics", timeout=5) as answer:
-                seen = value(answer.read().decode(), "ampwatch_iteration", run="e2e-kill", rank="0")
-        assert seen, "the job never reported"
+                return value(answer.read().decode(), "ampwatch_iteration", run="e2e-kill", rank="0")
+
+        wait_until(under_way, START_S, "the job to report", every=0.2)
         collector.kill(signal.SIGKILL)
         time.sleep(1.0)  # the agents retry against a dead collector meanwhile
         collector.start()

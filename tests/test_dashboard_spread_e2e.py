@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from batches import make_batch, optimizer, post_batch
 from collector_process import CollectorProcess
+from patience import SETTLE_S
 from prometheus_stack import Processes, query_range, start_prometheus, wait_for_scrapes, wait_until
 from webhook_receiver import free_port
 
@@ -83,8 +84,11 @@ def stack(tmp_path_factory):
         _stream(collector.url)
         end = time.time()
         wait_until(lambda: query_range(prometheus, f'count(ampwatch_iteration{{run="{RUN}"}}) == {RANKS}', end - 4,
-                                       end), 30, f"Prometheus to have scraped all {RANKS} ranks")
-        time.sleep(2)  # the scrapes up to the end of the stream are in
+                                       end), SETTLE_S, f"Prometheus to have scraped all {RANKS} ranks")
+        # The scrapes up to the end of the stream are in, and the rules evaluated on them: a scrape 2 s (two
+        # intervals) after its end, by Prometheus's own timestamps.
+        wait_until(lambda: query_range(prometheus, f"timestamp(up) > {end + 2}", end), SETTLE_S,
+                   "Prometheus to scrape the collector after the stream ended")
         yield prometheus, start, end
     finally:
         processes.stop_all()

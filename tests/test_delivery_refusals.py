@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import urllib.request
 
 import pytest
 import torch
 from collector_process import CollectorProcess
 from exposition import value
+from patience import wait_until
 
 from ampwatch import agent
 from ampwatch.agent._limits import CUT_MARK, TEXT_LIMITS
@@ -82,9 +82,7 @@ def test_a_job_of_100_optimizers_is_refused_for_good_logged_once_with_the_collec
             _train(scaler, model, optimizers, 5)
             sender = watch._sender
             # A batch goes out every push interval: wait until several were refused (each once, never retried).
-            deadline = time.monotonic() + 30
-            while sender.rejected_batches < BATCHES and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: sender.rejected_batches >= BATCHES, every=0.02, what=f"{BATCHES} refused batches")
             watch.close(timeout=5)
         text = _get(collector.url + "/metrics")
         runs = json.loads(_get(collector.url + "/v1/runs"))["runs"]

@@ -15,10 +15,11 @@ import httpx
 import pytest
 from collector_process import CollectorProcess
 from exposition import scrape, value
+from patience import SETTLE_S, START_S
 from rank_processes import check_rank_truth, spawn_rank, wait_for
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.slow
 
 RANK = """
 import json, os, pathlib, sys
@@ -74,29 +75,29 @@ def test_a_killed_rank_is_exposed_as_silent_and_alerted_while_the_other_rank_car
             ranks = [spawn_rank(RANK, collector.url, run, stop, str(tmp_path / f"truth{r}.json"), rank=r,
                                 world_size=2) for r in (0, 1)]
             wait_for(lambda: all(value(scrape(collector.url), "ampwatch_iteration", run=run, rank=str(r))
-                                 for r in (0, 1)), timeout=30)
+                                 for r in (0, 1)), START_S, "both ranks to report")
             ranks[1].send_signal(signal.SIGKILL)  # no close(), no exit flush: the process is simply gone
-            ranks[1].wait(10)
+            ranks[1].wait(SETTLE_S)
             killed_at = time.time()
 
             def silent_alert() -> list:
                 firing = httpx.get(collector.url + "/v1/alerts", timeout=10).json()["firing"]
                 return [a for a in firing if a["name"] == "AmpRankSilent"]
-            wait_for(lambda: silent_alert(), timeout=20)
+            wait_for(lambda: silent_alert(), what="AmpRankSilent to fire")
             alerts, text = silent_alert(), scrape(collector.url)
             print(f"\nAmpRankSilent fired {time.time() - killed_at:.1f} s after the SIGKILL")
             running = value(text, "ampwatch_iteration", run=run, rank="0")
             wait_for(lambda: value(scrape(collector.url), "ampwatch_iteration", run=run, rank="0") > running,
-                     timeout=30)
+                     what="rank 0 to report further")
             pathlib.Path(stop).touch()
-            out, _ = ranks[0].communicate(timeout=60)
+            out, _ = ranks[0].communicate(timeout=START_S)
             assert ranks[0].returncode == 0, out[-3000:]
             final = scrape(collector.url)
         finally:
             for proc in ranks:
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait(10)
+                    proc.wait(SETTLE_S)
     assert [a["labels"]["rank"] for a in alerts] == ["1"] and alerts[0]["labels"]["run"] == run
     last_seen = {r: value(text, "ampwatch_rank_last_seen_timestamp_seconds", run=run, rank=r) for r in ("0", "1")}
     assert value(text, "ampwatch_rank_closed", run=run, rank="1") == 0
@@ -112,11 +113,11 @@ def test_dataloader_workers_forked_from_a_watched_process_never_send_and_no_even
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         job = spawn_rank(FORKING, collector.url, run, str(tmp_path / "truth.json"))
         try:
-            out, _ = job.communicate(timeout=90)
+            out, _ = job.communicate(timeout=START_S)
         finally:
             if job.poll() is None:
                 job.kill()
-                job.wait(10)
+                job.wait(SETTLE_S)
         assert job.returncode == 0, out[-3000:]
         truth = json.loads((tmp_path / "truth.json").read_text())
         text = scrape(collector.url)

@@ -25,6 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from prometheus_stack import Processes, binary, get, query_range, start_prometheus, wait_for_scrapes, wait_until
+from patience import SETTLE_S
 from webhook_receiver import free_port
 
 from ampwatch.contract.metrics import METRICS
@@ -194,7 +195,11 @@ def test_every_dashboard_panel_query_returns_data_from_prometheus(stack):
     wait_until(lambda: stack["receiver"].alerts("AmpSustainedLossScaleBackoff", "firing"), 90,
                 stack["receiver"].summary)
     _wait_for_jobs(stack)
-    time.sleep(2)  # one more scrape after the ranks closed
+    # Prometheus has scraped both collectors, and evaluated its rules, since the ranks closed: a scrape of
+    # each 2 s (two intervals) after that. Its own progress, not a sleep a loaded machine may outlast.
+    ended = time.time()
+    wait_until(lambda: len(query_range(stack["prometheus"], f"timestamp(up) > {ended + 2}", ended)) >= 2, SETTLE_S,
+               "Prometheus to scrape both collectors after the ranks closed")
     empty = []
     for title, expr in panel_queries(dashboard_json(THRESHOLDS)):
         for name, value in GRAFANA_VARIABLES.items():

@@ -16,6 +16,7 @@ import pytest
 from batches import make_batch, optimizer
 from collector_process import CollectorProcess
 from exposition import assert_promtool_accepts, samples
+from patience import START_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -113,12 +114,14 @@ def test_alerts_of_the_periodic_pass_and_of_a_batch_still_fire_while_batches_arr
         # The poisoned step fires at its batch's ingest: no pass needed.
         firing = {(a["name"], a["labels"].get("rank")) for a in client.get("/v1/alerts").json()["firing"]}
         assert ("AmpPoisonedStep", "1") in firing
-        seq, deadline = 1, time.monotonic() + 60
+        # Eight ranks keep sending: a round of their batches takes a small part of the 2 s silence even on a
+        # loaded machine, so none of them may be called silent.
+        seq, deadline = 1, time.monotonic() + START_S
         while ("AmpRankSilent", "999") not in firing:  # only the periodic pass, in its thread, sees silence
             assert time.monotonic() < deadline, firing
             seq += 1
-            for rank in range(2, 40):
+            for rank in range(2, 10):
                 assert client.post("/v1/ingest", json=_batch(rank, seq, f"{rank:032x}")).status_code == 200
             firing = {(a["name"], a["labels"].get("rank")) for a in client.get("/v1/alerts").json()["firing"]}
         assert ("AmpPoisonedStep", "1") in firing  # the pass kept what the batch fired
-        assert not any(name == "AmpRankSilent" and 2 <= int(rank) < 40 for name, rank in firing)  # ranks sending
+        assert not any(name == "AmpRankSilent" and 2 <= int(rank) < 10 for name, rank in firing)  # ranks sending

@@ -20,9 +20,10 @@ import httpx
 import pytest
 from collector_process import CollectorProcess
 from exposition import scrape, value
-from rank_processes import check_rank_truth, spawn_rank, wait_for
+from patience import SETTLE_S, START_S
+from rank_processes import RankProcess, check_rank_truth, spawn_rank, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 V1_ONLY = "a95d20e"  # the last commit whose collector knows only protocol v1
@@ -44,7 +45,7 @@ pathlib.Path(out, "truth" + rank + ".json").write_text(json.dumps(trainer.truth(
 
 @contextlib.contextmanager
 def _ranks(url: str, run: str, tmp: pathlib.Path, world: int,
-           relayed: Container[int]) -> Iterator[dict[int, subprocess.Popen]]:
+           relayed: Container[int]) -> Iterator[dict[int, RankProcess]]:
     """Start ``world`` ranks, those in ``relayed`` with the node relay on; kill any still running at the end."""
     ranks = {r: spawn_rank(RANK, url, run, str(tmp / "stop"), str(tmp), str(r), rank=r, world_size=world,
                            env={"AMPWATCH_RELAY": "1" if r in relayed else "0",
@@ -57,17 +58,17 @@ def _ranks(url: str, run: str, tmp: pathlib.Path, world: int,
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)  # one the test stopped
                 proc.kill()
-                proc.wait(10)
+                proc.wait(SETTLE_S)
 
 
-def _finish(ranks: dict[int, subprocess.Popen], tmp: pathlib.Path) -> dict[int, dict]:
-    """Stop the ranks still running; return each one's ground truth."""
+def _finish(ranks: dict[int, RankProcess], tmp: pathlib.Path, ended: Container[int] = ()) -> dict[int, dict]:
+    """Stop the ranks still running; return each one's ground truth. Only those in ``ended`` may have ended before."""
     (tmp / "stop").touch()
     truths = {}
     for rank, proc in ranks.items():
-        if proc.returncode is not None:
+        if rank in ended:
             continue
-        out, _ = proc.communicate(timeout=90)
+        out, _ = proc.communicate(timeout=START_S)
         assert proc.returncode == 0, out[-3000:]
         truths[rank] = json.loads((tmp / f"truth{rank}.json").read_text())
     return truths
@@ -85,14 +86,16 @@ def _all_reported(url: str, run: str, world: int) -> bool:
 
 def _relay_rank(url: str, run: str, tmp: pathlib.Path, world: int) -> int:
     """Wait until a rank runs the host's relay and every rank has reported; return the relay's rank."""
-    wait_for(lambda: list(tmp.glob("relay?")) and _all_reported(url, run, world), timeout=60)
+    wait_for(lambda: list(tmp.glob("relay?")) and _all_reported(url, run, world), START_S,
+             "every rank to report, and one of them to run the relay")
     return int(next(tmp.glob("relay?")).name[-1])
 
 
 def _wait_past(url: str, run: str, ranks: list[int], iterations: int) -> None:
     """Wait until each of ``ranks`` has reported more than ``iterations`` iterations past where it is now."""
     before = {r: _iteration(url, run, r) for r in ranks}
-    wait_for(lambda: all(_iteration(url, run, r) > before[r] + iterations for r in ranks), timeout=60)
+    wait_for(lambda: all(_iteration(url, run, r) > before[r] + iterations for r in ranks),
+             what=f"ranks {ranks} to report {iterations} more iterations")
 
 
 def _check_exact(url: str, run: str, rank: int, truth: dict) -> None:
@@ -110,7 +113,7 @@ def _check_exact(url: str, run: str, rank: int, truth: dict) -> None:
 def _run_and_check_exact(url: str, run: str, tmp: pathlib.Path, world: int, relayed: Container[int]) -> None:
     """Run ``world`` ranks until every one has reported, stop them, and check the collector shows each exactly."""
     with _ranks(url, run, tmp, world, relayed) as ranks:
-        wait_for(lambda: _all_reported(url, run, world), timeout=60)
+        wait_for(lambda: _all_reported(url, run, world), START_S, "every rank to report")
         truths = _finish(ranks, tmp)
     for rank, truth in truths.items():
         _check_exact(url, run, rank, truth)
@@ -122,6 +125,12 @@ def _requests_and_batches(url: str) -> tuple[float, float]:
     return (value(text, "ampwatch_collector_ingest_requests_total", code="200") or 0,
             (value(text, "ampwatch_collector_batches_applied_total") or 0)
             + (value(text, "ampwatch_collector_duplicate_batches_total") or 0))
+
+
+def _gathered_since(url: str, before: tuple[float, float]) -> bool:
+    """Whether the requests since ``before`` (requests, batches) carried more batches than there were requests."""
+    requests, batches = _requests_and_batches(url)
+    return requests - before[0] < batches - before[1]
 
 
 def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact_counts(tmp_path):
@@ -144,14 +153,18 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
         with _ranks(collector.url, run, tmp_path, world, relayed=range(world)) as ranks:
             killed = _relay_rank(collector.url, run, tmp_path, world)
             ranks[killed].send_signal(signal.SIGKILL)  # mid-job: no close(), no exit flush, batches in flight
-            ranks[killed].wait(10)
+            ranks[killed].wait(SETTLE_S)
             (tmp_path / f"relay{killed}").unlink()
             survivors = [r for r in range(world) if r != killed]
-            wait_for(lambda: list(tmp_path.glob("relay?")), timeout=60)  # a surviving rank took over
+            wait_for(lambda: list(tmp_path.glob("relay?")), what="a surviving rank to take the relay over")
             takeover = _requests_and_batches(collector.url)
-            _wait_past(collector.url, run, survivors, 50)
+            # The new relay gathers batches again: a request carries several. Waited for, not counted over a
+            # window: on a loaded machine a rank's batch may miss the other's for a while.
+            wait_for(lambda: _gathered_since(collector.url, takeover),
+                     what="a request through the new relay carrying several ranks' batches")
             after = _requests_and_batches(collector.url)
-            truths = _finish(ranks, tmp_path)
+            _wait_past(collector.url, run, survivors, 50)
+            truths = _finish(ranks, tmp_path, ended={killed})
         for rank in survivors:
             _check_exact(collector.url, run, rank, truths[rank])
         assert value(scrape(collector.url), "ampwatch_rank_closed", run=run, rank=str(killed)) == 0
@@ -159,7 +172,6 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
     print(f"\nrelay rank {killed} killed; {new_relay} took over; after it: "
           f"{after[1] - takeover[1]:.0f} batches in {after[0] - takeover[0]:.0f} requests")
     assert len(new_relay) == 1 and int(new_relay[0][-1]) in survivors
-    assert after[0] - takeover[0] < after[1] - takeover[1], "the new relay gathers batches again"
 
 
 def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):

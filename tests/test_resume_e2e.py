@@ -15,12 +15,12 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 from collector_process import CollectorProcess
 from exposition import value
+from patience import wait_until
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -63,12 +63,9 @@ def test_a_job_killed_and_resumed_from_a_checkpoint_reports_totals_equal_to_grou
 
         truth = _truth(truth_path)
         assert [s["incarnation_start"] for s in truth["starts"]] == [0, 8]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # the second process's close batch was acked before it exited
-            run = json.loads(_get(f"{collector.url}/v1/runs/{RUN}"))
-            if run["closed"]:
-                break
-            time.sleep(0.2)
+        # The second process's close batch was acked before it exited.
+        run = wait_until(lambda: (run := json.loads(_get(f"{collector.url}/v1/runs/{RUN}")))["closed"] and run,
+                         what="the run to show closed", every=0.2)
         (rank,) = run["ranks"]
         assert rank["incarnations"] == 2 and rank["closed"]
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import urllib.request
 
 import pytest
 import torch
 from collector_process import CollectorProcess
 from exposition import value
+from patience import wait_until
 
 from ampwatch import agent
 
@@ -53,13 +53,10 @@ def test_every_scale_the_scaler_can_hold_reaches_the_collector_and_alerts(tmp_pa
         else:
             _train(scaler, model, opt, 3, poison=False, new_scale=float("nan"))
             assert math.isnan(scaler.get_scale())
-        deadline = time.monotonic() + 90  # the demo thresholds' windows are seconds long
-        while time.monotonic() < deadline:
-            alerts = json.loads(_get(collector.url + "/v1/alerts"))
-            if any(a["name"] == "AmpLossScaleCollapsed" for a in alerts["firing"]):
-                break
-            time.sleep(0.5)
-        assert any(a["name"] == "AmpLossScaleCollapsed" for a in alerts["firing"]), alerts
+        # The demo thresholds' windows are seconds long.
+        wait_until(lambda: any(a["name"] == "AmpLossScaleCollapsed"
+                               for a in json.loads(_get(collector.url + "/v1/alerts"))["firing"]),
+                   what=lambda: f"AmpLossScaleCollapsed to fire: {_get(collector.url + '/v1/alerts')}", every=0.5)
         watch.close()
         (rank,) = json.loads(_get(f"{collector.url}/v1/runs/{case}"))["ranks"]
         assert rank["closed"] and rank["delivery"]["rejected_batches"] == 0, rank

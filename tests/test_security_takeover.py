@@ -19,6 +19,7 @@ import pytest
 from batches import make_batch, optimizer, skip_event
 from collector_process import CollectorProcess
 from exposition import value
+from patience import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,14 +42,8 @@ def _attack(seq: int) -> dict:
                       events=[skip_event(seq, iteration=500)])
 
 
-def _wait_for(condition, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s")
+def _wait_for(condition):
+    return wait_until(condition, what="the alert", every=0.1)
 
 
 def _firing(client: httpx.Client, name: str) -> list:

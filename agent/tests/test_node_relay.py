@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import stat
 import threading
 import time
@@ -13,16 +12,10 @@ import pytest
 from collector_process import CollectorProcess
 from delivery_harness import make_sender
 from exposition import value
+from patience import SETTLE_S, wait_until
 from recording_collector import RecordingCollector
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-def _wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+pytestmark = pytest.mark.slow
 
 
 def _relay_threads() -> int:
@@ -47,15 +40,16 @@ def test_two_ranks_in_one_process_share_one_relay_and_every_skip_arrives_once(tm
                 for _, recorder in pairs:
                     recorder.skip()
                 time.sleep(0.01)
-            _wait_for(lambda: _relay_threads() == 1)
+            wait_until(lambda: _relay_threads() == 1, what="one relay thread")
             # Both ranks' heartbeats come through the relay once both have found it: one request, two batches.
-            _wait_for(lambda: (lambda requests, batches: requests < batches)(*_requests_and_batches(collector.url)))
+            wait_until(lambda: (lambda requests, batches: requests < batches)(*_requests_and_batches(collector.url)),
+                       what="a request carrying both ranks' batches")
             assert stat.S_IMODE(relay_dir.stat().st_mode) == 0o700
             sockets = list(relay_dir.glob("*.sock"))
             assert len(sockets) == 1 and stat.S_IMODE(sockets[0].stat().st_mode) == 0o600
         finally:
             for sender, _ in pairs:
-                sender.close(10)
+                sender.close(SETTLE_S)
         text = httpx.get(collector.url + "/metrics", timeout=10).text
         requests, batches = _requests_and_batches(collector.url)
     for rank in ("0", "1"):
@@ -73,7 +67,7 @@ def test_a_relay_directory_others_may_write_is_not_used_and_each_rank_posts_for_
     with RecordingCollector() as server:
         sender, recorder = make_sender(server.url, relay=True, relay_dir=str(relay_dir))
         recorder.skip()
-        sender.close(10)
+        sender.close(SETTLE_S)
     assert server.event_ids() == [1] and all(body["protocol"] == 1 for body in server.received)
     assert sender.delivery["agent_errors"] == 1  # said once, counted once
     assert not list(relay_dir.iterdir()) and _relay_threads() == 0
@@ -88,26 +82,27 @@ def test_a_forked_child_that_outlives_the_relay_does_not_keep_another_rank_from_
         try:
             for _, recorder in pairs:
                 recorder.skip()
-            _wait_for(lambda: _relay_threads() == 1 and _requests_and_batches(collector.url)[1] >= 2)
+            wait_until(lambda: _relay_threads() == 1 and _requests_and_batches(collector.url)[1] >= 2,
+                       what="a relay, and both ranks' first batches")
             child = os.fork()
             if child == 0:  # inherits the relay's socket and lock (as a DataLoader worker does); lives on
-                time.sleep(30)
+                time.sleep(3600)  # killed at the end of the test
                 os._exit(0)
             relay, other = sorted(pairs, key=lambda pair: pair[0]._node.relay is None)
-            relay[0].close(10)  # the relay rank ends first, while the child still lives
+            relay[0].close(SETTLE_S)  # the relay rank ends first, while the child still lives
             assert _relay_threads() == 0
             before = _requests_and_batches(collector.url)
             for _ in range(30):
                 other[1].skip()
                 time.sleep(0.02)
-            _wait_for(lambda: _relay_threads() == 1, timeout=20)  # the other rank took the relay over
+            wait_until(lambda: _relay_threads() == 1, what="the other rank to take the relay over")
             assert other[0]._node.relay is not None
         finally:
             if child:
                 os.kill(child, 9)
                 os.waitpid(child, 0)
             for sender, _ in pairs:
-                sender.close(10)
+                sender.close(SETTLE_S)
         text = httpx.get(collector.url + "/metrics", timeout=10).text
         after = _requests_and_batches(collector.url)
     assert after[1] > before[1]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
 from delivery_harness import make_sender
+from patience import SETTLE_S, wait_until
 from recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
@@ -39,7 +41,7 @@ def test_batches_arrive_with_identity_cumulative_state_events_and_a_closed_flag(
         recorder.skip()
     sender.wake()
     assert collector.wait_for(lambda s: len(s.event_ids()) == 3)
-    sender.close(5)
+    sender.close(SETTLE_S)
 
     batches = collector.acked
     assert [b["seq"] for b in batches] == list(range(1, len(batches) + 1))
@@ -57,12 +59,12 @@ def test_batches_arrive_with_identity_cumulative_state_events_and_a_closed_flag(
 
 
 def test_a_batch_follows_wake_without_waiting_for_the_push_interval(collector, senders):
-    sender, recorder = make_sender(collector.url, push_interval=30.0)
+    sender, recorder = make_sender(collector.url, push_interval=3600.0)  # far past any wait below
     senders.append(sender)
     assert collector.wait_for(lambda s: len(s.acked) == 1)  # the first batch goes out at start
     recorder.skip()
     sender.wake()
-    assert collector.wait_for(lambda s: s.event_ids() == [1], timeout=5), "wake() did not trigger a batch"
+    assert collector.wait_for(lambda s: s.event_ids() == [1]), "wake() did not trigger a batch"
 
 
 def test_a_retried_batch_repeats_its_incarnation_seq_and_body(collector, senders):
@@ -94,7 +96,7 @@ def test_a_batch_answered_429_or_408_is_sent_again_unchanged_and_nothing_is_drop
     assert collector.wait_for(lambda s: len(s.received) >= 3)
     collector.status = 200
     assert collector.wait_for(lambda s: len(s.acked) >= 1)
-    sender.close(5)
+    sender.close(SETTLE_S)
 
     first = [b for b in collector.received if b["seq"] == 1]
     assert len(first) >= 3 and all(b == first[0] for b in first), "the refused batch was not resent unchanged"
@@ -114,13 +116,12 @@ def test_the_collectors_retry_verdict_and_retry_after_are_followed_and_its_reaso
         senders.append(sender)
         recorder.skip()
         assert collector.wait_for(lambda s: len(s.received) >= 1)
-        time.sleep(1.5)
-        # Without Retry-After the backoff (0.05, 0.1, 0.2, 0.4, 0.8 s) would have made ~5 attempts by now;
-        # a slow machine only makes fewer.
-        assert len(collector.received) <= 2
-        collector.status = 200
+        collector.status = 200  # the next attempt passes: it must come no sooner than the collector asked
         sender.wake()
-        assert collector.wait_for(lambda s: s.event_ids() == [1], timeout=15)
+        assert collector.wait_for(lambda s: s.event_ids() == [1])
+        # Without Retry-After the backoff would have retried after 0.025-0.05 s (a slow machine only waits longer).
+        first, second = collector.arrivals[:2]
+        assert second - first >= 2.0, f"retried {second - first:.2f} s after a Retry-After of 2 s"
     assert sender.rejected_batches == 0
     assert caplog.text.count(reason) == 1, caplog.text
     assert "AMPWATCH_URL" not in caplog.text  # the collector answered: no guessing about the address
@@ -137,15 +138,16 @@ def test_the_collectors_retry_verdict_and_retry_after_are_followed_and_its_reaso
     assert sender.rejected_batches >= 1
 
 
-def test_retries_back_off_exponentially_up_to_the_cap(collector, senders):
+def test_retries_wait_out_a_backoff_that_doubles_up_to_the_cap(collector, senders):
     collector.status = 500
     sender, _ = make_sender(collector.url, push_interval=0.05, max_backoff=0.4)
     senders.append(sender)
-    time.sleep(2.0)
-    attempts = len(collector.received)
-    # Without backoff 2 s / 0.05 s = 40 attempts; with it (0.05, 0.1, 0.2, then 0.4 capped, jittered 50-100%)
-    # about 6-10. A loose bound on both sides, so scheduling noise cannot fail it.
-    assert 4 <= attempts <= 20, attempts
+    assert collector.wait_for(lambda s: len(s.arrivals) >= 7)
+    gaps = [later - earlier for earlier, later in zip(collector.arrivals, collector.arrivals[1:7])]
+    # Each retry waits at least half its backoff (0.05, 0.1, 0.2, then 0.4 capped, jittered 50-100%);
+    # a loaded machine only waits longer. How long each wait is exactly: test_delivery_outcomes.py.
+    least = [0.5 * min(0.4, 0.05 * 2 ** k) for k in range(6)]
+    assert all(gap >= low for gap, low in zip(gaps, least)), [round(g, 3) for g in gaps]
 
 
 def test_a_short_outage_then_recovery_loses_no_event(collector, senders):
@@ -155,9 +157,9 @@ def test_a_short_outage_then_recovery_loses_no_event(collector, senders):
     collector.stop()
     for _ in range(100):
         recorder.skip()
-    time.sleep(0.3)
+    wait_until(lambda: sender.send_failures > 0, what="an attempt to fail during the outage")
     collector.start()
-    sender.close(5)
+    sender.close(SETTLE_S)
     assert sorted(collector.event_ids()) == list(range(1, 101))
     assert collector.acked[-1]["closed"] is True
     assert collector.acked[-1]["state"]["delivery"]["dropped_events"] == 0
@@ -167,14 +169,11 @@ def test_without_a_spool_a_long_outage_drops_the_oldest_events_and_reports_the_c
     server = RecordingCollector()  # down from the start
     sender, recorder = make_sender(server.url, max_events=10)
     senders.append(sender)
-    deadline = time.monotonic() + 5
-    while sender.send_failures == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sender.send_failures > 0  # the first (empty) batch is now stuck waiting for the collector
+    wait_until(lambda: sender.send_failures > 0, what="the first (empty) batch to fail")  # stuck in the outbox now
     for _ in range(50):
         recorder.skip()
     with server:
-        sender.close(5)
+        sender.close(SETTLE_S)
         assert server.event_ids() == list(range(41, 51)), "the newest events must survive, oldest dropped"
         assert server.acked[-1]["state"]["delivery"]["dropped_events"] == 40
         assert server.acked[-1]["closed"] is True
@@ -197,22 +196,27 @@ def test_a_refused_batch_is_dropped_counted_and_never_resent(collector, senders,
     assert caplog.text.count("refused batch") == 1, "the refusal should be logged once, then counted"
 
 
-def test_a_slow_collector_never_blocks_the_calling_thread_and_close_keeps_its_timeout(collector, senders):
-    collector.delay = 3.0
-    sender, recorder = make_sender(collector.url, timeout=10.0)
+def test_a_hanging_collector_never_blocks_the_calling_thread_and_close_keeps_its_timeout(collector, senders):
+    collector.delay = 3600.0  # no answer while the test runs (stopping the server ends it)
+    sender, recorder = make_sender(collector.url, timeout=3600.0)
     senders.append(sender)
-    time.sleep(0.2)  # the first batch is now hanging on the slow collector
-    slowest = 0.0
-    for _ in range(200):
-        started = time.perf_counter()
-        recorder.skip()
-        sender.wake()
-        slowest = max(slowest, time.perf_counter() - started)
-    assert slowest < 0.1, f"a call on the training thread took {slowest:.3f} s"
-    started = time.monotonic()
-    sender.close(0.5)
-    took = time.monotonic() - started
-    assert took < 0.5 + 0.3, f"close(0.5) took {took:.2f} s"
+    assert collector.wait_for(lambda s: len(s.arrivals) == 1)  # the first batch now hangs on the collector
+
+    def training_thread() -> None:
+        for _ in range(200):
+            recorder.skip()
+            sender.wake()
+        started = time.monotonic()
+        sender.close(0.5)
+        closed.append(time.monotonic() - started)
+
+    closed: list[float] = []
+    calls = threading.Thread(target=training_thread, daemon=True)
+    calls.start()
+    calls.join(SETTLE_S)  # a hang detector: only a call waiting on the collector (an hour) takes this long
+    assert not calls.is_alive(), "a call on the training thread waited for the hanging collector"
+    assert collector.received == [], "the collector answered: this test proved nothing"
+    assert closed[0] >= 0.5, "close(0.5) did not give the final batch its time"
 
 
 def test_close_sends_every_waiting_event_in_a_final_closed_batch(collector, senders):
@@ -221,7 +225,7 @@ def test_close_sends_every_waiting_event_in_a_final_closed_batch(collector, send
     assert collector.wait_for(lambda s: len(s.acked) == 1)
     for _ in range(5):
         recorder.skip()
-    sender.close(5)
+    sender.close(SETTLE_S)
     assert collector.acked[-1]["closed"] is True
     assert [e["id"] for e in collector.acked[-1]["events"]] == [1, 2, 3, 4, 5]
 
@@ -233,7 +237,7 @@ def test_more_events_than_one_batch_holds_go_out_in_several_batches(collector, s
     assert collector.wait_for(lambda s: len(s.acked) == 1)
     for _ in range(total):
         recorder.skip()
-    sender.close(20)
+    sender.close(SETTLE_S)
     assert max(len(b["events"]) for b in collector.acked) == MAX_BATCH_EVENTS
     assert collector.event_ids() == list(range(1, total + 1))
     assert collector.acked[-1]["closed"] is True
@@ -249,7 +253,7 @@ def test_a_batch_over_a_default_collectors_body_limit_is_split_and_every_event_a
     for i in range(1200):
         recorder.events.append({"kind": "skip", "iteration": i, "optimizer": "opt", "streak": 1, "params": params,
                                 "params_total": 16, "inspected": True})
-    sender.close(20)
+    sender.close(SETTLE_S)
     sizes = [int(h["Content-Length"]) for h in collector.headers]
     assert max(sizes) <= MAX_BODY_BYTES and sum(sizes) > MAX_BODY_BYTES
     assert collector.event_ids() == list(range(1, 1201))
@@ -283,7 +287,7 @@ def test_each_rank_reports_to_the_one_collector_its_run_and_rank_hash_to(senders
             sender, _ = make_sender([a.url, b.url], run="pinned-run", rank=rank, world_size=8)
             senders.append(sender)
         for sender in senders:
-            sender.close(5)
+            sender.close(SETTLE_S)
         for server in (a, b):
             ranks = {batch["rank"] for batch in server.acked}
             assert ranks == {r for r, url in expected.items() if url == server.url}
@@ -297,17 +301,34 @@ def test_nothing_is_started_without_a_collector():
     assert sender._thread is None
 
 
+class CountingEvent(threading.Event):
+    """A real event that counts its waits: the sender's loop waits on its wake event once per turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
 def test_closing_against_a_down_collector_waits_out_its_timeout_without_spinning(senders):
     server = RecordingCollector()  # down
-    sender, recorder = make_sender(server.url, max_backoff=2.0)
+    turns = CountingEvent()
+    sender, recorder = make_sender(server.url, push_interval=30.0, max_backoff=2.0, wake=turns)
     senders.append(sender)
     recorder.skip()
-    time.sleep(0.2)
-    cpu, wall = time.process_time(), time.monotonic()
+    wait_until(lambda: sender.send_failures > 0, what="an attempt to fail")
+    before, started = turns.waits, time.monotonic()
     sender.close(1.0)
-    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
-    assert 0.9 < wall < 1.3
-    assert cpu < 0.3, f"close() burned {cpu:.2f} s of CPU in {wall:.2f} s waiting for a down collector"
+    waited = time.monotonic() - started
+    sender._thread.join(SETTLE_S)
+    assert not sender._thread.is_alive(), "the sender thread outlived its close timeout"
+    assert waited >= 0.9, f"close(1.0) gave up after {waited:.2f} s"
+    # A loop that waits out its backoff and deadline turns a few times; one that spins turns thousands of
+    # times (a loaded machine only turns it less).
+    assert turns.waits - before <= 20, f"the sender turned {turns.waits - before} times in one second of closing"
 
 
 def test_appended_news_wakes_the_sender_and_routine_events_wait_for_the_heartbeat(collector, senders):
@@ -318,7 +339,7 @@ def test_appended_news_wakes_the_sender_and_routine_events_wait_for_the_heartbea
     time.sleep(1.5)  # longer than the news gap: a growth is no news, so nothing may have gone
     assert len(collector.received) == 1
     recorder.skip()  # a streak's first skip: news, without any wake() call
-    assert collector.wait_for(lambda s: s.event_ids() == [1, 2], timeout=10), "news did not trigger a batch"
+    assert collector.wait_for(lambda s: s.event_ids() == [1, 2]), "news did not trigger a batch"
     assert len(collector.acked) == 2, "the growth rode along with the news"
 
 
@@ -327,26 +348,26 @@ def test_a_storm_of_news_is_coalesced_into_at_most_one_batch_per_news_gap(collec
     senders.append(sender)
     assert collector.wait_for(lambda s: len(s.acked) == 1)
     started = time.monotonic()
-    while time.monotonic() - started < 3.0:
+    while time.monotonic() - started < 1.5:  # the gap itself is tested on its clock in test_schedule.py
         recorder.skip()  # every one a streak start
         time.sleep(0.005)
     storm = time.monotonic() - started
-    assert collector.wait_for(lambda s: len(s.event_ids()) == recorder.skipped, timeout=10)
+    assert collector.wait_for(lambda s: len(s.event_ids()) == recorder.skipped)
     # Per-event batches would be hundreds; the gap allows one per NEWS_GAP (the last may come after the storm).
     assert len(collector.acked) - 1 <= storm / NEWS_GAP + 2, len(collector.acked)
 
 
 def test_news_that_waited_out_an_outage_goes_when_delivery_resumes_not_at_the_next_heartbeat(collector, senders):
-    sender, recorder = make_sender(collector.url, push_interval=30.0, max_backoff=0.2)
+    sender, recorder = make_sender(collector.url, push_interval=3600.0, max_backoff=0.2)  # no heartbeat meanwhile
     senders.append(sender)
     assert collector.wait_for(lambda s: len(s.acked) == 1)
     collector.stop()
     recorder.skip()  # news: its batch is built, then retried while the collector is down
-    deadline = time.monotonic() + 10
-    while sender.send_failures == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sender.send_failures > 0
+    wait_until(lambda: sender.send_failures > 0, what="the news batch to fail")
     recorder.skip()  # news again, but the one-batch outbox is full: it waits in the event buffer
-    time.sleep(1.5)
+    time.sleep(NEWS_GAP)  # the schedule's own timer: its batch is due by now (and finds no room)
+    failed = sender.send_failures
+    # Two more failed attempts: the sender has turned since that batch was due.
+    wait_until(lambda: sender.send_failures >= failed + 2, what="two more failed attempts")
     collector.start()
-    assert collector.wait_for(lambda s: s.event_ids() == [1, 2], timeout=10), collector.event_ids()
+    assert collector.wait_for(lambda s: s.event_ids() == [1, 2]), collector.event_ids()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from delivery_harness import make_sender
+from patience import SETTLE_S, wait_until
 from recording_collector import RecordingCollector
 
 from ampwatch.agent._outbox import Pending
@@ -14,11 +13,13 @@ from ampwatch.agent._spool import SpoolOutbox
 pytestmark = pytest.mark.timeout(60)
 
 
-def _wait_for_failure(sender, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while sender.send_failures == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sender.send_failures > 0
+def _wait_for_failure(sender) -> None:
+    wait_until(lambda: sender.send_failures > 0, what="an attempt to fail", every=0.01)
+
+
+def _wait_until_taken(sender, recorder) -> None:
+    """Wait until the sender has taken every waiting event into a batch (with a spool: onto disk)."""
+    wait_until(lambda: len(recorder.events) == 0, what="the sender to take the waiting events", every=0.01)
 
 
 def _batch_files(root):
@@ -33,10 +34,10 @@ def test_an_outage_longer_than_memory_holds_loses_no_event_with_a_spool(tmp_path
         for _ in range(12):  # 60 events in all, never more than 5 waiting in the 10-event buffer
             for _ in range(5):
                 recorder.skip()
-            time.sleep(0.15)  # a few push intervals: the waiting events move to disk
+            _wait_until_taken(sender, recorder)
         assert _batch_files(tmp_path), "nothing was spooled during the outage"
         with server:
-            sender.close(10)
+            sender.close(SETTLE_S)
             assert sorted(server.event_ids()) == list(range(1, 61))
             assert server.acked[-1]["state"]["delivery"]["dropped_events"] == 0
             assert server.acked[-1]["closed"] is True
@@ -53,12 +54,12 @@ def test_spooled_batches_are_replayed_by_the_next_process_with_their_original_id
     for _ in range(3):
         recorder.skip()
     first.close(0.3)  # gives up: what is left stays on disk
-    first._thread.join(5)  # under load the thread may still be letting go of its spool lock
+    first._thread.join(SETTLE_S)  # under load the thread may still be letting go of its spool lock
     assert _batch_files(tmp_path)
 
     with server:
         second, _ = make_sender(server.url, spool_dir=str(tmp_path))
-        second.close(10)
+        second.close(SETTLE_S)
         old = [b for b in server.acked if b["incarnation"] == first.identity.incarnation]
         new = [b for b in server.acked if b["incarnation"] == second.identity.incarnation]
         assert sorted(e["id"] for b in old for e in b["events"]) == [1, 2, 3]
@@ -76,11 +77,11 @@ def test_the_spool_drops_its_oldest_batches_past_its_size_cap_and_counts_their_e
         for _ in range(20):
             for _ in range(5):
                 recorder.skip()
-            time.sleep(0.12)
+            _wait_until_taken(sender, recorder)
         spooled = sum(p.stat().st_size for p in tmp_path.rglob("*.json"))
         assert spooled <= 8_000 + 3_000  # the cap, plus at most the batch being written
         with server:
-            sender.close(10)
+            sender.close(SETTLE_S)
             delivered = server.event_ids()
             dropped = server.acked[-1]["state"]["delivery"]["dropped_events"]
             assert dropped > 0
@@ -112,6 +113,6 @@ def test_an_unusable_spool_dir_is_counted_and_delivery_goes_on_from_memory(tmp_p
     with RecordingCollector() as server:
         sender, recorder = make_sender(server.url, spool_dir=str(not_a_folder))
         recorder.skip()
-        sender.close(5)
+        sender.close(SETTLE_S)
         assert server.event_ids() == [1]
         assert server.acked[-1]["state"]["delivery"]["agent_errors"] == 1

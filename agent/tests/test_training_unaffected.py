@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 
 import torch
+from patience import wait_until
 from recording_collector import free_port
 
 
@@ -104,10 +104,8 @@ def test_a_jobs_seeded_random_streams_are_the_same_watched_with_failing_deliveri
             if w is not None:
                 w.rebind(scaler2 := torch.amp.GradScaler("cpu"))
                 scaler2.load_state_dict(scaler.state_dict())
-                deadline = time.monotonic() + 60
-                while w.snapshot()["state"]["delivery"]["send_failures"] < 4 and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                assert w.snapshot()["state"]["delivery"]["send_failures"] >= 4
+                wait_until(lambda: w.snapshot()["state"]["delivery"]["send_failures"] >= 4, every=0.02,
+                           what="four failed attempts")
                 assert any(t.name == "ampwatch-relay" for t in threading.enumerate())
                 assert w.snapshot()["state"]["optimizers"]["b"]["skipped"] == 3
             values += _global_streams(3)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
+from patience import wait_until
 from webhook_receiver import WebhookReceiver
 from batches import make_batch, optimizer
 from exposition import value
@@ -41,11 +43,9 @@ def test_a_skip_streak_alert_is_listed_and_sent_at_the_ingest_that_crosses_the_t
         (alert,) = client.get("/v1/alerts").json()["firing"]
         got = receiver.wait_for(lambda reqs: len(reqs) == 1)
         assert got[0]["time"] - crossed >= 2.0 and got[0]["body"]["groupLabels"]["run"] == "exp-42"
-        deadline = time.monotonic() + 10
-        while value(client.get("/metrics").text, "ampwatch_collector_notifications_total",
-                    target=f"webhook:127.0.0.1:{receiver.port}", outcome="sent") != 1.0:
-            assert time.monotonic() < deadline, "the sent notification was never counted in /metrics"
-            time.sleep(0.05)
+        wait_until(lambda: value(client.get("/metrics").text, "ampwatch_collector_notifications_total",
+                                 target=f"webhook:127.0.0.1:{receiver.port}", outcome="sent") == 1.0,
+                   what="the sent notification to be counted in /metrics")
     assert alert["name"] == "AmpConsecutiveSkippedSteps" and alert["status"] == "firing"
     assert alert["labels"] == {"run": "exp-42", "rank": "0", "optimizer": "gen", "severity": "warning"}
     assert alert["value"] == 16 and alert["ends_at"] is None
@@ -56,12 +56,32 @@ def test_a_skip_streak_alert_is_listed_and_sent_at_the_ingest_that_crosses_the_t
 
 def test_a_clean_run_has_no_alerts_and_no_notification(config_for, receiver):
     with TestClient(create_app(config_for(webhook=parse_targets(receiver.url)))) as client:
+        passes = _passes_after(client, ingested := threading.Event())
         for seq in range(1, 4):
             batch = make_batch(seq=seq, iteration=100 * seq, optimizers={"gen": optimizer(steps=100 * seq)})
             assert client.post("/v1/ingest", json=batch).status_code == 200
-        time.sleep(1.2)  # let one periodic evaluation pass as well
+        ingested.set()
+        wait_until(lambda: passes, what="a periodic evaluation after the ingests")
         assert client.get("/v1/alerts").json() == {"firing": [], "resolved": []}
-    assert receiver.attempts == []
+    assert receiver.attempts == []  # closed: close() sent whatever notification was due
+
+
+def _passes_after(client: TestClient, event: threading.Event) -> list[float]:
+    """From now on, record each periodic pass of the app's alert service that began after ``event`` was set.
+
+    The real pass runs (the collector calls its service's ``tick`` every period); this only counts it.
+    """
+    service, passes = client.app.state.alert_service, []
+    tick = service.tick
+
+    def counted(state, now=None):
+        began = event.is_set()
+        tick(state, now)
+        if began:
+            passes.append(time.monotonic())
+
+    service.tick = counted
+    return passes
 
 
 def test_a_bad_webhook_setting_is_refused_with_what_to_write(monkeypatch):

@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import pytest
+from patience import START_S, wait_until
 from webhook_receiver import WebhookReceiver, free_port
 
 from ampwatch.server.alerting.alert import Alert
@@ -49,17 +50,16 @@ def alertmanager(tmp_path):
             stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 20
-            while True:
+
+            def ready() -> bool:
                 assert proc.poll() is None, (tmp_path / "alertmanager.log").read_text()
                 try:
                     with urllib.request.urlopen(url + "/-/ready", timeout=1) as answer:
-                        if answer.status == 200:
-                            break
+                        return answer.status == 200
                 except OSError:
-                    pass
-                assert time.monotonic() < deadline, "Alertmanager not ready in 20 s"
-                time.sleep(0.1)
+                    return False
+
+            wait_until(ready, START_S, "Alertmanager to be ready", every=0.1)
             yield url, receiver
         finally:
             proc.terminate()

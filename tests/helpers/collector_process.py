@@ -14,6 +14,7 @@ import time
 import urllib.request
 from typing import Optional, Sequence
 
+from patience import START_S
 from ports import free_port
 
 __all__ = ["CollectorProcess"]
@@ -39,8 +40,8 @@ class CollectorProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "CollectorProcess":
-        """Start the process and wait until /readyz answers 200."""
+    def start(self, timeout: float = START_S) -> "CollectorProcess":
+        """Start the process and wait until /readyz answers 200 (a hang after ``timeout`` seconds)."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ampwatch.server", "serve", "--port", str(self.port), "--db", self.db,

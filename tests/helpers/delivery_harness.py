@@ -12,7 +12,7 @@ from ampwatch.agent._identity import resolve_identity
 from ampwatch.agent._sender import Sender
 from batches import optimizer
 
-__all__ = ["StandInRecorder", "make_sender", "FAST"]
+__all__ = ["StandInRecorder", "make_sender", "record_sender_joins", "FAST"]
 
 FAST = {"push_interval": 0.05, "max_backoff": 0.2, "timeout": 2.0, "close_timeout": 5.0}
 """Delivery settings that keep tests quick: short interval, short backoff cap."""
@@ -59,13 +59,34 @@ class StandInRecorder:
 
 def make_sender(collector: str | list[str] | None, *, run: str = "test-run", rank: int = 0,
                 world_size: int = 1, max_events: int = 10_000, recorder: StandInRecorder | None = None,
-                **overrides: Any) -> tuple[Sender, StandInRecorder]:
-    """Return a started Sender for ``rank`` and its stand-in recorder; ``overrides`` tune AgentConfig."""
+                wake: threading.Event | None = None, **overrides: Any) -> tuple[Sender, StandInRecorder]:
+    """Return a started Sender for ``rank`` and its stand-in recorder; ``overrides`` tune AgentConfig.
+
+    ``wake`` is the sender's wake event (default: its own).
+    """
     settings = {**FAST, **overrides}
     config = AgentConfig.from_env(collector=collector or "", run=run, environ={}, max_events=max_events,
                                   **settings)
     identity = resolve_identity(config.run, environ={"RANK": str(rank), "WORLD_SIZE": str(world_size)})
     recorder = recorder or StandInRecorder(max_events)
-    sender = Sender(config, identity, recorder.snapshot, recorder.events, errors=recorder.errors)
+    sender = Sender(config, identity, recorder.snapshot, recorder.events, errors=recorder.errors, wake=wake)
     sender.start()
     return sender, recorder
+
+
+def record_sender_joins() -> list[float]:
+    """From now on, record the timeout of every ``join()`` on an agent sender thread (the real join still runs).
+
+    How long a close or an exit flush may wait for senders is the sum of these: a fact of its logic,
+    which a loaded machine does not change (it only returns from each wait later).
+    """
+    joins: list[float] = []
+    join = threading.Thread.join
+
+    def recording(thread: threading.Thread, timeout: float | None = None) -> None:
+        if thread.name == "ampwatch-sender":
+            joins.append(float("inf") if timeout is None else timeout)
+        join(thread, timeout)
+
+    threading.Thread.join = recording  # type: ignore[method-assign]
+    return joins

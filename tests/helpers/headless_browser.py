@@ -8,6 +8,7 @@ import shutil
 from typing import Any, Iterator, Optional
 
 import pytest
+from patience import SETTLE_S
 
 __all__ = ["CHROMIUM", "needs_browser", "open_page", "wait_until"]
 
@@ -47,7 +48,7 @@ def open_page(url: str, *, width: int = 1280, height: int = 900) -> Iterator[tup
             browser.close()
 
 
-def wait_until(page: Any, script: str, timeout_s: float = 30.0) -> bool:
+def wait_until(page: Any, script: str, timeout_s: float = SETTLE_S) -> bool:
     """Poll the JavaScript expression ``script`` in ``page`` until it is truthy; False after ``timeout_s``.
 
     The status page's Content-Security-Policy forbids eval, which Playwright's ``wait_for_function``

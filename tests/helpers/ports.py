@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Optional
 
+from patience import SETTLE_S
+
 __all__ = ["LoopbackServer", "free_port"]
 
 
@@ -33,7 +35,7 @@ class LoopbackServer:
 
     def _serve(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
         """Listen on ``self.port`` with ``handler``, serving in a daemon thread."""
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + SETTLE_S
         while True:
             try:
                 self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import pytest
 import yaml
+from patience import START_S
 
 __all__ = ["Processes", "binary", "get", "query_range", "start_prometheus", "wait_for_scrapes", "wait_until"]
 
@@ -34,7 +35,10 @@ def get(url: str, timeout: float = 5.0) -> bytes:
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: Callable[[], str] | str) -> Any:
-    """Poll ``predicate`` until it returns something true; fail with ``what`` after ``timeout`` seconds."""
+    """Poll ``predicate`` until it returns something true; fail with ``what`` after ``timeout`` seconds.
+
+    Unlike patience.wait_until, an OSError (Prometheus not listening yet) counts as not yet.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -106,6 +110,7 @@ def wait_for_scrapes(processes: Processes, prometheus: str, targets: int = 1) ->
     Prometheus scrapes a few seconds after it is ready (target discovery is throttled to every 5 s): what a
     test sends before that first scrape would be missing from its history.
     """
-    wait_until(lambda: get(prometheus + "/-/ready"), 30, lambda: "prometheus ready\n" + processes.log("prometheus"))
-    wait_until(lambda: len(query_range(prometheus, "up == 1", time.time() - 2)) >= targets, 60,
+    wait_until(lambda: get(prometheus + "/-/ready"), START_S,
+               lambda: "prometheus ready\n" + processes.log("prometheus"))
+    wait_until(lambda: len(query_range(prometheus, "up == 1", time.time() - 2)) >= targets, START_S,
                f"Prometheus to scrape {targets} target(s)")

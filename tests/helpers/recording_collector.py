@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from patience import SETTLE_S
 from ports import LoopbackServer, free_port
 
 __all__ = ["RecordingCollector", "free_port"]
@@ -27,7 +28,9 @@ class RecordingCollector(LoopbackServer):
     """Records every POST to ``/v1/ingest``; answers ``status`` after ``delay`` seconds.
 
     ``received`` holds every decoded body in arrival order, retries included
-    (``bodies`` the same as the bytes sent); ``acked`` only those answered 2xx. Change ``status``/``delay`` at any time;
+    (``bodies`` the same as the bytes sent); ``acked`` only those answered 2xx; ``arrivals`` the
+    ``time.monotonic()`` at which each POST came in, before its delay. Change ``status``/``delay`` at any time
+    (a delayed answer ends early when the server stops);
     ``reply`` (a JSON object) and ``retry_after`` (a header value) make a non-2xx
     answer look like the real collector's, with its ``retry`` verdict and message.
     :meth:`stop` and :meth:`start` make it go down and come back on the same port.
@@ -43,16 +46,20 @@ class RecordingCollector(LoopbackServer):
         self.bodies: list[bytes] = []
         self.acked: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.arrivals: list[float] = []
         self.changed = threading.Condition()
+        self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
 
     def start(self) -> "RecordingCollector":
         """Listen on ``self.port`` (again)."""
+        self._stopping.clear()
         self._serve(_handler_for(self))
         return self
 
     def stop(self) -> None:
-        """Stop listening and drop open connections (an outage)."""
+        """Stop listening and drop open connections (an outage); delayed answers go at once."""
+        self._stopping.set()
         self._shut_down()
         with self.changed:
             connections, self._connections = list(self._connections), set()
@@ -62,7 +69,7 @@ class RecordingCollector(LoopbackServer):
             except OSError:
                 pass
 
-    def wait_for(self, predicate, timeout: float = 10.0) -> bool:
+    def wait_for(self, predicate, timeout: float = SETTLE_S) -> bool:
         """Wait until ``predicate(self)`` holds; return whether it did within ``timeout``."""
         deadline = time.monotonic() + timeout
         with self.changed:
@@ -100,8 +107,11 @@ def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequest
         def do_POST(self) -> None:  # noqa: N802 - http.server's naming
             body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
             status, delay, reply, retry_after = server.status, server.delay, server.reply, server.retry_after
+            with server.changed:
+                server.arrivals.append(time.monotonic())
+                server.changed.notify_all()
             if delay:
-                time.sleep(delay)
+                server._stopping.wait(delay)
             batch = json.loads(body)
             with server.changed:
                 server.received.append(batch)

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from patience import SETTLE_S
 from ports import LoopbackServer, free_port
 
 __all__ = ["WebhookReceiver", "free_port"]
@@ -66,7 +67,8 @@ class WebhookReceiver(LoopbackServer):
         self.hold.set()
         self._shut_down()
 
-    def wait_for(self, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 10.0) -> list[dict[str, Any]]:
+    def wait_for(self, done: Callable[[list[dict[str, Any]]], bool],
+                 timeout: float = SETTLE_S) -> list[dict[str, Any]]:
         """Wait until ``done(requests)`` holds; return the requests (AssertionError after ``timeout``)."""
         deadline = time.monotonic() + timeout
         with self._cond:

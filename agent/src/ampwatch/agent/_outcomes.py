@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ._http import Answer
 
@@ -31,10 +31,13 @@ class DeliveryOutcomes:
     collector's ``Retry-After`` within the cap (docs/agent.md#delivery). The draws
     come from ``rng``, by default a generator of its own: never Python's global
     ``random``, whose stream belongs to the training job (data order, augmentation).
+    :attr:`retry_at` is on ``clock`` (the sender's, ``time.monotonic``).
     """
 
-    def __init__(self, push_interval: float, max_backoff: float, *, rng: random.Random | None = None) -> None:
+    def __init__(self, push_interval: float, max_backoff: float, *, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
         self.push_interval = push_interval
         self.max_backoff = max_backoff
         self.send_failures = 0  # attempts to retry: no answer, 5xx, 408, 429, or the collector said "retry": true
@@ -69,7 +72,7 @@ class DeliveryOutcomes:
         delay *= self._rng.uniform(0.5, 1.0)  # jitter: ranks spread out
         if answer.retry_after is not None:  # the collector said when: wait that long, within our cap
             delay = max(delay, min(answer.retry_after, self.max_backoff))
-        self.retry_at = time.monotonic() + delay
+        self.retry_at = self._clock() + delay
         if answer.status is None:
             self._say_once("retry", "ampwatch: cannot deliver to %s (%s); retrying with backoff, training "
                            "is not affected. Check that the collector runs and AMPWATCH_URL is right.",
