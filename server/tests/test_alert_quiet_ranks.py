@@ -68,7 +68,7 @@ def _full_pass(histories: list[RankHistory], now: float) -> list:
         found.extend(rank_alerts(h, now, T))
         by_run.setdefault(h.run, []).append(rank_facts(h, now, T))
     run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, T)]
-    held = held_back(found, run_wide, by_run)
+    held = held_back(found, run_wide)
     return [a for a in found if a.key not in held] + run_wide
 
 
