@@ -135,7 +135,8 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
 def _holding(t: AlertThresholds, r: RecordedSeries, name: str) -> list[dict[str, Any]]:
     rank, ranks, share = r.holding(name)
     definition = ALERTS[name]
-    return [*(_record(rank, f"max by (run, rank) (\n{_indent(_condition(t, r, definition, s))}\n)", {"severity": s.level})
+    return [*(_record(rank, f"max by (run, rank) (\n{_indent(_condition(t, r, definition, s))}\n)",
+                      {"severity": s.level})
               for s in definition.severities),
             _record(ranks, f"count by (run, severity) ({rank})"),
             _record(share, f"{ranks} / on (run) group_left {r.ranks}")]
