@@ -34,7 +34,7 @@ def _changes(transitions: list, *names: str) -> list[tuple]:
 
 def test_a_scale_that_stays_collapsed_after_the_storm_is_one_run_alert_and_never_one_per_rank():
     alerts = BuiltinAlerts(T)
-    ranks = _job(alerts, 16)
+    ranks = _job(alerts, 4)
     transitions = []
     for r in ranks:  # 30 skips in a row on every rank: the scale falls from 2**20 to 2**-10
         for _ in range(30):
@@ -61,7 +61,7 @@ def test_a_scale_that_stays_collapsed_after_the_storm_is_one_run_alert_and_never
 
 def test_a_storm_of_many_minutes_is_one_run_skip_ratio_alert_and_a_rank_that_stands_out_keeps_its_own():
     alerts = BuiltinAlerts(T)
-    job, other = _job(alerts, 16), _job(alerts, 4, run="other")
+    job, other = _job(alerts, 6), _job(alerts, 4, run="other")
     transitions, now = [], 0.0
     # Every rank of the job skips one step in four for twelve minutes (never a streak); in the other run only
     # rank 1 does.
