@@ -6,9 +6,8 @@ import threading
 import time
 from typing import Callable, Collection, Iterable, Optional
 
-from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
-
 from ampwatch.contract.alerts import SPEAKERS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
