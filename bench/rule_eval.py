@@ -45,6 +45,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
+from ampwatch.contract.alerts import SPEAKERS
+
 from bench._before_after import ROOT, print_and_store, source_of
 from bench._job_history import Job
 from bench._remote_write import RemoteWriter
@@ -54,7 +56,9 @@ __all__ = ["main", "measure"]
 
 KEY = "rule_eval"
 # Alerts a whole-job storm raises per rank in earlier rules and as one run alert in later ones: not compared.
-_STORM_ALERTS = ("AmpRunSkipStorm", "AmpConsecutiveSkippedSteps", "AmpLossScaleCollapsed")
+# The run-wide ones of this tree and the per-rank ones they speak for, and those of earlier rules.
+_STORM_ALERTS = frozenset({*SPEAKERS, *SPEAKERS.values(), "AmpRunSkipStorm", "AmpConsecutiveSkippedSteps",
+                           "AmpLossScaleCollapsed"})
 INTERVAL_S = 15
 POLL_S = 5  # /api/v1/rules lists every active alert: read it a few times per interval, not every second
 HISTORY_S = 33 * 60  # the longest rule window (30m) plus room for the first evaluations

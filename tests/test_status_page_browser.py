@@ -74,12 +74,14 @@ def test_the_status_page_shows_the_finished_run_its_ranks_skips_and_the_streak_a
                                "4 streaks, the longest 20 (rank 0); no poisoned step; final loss scale 2^-4 (0.0625) "
                                "on every rank (all collapsed)"), banner
             assert fired.startswith("AmpRunSkipStorm (warning)"), banner
-            # A rank's own alerts with a time window (a collapsed scale held 30 s) fire as well when a loaded machine
-            # runs the 60 iterations for longer than that: such a rank also lists "alert fired", as the API says.
             rows = httpx.get(f"{collector.url}/v1/runs/{urllib.parse.quote(RUN, safe='')}/summary",
                              timeout=30).json()["rows"]
             rank_alerts = {str(row["rank"]): row["alerts"] for row in rows}
-            assert not any("AmpConsecutiveSkippedSteps" in names for names in rank_alerts.values()), rank_alerts
+            # The storm is the run's alert, in the banner: no rank's row has an alert of it. Rank 0 started every
+            # skipped iteration: its own AmpSkipOriginRank fires when a pass saw its news before it closed (then
+            # listed in the banner after the storm), which a job this fast leaves to chance.
+            assert rank_alerts["1"] == [] and set(rank_alerts["0"]) <= {"AmpSkipOriginRank"}, rank_alerts
+            assert ("AmpSkipOriginRank" in fired) == bool(rank_alerts["0"]), (rank_alerts, banner)
             assert page.locator("#trouble-title").text_content() == "Ranks that had trouble"
             assert page.locator("#trouble-count").text_content() == "2 of 2"
             assert page.locator("#trouble-summary").text_content().startswith(

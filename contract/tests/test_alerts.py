@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL
+from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, DEMO_THRESHOLDS, AlertThresholds
 
 FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3",
@@ -50,3 +50,16 @@ def test_the_for_window_is_read_from_the_thresholds():
     t = dataclasses.replace(DEFAULT_THRESHOLDS, desync_for_s=42)
     assert ALERTS["AmpLossScaleDesync"].for_seconds(t) == 42
     assert ALERTS["AmpPoisonedStep"].for_seconds(t) == 0
+
+
+def test_each_whole_job_trouble_has_one_run_wide_alert_with_the_per_rank_ones_severities():
+    assert SPEAKERS == {"AmpConsecutiveSkippedSteps": "AmpRunSkipStorm",
+                        "AmpLossScaleCollapsed": "AmpRunLossScaleCollapsed",
+                        "AmpHighSkippedStepRatio": "AmpRunHighSkippedStepRatio"}
+    for spoken, speaker in SPEAKERS.items():
+        assert ALERTS[spoken].scope in ("rank", "optimizer") and ALERTS[speaker].scope == "run"
+        assert ALERTS[speaker].severities == ALERTS[spoken].severities
+    # Its condition is the per-rank one's, counted across the run: never one of its own.
+    for wrong in (dict(scope="rank"), dict(window="skip_streak_window_s", rises=("streaks_reached",))):
+        with pytest.raises(ValueError, match="speaks for a per-rank one is of scope run and reads no counters"):
+            dataclasses.replace(ALERTS["AmpRunSkipStorm"], **wrong)

@@ -85,14 +85,15 @@ CHANGED = dict(calibration_iterations=7, skip_streak_warning=8, skip_streak_crit
                skip_ratio_window_s=3600, skip_ratio_min_steps=100, skip_ratio_for_s=300, silent_after_s=240,
                silent_for_s=120, scheduler_window_s=1200, poisoned_window_s=2400,
                origin_window_s=2700, origin_min_count=5, origin_rank_share=0.1, conflict_window_s=900,
-               storm_rank_share=0.25)
+               storm_rank_share=0.25, storm_edge_for_s=900)
 
 
 def _alert_and_its_recordings(t: AlertThresholds, name: str) -> list[tuple]:
-    """The expressions and ``for`` of alert ``name``'s rules and of every recording rule they read (not the texts)."""
+    """The expressions and ``for`` of alert ``name``'s rules (and of the per-rank alert it speaks for, whose rules
+    hold back on it) and of every recording rule they read (not the texts)."""
     rules = rule_groups(t)["groups"][0]["rules"]
     recorded = {rule["record"]: rule for rule in rules if "record" in rule}
-    found = [rule for rule in rules if rule.get("alert") == name]
+    found = [rule for rule in rules if rule.get("alert") in (name, ALERTS[name].speaks_for)]
     pending = [rule["expr"] for rule in found]
     while pending:
         expr = pending.pop()
@@ -181,6 +182,14 @@ def test_the_unit_tests_catch_rules_that_miss_streaks_between_scrapes(tmp_path, 
     result = _run_tests_against(run_tool, tmp_path, naive, RULE_TESTS / "consecutive_skipped_steps.test.yaml")
     assert result.returncode != 0
     assert "a streak that began and ended between two scrapes fires" in result.stdout + result.stderr
+
+
+def test_the_unit_tests_catch_rules_that_show_a_storms_edges_rank_by_rank(tmp_path, run_tool):
+    # No wait on the per-rank streak alert: a scrape between the ranks' batches shows them for an evaluation.
+    edgy = render_rules(dataclasses.replace(DEFAULT_THRESHOLDS, storm_edge_for_s=0))
+    result = _run_tests_against(run_tool, tmp_path, edgy, RULE_TESTS / "run_skip_storm.test.yaml")
+    assert result.returncode != 0
+    assert "a storm whose edges straddle a scrape shows no per-rank alert" in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/alerts.md"])

@@ -55,10 +55,12 @@ def _backoff(ranks: list[FakeRank], now: float) -> list:
 
 
 def _collapsed(ranks: list[FakeRank], now: float) -> list:
-    r = ranks[0]
-    r.scale = T.collapsed_loss_scale / 2
-    r.iterate()
-    return r.send(now)
+    changes = []
+    for r in ranks:  # one rank alone, or every rank of a job
+        r.scale = T.collapsed_loss_scale / 2
+        r.iterate()
+        changes += r.send(now)
+    return changes
 
 
 def _desync(ranks: list[FakeRank], now: float) -> list:
@@ -69,12 +71,13 @@ def _desync(ranks: list[FakeRank], now: float) -> list:
 
 
 def _ratio(ranks: list[FakeRank], now: float) -> list:
-    r, changes = ranks[0], []
+    changes = []
     for batch in range(200):  # every other call skipped, over more calls than its healthy past in the window
-        for i in range(10):
-            r.iterate(skipped=i % 2 == 1)
-        r.scale *= 2 ** 5  # its scale stays put: only the ratio is in play
-        changes += r.send(now + batch / 10)
+        for r in ranks:  # one rank alone, or every rank of a job
+            for i in range(10):
+                r.iterate(skipped=i % 2 == 1)
+            r.scale *= 2 ** 5  # its scale stays put: only the ratio is in play
+            changes += r.send(now + batch / 10)
     return changes
 
 
@@ -119,8 +122,10 @@ SCENARIOS: dict[str, tuple[int, Callable[[list[FakeRank], float], list]]] = {
     "AmpRunSkipStorm": (4, _storm),
     "AmpSustainedLossScaleBackoff": (2, _backoff),
     "AmpLossScaleCollapsed": (1, _collapsed),
+    "AmpRunLossScaleCollapsed": (4, _collapsed),
     "AmpLossScaleDesync": (2, _desync),
     "AmpHighSkippedStepRatio": (1, _ratio),
+    "AmpRunHighSkippedStepRatio": (3, _ratio),
     "AmpRankSilent": (2, _silent),
     "AmpSchedulerStepsOnSkipped": (1, _scheduler),
     "AmpPoisonedStep": (1, _poisoned),

@@ -68,7 +68,7 @@ def _full_pass(histories: list[RankHistory], now: float) -> list:
         found.extend(rank_alerts(h, now, T))
         by_run.setdefault(h.run, []).append(rank_facts(h, now, T))
     run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, T)]
-    held = held_back(found, run_wide, by_run)
+    held = held_back(found, run_wide)
     return [a for a in found if a.key not in held] + run_wide
 
 
@@ -183,3 +183,21 @@ def test_each_run_conditions_idle_fact_is_what_its_fact_reads_of_a_quiet_rank(se
     for name, condition in RUN_CONDITIONS.items():
         if condition.fact is not None:
             assert {condition.fact(RankReading(h, now), T) for h in quiet} == {condition.idle}, name
+
+
+def test_a_job_whose_scale_stayed_collapsed_past_every_window_is_one_run_alert_when_its_ranks_are_quiet():
+    # A storm of 20 skips on every rank (the scale falls from 2**16 to 2**-4), then clean steps past the longest
+    # window: the ranks are quiet, their scales still collapsed. The run-wide alert still speaks for them.
+    ranks = [_Rank(r, random.Random(r), 0.0) for r in range(4)]
+    histories = []
+    for r in ranks:
+        h = _history()
+        h.rank = r.rank
+        for step in range(1, 60 + int(HORIZON / 10) + 5):
+            h.record(r.step(step * 10.0, calibrating=30 <= step < 50), T.calibration_iterations)
+        histories.append(h)
+    now = (60 + HORIZON / 10 + 5) * 10.0
+    assert all(h.quiet(now) for h in histories) and ranks[0].scale == 2.0 ** -4
+    found = evaluate(histories, now, T)
+    assert [(a.name, a.labels) for a in found] == [("AmpRunLossScaleCollapsed", {"run": "exp", "severity": "critical"})]
+    assert sorted(map(_key, found)) == sorted(map(_key, _full_pass(histories, now)))

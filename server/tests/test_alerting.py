@@ -374,12 +374,14 @@ def test_a_whole_job_storm_is_one_run_alert_that_fires_and_resolves_and_no_rank_
     assert "100% of the ranks of run exp" in transitions[0].annotations["description"]
 
 
-def test_a_job_whose_scale_collapses_for_a_minute_is_one_critical_storm_and_a_rank_that_stands_out_keeps_its_own():
+def test_a_job_whose_scale_collapses_for_a_minute_is_one_alert_per_trouble_and_a_rank_that_stands_out_keeps_its_own():
     alerts = BuiltinAlerts(T)
     ranks = _storm_job(alerts, 8)
     for _ in range(T.skip_streak_warning):  # rank 3 stands out: in a streak of its own before the job's storm
         ranks[3].iterate(skipped=True)
     first = ranks[3].send(5.0) + alerts.evaluate(5.5)
+    assert first == []  # a rank of a job of several: a second look first
+    first = alerts.evaluate(6.5)
     assert [(a.name, a.labels["rank"], a.labels["severity"]) for a in first] == \
         [("AmpConsecutiveSkippedSteps", "3", "warning")]
     transitions, now = [], 10.0
@@ -393,11 +395,15 @@ def test_a_job_whose_scale_collapses_for_a_minute_is_one_critical_storm_and_a_ra
         now += 1.0
     changes = [(a.name, a.status, a.labels.get("rank", ""), a.labels["severity"]) for a in transitions
                if a.name != "AmpSustainedLossScaleBackoff"]
-    # The storm speaks for every rank's streaks and collapsed scale (the collapse lasts 60 s: past its for, it
-    # would fire on each rank). Rank 3 stood out: its warning went first, its critical too, while the job was at
-    # warning; each resolves into the storm once the storm reaches its severity.
+    # One storm alert per severity speaks for every rank's streaks, one collapse alert for every rank's collapsed
+    # scale (it lasts 60 s: past its for, it would fire on each rank). Rank 3 stood out: its warning went first,
+    # its critical too, while the job was at warning; each resolves into the storm once the storm reaches its
+    # severity.
     assert changes == [("AmpRunSkipStorm", "firing", "", "warning"),
                        ("AmpConsecutiveSkippedSteps", "resolved", "3", "warning"),
                        ("AmpConsecutiveSkippedSteps", "firing", "3", "critical"),
+                       ("AmpRunLossScaleCollapsed", "firing", "", "critical"),
                        ("AmpRunSkipStorm", "firing", "", "critical"),
                        ("AmpConsecutiveSkippedSteps", "resolved", "3", "critical")]
+    assert "100% of the ranks of run exp have a loss scale below 1" in \
+        next(a for a in transitions if a.name == "AmpRunLossScaleCollapsed").annotations["description"]

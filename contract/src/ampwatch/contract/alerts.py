@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 from .counters import COUNTERS, GAUGES
 from .thresholds import AlertThresholds, promql_duration
 
-__all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "AlertDefinition", "Severity"]
+__all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "SPEAKERS", "AlertDefinition", "Severity"]
 
 DEFAULT_RUNBOOK_BASE_URL = "https://github.com/ampwatch/ampwatch/blob/main/docs/alerts.md"
 """Where ``runbook_url`` points; each alert appends ``#<its runbook anchor>``."""
@@ -66,7 +66,8 @@ class AlertDefinition:
     for_s: Optional[str]
     """The AlertThresholds field holding its ``for:`` window; None: it fires at the first evaluation."""
     parameters: tuple[str, ...]
-    """The AlertThresholds fields its condition reads (besides its window and its severities' thresholds)."""
+    """The AlertThresholds fields its condition reads (besides its window and its severities' thresholds); for one
+    that speaks for a per-rank alert (``speaks_for``), also how long that alert waits at its edges."""
     summary: str
     description: str
     window: Optional[str] = None
@@ -83,11 +84,12 @@ class AlertDefinition:
     gauges: tuple[str, ...] = ()
     """Gauges (:data:`~ampwatch.contract.counters.GAUGES`) that can make it hold on their own while its counters stand
     still (a current streak): while one is above 0 the rank is read in full."""
-    stands_for: tuple[tuple[str, str, str], ...] = ()
-    """A run-wide alert: the per-rank alerts it speaks for, as ``(alert, its severity, this alert's severity)``.
-    While it holds for a run at that severity, the instances of that alert and severity on the ranks that are in it
-    (its condition holds for the rank at that severity) are held back; a rank that stands out (another severity, or
-    not in it) keeps its own."""
+    speaks_for: Optional[str] = None
+    """A run-wide alert that speaks for a per-rank one (scope ``rank`` or ``optimizer``, the same severities): it
+    holds at a severity when at least ``storm_rank_share`` of the run's ranks, and two at least, hold that alert at
+    that severity (ranks that closed count, as their alerts do within a window). While it holds, those ranks'
+    instances of that severity are held back; a rank that stands out (another severity, or not in it) keeps its own.
+    Its condition in both evaluators follows from this: it reads nothing of its own."""
 
     def __post_init__(self) -> None:
         where = f"alert {self.name}"
@@ -103,11 +105,9 @@ class AlertDefinition:
             raise ValueError(f"{where}: context {self.context} must be among its counts and rises")
         if self.window and not set(self.counts + self.rises) - set(self.context):
             raise ValueError(f"{where}: some counter it reads must be able to make it hold (not all context)")
-        if self.stands_for and self.scope != "run":
-            raise ValueError(f"{where}: only an alert of scope run can stand for per-rank alerts")
-        for _, _, level in self.stands_for:
-            if level not in {s.level for s in self.severities}:
-                raise ValueError(f"{where}: it speaks for others at {level!r}, not one of its severities")
+        if self.speaks_for and (self.scope != "run" or self.window or self.gauges):
+            raise ValueError(f"{where}: an alert that speaks for a per-rank one is of scope run and reads no counters "
+                             "of its own (its condition is the per-rank alert's, counted across the run)")
         fields = {f.name for f in dataclasses.fields(AlertThresholds)}
         for field in (self.window, self.for_s, *self.parameters, *(s.threshold for s in self.severities)):
             if field is not None and field not in fields:
@@ -178,6 +178,9 @@ _WHERE = "optimizer {optimizer} on rank {rank} of run {run}"
 _ON_RANK = "rank {rank} of run {run}"
 _WARNING = (Severity("warning"),)
 _CRITICAL = (Severity("critical"),)
+# What an alert that speaks for per-rank ones reads: the share of ranks, and how long theirs wait at its edges.
+_SPEAKING = ("storm_rank_share", "storm_edge_for_s")
+_SPEAKS = "This alert speaks for those ranks: their own {their} are held back; a rank that stands out keeps its own."
 
 ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
     AlertDefinition(
@@ -192,16 +195,11 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
     AlertDefinition(
         name="AmpRunSkipStorm", scope="run",
         severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
-        for_s=None, parameters=("storm_rank_share",), window="skip_streak_window_s", rises=("streaks_reached",),
-        gauges=("consecutive_skipped",),
-        stands_for=(("AmpConsecutiveSkippedSteps", "warning", "warning"),
-                    ("AmpConsecutiveSkippedSteps", "critical", "critical"),
-                    ("AmpLossScaleCollapsed", "critical", "warning")),
+        for_s=None, parameters=_SPEAKING, speaks_for="AmpConsecutiveSkippedSteps",
         summary="Most ranks of a run skip together: {threshold} or more steps in a row",
         description="{percent} of the ranks of run {run} have an optimizer that skipped at least {threshold} "
                     "consecutive steps within the last {skip_streak_window_s}: the whole job stopped updating its "
-                    "parameters. This alert speaks for those ranks: their own streak alerts of this severity, and their "
-                    "collapsed-scale alerts, are held back; a rank that stands out keeps its own."),
+                    f"parameters. {_SPEAKS.format(their='streak alerts of this severity')}"),
     AlertDefinition(
         name="AmpSustainedLossScaleBackoff", scope="run", severities=_WARNING, for_s="backoff_for_s",
         parameters=("backoff_min_count", "backoff_rank_share", "calibration_iterations"),
@@ -219,6 +217,13 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "{collapsed_loss_scale}: backoffs keep halving it because gradients are non-finite at any "
                     "scale, or it became 0, NaN or infinite, where every step skips and it can never recover."),
     AlertDefinition(
+        name="AmpRunLossScaleCollapsed", scope="run", severities=_CRITICAL, for_s="collapsed_for_s",
+        parameters=_SPEAKING, speaks_for="AmpLossScaleCollapsed",
+        summary="The loss scale collapsed on most ranks of a run",
+        description="{percent} of the ranks of run {run} have a loss scale below {collapsed_loss_scale}, NaN or "
+                    "infinite: gradients are non-finite at any scale across the job, or the scale became 0, NaN or "
+                    f"infinite, where every step skips. {_SPEAKS.format(their='collapsed-scale alerts')}"),
+    AlertDefinition(
         name="AmpLossScaleDesync", scope="run", severities=_WARNING, for_s="desync_for_s",
         parameters=("desync_scale_ratio",),
         summary="Ranks of a run disagree on the loss scale",
@@ -230,6 +235,13 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
         counts=("skipped", "steps"), context=("steps",),
         summary="An optimizer skips a large share of its steps",
         description=f"The {_WHERE} skipped {{percent}} of its steps over the last {{skip_ratio_window_s}}."),
+    AlertDefinition(
+        name="AmpRunHighSkippedStepRatio", scope="run", severities=_WARNING, for_s="skip_ratio_for_s",
+        parameters=_SPEAKING, speaks_for="AmpHighSkippedStepRatio",
+        summary="Most ranks of a run skip a large share of their steps",
+        description="{percent} of the ranks of run {run} have an optimizer that skipped a share of at least "
+                    "{skip_ratio} of its steps over the last {skip_ratio_window_s}: the whole job loses updates. "
+                    f"{_SPEAKS.format(their='skip-ratio alerts')}"),
     AlertDefinition(
         name="AmpRankSilent", scope="rank", severities=_WARNING, for_s="silent_for_s",
         parameters=("silent_after_s",),
@@ -268,3 +280,21 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
 """Every alert, by name, in the order of the generated rules."""
 
 ALERT_NAMES: tuple[str, ...] = tuple(ALERTS)
+
+SPEAKERS: Mapping[str, str] = {d.speaks_for: d.name for d in ALERTS.values() if d.speaks_for}
+"""Each per-rank alert that a run-wide one speaks for -> that run-wide alert (its ``speaks_for``)."""
+
+
+def _check_speakers() -> None:
+    for d in ALERTS.values():
+        if not d.speaks_for:
+            continue
+        spoken = ALERTS.get(d.speaks_for)
+        if spoken is None or spoken.scope not in ("rank", "optimizer") or spoken.severities != d.severities:
+            raise ValueError(f"alert {d.name}: it speaks for {d.speaks_for!r}, which must be an alert of scope rank or "
+                             "optimizer with the same severities")
+    if len(SPEAKERS) != sum(1 for d in ALERTS.values() if d.speaks_for):
+        raise ValueError("each per-rank alert has at most one run-wide alert that speaks for it")
+
+
+_check_speakers()

@@ -46,8 +46,16 @@ class AlertThresholds:
     and above skip_streak_warning."""
 
     storm_rank_share: float = 0.5
-    """Share of a run's ranks (and at least two) whose streak alert holds at a severity at or above which the
-    run has one whole-job storm alert of that severity instead of an alert per rank: DDP ranks skip together."""
+    """Share of a run's ranks (and at least two) that hold a per-rank alert at a severity (a skip streak, a high
+    skip ratio, a collapsed scale) at or above which the run has one run-wide alert of that severity instead of an
+    alert per rank: DDP ranks skip, back off and collapse together."""
+
+    storm_edge_for_s: int = 30
+    """How long a per-rank alert that a run-wide one speaks for waits at the edges of a whole-job event. In
+    Prometheus it is its ``for:`` (its own when longer): a scrape that lands between the ranks' batches at the
+    event's start or end shows part of the job in trouble for an evaluation or two, and the rank-by-rank alerts
+    of that moment never fire. Keep it at least twice the evaluation interval. In the collector, a per-rank alert
+    the run-wide one held back waits this long after it last did (its batches are seen as they arrive)."""
 
     skip_streak_window_s: int = 600
     """How long a streak that reached a threshold keeps the alert firing, so that a
@@ -201,7 +209,7 @@ DEMO_THRESHOLDS = dataclasses.replace(
     skip_streak_window_s=5, backoff_window_s=3, backoff_min_count=2, backoff_for_s=0,
     collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
     silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30, origin_window_s=60,
-    conflict_window_s=60)
+    conflict_window_s=60, storm_edge_for_s=2)
 
 PROFILES: Mapping[str, AlertThresholds] = {"default": DEFAULT_THRESHOLDS, "demo": DEMO_THRESHOLDS}
 """Named thresholds: what ``--alert-thresholds`` accepts besides a JSON file of overrides."""

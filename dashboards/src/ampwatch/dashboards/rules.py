@@ -23,10 +23,11 @@ Example::
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 from ampwatch.contract import metrics as m
-from ampwatch.contract.alerts import ALERTS, DEFAULT_RUNBOOK_BASE_URL, AlertDefinition, Severity
+from ampwatch.contract.alerts import ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS, AlertDefinition, Severity
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds, promql_duration as dur
 
 from ._yaml import dump_yaml
@@ -75,11 +76,13 @@ class RecordedSeries:
         self.streaks_rose = f"run_rank_optimizer:ampwatch_optimizer_skip_streaks:rose{dur(t.skip_streak_window_s)}"
         self.scheduler_steps = _nonzero_name(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP)
         self.poisoned = _nonzero_name(m.OPTIMIZER_POISONED_STEPS)
-        # The ranks whose streak alert holds (label severity), how many of each run's open ranks, and what share.
-        streak_w = dur(t.skip_streak_window_s)
-        self.rank_streaking = f"run_rank:ampwatch_optimizer_skip_streak:alerting{streak_w}"
-        self.ranks_streaking = f"run:ampwatch_ranks_skip_streak:count{streak_w}"
-        self.streaking_share = f"run:ampwatch_ranks_skip_streak:share{streak_w}"
+
+    @staticmethod
+    def holding(alert: str) -> tuple[str, str, str]:
+        """Name the recordings of a per-rank alert that a run-wide one speaks for: the ranks where it holds (label
+        severity), how many of each run's ranks, and what share."""
+        metric = "ampwatch_" + re.sub(r"(?<!^)(?=[A-Z])", "_", alert.removeprefix("Amp")).lower()
+        return f"run_rank:{metric}:alerting", f"run:{metric}:ranks", f"run:{metric}:share"
 
 
 def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, Any]]:
@@ -122,14 +125,21 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
         # many of a run's ranks started any.
         _record(r.origins, f"sum by (run, rank) (increase({m.RANK_ORIGIN_ITERATIONS}[{dur(t.origin_window_s)}]))"),
         _record(r.ranks_origin, f"count by (run) ({r.origins} > 0)"),
-        # The ranks in a streak alert of each severity (any optimizer), and what share of a run's ranks: the
-        # whole-job storm. Closed ranks count, as their streak alerts do within the window.
-        *(_record(r.rank_streaking, f"max by (run, rank) (\n{_indent(_streak(t, r, getattr(t, s.threshold)))}\n)",
-                  {"severity": s.level})
-          for s in ALERTS["AmpRunSkipStorm"].severities),
-        _record(r.ranks_streaking, f"count by (run, severity) ({r.rank_streaking})"),
-        _record(r.streaking_share, f"{r.ranks_streaking} / on (run) group_left {r.ranks}"),
+        # The ranks where each per-rank alert that a run-wide one speaks for holds, by severity (any optimizer), and
+        # what share of each run's ranks they are: a whole-job event. Closed ranks count, as their alerts do within
+        # a window.
+        *(rule for name in SPEAKERS for rule in _holding(t, r, name)),
     ]
+
+
+def _holding(t: AlertThresholds, r: RecordedSeries, name: str) -> list[dict[str, Any]]:
+    rank, ranks, share = r.holding(name)
+    definition = ALERTS[name]
+    return [*(_record(rank, f"max by (run, rank) (\n{_indent(_condition(t, r, definition, s))}\n)",
+                      {"severity": s.level})
+              for s in definition.severities),
+            _record(ranks, f"count by (run, severity) ({rank})"),
+            _record(share, f"{ranks} / on (run) group_left {r.ranks}")]
 
 
 def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
@@ -149,11 +159,12 @@ def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
             f"0 * max without (min_length) ({rose})")
 
 
-def _storm(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
-    # Most of a run's ranks, and two at least, hold the streak alert of this severity.
-    level = next(s.level for s in ALERTS["AmpRunSkipStorm"].severities if getattr(t, s.threshold) == threshold)
-    return (f'{r.streaking_share}{{severity="{level}"}} >= {_num(t.storm_rank_share)}\n'
-            f'and on (run, severity) {r.ranks_streaking} >= 2')
+def _most_ranks(t: AlertThresholds, r: RecordedSeries, speaker: AlertDefinition, level: str) -> str:
+    # The condition of a run-wide alert that speaks for a per-rank one: most of a run's ranks, and two at least,
+    # hold that alert at this severity.
+    _, ranks, share = r.holding(speaker.speaks_for)  # type: ignore[arg-type]
+    return (f'{share}{{severity="{level}"}} >= {_num(t.storm_rank_share)}\n'
+            f'and on (run, severity) {ranks} >= 2')
 
 
 def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
@@ -176,10 +187,10 @@ def _collapsed(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
 
 
 #: The condition of each alert as a PromQL expression, from the thresholds, the recorded series and the
-#: severity's threshold (the streak length; None for the others). Every alert of ampwatch.contract.alerts has one.
+#: severity's threshold (the streak length; None for the others). Every alert of ampwatch.contract.alerts has one,
+#: but those that speak for a per-rank one (``speaks_for``), whose condition follows from it.
 CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
     "AmpConsecutiveSkippedSteps": _streak,
-    "AmpRunSkipStorm": _storm,
     "AmpSustainedLossScaleBackoff": lambda t, r, _: f"{r.ranks_backing_off} / {r.ranks_open} >= {t.backoff_rank_share}",
     "AmpLossScaleCollapsed": _collapsed,
     "AmpLossScaleDesync": lambda t, r, _: f"{r.scale_spread} >= {_num(t.desync_scale_ratio)}",
@@ -215,26 +226,21 @@ def alerting_rules(
 
 
 def _condition(t: AlertThresholds, r: RecordedSeries, definition: AlertDefinition, severity: Severity) -> str:
+    if definition.speaks_for:
+        return _most_ranks(t, r, definition, severity.level)
     return CONDITIONS[definition.name](t, r, getattr(t, severity.threshold) if severity.threshold else None)
 
 
-#: For each run-wide alert that speaks for per-rank ones: the ranks that are in it at a severity (PromQL).
-IN_RUN_ALERT: dict[str, Callable[[AlertThresholds, RecordedSeries, str], str]] = {
-    "AmpRunSkipStorm": lambda t, r, level: f'{r.rank_streaking}{{severity="{level}"}}',
-}
-
-
 def _held_back(t: AlertThresholds, r: RecordedSeries, definition: AlertDefinition, level: str, expr: str) -> str:
-    """Add to a per-rank alert's condition: unless a run-wide alert that speaks for it (``stands_for``) holds, on
-    the ranks that are in it."""
-    for speaker in ALERTS.values():
-        for name, severity_level, speaker_level in speaker.stands_for:
-            if name == definition.name and severity_level == level:
-                severity = speaker.severity(speaker_level)
-                expr = (f"(\n{_indent(expr)}\n)\nunless on (run, rank)\n(\n"
-                        f"  {IN_RUN_ALERT[speaker.name](t, r, speaker_level)}\n"
-                        f"  and on (run)\n{_indent(_indent(_condition(t, r, speaker, severity)))}\n)")
-    return expr
+    """Add to a per-rank alert's condition: unless the run-wide alert that speaks for it holds, on the ranks that
+    are in it (where the per-rank alert holds at that severity)."""
+    speaker = SPEAKERS.get(definition.name)
+    if speaker is None:
+        return expr
+    rank, _, _ = r.holding(definition.name)
+    return (f"(\n{_indent(expr)}\n)\nunless on (run, rank)\n(\n"
+            f'  {rank}{{severity="{level}"}}\n'
+            f"  and on (run)\n{_indent(_indent(_most_ranks(t, r, ALERTS[speaker], level)))}\n)")
 
 
 def rule_groups(
@@ -278,10 +284,15 @@ def _record(name: str, expr: str, labels: Any = None) -> dict[str, Any]:
 
 def _alert(definition: AlertDefinition, level: str, expr: str, t: AlertThresholds,
            runbook_base_url: str) -> dict[str, Any]:
+    for_s = definition.for_seconds(t)
+    if definition.name in SPEAKERS:
+        # A scrape between the ranks' batches at a whole-job event's edge shows a part of the job in trouble for an
+        # evaluation or two, before (or after) the run-wide alert speaks for it: that part must not fire rank by rank.
+        for_s = max(for_s, t.storm_edge_for_s)
     return {
         "alert": definition.name,
         "expr": expr,
-        "for": dur(definition.for_seconds(t)),
+        "for": dur(for_s),
         "labels": {"severity": level},
         "annotations": definition.annotations(t, _TEMPLATES, level, runbook_base_url),
     }

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence
 
-from ampwatch.contract.alerts import ALERTS
+from ampwatch.contract.alerts import ALERTS, SPEAKERS
 from ampwatch.contract.thresholds import AlertThresholds
 
 from .._floats import promql_divide, promql_max, promql_min
@@ -85,9 +85,9 @@ def _optimizer_labels(cur: RankSnapshot, optimizer: str) -> dict:
     return {"run": cur.run, "rank": str(cur.rank), "optimizer": optimizer}
 
 
-def _streaks(r: RankReading, t: AlertThresholds, alert: str) -> Iterable[tuple[str, int, str]]:
-    """Yield ``(optimizer, current streak, severity)`` for each streak alert that holds (read as ``alert`` declares)."""
-    cur, base = r.current, r.since(alert)
+def _streaks(r: RankReading, t: AlertThresholds) -> Iterable[tuple[str, int, str]]:
+    """Yield ``(optimizer, current streak, severity)`` for each streak alert that holds."""
+    cur, base = r.current, r.since("AmpConsecutiveSkippedSteps")
     for opt_name in cur.optimizers:
         streak = cur.consecutive_skipped.get(opt_name, 0)
         for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
@@ -98,7 +98,7 @@ def _streaks(r: RankReading, t: AlertThresholds, alert: str) -> Iterable[tuple[s
 
 
 def _streak(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
-    for opt_name, streak, level in _streaks(r, t, "AmpConsecutiveSkippedSteps"):
+    for opt_name, streak, level in _streaks(r, t):
         yield _alert("AmpConsecutiveSkippedSteps", _optimizer_labels(r.current, opt_name), streak, t, level)
 
 
@@ -171,7 +171,8 @@ class RankFacts:
 
     current: RankSnapshot
     facts: Mapping[str, Any]
-    """Alert name -> what its :attr:`RunCondition.fact` read of the rank's window."""
+    """Alert name -> what its :attr:`RunCondition.fact` read of the rank's window; for an alert that speaks for a
+    per-rank one, the severities at which that one holds on the rank."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,23 +235,24 @@ def _origin(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: Al
             yield _alert("AmpSkipOriginRank", labels, f.facts["AmpSkipOriginRank"], t)
 
 
-def _streak_levels(r: RankReading, t: AlertThresholds) -> frozenset[str]:
-    """The severities at which the rank's streak alert holds (for any optimizer)."""
-    return frozenset(level for _, _, level in _streaks(r, t, "AmpRunSkipStorm"))
+def _most_ranks(name: str) -> Callable[[str, list[RankFacts], list[RankFacts], AlertThresholds], Iterable[ActiveAlert]]:
+    """The condition of a run-wide alert that speaks for a per-rank one: most of the run's ranks (and two at least)
+    hold that alert at a severity. Closed ranks count too, as their alerts do within a window: a job that ends in a
+    storm stays one alert."""
+    severities = ALERTS[name].severities
 
-
-def _storm(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: AlertThresholds) -> Iterable[ActiveAlert]:
-    # Most of the ranks (and two at least) hold the streak alert at a severity: one alert for the run. Closed ranks
-    # count too, as their streak alerts do within the window: a job that ends in a storm stays one alert.
-    for severity in ALERTS["AmpRunSkipStorm"].severities:
-        skipping = sum(1 for f in ranks if severity.level in f.facts["AmpRunSkipStorm"])
-        share = skipping / len(ranks)
-        if skipping >= 2 and share >= t.storm_rank_share:
-            yield _alert("AmpRunSkipStorm", {"run": run}, share, t, severity.level)
+    def judge(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: AlertThresholds) \
+            -> Iterable[ActiveAlert]:
+        for severity in severities:
+            holding = sum(1 for f in ranks if severity.level in f.facts[name])
+            share = holding / len(ranks)
+            if holding >= 2 and share >= t.storm_rank_share:
+                yield _alert(name, {"run": run}, share, t, severity.level)
+    return judge
 
 
 RUN_CONDITIONS: Mapping[str, RunCondition] = {
-    "AmpRunSkipStorm": RunCondition(_storm, _streak_levels, idle=frozenset()),
+    **{speaker: RunCondition(_most_ranks(speaker), idle=frozenset()) for speaker in SPEAKERS.values()},
     "AmpSustainedLossScaleBackoff": RunCondition(_sustained_backoff, _backing_off, idle=False),
     "AmpLossScaleDesync": RunCondition(_desync),
     "AmpSkipOriginRank": RunCondition(_origin, _origin_started, idle=0),
@@ -269,7 +271,7 @@ if set(RANK_CONDITIONS) | set(RUN_CONDITIONS) != set(ALERTS) or any(
 _EVERY = tuple(RANK_CONDITIONS.values())
 _UNWINDOWED = tuple(condition for name, condition in RANK_CONDITIONS.items() if not ALERTS[name].window)
 _FACTS = tuple((name, c.fact) for name, c in RUN_CONDITIONS.items() if c.fact is not None)
-_IDLE: Mapping[str, Any] = {name: RUN_CONDITIONS[name].idle for name, _ in _FACTS}
+_IDLE: Mapping[str, Any] = {name: c.idle for name, c in RUN_CONDITIONS.items()}
 
 
 def rank_alerts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = False) -> list[ActiveAlert]:
@@ -289,13 +291,22 @@ def _rank_alerts(reading: RankReading, t: AlertThresholds) -> list[ActiveAlert]:
 
 def rank_facts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = False) -> RankFacts:
     """Read from one rank's history what the run-wide conditions need (a quiet rank: at its latest moment)."""
-    return _rank_facts(RankReading(h, now, still=quiet), t)
+    reading = RankReading(h, now, still=quiet)
+    return _rank_facts(reading, t, _rank_alerts(reading, t))
 
 
-def _rank_facts(reading: RankReading, t: AlertThresholds) -> RankFacts:
-    if reading.still:
+def _rank_facts(reading: RankReading, t: AlertThresholds, alerts: list[ActiveAlert]) -> RankFacts:
+    """The rank's facts; ``alerts``, its per-rank alerts that hold now, say where those spoken for hold."""
+    if reading.still and not alerts:
         return RankFacts(reading.current, _IDLE)
-    return RankFacts(reading.current, {name: fact(reading, t) for name, fact in _FACTS})
+    facts = dict(_IDLE)
+    if not reading.still:
+        facts.update((name, fact(reading, t)) for name, fact in _FACTS)
+    for a in alerts:
+        speaker = SPEAKERS.get(a.name)
+        if speaker is not None:
+            facts[speaker] = facts.get(speaker, frozenset()) | {a.labels["severity"]}
+    return RankFacts(reading.current, facts)
 
 
 def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThresholds) -> list[ActiveAlert]:
@@ -306,22 +317,15 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThres
     return run_alerts_of(run, [rank_facts(h, now, t) for h in ranks], t)
 
 
-def held_back(rank_alerts: Iterable[ActiveAlert], run_alerts: Iterable[ActiveAlert],
-              by_run: Mapping[str, list[RankFacts]]) -> set[tuple]:
-    """Return the keys of the per-rank alerts that a run-wide alert which holds speaks for (its ``stands_for``) on
-    the ranks that are in it (its fact of the rank holds that severity)."""
-    speaking: dict[tuple[str, str, str], list[tuple[str, str]]] = {}  # (run, alert, severity) -> (speaker, level)
-    for a in run_alerts:
-        for name, severity, level in ALERTS[a.name].stands_for:
-            if a.labels["severity"] == level:
-                speaking.setdefault((a.labels["run"], name, severity), []).append((a.name, level))
+def held_back(rank_alerts: Iterable[ActiveAlert], run_alerts: Iterable[ActiveAlert]) -> set[tuple]:
+    """Return the keys of the per-rank alerts that a run-wide alert which holds speaks for (its ``speaks_for``), at
+    its severity: on the ranks that are in it, where the per-rank alert holds at that severity, which is every
+    instance of it that holds."""
+    speaking = {(a.labels["run"], ALERTS[a.name].speaks_for, a.labels["severity"])
+                for a in run_alerts if ALERTS[a.name].speaks_for}
     if not speaking:
         return set()
-    runs = {run for run, _, _ in speaking}
-    facts = {(run, str(f.current.rank)): f.facts for run in runs for f in by_run.get(run, ())}
-    return {a.key for a in rank_alerts
-            for speaker, level in speaking.get((a.labels["run"], a.name, a.labels["severity"]), ())
-            if level in facts[(a.labels["run"], a.labels["rank"])][speaker]}
+    return {a.key for a in rank_alerts if (a.labels["run"], a.name, a.labels["severity"]) in speaking}
 
 
 def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[ActiveAlert]:
@@ -350,8 +354,9 @@ def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
 def evaluate_with_facts(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
                         hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
                         between: Callable[[], object] = lambda: None, skip_quiet: bool = True) \
-        -> tuple[list[ActiveAlert], dict[str, list[RankFacts]]]:
-    """Return :func:`evaluate`'s alerts (per-rank ones a run-wide alert speaks for held back) and each run's facts."""
+        -> tuple[list[ActiveAlert], dict[str, list[RankFacts]], set[tuple]]:
+    """Return :func:`evaluate`'s alerts (per-rank ones a run-wide alert speaks for held back), each run's facts,
+    and the keys of the per-rank alerts held back."""
     by_run: dict[str, list[RankFacts]] = {}
     per_rank: list[ActiveAlert] = []
     for first in range(0, len(histories), slice_size):
@@ -360,8 +365,9 @@ def evaluate_with_facts(histories: Sequence[RankHistory], now: float, t: AlertTh
         with hold():
             for h in histories[first:first + slice_size]:
                 reading = RankReading(h, now, still=skip_quiet and h.quiet(now))
-                per_rank.extend(_rank_alerts(reading, t))
-                by_run.setdefault(h.run, []).append(_rank_facts(reading, t))
+                found = _rank_alerts(reading, t)
+                per_rank.extend(found)
+                by_run.setdefault(h.run, []).append(_rank_facts(reading, t, found))
     run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, t)]
-    held = held_back(per_rank, run_wide, by_run)
-    return [a for a in per_rank if a.key not in held] + run_wide, by_run
+    held = held_back(per_rank, run_wide)
+    return [a for a in per_rank if a.key not in held] + run_wide, by_run, held

@@ -6,40 +6,20 @@ import threading
 import time
 from typing import Callable, Collection, Iterable, Optional
 
+from ampwatch.contract.alerts import SPEAKERS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
-from ampwatch.contract.alerts import ALERTS
-
 from .conditions import evaluate_with_facts, rank_alerts
 from .history import HistoryLayout, RankHistory
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
 
-# Per-rank alerts a run-wide alert may speak for (its stands_for): in a run of several ranks, the periodic pass
+# Per-rank alerts a run-wide alert may speak for (its speaks_for): in a run of several ranks, the periodic pass
 # decides them, after it judged whether most of the run's ranks are in the same trouble.
-_FOLDABLE = frozenset(name for d in ALERTS.values() for name, _, _ in d.stands_for)
-# (alert, severity) -> the run-wide alerts that speak for it and at which of their severities; their fact of a rank
-# is the severities at which the rank is in the trouble they speak for.
-_SPOKEN_FOR: dict[tuple[str, str], list[tuple[str, str]]] = {}
-for _speaker in ALERTS.values():
-    for _name, _severity, _level in _speaker.stands_for:
-        _SPOKEN_FOR.setdefault((_name, _severity), []).append((_speaker.name, _level))
-
-
-def _in_trouble(by_run: dict) -> dict[tuple[str, str, str], int]:
-    """Count, per run, the ranks in the trouble each speaking alert judges, at each of its severities."""
-    speakers = {speaker for spoken in _SPOKEN_FOR.values() for speaker, _ in spoken}
-    counts: dict[tuple[str, str, str], int] = {}  # (run, speaker, level) -> ranks
-    for run, ranks in by_run.items():
-        for f in ranks:
-            for speaker in speakers:
-                for level in f.facts[speaker]:
-                    counts[(run, speaker, level)] = counts.get((run, speaker, level), 0) + 1
-    return counts
-
+_FOLDABLE = frozenset(SPEAKERS)
 
 _SLICE = 256  # ranks read per taking of the lock by recent_skips()
 
@@ -56,10 +36,11 @@ class BuiltinAlerts:
     that crosses the threshold. :meth:`evaluate` (call it every second or so)
     evaluates everything, including run-wide alerts and silent ranks; it costs
     O(ranks), so it is kept off the ingest path. In a run of several ranks, the
-    per-rank alerts a run-wide alert may speak for (``stands_for``: a streak, a
-    collapsed scale) are decided by the pass: once two passes in a row found one
-    while other ranks of its run hold the same severity, or at once when no other
-    does. A whole-job storm is then one alert, not one per rank.
+    per-rank alerts a run-wide alert may speak for (``speaks_for``: a streak, a
+    high skip ratio, a collapsed scale) are decided by the pass: once two passes in
+    a row found one, and ``storm_edge_for_s`` after the run-wide alert last held it
+    back. A whole-job storm is then one alert, not one per rank, from its first
+    batches to its last.
     """
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
@@ -83,6 +64,7 @@ class BuiltinAlerts:
         self._observed_during: Optional[set[tuple[str, str]]] = None  # rank groups observed while evaluate() runs
         self._run_sizes: dict[str, int] = {}  # run -> ranks watched
         self._waiting: set[tuple] = set()  # per-rank alerts the last pass held for a second look
+        self._spoken: dict[tuple, float] = {}  # per-rank alert -> when a pass last held it back (a run-wide one held)
 
     def observe(self, snapshot: RankSnapshot, now: Optional[float] = None) -> list[Alert]:
         """Record a rank's new state and return the transitions of that rank's alerts."""
@@ -118,26 +100,30 @@ class BuiltinAlerts:
             histories = list(self._ranks.values())
             self._observed_during = observed = set[tuple[str, str]]()
         try:
-            found, by_run = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
-                                                between=self._breathe)
-            in_trouble = _in_trouble(by_run)  # O(ranks), outside the lock
+            found, _, held = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
+                                                 between=self._breathe)
             with self._lock:
                 self._observed_during = None
-                found = self._second_look(found, in_trouble)
+                found = self._judged_whole(found, held, now)
                 if observed:
                     found = [a for a in found if a.group not in observed]
                 return self._states.advance(found, now, keep=observed)
         finally:
             self._observed_during = None  # also when the pass failed
 
-    def _second_look(self, found: list, in_trouble: dict[tuple[str, str, str], int]) -> list:
-        """Hold back, for one pass, a per-rank alert a run-wide one may speak for that is not firing yet, while
-        other ranks of its run hold the same severity: a whole-job storm whose batches straddle two passes is
-        then judged whole, not announced rank by rank and withdrawn a second later."""
+    def _judged_whole(self, found: list, held: set[tuple], now: float) -> list:
+        """Hold back the per-rank alerts a run-wide one may speak for, in a run of several ranks, at the edges of a
+        whole-job event: one not firing yet for one pass (the first ranks' batches of a storm may come a pass
+        before the others'), and one the run-wide alert held back for ``storm_edge_for_s`` after it last did (the
+        ranks' windows end a few seconds apart). The event is then judged whole, not announced rank by rank and
+        withdrawn a second later; a rank that stands out once it is over fires after that wait."""
+        for key in held:
+            self._spoken[key] = now
+        edge = now - self.thresholds.storm_edge_for_s
+        self._spoken = {key: at for key, at in self._spoken.items() if at > edge}
         waiting = {a.key for a in found if a.name in _FOLDABLE and not self._states.is_firing(a.key)
-                   and any(in_trouble.get((a.labels["run"], speaker, level), 0) > 1
-                           for speaker, level in _SPOKEN_FOR[(a.name, a.labels["severity"])])}
-        found = [a for a in found if a.key not in waiting or a.key in self._waiting]
+                   and self._run_sizes.get(a.labels["run"], 0) > 1}
+        found = [a for a in found if a.key not in self._spoken and (a.key not in waiting or a.key in self._waiting)]
         self._waiting = waiting
         return found
 

@@ -1,0 +1,122 @@
+"""Whole-job events in the built-in evaluator: one run-wide alert each, from their first batches to their last.
+
+A DDP job's ranks skip, back off and collapse together. The run-wide alerts (``speaks_for`` in
+``ampwatch.contract.alerts``) then speak for the ranks' own alerts; a rank that stands out keeps its own.
+Time is driven by the tests (passes every second, heartbeats every 15 s), never by the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from alert_ranks import FakeRank
+
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
+
+HEARTBEAT_S = 15
+
+
+def _job(alerts: BuiltinAlerts, size: int, run: str = "exp") -> list[FakeRank]:
+    ranks = [FakeRank(alerts, run=run, rank=r, scale=2.0 ** 20) for r in range(size)]
+    for r in ranks:  # healthy past calibration
+        for _ in range(200):
+            r.iterate()
+        r.send(0.0)
+    alerts.evaluate(0.5)
+    return ranks
+
+
+def _changes(transitions: list, *names: str) -> list[tuple]:
+    return [(a.name, a.status, a.labels.get("rank", ""), a.labels["severity"]) for a in transitions
+            if not names or a.name in names]
+
+
+def test_a_scale_that_stays_collapsed_after_the_storm_is_one_run_alert_and_never_one_per_rank():
+    alerts = BuiltinAlerts(T)
+    ranks = _job(alerts, 4)
+    transitions = []
+    for r in ranks:  # 30 skips in a row on every rank: the scale falls from 2**20 to 2**-10
+        for _ in range(30):
+            r.iterate(skipped=True)
+        transitions += r.send(10.0)
+    now = 10.0
+    # The gradients are finite again, but nothing restores the scale: it stays below 1 long after the storm's
+    # window, as it does while growth_interval clean iterations pass at each doubling.
+    while now < 10.0 + T.skip_streak_window_s + 300:
+        now += 1.0
+        if now % HEARTBEAT_S == 0:
+            for r in ranks:
+                for _ in range(2 * HEARTBEAT_S):
+                    r.iterate()
+                transitions += r.send(now)
+        transitions += alerts.evaluate(now)
+    assert ranks[0].scale == 2.0 ** -10
+    assert _changes(transitions, "AmpRunSkipStorm", "AmpConsecutiveSkippedSteps", "AmpLossScaleCollapsed",
+                    "AmpRunLossScaleCollapsed") == [
+        ("AmpRunSkipStorm", "firing", "", "warning"), ("AmpRunLossScaleCollapsed", "firing", "", "critical"),
+        ("AmpRunSkipStorm", "resolved", "", "warning")]
+    assert {a.name for a in alerts.firing()} == {"AmpRunLossScaleCollapsed"}
+
+
+def test_a_storm_of_many_minutes_is_one_run_skip_ratio_alert_and_a_rank_that_stands_out_keeps_its_own():
+    alerts = BuiltinAlerts(T)
+    job, other = _job(alerts, 6), _job(alerts, 4, run="other")
+    transitions, now = [], 0.0
+    # Every rank of the job skips one step in four for twelve minutes (never a streak); in the other run only
+    # rank 1 does.
+    while now < T.skip_ratio_for_s + 120:
+        now += 1.0
+        if now % 5 == 0:
+            for r in job + other:
+                for i in range(10):
+                    r.iterate(skipped=i % 4 == 0 and (r.run == "exp" or r.rank == 1))
+                r.scale = 2.0 ** 20  # only the ratio is in play
+                transitions += r.send(now)
+        transitions += alerts.evaluate(now)
+    assert _changes(transitions, "AmpRunHighSkippedStepRatio", "AmpHighSkippedStepRatio") == [
+        ("AmpRunHighSkippedStepRatio", "firing", "", "warning"),
+        ("AmpHighSkippedStepRatio", "firing", "1", "warning")]
+    fired = {a.name: a for a in alerts.firing()}
+    assert fired["AmpRunHighSkippedStepRatio"].labels["run"] == "exp"
+    assert fired["AmpHighSkippedStepRatio"].labels["run"] == "other"
+    assert "100% of the ranks of run exp have an optimizer that skipped a share of at least 0.1" in \
+        fired["AmpRunHighSkippedStepRatio"].annotations["description"]
+
+
+def test_a_storms_edges_never_show_rank_alerts_and_a_rank_still_skipping_after_it_fires_once_it_is_over():
+    t = dataclasses.replace(T, skip_streak_window_s=60)  # the storm lingers a minute, not ten
+    alerts = BuiltinAlerts(t)
+    ranks = _job(alerts, 8)
+    transitions = []
+    # Its start: rank 0's batch comes a pass before the others' (alone in a streak at that pass).
+    for r in ranks[:1]:
+        for _ in range(20):
+            r.iterate(skipped=True)
+        transitions += r.send(10.0)
+    transitions += alerts.evaluate(10.5)
+    # The others' batches come three seconds apart: their streak windows end three seconds apart too, and once
+    # ranks 0-4's have, ranks 5-7 are too few for a storm.
+    for at, group in ((11.0, ranks[1:5]), (14.0, ranks[5:])):
+        for r in group:
+            for _ in range(20):
+                r.iterate(skipped=True)
+            transitions += r.send(at)
+        transitions += alerts.evaluate(at + 0.5)
+    for r in ranks[:7]:  # the job recovers, but rank 7 keeps skipping (its streak goes on past the window)
+        r.iterate()
+    now = 15.0
+    while now < 14.0 + t.skip_streak_window_s + t.storm_edge_for_s + 20:
+        now += 1.0
+        if now % 5 == 0:
+            for r in ranks:
+                r.iterate(skipped=r.rank == 7)
+                transitions += r.send(now)
+        transitions += alerts.evaluate(now)
+    changes = _changes(transitions, "AmpRunSkipStorm", "AmpConsecutiveSkippedSteps")
+    assert changes == [("AmpRunSkipStorm", "firing", "", "warning"), ("AmpRunSkipStorm", "resolved", "", "warning"),
+                       ("AmpConsecutiveSkippedSteps", "firing", "7", "warning")]
+    storm_over = next(a.ends_at for a in transitions if a.name == "AmpRunSkipStorm" and a.status == "resolved")
+    rank_7 = next(a.starts_at for a in transitions if a.name == "AmpConsecutiveSkippedSteps")
+    # storm_edge_for_s after the last pass that held it back (the pass before the storm resolved), a second look on.
+    assert t.storm_edge_for_s - 1 <= rank_7 - storm_over <= t.storm_edge_for_s + 2
