@@ -178,6 +178,8 @@ class ScalerPatch:
 class OptimizerHooks:
     """Step pre-hooks on the watched optimizers and wrappers on their per-step LR schedulers.
 
+    Without a scaler, step post-hooks too: a step given a closure computes its gradients inside.
+
     Holds no reference to the scaler.
     """
 
@@ -192,6 +194,8 @@ class OptimizerHooks:
         def install() -> None:
             for record in self.recorder.records:
                 self._handles.append(record.optimizer.register_step_pre_hook(self._pre_hook(record)))
+                if self.recorder.unscaled is not None:  # a step with a closure makes its gradients inside
+                    self._handles.append(record.optimizer.register_step_post_hook(self._post_hook(record)))
             for record, label, scheduler in self._schedulers:
                 self._patches.set(scheduler, "step", self._wrap_scheduler_step(scheduler.step, record, label))
             for scheduler in {id(s): s for _, _, s in self._schedulers}.values():
@@ -214,9 +218,20 @@ class OptimizerHooks:
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:
-                recorder.on_optimizer_step(record)
+                recorder.on_optimizer_step(record, kwargs.get("closure", args[0] if args else None) is not None)
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
+
+        return hook
+
+    def _post_hook(self, record: OptimizerRecord) -> Callable[..., None]:
+        recorder = self.recorder
+
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            try:
+                recorder.after_optimizer_step(record)
+            except Exception as error:  # noqa: BLE001
+                recorder.internal_error("optimizer step post-hook", error)
 
         return hook
 

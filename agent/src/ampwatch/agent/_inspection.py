@@ -104,11 +104,14 @@ class SkipInspection:
                 self.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     def report_poisoned(self, record: OptimizerRecord, iteration: int,
-                        report: NonfiniteReport, reason: str) -> None:
-        """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step."""
+                        report: NonfiniteReport, reason: str, **fields: Any) -> None:
+        """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step.
+
+        ``fields`` go into the event as they are (a watch without a scaler: ``streak``, ``exact``).
+        """
         if record.poison_reported_for == iteration:
             return
         record.poison_reported_for = iteration
         record.poisoned += 1
         self.events.append({"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
-                            "params": report.params, "params_total": report.total, "reason": reason})
+                            "params": report.params, "params_total": report.total, "reason": reason, **fields})

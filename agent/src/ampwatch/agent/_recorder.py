@@ -19,6 +19,7 @@ from ._events import EventBuffer
 from ._inspection import SkipInspection
 from ._origin import OriginFlags
 from ._params import ParameterNames
+from ._poison import PoisonCheck
 from ._scale import LossScale
 
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
@@ -48,6 +49,8 @@ class OptimizerRecord:
     poison_reported_for: int | None = None  # step iteration already reported as poisoned
     last_streak_inspection: float = float("-inf")  # when the last naming scan at a streak start ended
     check_weights: bool = False  # a streak began this iteration: look at the weights its last step left
+    check_after: bool = False  # without a scaler: the step got a closure, check its gradients after it
+    poison_run: int = 0  # without a scaler: consecutive poisoned steps (events go at 1, 2, 4, 8, ...)
     origin_sent: tuple | None = None  # origin of the streak's last skip event: a change is news, a repeat is not
     # Per scaler.step call, written by the wrappers and the step pre-hook.
     hook_fired: bool = False
@@ -71,6 +74,11 @@ class OptimizerRecord:
         }
 
 
+def _no_scaler() -> None:
+    """What :attr:`Recorder.scaler` reads in a watch without a GradScaler."""
+    return None
+
+
 class Recorder:
     """Count steps, skips, streaks and scale transitions of one scaler, and emit events.
 
@@ -80,7 +88,7 @@ class Recorder:
     offenders, poisoned steps) are :class:`~._inspection.SkipInspection`'s.
     """
 
-    def __init__(self, scaler: Any, records: list[OptimizerRecord], names: ParameterNames,
+    def __init__(self, scaler: Any | None, records: list[OptimizerRecord], names: ParameterNames,
                  events: EventBuffer, *, errors: AgentErrors | None = None, wake: threading.Event | None = None,
                  inspect_interval: float = 1.0) -> None:
         self.records = records
@@ -93,8 +101,15 @@ class Recorder:
         self.attached = False  # the wrappers and hooks pass straight through while False
         self.active: OptimizerRecord | None = None  # the record inside scaler.step right now
         self.scale = LossScale(events)
-        self._scaler: weakref.ref = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
-        self.scale.bind(scaler, self.iteration)
+        self.unscaled: PoisonCheck | None = None  # a job without a GradScaler: every step is checked instead
+        if scaler is None:
+            self._scaler: Any = _no_scaler
+            self.scale.unscaled()
+            self.unscaled = PoisonCheck(self.inspection)
+        else:
+            self._scaler = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
+            self.scale.bind(scaler, self.iteration)
+        self._open_iteration = False  # without a scaler: some optimizer stepped in the current iteration
         self._skipped_this_iteration = False
         self._warned: set[int] = set()
         self._warned_outside = False
@@ -140,12 +155,14 @@ class Recorder:
         record.found_inf = None
         self.active = record
 
-    def on_optimizer_step(self, record: OptimizerRecord) -> None:
-        """Note that ``optimizer.step()`` is being called (step pre-hook)."""
+    def on_optimizer_step(self, record: OptimizerRecord, closure: bool = False) -> None:
+        """Note that ``optimizer.step()`` is being called (step pre-hook; ``closure``: it was given one)."""
         if self.active is record:
             record.hook_fired = True
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
+        elif self.unscaled is not None:
+            self._unscaled_step(record, check=not closure)
         elif self.active is None and not self._warned_outside:
             self._stepped_outside_scaler(record)
 
@@ -165,6 +182,25 @@ class Recorder:
         if not self.orphaned:
             self.events.append({"kind": "warning", "iteration": self.iteration, "optimizer": record.name,
                                 "code": "stepped_outside_scaler", "message": message})
+
+    def _unscaled_step(self, record: OptimizerRecord, check: bool) -> None:
+        # Without a scaler every step updates the parameters; an iteration ends when an optimizer that
+        # already stepped in it steps again (one iteration: each optimizer's step, in whatever order).
+        if record.stepped_this_iteration:
+            for other in self.records:
+                other.stepped_this_iteration = False
+            self.iteration += 1
+        self._open_iteration = True
+        self._outcome(record, True, self.iteration)
+        record.check_after = not check
+        if check:
+            self.unscaled.check(record, self.iteration)
+
+    def after_optimizer_step(self, record: OptimizerRecord) -> None:
+        """Without a scaler: check the gradients a step given a closure made and applied (step post-hook)."""
+        if record.check_after:
+            record.check_after = False
+            self.unscaled.check(record, self.iteration)
 
     def after_step(self, record: OptimizerRecord) -> None:
         """Decide whether the ``scaler.step`` that just returned updated ``record``'s parameters."""
@@ -245,6 +281,10 @@ class Recorder:
         for record in self.records:
             if record.pending:
                 self._resolve_oldest(record, all_of_them=True)
+        if self.unscaled is not None:
+            self.unscaled.close()
+            self.iteration += self._open_iteration
+            self._open_iteration = False
         self.scale.close()
         if self.origin is not None:
             self.origin.close()
@@ -261,7 +301,7 @@ class Recorder:
         return {
             "scaler": dict(scale.settings),
             "state": {
-                "iteration": self.iteration,
+                "iteration": self.iteration + self._open_iteration,
                 "loss_scale": scale.value if scale.enabled else None,
                 "backoffs": scale.backoffs,
                 "growths": scale.growths,

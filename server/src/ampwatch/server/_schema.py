@@ -153,6 +153,10 @@ class PoisonedStepEvent(_EventBase):
     params: list[ParamDetail] = Field(default_factory=list, max_length=MAX_PARAMS)
     params_total: Optional[Count] = None
     reason: Literal["nonfinite_grad", "nonfinite_param"]
+    # From a rank without a GradScaler: the position in its run of consecutive poisoned steps (sent at 1, 2, 4,
+    # ... as skips are), and exact false when inf/nan only say whether a gradient held any (read on a GPU late).
+    streak: Optional[Positive] = None
+    exact: bool = True
 
 
 class WarningEvent(_EventBase):
