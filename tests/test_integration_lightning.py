@@ -113,17 +113,52 @@ def test_training_is_bit_identical_with_and_without_the_callback(agent_env):
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-def test_without_a_scaler_it_says_so_once_and_changes_nothing(agent_env, caplog, precision):
+def test_without_a_scaler_every_step_is_checked_and_poisoned_steps_are_the_truth(agent_env, caplog, precision):
     callback = AmpWatchCallback()
-    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
-        watched, _ = fit(callbacks=[callback], precision=precision, max_epochs=1)
-        fit(callbacks=[callback], precision=precision, max_epochs=1)
+    with caplog.at_level(logging.INFO, logger="ampwatch.agent"):
+        watched, run = fit(callbacks=[callback], precision=precision, max_epochs=1)
+        first = callback.watch
+        fit(callbacks=[callback], precision=precision, max_epochs=1)  # the same callback again: said once
     said = [r.getMessage() for r in caplog.records if r.name == "ampwatch.agent"]
     assert len(said) == 1, said
-    assert f"precision '{precision}'" in said[0] and "nothing to watch" in said[0] and "16-mixed" in said[0]
-    assert not callback.watch.closed and "without a GradScaler" in callback.watch.summary()
+    assert f"precision {precision!r}" in said[0] and "made no GradScaler" in said[0] and "poisoned" in said[0]
+    assert "MixedPrecision('16-mixed', 'cpu')" in said[0]  # on CPU: how to get a real GradScaler
+    truth = watched.truth.counts()
+    assert watch_counts(first.snapshot()) == truth
+    # The inf of batch 1 went into a's weights: every later step of both is poisoned too.
+    assert truth["optimizers"]["a"]["poisoned_steps"] == 5 and truth["optimizers"]["b"]["poisoned_steps"] == 5
+    assert first.closed and all(not o._optimizer_step_pre_hooks and not o._optimizer_step_post_hooks
+                                for o in run.optimizers)
     plain, _ = fit(precision=precision, max_epochs=1)
     assert same_bits(bits(watched.parameters()), bits(plain.parameters()))
+
+
+def test_in_bf16_a_step_given_a_closure_is_checked_after_the_closure_made_its_gradients(agent_env):
+    """Automatic optimization: Lightning calls optimizer.step(closure), which runs forward and backward inside."""
+    callback = AmpWatchCallback()
+    torch.manual_seed(0)
+    module = OneOptimizer(poison={3: (0,)})
+    trainer(max_epochs=1, callbacks=[callback], precision="bf16-mixed").fit(module, data())
+    truth = module.truth.counts()
+    assert truth["optimizers"]["SGD"]["poisoned_steps"] == 3  # batch 3 and the two after it (NaN weights)
+    assert watch_counts(callback.watch.snapshot()) == truth
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_process_fsdp2_fit_in_bf16_reports_each_ranks_poisoned_steps(tmp_path, agent_env):
+    """Lightning's ModelParallelStrategy (FSDP2's fully_shard) runs on CPU: the callback attaches to it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
+    env["AMPWATCH_RUN"] = "lightning-fsdp2"
+    job = subprocess.run([sys.executable, str(DDP_JOB), str(tmp_path), "fsdp2"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=280)
+    assert job.returncode == 0, job.stderr[-4000:]
+    for r in (0, 1):
+        result = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert result["sharded"] and result["closed"] and result["agent_errors"] == 0
+        assert result["scaler"]["kind"] == "none" and result["watch"] == result["truth"]
+        # Rank 0's inf at its batch 1 reached both ranks' shards: every step from there on is poisoned.
+        assert result["truth"]["optimizers"]["SGD"]["poisoned_steps"] == 5
 
 
 def test_an_exception_in_the_fit_detaches_the_agent_and_goes_on(agent_env):
