@@ -10,10 +10,11 @@ def section(ins: dict) -> list[str]:
            "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
            f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the count "
            "does not move with the machine's load, so it can answer a 1% question on a shared machine.", "",
-           "| model | optimizer | iterations | bare instructions/iter | watched instructions/iter | agent | ratio |",
-           "|---|---|---|---|---|---|---|"]
+           "| model | optimizer | precision | iterations | bare instructions/iter | watched instructions/iter | agent "
+           "| ratio |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in ins["rows"]:
-        out.append(f"| {r['model']} | {r['optimizer']} | {r['iterations']} | {r['bare_per_iter']:,} | "
+        out.append(f"| {r['model']} | {r['optimizer']} | {_precision(r)} | {r['iterations']} | {r['bare_per_iter']:,} | "
                    f"{r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | {r['ratio']:.4f} |")
     return out
 
@@ -22,7 +23,12 @@ def summary_rows(ins: dict) -> list[str]:
     """The summary's rows: the instructions ratio per model, which the machine's load does not move."""
     out = []
     for r in ins["rows"]:
-        out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} (callgrind, exact) | "
+        out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} {_precision(r)} (callgrind, exact) | "
                    f"{r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per iteration) | - | "
                    f"{(r['ratio'] - 1) * 100:.2f}% |")
     return out
+
+
+def _precision(row: dict) -> str:
+    """How the row's loop trains (runs before the bf16 rows were added measured only the GradScaler loop)."""
+    return row.get("precision", "GradScaler")
