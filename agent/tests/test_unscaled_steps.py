@@ -226,3 +226,26 @@ def test_the_cpu_check_finds_every_inf_and_nan_and_nothing_else(tensors, found):
 
     check = check_nonfinite(tensors)
     assert check.done() and check.any() is found
+
+
+def test_a_step_given_a_closure_is_checked_on_the_gradients_its_closure_made(amp, watching, events):
+    """optimizer.step(closure) runs forward and backward inside the step (Lightning, LBFGS): checked after it."""
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = watching(None, opt, model=model)
+
+    def closure(poison: bool):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        loss.backward()
+        if poison:
+            amp.poison_grad(model.b.weight)
+        return loss
+
+    for i in range(3):
+        opt.step(lambda: closure(poison=i == 1))
+        repair(model)
+    (event,) = poisoned_events(events, w)
+    assert event["iteration"] == 1 and event["params"] == [{"name": "b.weight", "inf": 1, "nan": 0}]
+    assert w.snapshot()["state"]["optimizers"]["SGD"]["steps"] == 3

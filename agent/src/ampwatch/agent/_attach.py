@@ -218,11 +218,17 @@ class OptimizerHooks:
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:
+                recorder.on_optimizer_step(record)
+            except Exception as error:  # noqa: BLE001
+                recorder.internal_error("optimizer step pre-hook", error)
+
+        def unscaled_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            try:  # without a scaler, whether the step was given a closure decides when its gradients are read
                 recorder.on_optimizer_step(record, kwargs.get("closure", args[0] if args else None) is not None)
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
-        return hook
+        return hook if recorder.unscaled is None else unscaled_hook
 
     def _post_hook(self, record: OptimizerRecord) -> Callable[..., None]:
         recorder = self.recorder
