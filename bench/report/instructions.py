@@ -9,7 +9,11 @@ def section(ins: dict) -> list[str]:
     out = ["Instructions executed by the training process over the measured iterations, counted by valgrind's "
            "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
            f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the count "
-           "does not move with the machine's load, so it can answer a 1% question on a shared machine.", "",
+           "does not move with the machine's load, so it can answer a 1% question on a shared machine. The bf16 "
+           "rows train without a GradScaler, bare and watched with `watch(None, ...)`, which checks the gradients of "
+           "every optimizer step: on CPU one `sum` per gradient, added on the host (an operator call per gradient "
+           "and step, which this 6-tensor model's short iteration weighs heavily; on a GPU one batched "
+           "`_foreach_norm` per step instead, `python -m bench.gpu`).", "",
            "| model | optimizer | precision | iterations | bare instructions/iter | watched instructions/iter | agent "
            "| ratio |",
            "|---|---|---|---|---|---|---|---|"]
