@@ -16,7 +16,7 @@ __all__ = ["INGEST_HEAD", "read_answer", "request", "run_loop"]
 
 _T = TypeVar("_T")
 
-INGEST_HEAD = b"POST /v1/ingest HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+INGEST_HEAD = b"POST /v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
 """A batch's request line and headers, but for its ``Content-Length`` (added by :func:`request`)."""
 
 

@@ -54,7 +54,7 @@ def store(path: str, key: str, result: dict, argv: list[str], module: Optional[s
 
 
 def print_and_store(result: dict, key: str, out: Optional[str], line: Callable[[str, dict], str],
-                    rows: Optional[Iterable[tuple[str, dict]]] = None) -> dict:
+                    rows: Optional[Iterable[tuple[str, dict]]] = None, module: Optional[str] = None) -> dict:
     """End a bench's ``main()``: print ``line(side, result[side])`` for before then after, and with ``out`` (its
     ``--out``) ``store`` the result under ``key`` there with this command; return the result.
 
@@ -64,5 +64,5 @@ def print_and_store(result: dict, key: str, out: Optional[str], line: Callable[[
     for name, row in rows if rows is not None else ((side, result[side]) for side in ("before", "after")):
         print(line(name, row))
     if out:
-        store(out, key, result, sys.argv)
+        store(out, key, result, sys.argv, module)
     return result

@@ -13,9 +13,9 @@ import random
 import time
 from typing import Optional
 
-from bench._fleet_plan import Delivery, Plan
+from bench._fleet_plan import Delivery, LockstepPlan, Plan
 from bench._fleet_transports import Answer, KeptAlive
-from bench._rank_batch import CLEAN_DELIVERY, SCALER, batch_body, open_identity
+from bench._rank_batch import SCALER, batch_body, open_identity
 
 from ampwatch.agent._schedule import PushSchedule
 
@@ -25,7 +25,8 @@ AGENT_TIMEOUT_S = 5.0  # the agent's default AMPWATCH_TIMEOUT: no answer by then
 
 
 class Tally:
-    """What every rank saw, by phase (``warm``, ``healthy``, ``storm``)."""
+    """What every rank saw, by phase (``warm``, ``healthy``, ``storm``; a lockstep job also ``recovery`` and
+    ``hold``)."""
 
     def __init__(self, phases: dict[str, tuple[float, float]]) -> None:
         self.phases = phases
@@ -46,15 +47,13 @@ class Tally:
         return None
 
 
-async def run_rank(rank: int, plan: Plan, delivery: Delivery, transport: KeptAlive, run: str, world: int,
+async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, transport: KeptAlive, run: str, world: int,
                    end: float, kill_at: Optional[float], tally: Tally) -> None:
     """Send ``rank``'s batches of ``plan`` through ``transport`` until ``end`` (or ``kill_at``: no close)."""
     schedule = PushSchedule(delivery.heartbeat, delivery.news_gap, delivery.news_hold,
                             ranks=world if delivery.spread else 1, rng=random.Random(rank))
     seq, sent_it, event_id = 0, 0, 0
     head = open_identity(run, rank, world)
-    disc = {"steps": 0, "skipped": 0, "consecutive_skipped": 0, "longest_streak": 0, "streaks": 0,
-            "streaks_reached": {}, "scheduler_steps_after_skip": 0, "poisoned_steps": 0}
     news_times = [plan.time_of(it) for it, e in plan.events if delivery.news(e)]
     news_iterations = [it for it, e in plan.events if delivery.news(e)]
     storm = tally.storm.get(rank)
@@ -79,13 +78,9 @@ async def run_rank(rank: int, plan: Plan, delivery: Delivery, transport: KeptAli
             if sent_it < it <= iteration:
                 event_id += 1
                 events.append(dict(event, id=event_id, time=plan.time_of(it)))
-        gen, backoffs, scale = plan.state(iteration)
+        state = plan.batch_state(iteration)
         seq += 1
-        rest = {"seq": seq, "sent_at": now, "scaler": SCALER,
-                "state": {"iteration": iteration, "loss_scale": scale, "backoffs": backoffs, "growths": 0,
-                          "manual_sets": 0, "optimizers": {"gen": gen, "disc": dict(disc, steps=iteration)},
-                          "delivery": CLEAN_DELIVERY},
-                "events": events, "closed": False}
+        rest = {"seq": seq, "sent_at": now, "scaler": SCALER, "state": state, "events": events, "closed": False}
         body = batch_body(head, rest)
         schedule.built(now)
         late = now - due
@@ -120,4 +115,4 @@ async def run_rank(rank: int, plan: Plan, delivery: Delivery, transport: KeptAli
         if kill_at is not None:
             tally.killed_last_ack = done
         if storm is not None:
-            storm["answers"].append((round(done, 4), gen["skipped"]))
+            storm["answers"].append((round(done, 4), state["optimizers"]["gen"]["skipped"]))

@@ -3,7 +3,9 @@
 Every rank trains at one iteration per ``--iteration-s`` (its own phase) and posts protocol v1
 batches with the cumulative state and the events the real recorder emits for it: a storm rank
 runs skip streaks (a skip and a backoff per skipped iteration, ``streak_end`` after) from
-``--storm-at``. When a batch goes is decided by :class:`ampwatch.agent._schedule.PushSchedule`
+``--storm-at``. With ``--lockstep`` the job is a DDP job: its ranks iterate together (within
+``LOCKSTEP_DRIFT_S``), every one of them skips through the storm and the checkpoint restore that
+ends it, so each one's news comes at the same iteration (``bench._fleet_plan.JobTimeline``). When a batch goes is decided by :class:`ampwatch.agent._schedule.PushSchedule`
 and ``is_news``, the agent's own code, with the settings of ``--delivery``:
 
 - ``before``: today's delivery up to issue 18: the full state every second, a streak's first
@@ -40,12 +42,15 @@ import sys
 import time
 
 from bench._async_http import run_loop
-from bench._fleet_plan import DELIVERIES, Plan, storm_streaks
+from bench._fleet_plan import DELIVERIES, JobTimeline, LockstepPlan, Plan, storm_streaks
 from bench._fleet_rank import Tally, run_rank
 from bench._fleet_transports import TRANSPORTS
 from bench._rank_batch import RANKS_PER_NODE
 
-__all__ = ["DELIVERIES", "TRANSPORTS", "main"]
+__all__ = ["DELIVERIES", "LOCKSTEP_DRIFT_S", "TRANSPORTS", "main"]
+
+LOCKSTEP_DRIFT_S = 0.01
+"""How far apart in time a lockstep job's ranks end the same iteration (DDP's all-reduce holds them together)."""
 
 
 async def _run(args: argparse.Namespace) -> dict:
@@ -56,13 +61,25 @@ async def _run(args: argparse.Namespace) -> dict:
     t0 = time.time() + 1.0
     warm_end = t0 + args.warm
     storm_at = warm_end + args.healthy
-    end = storm_at + args.storm
-    phases = {"warm": (t0, warm_end), "healthy": (warm_end, storm_at), "storm": (storm_at, end)}
+    storm_end = storm_at + args.storm
+    end = storm_end + args.recovery + args.hold
+    phases = {"warm": (t0, warm_end), "healthy": (warm_end, storm_at), "storm": (storm_at, storm_end)}
+    if args.lockstep:
+        phases.update(recovery=(storm_end, storm_end + args.recovery), hold=(storm_end + args.recovery, end))
     tally = Tally(phases)
-    storm_ranks = set(rng.sample(range(args.ranks), int(args.ranks * args.storm_share)))
+    plans: list = []
+    if args.lockstep:  # a DDP job: the ranks iterate together, and all of them skip in the storm
+        first = int((storm_at - t0) / args.iteration_s) + 1
+        timeline = JobTimeline(first, int(args.storm / args.iteration_s), int((end - t0) / args.iteration_s) + 2)
+        for rank in range(args.ranks):
+            plan = LockstepPlan(t0 + rng.uniform(0, LOCKSTEP_DRIFT_S), args.iteration_s, timeline)
+            starts, rung16 = plan.storm_starts()
+            if rank != args.kill_rank and starts:
+                tally.storm[rank] = {"starts": starts, "answers": [], "rung16": rung16}
+            plans.append(plan)
+    storm_ranks = set(rng.sample(range(args.ranks), int(args.ranks * args.storm_share))) if not plans else set()
     storm_ranks.discard(args.kill_rank)
-    plans = []
-    for rank in range(args.ranks):
+    for rank in range(args.ranks if not plans else 0):
         start = t0 + rng.uniform(0, 1.0)  # a job's ranks call watch() within a second of each other
         plan = Plan(start, args.iteration_s, [])
         if rank in storm_ranks:
@@ -78,7 +95,8 @@ async def _run(args: argparse.Namespace) -> dict:
         plans.append(plan)
     transports = [TRANSPORTS[args.transport](args.port, node)
                   for node in range((args.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE)]
-    print(json.dumps({"t0": t0, "warm_end": warm_end, "storm_at": storm_at, "end": end}), flush=True)
+    print(json.dumps({"t0": t0, "warm_end": warm_end, "storm_at": storm_at, "storm_end": storm_end, "end": end}),
+          flush=True)
     # The plans and tallies of 16,384 ranks are a large heap: without this the generator's own full
     # collections stall every rank's sends for hundreds of ms, which would show as collector latency.
     gc.freeze()
@@ -116,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--healthy", type=float, required=True, help="seconds of healthy training, measured")
     parser.add_argument("--storm", type=float, required=True, help="seconds with --storm-share ranks skipping")
     parser.add_argument("--storm-share", type=float, default=0.1)
+    parser.add_argument("--lockstep", action="store_true",
+                        help="a DDP job: every rank iterates and skips together, the storm is the whole job's "
+                             "and ends with a checkpoint restore (--storm-share is not used)")
+    parser.add_argument("--recovery", type=float, default=0.0,
+                        help="with --lockstep: seconds after the restore, measured as phase 'recovery'")
+    parser.add_argument("--hold", type=float, default=0.0,
+                        help="with --lockstep: seconds of healthy training after the recovery (phase 'hold')")
     parser.add_argument("--iteration-s", type=float, default=1.0)
     parser.add_argument("--kill-rank", type=int, default=-1, help="this rank stops without closing, --kill-after")
     parser.add_argument("--kill-after", type=float, default=0.0, help="seconds into the healthy phase")

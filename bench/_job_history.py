@@ -3,7 +3,8 @@
 Every rank runs 2 iterations per second in lockstep with two optimizers (``gen``, ``disc``) under a
 GradScaler (scale 2**20 at the start, growth every 2,000 clean iterations, backoff 0.5); gradients
 overflow at a scale of 2**24 and above, so every rank backs off once in about 2,000 iterations (rank 5
-holds the inf/NaN first). Trouble is staged as issue 14 staged it: a whole-job storm of 18 skips in a
+holds the inf/NaN first). Trouble is staged as issue 14 staged it: a whole-job storm (see ``Job``'s
+``storm``; by default, as issue 14 had it, 18 skips in a
 row 2 minutes before ``end`` (ranks 0-511 hold the inf/NaN first), ranks 40-43 collapsing, rank 777
 skipping 1 step in 8, a poisoned step on rank 512, the LR scheduler of rank 900 stepping after skips,
 and rank 1000 silent for the last 4 minutes. Ranks with the same trouble share one
@@ -17,7 +18,7 @@ join into one series per rank.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from ampwatch.contract import metrics as m
 from ampwatch.contract.protocol import STREAK_LADDER
@@ -29,6 +30,10 @@ OPTIMIZERS = ("gen", "disc")
 GROWTH_INTERVAL = 2000
 OVERFLOW_SCALE = 2.0 ** 24  # gradients overflow at this scale and above, on every rank
 STORM = 18  # skips in a row of the whole-job storm (reaches the warning rung, 16)
+# ``storm="during"`` / ``"after"``: when the history comes this close to the clock (the live scrapes), the storm
+# starts; ``during`` it lasts an hour (past the bench), ``after`` a minute, then the scale is restored (a checkpoint).
+STORM_LEAD_S = {"during": 60, "after": 180}
+STORM_LENGTH = {"during": int(3600 * RATE), "after": int(60 * RATE)}
 _COUNTERS = ("steps", "skipped", "scheduler_steps_after_skip", "poisoned_steps")
 
 
@@ -56,14 +61,16 @@ class _Optimizer:
 class _Scaler:
     """One kind of rank: its GradScaler and optimizers, stepped an iteration at a time."""
 
-    def __init__(self, kind: str, storm_at: int, trouble_from: int) -> None:
-        self.kind, self.storm_at, self.trouble_from = kind, storm_at, trouble_from
+    def __init__(self, kind: str, storm_at: int, trouble_from: int, storm_length: int = STORM,
+                 restore: bool = False) -> None:
+        self.kind, self.storm_at, self.trouble_from, self.storm_length = kind, storm_at, trouble_from, storm_length
+        self.restore = restore  # the scale is restored (a checkpoint) when the storm ends
         self.iteration, self.scale, self.tracker = 0, 2.0 ** 20, 0
         self.backoffs = self.growths = self.overflows = 0
         self.optimizers = {name: _Optimizer() for name in OPTIMIZERS}
 
     def _skips(self, it: int) -> tuple[bool, bool]:
-        everyone = self.scale >= OVERFLOW_SCALE or self.storm_at <= it < self.storm_at + STORM
+        everyone = self.scale >= OVERFLOW_SCALE or self.storm_at <= it < self.storm_at + self.storm_length
         troubled = it >= self.trouble_from
         if self.kind == "collapse" and troubled:
             return True, True
@@ -79,6 +86,8 @@ class _Scaler:
             for name, skipped in zip(OPTIMIZERS, (skip_gen, skip_disc)):
                 self.optimizers[name].step(skipped)
             troubled = it >= self.trouble_from
+            if self.restore and it == self.storm_at + self.storm_length:
+                self.scale, self.tracker = 2.0 ** 20, 0
             if self.kind == "scheduler" and troubled and skip_gen:
                 self.optimizers["gen"].scheduler_steps_after_skip += 1
             if self.kind == "poison" and it == self.trouble_from:
@@ -100,17 +109,32 @@ def _kind(rank: int) -> str:
 class Job:
     """The job's series at any time after ``end - history_s``; the trouble is staged relative to ``end``."""
 
-    def __init__(self, ranks: int, end: float, run: str = "job-1024", history_s: int = 2 * 3600) -> None:
+    def __init__(self, ranks: int, end: float, run: str = "job-1024", history_s: int = 2 * 3600,
+                 storm: str = "short") -> None:
+        """``storm``: ``short``, 18 skips in a row 2 minutes before ``end``. Placed by the clock instead, so that
+        the bench sees it however long writing the history took: ``during``, every rank skipping from a minute
+        before the history catches up with the clock, for an hour (its scale collapses); ``after``, for a minute
+        from three minutes before (its scale collapses, then is restored from a checkpoint)."""
         self.ranks, self.end, self.run = ranks, end, run
         self.started = end - history_s  # iteration 0
-        self._storm = self.iteration_at(end - 2 * 60)
+        if storm not in ("short", "after", "during"):
+            raise ValueError(f"storm={storm!r}: give 'short', 'after' or 'during'")
+        self._lead_s = STORM_LEAD_S.get(storm)
+        self._storm: Optional[int] = self.iteration_at(end - 2 * 60) if storm == "short" else None
+        self._storm_length = STORM_LENGTH.get(storm, STORM)
+        self._restore = storm == "after"
         never = 10 ** 12  # the silent rank's trouble is its last_seen, frozen from silent_from on
         self._starts = {"collapse": self.iteration_at(end - 20 * 60), "ratio": self.iteration_at(end - 31 * 60),
                         "poison": self.iteration_at(end - 5 * 60), "scheduler": self.iteration_at(end - 12 * 60),
                         "silent": never, "healthy": never}
         self.silent_from = end - 4 * 60
-        self._live = {kind: _Scaler(kind, self._storm, start) for kind, start in self._starts.items()}
+        self._live = self._scalers()
         self._kinds = [_kind(r) for r in range(ranks)]
+
+    def _scalers(self) -> dict[str, _Scaler]:
+        never = 10 ** 12  # a storm placed by the clock: not yet
+        return {kind: _Scaler(kind, never if self._storm is None else self._storm, start, self._storm_length,
+                              self._restore) for kind, start in self._starts.items()}
 
     def iteration_at(self, t: float) -> int:
         return int((t - self.started) * RATE)
@@ -141,7 +165,7 @@ class Job:
                         yield f'{m.OPTIMIZER_SKIP_STREAKS.name}{{{labels},min_length="{length}"}}', count
                 if o.skipped:
                     yield f'{m.NONFINITE_GRADIENT_INFO.name}{{{labels},parameter="blocks.{rank % 24}.mlp.weight"}}', 1
-            origins = (s.overflows if rank == 5 else 0) + (rank < 512 and s.iteration >= self._storm)
+            origins = (s.overflows if rank == 5 else 0) + (rank < 512 and s.iteration >= s.storm_at)
             for metric, value in ((m.LOSS_SCALE, s.scale), (m.LOSS_SCALE_BACKOFFS, s.backoffs),
                                   (m.LOSS_SCALE_GROWTHS, s.growths), (m.LOSS_SCALE_MANUAL_SETS, 0),
                                   (m.AGENT_DROPPED_EVENTS, 0), (m.AGENT_SEND_FAILURES, 0),
@@ -162,8 +186,12 @@ class Job:
 
         With ``until=time.time`` the history catches up with the clock however long writing it takes.
         """
-        scalers = {kind: _Scaler(kind, self._storm, first) for kind, first in self._starts.items()}
+        scalers = self._scalers()
         t = start
         while t <= until():
+            if self._storm is None and until() - t <= self._lead_s:  # type: ignore[operator]
+                self._storm = self.iteration_at(t)
+                for s in (*scalers.values(), *self._live.values()):
+                    s.storm_at = self._storm
             yield t, list(self._series(t, self._states(t, scalers)))
             t += step_s

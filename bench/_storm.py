@@ -119,6 +119,18 @@ class StormRank:
         elif _rung(self._run):
             self._fold_backoffs(out)
 
+    def restore(self, scale: float = 65536.0) -> list[dict[str, Any]]:
+        """A checkpoint restored (``scaler.load_state_dict``) between two iterations: the backoffs not yet
+        reported are folded into one event, then the scale that came back is a ``restored`` change."""
+        out: list[dict[str, Any]] = []
+        self._fold_backoffs(out)
+        self._run = self._run_reported = 0
+        if scale != self.scale:
+            self._event(out, "scale_change", iteration=self.iteration, cause="restored", before=self.scale,
+                        after=scale)
+        self.scale = self._run_before = scale
+        return out
+
     def _fold_backoffs(self, out: list) -> None:
         count = self._run - self._run_reported
         if self.pattern == "per-skip" or not count:

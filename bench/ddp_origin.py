@@ -3,13 +3,13 @@
 Each rank holds three identical DDP models (same weights, same data, each with its own optimizer and
 GradScaler), all watched by the agent without a collector. ``plain``: DDP's built-in C++ all-reduce.
 ``python_hook``: DDP's own ``allreduce_hook`` registered as a Python comm hook, nothing of ampwatch
-(what any Python comm hook costs). ``origin``: ``ddp=model``, ampwatch's hook in place of that all-reduce
-(at this world size, 2, the fused path: the check rides the hook's division). Blocks of iterations rotate
-between them (``bench.overhead.rotate``) in the same order on both ranks; the cost is the median of
-per-round ratios of rank 0's process CPU time to ``plain`` (noisy: it includes waiting on the other rank).
-Steadier: the hook's own work (:class:`HookClock`: the thread CPU time of its calls and of its flags' end
-of iteration, minus that of ``python_hook``'s calls of ``allreduce_hook``) as a share of the plain
-iteration. Also: host-device syncs (``aten._local_scalar_dense``) per clean iteration.
+(what any Python comm hook costs, and what the agent's earlier comm hook replaced the built-in with).
+``origin``: ``ddp=model``: a tensor hook per parameter notes its own gradient, DDP's built-in all-reduce
+runs as in ``plain``. Blocks of iterations rotate between them (``bench.overhead.rotate``) in the same order
+on both ranks; the cost is the median of per-round ratios of rank 0's process CPU time to ``plain`` (noisy:
+it includes waiting on the other rank). Steadier: the agent's own work (:class:`HookClock`: the thread CPU
+time of its hook calls and of its end of iteration) as a share of the plain iteration. Also: host-device
+syncs (``aten._local_scalar_dense``) per clean iteration.
 
     python -m bench.ddp_origin [--quick]
 """
@@ -41,41 +41,68 @@ COMPARED = ("mlp", "transformer")
 
 
 class HookClock:
-    """Time, per iteration, the comm hook's whole call and (for ampwatch's) the flags' end of iteration.
+    """Time, per iteration, the agent's hook calls and its end of iteration (thread CPU time).
 
-    For ampwatch's hook (:meth:`on_origin`) the whole call is its note and the all-reduce it runs or wraps;
-    for the ``python_hook`` variant (:meth:`around`) the call of DDP's own ``allreduce_hook``, what any Python
-    comm hook runs. The hook's own cost is the difference of the two (:func:`own_per_iteration`): honest
-    whether the hook wraps ``allreduce_hook`` (the aminmax path, every revision before the fused one) or does
-    its division and all-reduce itself (the fused path), on any revision whose ``OriginHook`` keeps its flags
-    as ``.flags`` with an ``end_iteration`` (patched on the classes, once per process: benchmarks only).
-    ``end_iteration`` is timed too, since the fused path zeroes its flags there, on the training thread.
-    Counts the calling thread's CPU time (``time.thread_time``), not the wall clock: on a machine shared with
-    other jobs a call's wall time also counts the time another job held the core. One timer call's own cost,
-    measured at start, is taken off each timed call.
+    Two designs are timed alike, so that a run can put this tree beside an earlier revision:
+    :meth:`on_local`, this tree's tensor hooks (one call per parameter, beside DDP's own reduction, which
+    stays as in ``plain``), and :meth:`on_origin`, the comm hook of revisions before it (one call per
+    bucket, in place of DDP's built-in all-reduce: its own cost is its calls minus those of ``allreduce_hook``
+    as a Python hook, :meth:`around`). ``end_iteration`` is timed too (it zeroes the notes, on the training
+    thread). Counts the calling thread's CPU time (``time.thread_time``), not the wall clock: on a machine
+    shared with other jobs a call's wall time also counts the time another job held the core. One timer
+    call's own cost, measured at start, is taken off each timed call; what calls a hook (autograd's dispatch
+    into Python, DDP's) is outside the timed call, and counted only by the instructions of ``bench.origin_hook``.
     """
 
     def __init__(self) -> None:
         self.calls: list[float] = []
         self.ends: list[float] = []
         self.timer_s = _timer_cost()
+        self.replaces_reduction = False  # True for a comm hook: its calls include the all-reduce it runs
 
     def around(self, hook):  # type: ignore[no-untyped-def]
-        """Return ``hook`` timed, to register as the model's comm hook (unannotated, as DDP wants)."""
-        calls, timer_s, clock = self.calls, self.timer_s, time.thread_time
+        """Return the comm hook ``hook`` timed, to register on a model (unannotated, as DDP wants)."""
+        timed = self._timed(hook)
 
-        def timed_hook(state, bucket):  # type: ignore[no-untyped-def]
-            start = clock()
-            try:
-                return hook(state, bucket)
-            finally:
-                calls.append(clock() - start - timer_s)
+        def timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks a hook's parameter names
+            return timed(state, bucket)
         return timed_hook
 
+    def _timed(self, hook):  # type: ignore[no-untyped-def]
+        calls, timer_s, clock = self.calls, self.timer_s, time.thread_time
+
+        def timed(*args):  # type: ignore[no-untyped-def]
+            start = clock()
+            try:
+                return hook(*args)
+            finally:
+                calls.append(clock() - start - timer_s)
+        return timed
+
+    def on_watch(self, ddp: DistributedDataParallel, watch) -> "HookClock":  # type: ignore[no-untyped-def]
+        """Time what ``watch(..., ddp=ddp)`` put on the model, whichever revision of the agent made it."""
+        local = getattr(watch._recorder, "origin", None)
+        if hasattr(local, "_handles"):
+            return self.on_local(local)
+        return self.on_origin(ddp)
+
+    def on_local(self, local) -> "HookClock":  # type: ignore[no-untyped-def]
+        """Put the agent's tensor hooks on again, each timed, and time its ``end_iteration`` (benchmarks only)."""
+        for handle in local._handles:
+            handle.remove()
+        local._handles.clear()
+        untimed = local._hook
+        local._hook = lambda slot: self._timed(untimed(slot))
+        local.attach()
+        local.bench_clock = self
+        _time_method(type(local), "end_iteration", "ends")
+        return self
+
     def on_origin(self, ddp: DistributedDataParallel) -> "HookClock":
-        """Time the ampwatch hook registered on ``ddp`` (its whole call) and its flags' ``end_iteration``."""
+        """Time the earlier revisions' comm hook registered on ``ddp`` (its whole call) and its flags' end."""
         hook = ddp._comm_hooks[0][0]
         hook.bench_clock = hook.flags.bench_clock = self
+        self.replaces_reduction = True
         _time_method(type(hook), "__call__", "calls")
         _time_method(type(hook.flags), "end_iteration", "ends")
         return self
@@ -85,22 +112,25 @@ class HookClock:
         self.ends.clear()
 
     def per_iteration_us(self, iterations: int) -> dict:
-        """The hook's CPU time per iteration (mean, and median call x calls per iteration), and the flags'."""
-        buckets = len(self.calls) / iterations
-        return {"buckets_per_iter": buckets,
+        """The hook's CPU time per iteration (mean, and median call x calls per iteration), and the end's."""
+        calls = len(self.calls) / iterations
+        return {"calls_per_iter": calls, "replaces_reduction": self.replaces_reduction,
                 "call_us_per_iter": round(sum(self.calls) / iterations * 1e6, 2),
-                "call_us_per_iter_median_call": round(statistics.median(self.calls) * buckets * 1e6, 2),
+                "call_us_per_iter_median_call": round(statistics.median(self.calls) * calls * 1e6, 2),
                 "end_iteration_us_per_iter": round(sum(self.ends) / iterations * 1e6, 2),
                 "timer_us_per_call_taken_off": round(self.timer_s * 1e6, 3)}
 
 
 def own_per_iteration(origin: dict, python_hook: dict) -> dict:
-    """The origin hook's own CPU time per iteration: its calls and end of iteration minus ``python_hook``'s calls."""
+    """The agent's own CPU time per iteration: its calls and end of iteration, minus ``python_hook``'s calls
+    where its hook replaced DDP's all-reduce (the earlier comm hook, whose calls include that all-reduce)."""
+    replaced = origin.get("replaces_reduction", True)
     return {"own_us_per_iter": round(origin["call_us_per_iter"] + origin["end_iteration_us_per_iter"]
-                                     - python_hook["call_us_per_iter"], 2),
+                                     - (python_hook["call_us_per_iter"] if replaced else 0.0), 2),
             "own_us_per_iter_median_call": round(origin["call_us_per_iter_median_call"]
                                                  + origin["end_iteration_us_per_iter"]
-                                                 - python_hook["call_us_per_iter_median_call"], 2)}
+                                                 - (python_hook["call_us_per_iter_median_call"] if replaced
+                                                    else 0.0), 2)}
 
 
 def _time_method(cls: type, name: str, into: str) -> None:
@@ -159,7 +189,7 @@ class DdpSetup:
         extra = {"ddp": self.ddp} if origin else {"model": net}
         self.watch = agent.watch(self.scaler, {"net": self.opt}, collector=(), run=f"bench-ddp-{model}", **extra)
         if origin and self.clock:
-            self.clock.on_origin(self.ddp)
+            self.clock.on_watch(self.ddp, self.watch)
 
     def iterate(self, n: int) -> None:
         for _ in range(n):
@@ -198,14 +228,14 @@ def _measure(model: str, rounds: int, block: int) -> dict:
         cpu, wall = rotate(setups, rounds, block)
         result = {"model": model, "variants": compare(cpu, wall, base="plain")}
         iterations = rounds * block
-        # The hook's own CPU time: the calls of ampwatch's hook (and its end of iteration) minus those of DDP's
-        # allreduce_hook as a Python hook, timed around them: steadier than a difference of two noisy loop times.
+        # The agent's own CPU time, timed around its hook calls and its end of iteration: steadier than a
+        # difference of two noisy loop times.
         timed = {name: clock.per_iteration_us(iterations) for name, clock in clocks.items()}
         own = own_per_iteration(timed["origin"], timed["python_hook"])
         plain_s = result["variants"]["plain"]["cpu_us_per_iter"] / 1e6
         result.update(note_us_per_iter=own["own_us_per_iter"],
                       note_us_per_iter_median_call=own["own_us_per_iter_median_call"],
-                      buckets_per_iter=timed["origin"]["buckets_per_iter"], hook_calls=timed,
+                      calls_per_iter=timed["origin"]["calls_per_iter"], hook_calls=timed,
                       note_share_of_plain_iter=round(own["own_us_per_iter"] / 1e6 / plain_s, 5))
         for name, s in setups.items():
             with SyncCounter() as counter:

@@ -16,6 +16,8 @@ batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that th
     python -m bench.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
     python -m bench.fleet --only after --ranks 4096
     python -m bench.fleet --out bench/fleet_delivery.json        # also store it (key "fleet_16384")
+    python -m bench.fleet --lockstep --before f833925            # a whole-job storm, f833925's collector beside
+                                                                 # this tree's (key "fleet_16384_lockstep")
     python -m bench.fleet --render bench/fleet_delivery.json     # print the Markdown tables stored there
 
 ``--transport node-relay`` runs the *after* side through the node relay (one protocol v2 request
@@ -42,11 +44,11 @@ from ampwatch.agent._schedule import RANKS_PER_SECOND, default_heartbeat
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
 
 from bench import _servers
-from bench._before_after import ROOT, store
+from bench._before_after import ROOT, source_of, store
 from bench.report._format import measured_by
 from bench.report.fleet import table
 
-__all__ = ["SILENCE", "silence", "run", "main"]
+__all__ = ["SILENCE", "first_skip_delays", "ms_summary", "seconds_summary", "silence", "run", "main", "warm_seconds"]
 
 KEY = "fleet"
 SCRAPE_EVERY_S = 15.0  # as Prometheus does by default
@@ -65,7 +67,7 @@ PHASES = {"full": {"before": (20, 30), "after": (45, 45)}, "quick": {"before": (
 healthy phase of the *after* side is 3 (quick: 2) heartbeats, so every rank sends the same number."""
 
 
-def _warm_s(side: str, ranks: int) -> float:
+def warm_seconds(ranks: int, side: str = "after") -> float:
     """Seconds until every rank has sent its first batch: the agent spreads a big job's first batches."""
     if side == "before":
         return 2.0  # the ranks start within a second and send at once
@@ -117,7 +119,8 @@ def _pct(values: list[float], q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _ms(values: list[float]) -> dict:
+def ms_summary(values: list[float]) -> dict:
+    """``n``, p50, p99 and max of ``values`` (seconds) in ms."""
     out = {"n": len(values)}
     for name, q in (("p50_ms", .5), ("p99_ms", .99)):
         v = _pct(values, q)
@@ -126,7 +129,8 @@ def _ms(values: list[float]) -> dict:
     return out
 
 
-def _seconds(values: list[float]) -> dict:
+def seconds_summary(values: list[float]) -> dict:
+    """``n``, p50, p99 and max of ``values`` in seconds, and how many are within 2 s."""
     return {"n": len(values), "p50_s": _round(_pct(values, .5)), "p99_s": _round(_pct(values, .99)),
             "max_s": _round(max(values) if values else None),
             "within_2s": sum(v <= VISIBLE_WITHIN_S for v in values)}
@@ -137,9 +141,10 @@ def _round(v: Optional[float]) -> Optional[float]:
 
 
 def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
-          heartbeat: Optional[float] = None) -> dict:
-    """Run one side on a fresh collector; return its figures."""
-    (healthy, storm), warm = phases, _warm_s(delivery, ranks)
+          heartbeat: Optional[float] = None, lockstep: bool = False, server: Optional[str] = None) -> dict:
+    """Run one side on a fresh collector (``server``: the ``server/src`` it runs, default this tree's); return
+    its figures."""
+    (healthy, storm), warm = phases, warm_seconds(ranks, delivery)
     limit = COLLECTOR_DEFAULTS["max_ranks_per_run"]
     args = ["--max-ranks-per-run", str(ranks)] if ranks > limit else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,7 +153,7 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
         with open(thresholds, "w") as f:
             json.dump(quiet, f)
         args += ["--alert-thresholds", thresholds]
-        with _servers.collector(tuple(args)) as srv:
+        with _servers.collector(tuple(args), env={"PYTHONPATH": server} if server else None) as srv:
             stats = srv.stats
             rss0 = stats.memory_kib()["VmRSS"]
             out = os.path.join(tmp, "ranks.json")
@@ -157,7 +162,8 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
                                     "--ranks", str(ranks), "--delivery", delivery, "--transport", transport,
                                     "--warm", str(warm), "--healthy", str(healthy), "--storm", str(storm),
                                     "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out,
-                                    *(["--heartbeat", str(heartbeat)] if heartbeat else [])],
+                                    *(["--heartbeat", str(heartbeat)] if heartbeat else []),
+                                    *(["--lockstep"] if lockstep else [])],
                                    cwd=ROOT, stdout=subprocess.PIPE, text=True)
             timeline = json.loads(sim.stdout.readline())
             _sleep_until(timeline["warm_end"])
@@ -203,6 +209,21 @@ def _silent_fired_at(url: str, rank: str, last_ack: Optional[float], firing: Opt
         firing = _alerts(url)
 
 
+def first_skip_delays(storm: dict) -> tuple[list[float], int]:
+    """Seconds from each streak's first skip to the answer of the batch that carried it, and how many were never
+    answered, of a simulated job's storm ranks. The skip is in /metrics (and the built-in alerts) from then on:
+    the collector applies a batch before it answers."""
+    visible, not_visible = [], 0
+    for s in storm.values():
+        for t_skip, skipped in s["starts"]:
+            acked = next((done for done, count in s["answers"] if count >= skipped), None)
+            if acked is None:
+                not_visible += 1
+            else:
+                visible.append(acked - t_skip)
+    return visible, not_visible
+
+
 def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[dict], firing: list[dict],
              silent_at: Optional[float], cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
              raised_limit: bool, quiet: dict[str, int]) -> dict:
@@ -216,17 +237,11 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
     unscraped = {phase: [seconds for sent, seconds in pairs
                          if not any(a - seconds <= sent <= b for a, b in busy)]
                  for phase, pairs in job["latency"].items()}
-    # A streak's first skip is in /metrics once the batch carrying it is answered (applied before the answer);
-    # every scrape must agree: it shows at least what was answered before it began, at most what was sent.
-    visible, not_visible, disagreements = [], 0, 0
+    # Every scrape must agree with the answers: it shows at least what was answered before it began.
+    visible, not_visible = first_skip_delays(storm)
+    disagreements = 0
     for rank, s in storm.items():
         answers = s["answers"]
-        for t_skip, skipped in s["starts"]:
-            acked = next((done for done, count in answers if count >= skipped), None)
-            if acked is None:
-                not_visible += 1
-            else:
-                visible.append(acked - t_skip)
         for scrape in scrapes:
             if "error" in scrape:
                 continue
@@ -262,9 +277,9 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
                      "storm": round(storm_s, 1)},
         "healthy": {"requests_per_s": round(job["requests"]["healthy"] / healthy_s, 1),
                     "http_requests_per_s": round(len(job["http_latency"]["healthy"]) / healthy_s, 1),
-                    "http_latency": _ms(job["http_latency"]["healthy"]),
-                    "latency": _ms(latency["healthy"]), "latency_outside_scrapes": _ms(unscraped["healthy"]),
-                    "late_p99_ms": _ms(job["late"]["healthy"])["p99_ms"],
+                    "http_latency": ms_summary(job["http_latency"]["healthy"]),
+                    "latency": ms_summary(latency["healthy"]), "latency_outside_scrapes": ms_summary(unscraped["healthy"]),
+                    "late_p99_ms": ms_summary(job["late"]["healthy"])["p99_ms"],
                     "collector_cpu_cores": round((cpu["healthy_end"] - cpu["healthy"]) / healthy_s, 3),
                     "collector_cpu_us_per_rank_s": round(1e6 * (cpu["healthy_end"] - cpu["healthy"])
                                                          / (ranks * healthy_s), 2),
@@ -273,16 +288,16 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
                     "wire_kib_per_rank_hour": round(job["bytes"]["healthy"] / healthy_s * per_rank_hour / 1024, 1)},
         "storm": {"requests_per_s": round(job["requests"]["storm"] / storm_s, 1),
                   "http_requests_per_s": round(len(job["http_latency"]["storm"]) / storm_s, 1),
-                  "http_latency": _ms(job["http_latency"]["storm"]),
-                  "latency": _ms(latency["storm"]), "latency_outside_scrapes": _ms(unscraped["storm"]),
+                  "http_latency": ms_summary(job["http_latency"]["storm"]),
+                  "latency": ms_summary(latency["storm"]), "latency_outside_scrapes": ms_summary(unscraped["storm"]),
                   "collector_cpu_cores": round((cpu["end"] - cpu["healthy_end"]) / storm_s, 3),
                   "wire_kib_per_rank_hour": round(job["bytes"]["storm"] / storm_s * per_rank_hour / 1024, 1),
                   "storm_ranks": len(storm),
-                  "first_skip_to_metrics": _seconds(visible), "first_skips_not_visible_by_end": not_visible,
+                  "first_skip_to_metrics": seconds_summary(visible), "first_skips_not_visible_by_end": not_visible,
                   "scrapes": len(scrapes), "scrapes_failed": sum("error" in s for s in scrapes),
                   "scrape_disagreements": disagreements, "alerts_answered": firing is not None,
-                  "scrape_p50_ms": _ms([s["end"] - s["start"] for s in scrapes])["p50_ms"],
-                  "rung16_to_builtin_alert": _seconds(alert_delays), "streak_alerts_missing": alert_missing},
+                  "scrape_p50_ms": ms_summary([s["end"] - s["start"] for s in scrapes])["p50_ms"],
+                  "rung16_to_builtin_alert": seconds_summary(alert_delays), "streak_alerts_missing": alert_missing},
         "missed_updates": job["missed"], "refused": job["refused"], "timeouts": job["timeouts"],
         "silence": {"killed_rank": killed["rank"], "last_batch_to_alert_s": _round(
                         None if silent_at is None or last_ack is None else silent_at - last_ack),
@@ -293,18 +308,28 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
 
 
 def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-rank",
-        heartbeat: Optional[float] = None) -> dict:
-    """Run each side in turn; return ``{side: figures}`` with the run's settings."""
+        heartbeat: Optional[float] = None, lockstep: bool = False, before: Optional[str] = None) -> dict:
+    """Run each side in turn; return ``{side: figures}`` with the run's settings.
+
+    ``before``: a commit whose collector runs the *after* delivery first, as side ``previous`` (its
+    ``server/src`` from ``git archive``); ``lockstep``: a DDP job whose whole storm is every rank's.
+    """
     plan = dict(PHASES["quick" if quick else "full"])
     heartbeat = heartbeat or default_heartbeat(ranks)  # the agent's default for a job of this size
     # The after side's healthy phase stays a whole number of heartbeats (3; quick: 2).
-    plan["after"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
-    result = {side: _side(side, ranks, plan[side], transport if side == "after" else "per-rank",
-                          heartbeat if side == "after" else None)
-              for side in sides}
+    plan["after"] = plan["previous"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
+    result: dict = {}
+    for side in sides:
+        with tempfile.TemporaryDirectory() as tmp:
+            server = source_of(before, tmp) if side == "previous" else None
+            delivery = "before" if side == "before" else "after"
+            result[side] = _side(delivery, ranks, plan[side], transport if side != "before" else "per-rank",
+                                 heartbeat if side != "before" else None, lockstep, server)
+        if side == "previous":
+            result[side]["label"] = f"at {before} (the same job)"
     result["settings"] = {"heartbeat_s": heartbeat, "scrape_every_s": SCRAPE_EVERY_S,
-                          "iteration_s": 1.0, "storm_share": 0.1, "cpus": os.cpu_count(),
-                          "loadavg_1m": round(os.getloadavg()[0], 2)}
+                          "iteration_s": 1.0, "storm_share": 1.0 if lockstep else 0.1, "lockstep": lockstep,
+                          "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
     return result
 
 
@@ -320,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                                                         f"for the job's size, {HEARTBEAT_INTERVAL_S} s up to "
                                                         f"{MAX_HEARTBEAT_INTERVAL_S} s; 16,384 ranks: "
                                                         f"{default_heartbeat(16384):.1f} s)")
+    parser.add_argument("--lockstep", action="store_true", help="a DDP job: every rank iterates and skips together "
+                                                                    "(a whole-job storm, each rank's news in the "
+                                                                    "same second)")
+    parser.add_argument("--before", metavar="REF", help="instead of the delivery before issue 18, compare with "
+                                                        "the collector of commit REF under the same job")
     parser.add_argument("--out", help=f"also store the result under '{KEY}_RANKS' in this JSON file")
     parser.add_argument("--render", metavar="JSON", help="print the Markdown table of a stored result and exit")
     args = parser.parse_args(argv)
@@ -331,12 +361,14 @@ def main(argv: list[str] | None = None) -> int:
                     print("\n".join(table(result)) + "\n")
         return 0
     ranks = args.ranks or (1024 if args.quick else 16384)
-    sides = (args.only,) if args.only else ("before", "after")
-    result = run(ranks, sides, args.quick, args.transport, args.heartbeat)
+    first = "previous" if args.before else "before"
+    sides = ((first if args.only == "before" else "after"),) if args.only else (first, "after")
+    result = run(ranks, sides, args.quick, args.transport, args.heartbeat, args.lockstep, args.before)
     print("\n".join(table(result)))
     print(json.dumps(result, indent=1))
     if args.out:
-        key = (f"{KEY}_{ranks}" + (f"_heartbeat_{args.heartbeat:g}" if args.heartbeat else "")
+        key = (f"{KEY}_{ranks}" + ("_lockstep" if args.lockstep else "")
+               + (f"_heartbeat_{args.heartbeat:g}" if args.heartbeat else "")
                + ("" if args.transport == "per-rank" else "_" + args.transport.replace("-", "_")))
         store(args.out, key, result, sys.argv, module="fleet")
     return 0

@@ -38,7 +38,8 @@ def _child(ranks: int) -> dict[str, float]:
     from ampwatch.server._schema import parse_batch
     from ampwatch.server._state import RankState, next_incarnation
 
-    with tempfile.TemporaryDirectory() as tmp, TestClient(create_app(ServerConfig(db=f"{tmp}/r.db"))) as client:
+    with tempfile.TemporaryDirectory() as tmp, \
+            TestClient(create_app(ServerConfig(db=f"{tmp}/r.db", allowed_hosts=("testserver",)))) as client:
         state, own = client.app.state.collector_state, client.app.state.own
 
         def put(rank: int, steps: int, seq: int) -> None:

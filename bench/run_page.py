@@ -15,7 +15,8 @@ ticks after the storm began):
   slower ones waited for the built-in alert pass on the event loop);
 - the status page in headless Chromium (tests/helpers/headless_browser.py): *first paint* is the
   time from navigation start (the Performance API's time origin, so not the browser's launch) to the
-  first ranks-in-trouble row in the DOM; *bytes per refresh* is every ``/v1/`` answer's body during
+  first ranks-in-trouble row in the DOM, with its parts (the HTML answered, the script answered and
+  run, the summary asked for and answered); *bytes per refresh* is every ``/v1/`` answer's body during
   ``--watch`` seconds divided by the refreshes completed meanwhile, by endpoint too.
 
     python -m bench.run_page [--ranks 1024] [--before a95d20e] [--out FILE]
@@ -58,6 +59,20 @@ document.addEventListener('DOMContentLoaded', () => new MutationObserver(() => w
 """
 
 
+# Where the first paint's time went, in ms from navigation start: the page's HTML answered, its script answered,
+# its scripts run (DOMContentLoaded), the first summary asked for and answered (the Resource Timing API).
+_PARTS = """(() => {
+  const nav = performance.getEntriesByType('navigation')[0];
+  const resources = performance.getEntriesByType('resource');
+  const summary = resources.find(e => e.name.includes('/summary'));
+  const script = resources.find(e => e.name.endsWith('/app.js'));
+  const ms = v => v === undefined ? null : Math.round(v);
+  return {html_answered: ms(nav.responseEnd), script_answered: ms(script && script.responseEnd),
+          scripts_run: ms(nav.domContentLoadedEventEnd),
+          summary_asked: ms(summary && summary.startTime), summary_answered: ms(summary && summary.responseEnd)};
+})()"""
+
+
 def _get(url: str, times: int = 7, gap_s: float = 1.0) -> Optional[dict]:
     """Median ms and bytes of ``times`` GETs ``gap_s`` apart (the first one's ms too); None where it is a 404."""
     spent, size = [], 0
@@ -92,11 +107,19 @@ def _page(url: str, run: str, watch_s: float) -> dict:
     received: list[tuple[float, str, int]] = []
     with open_page("about:blank") as (page, problems):
         page.add_init_script(_PROBE)
-        page.on("response", lambda r: received.append((time.perf_counter(), urllib.parse.urlsplit(r.url).path,
-                                                        len(r.body()))) if "/v1/" in r.url else None)
+        def answered(response) -> None:
+            if "/v1/" in response.url:
+                try:
+                    received.append((time.perf_counter(), urllib.parse.urlsplit(response.url).path,
+                                     len(response.body())))
+                except Exception:  # the page closed before this answer's body was read: the watch is over
+                    pass
+
+        page.on("response", answered)
         page.goto(f"{url}/#run={urllib.parse.quote(run)}")
         painted = wait_until(page, "window.__firstRows !== undefined", 60)
         first_paint = round(page.evaluate("window.__firstRows")) if painted else None  # never: a result too
+        parts = page.evaluate(_PARTS) if painted else None
         wait_until(page, "window.__refreshes >= 1", 120)
         mark, done = time.perf_counter(), page.evaluate("window.__refreshes")
         page.wait_for_timeout(watch_s * 1000)
@@ -107,7 +130,7 @@ def _page(url: str, run: str, watch_s: float) -> dict:
         key = path.replace(urllib.parse.quote(run), "{run}").replace(run, "{run}")
         by_path[key] = by_path.get(key, 0) + size
     per = max(1, refreshes)
-    return {"first_paint_ms": first_paint, "refreshes": refreshes, "watch_s": watch_s,
+    return {"first_paint_ms": first_paint, "first_paint_parts": parts, "refreshes": refreshes, "watch_s": watch_s,
             "refresh_bytes": round(sum(size for _, size in window) / per) if refreshes else None,
             "by_endpoint": {k: round(v / per) for k, v in sorted(by_path.items(), key=lambda kv: -kv[1])},
             "console_problems": problems[:5]}

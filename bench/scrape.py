@@ -74,7 +74,7 @@ async def _fill_collector(port: int, run: str, ranks: int, connections: int = 16
                 build = ampwatch_template(run, rank, ranks)
                 for seq in (1, 2, 3):  # three updates: counters moved, as on a live rank
                     body = build(seq)
-                    writer.write(b"POST /v1/ingest HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+                    writer.write(b"POST /v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
                     status = int((await reader.readline()).split(b" ")[1])
                     length = 0

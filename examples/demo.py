@@ -109,6 +109,14 @@ def _where_to_look(url: str, run: str) -> str:
             f"  this run      {url}/v1/runs/{run}   (events: {url}/v1/runs/{run}/events)")
 
 
+def _after_once(db: Path, run: str) -> str:
+    """What to do once ``--once`` has stopped the collector: its links would lead nowhere, its database keeps all."""
+    return (f"The collector has stopped (--once), so the links above no longer answer. Everything it recorded is in "
+            f"{db}; to look again:\n"
+            f"  ampwatch-server --db {db}    then open http://127.0.0.1:9457/ (run {run})\n"
+            f"  or run make demo without --once: the collector then keeps running until Ctrl-C")
+
+
 def _watch(view: CollectorView, job: subprocess.Popen, once: bool) -> None:
     """Poll while the job runs, then until its alerts resolve (bounded)."""
     while job.poll() is None:
@@ -156,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(view.summary())
         print()
-        print(_where_to_look(collector.url, args.run))
         if args.once:
+            print(_after_once(args.data / "demo.db", args.run))
             return 0
+        print(_where_to_look(collector.url, args.run))
         print(f"\nThe collector keeps running at {collector.url}: open the status page. Ctrl-C stops it.",
               flush=True)
         while True:

@@ -4,7 +4,8 @@ Run by tests/test_integration_lightning.py as ``python tests/lightning_ddp_job.p
 with ``AMPWATCH_URL`` set and no run id: Lightning's launcher starts rank 1 by running
 this script again, and the ranks agree on a run id by themselves. Rank 0's input
 holds an inf at batches 1 and 2, rank 1's at batch 4: DDP's all-reduce makes both
-ranks skip at all three.
+ranks skip at all three. The callback's ``log_metrics`` logs to a logger that, unlike
+Lightning's own, is not limited to rank 0: what reaches it is what the callback sent.
 
 ``python tests/lightning_ddp_job.py OUT_DIR fsdp2``: the same module sharded with FSDP2
 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``) in bf16 without a scaler:
@@ -22,6 +23,7 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
 import torch  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
 
 from ampwatch.agent.lightning import AmpWatchCallback  # noqa: E402
 from framework_truth import watch_counts  # noqa: E402
@@ -42,10 +44,25 @@ class Sharded(OneOptimizer):
         fully_shard(self.net, mesh=mesh)
 
 
+class EveryRankLogger(Logger):
+    """Counts the metrics logged under ``ampwatch/`` on this rank (Lightning's loggers log on rank 0 only)."""
+
+    name, version = "every-rank", 0
+    ampwatch_calls = 0
+
+    def log_metrics(self, metrics, step=None):
+        if any(key.startswith("ampwatch/") for key in metrics):
+            self.ampwatch_calls += 1
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
 def main(out_dir: str, kind: str = "ddp") -> None:
     warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging
     torch.manual_seed(0)
-    callback = AmpWatchCallback()
+    callback = AmpWatchCallback(log_metrics=kind == "ddp")
+    logger = EveryRankLogger()
     if kind == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -54,15 +71,16 @@ def main(out_dir: str, kind: str = "ddp") -> None:
                       max_epochs=1, callbacks=[callback], precision="bf16-mixed")
     else:
         module = OneOptimizer(POISON)
-        fit = trainer(strategy="ddp", devices=2, max_epochs=2, callbacks=[callback],
-                      plugins=[fp16_plugin(init_scale=1024.0, growth_interval=2)])
+        fit = trainer(strategy="ddp", devices=2, max_epochs=2, callbacks=[callback], logger=logger,
+                      log_every_n_steps=1, plugins=[fp16_plugin(init_scale=1024.0, growth_interval=2)])
     fit.fit(module, data(batches=12))  # 6 per rank and epoch
     with open(os.path.join(out_dir, f"rank{fit.global_rank}.json"), "w") as f:
         snapshot = callback.watch.snapshot()
         json.dump({"truth": module.truth.counts(), "watch": watch_counts(snapshot),
                    "closed": callback.watch.closed, "scheduler_steps": module.scheduler_steps,
                    "scaler": snapshot["scaler"], "agent_errors": snapshot["state"]["delivery"]["agent_errors"],
-                   "sharded": type(next(module.parameters())).__name__ == "DTensor"}, f)
+                   "sharded": type(next(module.parameters())).__name__ == "DTensor",
+                   "ampwatch_logged": logger.ampwatch_calls}, f)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ Both read the same thresholds (shortened to seconds): Prometheus gets the rules
 none), stream protocol v1 batches into one real collector for about 20 s; then
 the alerts that fired (name, run, rank, optimizer, severity) must be the same on
 both sides, and equal to what each run was scripted to trip. Edge cases ride
-along: a skip ratio exactly at its threshold, loss scales of NaN and 0.
+along: a skip ratio exactly at its threshold, loss scales of NaN and 0. Two runs
+skip together on every rank (a short storm, and one whose scale collapses), so
+each evaluator fires one run-level AmpRunSkipStorm there and resolves it; the
+collector's webhook must never hear RESOLVED for an alert it was not told fired.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import dataclasses
 import functools
 import json
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 from prometheus_stack import Processes, get, query_range, start_prometheus, wait_for_scrapes, wait_until
-from webhook_receiver import free_port
+from webhook_receiver import WebhookReceiver, free_port
 from batches import make_batch, optimizer, post_batch
 from collector_process import CollectorProcess
 
@@ -44,11 +48,23 @@ BATCHES = 40  # one every 0.5 s per rank
 PERIOD_S = 0.5
 ITERATIONS_PER_BATCH = 2
 TROUBLE = range(10, 13)  # the batches in which scripted trouble happens
+JOB_TROUBLE = range(10, 24)  # p-job skips on every rank, then its scale is restored from a checkpoint
+# Per-rank streak alerts of a storm run that one evaluator may fire for a moment (a scrape or a pass between two
+# ranks' batches of the same iteration) and withdraw once it sees the whole run: not compared.
+STORM_RUNS = ("p-streak", "p-job")
 
 # What each run was scripted to trip: (alert, run, rank, optimizer, severity); "" where a label is absent.
 EXPECTED = {
-    *{("AmpConsecutiveSkippedSteps", "p-streak", str(r), "gen", "warning") for r in (0, 1)},
+    # Both ranks of p-streak skip 6 in a row together: one run alert, not one per rank.
+    ("AmpRunSkipStorm", "p-streak", "", "", "warning"),
     ("AmpSustainedLossScaleBackoff", "p-streak", "", "", "warning"),
+    # Every rank of p-job skips every step for JOB_TROUBLE: its streak passes both severities and its scale
+    # collapses below 1 (and stays, longer than collapsed_for_s), as a whole-job storm does. The storm speaks for
+    # every rank's streak and collapse; each rank's skip ratio is its own.
+    ("AmpRunSkipStorm", "p-job", "", "", "warning"),
+    ("AmpRunSkipStorm", "p-job", "", "", "critical"),
+    ("AmpSustainedLossScaleBackoff", "p-job", "", "", "warning"),
+    *{("AmpHighSkippedStepRatio", "p-job", str(r), "gen", "warning") for r in range(3)},
     ("AmpHighSkippedStepRatio", "p-ratio", "0", "gen", "warning"),
     ("AmpSustainedLossScaleBackoff", "p-ratio", "", "", "warning"),
     ("AmpLossScaleCollapsed", "p-collapse", "0", "", "critical"),
@@ -147,6 +163,7 @@ def _stream(url: str) -> None:
         # (a 0 or NaN) or apart from the scaler's (a 1.0 beside 2**16); rank 1's poisoned step alone fires.
         "p-bf16": [ScriptedRank("p-bf16", 0, 3, scale=None), ScriptedRank("p-bf16", 1, 3, scale=None),
                    ScriptedRank("p-bf16", 2, 3)],
+        "p-job": [ScriptedRank("p-job", r, 3) for r in range(3)],
     }
     for rank in ranks["p-origin"]:
         rank.origins = 0
@@ -160,6 +177,10 @@ def _stream(url: str) -> None:
             _post(url, rank.step())
         for rank in ranks["p-streak"]:  # 6 skips in a row: a streak over the warning threshold (4), 6 backoffs
             _post(url, rank.step(iter([trouble] * ITERATIONS_PER_BATCH)))
+        for rank in ranks["p-job"]:
+            if batch == JOB_TROUBLE.stop:
+                rank.scale = 2.0 ** 16  # restored from a checkpoint
+            _post(url, rank.step(iter([batch in JOB_TROUBLE] * ITERATIONS_PER_BATCH)))
         # Every other iteration skips: half the steps (exactly skip_ratio), never two in a row.
         _post(url, ranks["p-ratio"][0].step(iter([True, False])))
         first = batch == TROUBLE.start
@@ -188,12 +209,19 @@ def _fired_built_in(collector: str) -> set[tuple]:
              a["labels"].get("severity", "")) for a in alerts["firing"] + alerts["resolved"]}
 
 
+def _compared(fired: set[tuple]) -> set[tuple]:
+    return {a for a in fired if not (a[0] == "AmpConsecutiveSkippedSteps" and a[1] in STORM_RUNS)}
+
+
 def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_run_rank_and_optimizer(
         tmp_path: Path):
     (tmp_path / "thresholds.json").write_text(json.dumps(dataclasses.asdict(THRESHOLDS)))
     processes = Processes(tmp_path)
+    receiver = WebhookReceiver().start()
     collector = CollectorProcess(str(tmp_path / "ampwatch.db"),
-                                 args=["--alert-thresholds", str(tmp_path / "thresholds.json")])
+                                 args=["--alert-thresholds", str(tmp_path / "thresholds.json"),
+                                       "--webhook", f"webhook:{receiver.url}/hook", "--notify-group-wait", "1",
+                                       "--notify-group-interval", "1"])
     try:
         collector.start()
         prometheus = start_prometheus(processes, tmp_path, free_port(), render_rules(THRESHOLDS),
@@ -203,15 +231,44 @@ def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_
         start = time.time()
         _stream(collector.url)
         # Prometheus lags by a scrape and an evaluation; the silent rank needs silent_after_s + for.
-        wait_until(lambda: _fired_in_prometheus(prometheus, start) >= EXPECTED
-                   and _fired_built_in(collector.url) >= EXPECTED, 20,
+        wait_until(lambda: _compared(_fired_in_prometheus(prometheus, start)) >= EXPECTED
+                   and _compared(_fired_built_in(collector.url)) >= EXPECTED, 20,
                    lambda: f"both evaluators to fire everything scripted:\n  expected   {sorted(EXPECTED)}\n"
                            f"  prometheus {sorted(_fired_in_prometheus(prometheus, start))}\n"
                            f"  built-in   {sorted(_fired_built_in(collector.url))}")
-        in_prometheus, built_in = _fired_in_prometheus(prometheus, start), _fired_built_in(collector.url)
+        # Every rank closed: the storms resolve in both (the per-rank alerts they spoke for never fired).
+        storms = 'ALERTS{alertname="AmpRunSkipStorm",alertstate="firing"}'
+        wait_until(lambda: not _storms_firing(prometheus, storms) and not _storms_firing_built_in(collector.url),
+                   30, lambda: "both evaluators to resolve the storms")
+        in_prometheus = _compared(_fired_in_prometheus(prometheus, start))
+        built_in = _compared(_fired_built_in(collector.url))
+        hook = receiver.wait_for(lambda reqs: _announced(reqs, "AmpRunSkipStorm", "resolved") >= 3, 30)
     finally:
         processes.stop_all()
         collector.kill()
+        receiver.stop()
     assert built_in == in_prometheus, (f"only built-in: {sorted(built_in - in_prometheus)}; "
                                        f"only Prometheus: {sorted(in_prometheus - built_in)}")
     assert built_in == EXPECTED  # and nothing for p-clean
+    # The webhook heard each RESOLVED only for an alert it had been told was firing.
+    told: set[str] = set()
+    for request in hook:
+        for alert in request["body"]["alerts"]:
+            if alert["status"] == "firing":
+                told.add(alert["fingerprint"])
+            else:
+                assert alert["fingerprint"] in told, f"RESOLVED never announced: {alert['labels']}"
+
+
+def _storms_firing(prometheus: str, expr: str) -> list:
+    answer = json.loads(get(f"{prometheus}/api/v1/query?query={urllib.parse.quote(expr)}"))
+    return answer["data"]["result"]
+
+
+def _storms_firing_built_in(collector: str) -> list:
+    return [a for a in json.loads(get(collector + "/v1/alerts"))["firing"] if a["name"] == "AmpRunSkipStorm"]
+
+
+def _announced(requests: list, name: str, status: str) -> int:
+    return sum(1 for r in requests for a in r["body"]["alerts"]
+               if a["labels"]["alertname"] == name and a["status"] == status)

@@ -87,7 +87,7 @@ def test_connections_beyond_a_thousand_are_all_answered(tmp_path):
         try:
             for _ in range(1100):
                 s = socket.create_connection(("127.0.0.1", collector.port), timeout=30)
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 socks.append(s)
             answered = 0
             for s in socks:

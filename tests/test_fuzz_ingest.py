@@ -111,8 +111,8 @@ def fuzzer(tmp_path, request):
     # A silence window longer than the test, so that a rank's "reporting" series cannot flip between two reads.
     # A test may override settings with indirect parametrisation (a dict of ServerConfig fields).
     overrides = getattr(request, "param", {})
-    config = ServerConfig(db=str(tmp_path / "ampwatch.db"), max_body_bytes=256 * 1024, silent_after=3600.0,
-                          **overrides)
+    config = ServerConfig(db=str(tmp_path / "ampwatch.db"), allowed_hosts=("testserver",), max_body_bytes=256 * 1024,
+                          silent_after=3600.0, **overrides)
     with TestClient(create_app(config)) as client:
         f = Fuzzer(client)
         yield f
@@ -292,10 +292,11 @@ def test_batches_of_one_rank_in_any_order_with_repeats_end_at_the_newest_counter
 def test_a_batch_of_100000_events_is_refused_with_a_message_and_changes_nothing(tmp_path):
     events = [skip_event(i + 1, iteration=i) for i in range(100_000)]
     body = json.dumps(make_batch(events=events)).encode()
-    with TestClient(create_app(ServerConfig(db=str(tmp_path / "a.db")))) as client:
+    with TestClient(create_app(ServerConfig(db=str(tmp_path / "a.db"), allowed_hosts=("testserver",)))) as client:
         too_large = client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})  # ~20 MB: over the default 8 MiB
         assert too_large.status_code == 413 and "--max-body-bytes" in too_large.json()["message"]
-    with TestClient(create_app(ServerConfig(db=str(tmp_path / "b.db"), max_body_bytes=64 * 1024 * 1024))) as client:
+    with TestClient(create_app(ServerConfig(db=str(tmp_path / "b.db"), max_body_bytes=64 * 1024 * 1024,
+                                            allowed_hosts=("testserver",)))) as client:
         too_many = client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})
         assert too_many.status_code == 422
         assert any("events" in line and "10000" in line for line in too_many.json()["detail"]), too_many.json()

@@ -260,3 +260,5 @@ def test_a_two_process_ddp_fit_reports_both_ranks_under_one_run(tmp_path, agent_
         assert truth["optimizers"]["SGD"]["skipped"] == 3
         assert truth["optimizers"]["SGD"]["scheduler_steps_after_skip"] == 3
         assert result["scheduler_steps"] == sum(truth["optimizers"]["SGD"][k] for k in ("steps", "skipped"))
+        # log_metrics: every batch from rank 0 (6 per epoch and rank, 2 epochs), nothing from rank 1.
+        assert result["ampwatch_logged"] == (12 if r == 0 else 0), f"rank {r}"

@@ -60,7 +60,7 @@ def _every_test_starts_fresh(fresh_state):
     yield fresh_state
 
 
-def train(tmp_path, callbacks, *, trainer_class=CpuFp16Trainer, resume=None, **settings):
+def train(tmp_path, callbacks, *, trainer_class=CpuFp16Trainer, resume=None, eval_dataset=None, **settings):
     reset_accelerate_state()
     torch.manual_seed(0)
     truth = TruthCallback()
@@ -70,7 +70,7 @@ def train(tmp_path, callbacks, *, trainer_class=CpuFp16Trainer, resume=None, **s
                 logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0)
     args.update(settings)
     trainer = trainer_class(model=Tiny(), args=TrainingArguments(**args), train_dataset=Examples(EXAMPLES, POISONED),
-                            callbacks=[truth, *callbacks])
+                            eval_dataset=eval_dataset, callbacks=[truth, *callbacks])
     trainer.train(resume_from_checkpoint=resume)
     return trainer, truth.truth
 
@@ -119,6 +119,19 @@ def test_a_plain_optimizer_keeps_the_schedule_in_step_and_ampwatch_agrees(tmp_pa
     assert watch_counts(callback.watch.snapshot()) == counts
     assert counts["optimizers"]["AdamW"]["skipped"] == 3
     assert counts["optimizers"]["AdamW"]["scheduler_steps_after_skip"] == 0
+
+
+def test_reduce_lr_on_plateau_stepped_after_each_evaluation_is_not_watched_as_a_per_update_schedule(tmp_path):
+    # The Trainer steps ReduceLROnPlateau on the metrics of each evaluation, here after every update, the three
+    # skipped ones included: nothing runs ahead of the updates, so none of those steps is counted.
+    callback = AmpWatchCallback()
+    trainer, _ = train(tmp_path, [callback], optim="adamw_torch", lr_scheduler_type="reduce_lr_on_plateau",
+                       eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+                       eval_dataset=Examples(2))
+    assert isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    assert trainer.lr_scheduler.last_epoch == 12  # stepped once per update: after each evaluation
+    counters = callback.watch.snapshot()["state"]["optimizers"]["AdamW"]
+    assert counters["skipped"] == 3 and counters["scheduler_steps_after_skip"] == 0
 
 
 def test_in_bf16_every_update_is_checked_and_poisoned_steps_are_the_truth(tmp_path, caplog):

@@ -55,6 +55,18 @@ def _container(objects: list[dict]) -> dict:
     return container
 
 
+def _environment(container: dict, namespace: str) -> dict[str, str]:
+    """The container's plain variables as the kubelet sets them: the namespace from the downward API, and
+    ``$(VAR)`` of a variable defined before it expanded (Secrets are left out)."""
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+            env[item["name"]] = namespace
+        elif "value" in item:
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"])
+    return env
+
+
 def _dockerfile_env() -> dict[str, str]:
     (block,) = re.findall(r"^ENV ((?:.*\\\n)*.*)$", DOCKERFILE, re.M)
     return dict(re.findall(r"(\w+)=(\S+)", block))
@@ -156,7 +168,7 @@ def test_a_real_collector_configured_as_the_manifest_says_answers_the_probes_and
     probes = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
     assert {p["port"] for p in probes.values()} == {"http"}
     assert {p["path"] for p in probes.values()} == {"/healthz", "/readyz"}
-    env = {e["name"]: e.get("value") for e in container["env"]}
+    env = _environment(container, namespace="ampwatch")
     env["AMPWATCH_SERVER_TOKEN"] = "k8s-test-token"  # what the Secret would hold
     env["AMPWATCH_SERVER_HOST"] = "127.0.0.1"          # loopback here; the manifest's 0.0.0.0 is checked above
     # CollectorProcess passes --port and --db, which win over the manifest's env (checked above).
@@ -164,6 +176,17 @@ def test_a_real_collector_configured_as_the_manifest_says_answers_the_probes_and
         for kind, probe in probes.items():
             with urllib.request.urlopen(collector.url + probe["path"], timeout=10) as answer:
                 assert answer.status == 200, kind
+        # The names agents use (README: each replica under the headless Service) are served; others are not.
+        for host, status in (("ampwatch-collector-0.ampwatch-collector-replicas.ampwatch.svc", 200),
+                             ("ampwatch-collector-1.ampwatch-collector-replicas.ampwatch.svc.cluster.local", 200),
+                             ("ampwatch-collector.ampwatch.svc", 200), ("ampwatch-collector", 200),
+                             ("ampwatch-collector.attacker.example", 421)):
+            request = urllib.request.Request(collector.url + "/healthz", headers={"Host": f"{host}:9457"})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as answer:
+                    assert answer.status == status, host
+            except urllib.error.HTTPError as refused:
+                assert refused.code == status, host
         body = json.dumps(make_batch(optimizers={"gen": optimizer(steps=3)})).encode()
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(urllib.request.Request(collector.url + "/v1/ingest", data=body), timeout=10)

@@ -146,17 +146,17 @@ def _wait_for_jobs(stack: dict) -> None:
         assert [j.returncode for j in stack["jobs"]] == [0, 0], stack["processes"].log(name)
 
 
-def test_a_skip_streak_fires_amp_consecutive_skipped_steps_with_run_and_optimizer_then_resolves(stack):
+def test_a_skip_streak_on_both_ranks_of_a_ddp_job_fires_one_amp_run_skip_storm_then_resolves(stack):
+    # DDP ranks skip together: one alert for the run, which speaks for both ranks' streak alerts.
     receiver = stack["receiver"]
-    for optimizer in ("body", "head"):
-        fired = wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "firing",
-                                                    run=RUN_STREAK, optimizer=optimizer), 60, receiver.summary)
-        assert {a["labels"]["severity"] for a in fired} >= {"warning"}
-        assert {a["labels"]["rank"] for a in fired} <= {"0", "1"}
-        assert "skipped at least 4 consecutive steps" in fired[0]["annotations"]["description"]
-        assert fired[0]["annotations"]["runbook_url"].endswith("#ampconsecutiveskippedsteps")
-    wait_until(lambda: receiver.alerts("AmpConsecutiveSkippedSteps", "resolved", run=RUN_STREAK), 60,
-                receiver.summary)
+    # Generous: the first test also waits for both DDP jobs to start (torch, gloo) on a loaded machine.
+    fired = wait_until(lambda: receiver.alerts("AmpRunSkipStorm", "firing", run=RUN_STREAK, severity="warning"),
+                       150, receiver.summary)
+    assert "100% of the ranks of run e2e-streak" in fired[0]["annotations"]["description"]
+    assert "skipped at least 4 consecutive steps" in fired[0]["annotations"]["description"]
+    assert fired[0]["annotations"]["runbook_url"].endswith("#amprunskipstorm")
+    assert "rank" not in fired[0]["labels"] and "optimizer" not in fired[0]["labels"]
+    wait_until(lambda: receiver.alerts("AmpRunSkipStorm", "resolved", run=RUN_STREAK), 60, receiver.summary)
 
 
 def test_repeated_backoff_on_both_ranks_fires_amp_sustained_loss_scale_backoff_across_two_collectors(stack):

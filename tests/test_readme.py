@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import stat
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
+from batches import make_batch
 from collector_process import CollectorProcess
+from ports import free_port
+from rank_processes import wait_for
 
 from framework_truth import reset_accelerate_state
 
@@ -39,13 +47,13 @@ accumulation = 2
 '''
 
 
-def _snippets(heading: str = "## Attach the agent") -> list[str]:
-    """The Python snippets of the README section that starts with ``heading`` (up to the next section)."""
+def _snippets(heading: str = "## Attach the agent", language: str = "python") -> list[str]:
+    """The ``language`` snippets of the README section that starts with ``heading`` (up to the next section)."""
     text = README.read_text()
     start = text.index(heading)
     end = text.find("\n## ", start + len(heading))
     section = text[start:end if end != -1 else len(text)]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
 def _run(snippet: str, monkeypatch) -> dict:
@@ -238,3 +246,47 @@ watch.close()
     summary = ns["watch"].summary()
     assert "AdamW: 7 stepped, 1 skipped" in summary, summary  # batch 2 holds an inf
     assert "0 scheduler steps after a skip" in summary and ns["sched"].scheduler.last_epoch == 7
+
+
+# ----- "Run the collector for real": the shell block, as written, in a temporary root ----
+
+@pytest.mark.slow
+def test_the_collector_setup_runs_as_written_in_a_fresh_root(tmp_path):
+    (block,) = _snippets("## Run the collector for real", "bash")
+    install = "pip install ./contract ./server"
+    assert block.startswith(install), "the block no longer starts by installing: update this test"
+    root, port = tmp_path / "root", free_port()
+    script = block[block.index("\n") + 1:]  # installed in this venv already; a test does not reach a registry
+    script = script.replace("sudo ", "")  # this test's user owns the temporary root
+    script = re.sub(r"(?<=[\s=])/(etc|var)/", rf"{root}/\1/", script)  # a fresh machine's folders, under root
+    script = script.replace("--host 0.0.0.0", "--host 127.0.0.1").replace("--port 9457", f"--port {port}")
+    assert str(root) in script and not re.search(r"(?<=[\s=])/(etc|var)/", script)
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env = {k: v for k, v in env.items() if not k.startswith("AMPWATCH_SERVER_")}
+    shell = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: shell.poll() is not None or _answers(url + "/readyz"), timeout=60)
+        assert shell.poll() is None, shell.communicate(timeout=10)[0].decode()
+        token = (root / "etc" / "ampwatch" / "ingest-token").read_text().strip()
+        assert re.fullmatch(r"[0-9a-f]{64}", token)
+        batch = json.dumps(make_batch(run="readme-setup")).encode()
+        request = urllib.request.Request(url + "/v1/ingest", data=batch, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert json.loads(answer.read()) == {"applied": True}
+        for folder in (root / "etc" / "ampwatch", root / "var" / "lib" / "ampwatch"):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+        assert stat.S_IMODE((root / "var" / "lib" / "ampwatch" / "ampwatch.db").stat().st_mode) == 0o600
+    finally:
+        os.killpg(shell.pid, signal.SIGTERM)
+        shell.communicate(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False

@@ -107,12 +107,12 @@ def test_alerts_of_the_periodic_pass_and_of_a_batch_still_fire_while_batches_arr
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--alert-thresholds", str(thresholds)]) as collector, \
             httpx.Client(base_url=collector.url, timeout=60) as client:
         assert client.post("/v1/ingest", json=_batch(999, 1, "f" * 32)).status_code == 200  # then silent
-        streak = _batch(1, 1, "e" * 32)
-        streak["state"]["optimizers"]["gen"].update(consecutive_skipped=40, longest_streak=40)
-        assert client.post("/v1/ingest", json=streak).status_code == 200
-        # The streak fires at its batch's ingest: no pass needed.
+        poisoned = _batch(1, 1, "e" * 32)
+        poisoned["state"]["optimizers"]["gen"].update(poisoned_steps=1)
+        assert client.post("/v1/ingest", json=poisoned).status_code == 200
+        # The poisoned step fires at its batch's ingest: no pass needed.
         firing = {(a["name"], a["labels"].get("rank")) for a in client.get("/v1/alerts").json()["firing"]}
-        assert ("AmpConsecutiveSkippedSteps", "1") in firing
+        assert ("AmpPoisonedStep", "1") in firing
         seq, deadline = 1, time.monotonic() + 60
         while ("AmpRankSilent", "999") not in firing:  # only the periodic pass, in its thread, sees silence
             assert time.monotonic() < deadline, firing
@@ -120,5 +120,5 @@ def test_alerts_of_the_periodic_pass_and_of_a_batch_still_fire_while_batches_arr
             for rank in range(2, 40):
                 assert client.post("/v1/ingest", json=_batch(rank, seq, f"{rank:032x}")).status_code == 200
             firing = {(a["name"], a["labels"].get("rank")) for a in client.get("/v1/alerts").json()["firing"]}
-        assert ("AmpConsecutiveSkippedSteps", "1") in firing  # the pass kept what the batch fired
+        assert ("AmpPoisonedStep", "1") in firing  # the pass kept what the batch fired
         assert not any(name == "AmpRankSilent" and 2 <= int(rank) < 40 for name, rank in firing)  # ranks sending

@@ -173,7 +173,9 @@ def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
 
 
 def _v1_only_server(into: pathlib.Path) -> str:
-    """Extract the server of a commit that knows only protocol v1; return the folder for PYTHONPATH.
+    """Extract the server and contract of a commit that knows only protocol v1; return them for PYTHONPATH.
+
+    The contract travels with the server: the old server reads the alert declarations of its own time.
 
     Skips the test where this checkout's git history lacks that commit (a shallow clone, a source archive).
     """
@@ -186,10 +188,11 @@ def _v1_only_server(into: pathlib.Path) -> str:
         pytest.skip(f"needs commit {V1_ONLY} (the last collector that knows only protocol v1) in this checkout's git "
                     f"history, which a shallow clone or a source archive lacks: `git fetch --unshallow` brings it")
     archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), V1_ONLY, "server/src"], check=True)
+    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), V1_ONLY, "server/src", "contract/src"],
+                   check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
-    return str(into / "server" / "src")
+    return os.pathsep.join([str(into / "server" / "src"), str(into / "contract" / "src")])
 
 
 def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_exact_counts(tmp_path):

@@ -37,7 +37,8 @@ READ_TOKEN = "read-Secret-51be2d"
 
 
 def _app(tmp_path, **overrides) -> TestClient:
-    return TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db"), **overrides)))
+    return TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db"), allowed_hosts=("testserver",),
+                                              **overrides)))
 
 
 def _bearer(token: str) -> dict[str, str]:
@@ -112,7 +113,7 @@ def test_cors_is_off_no_origin_is_ever_allowed(tmp_path):
 
 
 def test_a_client_over_the_rate_limit_gets_429_with_retry_after_and_other_clients_are_unaffected(tmp_path):
-    app = create_app(ServerConfig(db=str(tmp_path / "ampwatch.db"), rate_limit=5))
+    app = create_app(ServerConfig(db=str(tmp_path / "ampwatch.db"), rate_limit=5, allowed_hosts=("testserver",)))
     now = [0.0]  # the limiter's clock, driven here: a loaded machine must not refill the bucket mid-test
     app.state.guard.limiter.clock = lambda: now[0]
     with TestClient(app) as flooder:
@@ -127,7 +128,7 @@ def test_a_client_over_the_rate_limit_gets_429_with_retry_after_and_other_client
 
         async def from_elsewhere() -> int:
             transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 40000))
-            async with httpx.AsyncClient(transport=transport, base_url="http://collector") as other:
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as other:
                 return (await other.get("/healthz")).status_code
         import asyncio
         assert asyncio.run(from_elsewhere()) == 200
@@ -251,12 +252,12 @@ def _raw_request(port: int, head: bytes, chunks: list[bytes], read_timeout: floa
 def test_bodies_over_the_limit_are_refused_with_413_declared_or_streamed_and_the_collector_stays_up(tmp_path):
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--max-body-bytes", "65536"]) as collector:
         # A declared length over the limit: refused before a byte of the body is read.
-        declared = _raw_request(collector.port, b"POST /v1/ingest HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        declared = _raw_request(collector.port, b"POST /v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                                 b"application/json\r\nContent-Length: 1000000000\r\n\r\n", [])
         assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
         # Chunked, no length: refused once the running total passes the limit.
         chunk = b"x" * 16384
-        streamed = _raw_request(collector.port, b"POST /v1/ingest HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        streamed = _raw_request(collector.port, b"POST /v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                                 b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
                                 [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * 64 + [b"0\r\n\r\n"])
         assert streamed.startswith(b"HTTP/1.1 413"), streamed[:200]

@@ -29,7 +29,8 @@ JSON = {"Content-Type": "application/json"}
 
 
 def _app(tmp_path, **overrides) -> TestClient:
-    return TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db"), **overrides)))
+    return TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db"), allowed_hosts=("testserver",),
+                                              **overrides)))
 
 
 def _runs(client: TestClient) -> list:

@@ -78,7 +78,8 @@ def test_markup_in_run_optimizer_and_parameter_names_comes_back_as_inert_json_an
     from ampwatch.server import ServerConfig, create_app
     batch = make_batch(run=HOSTILE_RUN, optimizers={HOSTILE_OPT: optimizer(steps=2, skipped=1)},
                        events=[skip_event(1, optimizer=HOSTILE_OPT, params=(HOSTILE_PARAM,))])
-    with TestClient(create_app(ServerConfig(db=str(tmp_path / "ampwatch.db")))) as client:
+    config = ServerConfig(db=str(tmp_path / "ampwatch.db"), allowed_hosts=("testserver",))  # TestClient's Host
+    with TestClient(create_app(config)) as client:
         assert client.post("/v1/ingest", json=batch).json() == {"applied": True}
         quoted = urllib.parse.quote(HOSTILE_RUN, safe="")
         answers = [client.get("/v1/runs"), client.get(f"/v1/runs/{quoted}"), client.get(f"/v1/runs/{quoted}/events"),

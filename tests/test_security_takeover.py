@@ -128,13 +128,15 @@ def test_a_restart_right_after_a_crash_is_not_a_conflict_and_its_counts_add_up(t
 
 
 def test_a_second_watch_in_the_same_process_is_not_a_conflict(tmp_path):
-    # A notebook cell run again: a new incarnation from the same host and pid while the first still sends.
+    # A notebook cell run again: a new incarnation from the same process (its secret process key, which every
+    # watch() of a process sends) while the first still sends. Host and pid alone: tests/test_security_identity.py.
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector, \
             httpx.Client(base_url=collector.url, timeout=10) as client:
-        again = dict(run=RUN, rank=3, world_size=8, host="node-a", pid=111, incarnation=RESTARTED)
-        assert client.post("/v1/ingest", json=_victim(1)).status_code == 200
+        key = "process0000000000000000000000000"
+        again = dict(run=RUN, rank=3, world_size=8, host="node-a", pid=111, incarnation=RESTARTED, process_key=key)
+        assert client.post("/v1/ingest", json=_victim(1, process_key=key)).status_code == 200
         assert client.post("/v1/ingest", json=make_batch(**again, seq=1)).json() == {"applied": True}
-        assert client.post("/v1/ingest", json=_victim(2)).json() == {"applied": True}
+        assert client.post("/v1/ingest", json=_victim(2, process_key=key)).json() == {"applied": True}
         assert client.post("/v1/ingest", json=make_batch(**again, seq=2)).json() == {"applied": True}
         (rank,) = client.get(f"/v1/runs/{RUN}").json()["ranks"]
         assert (rank["incarnation"], rank["incarnations"], rank["conflicts"]) == (RESTARTED, 2, [])

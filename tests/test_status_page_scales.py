@@ -9,9 +9,21 @@ import pytest
 from batches import make_batch, optimizer
 from collector_process import CollectorProcess
 
-from headless_browser import needs_browser, open_page
+from headless_browser import needs_browser, open_page, wait_until
 
 RUN = "broken-scales"
+ONE_RANK = "one-rank"
+
+# Whether every text of the chart (the caption, the ranks' labels) lies clear of everything drawn in the plot:
+# the band, the median, the ranks' lines, their skip marks (bounding boxes, so a label cannot touch a line).
+_LABELS_CLEAR = """(() => {
+  const boxes = selector => [...document.querySelectorAll(selector)].map(node => node.getBoundingClientRect());
+  const labels = boxes('#chart text.legend, #chart text.spread-key');
+  const drawn = boxes('#chart path.spread-band, #chart path.spread-median, #chart path.scale-line, ' +
+                      '#chart circle.skip-mark, #chart line.skip-streak');
+  const meet = (a, b) => a.left <= b.right && b.left <= a.right && a.top <= b.bottom && b.top <= a.bottom;
+  return labels.length > 0 && drawn.length > 0 && labels.every(label => drawn.every(box => !meet(label, box)));
+})()"""
 
 pytestmark = [pytest.mark.slow, needs_browser]
 
@@ -36,11 +48,19 @@ def _stream() -> list[dict]:
     return [rank0, rank1, rank2]
 
 
+def _one_rank() -> dict:
+    """A run of one rank, backing off once (a line of its own beside the band)."""
+    return make_batch(run=ONE_RANK, rank=0, world_size=1, seq=1, iteration=50, loss_scale=32768.0,
+                      optimizers={"gen": optimizer(steps=49, skipped=1, streaks=1, longest=1)},
+                      events=[_scale_change(1, 40, "backoff", 65536.0, 32768.0)])
+
+
 @pytest.mark.timeout(60)
-def test_zero_nan_and_restored_scales_show_as_text_and_the_chart_draws_only_what_a_log_axis_can(tmp_path):
+def test_zero_nan_and_restored_scales_show_as_text_and_the_chart_draws_only_what_a_log_axis_can_labels_aside(
+        tmp_path):
     # The demo thresholds: a collapsed scale fires after 2 s instead of a minute.
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--alert-thresholds", "demo"]) as collector:
-        for batch in _stream():
+        for batch in [*_stream(), _one_rank()]:
             answer = httpx.post(collector.url + "/v1/ingest", json=batch, timeout=10)
             assert answer.status_code == 200, answer.text
 
@@ -60,5 +80,15 @@ def test_zero_nan_and_restored_scales_show_as_text_and_the_chart_draws_only_what
                 "rank 0 (scale NaN, off the axis)", "rank 1 (scale 0, off the axis)", "rank 2"]
             for path in page.locator("path.scale-line").all():
                 assert "NaN" not in path.get_attribute("d") and "Infinity" not in path.get_attribute("d")
+            # The caption counts the ranks in words, above the plot; no label lies on a line or the band.
+            caption = page.locator("#chart text.spread-key").text_content()
+            assert caption == "shaded: lowest to highest of 3 ranks · dashed: median", caption
+            assert page.evaluate(_LABELS_CLEAR)
             page.wait_for_selector("#firing tr.alert[data-alert=AmpLossScaleCollapsed]", timeout=30_000)
+
+            page.goto(f"{collector.url}/#run={ONE_RANK}")
+            assert wait_until(page, "(document.querySelector('#chart text.spread-key') || {}).textContent === "
+                                    "'shaded: lowest to highest of 1 rank · dashed: median'")
+            assert page.locator("#chart path.scale-line").count() == 1
+            assert page.evaluate(_LABELS_CLEAR)
     assert problems == []

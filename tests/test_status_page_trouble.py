@@ -70,7 +70,9 @@ def test_the_run_page_shows_every_rank_in_trouble_in_its_first_screen_at_1024_ra
                    for rank in expected}
             assert why[str(POISONED)][0] == "poisoned" and why[str(KILLED)][0] == "silent"
             assert why["40"][:2] == ["scale collapsed", "skipping now"]
-            assert "high recent skip ratio" in why[str(SKIPPY)] and why[str(SCHEDULER)][-1] == "alert firing"
+            assert "high recent skip ratio" in why[str(SKIPPY)]
+            assert why[str(SCHEDULER)] == ["alert firing", "scale out of line"]  # an alert before a scale out of line
+            assert page.locator("#run-banner").is_hidden()  # a few ranks in trouble: no whole-job banner
             assert "AmpSchedulerStepsOnSkipped" in page.locator(f'#trouble tr.trouble[data-rank="{SCHEDULER}"]') \
                 .text_content()
             # One screen: every one of those rows is inside the first viewport, with nothing scrolled.
@@ -112,7 +114,23 @@ def test_the_run_page_shows_every_rank_in_trouble_in_its_first_screen_at_1024_ra
                 page.locator("#events tbody").inner_text()[:2000]
             assert wait_until(page, f"document.querySelector('#trouble-count').textContent === '{RANKS} of {RANKS}'",
                               60)
-            assert _rows(page)[:2] == [str(POISONED), str(KILLED)]
+            # The poisoned rank, then the silent ones: the killed rank, and any live rank whose batches a loaded
+            # machine held back past --silent-after.
+            assert _rows(page)[0] == str(POISONED)
+            assert page.locator("#trouble tr.trouble").nth(1).locator(".reason").first.text_content() == "silent"
+            built = httpx.get(f"{collector.url}/v1/runs/{RUN}/summary", params={"search": str(KILLED)},
+                              timeout=30).json()["rows"]
+            assert built[0]["rank"] == KILLED and built[0]["reasons"][0] == "silent"
+            # One banner for the whole job: how many ranks skip, since when, and the scale band with the collapse.
+            assert wait_until(page, "document.querySelector('#run-banner.storm') !== null", 30)
+            whole = httpx.get(f"{collector.url}/v1/runs/{RUN}/summary", timeout=30).json()["whole_job"]
+            banner = page.locator("#run-banner").text_content()
+            assert whole["since_iteration"] % job.per_tick == 0 and whole["since_ranks"] >= RANKS - 6, whole
+            assert f"in a skip streak, {whole['since_ranks']:,} of them since iteration {whole['since_iteration']}" \
+                in banner, banner
+            assert re.search(r"Whole job skipping: 1,02[0-3] of 1,024 live ranks", banner), banner
+            assert re.search(r"loss scale min 2\^-\d+ .*, median 2\^-\d+ .*, max 2\^16 \(65536\) \(1,02\d collapsed\)",
+                             banner), banner
             # A big run's full rank table (about 1 MB) is fetched only once opened.
             assert page.locator("#ranks tr.rank").count() == 0
             page.click("#all-ranks > summary")

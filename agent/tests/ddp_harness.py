@@ -1,6 +1,6 @@
 """What the real-DDP worker scripts and their tests share: a rank's scaled backward, and running a worker once.
 
-The workers (``ddp_worker.py``, ``ddp_origin_worker.py``) run as scripts, one process per rank,
+The workers (``ddp_worker.py``, ``ddp_matrix_worker.py``) run as scripts, one process per rank,
 outside pytest and without tests/helpers on ``sys.path``: :func:`run_ranks` imports its pytest-side
 helpers when it runs, so that every rank can import this module cheaply.
 """

@@ -50,26 +50,33 @@ def test_every_string_the_batch_carries_is_cut_to_its_protocol_limit_with_a_visi
     long = "n" * 2000
     events = [
         {"id": 1, "kind": "skip", "time": 1.0, "iteration": 0, "optimizer": "opt", "streak": 1, "inspected": True,
-         "params": [{"name": f"{i}-{long}", "inf": 1, "nan": 0} for i in range(20)], "params_total": None},
+         "params": [{"name": f"{i}-{long}", "inf": 1, "nan": 0} for i in range(20)], "params_total": None,
+         "origin": True, "origin_buckets": [0], "origin_params": ["short", f"o-{long}"], "origin_params_total": 2},
         {"id": 2, "kind": "poisoned_step", "time": 1.0, "iteration": 0, "optimizer": "opt", "reason": "nonfinite_grad",
          "params": [{"name": long, "inf": 0, "nan": 3}], "params_total": 1},
         {"id": 3, "kind": "scheduler_after_skip", "time": 1.0, "iteration": 0, "optimizer": "opt", "scheduler": long},
         {"id": 4, "kind": "warning", "time": 1.0, "iteration": 0, "code": long, "message": long * 3},
         {"id": 5, "kind": "skip", "time": 1.0, "iteration": 1, "optimizer": "opt", "streak": 2, "inspected": True,
          "params": [{"name": "short", "inf": 1, "nan": 0}], "params_total": 1},
+        {"id": 6, "kind": "skip", "time": 1.0, "iteration": 2, "optimizer": "opt", "streak": 1, "inspected": True,
+         "params": [{"name": "short", "inf": 1, "nan": 0}], "params_total": 1,
+         "origin": True, "origin_buckets": [0], "origin_params": [long], "origin_params_total": 1},
     ]
     snapshot = {"scaler": {"enabled": True, "kind": long}, "state": {"loss_scale": float("nan")}}
     batch = build_batch(identity, seq=1, snapshot=snapshot, delivery={}, events=events)
-    skip, poisoned, scheduler, warning, short = batch["events"]
+    skip, poisoned, scheduler, warning, short, origin_only = batch["events"]
     assert len(skip["params"]) == MAX_PARAMS and skip["params_total"] == 20
     assert [p["name"] for p in skip["params"]] == [cut(f"{i}-{long}", TEXT_LIMITS["param_name"]) for i in range(16)]
+    assert skip["origin_params"] == ["short", cut(f"o-{long}", TEXT_LIMITS["param_name"])]
+    assert origin_only["origin_params"] == [cut(long, TEXT_LIMITS["param_name"])]
     assert len(poisoned["params"][0]["name"]) == TEXT_LIMITS["param_name"] and poisoned["params"][0]["nan"] == 3
     assert len(scheduler["scheduler"]) == TEXT_LIMITS["scheduler"]
     assert len(warning["code"]) == TEXT_LIMITS["warning_code"]
     assert len(warning["message"]) == TEXT_LIMITS["warning_message"]
     assert len(batch["scaler"]["kind"]) == TEXT_LIMITS["scaler_kind"]
-    for text in (skip["params"][0]["name"], scheduler["scheduler"], warning["code"], warning["message"]):
-        assert text.endswith(CUT_MARK) and text.startswith(("0-nnn", "nnn"))
+    for text in (skip["params"][0]["name"], skip["origin_params"][1], scheduler["scheduler"], warning["code"],
+                 warning["message"]):
+        assert text.endswith(CUT_MARK) and text.startswith(("0-nnn", "o-nnn", "nnn"))
     assert short is events[4]  # what fits is passed on as it is, not copied
     assert events[0]["params"][0]["name"] == f"0-{long}"  # the recorder's own events are left alone
     assert b'"loss_scale":"NaN"' in encode_batch(batch)

@@ -61,6 +61,22 @@ def test_each_process_gets_its_own_incarnation():
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in children)
 
 
+def test_every_watch_of_a_process_shares_its_process_key_and_a_forked_child_makes_its_own():
+    first, second = resolve_identity("r", environ={}), resolve_identity("r", environ={})
+    assert first.incarnation != second.incarnation and first.process_key == second.process_key
+    assert len(first.process_key) == 32 and first.process_key not in repr(first)  # a secret: never in a log line
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe and leaves at once
+        os.write(write, resolve_identity("r", environ={}).process_key.encode())
+        os._exit(0)
+    os.close(write)
+    assert os.waitpid(child, 0)[1] == 0
+    with os.fdopen(read, "rb") as pipe:
+        forked = pipe.read().decode()
+    assert len(forked) == 32 and forked != first.process_key
+
+
 def _agree(rank: int, world_size: int, port: int, queue) -> None:
     os.environ.pop("AMPWATCH_RUN", None)
     os.environ.pop("TORCHELASTIC_RUN_ID", None)

@@ -1,7 +1,12 @@
-"""The DDP origin hook in one process (gloo, world size 1): refusals, pass-through after close, pickles clean."""
+"""watch(..., ddp=model) in one process (gloo, world size 1): what it refuses, what it leaves behind, how it notes.
+
+The real DDP reducer runs (world size 1 still buckets and all-reduces); the multi-rank matrix is
+test_ddp_bit_identity.py.
+"""
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 
@@ -14,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
+from bench.overhead import SyncCounter  # the counter test_recording_cost.py uses
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +31,10 @@ def group():
         dist.destroy_process_group()
 
 
-def _job():
+def _job(**ddp_options):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    model = DistributedDataParallel(net)
+    model = DistributedDataParallel(net, **ddp_options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return net, model, opt, torch.amp.GradScaler("cpu")
 
@@ -42,121 +48,181 @@ def _iterate(model, opt, scaler, x):
     scaler.update()
 
 
-def test_a_model_that_is_not_ddp_and_a_hook_without_ddp_are_refused_leaving_nothing(group):
+def _poisoned(rows: int = 3, columns: int = 4) -> torch.Tensor:
+    x = torch.randn(rows, columns)
+    x[0, 0] = float("inf")
+    return x
+
+
+def _skips(watch) -> list[dict]:
+    return [e for e in watch._recorder.events.drain() if e["kind"] == "skip"]
+
+
+def _hooks_on(module: nn.Module) -> int:
+    return sum(len(p._backward_hooks or {}) for p in module.parameters())
+
+
+def test_a_model_that_is_not_ddp_and_the_old_comm_hook_arguments_are_refused_leaving_nothing(group, monkeypatch):
     net, model, opt, scaler = _job()
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         agent.watch(scaler, opt, collector=(), run="t", ddp=net)
-    with pytest.raises(ValueError, match="ddp="):
-        agent.watch(scaler, opt, collector=(), run="t", comm_hook=allreduce_hook)
-    assert "step" not in vars(scaler) and not model._comm_hooks
+    for arguments in ({"comm_hook": allreduce_hook}, {"comm_state": dist.group.WORLD}):
+        with pytest.raises(TypeError, match=r"model\.register_comm_hook\(state, hook\)"):
+            agent.watch(scaler, opt, collector=(), run="t", ddp=model, **arguments)
+    monkeypatch.setenv("AMPWATCH_DISABLED", "1")  # disabled, the job would silently train without its hook
+    with pytest.raises(TypeError, match="comm_hook"):
+        agent.watch(scaler, opt, collector=(), run="t", ddp=model, comm_hook=allreduce_hook)
+    monkeypatch.delenv("AMPWATCH_DISABLED")
+    assert "step" not in vars(scaler) and not model._comm_hooks and _hooks_on(net) == 0
     agent.watch(scaler, opt, collector=(), run="t").close()  # the scaler is free to be watched again
 
 
-def test_after_close_the_hook_passes_through_and_the_model_pickles_without_the_agent(group):
+def test_close_takes_every_hook_off_and_nothing_of_the_agent_is_pickled_or_copied_with_the_model(group):
     net, model, opt, scaler = _job()
-    x = torch.randn(3, 4)
-    x[0, 0] = float("inf")
     watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
-    _iterate(model, opt, scaler, x)
+    assert _hooks_on(net) == 4 and not model._comm_hooks  # one hook per parameter; DDP's reduction its own
+    _iterate(model, opt, scaler, _poisoned())
     assert watch.snapshot()["state"]["origin_iterations"] == 1
     assert "skipped iterations that started on this rank (DDP): 1" in watch.summary()
-    hook, _ = model._comm_hooks[0]
+    for thing in (net, model.state_dict()):  # while watching: a checkpoint or a pickled module carries nothing of ours
+        buffer = io.BytesIO()
+        torch.save(thing, buffer)
+        assert b"ampwatch" not in buffer.getvalue()
+    assert _hooks_on(copy.deepcopy(net)) == 0 and b"ampwatch" not in pickle.dumps(net)
     watch.close()
-    assert not hook.flags.enabled
-    _iterate(model, opt, scaler, x)  # still trains (the wrapped all-reduce runs), notes nothing
-    assert hook.flags.notes is None
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    assert "ampwatch" not in repr(model.state_dict().keys())
-    copied = pickle.loads(pickle.dumps(hook))
-    assert copied is allreduce_hook  # a pickled model carries the wrapped hook, not the agent
+    assert _hooks_on(net) == 0 and not model._comm_hooks
+    _iterate(model, opt, scaler, torch.randn(3, 4))  # trains on, as if never watched
 
 
-def test_a_model_with_a_builtin_hook_is_refused_with_what_to_do_leaving_nothing(group):
+def test_a_ddp_model_can_be_watched_again_open_or_closed_and_each_watch_names_its_origin(group):
+    """A second watch of the same model (a notebook cell run again with a new scaler, a second phase)."""
     net, model, opt, scaler = _job()
-    model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # not listed in model._comm_hooks
-    with pytest.raises(ValueError, match="comm_hook=hook"):
-        agent.watch(scaler, opt, collector=(), run="t", ddp=model)
-    assert "step" not in vars(scaler) and not opt._optimizer_step_pre_hooks
-    _iterate(model, opt, scaler, torch.randn(3, 4))  # the job trains on, with its own hook
+    first = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    _iterate(model, opt, scaler, torch.randn(3, 4))
+    scaler = torch.amp.GradScaler("cpu")  # the old watch is left open, its handle overwritten
+    second = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    _iterate(model, opt, scaler, _poisoned())
+    assert [e["origin"] for e in _skips(second)] == [True]
+    second.close()
+    first.close()
+    assert _hooks_on(net) == 0
+    third = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    _iterate(model, opt, scaler, _poisoned())
+    assert [e["origin"] for e in _skips(third)] == [True]
+    third.close()
 
 
-def _backward(model, x):
-    model(x).float().pow(2).mean().backward()
+class _Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 4, sparse=True)
+        self.dense = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (self.table(ids) * scale).sum() + self.dense(x).sum()
 
 
-def _noted(flags):
-    """Where each noted bucket's note lives: its fused flag's storage, or its extremes and their out= views."""
-    notes = flags.notes
-    return {i: (notes.flags[i].data_ptr(),) if notes.flags[i] is not None
-            else (notes.extremes[i].data_ptr(), notes.outs[i][0].data_ptr()) for i in notes.noted()}
-
-
-def _users_all_reduce(state, bucket):  # a user's own hook: DDP's all-reduce, called from another function
-    return allreduce_hook(state, bucket)
-
-
-@pytest.mark.parametrize("comm_hook", [None, _users_all_reduce], ids=["fused", "aminmax"])
-def test_after_the_first_iterations_every_bucket_is_noted_into_the_same_storage(group, comm_hook):
+def test_a_sparse_embedding_gradient_is_noted_and_named_without_an_error(group):
+    """nn.Embedding(sparse=True): its gradient is a sparse tensor; an inf in it (and only in it) makes this rank
+    the origin, naming the embedding, and nothing fails on the iterations before or after."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-    model = DistributedDataParallel(net, bucket_cap_mb=0.01)  # several buckets
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    watch = agent.watch(torch.amp.GradScaler("cpu"), opt, collector=(), run="t", ddp=model, comm_hook=comm_hook,
-                        comm_state=dist.group.WORLD if comm_hook else None)
+    net = _Embedder()
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
     try:
-        flags = model._comm_hooks[0][0].flags
-        assert flags.fused is (comm_hook is None)
-        x = torch.randn(4, 64)
-        for iteration in range(3):  # DDP rebuilds its buckets after the first backward
-            _backward(model, x)
-            flags.end_iteration(iteration, keep=False)
-        _backward(model, x)
-        storage = _noted(flags)
-        assert len(storage) > 1
-        for bucket in flags.notes.noted():  # world size 1: the all-reduce keeps the bucket's own values
-            buffer = flags.notes.buckets[bucket].buffer()
-            if comm_hook is None:
-                assert flags.notes.flags[bucket].tolist() == [0.0] and buffer.isfinite().all()
-            else:
-                low, high = flags.notes.extremes[bucket].tolist()
-                assert (low, high) == (buffer.min().item(), buffer.max().item())
-        for iteration in range(4, 10):
-            flags.end_iteration(iteration - 1, keep=False)
-            _backward(model, x)
-            assert _noted(flags) == storage
+        for iteration in range(4):
+            scale = torch.full((3, 1), float("inf") if iteration == 2 else 1.0)
+            opt.zero_grad()
+            scaler.scale(model(torch.tensor([1, 2, 3]), scale, torch.randn(3, 4))).backward()
+            assert net.table.weight.grad.is_sparse
+            scaler.step(opt)
+            scaler.update()
+        skips = _skips(watch)
+        assert [(e["iteration"], e["origin"], e["origin_params"]) for e in skips] == [(2, True, ["table.weight"])]
+        assert watch.snapshot()["state"]["delivery"]["agent_errors"] == 0
     finally:
         watch.close()
 
 
-def test_notes_kept_for_pending_outcomes_name_their_own_iteration_and_are_recycled(group):
+def test_an_inf_in_any_backward_of_an_iteration_is_kept_and_the_next_iteration_starts_afresh(group):
+    """Several backwards before one step (micro-batches, here without no_sync()): an inf in the first is not
+    overwritten by the finite ones after it; the iteration after the skip names no origin. After the first
+    iterations the notes are written into the same storage."""
+    net, model, opt, scaler = _job()
+    watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    local = watch._recorder.origin
+    try:
+        storage = []
+        for iteration in range(6):
+            opt.zero_grad()
+            for micro in range(3):
+                x = _poisoned() if (iteration, micro) == (2, 0) else torch.randn(3, 4)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+            storage.append([g.extremes.data_ptr() for g in local._groups])
+            scaler.step(opt)
+            scaler.update()
+        assert [(e["iteration"], e["origin"]) for e in _skips(watch)] == [(2, True)]
+        assert storage[1:] == storage[-1:] * 5
+        assert local._groups[0].extremes.shape[0] == 4  # rows grew by doubling to hold three backwards
+    finally:
+        watch.close()
+
+
+def test_notes_an_earlier_iteration_wrote_are_not_read_as_this_ones(group):
+    """Rows and parameters an iteration did not write still hold an earlier iteration's notes: a skip whose inf
+    came after DDP's all-reduce (written into ``.grad`` after backward here) must not be taken for this rank's
+    own because of them: after an iteration of two backwards whose second held an inf, an iteration of one;
+    after an iteration whose every gradient held one, an iteration where the head takes no gradient."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    try:
+        plan = [([torch.randn(3, 4), _poisoned()], False), ([torch.randn(3, 4)], True), ([_poisoned()], False),
+                ([torch.randn(3, 8)], True)]
+        for inputs, after in plan:
+            opt.zero_grad()
+            for x in inputs:
+                body_only = x.shape[1] == 8  # only the head runs: the first layer writes no note
+                out = model.module[2:](x) if body_only else model(x)
+                scaler.scale(out.float().pow(2).mean()).backward()
+            if after:  # an inf that no rank's own gradient held
+                next(p for p in net.parameters() if p.grad is not None).grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        assert [(e["iteration"], e["origin"]) for e in _skips(watch)] == [(0, True), (1, False), (2, True),
+                                                                          (3, False)]
+    finally:
+        watch.close()
+
+
+def test_flags_kept_for_pending_outcomes_name_their_own_iteration_and_are_let_go(group):
     from ampwatch.agent._origin import _KEPT_ITERATIONS
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    model = DistributedDataParallel(net, bucket_cap_mb=0.0001)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    watch = agent.watch(torch.amp.GradScaler("cpu"), opt, collector=(), run="t", ddp=model)
+    net, model, opt, scaler = _job()
+    watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    local = watch._recorder.origin
     try:
-        flags = model._comm_hooks[0][0].flags
-        clean, poisoned = torch.randn(3, 8), torch.randn(3, 8)
-        poisoned[0, 0] = float("inf")
+        clean, poisoned = torch.randn(3, 4), _poisoned()
         bad = {2, _KEPT_ITERATIONS + 10}
-        seen = set()
         for iteration in range(_KEPT_ITERATIONS + 12):
             model.zero_grad(set_to_none=True)
-            _backward(model, poisoned if iteration in bad else clean)
-            seen.add(id(flags.notes))
-            flags.end_iteration(iteration, keep=True)  # as while a fused outcome is still on the device
+            model(poisoned if iteration in bad else clean).sum().backward()
+            local.end_iteration(iteration, keep=True)  # as while a fused outcome is still on the device
         last = _KEPT_ITERATIONS + 11
-        assert flags.report(2, current=False) == (None, False)  # older than the kept window: let go
-        report, new = flags.report(_KEPT_ITERATIONS + 10, current=False)
-        assert new and report.origin and report.buckets and report.params
-        assert not flags.report(last, current=False)[0].origin
-        assert flags.report(_KEPT_ITERATIONS + 10, current=False) == (report, False)
-        assert len(seen) == _KEPT_ITERATIONS + 1  # the kept window and the current one, then recycled
-        flags.end_iteration(last + 1, keep=False)  # the outcomes landed: everything back to the spares
-        assert not flags._kept and len(flags._spare) == _KEPT_ITERATIONS
+        assert local.report(2, current=False) == (None, False)  # older than the kept window: let go
+        report, new = local.report(_KEPT_ITERATIONS + 10, current=False)
+        assert new and report.params == ["0.weight", "2.weight"]  # the ones whose own gradients held it
+        assert not local.report(last, current=False)[0].origin
+        assert local.report(_KEPT_ITERATIONS + 10, current=False) == (report, False)
+        local.end_iteration(last + 1, keep=False)  # the outcomes landed
+        assert not local._kept and not local._reports
     finally:
         watch.close()
 
@@ -165,131 +231,116 @@ class _MixedDtypes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Linear(4, 8)
+        self.middle = nn.Linear(8, 8).to(torch.bfloat16)
         self.head = nn.Linear(8, 2).double()
 
     def forward(self, x):
-        return self.head(self.body(x).double())
+        return self.head(self.middle(self.body(x).bfloat16()).double())
 
 
-def test_buckets_of_different_dtypes_are_noted_and_only_the_one_holding_the_inf_is_named(group):
+def test_parameters_of_different_dtypes_are_noted_and_only_those_holding_the_inf_are_named(group):
     torch.manual_seed(0)
     net = _MixedDtypes()
-    model = DistributedDataParallel(net)  # DDP buckets by dtype: a float32 and a float64 bucket
+    model = DistributedDataParallel(net)
     poison = []
     net.head.bias.register_hook(lambda grad: grad + float("inf") if poison else grad)
     watch = agent.watch(torch.amp.GradScaler("cpu"), torch.optim.SGD(model.parameters(), lr=0.0), collector=(),
                         run="t", ddp=model)
+    local = watch._recorder.origin
     try:
-        flags = model._comm_hooks[0][0].flags
-        for iteration in range(4):
-            poison[:] = [True] if iteration == 3 else []
+        assert {g.extremes.dtype for g in local._groups} == {torch.float32, torch.bfloat16, torch.float64}
+        for iteration in range(3):
+            poison[:] = [True] if iteration == 2 else []
             model.zero_grad(set_to_none=True)
             model(torch.randn(3, 4)).sum().backward()
-            if iteration < 3:
-                flags.end_iteration(iteration, keep=False)
-        assert len(flags.notes.noted()) == 2
-        dtypes = {flags.notes.buckets[i].buffer().dtype for i in flags.notes.noted()}
-        assert dtypes == {torch.float32, torch.float64}
-        report, _ = flags.report(3, current=True)
-        assert report.origin and len(report.buckets) == 1
-        assert "head.bias" in report.params and not any(name.startswith("body") for name in report.params)
+            report, _ = local.report(iteration, current=True)
+            local.end_iteration(iteration, keep=False)
+            assert report.origin is (iteration == 2)
+        assert report.params == ["head.bias"] and report.params_total == 1
     finally:
         watch.close()
 
 
-def test_a_failing_fused_note_leaves_the_bucket_to_the_wrapped_all_reduce_and_is_counted(group, caplog):
-    """The fused path replaces DDP's allreduce_hook (it divides and all-reduces itself); when its kernel fails,
-    the bucket goes, undivided, through the wrapped allreduce_hook instead, and the failure is counted."""
+def test_a_gradient_inside_the_autograd_graph_and_a_failing_note_never_fail_the_backward(monkeypatch, caplog):
+    """On a plain module (DDP itself refuses ``backward(create_graph=True)`` here): gradients that require grad
+    are noted detached; a note that fails is counted and the gradients are those of the same module unwatched."""
+    from ampwatch.agent._errors import AgentErrors
+    from ampwatch.agent._origin import LocalGradients
+
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    model = DistributedDataParallel(net, bucket_cap_mb=0.0001)  # several buckets
-    twin = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
-    twin.load_state_dict(model.state_dict())
-    watch = agent.watch(torch.amp.GradScaler("cpu"), torch.optim.SGD(model.parameters(), lr=0.1), collector=(),
-                        run="t", ddp=model)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin = copy.deepcopy(net)
+    errors = AgentErrors()
+    local = LocalGradients(net.named_parameters(), errors)
+    local.attach()
     try:
-        hook = model._comm_hooks[0][0]
-        flags, wrapped_calls = hook.flags, []
+        net(_poisoned()).sum().backward(create_graph=True)
+        report, _ = local.report(0, current=True)
+        assert report.params == ["0.weight", "2.weight"] and errors.count == 0
+        local.end_iteration(0, keep=False)
+        net.zero_grad(set_to_none=True)
 
-        def wrapped(state, bucket):
-            wrapped_calls.append(bucket.index())
-            return allreduce_hook(state, bucket)
-        hook.hook = wrapped
-        x = torch.randn(3, 8)
-        for _ in range(2):  # past DDP's bucket rebuild
-            _backward(model, x)
-            flags.end_iteration(0, keep=False)
-        assert flags.fused and not wrapped_calls  # the fused path does the all-reduce itself
-
-        def failing(*args):
+        def failing(*args, **kwargs):
             raise RuntimeError("kernel unavailable")
-        flags._scale_and_flag = failing
-        model.zero_grad(set_to_none=True)
-        _backward(model, x)
-        _backward(twin, x)
-        assert len(wrapped_calls) > 1  # every bucket went through the wrapped all-reduce
-        assert watch.snapshot()["state"]["delivery"]["agent_errors"] == len(wrapped_calls)
-        assert "internal error in DDP comm hook" in caplog.text
-        for mine, theirs in zip(net.parameters(), twin.module.parameters()):
+        monkeypatch.setattr("ampwatch.agent._origin._aminmax", failing)
+        x = torch.randn(3, 4)
+        net(x).sum().backward()
+        twin(x).sum().backward()
+        assert errors.count == 4  # counted, once per parameter
+        assert "internal error in DDP gradient note" in caplog.text
+        for mine, theirs in zip(net.parameters(), twin.parameters()):
             assert torch.equal(mine.grad, theirs.grad)
     finally:
+        local.close()
+    assert _hooks_on(net) == 0
+
+
+def test_nonfinite_gives_other_readers_one_on_device_flag_per_iteration_without_a_sync(group):
+    """The seam for other agent code (e.g. bfloat16 jobs without a scaler): whether this rank's own gradients held
+    inf/NaN in the current iteration, as a 0-d bool tensor, made without reading anything back."""
+    net, model, opt, scaler = _job()
+    watch = agent.watch(scaler, opt, collector=(), run="t", ddp=model)
+    local = watch._recorder.origin
+    try:
+        assert local.nonfinite() is None
+        for iteration, x in enumerate((torch.randn(3, 4), _poisoned(), torch.randn(3, 4))):
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            with SyncCounter() as counter:
+                flag = local.nonfinite()
+            assert counter.syncs == 0 and flag.dtype == torch.bool and flag.dim() == 0
+            assert flag.item() is (iteration == 1)
+            local.end_iteration(iteration, keep=False)
+            assert local.nonfinite() is None
+    finally:
         watch.close()
 
 
-def test_ddps_builtin_multiplies_only_where_it_copies_every_gradient_into_its_bucket(group):
-    """DDP's built-in multiplies by 1/world size a gradient it copies into its bucket, and divides one that
-    already is its bucket view (gradient_as_bucket_view=True) or a whole bucket (batched_grad_copy=True)."""
-    from ampwatch.agent._device import ddp_builtin_multiplies
-
-    def ddp(**kwargs):
-        return DistributedDataParallel(nn.Linear(4, 2), **kwargs)
-    assert ddp_builtin_multiplies(ddp()) is True
-    assert ddp_builtin_multiplies(ddp(gradient_as_bucket_view=True)) is False
-    assert ddp_builtin_multiplies(ddp(batched_grad_copy=True)) is False
-    assert ddp_builtin_multiplies(nn.Linear(4, 2)) is False  # settings it cannot read: as if it divided
-
-
-class _Bucket:
-    """What the origin hook asks of DDP's GradBucket."""
-
-    def __init__(self, index: int, buffer: torch.Tensor) -> None:
-        self._index, self._buffer = index, buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def parameters(self) -> list:
-        return []
+def test_clean_iterations_cost_no_device_sync_and_report_nothing(group):
+    syncs = {}
+    for ddp in (False, True):
+        net, model, opt, scaler = _job()
+        watch = agent.watch(scaler, opt, collector=(), run="t", **({"ddp": model} if ddp else {"model": net}))
+        try:
+            _iterate(model, opt, scaler, torch.randn(3, 4))
+            with SyncCounter() as counter:
+                for _ in range(5):
+                    _iterate(model, opt, scaler, torch.randn(3, 4))
+            syncs[ddp] = counter.syncs
+            assert _skips(watch) == [] and watch.snapshot()["state"].get("origin_iterations", 0) == 0
+        finally:
+            watch.close()
+    assert syncs[True] == syncs[False] > 0  # the counter works: the scaler reads found_inf once per step
 
 
-def test_the_fused_path_at_three_ranks_scales_each_bucket_as_ddps_builtin_multiplies_it():
-    """At a world size that is not a power of two the hook is fused only where the built-in multiplies; then
-    float32, bfloat16 and float16 buckets go through the kernel (its float32 1/3 is the built-in's scalar for
-    them) and float64 ones (also one that was float32 before DDP rebuilt its buckets) through aminmax and
-    ``mul_(1/3)``, the built-in's double scalar; each result is bit for bit ``torch.mul(gradient, 1/3)``, as
-    the built-in's ``mul_out``."""
-    from ampwatch.agent._origin import OriginFlags
-    from ampwatch.agent._params import ParameterNames
-
-    assert OriginFlags(ParameterNames()).fuse(3) is False  # as allreduce_hook's division: not a multiply
-    assert OriginFlags(ParameterNames()).fuse(4) is True and OriginFlags(ParameterNames()).fuse(0) is False
-    flags = OriginFlags(ParameterNames())
-    assert flags.fuse(3, multiplies=True) is True and flags.fused
-    grads = torch.randn(4, 10_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e3
-    grads[3, 7] = float("inf")
-    for rebuilt in (False, True):
-        for index, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16, torch.float64)):
-            if rebuilt:  # every index changes dtype, as when DDP rebuilds its buckets
-                dtype = {torch.float32: torch.float64, torch.float64: torch.float32}.get(dtype, dtype)
-            grad = grads[index].to(dtype)
-            buffer = grad.clone()
-            assert flags.note(_Bucket(index, buffer)) is buffer, (rebuilt, dtype)
-            assert torch.equal(buffer, torch.mul(grad, 1 / 3)), (rebuilt, dtype)
-            kernel = flags.notes.flags[index] is not None
-            assert kernel is (dtype is not torch.float64), (rebuilt, dtype)
-        report, _ = flags.report(iteration=rebuilt, current=True)
-        assert report.origin and report.buckets == [3]  # the one bucket that held the inf, on either path
-        flags.end_iteration(iteration=rebuilt, keep=False)
+def test_parameters_ddp_ignores_are_not_watched(group):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["2.weight", "2.bias"])
+    model = DistributedDataParallel(net)
+    watch = agent.watch(torch.amp.GradScaler("cpu"), torch.optim.SGD(net.parameters(), lr=0.1), collector=(),
+                        run="t", ddp=model)
+    try:
+        assert watch._recorder.origin.names == ["0.weight", "0.bias"]
+    finally:
+        watch.close()

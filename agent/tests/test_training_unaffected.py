@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import random
+import threading
+import time
 
 import torch
+from recording_collector import free_port
 
 
 def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):
@@ -53,3 +57,64 @@ def test_a_failure_inside_the_agent_never_reaches_the_training_loop(amp, watchin
     assert errors >= 6
     logged = [r for r in caplog.records if "internal error" in r.getMessage()]
     assert 1 <= len(logged) <= 3  # once per failing site, not once per failure
+
+
+def _global_streams(draws: int) -> list:
+    """Draw from every global random stream a job may seed: Python's, torch's and (if installed) NumPy's."""
+    values = [random.random() for _ in range(draws)] + torch.rand(draws).tolist()
+    try:
+        import numpy
+    except ImportError:
+        return values
+    return values + numpy.random.random(draws).tolist()
+
+
+def test_a_jobs_seeded_random_streams_are_the_same_watched_with_failing_deliveries_as_unwatched(
+        amp, no_collector, monkeypatch, tmp_path):
+    # Data order and augmentation come from the global generators the job seeded: the agent's retry jitter
+    # (drawn on its sender thread at every failed delivery), its node relay's thread, its skip scans and its
+    # scale accounting draw none.
+    from ampwatch import agent
+
+    monkeypatch.setenv("AMPWATCH_RELAY", "1")  # batches go through this process's own relay thread
+    monkeypatch.setenv("AMPWATCH_RELAY_DIR", str(tmp_path / "relay"))
+
+    def job(watched: bool) -> list:
+        random.seed(7)
+        torch.manual_seed(7)
+        try:
+            import numpy
+            numpy.random.seed(7)
+        except ImportError:
+            pass
+        model = amp.TwoPart()
+        opt_a, opt_b = amp.two_optimizers(model, fused=True)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt_b, 1)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+        nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens: every delivery fails and is retried
+        w = agent.watch(scaler, {"a": opt_a, "b": opt_b}, model=model, schedulers={"b": scheduler},
+                        collector=nowhere, run="rng", push_interval=0.05) if watched else None
+        values = []
+        try:
+            for i in range(6):
+                values += _global_streams(2)  # the job's own draws, interleaved with training
+                amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8),
+                              after_backward=(lambda: amp.poison_grad(model.b.weight)) if i in (1, 2, 4) else None)
+                scheduler.step()
+            if w is not None:
+                w.rebind(scaler2 := torch.amp.GradScaler("cpu"))
+                scaler2.load_state_dict(scaler.state_dict())
+                deadline = time.monotonic() + 60
+                while w.snapshot()["state"]["delivery"]["send_failures"] < 4 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert w.snapshot()["state"]["delivery"]["send_failures"] >= 4
+                assert any(t.name == "ampwatch-relay" for t in threading.enumerate())
+                assert w.snapshot()["state"]["optimizers"]["b"]["skipped"] == 3
+            values += _global_streams(3)
+        finally:
+            if w is not None:
+                w.close(timeout=0.2)  # a final attempt or two, retried with jitter
+        return values + _global_streams(3)
+
+    unwatched = job(False)
+    assert job(True) == unwatched

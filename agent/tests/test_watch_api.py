@@ -108,6 +108,27 @@ def test_stepping_an_unwatched_optimizer_warns_once(amp, watching, events):
     assert "Adam" in warnings[0]["message"] and "Pass every optimizer to watch()" in warnings[0]["message"]
 
 
+def test_a_new_optimizer_at_a_dropped_watched_optimizers_address_is_not_taken_for_it(amp, watching, events):
+    # The watch holds its optimizers weakly, so a dropped one is freed and a new object may get its id.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    scaler = torch.amp.GradScaler("cpu")
+    dropped = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = watching(scaler, {"dropped": dropped})
+    address = id(dropped)
+    del dropped
+    made = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(1)]
+    while id(made[-1]) != address and len(made) < 1000:
+        made.append(torch.optim.SGD(model.parameters(), lr=0.1))
+    if id(made[-1]) != address:
+        pytest.skip("the interpreter did not reuse the dropped optimizer's address")
+    new = made[-1]
+    amp.iteration(model, scaler, [new], torch.randn(2, 4), after_backward=lambda: amp.poison_grad(model[0].weight))
+    assert w.snapshot()["state"]["optimizers"]["dropped"]["skipped"] == 0
+    assert [e["code"] for e in events(w) if e["kind"] == "warning"] == ["stepped_unknown_optimizer"]
+    with pytest.raises(ValueError, match="does not know"):
+        w.stepped(new)
+
+
 def test_close_ends_open_streaks_and_emits_close(amp, watching, events):
     model, sgd, _ = optimizers()
     scaler = torch.amp.GradScaler("cpu")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from bench.report import rule_eval, run_page
+from bench.report import storm as lockstep
 from bench.report._format import fmt, measured_by, phase_rows, side_rows
 
 __all__ = ["section"]
@@ -37,26 +38,6 @@ def _notify_storm(storm: dict) -> list[str]:
             "`--notify-group-interval` (60 s) after the firing one.", ""]
 
 
-def _skip_storm(skip_storm: dict) -> list[str]:
-    a = skip_storm["after"]
-    return [f"A whole-job skip storm: {fmt(a['ranks'])} ranks x 2 optimizers push every {fmt(a['interval_s'])} s; "
-            f"after a clean warm-up every rank skips every iteration ({a['iterations_per_push']} per push) for "
-            f"{fmt(a['storm_seconds'])} s. Each side gets the events its agent sends (before: one per skipped "
-            "step per optimizer and one per backoff; after: a streak's rungs and end, backoffs folded), "
-            "`bench/_storm.py`, checked against a real agent by `tests/test_bench_storm.py`:", "",
-            "| | ingest p50 ms | p99 ms | max ms | answers over 2 s | batches answered (slots missed) | "
-            "collector CPU µs per batch | event rows per storm-minute | event MB per storm-minute | "
-            "database MB per storm-minute |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-            *side_rows(skip_storm, lambda name, r: (
-                f"| {name} | {fmt(r['storm_p50_ms'])} | {fmt(r['storm_p99_ms'])} | {fmt(r['storm_max_ms'])} | "
-                f"{fmt(r['timeouts_2s'])} | {fmt(r.get('answered'))} ({fmt(r['missed_slots'])}) | "
-                f"{fmt(r.get('server_cpu_us_per_batch'))} | {fmt(r['event_rows_per_storm_minute'])} | "
-                f"{fmt(r['event_mb_per_storm_minute'], 2)} | {fmt(r['db_mb_per_storm_minute'], 2)} |")),
-            "", f"{measured_by(skip_storm)}, load average {fmt(a['loadavg_1m'])} at the end (a shared machine: "
-            "latencies are the machine's as much as the collector's).", ""]
-
-
 def _metrics_size(size: dict) -> list[str]:
     return ["`/metrics` of a collector filled with 1,024 ranks x 2 optimizers (three batches each), scraped "
             "plain and as Prometheus asks for it (`Accept-Encoding: gzip`), median of 5:", "",
@@ -68,8 +49,7 @@ def _metrics_size(size: dict) -> list[str]:
             "", f"{measured_by(size)}. Fewer samples: a streak-ladder rung is exposed once a streak reached it.", ""]
 
 
-_PARTS = (("alert_memory", _alert_memory), ("notify_storm", _notify_storm), ("storm", _skip_storm),
-          ("metrics_size", _metrics_size))
+_PARTS = (("alert_memory", _alert_memory), ("notify_storm", _notify_storm), ("metrics_size", _metrics_size))
 """The parts before the run page, in the page's order, each under the key its benchmark stores it."""
 
 
@@ -90,14 +70,15 @@ def _memory(alerts: dict, collector: Optional[dict]) -> list[tuple[str, str, boo
 
 def _targets(doc: dict) -> list[str]:
     """Issue 14's four targets beside the figures below that answer them, where all four parts were measured."""
-    needed = ("storm", "notify_storm", "run_page", "alert_memory", "rule_eval", "metrics_size")
+    needed = ("lockstep_storm", "notify_storm", "run_page", "alert_memory", "rule_eval", "metrics_size")
     if not all(doc.get(key, {}).get("after") for key in needed):
         return []
-    storm, notify, memory = doc["storm"]["after"], doc["notify_storm"]["after"], doc["alert_memory"]["after"]
+    storm, notify, memory = doc["lockstep_storm"]["after"], doc["notify_storm"]["after"], doc["alert_memory"]["after"]
+    in_storm = storm["latency"]["storm"]
     page, rules, size = doc["run_page"]["after"]["storm"]["page"], doc["rule_eval"]["after"], doc["metrics_size"]["after"]
     rows = [("whole-job storm: ingest p99 < 250 ms, no answer past the agent's 2 s",
-             f"p99 {fmt(storm['storm_p99_ms'])} ms, {fmt(storm['timeouts_2s'])} past 2 s",
-             storm["storm_p99_ms"] < 250 and storm["timeouts_2s"] == 0),
+             f"p99 {fmt(in_storm['p99_ms'])} ms, {fmt(in_storm['over_2s'])} past 2 s (lockstep, below)",
+             in_storm["p99_ms"] < 250 and in_storm["over_2s"] == 0),
             ("notifications grouped by alert and run", f"{fmt(notify['firing']['posts'])} POSTs for 3,072 alerts, "
              f"{fmt(notify['firing']['dropped_so_far'])} dropped", notify["firing"]["dropped_so_far"] == 0),
             ("storage grows by streaks: a few MB per storm-minute",
@@ -122,9 +103,9 @@ def _targets(doc: dict) -> list[str]:
 
 def section(doc: dict) -> list[str]:
     """The section's lines for ``doc`` (the whole JSON file), each part that was measured in its order."""
-    lines = ["What issue 14 asked of one collector at 1,024 ranks x 2 optimizers, each figure beside the commit "
-             "before the change, both measured in one run (command and date under each table).", "",
-             *_targets(doc)]
+    lines = ["What issues 14 and 26 asked of one collector at 1,024 ranks x 2 optimizers, each figure beside the "
+             "commit before the change, both measured in one run (command and date under each table).", "",
+             *_targets(doc), *lockstep.section(doc.get("lockstep_storm"))]
     for key, part in _PARTS:
         if doc.get(key):
             lines += part(doc[key])

@@ -40,7 +40,7 @@ def _ddp_origin(d: Optional[dict]) -> list[str]:
                f"{d['backend']} DDP loop (AdamW, one GradScaler), rank 0's process CPU per iteration, median of "
                f"{d['rounds']} rotating rounds of {d['block']} iterations; ratio to `plain` (the agent watching "
                "without `ddp=`, DDP's built-in all-reduce). `python_hook` registers DDP's own `allreduce_hook` "
-               "and nothing else (what any Python comm hook costs); `origin` is ampwatch's hook in its place.", "",
+               "and nothing else (what any Python comm hook costs); `origin` is `ddp=model`.", "",
            "| model | variant | CPU us/iter | ratio [p25-p75] | extra us/iter | wall ratio | syncs/clean iter |",
            "|---|---|---|---|---|---|---|"]
     for m in d["measurements"]:
@@ -48,14 +48,15 @@ def _ddp_origin(d: Optional[dict]) -> list[str]:
             out.append(f"| {m['model']} | {name} | {v['cpu_us_per_iter']} | {v['ratio']:.3f} "
                        f"[{v['ratio_p25']:.3f}-{v['ratio_p75']:.3f}] | {v['extra_us_per_iter']} | "
                        f"{v['wall_ratio']:.3f} | {v['syncs_per_clean_iter']:g} |")
+    calls = "calls_per_iter" if all("calls_per_iter" in m for m in d["measurements"]) else "buckets_per_iter"
+    replaced = any(m.get("hook_calls", {}).get("origin", {}).get("replaces_reduction", calls != "calls_per_iter")
+                   for m in d["measurements"])
     measure = ("its calls and its flags' end of iteration, minus `python_hook`'s calls of `allreduce_hook`, "
-               "thread CPU time (at this world size the fused path: the inf/NaN check rides the hook's division)"
-               if all("hook_calls" in m for m in d["measurements"]) else
-               "its thread CPU time timed around it, minus the all-reduce it wraps (each bucket's extremes written "
-               "in place by one `aminmax`)")  # a result stored before the fused path measured it so
-    out += ["", f"The origin hook's own work ({measure}): "
-                + "; ".join(f"{m['model']} **{m['note_us_per_iter']} us** per iteration ({m['buckets_per_iter']:g} "
-                            f"bucket), **{m['note_share_of_plain_iter'] * 100:.2f}%** of the plain iteration"
+               "thread CPU time" if replaced else
+               "the thread CPU time of its tensor hooks' calls, one per parameter, and of its end of iteration")
+    out += ["", f"The agent's own work for `ddp=` ({measure}): "
+                + "; ".join(f"{m['model']} **{m['note_us_per_iter']} us** per iteration ({m[calls]:g} hook "
+                            f"calls), **{m['note_share_of_plain_iter'] * 100:.2f}%** of the plain iteration"
                             for m in d["measurements"]) + "."]
     return out
 

@@ -9,6 +9,10 @@ from bench.report._format import SIDES, fmt, measured_by, phase_rows
 __all__ = ["section"]
 
 
+_PARTS = {"html_answered": "HTML answered", "script_answered": "script answered", "scripts_run": "scripts run",
+          "summary_asked": "summary asked", "summary_answered": "summary answered"}
+
+
 def _ms(x: dict) -> str:
     """An endpoint's median ms with its first GET's in brackets, or ``-`` where a side has no such endpoint."""
     return "-" if x.get("missing") else f"{fmt(x['median_ms'])} ({fmt(x['first_ms'])})"
@@ -42,6 +46,12 @@ def section(page: Optional[dict]) -> list[str]:
     if quiet:
         lines += ["", "Once the job stopped sending (nothing changing; 20 GETs 0.25 s apart; the median waited "
                   "for the built-in alert pass on the event loop): " + "; ".join(quiet) + "."]
+    parts = [f"{side} {phase} " + ", ".join(f"{_PARTS[k]} {fmt(v)}" for k, v in found.items()
+                                            if k in _PARTS and v is not None)
+             for side in SIDES for phase in ("trouble", "storm")
+             if (found := page[side][phase]["page"].get("first_paint_parts"))]
+    if parts:
+        lines += ["", "Where the first paint's time went (ms from navigation start): " + "; ".join(parts) + "."]
     after = page["after"]["storm"]["page"]["by_endpoint"]
     return lines + ["", "Bytes per refresh by endpoint, after, in the storm: " +
                     ", ".join(f"`{k}` {fmt(v)}" for k, v in after.items()) + ".",

@@ -13,14 +13,9 @@ FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "lo
           "value": "7", "percent": "50%", "duration": "2m 5s"}
 
 
-def _fields_read(definition) -> set[str]:
-    return {*definition.parameters, *filter(None, [definition.for_s]),
-            *(s.threshold for s in definition.severities if s.threshold)}
-
-
 def test_every_threshold_is_read_by_some_alert_and_every_alert_reads_only_real_thresholds():
     known = {field.name for field in dataclasses.fields(AlertThresholds)}
-    read = set().union(*map(_fields_read, ALERTS.values()))
+    read = {field for definition in ALERTS.values() for field in definition.thresholds_read}
     assert read == known
 
 

@@ -38,7 +38,7 @@ def test_a_critical_streak_not_above_the_warning_raises():
     ("collapsed_loss_scale", 0.0, "collapsed_loss_scale=0.0 must be > 0"),
     ("silent_after_s", 0, "silent_after_s=0 must be > 0 seconds"),
     ("backoff_window_s", 1.5, "backoff_window_s=1.5 must be a whole number of seconds"),
-    ("backoff_min_count", -1, "backoff_min_count=-1 must be a whole number >= 0"),
+    ("backoff_min_count", 0, "backoff_min_count=0 must be a whole number >= 1"),
     ("calibration_iterations", True, "calibration_iterations=True must be a number"),
 ])
 def test_an_invalid_value_raises_naming_the_field(field, value, message):

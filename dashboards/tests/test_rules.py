@@ -84,7 +84,8 @@ CHANGED = dict(calibration_iterations=7, skip_streak_warning=8, skip_streak_crit
                collapsed_loss_scale=0.5, collapsed_for_s=90, desync_scale_ratio=4.0, desync_for_s=600, skip_ratio=0.2,
                skip_ratio_window_s=3600, skip_ratio_min_steps=100, skip_ratio_for_s=300, silent_after_s=240,
                silent_for_s=120, scheduler_window_s=1200, poisoned_window_s=2400,
-               origin_window_s=2700, origin_min_count=5, origin_rank_share=0.1, conflict_window_s=900)
+               origin_window_s=2700, origin_min_count=5, origin_rank_share=0.1, conflict_window_s=900,
+               storm_rank_share=0.25)
 
 
 def _alert_and_its_recordings(t: AlertThresholds, name: str) -> list[tuple]:
@@ -106,8 +107,7 @@ def _alert_and_its_recordings(t: AlertThresholds, name: str) -> list[tuple]:
 def test_each_alert_rule_changes_with_every_threshold_its_definition_says_it_reads(name):
     assert set(CHANGED) == {f.name for f in dataclasses.fields(AlertThresholds)}
     definition = ALERTS[name]
-    read = [*definition.parameters, *filter(None, [definition.for_s]),
-            *(s.threshold for s in definition.severities if s.threshold)]
+    read = definition.thresholds_read
     before = _alert_and_its_recordings(DEFAULT_THRESHOLDS, name)
     for field in read:
         after = _alert_and_its_recordings(dataclasses.replace(DEFAULT_THRESHOLDS, **{field: CHANGED[field]}), name)
@@ -181,3 +181,12 @@ def test_the_unit_tests_catch_rules_that_miss_streaks_between_scrapes(tmp_path, 
     result = _run_tests_against(run_tool, tmp_path, naive, RULE_TESTS / "consecutive_skipped_steps.test.yaml")
     assert result.returncode != 0
     assert "a streak that began and ended between two scrapes fires" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/alerts.md"])
+def test_the_alert_tables_of_the_readme_and_the_runbooks_list_every_alert_in_order(page):
+    text = (REPO / page).read_text()
+    table = text[text.index("| alert |"):]
+    table = table[:table.index("\n\n")]
+    listed = re.findall(r"^\| `(Amp\w+)` \|", table, flags=re.M)
+    assert listed == list(ALERT_NAMES), f"{page}'s alert table must list each alert of ampwatch.contract.alerts once"

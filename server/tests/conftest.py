@@ -16,7 +16,8 @@ from ampwatch.server import ServerConfig, create_app  # noqa: E402
 @pytest.fixture
 def config_for(tmp_path) -> Callable[..., ServerConfig]:
     def build(**overrides: Any) -> ServerConfig:
-        return ServerConfig(db=str(tmp_path / "ampwatch.db"), **overrides)
+        # Starlette's TestClient sends "Host: testserver", a name the collector serves only when told.
+        return ServerConfig(db=str(tmp_path / "ampwatch.db"), **{"allowed_hosts": ("testserver",), **overrides})
     return build
 
 

@@ -6,7 +6,6 @@ import threading
 
 from alert_ranks import FakeRank
 
-from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
 
@@ -35,7 +34,7 @@ class _ParkingLock:
         self._lock.release()
 
 
-def test_a_streak_observed_during_a_pass_that_read_its_rank_before_is_not_resolved_by_that_pass():
+def test_a_poisoned_step_observed_during_a_pass_that_read_its_rank_before_is_not_resolved_by_that_pass():
     alerts = BuiltinAlerts()
     ranks = [FakeRank(alerts, rank=r) for r in range(600)]  # three slices of 256
     for r in ranks:
@@ -47,16 +46,16 @@ def test_a_streak_observed_during_a_pass_that_read_its_rank_before_is_not_resolv
     lock.evaluator = evaluating
     evaluating.start()
     assert lock.parked.wait(60)
-    # Rank 0 was read by the first slice, without a streak; its batch now carries one, which fires at once.
-    for _ in range(T.skip_streak_warning):
-        ranks[0].iterate(skipped=True)
+    # Rank 0 was read by the first slice, healthy; its batch now carries a poisoned step, which fires at once.
+    ranks[0].poisoned += 1
+    ranks[0].iterate()
     fired = ranks[0].send(101.0)
-    assert [(a.name, a.status) for a in fired] == [("AmpConsecutiveSkippedSteps", "firing")]
+    assert [(a.name, a.status) for a in fired] == [("AmpPoisonedStep", "firing")]
     lock.resume.set()
     evaluating.join(60)
     assert not evaluating.is_alive()
     assert transitions == []  # the pass's older reading of rank 0 does not resolve what its batch fired
-    assert [(a.name, a.labels["rank"]) for a in alerts.firing()] == [("AmpConsecutiveSkippedSteps", "0")]
+    assert [(a.name, a.labels["rank"]) for a in alerts.firing()] == [("AmpPoisonedStep", "0")]
     # The next pass reads the streak itself and keeps it firing.
     assert alerts.evaluate(102.0) == [] and len(alerts.firing()) == 1
 
@@ -90,8 +89,9 @@ def test_passes_in_a_thread_and_batches_on_another_end_in_the_same_alerts_as_one
         stop.set()
         evaluating.join(60)
     assert not failures
-    alerts.evaluate(150.0)
-    alone.evaluate(150.0)
+    for _ in range(2):  # a streak on several ranks of a run fires once two passes in a row found it
+        alerts.evaluate(150.0)
+        alone.evaluate(150.0)
     final = {(a.name, tuple(sorted(a.labels.items()))) for a in alerts.firing()}
     assert final == {(a.name, tuple(sorted(a.labels.items()))) for a in alone.firing()}
     assert any(name == "AmpConsecutiveSkippedSteps" for name, _ in final)

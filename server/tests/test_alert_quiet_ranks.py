@@ -10,16 +10,15 @@ from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals
-from ampwatch.server.alerting import conditions
-from ampwatch.server.alerting.conditions import evaluate, rank_alerts, rank_facts, run_alerts_of
-from ampwatch.server.alerting.history import RankHistory
+from ampwatch.server.alerting.conditions import evaluate, held_back, rank_alerts, rank_facts, run_alerts_of
+from ampwatch.server.alerting.history import HistoryLayout, RankHistory
 
-HORIZON = max(T.skip_streak_window_s, T.backoff_window_s, T.skip_ratio_window_s, T.scheduler_window_s,
-              T.poisoned_window_s, T.origin_window_s, T.conflict_window_s)
+LAYOUT = HistoryLayout(T)
+HORIZON = LAYOUT.horizon_s
 
 
 def _history() -> RankHistory:
-    return RankHistory("exp", 0, HORIZON, 5.0, (T.skip_streak_warning, T.skip_streak_critical))
+    return RankHistory("exp", 0, LAYOUT, 5.0)
 
 
 class _Rank:
@@ -68,9 +67,9 @@ def _full_pass(histories: list[RankHistory], now: float) -> list:
     for h in histories:
         found.extend(rank_alerts(h, now, T))
         by_run.setdefault(h.run, []).append(rank_facts(h, now, T))
-    for run, ranks in by_run.items():
-        found.extend(run_alerts_of(run, ranks, T))
-    return found
+    run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, T)]
+    held = held_back(found, run_wide, by_run)
+    return [a for a in found if a.key not in held] + run_wide
 
 
 def _key(alert) -> tuple:
@@ -130,10 +129,15 @@ def test_a_rank_in_a_streak_or_with_a_recent_poisoned_step_is_not_quiet():
     assert "AmpPoisonedStep" in {a.name for a in evaluate([h], 4000.0, T)}
 
 
-def test_thresholds_that_fire_without_a_move_read_every_window():
-    assert conditions._windows_need_moves(T)
-    from dataclasses import replace
-    assert not conditions._windows_need_moves(replace(T, backoff_min_count=0))
+def test_the_history_keeps_what_the_alert_definitions_declare_and_its_horizon_is_their_longest_window():
+    assert LAYOUT.horizon_s == max(T.skip_streak_window_s, T.backoff_window_s, T.skip_ratio_window_s,
+                                   T.scheduler_window_s, T.poisoned_window_s, T.origin_window_s, T.conflict_window_s)
+    assert set(LAYOUT.rank_counts) == {"backoffs", "iteration", "origin_iterations"}
+    assert set(LAYOUT.optimizer_counts) == {"skipped", "steps"}
+    assert set(LAYOUT.rank_rises) == {("growths", None), ("conflicts", None)}
+    assert set(LAYOUT.optimizer_rises) == {("streaks_reached", T.skip_streak_warning),
+                                           ("streaks_reached", T.skip_streak_critical),
+                                           ("scheduler_steps_after_skip", None), ("poisoned_steps", None)}
 
 
 def test_a_rank_hung_in_a_long_streak_keeps_its_streak_alert_past_every_window():
@@ -161,3 +165,21 @@ def test_a_young_ranks_first_batch_counts_against_its_origin_until_the_window_pa
     for now in (40.0 + T.poisoned_window_s - 300, 40.0 + T.poisoned_window_s - 20):
         assert not h.quiet(now)
         assert "AmpPoisonedStep" in {a.name for a in evaluate([h], now, T)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_run_conditions_idle_fact_is_what_its_fact_reads_of_a_quiet_rank(seed):
+    from ampwatch.server.alerting.conditions import RUN_CONDITIONS, RankReading
+    rng = random.Random(seed)
+    histories = []
+    for r in range(12):
+        h, rank = _history(), _Rank(r, random.Random(seed * 50 + r), rng.choice((0.0, 0.3)))
+        for step in range(1, 400):
+            h.record(rank.step(step * 10.0, calibrating=step <= 3 or 200 < step < 200 + r), T.calibration_iterations)
+        histories.append(h)
+    now = 4000.0
+    quiet = [h for h in histories if h.quiet(now)]
+    assert quiet
+    for name, condition in RUN_CONDITIONS.items():
+        if condition.fact is not None:
+            assert {condition.fact(RankReading(h, now), T) for h in quiet} == {condition.idle}, name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from alert_ranks import FakeRank, names
 
@@ -329,3 +331,73 @@ def test_a_rank_that_started_fewer_skips_than_the_minimum_does_not_fire():
             r.origins += r.rank == 1
             r.send(10.0 + k)
     assert alerts.evaluate(20.0) == [] and alerts.firing() == []
+
+
+def _storm_job(alerts: BuiltinAlerts, size: int) -> list[FakeRank]:
+    ranks = [FakeRank(alerts, rank=r, scale=2.0 ** 20) for r in range(size)]
+    for r in ranks:  # healthy past calibration
+        for _ in range(200):
+            r.iterate()
+        r.send(0.0)
+    alerts.evaluate(0.5)
+    return ranks
+
+
+def test_a_whole_job_storm_is_one_run_alert_that_fires_and_resolves_and_no_rank_alert_of_it_ever_fires():
+    t = dataclasses.replace(T, skip_streak_window_s=60)  # the storm lingers a minute, not ten
+    alerts = BuiltinAlerts(t)
+    ranks = _storm_job(alerts, 64)
+    transitions = []
+    # Every rank skips 20 in a row together; their batches straddle a pass, as a lockstep burst does.
+    for r in ranks:
+        for _ in range(20):
+            r.iterate(skipped=True)
+        transitions += r.send(10.0)
+        if r.rank == 20:
+            transitions += alerts.evaluate(10.2)
+    for second in range(11, 14):
+        transitions += alerts.evaluate(float(second))
+    for r in ranks:  # the storm passes
+        r.iterate()
+        transitions += r.send(14.0)
+    now = 14.0
+    while now < 14.0 + t.skip_streak_window_s + 5:
+        now += 1.0
+        if now % 15 == 0:  # heartbeats
+            for r in ranks:
+                transitions += r.send(now)
+        transitions += alerts.evaluate(now)
+    storm = ("AmpRunSkipStorm", "AmpConsecutiveSkippedSteps", "AmpLossScaleCollapsed")
+    transitions = [a for a in transitions if a.name in storm]  # (20 backoffs in a row do back off the scale)
+    assert [(a.name, a.status, a.labels["severity"], a.value) for a in transitions] == [
+        ("AmpRunSkipStorm", "firing", "warning", 1.0), ("AmpRunSkipStorm", "resolved", "warning", 1.0)]
+    assert "100% of the ranks of run exp" in transitions[0].annotations["description"]
+
+
+def test_a_job_whose_scale_collapses_for_a_minute_is_one_critical_storm_and_a_rank_that_stands_out_keeps_its_own():
+    alerts = BuiltinAlerts(T)
+    ranks = _storm_job(alerts, 8)
+    for _ in range(T.skip_streak_warning):  # rank 3 stands out: in a streak of its own before the job's storm
+        ranks[3].iterate(skipped=True)
+    first = ranks[3].send(5.0) + alerts.evaluate(5.5)
+    assert [(a.name, a.labels["rank"], a.labels["severity"]) for a in first] == \
+        [("AmpConsecutiveSkippedSteps", "3", "warning")]
+    transitions, now = [], 10.0
+    while now <= 70.0:  # a minute of every rank skipping at a scale of 0, two iterations a second
+        for r in ranks:
+            for _ in range(2):
+                r.iterate(skipped=True)
+            r.scale = 0.0
+            transitions += r.send(now)
+        transitions += alerts.evaluate(now + 0.5)
+        now += 1.0
+    changes = [(a.name, a.status, a.labels.get("rank", ""), a.labels["severity"]) for a in transitions
+               if a.name != "AmpSustainedLossScaleBackoff"]
+    # The storm speaks for every rank's streaks and collapsed scale (the collapse lasts 60 s: past its for, it
+    # would fire on each rank). Rank 3 stood out: its warning went first, its critical too, while the job was at
+    # warning; each resolves into the storm once the storm reaches its severity.
+    assert changes == [("AmpRunSkipStorm", "firing", "", "warning"),
+                       ("AmpConsecutiveSkippedSteps", "resolved", "3", "warning"),
+                       ("AmpConsecutiveSkippedSteps", "firing", "3", "critical"),
+                       ("AmpRunSkipStorm", "firing", "", "critical"),
+                       ("AmpConsecutiveSkippedSteps", "resolved", "3", "critical")]

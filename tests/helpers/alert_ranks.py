@@ -24,7 +24,8 @@ class FakeRank:
         self.steps = self.skipped = self.streak = 0
         self.reached: dict[int, int] = {}
         self.scheduler = self.poisoned = 0
-        self.origins = 0  # skipped iterations this rank started (DDP, issue 17)
+        self.origins = 0  # skipped iterations this rank started (DDP's all-reduce hook)
+        self.conflicts = 0  # processes the collector kept out of the rank
         self.closed = False
 
     def iterate(self, skipped: bool = False) -> None:
@@ -48,7 +49,7 @@ class FakeRank:
                             loss_scale=self.scale, totals=RankTotals(backoffs=self.backoffs, growths=self.growths,
                                                                      origin_iterations=self.origins),
                             closed=self.closed, optimizers={"gen": opt}, consecutive_skipped={"gen": self.streak},
-                            host=f"node-{self.rank // 8}", local_rank=self.rank % 8)
+                            host=f"node-{self.rank // 8}", local_rank=self.rank % 8, conflicts=self.conflicts)
 
     def send(self, now: float) -> list:
         """Deliver a batch to the evaluator; return the transitions of this rank's alerts."""

@@ -27,8 +27,10 @@ class CollectorProcess:
     """
 
     def __init__(self, db: str, *, port: Optional[int] = None, args: Sequence[str] = (),
-                 env: Optional[dict[str, str]] = None, log_path: Optional[str] = None) -> None:
-        self.db, self.port, self.args = db, port or free_port(), list(args)
+                 env: Optional[dict[str, str]] = None, log_path: Optional[str] = None,
+                 open_files: Optional[int] = None) -> None:
+        """``open_files``: the process's open-file limit, soft and hard (default: this process's)."""
+        self.db, self.port, self.args, self.open_files = db, port or free_port(), list(args), open_files
         self.env = dict(os.environ, **(env or {}))
         self.log_path = log_path or db + ".log"
         self.proc: Optional[subprocess.Popen] = None
@@ -42,7 +44,8 @@ class CollectorProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ampwatch.server", "serve", "--port", str(self.port), "--db", self.db,
-             "--log-level", "warning", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+             "--log-level", "warning", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            preexec_fn=None if self.open_files is None else self._limit_open_files)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -56,6 +59,10 @@ class CollectorProcess:
                 time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"collector not ready after {timeout}s; see {self.log_path}")
+
+    def _limit_open_files(self) -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` (SIGKILL by default) and reap the process."""

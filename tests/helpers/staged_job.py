@@ -141,7 +141,7 @@ class StagedJob:
             try:
                 while bodies:
                     body = bodies.pop()
-                    writer.write(b"POST /v1/ingest HTTP/1.1\r\nHost: job\r\nContent-Type: application/json\r\n"
+                    writer.write(b"POST /v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
                     status = int((await reader.readline()).split()[1])
                     length = 0

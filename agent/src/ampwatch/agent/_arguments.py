@@ -9,7 +9,8 @@ import torch
 from . import _device
 from ._recorder import OptimizerRecord
 
-__all__ = ["check_scaler", "named_optimizers", "named_params", "per_step_schedulers", "scheduler_and_interval"]
+__all__ = ["check_scaler", "named_optimizers", "named_params", "peel", "per_step_schedulers",
+           "scheduler_and_interval"]
 
 
 def check_scaler(scaler: Any, *, none: bool = False) -> None:
@@ -60,7 +61,7 @@ def _unwrap_optimizer(value: Any, where: str) -> tuple[torch.optim.Optimizer, li
     LightningOptimizer, anything exposing the real optimizer as ``.optimizer``)
     are unwrapped: the scaler steps the optimizer inside them.
     """
-    value, wrappers = _peel(value)
+    value, wrappers = peel(value)
     if not isinstance(value, torch.optim.Optimizer):
         raise TypeError(f"{where} must be a torch.optim.Optimizer (or a wrapper exposing one as .optimizer), "
                         f"got {type(value).__name__}")
@@ -108,7 +109,7 @@ def per_step_schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) ->
         entries = [scheduler_and_interval(item, f"schedulers[{name!r}]") for item in items]
         classes = [type(s).__name__ for s, _ in entries]
         for i, (scheduler, interval) in enumerate(entries):
-            owner = _peel(getattr(scheduler, "optimizer", None))[0]  # e.g. built on an AcceleratedOptimizer
+            owner = peel(getattr(scheduler, "optimizer", None))[0]  # e.g. built on an AcceleratedOptimizer
             if owner is not None and owner is not records[name].optimizer:
                 raise ValueError(f"schedulers[{name!r}] schedules a different optimizer than optimizers[{name!r}]")
             if interval == "step":  # a per-epoch scheduler stepped after a skip ran nothing ahead
@@ -117,7 +118,7 @@ def per_step_schedulers(schedulers: Any, records: dict[str, OptimizerRecord]) ->
     return result
 
 
-def _peel(value: Any) -> tuple[Any, list[Any]]:
+def peel(value: Any) -> tuple[Any, list[Any]]:
     """Return what is inside wrappers exposing an optimizer as ``.optimizer``, and the wrappers (outermost first)."""
     wrappers: list[Any] = []
     while len(wrappers) < 8:

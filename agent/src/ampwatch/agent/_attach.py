@@ -4,19 +4,68 @@ Two parts, so that nothing the agent keeps for the optimizers holds the scaler:
 :class:`ScalerPatch` lives on the scaler (and can move to another one with
 ``Watch.rebind``); :class:`OptimizerHooks` lives on the optimizers and
 schedulers, which outlive a scaler that a resume replaced.
+
+Nothing put on an object holds that object (no reference cycle): a job the
+user drops is freed by reference counting alone, without waiting for the
+cyclic garbage collector, however much memory it holds.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
 
+from ._arguments import peel
 from ._recorder import OptimizerRecord, Recorder
 
-__all__ = ["OptimizerHooks", "ScalerPatch"]
+__all__ = ["OptimizerHooks", "ScalerPatch", "record_of"]
 
 _MISSING = object()
+
+_in_watched_step: set[int] = set()
+"""Ids of the optimizers inside a watched scaler's ``step()`` right now, whichever watch watches it."""
+
+
+def _weak(owner: Any) -> Callable[[], Any]:
+    """Return a weak reference to ``owner`` (a strong one for the rare object that cannot have one)."""
+    try:
+        return weakref.ref(owner)
+    except TypeError:
+        return lambda: owner
+
+
+def _held_weakly(owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Return a callable that calls ``original`` without holding ``owner``, when ``original`` is bound to it.
+
+    A wrapper kept in ``owner``'s instance dict that held ``owner``'s bound method
+    would be a reference cycle. Costs one weak-reference lookup per call.
+    """
+    if getattr(original, "__self__", None) is not owner:
+        return original
+    function = getattr(original, "__func__", None) or getattr(type(owner), original.__name__)
+    owner_ref, what = _weak(owner), f"{type(owner).__name__}.{original.__name__}"
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = owner_ref()
+        if bound is None:
+            raise ReferenceError(f"{what} was called after its {what.split('.')[0]} was garbage-collected")
+        return function(bound, *args, **kwargs)
+
+    return call
+
+
+def record_of(by_id: dict[int, OptimizerRecord], optimizer: Any) -> OptimizerRecord | None:
+    """Return the record watching ``optimizer`` (or a wrapper around it), else None.
+
+    Records hold their optimizers weakly, so an id may have been reused by a new object: it counts only
+    if the optimizer behind it is the record's.
+    """
+    record = by_id.get(id(optimizer))
+    if record is None or optimizer is record.optimizer or peel(optimizer)[0] is record.optimizer:
+        return record
+    return None
 
 
 class _Patches:
@@ -29,13 +78,15 @@ class _Patches:
     """
 
     def __init__(self) -> None:
-        self._patched: list[tuple[Any, str, Any, Callable[..., Any]]] = []
+        # (owner, attribute, what was there, our wrapper): owners and wrappers held weakly, as the wrappers
+        # that keep our state out of pickles hold this list.
+        self._patched: list[tuple[Callable[[], Any], str, Any, Callable[[], Any]]] = []
 
     def set(self, owner: Any, attr: str, wrapper: Callable[..., Any]) -> None:
         """Set ``owner.attr = wrapper``, remembering what to restore."""
         previous = vars(owner).get(attr, _MISSING)
         setattr(owner, attr, wrapper)
-        self._patched.append((owner, attr, previous, wrapper))
+        self._patched.append((_weak(owner), attr, previous, weakref.ref(wrapper)))
 
     def hide_from_state(self, owner: Any, *, state_dict: bool) -> None:
         """Keep our wrappers out of ``owner``'s pickles, deep copies and (if asked) ``state_dict()``."""
@@ -46,8 +97,9 @@ class _Patches:
 
     def restore(self) -> None:
         """Put back what was there (left alone where someone patched again on top of us)."""
-        for owner, attr, previous, wrapper in reversed(self._patched):
-            if vars(owner).get(attr) is not wrapper:
+        for owner_ref, attr, previous, wrapper_ref in reversed(self._patched):
+            owner, wrapper = owner_ref(), wrapper_ref()
+            if owner is None or wrapper is None or vars(owner).get(attr) is not wrapper:
                 continue  # patched again on top of us; our wrapper passes through once detached
             if previous is _MISSING:
                 delattr(owner, attr)
@@ -56,11 +108,14 @@ class _Patches:
         self._patched.clear()
 
     def _clean(self, owner: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        doc, original, owner_ref = original.__doc__, _held_weakly(owner, original), _weak(owner)
+
         def clean(*args: Any, **kwargs: Any) -> Any:
             state = original(*args, **kwargs)
             if isinstance(state, dict):
-                ours = [(attr, previous) for patched_owner, attr, previous, wrapper in self._patched
-                        if patched_owner is owner and state.get(attr) is wrapper]
+                owner = owner_ref()
+                ours = [(attr, previous) for patched_ref, attr, previous, wrapper_ref in self._patched
+                        if patched_ref() is owner and state.get(attr) is wrapper_ref()]
                 if ours:
                     state = dict(state)
                     for attr, previous in ours:
@@ -70,8 +125,7 @@ class _Patches:
                             state[attr] = previous
             return state
 
-        clean.__wrapped__ = original  # type: ignore[attr-defined]
-        clean.__doc__ = original.__doc__
+        clean.__doc__ = doc
         return clean
 
 
@@ -101,9 +155,9 @@ class ScalerPatch:
         scaler, patches = self.scaler, self._patches
 
         def install() -> None:
-            patches.set(scaler, "step", self._wrap_step(scaler.step, by_id))
-            patches.set(scaler, "update", self._wrap_update(scaler.update))
-            patches.set(scaler, "load_state_dict", self._wrap_load_state_dict(scaler.load_state_dict))
+            patches.set(scaler, "step", self._wrap_step(scaler, scaler.step, by_id))
+            patches.set(scaler, "update", self._wrap_update(scaler, scaler.update))
+            patches.set(scaler, "load_state_dict", self._wrap_load_state_dict(scaler, scaler.load_state_dict))
             patches.hide_from_state(scaler, state_dict=False)  # GradScaler.state_dict() lists its keys
 
         _all_or_nothing(patches, install, lambda: None)
@@ -112,14 +166,16 @@ class ScalerPatch:
         """Restore the scaler's attributes."""
         self._patches.restore()
 
-    def _wrap_step(self, original: Callable[..., Any], by_id: dict[int, OptimizerRecord]) -> Callable[..., Any]:
-        recorder = self.recorder
+    def _wrap_step(self, scaler: Any, original: Callable[..., Any],
+                   by_id: dict[int, OptimizerRecord]) -> Callable[..., Any]:
+        recorder, doc, original = self.recorder, original.__doc__, _held_weakly(scaler, original)
 
         def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if not recorder.attached:
                 return original(optimizer, *args, **kwargs)
-            record = by_id.get(id(optimizer))
+            record = None
             try:
+                record = record_of(by_id, optimizer)
                 if record is None:
                     recorder.on_unknown_optimizer(optimizer)
                 else:
@@ -127,11 +183,14 @@ class ScalerPatch:
             except Exception as error:  # noqa: BLE001 - the agent must never break the loop
                 recorder.internal_error("scaler.step (before)", error)
                 record = None
+            _in_watched_step.add(id(optimizer))  # an older watch of the same optimizer: not "outside" (notebooks)
             try:
                 result = original(optimizer, *args, **kwargs)
             except BaseException:
                 recorder.active = None  # the scaler refused (misuse): record no outcome
                 raise
+            finally:
+                _in_watched_step.discard(id(optimizer))
             if record is not None:
                 try:
                     recorder.after_step(record)
@@ -139,27 +198,30 @@ class ScalerPatch:
                     recorder.internal_error("scaler.step (after)", error)
             return result
 
-        step.__wrapped__ = original  # type: ignore[attr-defined]
-        step.__doc__ = original.__doc__
+        step.__doc__ = doc
         return step
 
-    def _wrap_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_update(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self.recorder
+
         def account(args: tuple, kwargs: dict) -> None:
             new_scale = args[0] if args else kwargs.get("new_scale")
-            self.recorder.after_update(manual=new_scale is not None)
+            recorder.after_update(manual=new_scale is not None)
 
-        return self._then(original, "scaler.update", account)
+        return self._then(scaler, original, "scaler.update", account)
 
-    def _wrap_load_state_dict(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_load_state_dict(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self.recorder
+
         def account(args: tuple, kwargs: dict) -> None:
-            self.recorder.restored(args[0] if args else kwargs["state_dict"])
+            recorder.restored(args[0] if args else kwargs["state_dict"])
 
-        return self._then(original, "scaler.load_state_dict", account)
+        return self._then(scaler, original, "scaler.load_state_dict", account)
 
-    def _then(self, original: Callable[..., Any], site: str,
+    def _then(self, scaler: Any, original: Callable[..., Any], site: str,
               account: Callable[[tuple, dict], None]) -> Callable[..., Any]:
         """Wrap ``original`` so that ``account(args, kwargs)`` runs after it returns, failures counted."""
-        recorder = self.recorder
+        recorder, doc, original = self.recorder, original.__doc__, _held_weakly(scaler, original)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
@@ -170,8 +232,7 @@ class ScalerPatch:
                     recorder.internal_error(site, error)
             return result
 
-        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-        wrapper.__doc__ = original.__doc__
+        wrapper.__doc__ = doc
         return wrapper
 
 
@@ -197,7 +258,8 @@ class OptimizerHooks:
                 if self.recorder.unscaled is not None:  # a step with a closure makes its gradients inside
                     self._handles.append(record.optimizer.register_step_post_hook(self._post_hook(record)))
             for record, label, scheduler in self._schedulers:
-                self._patches.set(scheduler, "step", self._wrap_scheduler_step(scheduler.step, record, label))
+                step = _held_weakly(scheduler, scheduler.step)
+                self._patches.set(scheduler, "step", self._wrap_scheduler_step(step, record, label))
             for scheduler in {id(s): s for _, _, s in self._schedulers}.values():
                 self._patches.hide_from_state(scheduler, state_dict=True)
 
@@ -218,7 +280,7 @@ class OptimizerHooks:
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:
-                recorder.on_optimizer_step(record)
+                recorder.on_optimizer_step(record, in_watched_step=id(optimizer) in _in_watched_step)
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
@@ -253,5 +315,4 @@ class OptimizerHooks:
                     recorder.internal_error("scheduler.step", error)
             return original(*args, **kwargs)
 
-        step.__wrapped__ = original  # type: ignore[attr-defined]
         return step

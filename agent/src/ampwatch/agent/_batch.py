@@ -37,6 +37,7 @@ def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], de
         "host": cut(identity.host, TEXT_LIMITS["host"]),
         "pid": identity.pid,
         "incarnation": identity.incarnation,
+        "process_key": identity.process_key,
         "seq": seq,
         "sent_at": time.time(),
         "scaler": scaler,

@@ -7,7 +7,7 @@ device sync at rare moments) instead of breaking.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -15,7 +15,6 @@ __all__ = [
     "PendingRead",
     "fused_found_inf",
     "found_inf_from_scaler",
-    "ddp_comm_hooks",
     "growth_tracker",
     "has_step_hooks",
     "host_scalar",
@@ -24,7 +23,6 @@ __all__ = [
     "nonfinite_counts",
     "nonfinite_indices",
     "read_later",
-    "scale_and_flag_nonfinite",
     "scale_tensor",
     "steps_with_amp_scaling",
 ]
@@ -68,55 +66,6 @@ def scale_tensor(scaler: Any) -> torch.Tensor | None:
     """Return the scaler's live scale tensor (no sync), or None when absent or not yet created."""
     scale = getattr(scaler, "_scale", None)
     return scale if isinstance(scale, torch.Tensor) else None
-
-
-def ddp_comm_hooks(model: Any) -> list[Any]:
-    """Return the communication hooks already registered on a DDP model (empty when unknown).
-
-    DDP keeps them in ``_comm_hooks`` as ``(hook, state)`` pairs; DDP's built-in hooks
-    (``_register_builtin_comm_hook``) leave no trace there, and DDP itself refuses a second
-    registration with a RuntimeError, which the caller also handles.
-    """
-    pairs = getattr(model, "_comm_hooks", None)
-    return [pair[0] for pair in pairs] if isinstance(pairs, list) else []
-
-
-def ddp_builtin_multiplies(model: Any) -> bool:
-    """Tell whether DDP's built-in all-reduce scales every gradient of ``model`` by MULTIPLYING by 1/world size.
-
-    Its reducer (``mark_variable_ready_dense`` in torch's reducer.cpp) multiplies a gradient while copying it
-    into its bucket (``mul_out(bucket_view, grad, 1.0 / world_size)``) and divides in place one that already
-    is its bucket view (``div_(world_size)``); with ``batched_grad_copy=True`` it divides the whole bucket
-    once it is filled. Every gradient is copied with ``gradient_as_bucket_view=False`` (DDP's default) and
-    no ``batched_grad_copy`` (absent before torch 2.13). False where the settings cannot be read.
-    """
-    return getattr(model, "gradient_as_bucket_view", None) is False and not getattr(model, "batched_grad_copy", False)
-
-
-_amp_check_and_unscale = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)  # private op
-
-
-def scale_and_flag_nonfinite() -> Callable[..., Any] | None:
-    """Return GradScaler's one-pass kernel ``op(tensors, found_inf, inv_scale)``, or None when it is unusable.
-
-    ``torch._amp_foreach_non_finite_check_and_unscale_`` (private: what ``GradScaler.unscale_`` calls)
-    multiplies each tensor in place by ``inv_scale`` and sets ``found_inf`` to 1.0 when any element is
-    inf or NaN (it never writes 0), in one pass, no sync. ``found_inf`` and ``inv_scale`` are one-element
-    float32 tensors on the tensors' device. It records nothing for autograd: never pass it a tensor that
-    requires grad. Feature-detected here by one call on a two-element CPU tensor (its result checked);
-    None: callers use the public path, one ``torch.aminmax`` per tensor beside the division they keep.
-    """
-    op = _amp_check_and_unscale
-    if op is None:
-        return None
-    try:
-        probe, found = torch.tensor([3.0, float("inf")]), torch.zeros(1)
-        op([probe], found, torch.full((), 0.5))
-        if probe.tolist() != [1.5, float("inf")] or found.tolist() != [1.0]:
-            return None
-    except (RuntimeError, TypeError, NotImplementedError):
-        return None
-    return op
 
 
 def growth_tracker(scaler: Any) -> int:

@@ -8,10 +8,29 @@ import http.client
 import json
 import urllib.parse
 
-__all__ = ["Answer", "Outcome", "IngestClient", "classify"]
+from ampwatch.contract.node_batch import is_node_batch
+
+__all__ = ["ANSWER_BYTES", "RESULT_BYTES", "Answer", "Outcome", "IngestClient", "answer_limit", "classify"]
 
 INGEST_PATH = "/v1/ingest"
-_MAX_DETAIL = 1 << 20  # bytes of an answer kept (all of it is read: the connection is kept alive)
+
+ANSWER_BYTES = 16 * 1024
+"""The most of an answer to one batch the agent reads: a collector's longest (a schema refusal with its
+ten detail lines) is a few KiB. Whatever answers at the collector's address with more is cut here, and
+its connection dropped rather than read to the end: the training process never holds a long answer."""
+RESULT_BYTES = 4 * 1024
+"""What each further inner batch of a node relay's protocol-v2 request adds to that: its one result."""
+
+
+def answer_limit(body: bytes) -> int:
+    """Return the most bytes of the answer to ``body`` the agent reads (a v2 body's answer has one result per batch).
+
+    Costs a prefix check, and for a v2 body a count of the commas in its head.
+    """
+    batches = 1
+    if is_node_batch(body):
+        batches += body.count(b",", 0, body.find(b"]"))  # the head: {"protocol":2,"lengths":[812,815],...
+    return ANSWER_BYTES + RESULT_BYTES * (batches - 1)
 
 
 class Outcome(enum.Enum):
@@ -44,8 +63,7 @@ class Answer:
 
     status: int | None
     detail: str
-    """The answer's body (at most 1 MiB: a node relay's v2 answer holds one result per rank), or the
-    connection error."""
+    """The answer's body (at most :func:`answer_limit` bytes of it), or the connection error."""
     retry_after: float | None = None
     """Seconds the collector asked to wait (``Retry-After``), if it said."""
 
@@ -93,24 +111,29 @@ class IngestClient:
         self._conn: http.client.HTTPConnection | None = None
 
     def post(self, body: bytes, timeout: float) -> Answer:
-        """Send ``body``; return the answer (status ``None``: no answer, with the error as ``detail``)."""
+        """Send ``body``; return the answer (status ``None``: no answer, with the error as ``detail``).
+
+        Reads at most :func:`answer_limit` bytes of the answer's body.
+        """
         reused = self._conn is not None
-        answer, timed_out = self._attempt(body, timeout)
+        limit = answer_limit(body)
+        answer, timed_out = self._attempt(body, timeout, limit)
         if answer.status is None and reused and not timed_out:
             # The collector may have closed an idle kept-alive connection: that is not an outage.
-            answer, _ = self._attempt(body, timeout)
+            answer, _ = self._attempt(body, timeout, limit)
         return answer
 
-    def _attempt(self, body: bytes, timeout: float) -> tuple[Answer, bool]:
+    def _attempt(self, body: bytes, timeout: float, limit: int) -> tuple[Answer, bool]:
         """Make one request on the current (or a new) connection; also say whether it timed out."""
         try:
             conn = self._connection(timeout)
             conn.request("POST", self._path, body=body, headers=self._headers)
             response = conn.getresponse()
-            detail = response.read()[:_MAX_DETAIL].decode("utf-8", "replace")
-            if response.will_close:
-                self.close()
-            return Answer(response.status, detail, _seconds(response.getheader("Retry-After"))), False
+            detail = response.read(limit + 1)
+            if len(detail) > limit or not response.isclosed() or response.will_close:
+                self.close()  # longer than any answer of the protocol: drop it unread rather than drain it
+            return Answer(response.status, detail[:limit].decode("utf-8", "replace"),
+                          _seconds(response.getheader("Retry-After"))), False
         except TimeoutError as exc:
             self.close()
             return Answer(None, f"no answer within {timeout:.3g} s ({exc})"), True

@@ -12,7 +12,7 @@ from typing import Mapping
 
 from ._config import _number
 
-__all__ = ["Identity", "resolve_identity", "launcher_run_id", "new_run_id"]
+__all__ = ["Identity", "resolve_identity", "launcher_run_id", "new_run_id", "process_key"]
 
 log = logging.getLogger("ampwatch.agent")
 
@@ -22,9 +22,31 @@ _LAUNCHER_RUN_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_J
 _NOT_AN_ID = ("", "none")
 
 
+_process_key = uuid.uuid4().hex
+
+
+def process_key() -> str:
+    """Return this process's secret: sent with every batch, never shown by the collector.
+
+    Every ``watch()`` in one process sends the same one, so the collector tells a second ``watch()``
+    (a notebook cell run again) from another process claiming the rank with the same host and pid,
+    which its read API shows. A forked child makes its own.
+    """
+    return _process_key
+
+
+def _new_process_key() -> None:
+    global _process_key
+    _process_key = uuid.uuid4().hex
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_process_key)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Identity:
-    """The rank a batch speaks for; ``incarnation`` is new in every process."""
+    """The rank a batch speaks for; ``incarnation`` is new in every ``watch()``, ``process_key`` in every process."""
 
     run: str
     rank: int
@@ -33,6 +55,7 @@ class Identity:
     host: str
     pid: int
     incarnation: str
+    process_key: str = dataclasses.field(default_factory=process_key, repr=False)
 
 
 def launcher_run_id(environ: Mapping[str, str] | None = None) -> str | None:

@@ -28,10 +28,13 @@ class DeliveryOutcomes:
     (``state.delivery``, plain ints). The backoff doubles per failure in a row
     from ``min(1 s, push_interval)`` up to ``max_backoff``, each wait drawn
     between 50% and 100% so ranks do not retry in lockstep, and at least the
-    collector's ``Retry-After`` within the cap (docs/agent.md#delivery).
+    collector's ``Retry-After`` within the cap (docs/agent.md#delivery). The draws
+    come from ``rng``, by default a generator of its own: never Python's global
+    ``random``, whose stream belongs to the training job (data order, augmentation).
     """
 
-    def __init__(self, push_interval: float, max_backoff: float) -> None:
+    def __init__(self, push_interval: float, max_backoff: float, *, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
         self.push_interval = push_interval
         self.max_backoff = max_backoff
         self.send_failures = 0  # attempts to retry: no answer, 5xx, 408, 429, or the collector said "retry": true
@@ -63,7 +66,7 @@ class DeliveryOutcomes:
         self.send_failures += 1
         self.failures_in_row += 1
         delay = min(self.max_backoff, min(_BACKOFF_BASE_MAX, self.push_interval) * 2 ** (self.failures_in_row - 1))
-        delay *= random.uniform(0.5, 1.0)  # jitter: ranks spread out
+        delay *= self._rng.uniform(0.5, 1.0)  # jitter: ranks spread out
         if answer.retry_after is not None:  # the collector said when: wait that long, within our cap
             delay = max(delay, min(answer.retry_after, self.max_backoff))
         self.retry_at = time.monotonic() + delay

@@ -17,7 +17,7 @@ from . import _device
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._inspection import SkipInspection
-from ._origin import OriginFlags
+from ._origin import LocalGradients
 from ._params import ParameterNames
 from ._poison import PoisonCheck
 from ._scale import LossScale
@@ -34,7 +34,8 @@ class OptimizerRecord:
     """Counters and per-iteration flags of one watched optimizer."""
 
     name: str
-    optimizer: torch.optim.Optimizer
+    optimizer_ref: weakref.ref
+    """The optimizer, held weakly: its own step hook holds this record, which must not hold it in turn."""
     steps: int = 0
     skipped: int = 0
     consecutive: int = 0
@@ -58,6 +59,16 @@ class OptimizerRecord:
     stepped_this_iteration: bool = False
     # Fused optimizers on an asynchronous device: outcomes still on their way to the host.
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    @classmethod
+    def of(cls, name: str, optimizer: torch.optim.Optimizer) -> "OptimizerRecord":
+        """Return a fresh record of ``optimizer`` named ``name``."""
+        return cls(name=name, optimizer_ref=weakref.ref(optimizer))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The watched optimizer (None once it has been garbage-collected)."""
+        return self.optimizer_ref()
 
     def counters(self) -> dict[str, Any]:
         """Return this optimizer's protocol counters as plain values."""
@@ -114,7 +125,7 @@ class Recorder:
         self._warned: set[int] = set()
         self._warned_outside = False
         self.orphaned = False  # the scaler was garbage-collected: the hooks only warn, once
-        self.origin: OriginFlags | None = None  # set by watch(ddp=...): each bucket's local extremes
+        self.origin: LocalGradients | None = None  # set by watch(ddp=...): each parameter's own gradient, noted
         self.origin_iterations = 0  # skipped iterations where this rank's own gradients held inf/NaN
 
     @property
@@ -155,16 +166,24 @@ class Recorder:
         record.found_inf = None
         self.active = record
 
-    def on_optimizer_step(self, record: OptimizerRecord, closure: bool = False) -> None:
-        """Note that ``optimizer.step()`` is being called (step pre-hook; ``closure``: it was given one)."""
+    def on_optimizer_step(self, record: OptimizerRecord, closure: bool = False, *,
+                          in_watched_step: bool = False) -> None:
+        """Note that ``optimizer.step()`` is being called (step pre-hook; ``closure``: it was given one).
+
+        ``in_watched_step``: it is called inside the ``step()`` of a scaler some watch
+        watches (this one's, or a newer watch's of the same optimizer, as when a
+        notebook cell runs again): that step is reported, so it is not "outside".
+        """
         if self.active is record:
             record.hook_fired = True
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
         elif self.unscaled is not None:
             self._unscaled_step(record, check=not closure)
-        elif self.active is None and not self._warned_outside:
-            self._stepped_outside_scaler(record)
+        elif self.active is None:
+            record.last_stepped = None  # this watch no longer knows the optimizer's last step
+            if not in_watched_step and not self._warned_outside:
+                self._stepped_outside_scaler(record)
 
     def _stepped_outside_scaler(self, record: OptimizerRecord) -> None:
         # Typically resume code that made a new GradScaler: the watch would go quiet without a word.
@@ -377,7 +396,7 @@ class Recorder:
         record.check_weights = check_weights
         if self.origin is not None:
             self._add_origin(event, iteration, current)
-        origin = (event["origin"], tuple(event["origin_buckets"])) if "origin" in event else None
+        origin = (event["origin"], tuple(event["origin_params"])) if "origin" in event else None
         if rung or (origin is not None and origin != record.origin_sent):
             if origin is not None:
                 record.origin_sent = origin
@@ -397,5 +416,4 @@ class Recorder:
             return
         if new and report.origin:
             self.origin_iterations += 1
-        event.update(origin=report.origin, origin_buckets=report.buckets, origin_params=report.params,
-                     origin_params_total=report.params_total)
+        event.update(origin=report.origin, origin_params=report.params, origin_params_total=report.params_total)

@@ -11,13 +11,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ._arguments import check_scaler, named_optimizers, named_params, per_step_schedulers
-from ._attach import OptimizerHooks, ScalerPatch
+from ._attach import OptimizerHooks, ScalerPatch, record_of
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
-from ._origin import OriginFlags, attach_origin_hook
+from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._recorder import OptimizerRecord, Recorder
 from ._sender import Sender, close_all_senders
@@ -132,7 +132,7 @@ class Watch:
         still be on its way from the device; then this waits for it (one
         device sync, only when you ask, only for fused optimizers).
         """
-        record = self._by_id.get(id(optimizer))
+        record = record_of(self._by_id, optimizer)
         if record is None:
             names = ", ".join(r.name for r in self._recorder.records)
             raise ValueError(f"stepped() got a {type(optimizer).__name__} that this watch does not know; "
@@ -284,23 +284,26 @@ def watch(scaler: torch.amp.GradScaler | None,
     ``AMPWATCH_PUSH_INTERVAL``.
 
     ``ddp``: the job's DistributedDataParallel model, to report whether this rank's own gradients held
-    inf/NaN before the all-reduce (the rank where a skip started; docs/agent.md). It registers a DDP
-    communication hook that wraps DDP's all-reduce, or ``comm_hook`` (with its ``comm_state``, as you
-    would pass them to ``register_comm_hook``) when the job uses its own hook: pass it here instead of
-    registering it. Names parameters by ``ddp.module`` when ``model`` is not given.
+    inf/NaN before DDP reduced them (the rank where a skip started; docs/agent.md). A tensor hook on each
+    of its parameters looks at the gradient on its way in; DDP's reduction, and any communication hook the
+    job registers on the model itself, run as they would without ampwatch. Names parameters by
+    ``ddp.module`` when ``model`` is not given. ``comm_hook`` and ``comm_state`` are refused: register your
+    hook with ``ddp.register_comm_hook(state, hook)``, as without ampwatch.
     """
+    if comm_hook is not None or comm_state is not None:
+        raise TypeError("watch() no longer takes comm_hook= or comm_state=: ampwatch does not wrap DDP's "
+                        "reduction, it looks at each parameter's own gradient before DDP takes it. Register "
+                        "your communication hook on the model yourself, model.register_comm_hook(state, hook), "
+                        "as you would without ampwatch, and call watch(..., ddp=model) without them.")
     config = AgentConfig.from_env(collector=collector, run=run, token=token, push_interval=push_interval)
     if config.disabled:
         return DisabledWatch()
     check_scaler(scaler, none=True)
     named = named_optimizers(optimizers)
-    if comm_hook is not None and ddp is None:
-        raise ValueError("comm_hook= is wrapped around DDP's all-reduce only with ddp=model: pass the "
-                         "DistributedDataParallel model as ddp=")
     if ddp is not None and model is None and named_parameters is None:
         model = getattr(ddp, "module", None)
     names = ParameterNames(named_params(model, named_parameters))
-    records = [OptimizerRecord(name=n, optimizer=o) for n, (o, _) in named.items()]
+    records = [OptimizerRecord.of(n, o) for n, (o, _) in named.items()]
     by_id = {id(alias): record for record, (_, aliases) in zip(records, named.values())
              for alias in (record.optimizer, *aliases)}
     scheduler_list = per_step_schedulers(schedulers, {r.name: r for r in records})
@@ -323,10 +326,8 @@ def watch(scaler: torch.amp.GradScaler | None,
         if scaler is not None:
             patch = ScalerPatch(scaler, recorder)
             patch.attach(by_id)
-        if ddp is not None and scaler is not None:  # last: DDP cannot take a hook back
-            origin = OriginFlags(names)
-            attach_origin_hook(ddp, origin, errors, comm_hook, comm_state)
-            recorder.origin = origin
+            if ddp is not None:
+                recorder.origin = observe_ddp(ddp, names, errors)
         recorder.attached = True
     except BaseException:
         if patch is not None:

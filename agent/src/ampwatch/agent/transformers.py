@@ -21,7 +21,6 @@ __all__ = ["AmpWatchCallback"]
 _transformers = require("transformers", integration="ampwatch.agent.transformers", extra="transformers")
 
 _CPU_RECIPE = "a Trainer whose Accelerator is given a GradScaler, as examples/transformers_cpu.py does"
-_NOT_PER_UPDATE = ("ReduceLROnPlateau", "GreedyLR")  # the Trainer steps these on evaluation metrics, not per update
 
 
 class AmpWatchCallback(_transformers.TrainerCallback):
@@ -59,7 +58,7 @@ class AmpWatchCallback(_transformers.TrainerCallback):
             self._said_no_scaler = True
         schedulers = []
         if lr_scheduler is not None:
-            per_update = type(lr_scheduler).__name__ not in _NOT_PER_UPDATE
+            per_update = not isinstance(lr_scheduler, _stepped_on_metrics())
             schedulers.append({"scheduler": lr_scheduler, "interval": "step" if per_update else "epoch"})
         module = model if isinstance(model, torch.nn.Module) else None
         self.watch = attach(scaler, [optimizer], names=[self.name] if self.name else None, module=module,
@@ -72,3 +71,9 @@ class AmpWatchCallback(_transformers.TrainerCallback):
     def _detach(self) -> None:
         if self.watch is not None:
             self.watch.close()
+
+
+def _stepped_on_metrics() -> tuple[type, ...]:
+    """The scheduler classes the Trainer steps after an evaluation, on its metrics, instead of once per update."""
+    greedy = getattr(_transformers, "GreedyLR", None)  # newer releases only
+    return (torch.optim.lr_scheduler.ReduceLROnPlateau, *([greedy] if isinstance(greedy, type) else []))

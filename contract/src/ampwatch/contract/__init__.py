@@ -4,8 +4,9 @@
   and a collector's default limits (docs/protocol.md).
 - :mod:`ampwatch.contract.metrics`: every series the collector exposes (docs/metrics.md).
 - :mod:`ampwatch.contract.thresholds`: the alert thresholds and their profiles (``default``, ``demo``).
+- :mod:`ampwatch.contract.counters`: the rank counters and gauges alert conditions read, by name.
 - :mod:`ampwatch.contract.alerts`: each alert once: name, severities, ``for`` window, the thresholds its
-  condition reads, summary and description, runbook anchor (docs/alerts.md).
+  condition reads, the window and counters it compares, summary and description, runbook anchor (docs/alerts.md).
 
 Importing any of them costs a few dataclasses and tuples; nothing here does I/O.
 """

@@ -3,8 +3,11 @@
 An alert's *condition* is code in each evaluator (a PromQL expression in
 ``ampwatch.dashboards.rules``, Python in ``ampwatch.server.alerting.conditions``);
 everything else is here: its name, the labels it carries, its severities, its
-``for:`` window, the thresholds its condition reads, its summary and
-description, and the anchor of its runbook section in docs/alerts.md.
+``for:`` window, the thresholds its condition reads, the window it looks back
+over and the counters it compares there (names from :mod:`ampwatch.contract.counters`),
+its summary and description, and the anchor of its runbook section in docs/alerts.md.
+The collector's alert history keeps exactly the counters the definitions name, back to
+the longest window, and skips a rank none of whose declared counters moved.
 
 Texts are templates. Threshold fields are filled in from an
 :class:`~ampwatch.contract.thresholds.AlertThresholds` (durations as PromQL
@@ -27,6 +30,7 @@ import dataclasses
 import functools
 from typing import Any, Mapping, Optional
 
+from .counters import COUNTERS, GAUGES
 from .thresholds import AlertThresholds, promql_duration
 
 __all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "AlertDefinition", "Severity"]
@@ -62,9 +66,58 @@ class AlertDefinition:
     for_s: Optional[str]
     """The AlertThresholds field holding its ``for:`` window; None: it fires at the first evaluation."""
     parameters: tuple[str, ...]
-    """The AlertThresholds fields its condition reads (besides its severities' thresholds)."""
+    """The AlertThresholds fields its condition reads (besides its window and its severities' thresholds)."""
     summary: str
     description: str
+    window: Optional[str] = None
+    """The AlertThresholds field of the window its condition looks back over (``increase(x[w])``); None: it reads
+    the latest state of its ranks only."""
+    counts: tuple[str, ...] = ()
+    """Counters (:data:`~ampwatch.contract.counters.COUNTERS`) it compares with their value one window ago: how much
+    they rose, or what they were then."""
+    rises: tuple[str, ...] = ()
+    """Counters it asks only whether they rose within the window (a ladder counter: at its severities' lengths)."""
+    context: tuple[str, ...] = ()
+    """Of ``counts`` and ``rises``, those whose rise alone cannot make it hold (steps beside skips, growths that rule
+    it out, the iteration past calibration): a rank where only these moved within the window is quiet for it."""
+    gauges: tuple[str, ...] = ()
+    """Gauges (:data:`~ampwatch.contract.counters.GAUGES`) that can make it hold on their own while its counters stand
+    still (a current streak): while one is above 0 the rank is read in full."""
+    stands_for: tuple[tuple[str, str, str], ...] = ()
+    """A run-wide alert: the per-rank alerts it speaks for, as ``(alert, its severity, this alert's severity)``.
+    While it holds for a run at that severity, the instances of that alert and severity on the ranks that are in it
+    (its condition holds for the rank at that severity) are held back; a rank that stands out (another severity, or
+    not in it) keeps its own."""
+
+    def __post_init__(self) -> None:
+        where = f"alert {self.name}"
+        if bool(self.window) != bool(self.counts or self.rises):
+            raise ValueError(f"{where}: a window needs counters to compare over it (counts, rises), and they a window")
+        for name in (*self.counts, *self.rises):
+            if name not in COUNTERS:
+                raise ValueError(f"{where}: {name!r} is not a counter of ampwatch.contract.counters.COUNTERS")
+        for name in self.gauges:
+            if name not in GAUGES:
+                raise ValueError(f"{where}: {name!r} is not a gauge of ampwatch.contract.counters.GAUGES")
+        if not set(self.context) <= {*self.counts, *self.rises}:
+            raise ValueError(f"{where}: context {self.context} must be among its counts and rises")
+        if self.window and not set(self.counts + self.rises) - set(self.context):
+            raise ValueError(f"{where}: some counter it reads must be able to make it hold (not all context)")
+        if self.stands_for and self.scope != "run":
+            raise ValueError(f"{where}: only an alert of scope run can stand for per-rank alerts")
+        for _, _, level in self.stands_for:
+            if level not in {s.level for s in self.severities}:
+                raise ValueError(f"{where}: it speaks for others at {level!r}, not one of its severities")
+        fields = {f.name for f in dataclasses.fields(AlertThresholds)}
+        for field in (self.window, self.for_s, *self.parameters, *(s.threshold for s in self.severities)):
+            if field is not None and field not in fields:
+                raise ValueError(f"{where}: {field!r} is not a field of AlertThresholds")
+
+    @property
+    def thresholds_read(self) -> tuple[str, ...]:
+        """Return every AlertThresholds field it depends on: parameters, window, ``for``, severities' thresholds."""
+        return (*self.parameters, *filter(None, (self.window, self.for_s)),
+                *(s.threshold for s in self.severities if s.threshold))
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -130,14 +183,30 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
     AlertDefinition(
         name="AmpConsecutiveSkippedSteps", scope="optimizer",
         severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
-        for_s=None, parameters=("skip_streak_window_s",),
+        for_s=None, parameters=(), window="skip_streak_window_s", rises=("streaks_reached",),
+        gauges=("consecutive_skipped",),
         summary="An optimizer skipped {threshold} or more steps in a row",
         description=f"The {_WHERE} skipped at least {{threshold}} consecutive steps within the last "
                     "{skip_streak_window_s}: its parameters were not updated (current streak: {value} skipped "
                     "steps)."),
     AlertDefinition(
+        name="AmpRunSkipStorm", scope="run",
+        severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
+        for_s=None, parameters=("storm_rank_share",), window="skip_streak_window_s", rises=("streaks_reached",),
+        gauges=("consecutive_skipped",),
+        stands_for=(("AmpConsecutiveSkippedSteps", "warning", "warning"),
+                    ("AmpConsecutiveSkippedSteps", "critical", "critical"),
+                    ("AmpLossScaleCollapsed", "critical", "warning")),
+        summary="Most ranks of a run skip together: {threshold} or more steps in a row",
+        description="{percent} of the ranks of run {run} have an optimizer that skipped at least {threshold} "
+                    "consecutive steps within the last {skip_streak_window_s}: the whole job stopped updating its "
+                    "parameters. This alert speaks for those ranks: their own streak alerts of this severity, and their "
+                    "collapsed-scale alerts, are held back; a rank that stands out keeps its own."),
+    AlertDefinition(
         name="AmpSustainedLossScaleBackoff", scope="run", severities=_WARNING, for_s="backoff_for_s",
-        parameters=("backoff_window_s", "backoff_min_count", "backoff_rank_share", "calibration_iterations"),
+        parameters=("backoff_min_count", "backoff_rank_share", "calibration_iterations"),
+        window="backoff_window_s", counts=("backoffs", "iteration"), rises=("growths",),
+        context=("iteration", "growths"),
         summary="Many ranks of a run keep backing off the loss scale",
         description="{percent} of the open ranks of run {run} backed the loss scale off at least "
                     "{backoff_min_count} times in the last {backoff_window_s} without any growth: gradients keep "
@@ -157,7 +226,8 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "ranks no longer see the same gradients or scaler state."),
     AlertDefinition(
         name="AmpHighSkippedStepRatio", scope="optimizer", severities=_WARNING, for_s="skip_ratio_for_s",
-        parameters=("skip_ratio", "skip_ratio_window_s", "skip_ratio_min_steps"),
+        parameters=("skip_ratio", "skip_ratio_min_steps"), window="skip_ratio_window_s",
+        counts=("skipped", "steps"), context=("steps",),
         summary="An optimizer skips a large share of its steps",
         description=f"The {_WHERE} skipped {{percent}} of its steps over the last {{skip_ratio_window_s}}."),
     AlertDefinition(
@@ -168,26 +238,28 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "cannot reach the collector."),
     AlertDefinition(
         name="AmpSchedulerStepsOnSkipped", scope="optimizer", severities=_WARNING, for_s=None,
-        parameters=("scheduler_window_s",),
+        parameters=(), window="scheduler_window_s", rises=("scheduler_steps_after_skip",),
         summary="An LR scheduler stepped after a skipped optimizer step",
         description=f"The LR scheduler of {_WHERE} stepped right after skipped steps (so far: {{value}}): the "
                     "schedule runs ahead of the real updates."),
     AlertDefinition(
         name="AmpPoisonedStep", scope="optimizer", severities=_CRITICAL, for_s=None,
-        parameters=("poisoned_window_s",),
+        parameters=(), window="poisoned_window_s", rises=("poisoned_steps",),
         summary="An optimizer updated its parameters with non-finite gradients",
         description=f"The {_WHERE} stepped although its gradients were non-finite, or its parameters became "
                     "non-finite (poisoned steps so far: {value}): the weights are likely NaN for good."),
     AlertDefinition(
         name="AmpSkipOriginRank", scope="host", severities=_WARNING, for_s=None,
-        parameters=("origin_window_s", "origin_min_count", "origin_rank_share"),
+        parameters=("origin_min_count", "origin_rank_share"), window="origin_window_s",
+        counts=("origin_iterations",),
         summary="One rank keeps starting the run's skipped steps",
         description="Rank {rank} of run {run} (host {host}, local rank {local_rank}) held non-finite gradients "
                     "of its own before DDP's all-reduce in {value} skipped iterations within the last "
                     "{origin_window_s}, while at most {origin_rank_share} of the run's ranks did: suspect that "
                     "GPU, its host or its data shard."),
     AlertDefinition(
-        name="AmpRankConflict", scope="rank", severities=_WARNING, for_s=None, parameters=("conflict_window_s",),
+        name="AmpRankConflict", scope="rank", severities=_WARNING, for_s=None, parameters=(),
+        window="conflict_window_s", rises=("conflicts",),
         summary="Two processes claim one run and rank",
         description=f"A second process claimed {_ON_RANK} while the first one kept sending (conflicts so far: "
                     "{value}): two jobs share a run id, or something else writes into the collector. The first "

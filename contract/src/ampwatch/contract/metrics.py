@@ -121,7 +121,9 @@ COLLECTOR_DUPLICATE_BATCHES = Metric("ampwatch_collector_duplicate_batches_total
 COLLECTOR_REJECTED_BATCHES = Metric("ampwatch_collector_rejected_batches_total", "counter", ("reason",),
                                     "Batches refused, by reason.")
 COLLECTOR_REFUSED_REQUESTS = Metric("ampwatch_collector_refused_requests_total", "counter", ("reason",),
-                                    "Requests refused before routing, by reason (rate, read_auth).")
+                                    "Requests refused before routing, and connections closed before a request, "
+                                    "by reason (host, rate, read_auth, client_connections, request_timeout, "
+                                    "idle_evicted).")
 COLLECTOR_INGEST_DURATION = Metric("ampwatch_collector_ingest_duration_seconds", "histogram", (),
                                    "Time from request to durable answer.")
 COLLECTOR_DATABASE_SIZE = Metric("ampwatch_collector_database_size_bytes", "gauge", (),

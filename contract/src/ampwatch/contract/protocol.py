@@ -1,6 +1,6 @@
 """Wire protocol v1 (docs/protocol.md): the facts the agent that sends and the collector that validates share.
 
-The collector's pydantic models (``ampwatch.server._schema``) enforce these
+The collector's schema (``ampwatch.server._schema``) enforces these
 limits; the agent keeps to them before it sends (``ampwatch.agent._limits``),
 so a batch from a real agent is never refused for a long name or too many
 entries. ``tests/test_contract_agent.py`` checks both sides against this module.

@@ -45,6 +45,10 @@ class AlertThresholds:
     model has made no update for this many iterations. Must be on STREAK_LADDER
     and above skip_streak_warning."""
 
+    storm_rank_share: float = 0.5
+    """Share of a run's ranks (and at least two) whose streak alert holds at a severity at or above which the
+    run has one whole-job storm alert of that severity instead of an alert per rank: DDP ranks skip together."""
+
     skip_streak_window_s: int = 600
     """How long a streak that reached a threshold keeps the alert firing, so that a
     streak that began and ended between two scrapes is still reported."""
@@ -69,8 +73,9 @@ class AlertThresholds:
     """A loss scale below this means the scale has collapsed: gradients are not
     scaled up any more and AMP is fighting a real numerical problem."""
 
-    collapsed_for_s: int = 60
-    """How long a collapsed scale must last before the alert fires."""
+    collapsed_for_s: int = 30
+    """How long a collapsed scale must last before the alert fires: a collapse of a minute fires in Prometheus
+    too, where a 15 s scrape and evaluation see it held for 45 s at least."""
 
     desync_scale_ratio: float = 2.0
     """Largest / smallest loss scale across the open ranks of one run at or above
@@ -155,12 +160,20 @@ class AlertThresholds:
                      "conflict_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
-        for name in ("calibration_iterations", "backoff_min_count", "skip_ratio_min_steps", "origin_min_count"):
+        for name in ("calibration_iterations", "skip_ratio_min_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a whole number >= 0")
+        # At least one: a rank that backed off (or started a skip) 0 times is no news, and every windowed alert
+        # then needs a counter to rise, which lets the collector skip the windows of ranks where none did.
+        for name in ("backoff_min_count", "origin_min_count"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
         if not 0 < self.backoff_rank_share <= 1:
             raise ValueError(f"backoff_rank_share={self.backoff_rank_share!r} must be in (0, 1]")
+        if not 0 < self.storm_rank_share <= 1:
+            raise ValueError(f"storm_rank_share={self.storm_rank_share!r} must be in (0, 1]")
         if not 0 < self.origin_rank_share <= 1:
             raise ValueError(f"origin_rank_share={self.origin_rank_share!r} must be in (0, 1]")
         if not 0 < self.skip_ratio <= 1:

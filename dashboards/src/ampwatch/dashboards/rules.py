@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ampwatch.contract import metrics as m
-from ampwatch.contract.alerts import ALERTS, DEFAULT_RUNBOOK_BASE_URL, AlertDefinition
+from ampwatch.contract.alerts import ALERTS, DEFAULT_RUNBOOK_BASE_URL, AlertDefinition, Severity
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds, promql_duration as dur
 
 from ._yaml import dump_yaml
@@ -60,6 +60,7 @@ class RecordedSeries:
         self.step_calls = f"run_rank_optimizer:ampwatch_optimizer_step_calls:increase{ratio_w}"
         self.skip_ratio = f"run_rank_optimizer:ampwatch_optimizer_skipped_steps:ratio{ratio_w}"
         self.ranks_open = "run:ampwatch_ranks_open:count"
+        self.ranks = "run:ampwatch_ranks:count"
         self.ranks_backing_off = f"run:ampwatch_ranks_sustained_backoff:count{backoff_w}"
         self.scale_max = "run:ampwatch_loss_scale:max"
         self.scale_min = "run:ampwatch_loss_scale:min"
@@ -74,6 +75,11 @@ class RecordedSeries:
         self.streaks_rose = f"run_rank_optimizer:ampwatch_optimizer_skip_streaks:rose{dur(t.skip_streak_window_s)}"
         self.scheduler_steps = _nonzero_name(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP)
         self.poisoned = _nonzero_name(m.OPTIMIZER_POISONED_STEPS)
+        # The ranks whose streak alert holds (label severity), how many of each run's open ranks, and what share.
+        streak_w = dur(t.skip_streak_window_s)
+        self.rank_streaking = f"run_rank:ampwatch_optimizer_skip_streak:alerting{streak_w}"
+        self.ranks_streaking = f"run:ampwatch_ranks_skip_streak:count{streak_w}"
+        self.streaking_share = f"run:ampwatch_ranks_skip_streak:share{streak_w}"
 
 
 def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, Any]]:
@@ -98,6 +104,7 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
                               f"+ {r.skipped}"),
         _record(r.skip_ratio, f"{r.skipped} / {r.step_calls}"),
         _record(r.ranks_open, f"count by (run) ({_OPEN})"),
+        _record(r.ranks, f"count by (run) ({m.RANK_CLOSED})"),
         # Backoffs while a rank calibrates its scale (its first iterations) are normal,
         # so a rank counts only once every sample in the window is past calibration.
         _record(r.ranks_backing_off,
@@ -115,6 +122,13 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
         # many of a run's ranks started any.
         _record(r.origins, f"sum by (run, rank) (increase({m.RANK_ORIGIN_ITERATIONS}[{dur(t.origin_window_s)}]))"),
         _record(r.ranks_origin, f"count by (run) ({r.origins} > 0)"),
+        # The ranks in a streak alert of each severity (any optimizer), and what share of a run's ranks: the
+        # whole-job storm. Closed ranks count, as their streak alerts do within the window.
+        *(_record(r.rank_streaking, f"max by (run, rank) (\n{_indent(_streak(t, r, getattr(t, s.threshold)))}\n)",
+                  {"severity": s.level})
+          for s in ALERTS["AmpRunSkipStorm"].severities),
+        _record(r.ranks_streaking, f"count by (run, severity) ({r.rank_streaking})"),
+        _record(r.streaking_share, f"{r.ranks_streaking} / on (run) group_left {r.ranks}"),
     ]
 
 
@@ -133,6 +147,13 @@ def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
             f")\n"
             f"or\n"
             f"0 * max without (min_length) ({rose})")
+
+
+def _storm(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
+    # Most of a run's ranks, and two at least, hold the streak alert of this severity.
+    level = next(s.level for s in ALERTS["AmpRunSkipStorm"].severities if getattr(t, s.threshold) == threshold)
+    return (f'{r.streaking_share}{{severity="{level}"}} >= {_num(t.storm_rank_share)}\n'
+            f'and on (run, severity) {r.ranks_streaking} >= 2')
 
 
 def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
@@ -158,6 +179,7 @@ def _collapsed(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
 #: severity's threshold (the streak length; None for the others). Every alert of ampwatch.contract.alerts has one.
 CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
     "AmpConsecutiveSkippedSteps": _streak,
+    "AmpRunSkipStorm": _storm,
     "AmpSustainedLossScaleBackoff": lambda t, r, _: f"{r.ranks_backing_off} / {r.ranks_open} >= {t.backoff_rank_share}",
     "AmpLossScaleCollapsed": _collapsed,
     "AmpLossScaleDesync": lambda t, r, _: f"{r.scale_spread} >= {_num(t.desync_scale_ratio)}",
@@ -186,9 +208,33 @@ def alerting_rules(
 ) -> list[dict[str, Any]]:
     """Return the alerting rules, one per alert and severity, each with for, severity and its texts."""
     r = RecordedSeries(t)
-    return [_alert(definition, severity.level, CONDITIONS[definition.name](
-                       t, r, getattr(t, severity.threshold) if severity.threshold else None), t, runbook_base_url)
+    return [_alert(definition, severity.level, _held_back(t, r, definition, severity.level,
+                                                          _condition(t, r, definition, severity)),
+                   t, runbook_base_url)
             for definition in ALERTS.values() for severity in definition.severities]
+
+
+def _condition(t: AlertThresholds, r: RecordedSeries, definition: AlertDefinition, severity: Severity) -> str:
+    return CONDITIONS[definition.name](t, r, getattr(t, severity.threshold) if severity.threshold else None)
+
+
+#: For each run-wide alert that speaks for per-rank ones: the ranks that are in it at a severity (PromQL).
+IN_RUN_ALERT: dict[str, Callable[[AlertThresholds, RecordedSeries, str], str]] = {
+    "AmpRunSkipStorm": lambda t, r, level: f'{r.rank_streaking}{{severity="{level}"}}',
+}
+
+
+def _held_back(t: AlertThresholds, r: RecordedSeries, definition: AlertDefinition, level: str, expr: str) -> str:
+    """Add to a per-rank alert's condition: unless a run-wide alert that speaks for it (``stands_for``) holds, on
+    the ranks that are in it."""
+    for speaker in ALERTS.values():
+        for name, severity_level, speaker_level in speaker.stands_for:
+            if name == definition.name and severity_level == level:
+                severity = speaker.severity(speaker_level)
+                expr = (f"(\n{_indent(expr)}\n)\nunless on (run, rank)\n(\n"
+                        f"  {IN_RUN_ALERT[speaker.name](t, r, speaker_level)}\n"
+                        f"  and on (run)\n{_indent(_indent(_condition(t, r, speaker, severity)))}\n)")
+    return expr
 
 
 def rule_groups(
@@ -226,8 +272,8 @@ def _nonzero_name(metric: m.Metric) -> str:
     return f"{level}:{metric.name.removesuffix('_total')}:nonzero"
 
 
-def _record(name: str, expr: str) -> dict[str, Any]:
-    return {"record": name, "expr": expr}
+def _record(name: str, expr: str, labels: Any = None) -> dict[str, Any]:
+    return {"record": name, "expr": expr, **({"labels": labels} if labels else {})}
 
 
 def _alert(definition: AlertDefinition, level: str, expr: str, t: AlertThresholds,

@@ -1,4 +1,5 @@
-"""Who may do what, before any route runs: the optional read token and the per-client rate limit."""
+"""Who may do what, before any route runs: the Host allow-list, the optional read token and the per-client rate
+limit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import time
 from typing import Callable, Optional
 
 from ampwatch.contract.metrics import COLLECTOR_REFUSED_REQUESTS
+
+from ._hosts import HostAllowList, host_name
 
 __all__ = ["AccessGuard", "AccessMetrics", "RateLimiter", "READ_PREFIXES", "bearer_matches"]
 
@@ -67,15 +70,28 @@ class RateLimiter:
 
 
 class AccessGuard:
-    """Refuse a request before routing: over the client's rate (429), or reading without the read token (401/403)."""
+    """Refuse a request before routing: for a name this collector does not serve (421), over the client's rate
+    (429), or reading without the read token (401/403)."""
 
-    def __init__(self, read_token: Optional[str], rate_limit: float) -> None:
+    def __init__(self, read_token: Optional[str], rate_limit: float, hosts: Optional[HostAllowList] = None) -> None:
         self._read_token = read_token
+        self.hosts = hosts
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
-        self.refused: dict[str, int] = {"rate": 0, "read_auth": 0}  # exposed in /metrics
+        self.refused: dict[str, int] = {"host": 0, "rate": 0, "read_auth": 0}  # exposed in /metrics
 
     def refusal(self, scope: dict) -> Optional[tuple[int, dict, list[tuple[bytes, bytes]]]]:
         """Return ``(status, body, extra headers)`` when the request must be refused, else None."""
+        if self.hosts is not None:
+            authority = next((value for name, value in scope.get("headers") or () if name == b"host"), None)
+            if not self.hosts.allows(authority):
+                self.refused["host"] += 1
+                name = (host_name(authority or b"") or "")[:64]
+                # "retry": an agent keeps its batches until the operator adds the name it uses.
+                return 421, {"error": "host", "retry": True,
+                             "message": f"this collector does not answer to the name {name!r} (the request's Host); "
+                             f"it serves {self.hosts.describe()}. If agents or Prometheus reach it by that name, "
+                             "add it to --allowed-hosts (AMPWATCH_SERVER_ALLOWED_HOSTS); a web page on another "
+                             "site whose name points here (DNS rebinding) is refused this way"}, []
         if self.limiter is not None:
             client = (scope.get("client") or ("unknown", 0))[0]
             if not self.limiter.allow(client):

@@ -10,10 +10,13 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
+from ._gc import release_free_memory
+from ._hosts import HostAllowList
 from ._ingest import IngestService
 from ._metrics import (CONTENT_TYPE, RENDER_PAUSE_S, Exposition, NotificationMetrics, SelfMetrics, accepts_gzip,
                        gzip_exposition)
@@ -121,7 +124,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
     app.state.ready = False
     app.state.config = config
     app.state.clock = clock
-    app.state.guard = AccessGuard(config.read_token, config.rate_limit)
+    app.state.guard = AccessGuard(config.read_token, config.rate_limit, HostAllowList.of(config))
 
     @app.post("/v1/ingest", tags=["ingest"],
               summary="Apply one agent batch (protocol v1) or one node's batches (v2)",
@@ -151,11 +154,13 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         # meanwhile, and the render reads each rank's immutable view, so it never sees half a batch.
         render = request.app.state.exposition.render
         if not accepts_gzip(request.headers.get("accept-encoding", "")):
-            body = await run_in_threadpool(render)
-            return PlainTextResponse(body, media_type=CONTENT_TYPE, headers={"Vary": "Accept-Encoding"})
-        compressed = await run_in_threadpool(lambda: gzip_exposition(render()))
-        return Response(compressed, media_type=CONTENT_TYPE,
-                        headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+            body = await run_in_threadpool(lambda: render().encode())
+            response = Response(body, media_type=CONTENT_TYPE, headers={"Vary": "Accept-Encoding"})
+        else:
+            response = Response(await run_in_threadpool(lambda: gzip_exposition(render())), media_type=CONTENT_TYPE,
+                                headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+        response.background = BackgroundTask(run_in_threadpool, release_free_memory)  # once the body is sent
+        return response
 
     @app.get("/healthz", tags=["health"], summary="The process is alive")
     async def healthz() -> dict:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, KEEP_ALIVE_S, TEXT_LIMITS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
+from ._hosts import parse_names
 from .alerting.grouping import REPEAT_INTERVAL_S
 from .alerting.notifications import Target, parse_targets
 from .alerting.thresholds import load_thresholds
@@ -65,6 +66,16 @@ class ServerConfig:
     read_token_file: Optional[str] = _option(None, "file holding the read token")
     insecure: bool = _option(False, "listen on a non-loopback address without an ingest token (anyone who reaches "
                                     "the port can then write into the collector)")
+    allowed_hosts: tuple[str, ...] = _option(
+        (), "host names agents, Prometheus and browsers reach the collector by, comma-separated, besides those "
+            "served anyway: localhost and loopback addresses, the --host address, and with --host 0.0.0.0 any "
+            "address and this machine's name. A request for another name gets 421 (a web page rebinding its own "
+            "name to this address). .example.internal: that domain and its subdomains; *: any name",
+        parse=parse_names, shown="none")
+    forwarded_allow_ips: str = _option("", "addresses of reverse proxies whose X-Forwarded-For and "
+                                           "X-Forwarded-Proto are believed, comma-separated (uvicorn's "
+                                           "forwarded_allow_ips; * for any). Default: none, so no client picks "
+                                           "the address its per-client limits count against")
     api_docs: bool = _option(False, "serve the interactive API docs at /docs (Swagger UI, which the browser loads "
                                     "from a public CDN); /openapi.json is always served")
     rate_limit: float = _option(0.0, "requests per second per client address, bursts up to twice that; 429 above "
@@ -73,6 +84,14 @@ class ServerConfig:
                                                    "above 1.5 x the agents' AMPWATCH_PUSH_INTERVAL (15-30 s by default), "
                                                    "so that each batch reuses its rank's connection instead of "
                                                    "opening one")
+    header_timeout: float = _option(10.0, "seconds a connection has to send a request's headers, from when it "
+                                          "opens or the request's first byte; closed after (agents send theirs "
+                                          "at once)")
+    body_timeout: float = _option(60.0, "seconds a request's body may take after its headers; the connection is "
+                                        "closed after")
+    max_client_connections: int = _option(4096, "connections one client address may hold open at once; more are "
+                                                "closed as they open (0: no limit). Raise it behind a NAT or proxy "
+                                                "that fronts more ranks than this")
     ssl_certfile: Optional[str] = _option(None, "PEM certificate to serve HTTPS (with --ssl-keyfile)")
     ssl_keyfile: Optional[str] = _option(None, "PEM private key for --ssl-certfile")
     silent_after: float = _option(  # None until __post_init__: then the silence alert's threshold
@@ -133,6 +152,11 @@ class ServerConfig:
             ("db", bool(self.db), "must name a file"),
             ("silent_after", self.silent_after > 0, "must be > 0 seconds"),
             ("keep_alive", self.keep_alive > 0, "must be > 0 seconds"),
+            ("header_timeout", self.header_timeout > 0, "must be > 0 seconds"),
+            ("body_timeout", self.body_timeout > 0, "must be > 0 seconds"),
+            ("max_client_connections", self.max_client_connections >= 0, "must be >= 0 (0 turns the limit off)"),
+            ("allowed_hosts", isinstance(self.allowed_hosts, tuple), "must be a tuple of names (parse_names() reads "
+                                                                    "the text form)"),
             ("expire_after", self.expire_after >= self.silent_after, "must be >= silent_after"),
             ("run_retention", self.run_retention >= 0, "must be >= 0 seconds"),
             ("db_retention", self.db_retention >= self.expire_after, "must be >= expire_after"),

@@ -21,7 +21,7 @@ from ._config import ServerConfig
 from ._metrics import SelfMetrics
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
-from ._schema import Batch, ValidationError, describe_errors, parse_batch, stored_event
+from ._schema import LARGE_BODY_BYTES, Batch, BatchError, parse_batch, parse_large_batch, stored_event
 from ._state import CollectorState, Incarnation, LimitExceeded, RankState, next_incarnation
 from ._store import Store, StoreClosed
 
@@ -127,7 +127,7 @@ class IngestService:
         body = await self._read_body(headers.get(b"content-length"), receive)
         if is_node_batch(body):
             return 200, await self._ingest_node(body, client)
-        return await self._apply_rank(self._parse(body), body, client)
+        return await self._apply_rank(await self._prepare(body), body, client)
 
     async def _ingest_node(self, body: bytes, client: str) -> bytes:
         """Apply a protocol v2 node batch: each rank's batch on its own, answered per rank, committed together."""
@@ -144,9 +144,9 @@ class IngestService:
         """Return one rank's result in a v2 answer: its status and the body a v1 request would have got."""
         rank = None
         try:
-            batch = self._parse(piece)
-            rank = batch.rank
-            status, answer = await self._apply_rank(batch, piece, client)
+            parsed = await self._prepare(piece)
+            rank = parsed[0].rank
+            status, answer = await self._apply_rank(parsed, piece, client)
             result = {"status": status, **json.loads(answer)}
         except Exception as exc:
             status, error, retry_after = self._failure(exc)
@@ -157,8 +157,10 @@ class IngestService:
             result["rank"] = rank
         return result
 
-    async def _apply_rank(self, batch: Batch, body: bytes, client: str) -> tuple[int, bytes]:
-        """Apply one rank's batch (``body``: its bytes as the agent encoded them), one batch per rank at a time."""
+    async def _apply_rank(self, parsed: tuple[Batch, list[str]], body: bytes, client: str) -> tuple[int, bytes]:
+        """Apply one rank's batch (``parsed`` by :meth:`_prepare` from ``body``, its bytes as the agent encoded
+        them), one batch per rank at a time."""
+        batch = parsed[0]
         key = (batch.run, batch.rank)
         # One batch per rank at a time: the duplicate check and the install must see each other.
         while (busy := self._busy.get(key)) is not None:
@@ -166,7 +168,7 @@ class IngestService:
         done = asyncio.get_running_loop().create_future()
         self._busy[key] = done
         try:
-            return await self._apply(batch, body, client)
+            return await self._apply(*parsed, body, client)
         finally:
             del self._busy[key]
             done.set_result(None)
@@ -200,17 +202,32 @@ class IngestService:
             more = message.get("more_body", False)
         return b"".join(chunks)
 
-    @staticmethod
-    def _parse(body: bytes) -> Batch:
-        try:
-            return parse_batch(body)
-        except ValidationError as exc:
-            if any(e["type"] == "json_invalid" for e in exc.errors(include_url=False)):
-                raise _Refused(400, "json", "the body is not valid JSON: " + describe_errors(exc)[0]) from None
-            raise _Refused(422, "schema", "the batch does not follow protocol v1 (docs/protocol.md)",
-                           describe_errors(exc)) from None
+    async def _prepare(self, body: bytes) -> tuple[Batch, list[str]]:
+        """Parse and validate ``body``, and encode what its events' rows keep (:func:`stored_event`).
 
-    async def _apply(self, batch: Batch, body: bytes, client: str) -> tuple[int, bytes]:
+        A batch of the usual size (at most ``LARGE_BODY_BYTES``) on the event loop; a larger one in a worker
+        thread, bounded before it is built into objects (``parse_large_batch``), so that one large or hostile
+        body never holds up every other agent's answer (a thread switch comes between its parts).
+        """
+        if len(body) <= LARGE_BODY_BYTES:
+            return self._parsed(parse_batch, body)
+        return await asyncio.to_thread(self._parsed, self._parse_large, body)
+
+    def _parse_large(self, body: bytes) -> Batch:
+        return parse_large_batch(body, self.config.max_optimizers_per_rank)
+
+    @staticmethod
+    def _parsed(parse: Callable[[bytes], Batch], body: bytes) -> tuple[Batch, list[str]]:
+        try:
+            batch = parse(body)
+        except BatchError as exc:
+            if exc.malformed:
+                raise _Refused(400, "json", "the body is not valid JSON: " + exc.lines[0]) from None
+            raise _Refused(422, "schema", "the batch does not follow protocol v1 (docs/protocol.md)",
+                           exc.lines) from None
+        return batch, [stored_event(e) for e in batch.events]
+
+    async def _apply(self, batch: Batch, bodies: list[str], body: bytes, client: str) -> tuple[int, bytes]:
         rank = self.state.get(batch.run, batch.rank)
         if rank is None and (batch.run, batch.rank) in self.state.stored:  # back after it left memory
             found = await asyncio.to_thread(load_ranks, self.store, run=batch.run, rank=batch.rank)
@@ -225,8 +242,15 @@ class IngestService:
             reason, message, wait = over
             raise _Refused(429, reason, message, retry=True, retry_after=wait)
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
-                   getattr(e, "optimizer", None), stored_event(e)) for e in batch.events]
+                   getattr(e, "optimizer", None), stored) for e, stored in zip(batch.events, bodies)]
         old = rank.view.incarnations.get(batch.incarnation) if rank else None
+        if old is not None and batch.process_key != old.batch.process_key:
+            # The incarnation id is shown by the read API; the process key is not: a stranger's batch (counted,
+            # not logged: a forger would fill the log).
+            raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r}: incarnation "
+                                            f"{batch.incarnation} belongs to another process. Each process sends its "
+                                            "own; if two jobs share this run id, relaunch this one with its own "
+                                            "(AMPWATCH_RUN)")
         if old is not None and old.conflict_with is not None:
             raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
                                             f"(incarnation {old.conflict_with}), which kept sending after this one "
@@ -241,7 +265,8 @@ class IngestService:
         now = self.clock()
         new = next_incarnation(old, batch, now, self.config.max_label_length,
                                displaced=self._live_incarnation(rank, batch, now) if old is None else None)
-        implausible = implausible_rise(old, new, now, self.config.max_counter_rate)  # judged on new's counters
+        # Judged on new's counters, and on the rank's totals over all its processes.
+        implausible = implausible_rise(old, new, now, self.config.max_counter_rate, rank.view if rank else None)
         if implausible is not None:
             raise _Refused(422, "implausible", implausible)
         # What the run view showed of it (a conflict changes it too).
@@ -264,11 +289,14 @@ class IngestService:
 
     def _live_incarnation(self, rank: Optional[RankState], batch: Batch, now: float) -> Optional[str]:
         """Return the id of the rank's incarnation if it is live (not closed, seen within --silent-after) and
-        another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim."""
+        another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim.
+
+        One process is told by its secret process key, never by host and pid, which the read API shows.
+        """
         live = rank.view.current if rank is not None else None
         if live is None or live.closed or now - live.last_seen > self.config.silent_after:
             return None
-        if (live.batch.host, live.batch.pid) == (batch.host, batch.pid):
+        if batch.process_key is not None and batch.process_key == live.batch.process_key:
             return None
         return live.id
 

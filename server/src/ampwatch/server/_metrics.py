@@ -163,7 +163,10 @@ def _format_rank(v: RankView, lines: "_RankLines") -> tuple[str, ...]:
     return tuple(out)
 
 
-RENDER_WORK_S = 0.001  # formatting between two pauses of the worker-thread render
+RENDER_WORK_S = 0.005
+"""Formatting between two pauses of the worker-thread render: the interpreter's switch interval. After a pause
+the render waits for the GIL up to that long while the event loop is busy (a storm's ingest): a millisecond
+of work between pauses made a render in a storm several times slower than its CPU time."""
 KEEP_LINES_FROM = 4096
 """Ranks held from which each rank's lines are kept between scrapes: at 16,384 ranks x 2 optimizers a render
 with half the ranks changed then takes about 0.75 s of CPU instead of 1.8 s (``python -m bench.metrics_render``)

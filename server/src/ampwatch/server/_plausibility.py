@@ -10,13 +10,18 @@ clock bounds what a batch may claim: ``sent_at`` counts as at most :data:`CLOCK_
 batch arrived, and the previous batch's as at most :data:`FIRST_BATCH_SPAN_S` before it arrived.
 A process's first batch may hold :data:`FIRST_BATCH_SPAN_S` worth (a day: it may have run that
 long before it reached the collector).
+
+A rank's processes run one after another, so the same bound holds for the rank as a whole: its totals
+over every process may reach at most ``rate`` times the time since the collector first saw the rank,
+plus :data:`FIRST_BATCH_SPAN_S` and :data:`FLOOR_S` worth. Without it each new process (a fresh
+incarnation id costs nothing) would bring another day's worth.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
-from ._state import Incarnation
+from ._state import Incarnation, RankView
 from ._totals import OptimizerTotals, RankTotals
 
 __all__ = ["implausible_rise", "CLOCK_SKEW_S", "FIRST_BATCH_SPAN_S", "FLOOR_S"]
@@ -32,12 +37,14 @@ _NONE = OptimizerTotals()
 _NO_RANK = RankTotals()
 
 
-def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, rate: float) -> Optional[str]:
+def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, rate: float,
+                     rank: Optional[RankView] = None) -> Optional[str]:
     """Return why ``new.batch`` (the next of process ``old``, or its first) is implausible, else None.
 
     ``new`` is :func:`~._state.next_incarnation` of ``old`` and the batch, so its counters are the batch's
     counted once for both: the batch's own, none lower than ``old``'s. A counter the batch lowered rises
     by 0 here, which the bound (always above 0) never refuses, as it would not refuse a fall.
+    ``rank``: the rank's view before the batch, whose totals over every process are bounded too.
     ``rate`` 0 turns the bound off. Costs one pass over the counters.
     """
     if rate <= 0:
@@ -51,28 +58,55 @@ def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, r
         span = max(0.0, built - before)
         over = f"over the {span:.0f} s between this process's batches (their sent_at)"
     allowed = rate * (FLOOR_S + span)
-    for name, rise in _rises(old, new):
-        if rise > allowed:
-            return (f"counter {name} rose by {rise} in one batch, over this collector's plausibility bound of "
-                    f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. No training loop counts that "
-                    f"fast; if yours does, raise --max-counter-rate")
-    return None
+    lived = max(0.0, now - rank.first_seen) if rank is not None and rank.incarnations else 0.0
+    allowed_total = rate * (FIRST_BATCH_SPAN_S + FLOOR_S + lived)
+    found = _first_over(old, new, rank, allowed, allowed_total)
+    if found is None:
+        return None
+    name, rise, total = found
+    if rise > allowed:
+        return (f"counter {name} rose by {rise} in one batch, over this collector's plausibility bound of "
+                f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. No training loop counts that "
+                f"fast; if yours does, raise --max-counter-rate")
+    return (f"counter {name} would reach {total} over all the processes of rank {new.batch.rank}, over this "
+            f"collector's plausibility bound of {allowed_total:.0f} for one rank: {rate:g} per second "
+            f"(--max-counter-rate) over the {lived:.0f} s since the collector first saw it, plus "
+            f"{FIRST_BATCH_SPAN_S + FLOOR_S:.0f} s' worth. A rank's processes run one after another, so no "
+            "training job counts that fast; if yours does, raise --max-counter-rate")
 
 
-def _rises(old: Optional[Incarnation], new: Incarnation) -> Iterator[tuple[str, int]]:
-    """Yield (counter name, rise since ``old``) for every counter of the batch."""
-    yield "state.iteration", new.batch.state.iteration - (old.batch.state.iteration if old else 0)
-    yield from _field_rises("state", new.totals, old.totals if old else _NO_RANK)
+def _first_over(old: Optional[Incarnation], new: Incarnation, rank: Optional[RankView], allowed: float,
+                allowed_total: float) -> Optional[tuple[str, int, int]]:
+    """Return (counter name, rise since ``old``, the rank's total after the rise) of the first counter of the
+    batch past either bound, else None; names are formatted only for that one (this runs for every batch)."""
+    rise = new.batch.state.iteration - (old.batch.state.iteration if old else 0)
+    if rise > allowed:
+        return "state.iteration", rise, 0
+    found = _over(None, new.totals, old.totals if old else _NO_RANK, rank.totals if rank is not None else _NO_RANK,
+                  allowed, allowed_total)
     for name in new.batch.state.optimizers:
+        if found is not None:
+            return found
         before = old.optimizers.get(name, _NONE) if old else _NONE
-        yield from _field_rises(f"state.optimizers[{name!r}]", new.optimizers[name], before)
+        total = rank.optimizer_totals.get(name, _NONE) if rank is not None else _NONE
+        found = _over(name, new.optimizers[name], before, total, allowed, allowed_total)
+    return found
 
 
-def _field_rises(where: str, new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals
-                 ) -> Iterator[tuple[str, int]]:
-    for field in new.__dataclass_fields__:  # type: ignore[attr-defined]
-        a, b = getattr(new, field), getattr(old, field)
+def _over(optimizer: Optional[str], new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals,
+          total: RankTotals | OptimizerTotals, allowed: float, allowed_total: float
+          ) -> Optional[tuple[str, int, int]]:
+    if new is old:
+        return None
+    for field, a, b, t in zip(new.__dataclass_fields__, new._values(), old._values(),  # type: ignore[attr-defined]
+                              total._values()):
+        if a is b or a == b:
+            continue
         if isinstance(a, tuple):
-            yield f"{where}.{field}", max(x - y for x, y in zip(a, b))
+            rise, after = max(x - y for x, y in zip(a, b)), max(z + x - y for x, y, z in zip(a, b, t))
         else:
-            yield f"{where}.{field}", a - b
+            rise, after = a - b, t + a - b
+        if rise > allowed or (rise > 0 and after > allowed_total):
+            where = "state" if optimizer is None else f"state.optimizers[{optimizer!r}]"
+            return f"{where}.{field}", rise, after
+    return None

@@ -14,7 +14,7 @@ from ._latest_events import collapse
 from ._recovery import load_ranks
 from ._run_scale import WINDOWS, run_scale, traces
 from ._run_summary import firing_of, summary_page, trouble_rows
-from ._schema import event_of_row
+from ._schema import event_of_row, wire_document
 from ._floats import wire_float
 from ._state import RankState
 from ._view_cache import ViewCache
@@ -47,7 +47,7 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         "last_seen": view.last_seen, "closed": view.closed, "in_metrics": in_metrics,
         # Scale values as the protocol writes them: NaN and infinities as strings (JSON has no such numbers).
         "iteration": batch.state.iteration, "loss_scale": wire_float(batch.state.loss_scale),
-        "scaler": json.loads(batch.scaler.model_dump_json()), "agent": batch.agent.model_dump(),
+        "scaler": wire_document(batch.scaler), "agent": wire_document(batch.agent),
         **{name: totals[name] for name in ("backoffs", "growths", "manual_sets")},
         "delivery": {name: totals[name] for name in DELIVERY_COUNTERS},
         # Skipped iterations that started on this rank (DDP, issue 17); null when its agent does not watch DDP.

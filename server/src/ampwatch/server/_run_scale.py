@@ -18,7 +18,7 @@ from ._floats import wire_float
 from ._scale_trace import ScaleTrace
 from ._state import RankState
 
-__all__ = ["WINDOWS", "run_scale", "traces"]
+__all__ = ["WINDOWS", "lower_median", "run_scale", "traces"]
 
 WINDOWS = {"200": 200, "1000": 1000, "5000": 5000, "all": None}
 """The windows a request may ask for: the last N iterations, or all the collector holds."""
@@ -30,18 +30,16 @@ def _key(scale: float) -> Any:
     return scale if math.isfinite(scale) and scale > 0 else _OFF
 
 
-def _median_low(histogram: dict[Any, int]) -> Optional[float]:
-    """The lower median of the on-axis scales counted in ``histogram`` (a real scale, never an average)."""
-    on_axis = sorted((s, n) for s, n in histogram.items() if s is not _OFF and n > 0)
-    total = sum(n for _, n in on_axis)
-    if not total:
-        return None
-    seen, middle = 0, (total - 1) // 2
-    for scale, n in on_axis:
+def lower_median(counts: Iterable[tuple[float, int]]) -> Optional[float]:
+    """The lower median of scales given as ``(scale, how many ranks)`` (NaN left out): with an even number of
+    ranks the lower of the two middle ones, a scale some rank holds, never an average of two. O(distinct scales)."""
+    ordered = sorted((s, n) for s, n in counts if n > 0 and not math.isnan(s))
+    seen, middle = 0, (sum(n for _, n in ordered) - 1) // 2
+    for scale, n in ordered:
         seen += n
         if seen > middle:
             return scale
-    return None  # unreachable
+    return None  # nothing counted
 
 
 def _distance(low: float, high: float, floor: Optional[float], ceiling: Optional[float]) -> float:
@@ -117,7 +115,7 @@ def run_scale(run: str, traced: dict[int, ScaleTrace], window: Optional[int], bu
         seen = in_force + entered[slice_]
         lows.append(min(seen) if seen else None)
         highs.append(max(seen) if seen else None)
-        medians.append(_median_low(histogram))
+        medians.append(lower_median((s, n) for s, n in histogram.items() if s is not _OFF))
         reporting.append(sum(histogram.values()))
 
     # A rank's distance: how far its lowest and highest scale in the window lie outside the range the median

@@ -6,8 +6,10 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
+import msgspec
+
 from ._scale_trace import ScaleTrace
-from ._schema import Batch, SkipEvent
+from ._schema import Batch, SkipEvent, encode_batch_state, parse_batch
 from ._totals import OptimizerTotals, RankTotals
 
 if TYPE_CHECKING:
@@ -52,9 +54,9 @@ class Incarnation:
         counters = {_RANK_KEY: self.totals.to_json(), **{name: t.to_json() for name, t in self.optimizers.items()}}
         return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
-                "batch": batch_json or self.batch.model_dump_json(exclude={"events"}),
-                "counters": json.dumps({"counters": counters, "longest": self.longest, "nonfinite": self.nonfinite,
-                                        **self._claims()}, separators=(",", ":"))}
+                "batch": batch_json or encode_batch_state(self.batch),
+                "counters": msgspec.json.encode({"counters": counters, "longest": self.longest,
+                                                 "nonfinite": self.nonfinite, **self._claims()}).decode()}
 
     def _claims(self) -> dict[str, str]:
         # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
@@ -67,7 +69,7 @@ class Incarnation:
         counters = extra["counters"]
         return cls(id=row["incarnation"], first_seen=row["first_seen"], last_seen=row["last_seen"],
                    last_seq=row["last_seq"], max_event_id=row["max_event_id"], closed=bool(row["closed"]),
-                   batch=Batch.model_validate_json(row["batch"]),
+                   batch=parse_batch(row["batch"]),
                    totals=RankTotals.from_json(counters.get(_RANK_KEY, {})),
                    optimizers={name: OptimizerTotals.from_json(values) for name, values in counters.items()
                                if name != _RANK_KEY},
@@ -149,6 +151,7 @@ class RankView:
     current: Optional[Incarnation]  # the newest process not in conflict; its gauges are the rank's gauges
     totals: RankTotals
     optimizer_totals: Mapping[str, OptimizerTotals]  # in the order the optimizers first appeared
+    first_seen: float = float("inf")  # when the collector first saw any of the rank's processes
 
     def installed(self, new: Incarnation) -> "RankView":
         """Return the view after ``new`` became the applied state of its incarnation (totals move by the difference)."""
@@ -164,7 +167,8 @@ class RankView:
         if new.conflict_with is None and (current is None or current.id == new.id
                                           or new.first_seen >= current.first_seen):
             current = new
-        return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals)
+        return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals,
+                        min(self.first_seen, new.first_seen))
 
     def excluded(self, claimant: Incarnation) -> "RankView":
         """Return the view with ``claimant`` (from :meth:`RankState.claimants`) out of the rank (see

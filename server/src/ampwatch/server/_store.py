@@ -10,7 +10,7 @@ import sqlite3
 import threading
 from typing import Any, Callable, Optional
 
-__all__ = ["Store", "StoreClosed"]
+__all__ = ["Store", "StoreClosed", "prepare_database"]
 
 log = logging.getLogger("ampwatch.server")
 
@@ -54,6 +54,46 @@ class StoreClosed(RuntimeError):
     """The store was closed or its writer died; the collector answers 503 and the agent retries."""
 
 
+def prepare_database(path: str) -> str:
+    """Make sure the database ``path`` can be opened: its folder made (0700) and the file created (0600) if missing.
+
+    The database holds host names, process ids and parameter names: only the collector's user reads it.
+    SQLite gives the ``-wal`` and ``-shm`` files the database file's permissions; files an earlier
+    version left readable by others are made 0600. Return the absolute path; raise ValueError with one
+    line that names the path and the fix.
+    """
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    missing = []
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        for created in reversed(missing):
+            os.mkdir(created, 0o700)
+    except OSError as error:
+        raise ValueError(f"--db {path}: cannot create its folder {created} ({error.strerror}): create it first "
+                         f"(install -d -m 0700 {os.path.dirname(path)}) or give --db a file in a folder this "
+                         "user can write") from None
+    if not os.path.lexists(path):  # an existing one opens even read-only: reads are served, ingest gets 503
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as error:
+            raise ValueError(f"--db {path}: cannot create it ({error.strerror}): make its folder writable by this "
+                             "user, or give --db a file in another folder") from None
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            mode = os.stat(path + suffix).st_mode
+            if mode & 0o077:
+                os.chmod(path + suffix, 0o600)
+                log.info("made %s readable by its owner only (it was %o)", path + suffix, mode & 0o777)
+        except FileNotFoundError:
+            pass
+        except OSError as error:  # not ours to change: say so, go on
+            log.warning("%s stays readable by others: %s", path + suffix, error.strerror)
+    return path
+
+
 def _connect(path: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -67,7 +107,7 @@ class Store:
     """Durable history; :meth:`submit` queues a write and returns a future resolved after COMMIT."""
 
     def __init__(self, path: str, max_group: int = 512) -> None:
-        self.path = os.path.abspath(path)
+        self.path = prepare_database(path)
         self.max_group = max_group
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = _connect(self.path)

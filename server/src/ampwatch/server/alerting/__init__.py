@@ -1,9 +1,11 @@
 """The collector's built-in alerts, one job per module.
 
-- ``conditions``: when each alert holds, from per-rank snapshots and histories (as the Prometheus rules compute it);
+- ``conditions``: when each alert holds, one function per alert, from per-rank snapshots and histories (as the
+  Prometheus rules compute it);
 - ``annotations``: each alert's summary, description and runbook link, filled in for one instance;
 - ``states``: the state machine: pending, firing (after ``for``), resolved;
-- ``history``: :class:`~.history.RankHistory`, the counters of one rank's recent past the windows read;
+- ``history``: :class:`~.history.RankHistory`, the counters of one rank's recent past the windows read, laid out
+  from the alert definitions (:class:`~.history.HistoryLayout`);
 - ``evaluator``: :class:`~.evaluator.BuiltinAlerts`, rank histories + conditions + states, thread-safe;
 - ``thresholds``: the ``--alert-thresholds`` value: a profile or a JSON file of overrides;
 - ``alert``: :class:`~.alert.Alert`, one firing or resolved alert;
@@ -12,5 +14,6 @@
 - ``service``: :class:`~.service.AlertService`, the evaluator and notifier of one running collector;
 - ``route``: ``GET /v1/alerts``.
 
-What an alert is (name, severities, ``for``, texts) is defined once in ``ampwatch.contract.alerts``.
+What an alert is (name, severities, ``for``, texts, the window and counters it reads) is defined once in
+``ampwatch.contract.alerts``.
 """

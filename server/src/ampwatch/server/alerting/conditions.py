@@ -2,12 +2,14 @@
 
 Pure: thresholds come in as an ``ampwatch.contract.thresholds.AlertThresholds``
 (the one config the rules are generated from), each alert's name, severities,
-``for:`` and texts from ``ampwatch.contract.alerts``; times are plain Unix
-seconds passed in by the caller.
+``for:``, texts, window and the counters it reads from ``ampwatch.contract.alerts``;
+times are plain Unix seconds passed in by the caller.
 
-Windowed conditions (``increase(x[w])`` in PromQL) compare a rank's current
-snapshot (``RankView.snapshot()``) with the counters it had ``w`` seconds ago,
-kept by :class:`~.history.RankHistory`.
+Each alert's condition is one function here, in :data:`RANK_CONDITIONS` (alerts of one rank) or
+:data:`RUN_CONDITIONS` (judged across a run). A windowed condition (``increase(x[w])`` in PromQL)
+compares a rank's current snapshot with its counters one window ago, ``r.since(name)``, which
+answers only for the counters the definition declares; which ranks the periodic pass reads in full
+follows from those declarations (:meth:`~.history.RankHistory.quiet`), never from this module.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Callable, ContextManager, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence
 
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
@@ -23,10 +25,11 @@ from ampwatch.contract.thresholds import AlertThresholds
 from .._floats import promql_divide, promql_max, promql_min
 from .._state import RankSnapshot
 from .annotations import AlertTexts
-from .history import RankHistory
+from .history import Baseline, RankHistory
 
-__all__ = ["ActiveAlert", "RankFacts", "usable_scale", "rank_alerts", "rank_facts", "run_alerts", "run_alerts_of",
-           "evaluate"]
+__all__ = ["ActiveAlert", "RankFacts", "RankReading", "RunCondition", "RANK_CONDITIONS", "RUN_CONDITIONS",
+           "usable_scale", "rank_alerts", "rank_facts", "run_alerts", "run_alerts_of", "held_back", "evaluate",
+           "evaluate_with_facts"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +56,24 @@ class ActiveAlert:
         return (run,)
 
 
+class RankReading:
+    """One rank as the conditions read it at ``now``: its latest snapshot and, per alert, its baseline one window ago.
+
+    ``still``: the rank is quiet (:meth:`~.history.RankHistory.quiet`), so each window's baseline is its
+    latest moment, read without a search.
+    """
+
+    __slots__ = ("history", "current", "now", "still")
+
+    def __init__(self, history: RankHistory, now: float, still: bool = False) -> None:
+        self.history, self.now, self.still = history, now, still
+        self.current: RankSnapshot = history.current  # type: ignore[assignment]  # a read history has recorded
+
+    def since(self, alert: str) -> Baseline:
+        """Return the rank one window of ``alert`` before now (it answers for the counters ``alert`` declares)."""
+        return self.history.since(alert, self.now, self.still)
+
+
 def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Optional[str] = None) -> ActiveAlert:
     definition = ALERTS[name]
     labels["severity"] = definition.severity(level).level
@@ -60,35 +81,50 @@ def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Opt
                        annotations=AlertTexts(name, labels, value, t, level))
 
 
-def _streak_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[ActiveAlert]:
-    cur = h.current
-    base = h.baseline(now, t.skip_streak_window_s)
-    for opt_name, opt in cur.optimizers.items():
+def _optimizer_labels(cur: RankSnapshot, optimizer: str) -> dict:
+    return {"run": cur.run, "rank": str(cur.rank), "optimizer": optimizer}
+
+
+def _streaks(r: RankReading, t: AlertThresholds, alert: str) -> Iterable[tuple[str, int, str]]:
+    """Yield ``(optimizer, current streak, severity)`` for each streak alert that holds (read as ``alert`` declares)."""
+    cur, base = r.current, r.since(alert)
+    for opt_name in cur.optimizers:
         streak = cur.consecutive_skipped.get(opt_name, 0)
         for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
             threshold = getattr(t, severity.threshold)
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
-            if base.streak_reached_since(opt_name, threshold) or (streak >= threshold and not cur.closed):
-                labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
-                yield _alert("AmpConsecutiveSkippedSteps", labels, streak, t, severity.level)
+            if base.rose("streaks_reached", opt_name, threshold) or (streak >= threshold and not cur.closed):
+                yield opt_name, streak, severity.level
 
 
-def _window_alerts(h: RankHistory, now: float, t: AlertThresholds) -> Iterable[ActiveAlert]:
-    cur = h.current
-    ratio_base = h.baseline(now, t.skip_ratio_window_s)
-    sched_base = h.baseline(now, t.scheduler_window_s)
-    poison_base = h.baseline(now, t.poisoned_window_s)
+def _streak(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+    for opt_name, streak, level in _streaks(r, t, "AmpConsecutiveSkippedSteps"):
+        yield _alert("AmpConsecutiveSkippedSteps", _optimizer_labels(r.current, opt_name), streak, t, level)
+
+
+def _skip_ratio(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+    cur, base = r.current, r.since("AmpHighSkippedStepRatio")
     for opt_name, opt in cur.optimizers.items():
-        labels = {"run": cur.run, "rank": str(cur.rank), "optimizer": opt_name}
-        skipped = opt.skipped - ratio_base.skipped(opt_name)
-        stepped = opt.steps - ratio_base.steps(opt_name)
-        calls = skipped + stepped
+        skipped = opt.skipped - base.count("skipped", opt_name)
+        calls = skipped + opt.steps - base.count("steps", opt_name)
         if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
-            yield _alert("AmpHighSkippedStepRatio", dict(labels), skipped / calls, t)
-        if sched_base.scheduler_stepped_after_skip_since(opt_name):
-            yield _alert("AmpSchedulerStepsOnSkipped", dict(labels), opt.scheduler_steps_after_skip, t)
-        if poison_base.poisoned_since(opt_name):
-            yield _alert("AmpPoisonedStep", dict(labels), opt.poisoned_steps, t)
+            yield _alert("AmpHighSkippedStepRatio", _optimizer_labels(cur, opt_name), skipped / calls, t)
+
+
+def _rose_per_optimizer(name: str, counter: str) -> Callable[[RankReading, AlertThresholds], Iterable[ActiveAlert]]:
+    """The condition of an alert that holds while an optimizer's ``counter`` rose within its window."""
+    def condition(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+        cur, base = r.current, r.since(name)
+        for opt_name, opt in cur.optimizers.items():
+            if base.rose(counter, opt_name):
+                yield _alert(name, _optimizer_labels(cur, opt_name), getattr(opt, counter), t)
+    return condition
+
+
+def _conflict(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+    cur = r.current
+    if r.since("AmpRankConflict").rose("conflicts"):
+        yield _alert("AmpRankConflict", {"run": cur.run, "rank": str(cur.rank)}, cur.conflicts, t)
 
 
 def usable_scale(scale: float, t: AlertThresholds) -> bool:
@@ -100,129 +136,232 @@ def usable_scale(scale: float, t: AlertThresholds) -> bool:
     return t.collapsed_loss_scale <= scale < math.inf
 
 
-def rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAlert]:
-    """Return the alerts of one rank that hold at ``now`` (streaks, ratio, collapse, silence, scheduler, poison,
-    conflict)."""
-    cur = h.current
-    labels = {"run": cur.run, "rank": str(cur.rank)}
-    found = list(_streak_alerts(h, now, t))
-    found.extend(_window_alerts(h, now, t))
-    if h.baseline(now, t.conflict_window_s).conflicted_since():
-        found.append(_alert("AmpRankConflict", dict(labels), cur.conflicts, t))
-    found.extend(_state_alerts(cur, now, t))
-    return found
+# The conditions without a window run for every rank at every pass: plain lists, not generators.
+def _collapsed(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+    cur = r.current
+    # A rank that closed cleanly is finished: its last scale is not trouble.
+    if not cur.closed and cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
+        return [_alert("AmpLossScaleCollapsed", {"run": cur.run, "rank": str(cur.rank)}, cur.loss_scale, t)]
+    return ()
 
 
-def _state_alerts(cur: RankSnapshot, now: float, t: AlertThresholds) -> list[ActiveAlert]:
-    """The alerts of one rank's latest state alone, no window: scale collapsed, rank silent."""
-    if cur.closed:
-        # A rank that closed cleanly is finished: its last scale and silence are not trouble.
-        return []
-    found = []
-    labels = {"run": cur.run, "rank": str(cur.rank)}
-    if cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
-        found.append(_alert("AmpLossScaleCollapsed", dict(labels), cur.loss_scale, t))
-    silent_for = now - cur.last_seen
-    if silent_for > t.silent_after_s:
-        found.append(_alert("AmpRankSilent", labels, silent_for, t))
-    return found
+def _silent(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+    cur = r.current
+    silent_for = r.now - cur.last_seen
+    if not cur.closed and silent_for > t.silent_after_s:
+        return [_alert("AmpRankSilent", {"run": cur.run, "rank": str(cur.rank)}, silent_for, t)]
+    return ()
 
 
-def _windows_need_moves(t: AlertThresholds) -> bool:
-    """Whether every window alert needs a counter to move (a ratio or count threshold above 0), so that a
-    :meth:`~.history.RankHistory.quiet` rank has none."""
-    return t.skip_ratio > 0 and t.backoff_min_count > 0 and t.origin_min_count > 0
+RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[ActiveAlert]]] = {
+    "AmpConsecutiveSkippedSteps": _streak,
+    "AmpLossScaleCollapsed": _collapsed,
+    "AmpHighSkippedStepRatio": _skip_ratio,
+    "AmpRankSilent": _silent,
+    "AmpSchedulerStepsOnSkipped": _rose_per_optimizer("AmpSchedulerStepsOnSkipped", "scheduler_steps_after_skip"),
+    "AmpPoisonedStep": _rose_per_optimizer("AmpPoisonedStep", "poisoned_steps"),
+    "AmpRankConflict": _conflict,
+}
+"""The condition of each alert of one rank (scope ``optimizer`` or ``rank``): the instances that hold now."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankFacts:
-    """What the run-wide alerts need of one rank at ``now``: its snapshot and two window counts (no history)."""
+    """What the run-wide conditions need of one rank at ``now``: its snapshot and each one's fact about it."""
 
     current: RankSnapshot
-    origin_started: int
-    """Skipped iterations the rank started (its own gradients non-finite before DDP's all-reduce) in the window."""
-    backing_off: bool
+    facts: Mapping[str, Any]
+    """Alert name -> what its :attr:`RunCondition.fact` read of the rank's window."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunCondition:
+    """An alert judged across a run: what it reads of each rank, then what holds for the run."""
+
+    judge: Callable[[str, list[RankFacts], list[RankFacts], AlertThresholds], Iterable[ActiveAlert]]
+    """``(run, its ranks' facts, those of its open ranks (not closed; maybe none), t)`` -> the instances that hold."""
+    fact: Optional[Callable[[RankReading, AlertThresholds], Any]] = None
+    """What it needs of one rank's window (None: its snapshot alone)."""
+    idle: Any = None
+    """The fact of a quiet rank (none of the alert's triggers moved within its window), which the periodic pass
+    takes without reading (a property test checks it against ``fact``)."""
+
+
+def _backing_off(r: RankReading, t: AlertThresholds) -> bool:
     """Backed off often enough without growing over the backoff window, once past calibration."""
-
-
-def rank_facts(h: RankHistory, now: float, t: AlertThresholds) -> RankFacts:
-    """Read from one rank's history what :func:`run_alerts_of` needs; costs three baseline look-ups."""
-    cur = h.current
-    origin = h.baseline(now, t.origin_window_s)
-    base = h.baseline(now, t.backoff_window_s)
+    cur, base = r.current, r.since("AmpSustainedLossScaleBackoff")
     # Calibration backoffs at start-up are normal (GRADSCALER.md claim 11): a rank counts only once its
     # whole window is past calibration (a rank younger than the window has a zero baseline).
-    backing_off = base.iteration >= t.calibration_iterations and \
-        cur.totals.backoffs - base.backoffs >= t.backoff_min_count and not base.grew_since()
-    return RankFacts(cur, cur.totals.origin_iterations - origin.origin_iterations, backing_off)
+    return base.count("iteration") >= t.calibration_iterations and \
+        cur.totals.backoffs - base.count("backoffs") >= t.backoff_min_count and not base.rose("growths")
 
 
-def _origin_alerts(ranks: list[RankFacts], open_ranks: int, t: AlertThresholds) -> Iterable[ActiveAlert]:
-    # An open rank that started enough skipped iterations in the window alerts while few of the run's ranks
-    # started any.
-    starting = sum(1 for f in ranks if f.origin_started > 0)
-    if not starting or starting > max(open_ranks * t.origin_rank_share, 1):
-        return
-    for f in ranks:
-        cur = f.current
-        if f.origin_started >= t.origin_min_count and not cur.closed:
-            labels = {"run": cur.run, "rank": str(cur.rank), "host": cur.host, "local_rank": str(cur.local_rank)}
-            yield _alert("AmpSkipOriginRank", labels, f.origin_started, t)
-
-
-def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThresholds) -> list[ActiveAlert]:
-    """Return the alerts of one run across its open ranks (sustained backoff, scale desync, skip origin).
-
-    Open means not closed cleanly (a silent rank still counts until the collector expires it), as in the rules.
-    """
-    return run_alerts_of(run, [rank_facts(h, now, t) for h in ranks], t)
-
-
-def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[ActiveAlert]:
-    """Return the run-wide alerts of ``run`` from its ranks' :func:`rank_facts` (pure: no history read)."""
-    open_ranks = [f for f in ranks if not f.current.closed]
+def _sustained_backoff(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts],
+                       t: AlertThresholds) -> Iterable[ActiveAlert]:
     if not open_ranks:
-        return []
-    found = list(_origin_alerts(ranks, len(open_ranks), t))
-    backing_off = sum(1 for f in open_ranks if f.backing_off)
+        return
+    backing_off = sum(1 for f in open_ranks if f.facts["AmpSustainedLossScaleBackoff"])
     share = backing_off / len(open_ranks)
     if backing_off and share >= t.backoff_rank_share:
-        found.append(_alert("AmpSustainedLossScaleBackoff", {"run": run}, share, t))
+        yield _alert("AmpSustainedLossScaleBackoff", {"run": run}, share, t)
+
+
+def _desync(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: AlertThresholds) -> Iterable[ActiveAlert]:
     scales = [f.current.loss_scale for f in open_ranks
               if f.current.scaler_enabled and f.current.loss_scale is not None]
     if len(scales) >= 2:
         # max / min as PromQL computes it: a rank at 0 or +Inf beside a finite one is apart by +Inf.
         spread = promql_divide(promql_max(scales), promql_min(scales))
         if spread >= t.desync_scale_ratio:
-            found.append(_alert("AmpLossScaleDesync", {"run": run}, spread, t))
+            yield _alert("AmpLossScaleDesync", {"run": run}, spread, t)
+
+
+def _origin_started(r: RankReading, t: AlertThresholds) -> int:
+    """Skipped iterations the rank started (its own gradients non-finite before DDP's all-reduce) in the window."""
+    return r.current.totals.origin_iterations - r.since("AmpSkipOriginRank").count("origin_iterations")
+
+
+def _origin(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: AlertThresholds) -> Iterable[ActiveAlert]:
+    # An open rank that started enough skipped iterations in the window alerts while few of the run's ranks
+    # started any.
+    starting = sum(1 for f in ranks if f.facts["AmpSkipOriginRank"] > 0)
+    if not starting or starting > max(len(open_ranks) * t.origin_rank_share, 1):
+        return
+    for f in ranks:
+        cur = f.current
+        if f.facts["AmpSkipOriginRank"] >= t.origin_min_count and not cur.closed:
+            labels = {"run": cur.run, "rank": str(cur.rank), "host": cur.host, "local_rank": str(cur.local_rank)}
+            yield _alert("AmpSkipOriginRank", labels, f.facts["AmpSkipOriginRank"], t)
+
+
+def _streak_levels(r: RankReading, t: AlertThresholds) -> frozenset[str]:
+    """The severities at which the rank's streak alert holds (for any optimizer)."""
+    return frozenset(level for _, _, level in _streaks(r, t, "AmpRunSkipStorm"))
+
+
+def _storm(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: AlertThresholds) -> Iterable[ActiveAlert]:
+    # Most of the ranks (and two at least) hold the streak alert at a severity: one alert for the run. Closed ranks
+    # count too, as their streak alerts do within the window: a job that ends in a storm stays one alert.
+    for severity in ALERTS["AmpRunSkipStorm"].severities:
+        skipping = sum(1 for f in ranks if severity.level in f.facts["AmpRunSkipStorm"])
+        share = skipping / len(ranks)
+        if skipping >= 2 and share >= t.storm_rank_share:
+            yield _alert("AmpRunSkipStorm", {"run": run}, share, t, severity.level)
+
+
+RUN_CONDITIONS: Mapping[str, RunCondition] = {
+    "AmpRunSkipStorm": RunCondition(_storm, _streak_levels, idle=frozenset()),
+    "AmpSustainedLossScaleBackoff": RunCondition(_sustained_backoff, _backing_off, idle=False),
+    "AmpLossScaleDesync": RunCondition(_desync),
+    "AmpSkipOriginRank": RunCondition(_origin, _origin_started, idle=0),
+}
+"""The condition of each alert judged across a run (scope ``run``, or ``host``: a rank judged beside its run)."""
+
+if set(RANK_CONDITIONS) | set(RUN_CONDITIONS) != set(ALERTS) or any(
+        ALERTS[name].scope in ("run", "host") for name in RANK_CONDITIONS) or any(
+        ALERTS[name].scope not in ("run", "host") for name in RUN_CONDITIONS):
+    raise RuntimeError("every alert of ampwatch.contract.alerts needs exactly one built-in condition here: one of "
+                       "RANK_CONDITIONS for scope optimizer or rank, RUN_CONDITIONS for run or host; missing: "
+                       f"{sorted(set(ALERTS) - set(RANK_CONDITIONS) - set(RUN_CONDITIONS))}")
+
+# A quiet rank's windowed conditions cannot hold (none of their triggers moved, none of their gauges is above 0):
+# only those without a window are read. Derived once from the definitions.
+_EVERY = tuple(RANK_CONDITIONS.values())
+_UNWINDOWED = tuple(condition for name, condition in RANK_CONDITIONS.items() if not ALERTS[name].window)
+_FACTS = tuple((name, c.fact) for name, c in RUN_CONDITIONS.items() if c.fact is not None)
+_IDLE: Mapping[str, Any] = {name: RUN_CONDITIONS[name].idle for name, _ in _FACTS}
+
+
+def rank_alerts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = False) -> list[ActiveAlert]:
+    """Return the alerts of one rank that hold at ``now`` (each condition of :data:`RANK_CONDITIONS`).
+
+    ``quiet`` (the rank is :meth:`~.history.RankHistory.quiet`): only the conditions without a window are read.
+    """
+    return _rank_alerts(RankReading(h, now, still=quiet), t)
+
+
+def _rank_alerts(reading: RankReading, t: AlertThresholds) -> list[ActiveAlert]:
+    found: list[ActiveAlert] = []
+    for condition in _UNWINDOWED if reading.still else _EVERY:
+        found.extend(condition(reading, t))
+    return found
+
+
+def rank_facts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = False) -> RankFacts:
+    """Read from one rank's history what the run-wide conditions need (a quiet rank: at its latest moment)."""
+    return _rank_facts(RankReading(h, now, still=quiet), t)
+
+
+def _rank_facts(reading: RankReading, t: AlertThresholds) -> RankFacts:
+    if reading.still:
+        return RankFacts(reading.current, _IDLE)
+    return RankFacts(reading.current, {name: fact(reading, t) for name, fact in _FACTS})
+
+
+def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThresholds) -> list[ActiveAlert]:
+    """Return the alerts of one run across its open ranks (each condition of :data:`RUN_CONDITIONS`).
+
+    Open means not closed cleanly (a silent rank still counts until the collector expires it), as in the rules.
+    """
+    return run_alerts_of(run, [rank_facts(h, now, t) for h in ranks], t)
+
+
+def held_back(rank_alerts: Iterable[ActiveAlert], run_alerts: Iterable[ActiveAlert],
+              by_run: Mapping[str, list[RankFacts]]) -> set[tuple]:
+    """Return the keys of the per-rank alerts that a run-wide alert which holds speaks for (its ``stands_for``) on
+    the ranks that are in it (its fact of the rank holds that severity)."""
+    speaking: dict[tuple[str, str, str], list[tuple[str, str]]] = {}  # (run, alert, severity) -> (speaker, level)
+    for a in run_alerts:
+        for name, severity, level in ALERTS[a.name].stands_for:
+            if a.labels["severity"] == level:
+                speaking.setdefault((a.labels["run"], name, severity), []).append((a.name, level))
+    if not speaking:
+        return set()
+    runs = {run for run, _, _ in speaking}
+    facts = {(run, str(f.current.rank)): f.facts for run in runs for f in by_run.get(run, ())}
+    return {a.key for a in rank_alerts
+            for speaker, level in speaking.get((a.labels["run"], a.name, a.labels["severity"]), ())
+            if level in facts[(a.labels["run"], a.labels["rank"])][speaker]}
+
+
+def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[ActiveAlert]:
+    """Return the run-wide alerts of ``run`` from its ranks' :func:`rank_facts` (pure: no history read)."""
+    open_ranks = [f for f in ranks if not f.current.closed]
+    found: list[ActiveAlert] = []
+    for condition in RUN_CONDITIONS.values():
+        found.extend(condition.judge(run, ranks, open_ranks, t))
     return found
 
 
 def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
              hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
-             between: Callable[[], object] = lambda: None) -> list[ActiveAlert]:
-    """Return every alert that holds at ``now`` over all ranks and runs; O(ranks), ~20 us a rank, ~3 us a quiet one.
+             between: Callable[[], object] = lambda: None, skip_quiet: bool = True) -> list[ActiveAlert]:
+    """Return every alert that holds at ``now`` over all ranks and runs; O(ranks), ~20 us a rank, less if quiet.
 
     The histories are read in slices of ``slice_size`` ranks, each inside ``hold()`` (the
     evaluator's lock), so whoever records into a history waits for one slice, not the whole pass;
     ``between()`` runs between two slices, outside the lock (a pass in a worker thread sleeps there,
     handing the GIL to the event loop); the run-wide alerts are then judged from what the slices
-    read, outside it.
+    read, outside it. ``skip_quiet=False`` reads every rank's windows (what quiet ranks spare, measured).
     """
+    return evaluate_with_facts(histories, now, t, hold, slice_size, between, skip_quiet)[0]
+
+
+def evaluate_with_facts(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
+                        hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
+                        between: Callable[[], object] = lambda: None, skip_quiet: bool = True) \
+        -> tuple[list[ActiveAlert], dict[str, list[RankFacts]]]:
+    """Return :func:`evaluate`'s alerts (per-rank ones a run-wide alert speaks for held back) and each run's facts."""
     by_run: dict[str, list[RankFacts]] = {}
-    found: list[ActiveAlert] = []
-    skip_quiet = _windows_need_moves(t)
+    per_rank: list[ActiveAlert] = []
     for first in range(0, len(histories), slice_size):
         if first:
             between()
         with hold():
             for h in histories[first:first + slice_size]:
-                if skip_quiet and h.quiet(now):  # no window alert can hold: only the state's own
-                    found.extend(_state_alerts(h.current, now, t))
-                    by_run.setdefault(h.run, []).append(RankFacts(h.current, 0, False))
-                    continue
-                found.extend(rank_alerts(h, now, t))
-                by_run.setdefault(h.run, []).append(rank_facts(h, now, t))
-    for run, ranks in by_run.items():
-        found.extend(run_alerts_of(run, ranks, t))
-    return found
+                reading = RankReading(h, now, still=skip_quiet and h.quiet(now))
+                per_rank.extend(_rank_alerts(reading, t))
+                by_run.setdefault(h.run, []).append(_rank_facts(reading, t))
+    run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, t)]
+    held = held_back(per_rank, run_wide, by_run)
+    return [a for a in per_rank if a.key not in held] + run_wide, by_run

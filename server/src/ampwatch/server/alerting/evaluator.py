@@ -4,21 +4,44 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Collection, Iterable, Optional
 
-from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
-from .conditions import evaluate, rank_alerts
-from .history import RankHistory
+from ampwatch.contract.alerts import ALERTS
+
+from .conditions import evaluate_with_facts, rank_alerts
+from .history import HistoryLayout, RankHistory
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
 
-# The thresholds fields that are windows the conditions look back over (each alert's ``increase(x[w])``).
-_WINDOWS = tuple(dict.fromkeys(p for d in ALERTS.values() for p in d.parameters if p.endswith("_window_s")))
+# Per-rank alerts a run-wide alert may speak for (its stands_for): in a run of several ranks, the periodic pass
+# decides them, after it judged whether most of the run's ranks are in the same trouble.
+_FOLDABLE = frozenset(name for d in ALERTS.values() for name, _, _ in d.stands_for)
+# (alert, severity) -> the run-wide alerts that speak for it and at which of their severities; their fact of a rank
+# is the severities at which the rank is in the trouble they speak for.
+_SPOKEN_FOR: dict[tuple[str, str], list[tuple[str, str]]] = {}
+for _speaker in ALERTS.values():
+    for _name, _severity, _level in _speaker.stands_for:
+        _SPOKEN_FOR.setdefault((_name, _severity), []).append((_speaker.name, _level))
+
+
+def _in_trouble(by_run: dict) -> dict[tuple[str, str, str], int]:
+    """Count, per run, the ranks in the trouble each speaking alert judges, at each of its severities."""
+    speakers = {speaker for spoken in _SPOKEN_FOR.values() for speaker, _ in spoken}
+    counts: dict[tuple[str, str, str], int] = {}  # (run, speaker, level) -> ranks
+    for run, ranks in by_run.items():
+        for f in ranks:
+            for speaker in speakers:
+                for level in f.facts[speaker]:
+                    counts[(run, speaker, level)] = counts.get((run, speaker, level), 0) + 1
+    return counts
+
+
+_SLICE = 256  # ranks read per taking of the lock by recent_skips()
 
 
 class BuiltinAlerts:
@@ -29,10 +52,14 @@ class BuiltinAlerts:
     []
 
     :meth:`observe` (call it after each applied batch) evaluates that rank's
-    own alerts at once, so a skip streak fires at the ingest that crosses the
-    threshold. :meth:`evaluate` (call it every second or so) evaluates
-    everything, including run-wide alerts and silent ranks; it costs
-    O(ranks), so it is kept off the ingest path.
+    own alerts at once, so a skip streak of a one-rank run fires at the ingest
+    that crosses the threshold. :meth:`evaluate` (call it every second or so)
+    evaluates everything, including run-wide alerts and silent ranks; it costs
+    O(ranks), so it is kept off the ingest path. In a run of several ranks, the
+    per-rank alerts a run-wide alert may speak for (``stands_for``: a streak, a
+    collapsed scale) are decided by the pass: once two passes in a row found one
+    while other ranks of its run hold the same severity, or at once when no other
+    does. A whole-job storm is then one alert, not one per rank.
     """
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
@@ -43,19 +70,19 @@ class BuiltinAlerts:
         # for most of its ~0.3 s at 16,384 ranks, and the event loop's answers wait for it (an I/O-bound
         # thread beside a CPU-bound one gets the GIL back only every switch interval).
         self._breather_s = breather_s
-        windows = [getattr(thresholds, name) for name in _WINDOWS]
-        self._horizon_s = max(windows)
+        # What each rank's history keeps (counters, rungs, how far back), from the alert definitions.
+        self._layout = HistoryLayout(thresholds)
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
         # default 10-30 min windows, but not against the seconds-long windows of a demo or a test.
-        self._resolution_s = resolution_s if resolution_s is not None else min(5.0, min(windows) / 10)
-        # The streak alert compares ladder rungs at its thresholds: the only rungs a history keeps.
-        self._streak_lengths = tuple(getattr(thresholds, s.threshold)
-                                     for s in ALERTS["AmpConsecutiveSkippedSteps"].severities)
+        self._resolution_s = resolution_s if resolution_s is not None else \
+            min(5.0, min(self._layout.windows.values()) / 10)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
         self._states = AlertStates(resolved_retention_s)
         self._lock = threading.Lock()
         self._observed_during: Optional[set[tuple[str, str]]] = None  # rank groups observed while evaluate() runs
+        self._run_sizes: dict[str, int] = {}  # run -> ranks watched
+        self._waiting: set[tuple] = set()  # per-rank alerts the last pass held for a second look
 
     def observe(self, snapshot: RankSnapshot, now: Optional[float] = None) -> list[Alert]:
         """Record a rank's new state and return the transitions of that rank's alerts."""
@@ -64,14 +91,16 @@ class BuiltinAlerts:
         with self._lock:
             history = self._ranks.get(key)
             if history is None:
-                history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._horizon_s,
-                                                         self._resolution_s, self._streak_lengths)
+                history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._layout,
+                                                         self._resolution_s)
+                self._run_sizes[snapshot.run] = self._run_sizes.get(snapshot.run, 0) + 1
             history.record(snapshot, self.thresholds.calibration_iterations)
             group = (snapshot.run, str(snapshot.rank))
             if self._observed_during is not None:
                 self._observed_during.add(group)
             active = rank_alerts(history, now, self.thresholds)
-            return self._states.advance(active, now, group)
+            leave = {a.key for a in active if a.name in _FOLDABLE} if self._run_sizes[snapshot.run] > 1 else set()
+            return self._states.advance(active, now, group, leave=leave)
 
     def evaluate(self, now: Optional[float] = None) -> list[Alert]:
         """Evaluate every alert of every rank and run; return the transitions.
@@ -87,16 +116,30 @@ class BuiltinAlerts:
         now = self._clock() if now is None else now
         with self._lock:
             histories = list(self._ranks.values())
-            self._observed_during = observed = set()
+            self._observed_during = observed = set[tuple[str, str]]()
         try:
-            found = evaluate(histories, now, self.thresholds, hold=lambda: self._lock, between=self._breathe)
+            found, by_run = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
+                                                between=self._breathe)
+            in_trouble = _in_trouble(by_run)  # O(ranks), outside the lock
             with self._lock:
                 self._observed_during = None
+                found = self._second_look(found, in_trouble)
                 if observed:
                     found = [a for a in found if a.group not in observed]
                 return self._states.advance(found, now, keep=observed)
         finally:
             self._observed_during = None  # also when the pass failed
+
+    def _second_look(self, found: list, in_trouble: dict[tuple[str, str, str], int]) -> list:
+        """Hold back, for one pass, a per-rank alert a run-wide one may speak for that is not firing yet, while
+        other ranks of its run hold the same severity: a whole-job storm whose batches straddle two passes is
+        then judged whole, not announced rank by rank and withdrawn a second later."""
+        waiting = {a.key for a in found if a.name in _FOLDABLE and not self._states.is_firing(a.key)
+                   and any(in_trouble.get((a.labels["run"], speaker, level), 0) > 1
+                           for speaker, level in _SPOKEN_FOR[(a.name, a.labels["severity"])])}
+        found = [a for a in found if a.key not in waiting or a.key in self._waiting]
+        self._waiting = waiting
+        return found
 
     def _breathe(self) -> None:
         if self._breather_s:
@@ -106,26 +149,36 @@ class BuiltinAlerts:
         """Drop an expired rank; its alerts resolve; return the transitions."""
         now = self._clock() if now is None else now
         with self._lock:
-            self._ranks.pop((run, rank), None)
+            if self._ranks.pop((run, rank), None) is not None:
+                self._run_sizes[run] -= 1
+                if not self._run_sizes[run]:
+                    del self._run_sizes[run]
             group = (run, str(rank))
             return self._states.advance((), now, group)
 
-    def recent_skips(self, run: str, rank: int, window_s: float, now: Optional[float] = None) \
-            -> Optional[tuple[int, int]]:
-        """Return ``(skipped, step calls)`` of a rank's optimizers over the last ``window_s`` (None if not watched).
+    def recent_skips(self, run: str, ranks: Iterable[int], window_s: float, now: Optional[float] = None) \
+            -> dict[int, tuple[int, int]]:
+        """Return ``{rank: (skipped, step calls)}`` of the ranks' optimizers over the last ``window_s`` (ranks not
+        watched left out).
 
-        Read from the rank's history (as the skip-ratio alert reads it); costs O(optimizers).
+        Read from each rank's history (as the skip-ratio alert reads it); O(ranks x optimizers), the lock taken
+        once per slice of ranks, as the periodic pass takes it.
         """
         now = self._clock() if now is None else now
-        with self._lock:
-            history = self._ranks.get((run, rank))
-            if history is None or history.current is None:
-                return None
-            base = history.baseline(now, window_s)
-            optimizers = history.current.optimizers.items()
-            skipped = sum(o.skipped - base.skipped(name) for name, o in optimizers)
-            stepped = sum(o.steps - base.steps(name) for name, o in optimizers)
-            return skipped, skipped + stepped
+        wanted, found = list(ranks), {}
+        for start in range(0, len(wanted), _SLICE):
+            with self._lock:
+                for rank in wanted[start:start + _SLICE]:
+                    history = self._ranks.get((run, rank))
+                    if history is None or history.current is None:
+                        continue
+                    base = history.baseline(now, window_s)
+                    skipped = stepped = 0
+                    for name, o in history.current.optimizers.items():
+                        skipped += o.skipped - base.count("skipped", name)
+                        stepped += o.steps - base.count("steps", name)
+                    found[rank] = (skipped, skipped + stepped)
+        return found
 
     def ranks(self) -> list[tuple[str, int]]:
         """Return the ``(run, rank)`` pairs being watched."""
@@ -141,6 +194,18 @@ class BuiltinAlerts:
         """Return the alerts resolved recently, latest first."""
         with self._lock:
             return self._states.resolved()
+
+    def fired(self, run: str, by_rank: bool = False) -> tuple[list[dict], dict[int, tuple[str, ...]]]:
+        """Return the alerts that fired in ``run`` since the collector started (see :class:`~.fired.FiredAlerts`)
+        and, with ``by_rank``, their names by rank (else an empty dict)."""
+        with self._lock:
+            fired = self._states.fired
+            return fired.of_run(run), (fired.by_rank(run) if by_rank else {})
+
+    def keep_runs(self, runs: Collection[str]) -> None:
+        """Forget which alerts fired in runs not in ``runs`` (runs the collector no longer holds)."""
+        with self._lock:
+            self._states.fired.keep(runs)
 
     def to_json(self) -> dict:
         """Return the body of ``GET /v1/alerts``: firing now and recently resolved."""

@@ -7,7 +7,9 @@ alert of the group; later changes (more ranks firing, ranks resolving) go out at
 ``interval_s`` (``group_interval``), each notification with every alert still firing plus those
 resolved since the last one. A group that keeps firing with nothing new is sent again every
 ``repeat_s`` (Alertmanager's ``repeat_interval``: a reminder that it still fires). A group whose
-alerts have all resolved and been sent is forgotten.
+alerts have all resolved and been sent is forgotten. An alert that resolves before any notification
+announced it firing is never sent at all: no receiver hears RESOLVED for an alert it was never told of
+(a flap shorter than the group's wait or interval).
 
 >>> from .alert import Alert
 >>> groups = AlertGroups(wait_s=5, interval_s=60)
@@ -43,6 +45,8 @@ REPEAT_INTERVAL_S = 4 * 3600.0
 @dataclasses.dataclass(slots=True)
 class _Group:
     alerts: dict[str, Alert] = dataclasses.field(default_factory=dict)  # fingerprint -> latest state
+    announced: set[str] = dataclasses.field(default_factory=set)  # sent firing, not yet sent resolved
+    changed: set[str] = dataclasses.field(default_factory=set)  # new since the last notification
     due: Optional[float] = None  # when the next notification goes out; None: nothing new to send
     sent_at: Optional[float] = None
     repeat_at: Optional[float] = None  # with nothing new: when the group, still firing, is sent again
@@ -69,8 +73,20 @@ class AlertGroups:
 
     def add(self, alert: Alert, now: float) -> None:
         """Put an alert's new state into its group and schedule the group's next notification."""
-        group = self._groups.setdefault((alert.name, str(alert.labels.get("run", ""))), _Group())
-        group.alerts[alert.fingerprint] = alert
+        key = (alert.name, str(alert.labels.get("run", "")))
+        group = self._groups.setdefault(key, _Group())
+        fp = alert.fingerprint
+        if alert.ends_at is not None and fp not in group.announced:
+            # Resolved before it was announced: forget it, and the notification it alone was due for.
+            group.alerts.pop(fp, None)
+            group.changed.discard(fp)
+            if not group.changed:
+                group.due = None
+            if not group.alerts:
+                del self._groups[key]
+            return
+        group.alerts[fp] = alert
+        group.changed.add(fp)
         if group.due is None:
             group.due = now + self.wait_s if group.sent_at is None else max(now, group.sent_at + self.interval_s)
 
@@ -89,6 +105,8 @@ class AlertGroups:
                 continue  # closing: a reminder is not owed
             out.append(sorted(group.alerts.values(), key=_rank_order))
             group.alerts = {fp: a for fp, a in group.alerts.items() if a.ends_at is None}
+            group.announced = set(group.alerts)
+            group.changed = set()
             group.due, group.sent_at = None, now
             group.repeat_at = now + self.repeat_s
             if not group.alerts:

@@ -1,15 +1,15 @@
-"""One rank's recent past, as compact as the alert windows allow: what their ``increase`` needs.
+"""One rank's recent past, as compact as the alert windows allow: what the declared counters need.
 
-A windowed condition (``increase(x[w])`` in PromQL) compares a rank's current
-snapshot with the counters it had ``w`` seconds ago. Two kinds of question:
+What a history keeps comes from the alert definitions (``ampwatch.contract.alerts``) and the thresholds,
+through a :class:`HistoryLayout`; nothing here names an alert or a counter. A windowed condition
+(``increase(x[w])`` in PromQL) compares a rank's current snapshot with the counters it had ``w``
+seconds ago. Two kinds of question:
 
-- *how much* (``>= n``, a ratio): steps, skips, backoffs, iterations a rank started a DDP skip
-  (origin), and the iteration (calibration).
-  :class:`RankHistory` keeps these as one row of machine integers per kept moment, about
-  ``resolution_s`` apart, back to the longest window;
-- *whether at all* (``> 0``, ``== 0``): growths, scheduler steps after a skip, poisoned steps,
-  streaks reaching a threshold. Counters never go down, so "rose since the baseline moment" is
-  "last rose after it": one time per counter, whatever the window.
+- *how much* (a definition's ``counts``: ``>= n``, a ratio, the value then): kept as one row of
+  machine integers per kept moment, about ``resolution_s`` apart, back to the longest window;
+- *whether at all* (its ``rises``: ``> 0``, ``== 0``): counters never go down, so "rose since the
+  baseline moment" is "last rose after it": one time per counter (per rung of a ladder counter),
+  whatever the window.
 
 At the default windows (30 min, 5 s apart) and two optimizers that is about 12 KiB per rank,
 where whole snapshots took about 400 KiB.
@@ -20,114 +20,168 @@ from __future__ import annotations
 import bisect
 import math
 from array import array
-from typing import Iterable, Optional, Sequence
+from operator import attrgetter
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+from ampwatch.contract.alerts import ALERTS, AlertDefinition
+from ampwatch.contract.counters import COUNTERS, GAUGES
+from ampwatch.contract.thresholds import AlertThresholds
 
 from .._state import RankSnapshot
 from .._totals import OptimizerTotals
 
-__all__ = ["RankHistory", "Baseline"]
+__all__ = ["RankHistory", "Baseline", "HistoryLayout"]
 
 _NONE = OptimizerTotals()
-_HEAD = 3  # row: iteration, backoffs, origin iterations; then steps, skipped per optimizer
-_ROW_PER_OPTIMIZER = 2
 _NEVER = -math.inf
-_RANK_RISES = 2
-# Rise times: growths, conflicts; then per optimizer scheduler_steps_after_skip, poisoned_steps, one per streak length.
 
 
-def _moved(before: RankSnapshot, now: RankSnapshot) -> bool:
-    """Return whether anything a window alert reads moved from ``before`` to ``now`` (growths, steps and the
-    iteration aside: they matter only beside a skip or a backoff), or a streak is running."""
-    if (now.totals.backoffs != before.totals.backoffs or now.conflicts != before.conflicts
-            or now.totals.origin_iterations != before.totals.origin_iterations or any(now.consecutive_skipped.values())):
-        return True
-    for name, opt in now.optimizers.items():
-        old = before.optimizers.get(name, _NONE)
-        if (opt.skipped != old.skipped or opt.scheduler_steps_after_skip != old.scheduler_steps_after_skip
-                or opt.poisoned_steps != old.poisoned_steps):
+def _unique(values: Iterable[Any]) -> tuple:
+    return tuple(dict.fromkeys(values))
+
+
+def _rank_reader(name: str) -> Callable[[RankSnapshot], int]:
+    """Read a rank-level counter off a snapshot: its own field (iteration, conflicts) or its totals'."""
+    return attrgetter(name if name in RankSnapshot.__dataclass_fields__ else f"totals.{name}")
+
+
+class HistoryLayout:
+    """What every rank's history keeps, derived from the windowed alert definitions and one set of thresholds.
+
+    - ``counts``: the counters some definition compares over its window, a row per kept moment;
+    - ``rises``: those it asks only whether they rose (ladder counters at the severities' lengths);
+    - ``triggers``: the counters whose move can make some alert hold (all but each one's ``context``):
+      a rank none of whose triggers moved within the longest window, and none of whose definitions'
+      gauges is above 0, is quiet (:meth:`RankHistory.quiet`);
+    - ``windows``: each windowed alert's window in seconds; ``horizon_s`` the longest.
+    """
+
+    def __init__(self, t: AlertThresholds, alerts: Mapping[str, AlertDefinition] = ALERTS) -> None:
+        windowed = [d for d in alerts.values() if d.window]
+        self.windows: dict[str, float] = {d.name: getattr(t, d.window) for d in windowed}  # type: ignore[arg-type]
+        self.horizon_s = max(self.windows.values(), default=0.0)
+        self.reads: dict[str, frozenset[str]] = {d.name: frozenset((*d.counts, *d.rises)) for d in windowed}
+        counts = _unique(c for d in windowed for c in d.counts)
+        self.rank_counts = tuple(c for c in counts if COUNTERS[c].per == "rank")
+        self.optimizer_counts = tuple(c for c in counts if COUNTERS[c].per == "optimizer")
+        rises = _unique((c, rung) for d in windowed for c in d.rises for rung in _rungs(d, c, t))
+        self.rank_rises = tuple(r for r in rises if COUNTERS[r[0]].per == "rank")
+        self.optimizer_rises = tuple(r for r in rises if COUNTERS[r[0]].per == "optimizer")
+        self.rungs = {(c, rung) for c, rung in rises if rung is not None}
+        triggers = _unique(c for d in windowed for c in (*d.counts, *d.rises) if c not in d.context)
+        self.rank_triggers = tuple(map(_rank_reader, (c for c in triggers if COUNTERS[c].per == "rank")))
+        self.optimizer_triggers = tuple(attrgetter(c) for c in triggers if COUNTERS[c].per == "optimizer")
+        gauges = _unique(g for d in windowed for g in d.gauges)
+        self._optimizer_gauges = tuple(attrgetter(g) for g in gauges if GAUGES[g].per == "optimizer")
+        self._rank_gauges = tuple(attrgetter(g) for g in gauges if GAUGES[g].per == "rank")
+        self._rank_count_readers = tuple(map(_rank_reader, self.rank_counts))
+        self._rank_rise_readers = tuple(_rank_reader(c) for c, _ in self.rank_rises)
+        self.count_head, self.count_width = len(self.rank_counts), len(self.optimizer_counts)
+        self.rise_head, self.rise_width = len(self.rank_rises), len(self.optimizer_rises)
+        self.rank_count_slot = {c: i for i, c in enumerate(self.rank_counts)}
+        self.optimizer_count_slot = {c: i for i, c in enumerate(self.optimizer_counts)}
+        self.rank_rise_slot = {c: i for i, (c, _) in enumerate(self.rank_rises)}
+        self.optimizer_rise_slot = {r: i for i, r in enumerate(self.optimizer_rises)}
+
+    def rank_row(self, s: RankSnapshot) -> list[int]:
+        return [read(s) for read in self._rank_count_readers]
+
+    def moved(self, before: RankSnapshot, now: RankSnapshot) -> bool:
+        """Return whether a trigger moved from ``before`` to ``now``, or a declared gauge is above 0."""
+        if any(read(now) != read(before) for read in self.rank_triggers):
             return True
-    return False
+        if any(read(now) for read in self._rank_gauges) or any(any(read(now).values())
+                                                               for read in self._optimizer_gauges):
+            return True
+        for name, opt in now.optimizers.items():
+            old = before.optimizers.get(name, _NONE)
+            if any(read(opt) != read(old) for read in self.optimizer_triggers):
+                return True
+        return False
+
+    def rank_rise_values(self, s: RankSnapshot) -> list[int]:
+        return [read(s) for read in self._rank_rise_readers]
+
+
+def _rungs(d: AlertDefinition, counter: str, t: AlertThresholds) -> tuple[Optional[int], ...]:
+    """The rungs of a ladder counter a definition asks about: its severities' lengths; (None,) for a plain one."""
+    if not COUNTERS[counter].ladder:
+        return (None,)
+    return tuple(getattr(t, s.threshold) for s in d.severities if s.threshold)
 
 
 class Baseline:
-    """A rank at one past moment: its counters then, and whether others rose since. Reads cost O(1)."""
+    """A rank at one past moment: its counters then, and whether others rose since. Reads cost O(1).
 
-    __slots__ = ("_row", "_at", "_history")
+    Bound to one alert (:meth:`RankHistory.since`), it answers only for the counters that alert declares:
+    a condition that reads another fails at once, instead of being skipped on ranks where only that moved.
+    """
 
-    def __init__(self, row: Sequence[int], at: float, history: "RankHistory") -> None:
-        self._row, self._at, self._history = row, at, history
+    __slots__ = ("_row", "_at", "_history", "_reads")
 
-    @property
-    def iteration(self) -> int:
-        return self._row[0]
+    def __init__(self, row: Sequence[int], at: float, history: "RankHistory",
+                 reads: Optional[frozenset[str]] = None) -> None:
+        self._row, self._at, self._history, self._reads = row, at, history, reads
 
-    @property
-    def backoffs(self) -> int:
-        return self._row[1]
-
-    @property
-    def origin_iterations(self) -> int:
-        """Skipped iterations whose inf/NaN started in this rank's own gradients (DDP hook), up to this moment."""
-        return self._row[2]
-
-    def steps(self, optimizer: str) -> int:
-        return self._counter(optimizer, 0)
-
-    def skipped(self, optimizer: str) -> int:
-        return self._counter(optimizer, 1)
-
-    def grew_since(self) -> bool:
-        """Return whether the scale grew after this moment."""
-        return self._history._rose[0] > self._at
-
-    def conflicted_since(self) -> bool:
-        """Return whether a process claimed the rank in conflict after this moment."""
-        return self._history._rose[1] > self._at
-
-    def scheduler_stepped_after_skip_since(self, optimizer: str) -> bool:
-        return self._rose(optimizer, 0)
-
-    def poisoned_since(self, optimizer: str) -> bool:
-        return self._rose(optimizer, 1)
-
-    def streak_reached_since(self, optimizer: str, length: int) -> bool:
-        """Return whether a skip streak of ``optimizer`` reached ``length`` (one of the history's) after this moment."""
-        return self._rose(optimizer, 2 + self._history._rungs[length])
-
-    def _counter(self, optimizer: str, field: int) -> int:
+    def count(self, counter: str, optimizer: Optional[str] = None) -> int:
+        """Return a counter's value at this moment (an optimizer's, for a per-optimizer counter; 0 if unseen)."""
+        if self._reads is not None and counter not in self._reads:
+            raise _undeclared(counter)
+        layout = self._history.layout
+        if optimizer is None:
+            return self._row[layout.rank_count_slot[counter]]
         j = self._history._index.get(optimizer)
-        return 0 if j is None else self._row[_HEAD + _ROW_PER_OPTIMIZER * j + field]
+        if j is None:
+            return 0
+        return self._row[layout.count_head + layout.count_width * j + layout.optimizer_count_slot[counter]]
 
-    def _rose(self, optimizer: str, field: int) -> bool:
+    def rose(self, counter: str, optimizer: Optional[str] = None, rung: Optional[int] = None) -> bool:
+        """Return whether a counter (an optimizer's; a ladder counter's ``rung``) rose after this moment."""
+        if self._reads is not None and counter not in self._reads:
+            raise _undeclared(counter)
         h = self._history
+        layout = h.layout
+        if optimizer is None:
+            return h._rose[layout.rank_rise_slot[counter]] > self._at
         j = h._index.get(optimizer)
-        return j is not None and h._rose[_RANK_RISES + (2 + len(h._rungs)) * j + field] > self._at
+        if j is None:
+            return False
+        return h._rose[layout.rise_head + layout.rise_width * j + layout.optimizer_rise_slot[(counter, rung)]] \
+            > self._at
+
+
+def _undeclared(counter: str) -> KeyError:
+    return KeyError(f"{counter!r} is not among the counters its alert declares (ampwatch.contract.alerts)")
 
 
 class RankHistory:
-    """Hold one rank's latest snapshot and what its alert windows need of its past, back to ``horizon_s``.
+    """Hold one rank's latest snapshot and what its alert windows need of its past, back to the layout's horizon.
 
-    ``streak_lengths`` are the streak-ladder rungs a window asks about (the streak alert's
-    thresholds). :meth:`record` costs a few microseconds; memory is bounded by the horizon:
-    ``8 + 4 * (3 + 2 * optimizers)`` bytes per kept moment while counters fit in 32 bits (64 past
-    that), plus ``8 * (1 + (2 + len(streak_lengths)) * optimizers)`` bytes of rise times.
+    :meth:`record` costs a few microseconds; memory is bounded by the horizon: ``8 + 4 * row`` bytes per
+    kept moment while counters fit in 32 bits (64 past that), a row being the layout's rank counts plus
+    its optimizer counts per optimizer, plus 8 bytes of rise time per rise the layout keeps.
     """
 
-    __slots__ = ("run", "rank", "current", "_times", "_rows", "_rose", "_index", "_rungs", "_horizon_s",
-                 "_resolution_s", "_origin", "_moved_at")
+    __slots__ = ("run", "rank", "current", "layout", "_times", "_rows", "_latest", "_rose", "_index",
+                 "_resolution_s", "_origin", "_moved_at", "_found_at", "_found")
 
-    def __init__(self, run: str, rank: int, horizon_s: float, resolution_s: float = 5.0,
-                 streak_lengths: Iterable[int] = ()) -> None:
-        self.run, self.rank = run, rank
+    def __init__(self, run: str, rank: int, layout: HistoryLayout, resolution_s: float = 5.0) -> None:
+        self.run, self.rank, self.layout = run, rank, layout
         self.current: Optional[RankSnapshot] = None
         self._times = array("d")
         self._rows = array("i")  # one row per kept time; widened to 64 bits when a counter passes 2**31
-        self._rose = array("d", [_NEVER] * _RANK_RISES)  # when each yes/no counter last rose (a collector time)
+        self._latest = array("i")  # the current snapshot's row
+        self._rose = array("d", [_NEVER] * len(layout.rank_rises))  # when each rise counter last rose
         self._index: dict[str, int] = {}  # optimizer -> its number, in the order first seen
-        self._rungs = {length: i for i, length in enumerate(dict.fromkeys(streak_lengths))}
-        self._horizon_s, self._resolution_s = horizon_s, resolution_s
+        self._resolution_s = resolution_s
         self._origin: Optional[array] = None
-        self._moved_at = _NEVER  # when a counter a window alert reads last moved, or a streak was last seen
+        self._moved_at = _NEVER  # when a trigger last moved, or a declared gauge was last above 0
+        self._found_at = math.nan  # baselines searched at that time, by window (one reading)
+        self._found: dict[float, Baseline] = {}
+
+    @property
+    def horizon_s(self) -> float:
+        return self.layout.horizon_s
 
     def record(self, snapshot: RankSnapshot, calibration_iterations: int) -> None:
         """Make ``snapshot`` the current one and keep what the windows need (replacing a too-close predecessor)."""
@@ -141,12 +195,12 @@ class RankHistory:
             young = snapshot.iteration <= calibration_iterations
             previous = RankSnapshot(run=self.run, rank=self.rank, last_seen=_NEVER) if young else snapshot
         self._note_rises(previous, snapshot)
-        if _moved(previous, snapshot):
+        if self.layout.moved(previous, snapshot):
             self._moved_at = snapshot.last_seen
         row = self._row(snapshot)
         if self._origin is None:
             self._origin = row if previous is snapshot else array(row.typecode, [0] * len(row))
-        self.current = snapshot
+        self.current, self._latest, self._found_at = snapshot, row, math.nan
         stride = len(row)
         # The latest sample always stays; the previous latest stays as a window baseline only if the new one
         # is at least resolution_s after the sample before it (so any two kept samples apart are that far).
@@ -157,61 +211,86 @@ class RankHistory:
             self._times.append(snapshot.last_seen)
             self._rows.extend(row)
         # Keep exactly one sample at or before the horizon: it is the baseline of the longest window.
-        cut = bisect.bisect_right(self._times, snapshot.last_seen - self._horizon_s) - 1
+        cut = bisect.bisect_right(self._times, snapshot.last_seen - self.layout.horizon_s) - 1
         if cut > 0:
             del self._times[:cut]
             del self._rows[:cut * stride]
 
     def baseline(self, now: float, window_s: float) -> Baseline:
         """Return the rank as it was ``window_s`` seconds before ``now`` (its origin if it is younger)."""
+        return self._baseline(now, window_s, None)
+
+    def since(self, alert: str, now: float, still: bool = False) -> Baseline:
+        """Return the rank one window of ``alert`` before ``now``, answering only for the counters it declares.
+
+        ``still``: the rank is :meth:`quiet`; its latest moment serves as the baseline (every declared
+        trigger rose by 0 in any window, and nothing rose since), without a search.
+        """
+        reads = self.layout.reads[alert]
+        if still:
+            return Baseline(self._latest, math.inf, self, reads)
+        window_s = self.layout.windows[alert]
+        if self._found_at != now:
+            self._found_at, self._found = now, {}
+        found = self._found.get(window_s)
+        if found is None:  # the alerts of one window share its search
+            found = self._found[window_s] = self._baseline(now, window_s, None)
+        return Baseline(found._row, found._at, self, reads)
+
+    def _baseline(self, now: float, window_s: float, reads: Optional[frozenset[str]]) -> Baseline:
         i = bisect.bisect_right(self._times, now - window_s) - 1
         # Pruning always keeps a sample at or before the horizon, so i < 0 means the rank was first seen
         # inside the window: every rise since the origin counts.
         if i < 0:
-            return Baseline(self._origin, _NEVER, self)  # type: ignore[arg-type]
-        stride = _HEAD + _ROW_PER_OPTIMIZER * len(self._index)
-        return Baseline(self._rows[i * stride:(i + 1) * stride], self._times[i], self)
+            return Baseline(self._origin, _NEVER, self, reads)  # type: ignore[arg-type]
+        stride = self._stride()
+        return Baseline(self._rows[i * stride:(i + 1) * stride], self._times[i], self, reads)
+
+    def _stride(self) -> int:
+        return len(self.layout.rank_counts) + len(self.layout.optimizer_counts) * len(self._index)
 
     def __len__(self) -> int:
         return len(self._times)
 
     def quiet(self, now: float) -> bool:
-        """Return whether no window alert can hold at ``now``: nothing they read moved within any window.
+        """Return whether no windowed alert can hold at ``now``: none of their triggers moved within any window.
 
         True when, since the earliest moment any window's baseline can be (the kept sample at or before the
-        horizon; the origin for a rank younger than the horizon), no skip, backoff, origin iteration,
-        scheduler step after a skip, poisoned step or conflict was counted and no streak was running. Every
-        window's increase is then 0 and every "rose since" false: the periodic pass skips those reads
-        (most ranks of a healthy job, whose calibration skips are older than the longest window). O(1).
+        horizon; the origin for a rank younger than the horizon), no trigger of a windowed definition moved
+        and none of their gauges was above 0. Every window's increase of a trigger is then 0 and no trigger
+        rose: the periodic pass reads such a rank's windows at its latest moment (``since(..., still=True)``),
+        which is most ranks of a healthy job, whose calibration skips are older than the longest window. O(1).
         """
         if self._moved_at == _NEVER:
             return True
-        return bool(self._times) and now - self._horizon_s >= self._times[0] >= self._moved_at
+        return bool(self._times) and now - self.layout.horizon_s >= self._times[0] >= self._moved_at
 
     def _note_rises(self, before: RankSnapshot, now: RankSnapshot) -> None:
-        rose, at = self._rose, now.last_seen
-        if now.totals.growths > before.totals.growths:
-            rose[0] = at
-        if now.conflicts > before.conflicts:
-            rose[1] = at
-        per = 2 + len(self._rungs)
+        rose, at, layout = self._rose, now.last_seen, self.layout
+        for i, (old, new) in enumerate(zip(layout.rank_rise_values(before), layout.rank_rise_values(now))):
+            if new > old:
+                rose[i] = at
+        per, head = len(layout.optimizer_rises), len(layout.rank_rises)
         for name, opt in now.optimizers.items():
-            old = before.optimizers.get(name, _NONE)
-            base = _RANK_RISES + per * self._index[name]
-            if opt.scheduler_steps_after_skip > old.scheduler_steps_after_skip:
-                rose[base] = at
-            if opt.poisoned_steps > old.poisoned_steps:
-                rose[base + 1] = at
-            for length, k in self._rungs.items():
-                if opt.reached(length) > old.reached(length):
-                    rose[base + 2 + k] = at
+            old_opt = before.optimizers.get(name, _NONE)
+            base = head + per * self._index[name]
+            for k, (counter, rung) in enumerate(layout.optimizer_rises):
+                if rung is None:
+                    moved = getattr(opt, counter) > getattr(old_opt, counter)
+                else:
+                    moved = opt.reached(rung) > old_opt.reached(rung)
+                if moved:
+                    rose[base + k] = at
 
     def _row(self, s: RankSnapshot) -> array:
-        values = [0] * (_HEAD + _ROW_PER_OPTIMIZER * len(self._index))
-        values[0], values[1], values[2] = s.iteration, s.totals.backoffs, s.totals.origin_iterations
+        values = self.layout.rank_row(s)
+        width = len(self.layout.optimizer_counts)
+        values.extend([0] * (width * len(self._index)))
+        head = len(self.layout.rank_counts)
         for name, opt in s.optimizers.items():
-            o = _HEAD + _ROW_PER_OPTIMIZER * self._index[name]
-            values[o], values[o + 1] = opt.steps, opt.skipped
+            o = head + width * self._index[name]
+            for k, counter in enumerate(self.layout.optimizer_counts):
+                values[o + k] = getattr(opt, counter)
         try:
             return array(self._rows.typecode, values)
         except OverflowError:  # a counter past 2**31: every row to 64 bits, once
@@ -222,9 +301,10 @@ class RankHistory:
 
     def _widen(self, optimizer: str) -> None:
         """Give a newly seen optimizer its columns; earlier rows (and the origin) count 0 for it."""
-        stride = _HEAD + _ROW_PER_OPTIMIZER * len(self._index)
+        stride = self._stride()
+        width = len(self.layout.optimizer_counts)
         self._index[optimizer] = len(self._index)
-        zeros = [0] * _ROW_PER_OPTIMIZER
+        zeros = [0] * width
         old, rows = self._rows, array(self._rows.typecode)
         for i in range(0, len(old), stride):
             rows.extend(old[i:i + stride])
@@ -232,4 +312,4 @@ class RankHistory:
         self._rows = rows
         if self._origin is not None:
             self._origin.extend(zeros)
-        self._rose.extend([_NEVER] * (2 + len(self._rungs)))
+        self._rose.extend([_NEVER] * len(self.layout.optimizer_rises))

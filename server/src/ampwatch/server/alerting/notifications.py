@@ -162,16 +162,20 @@ class _Worker(threading.Thread):
         self._groups = None if target.kind == "alertmanager" else AlertGroups(
             config.group_wait_s, config.group_interval_s, config.repeat_interval_s)
 
-    def put(self, alert: Alert) -> None:
+    def put(self, alerts: list[Alert]) -> None:
+        """Queue the transitions of one evaluation together: the sender never takes half of them."""
         with self._cond:
+            now = time.monotonic()
             if self._groups is not None:  # one entry per alert in its group: bounded by the alerts themselves
-                self._groups.add(alert, time.monotonic())
+                for alert in alerts:
+                    self._groups.add(alert, now)
                 self._cond.notify()
                 return
-            if len(self._queue) >= self.config.queue_size:
-                self._queue.popleft()
-                self.counts.add(self.target.name, "dropped")
-            self._queue.append((time.monotonic(), alert))
+            for alert in alerts:
+                if len(self._queue) >= self.config.queue_size:
+                    self._queue.popleft()
+                    self.counts.add(self.target.name, "dropped")
+                self._queue.append((now, alert))
             self._cond.notify()
 
     def stop(self, deadline: float) -> None:
@@ -321,18 +325,25 @@ class Notifier:
         return [w.target for w in self._workers]
 
     def submit(self, changes: Iterable[Alert]) -> None:
-        """Queue alert transitions for every target (returns at once)."""
-        for alert in changes:
-            state = (alert.status, alert.starts_at)
-            with self._lock:
+        """Queue alert transitions for every target (returns at once).
+
+        The transitions of one call reach each target's sender at once, so a group's first notification
+        lists all of them however long queueing takes (a whole-job storm submits thousands together).
+        """
+        new = []
+        with self._lock:
+            for alert in changes:
+                state = (alert.status, alert.starts_at)
                 if self._last.get(alert.fingerprint) == state:
                     continue
                 self._last[alert.fingerprint] = state
                 self._last.move_to_end(alert.fingerprint)
                 if len(self._last) > self._remember:
                     self._last.popitem(last=False)
+                new.append(alert)
+        if new:
             for worker in self._workers:
-                worker.put(alert)
+                worker.put(new)
 
     def counts(self) -> dict[tuple[str, str], int]:
         """Return notifications by ``(target name, outcome)``, for ``ampwatch_collector_notifications_total``."""

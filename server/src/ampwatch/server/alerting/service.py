@@ -49,6 +49,7 @@ class AlertService:
             for run, rank in self.alerts.ranks():
                 if state.get(run, rank) is None:
                     self.notifier.submit(self.alerts.forget(run, rank, now))
+            self.alerts.keep_runs(set(state.runs))  # a copy, one C call: safe beside ingest
             self.notifier.submit(self.alerts.evaluate(now))
         except Exception:
             self._failed("the periodic alert evaluation")

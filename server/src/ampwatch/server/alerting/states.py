@@ -8,6 +8,7 @@ from typing import AbstractSet, Iterable, Optional
 
 from .alert import Alert
 from .conditions import ActiveAlert
+from .fired import FiredAlerts
 
 __all__ = ["AlertStates"]
 
@@ -30,19 +31,23 @@ class AlertStates:
         self._by_group: dict[tuple, dict[tuple, None]] = {}  # evaluation group -> its pending and firing alerts
         self._resolved: collections.deque[Alert] = collections.deque(maxlen=max_resolved)
         self._retention_s = resolved_retention_s
+        self.fired = FiredAlerts()  # every alert that fired, by run: what a finished run's summary lists
 
     def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None,
-                keep: AbstractSet[tuple] = frozenset()) -> list[Alert]:
+                keep: AbstractSet[tuple] = frozenset(), leave: AbstractSet[tuple] = frozenset()) -> list[Alert]:
         """Apply one evaluation and return the alerts that started firing or resolved.
 
         ``group`` is the one evaluation group (``(run, rank)`` or ``(run,)``) that was
         evaluated; alerts of other groups are left as they are. None: all of them, but for
         the groups in ``keep`` (observed anew while a pass ran: the pass's reading is older).
+        ``leave``: alert keys this evaluation does not judge (left as they are, whatever ``active`` says).
         """
         changes: list[Alert] = []
         seen = set()
         for a in active:
             key = a.key
+            if key in leave:
+                continue
             seen.add(key)
             firing = self._firing.get(key)
             if firing is not None:
@@ -59,6 +64,7 @@ class AlertStates:
                               starts_at=now, value=a.value)
                 self._firing[key] = alert
                 self._groups[key] = a.group
+                self.fired.note(alert)
                 changes.append(alert)
             else:
                 self._pending[key] = (since, a)
@@ -66,7 +72,7 @@ class AlertStates:
             gone = [k for k, (_, a) in self._pending.items() if k not in seen and a.group not in keep] + \
                    [k for k in self._firing if k not in seen and self._groups[k] not in keep]
         else:
-            gone = [k for k in self._by_group.get(group, ()) if k not in seen]
+            gone = [k for k in self._by_group.get(group, ()) if k not in seen and k not in leave]
         for key in gone:
             pending = self._pending.pop(key, None)
             if pending is not None:
@@ -85,6 +91,10 @@ class AlertStates:
         del keys[key]
         if not keys:
             del self._by_group[group]
+
+    def is_firing(self, key: tuple) -> bool:
+        """Return whether the alert of that key fires now."""
+        return key in self._firing
 
     def firing(self) -> list[Alert]:
         """Return the alerts firing now, oldest first."""

@@ -272,25 +272,81 @@ function rankRow(rank) {
 const TROUBLE_ROWS = 50;  // one page of the summary: ranks in trouble first, most urgent reason first
 const REASON_WORDS = {
   poisoned: "poisoned", silent: "silent", collapsed: "scale collapsed", in_streak: "skipping now",
-  high_skip_ratio: "high recent skip ratio", desynced: "scale out of line", alert: "alert firing",
+  long_streak: "long streak", high_skip_ratio: "high recent skip ratio", alert: "alert firing",
+  desynced: "scale out of line",
 };
+// A finished run's rows say what happened over its life (GET /v1/runs/{run}/summary: counts_cover "whole_run").
+const LIFE_WORDS = {
+  collapsed: "scale ended collapsed", high_skip_ratio: "high skip ratio", alert: "alert fired",
+  desynced: "scale ended out of line",
+};
+
+function reasonWords(reason, finished) {
+  return (finished && LIFE_WORDS[reason]) || REASON_WORDS[reason] || reason;
+}
+
+function plural(n, one, many) {
+  return `${n.toLocaleString("en-US")} ${n === 1 ? one : (many || one + "s")}`;
+}
 
 function percent(ratio) {
   return ratio === null || ratio === undefined ? "-" : `${(100 * ratio).toFixed(ratio < 0.01 ? 2 : 1)}%`;
 }
 
-function troubleRow(row) {
+function troubleRow(row, finished) {
   const why = el("td", {});
-  for (const reason of row.reasons) why.append(el("span", {class: "reason", "data-reason": reason}, REASON_WORDS[reason] || reason));
+  for (const reason of row.reasons) why.append(el("span", {class: "reason", "data-reason": reason}, reasonWords(reason, finished)));
   if (row.alerts.length) why.append(el("span", {class: "muted"}, row.alerts.join(", ")));
   const calls = row.steps + row.skipped;
+  const longest = row.longest_streak ?? row.streak;
   return el("tr", {class: "trouble", "data-rank": row.rank},
     el("td", {class: "num"}, row.rank), el("td", {}, row.host), why,
-    el("td", {class: "num"}, scaleText(row.loss_scale)), el("td", {class: "num"}, row.iteration),
-    el("td", {class: "num" + (row.streak > 0 ? " streak" : "")}, row.streak),
+    // null: no scale to show (no GradScaler, a disabled one, or none read yet)
+    el("td", {class: "num"}, row.loss_scale === null ? "-" : scaleText(row.loss_scale)),
+    el("td", {class: "num"}, row.iteration),
+    el("td", {class: "num" + (row.streak > 0 ? " streak" : "")}, longest > row.streak ? `${row.streak} (${longest})` : row.streak),
     el("td", {class: "num"}, `${percent(row.recent_skip_ratio)} / ${percent(calls ? row.skipped / calls : null)}`),
     el("td", {class: row.reasons.includes("silent") ? "streak" : ""},
        row.closed ? `closed, ${ago(row.last_seen)}` : ago(row.last_seen)));
+}
+
+// The loss scale across ranks: min, median and max, collapsed ranks (0, NaN, below 1) counted, not left out.
+function bandText(band, finished) {
+  const what = finished ? "final loss scale" : "loss scale";
+  if (!band.ranks) return band.no_scale ? `no loss scale (${plural(band.no_scale, "rank")} without a GradScaler)` : `${what} unknown`;
+  let text = band.min === band.max && band.min !== null ? `${what} ${scaleText(band.min)} on every rank`
+    : `${what} min ${scaleText(band.min)}, median ${scaleText(band.median)}, max ${scaleText(band.max)}`;
+  if (band.collapsed) text += ` (${band.collapsed === band.ranks ? "all" : band.collapsed.toLocaleString("en-US")} collapsed)`;
+  if (band.no_scale) text += `; ${plural(band.no_scale, "rank")} without a loss scale`;
+  return text;
+}
+
+// A run-wide line above the rows: a whole-job skip storm, or what a finished run went through.
+function runBanner(body) {
+  const banner = document.getElementById("run-banner");
+  const job = body.whole_job, life = body.life;
+  banner.replaceChildren();
+  banner.className = "banner";
+  if (body.closed) {
+    banner.classList.add("finished");
+    const fired = life.alerts_fired.map(a => `${a.name} (${a.severity}${a.ranks > 1 ? `, ${a.ranks} ranks` : ""})`);
+    banner.append(el("b", {}, "Finished run"),
+      `: ${plural(body.ranks, "rank")} closed after ${plural(life.iterations, "iteration")}; ` +
+      `${life.skipped.toLocaleString("en-US")} of ${plural(life.step_calls, "step")} skipped (${percent(life.skip_ratio)}), ` +
+      `${plural(life.streaks, "streak")}, the longest ${life.longest_streak}` +
+      (life.longest_streak_rank !== null ? ` (rank ${life.longest_streak_rank})` : "") + "; ",
+      life.poisoned_steps ? el("span", {class: "poisoned"}, `${plural(life.poisoned_steps, "poisoned step")} on ${plural(life.poisoned_ranks, "rank")}`)
+                          : "no poisoned step",
+      `; ${bandText(body.scale, true)}; ` +
+      (fired.length ? `alerts that fired: ${fired.join(", ")}` : "no built-in alert fired"));
+  } else if (job) {
+    banner.classList.add("storm");
+    banner.append(el("b", {}, "Whole job skipping"),
+      `: ${job.skipping.toLocaleString("en-US")} of ${plural(job.live, "live rank")} in a skip streak, ` +
+      (job.since_ranks < job.skipping ? `${job.since_ranks.toLocaleString("en-US")} of them ` : "") +
+      `since iteration ${job.since_iteration} · ${bandText(body.scale, false)}`);
+  }
+  banner.hidden = !banner.childNodes.length;
 }
 
 // Return the summary (null when the run is not in memory).
@@ -304,17 +360,20 @@ async function refreshTrouble(run) {
     document.getElementById("trouble-box").hidden = true;  // a run no longer in memory: the table below still shows it
     return null;
   }
+  const finished = body.counts_cover === "whole_run";
   document.getElementById("trouble-box").hidden = false;
+  runBanner(body);
+  document.getElementById("trouble-title").textContent = finished ? "Ranks that had trouble" : "Ranks in trouble";
   document.getElementById("trouble-count").textContent = `${body.in_trouble} of ${body.ranks}`;
-  const counts = Object.entries(body.counts).filter(([, n]) => n > 0).map(([r, n]) => `${REASON_WORDS[r] || r}: ${n}`);
-  const scale = body.scale;
+  const counts = Object.entries(body.counts).filter(([, n]) => n > 0).map(([r, n]) => `${reasonWords(r, finished)}: ${n}`);
+  const scope = finished ? "over the whole run" : `now, of ${plural(body.live_ranks, "live rank")}`;
   document.getElementById("trouble-summary").textContent =
-    (counts.length ? counts.join(" · ") : "every rank looks fine") +
-    ` — loss scale min ${scaleText(scale.min)}, median ${scaleText(scale.median)}, max ${scaleText(scale.max)}` +
+    (counts.length ? `${scope}: ${counts.join(" · ")}` : finished ? "no rank had trouble" : "every live rank looks fine") +
+    ` — ${bandText(body.scale, finished)}` +
     (body.run_alerts.length ? ` — run alerts: ${body.run_alerts.join(", ")}` : "");
   // Without a search, only ranks in trouble; with one, every match.
   const rows = search ? body.rows : body.rows.filter(row => row.reasons.length);
-  fill(document.querySelector("#trouble tbody"), rows.map(troubleRow));
+  fill(document.querySelector("#trouble tbody"), rows.map(row => troubleRow(row, finished)));
   const more = document.getElementById("trouble-more");
   const left = (search ? body.matched : body.in_trouble) - rows.length;
   more.hidden = left <= 0;
@@ -366,15 +425,22 @@ function eventDetails(e) {
 
 // The run's loss scale on a log2 axis over the chosen window (GET /v1/runs/{run}/scale): a band from the
 // lowest to the highest rank's scale, the median rank's line, and the outlier ranks' own lines; red dots mark
-// their skipped steps.
+// their skipped steps. The caption sits in a strip above the plot and the ranks' labels in a column right of
+// it, so no text ever lies on a line (the plot area holds only the band, the lines and the marks).
 function drawChart(container, body) {
-  const W = 900, H = 260, L = 56, R = 12, T = 12, B = 28;
-  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img",
-    "aria-label": "loss scale over iterations: spread across ranks and outlier ranks"});
   const spread = body && body.spread;
   const lines = (body && body.outliers || []).map(o => ({rank: o.rank, asked: o.asked, skips: o.skips || [],
     streaks: o.streaks || [],
     points: o.points.map(([x, y]) => [x, scaleNumber(y)]), now: scaleNumber(o.loss_scale)}));
+  for (const line of lines) {
+    line.label = `rank ${line.rank}` + (onLogAxis(line.now) ? "" : ` (scale ${scaleText(line.now)}, off the axis)`);
+  }
+  const CHAR_PX = 6.5;  // wide enough for the 11px labels: a label too long runs off the chart's edge, not onto a line
+  const W = 900, L = 56, T = 24, B = 28, LEGEND_ROW = 14;
+  const R = lines.length ? Math.min(280, 16 + CHAR_PX * Math.max(...lines.map(line => line.label.length))) : 12;
+  const H = Math.max(260, T + LEGEND_ROW * lines.length + B);
+  const root = svg("svg", {viewBox: `0 0 ${W} ${H}`, role: "img",
+    "aria-label": "loss scale over iterations: spread across ranks and outlier ranks"});
   let minY = Infinity, maxY = -Infinity;
   const note = y => { if (onLogAxis(y)) { minY = Math.min(minY, Math.log2(y)); maxY = Math.max(maxY, Math.log2(y)); } };
   if (spread) for (const k of ["min", "max"]) spread[k].forEach(v => note(scaleNumber(v)));
@@ -425,15 +491,13 @@ function drawChart(container, body) {
       path.style.stroke = color;  // CSSOM, not a style attribute: allowed by the page's CSP
       root.append(path);
     }
-    const off = onLogAxis(line.now) ? "" : ` (scale ${scaleText(line.now)}, off the axis)`;
-    const legend = svg("text", {x: W - R - 4, y: T + 12 + 13 * i, "text-anchor": "end", class: "legend",
-                                "data-rank": line.rank}, `rank ${line.rank}${off}`);
+    const legend = svg("text", {x: W - R + 10, y: T + 8 + LEGEND_ROW * i, class: "legend", "data-rank": line.rank},
+                       line.label);
     legend.style.fill = color;
     root.append(legend);
   });
-  const key = svg("text", {x: L + 6, y: T + 12, class: "spread-key"},
-    `shaded: lowest to highest of ${body.ranks} ranks · dashed: median`);
-  root.append(key);
+  root.append(svg("text", {x: L, y: T - 9, class: "spread-key"},
+    `shaded: lowest to highest of ${plural(body.ranks, "rank")} · dashed: median`));
   // Skips: a dot on a drawn rank's line at each skip the agent sent (a streak's 1st, 2nd, 4th, ... skip: the scale
   // then in force), and a stroke along the line over a whole streak once its end arrived (the skips in between are
   // counted, not sent).
@@ -492,8 +556,8 @@ function showRunState(run, closed) {
   state.className = "badge " + (closed ? "state-closed" : "state-live");
 }
 
-async function refreshRun(run) {
-  const summary = await refreshTrouble(run);
+// The rest of a run's view, once its summary (refreshTrouble) drew the ranks in trouble.
+async function refreshRun(run, summary) {
   const allRanks = document.getElementById("all-ranks");
   const big = summary !== null && summary.ranks >= BIG_RUN;
   if (!allRanksChosen.has(run) && allRanks.open === big) allRanks.open = !big;  // closed by default for big runs only
@@ -591,7 +655,10 @@ async function refresh() {
   document.getElementById("run-view").hidden = run === null;
   const banner = document.getElementById("error");
   try {
-    await Promise.all([refreshAlerts(), refreshRuns(), run === null ? null : refreshRun(run)]);
+    // A run's ranks in trouble first: the rest is asked for once they are drawn, so that on a collector busy
+    // with a whole-job storm these requests do not queue beside the summary's.
+    const summary = run === null ? null : await refreshTrouble(run);
+    await Promise.all([refreshAlerts(), refreshRuns(), run === null ? null : refreshRun(run, summary)]);
     banner.hidden = true;
     document.getElementById("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (error) {

@@ -1,0 +1,191 @@
+"""Every declared alert, run through the built-in evaluator's two paths: neither drops it while it holds.
+
+Each alert of ``ampwatch.contract.alerts`` has a scenario here that trips it on ranks that were quiet
+(healthy past the longest window, so the periodic pass reads none of their windows). After the trip the
+alert must fire (at the ingest that trips it when its ``for`` is 0 and it belongs to one rank, else at a
+pass), and then stay firing while ranks keep sending heartbeats (the event path re-evaluates a rank at
+each batch) and the pass runs every second: an evaluator that skips a rank whose declared counters moved,
+or a condition that reads an undeclared counter, resolves it early and fails here. A new alert without a
+scenario fails the first test.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+from alert_ranks import FakeRank
+
+from ampwatch.contract.alerts import ALERT_NAMES, ALERTS
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
+from ampwatch.server.alerting.evaluator import BuiltinAlerts
+
+HEARTBEAT_S = 15.0
+
+
+def _streak(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[0]
+    for _ in range(T.skip_streak_warning):
+        r.iterate(skipped=True)
+    changes = r.send(now)
+    r.iterate()  # the streak ends at once: the ladder keeps the alert up for its window
+    return changes + r.send(now + 1)
+
+
+def _storm(ranks: list[FakeRank], now: float) -> list:
+    changes = []
+    for r in ranks:  # every rank skips together, then the storm passes: the ladder keeps it for its window
+        for _ in range(T.skip_streak_warning):
+            r.iterate(skipped=True)
+        r.scale *= 2 ** T.skip_streak_warning
+        r.iterate()
+        changes += r.send(now)
+    return changes
+
+
+def _backoff(ranks: list[FakeRank], now: float) -> list:
+    changes = []
+    for _ in range(T.backoff_min_count):  # every rank backs off, a skip apart, no growth
+        for r in ranks:
+            r.iterate(skipped=True)
+            r.iterate()
+            changes += r.send(now)
+        now += 1
+    return changes
+
+
+def _collapsed(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[0]
+    r.scale = T.collapsed_loss_scale / 2
+    r.iterate()
+    return r.send(now)
+
+
+def _desync(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[0]
+    r.scale /= T.desync_scale_ratio * 2
+    r.iterate()
+    return r.send(now)
+
+
+def _ratio(ranks: list[FakeRank], now: float) -> list:
+    r, changes = ranks[0], []
+    for batch in range(200):  # every other call skipped, over more calls than its healthy past in the window
+        for i in range(10):
+            r.iterate(skipped=i % 2 == 1)
+        r.scale *= 2 ** 5  # its scale stays put: only the ratio is in play
+        changes += r.send(now + batch / 10)
+    return changes
+
+
+def _silent(ranks: list[FakeRank], now: float) -> list:
+    ranks[0].closed = False
+    return []  # it just stops sending (see STOPS)
+
+
+def _scheduler(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[0]
+    r.iterate(skipped=True)
+    r.scale *= 2
+    r.scheduler += 1
+    r.iterate()
+    return r.send(now)
+
+
+def _poisoned(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[0]
+    r.poisoned += 1
+    r.iterate()
+    return r.send(now)
+
+
+def _origin(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[2]
+    r.origins += T.origin_min_count
+    r.iterate()
+    return r.send(now)
+
+
+def _conflict(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[0]
+    r.conflicts += 1
+    r.iterate()
+    return r.send(now)
+
+
+# alert -> (how many ranks the run has, the trip, the ranks that stop sending at the trip)
+SCENARIOS: dict[str, tuple[int, Callable[[list[FakeRank], float], list]]] = {
+    "AmpConsecutiveSkippedSteps": (1, _streak),
+    "AmpRunSkipStorm": (4, _storm),
+    "AmpSustainedLossScaleBackoff": (2, _backoff),
+    "AmpLossScaleCollapsed": (1, _collapsed),
+    "AmpLossScaleDesync": (2, _desync),
+    "AmpHighSkippedStepRatio": (1, _ratio),
+    "AmpRankSilent": (2, _silent),
+    "AmpSchedulerStepsOnSkipped": (1, _scheduler),
+    "AmpPoisonedStep": (1, _poisoned),
+    "AmpSkipOriginRank": (4, _origin),
+    "AmpRankConflict": (1, _conflict),
+}
+STOPS = {"AmpRankSilent": {0}}
+
+
+def test_every_declared_alert_has_a_scenario():
+    assert set(SCENARIOS) == set(ALERT_NAMES), "give each alert of ampwatch.contract.alerts a scenario here"
+
+
+def _quiet_ranks(alerts: BuiltinAlerts, n: int) -> tuple[list[FakeRank], float]:
+    """``n`` ranks healthy for longer than the longest window, on one heartbeat, each with one optimizer."""
+    ranks = [FakeRank(alerts, rank=i) for i in range(n)]
+    now = 0.0
+    for _ in range(int(alerts._layout.horizon_s / HEARTBEAT_S) + 4):
+        now += HEARTBEAT_S
+        for r in ranks:
+            for _ in range(10):
+                r.iterate()
+            r.send(now)
+    assert alerts.evaluate(now + 1) == [] and all(h.quiet(now + 1) for h in alerts._ranks.values())
+    return ranks, now + 1
+
+
+def _hold_s(name: str) -> float:
+    """How long after the trip the alert must still fire: past its ``for`` and a minute into its window."""
+    definition = ALERTS[name]
+    window = getattr(T, definition.window) if definition.window else 600
+    return definition.for_seconds(T) + min(window / 2, 120) + (T.silent_after_s if name == "AmpRankSilent" else 0)
+
+
+@pytest.mark.parametrize("name", ALERT_NAMES)
+def test_each_alert_fires_and_neither_the_event_path_nor_the_periodic_pass_drops_it_while_it_holds(name):
+    alerts = BuiltinAlerts(T, resolution_s=5.0)
+    n, trip = SCENARIOS[name]
+    ranks, now = _quiet_ranks(alerts, n)
+    at_ingest = [a for a in trip(ranks, now) if a.name == name]
+    definition = ALERTS[name]
+    if definition.for_s is None and definition.scope not in ("run", "host"):
+        assert [a.status for a in at_ingest] == ["firing"], f"{name} did not fire at the ingest that tripped it"
+    stops = STOPS.get(name, set())
+    changes, started, beat = list(at_ingest), now, now
+    while now < started + _hold_s(name):
+        now += 1.0
+        if now - beat >= HEARTBEAT_S:  # every rank still running sends its unchanged counters
+            beat = now
+            for r in ranks:
+                if r.rank not in stops:
+                    changes += [a for a in r.send(now) if a.name == name]
+        changes += [a for a in alerts.evaluate(now) if a.name == name]
+    assert "firing" in [a.status for a in changes], f"{name} never fired"
+    assert [a for a in changes if a.status == "resolved"] == [], f"{name} was dropped while it held"
+    assert name in {a.name for a in alerts.firing()}
+
+
+def test_a_definition_that_names_an_unknown_counter_or_a_window_without_counters_is_refused():
+    import dataclasses
+
+    streak = ALERTS["AmpConsecutiveSkippedSteps"]
+    with pytest.raises(ValueError, match="'skips' is not a counter of ampwatch.contract.counters.COUNTERS"):
+        dataclasses.replace(streak, rises=("skips",))
+    with pytest.raises(ValueError, match="a window needs counters"):
+        dataclasses.replace(streak, rises=())
+    with pytest.raises(ValueError, match="not all context"):
+        dataclasses.replace(streak, context=("streaks_reached",))
