@@ -249,3 +249,24 @@ def test_a_step_given_a_closure_is_checked_on_the_gradients_its_closure_made(amp
     (event,) = poisoned_events(events, w)
     assert event["iteration"] == 1 and event["params"] == [{"name": "b.weight", "inf": 1, "nan": 0}]
     assert w.snapshot()["state"]["optimizers"]["SGD"]["steps"] == 3
+
+
+def test_a_step_without_a_closure_is_checked_before_it_on_the_gradients_it_is_given(amp, watching, events):
+    """A job's own step pre-hook after the watch's (here: one that zeroes non-finite gradients) must not hide
+    the inf the step was handed: the check runs in the watch's pre-hook, not after the step."""
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = watching(None, opt, model=model)
+
+    def zero_nonfinite(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)
+
+    opt.register_step_pre_hook(zero_nonfinite)
+    for i in range(3):
+        bf16_iteration(model, [opt], torch.randn(4, 8), poison=(lambda m: amp.poison_grad(m.b.weight)) if i == 1
+                       else None)
+    (event,) = poisoned_events(events, w)
+    assert event["iteration"] == 1 and event["params"] == [{"name": "b.weight", "inf": 1, "nan": 0}]
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

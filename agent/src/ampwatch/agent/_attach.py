@@ -286,7 +286,9 @@ class OptimizerHooks:
 
         def unscaled_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:  # without a scaler, whether the step was given a closure decides when its gradients are read
-                recorder.on_optimizer_step(record, kwargs.get("closure", args[0] if args else None) is not None)
+                # (torch passes the hook step()'s own arguments, the optimizer first: a closure is the second)
+                closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+                recorder.on_optimizer_step(record, closure is not None)
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
