@@ -9,7 +9,8 @@ All scenarios share one process group. Used by test_fsdp.py, which owns the time
   ``2.weight``'s gradient at another; a ``torch.distributed.checkpoint`` save in the middle, while watched.
 - ``restored``: a new model, optimizer and scaler loaded from that checkpoint, watched by a new watch,
   trained over the same steps as the rest of ``scaled``.
-- ``unscaled``/``unscaled_plain``: no scaler (bf16); an inf planted into rank 1's shard of a gradient.
+- ``unscaled``/``unscaled_plain``: no scaler (bf16), the same two micro-batches per step; an inf planted into
+  rank 1's shard of a gradient after the second.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def unscaled(rank: int, world_size: int, watched: bool) -> dict:
     try:
         for step in range(STEPS):
             opt.zero_grad()
-            backward(net, rank, step, world_size, None, fed={}, micros=1)
+            backward(net, rank, step, world_size, None, fed={})  # two micro-batches, as scaled
             plant(net, rank, step, UNSCALED_PLANTED)
             if not grads_finite(net):
                 poisoned.append(step)

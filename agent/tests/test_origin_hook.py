@@ -344,3 +344,49 @@ def test_parameters_ddp_ignores_are_not_watched(group):
         assert watch._recorder.origin.names == ["0.weight", "0.bias"]
     finally:
         watch.close()
+
+
+def test_without_a_scaler_a_poisoned_step_says_whether_this_rank_s_own_gradients_held_the_inf(group):
+    """watch(None, ..., ddp=model), two optimizers, two micro-batches per step. The job zeroes non-finite
+    gradients before its steps (a step pre-hook of its own), so the weights stay finite and later iterations
+    are clean. Iteration 1: an inf in the first micro-batch's input (own: origin). Iteration 3: an inf put into
+    the reduced gradient after backward (not own: no origin, although iteration 1's notes held one).
+    Iteration 4: an inf in 2.weight's own gradient only, so only the second optimizer's step is poisoned."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net)
+    first, second = torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1)
+    iteration = 0
+    net[2].weight.register_hook(lambda g: g.clone().fill_(float("inf")) if iteration == 4 else None)
+    watch = agent.watch(None, {"first": first, "second": second}, collector=(), run="t", ddp=model)
+
+    def zero_nonfinite(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)
+
+    for opt in (first, second):
+        opt.register_step_pre_hook(zero_nonfinite)
+    try:
+        for iteration in range(6):
+            for opt in (first, second):
+                opt.zero_grad()
+            for micro in range(2):
+                x = _poisoned() if (iteration, micro) == (1, 0) else torch.randn(3, 4)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(x).float().pow(2).mean().backward()
+            if iteration == 3:
+                net[2].bias.grad[0] = float("inf")
+            first.step()
+            second.step()
+        drained = watch._recorder.events.drain()
+        poisoned = [(e["iteration"], e["optimizer"], e["origin"], e["origin_params"])
+                    for e in drained if e["kind"] == "poisoned_step"]
+        assert poisoned == [(1, "first", True, ["0.weight", "0.bias", "2.weight", "2.bias"]),
+                            (1, "second", True, ["0.weight", "0.bias", "2.weight", "2.bias"]),
+                            (3, "second", False, []), (4, "second", True, ["2.weight"])]
+        assert watch.snapshot()["state"]["origin_iterations"] == 2
+        assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    finally:
+        watch.close()
+    assert _hooks_on(net) == 1  # the job's own hook: ampwatch's came off

@@ -60,3 +60,14 @@ def test_ddp_in_bf16_without_a_scaler_reports_every_rank_s_poisoned_steps_and_tr
         assert {p["name"] for p in run["events"][0]["params"]} == {"0.weight", "0.bias", "2.weight", "2.bias"}
         assert run["state"]["delivery"]["agent_errors"] == 0
         assert run["bits"] == rank["unscaled_plain"]["bits"]
+
+
+def test_ddp_in_bf16_names_the_rank_whose_own_gradients_poisoned_the_step(ranks):
+    for r, rank in enumerate(ranks):
+        first, second = rank["unscaled"]["events"]
+        # Only rank 1's input held the inf; from the next step on both ranks' weights, so their own gradients, are NaN.
+        assert first["origin"] is (r == 1) and second["origin"] is True
+        assert first["origin_params_total"] == (len(first["origin_params"]) if r == 1 else 0)
+        assert ("0.weight" in first["origin_params"]) is (r == 1)
+        poisoned = len(rank["unscaled"]["poisoned"])
+        assert rank["unscaled"]["state"]["origin_iterations"] == (poisoned if r == 1 else poisoned - 1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -125,8 +125,10 @@ class PoisonCheck:
     unless more than :data:`_MAX_PENDING` are in flight), and all at :meth:`close`.
     """
 
-    def __init__(self, inspection: SkipInspection) -> None:
+    def __init__(self, inspection: SkipInspection,
+                 origin: Callable[[dict[str, Any], int, bool], None] | None = None) -> None:
         self.inspection = inspection
+        self._origin = origin  # adds, with ddp=, whether this rank's own gradients held inf/NaN (the fields)
         self._pending: collections.deque[tuple[OptimizerRecord, NonfiniteCheck, list, int]] = \
             collections.deque()
 
@@ -146,6 +148,10 @@ class PoisonCheck:
         if len(pending) > _MAX_PENDING:
             self._outcome(*pending.popleft(), now=False)
 
+    def in_flight(self) -> bool:
+        """Tell whether some check is still on its way from the device."""
+        return bool(self._pending)
+
     def close(self) -> None:
         """Resolve every check still in flight (may wait for the device once)."""
         while self._pending:
@@ -157,12 +163,16 @@ class PoisonCheck:
             record.poison_run = 0
             return
         record.poison_run += 1
+        fields: dict[str, Any] = {}
+        if self._origin is not None:
+            self._origin(fields, iteration, now)
         if not is_rung(record.poison_run):
             record.poisoned += 1  # counted; the run's events go at its rungs
             return
         if now:  # the gradients the step applied: exact counts
             (report,) = scan_optimizers([(record.optimizer, "grads")], self.inspection.names)
-            self.inspection.report_poisoned(record, iteration, report, "nonfinite_grad", streak=record.poison_run)
+            self.inspection.report_poisoned(record, iteration, report, "nonfinite_grad", streak=record.poison_run,
+                                            **fields)
             return
         # Read late, the gradients may be a later iteration's: name from what the check kept (one read).
         positions = found.positions()
@@ -170,7 +180,7 @@ class PoisonCheck:
         entries = [{"name": names.name(params[k], *_group_index(record.optimizer, params[k])),
                     "inf": int(kind == "inf"), "nan": int(kind == "nan")} for k, kind in positions[:MAX_NAMED_PARAMS]]
         self.inspection.report_poisoned(record, iteration, NonfiniteReport(params=entries, total=len(positions)),
-                                        "nonfinite_grad", streak=record.poison_run, exact=False)
+                                        "nonfinite_grad", streak=record.poison_run, exact=False, **fields)
 
 
 def _group_index(optimizer: torch.optim.Optimizer, param: Any) -> tuple[int, int]:

@@ -116,7 +116,7 @@ class Recorder:
         if scaler is None:
             self._scaler: Any = _no_scaler
             self.scale.unscaled()
-            self.unscaled = PoisonCheck(self.inspection)
+            self.unscaled = PoisonCheck(self.inspection, self._add_poisoned_origin)
         else:
             self._scaler = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
             self.scale.bind(scaler, self.iteration)
@@ -214,12 +214,26 @@ class Recorder:
         record.check_after = not check
         if check:
             self.unscaled.check(record, self.iteration)
+            self._end_origin_notes()
 
     def after_optimizer_step(self, record: OptimizerRecord) -> None:
         """Without a scaler: check the gradients a step given a closure made and applied (step post-hook)."""
         if record.check_after:
             record.check_after = False
             self.unscaled.check(record, self.iteration)
+            self._end_origin_notes()
+
+    def _end_origin_notes(self) -> None:
+        # Without a scaler (no update() to end an iteration) the first step after a backward ends the DDP
+        # notes of its iteration, before the next backward adds to them. Its flags are kept on the device
+        # while another optimizer may still step in it or a check is on its way (else Python only).
+        origin = self.origin
+        if origin is not None and origin.noted():
+            origin.end_iteration(self.iteration, keep=len(self.records) > 1 or self.unscaled.in_flight())
+
+    def _add_poisoned_origin(self, fields: dict[str, Any], iteration: int, current: bool) -> None:
+        if self.origin is not None:
+            self._add_origin(fields, iteration, current)
 
     def after_step(self, record: OptimizerRecord) -> None:
         """Decide whether the ``scaler.step`` that just returned updated ``record``'s parameters."""

@@ -192,7 +192,8 @@ class Watch:
                          f"{c['poisoned_steps']} poisoned, "
                          f"{c['scheduler_steps_after_skip']} scheduler steps after a skip")
         if "origin_iterations" in state:  # watch(ddp=...): skips whose inf/NaN was in this rank's own gradients
-            lines.append(f"  skipped iterations that started on this rank (DDP): {state['origin_iterations']}")
+            what = "skipped" if self._patch is not None else "poisoned"
+            lines.append(f"  {what} iterations that started on this rank (DDP): {state['origin_iterations']}")
         return "\n".join(lines)
 
     def close(self, timeout: float | None = None) -> None:
@@ -326,8 +327,8 @@ def watch(scaler: torch.amp.GradScaler | None,
         if scaler is not None:
             patch = ScalerPatch(scaler, recorder)
             patch.attach(by_id)
-            if ddp is not None:
-                recorder.origin = observe_ddp(ddp, names, errors)
+        if ddp is not None:
+            recorder.origin = observe_ddp(ddp, names, errors)
         recorder.attached = True
     except BaseException:
         if patch is not None:

@@ -176,6 +176,10 @@ class PoisonedStepEvent(_EventBase, tag="poisoned_step"):
     exact: bool = True
     params: Annotated[list[ParamDetail], Meta(max_length=MAX_PARAMS)] = []
     params_total: Optional[Count] = None
+    # Without a scaler, with ddp=: whether this rank's own gradients held inf/NaN before the all-reduce.
+    origin: Optional[bool] = None
+    origin_params: Annotated[list[_text("param_name")], Meta(max_length=MAX_PARAMS)] = []  # type: ignore
+    origin_params_total: Optional[Count] = None
 
 
 class WarningEvent(_EventBase, tag="warning"):
