@@ -144,23 +144,6 @@ def test_in_bf16_a_step_given_a_closure_is_checked_after_the_closure_made_its_gr
     assert watch_counts(callback.watch.snapshot()) == truth
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_two_process_fsdp2_fit_in_bf16_reports_each_ranks_poisoned_steps(tmp_path, agent_env):
-    """Lightning's ModelParallelStrategy (FSDP2's fully_shard) runs on CPU: the callback attaches to it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
-    env["AMPWATCH_RUN"] = "lightning-fsdp2"
-    job = subprocess.run([sys.executable, str(DDP_JOB), str(tmp_path), "fsdp2"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=280)
-    assert job.returncode == 0, job.stderr[-4000:]
-    for r in (0, 1):
-        result = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert result["sharded"] and result["closed"] and result["agent_errors"] == 0
-        assert result["scaler"]["kind"] == "none" and result["watch"] == result["truth"]
-        # Rank 0's inf at its batch 1 reached both ranks' shards: every step from there on is poisoned.
-        assert result["truth"]["optimizers"]["SGD"]["poisoned_steps"] == 5
-
-
 def test_an_exception_in_the_fit_detaches_the_agent_and_goes_on(agent_env):
     class Broken(TwoOptimizers):
         def training_step(self, x, batch_idx):
@@ -236,21 +219,30 @@ def test_the_pytorch_lightning_package_gets_the_same_callback(agent_env):
     assert callback.watch.closed and callback.watch.snapshot()["state"]["optimizers"]["SGD"]["steps"] == 6
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_two_process_ddp_fit_reports_both_ranks_under_one_run(tmp_path, agent_env):
-    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+@pytest.fixture(scope="module")
+def two_process_fits(tmp_path_factory):
+    """One 2-process launch (Lightning's own launcher) of a DDP fit reported to a collector, then an FSDP2 fit
+    in the same processes: (the DDP fit's ranks as the collector has them, the output folder)."""
+    out = tmp_path_factory.mktemp("lightning-two-process")
+    with CollectorProcess(str(out / "ampwatch.db")) as collector:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("AMPWATCH_") and k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
         env["AMPWATCH_URL"] = collector.url  # nothing else: rank, world size and run id come from the launch
-        job = subprocess.run([sys.executable, str(DDP_JOB), str(tmp_path)], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=240)
+        job = subprocess.run([sys.executable, str(DDP_JOB), str(out), "ddp", "fsdp2"], env=env, cwd=out,
+                             capture_output=True, text=True, timeout=400)
         assert job.returncode == 0, job.stderr[-4000:]
         with urllib.request.urlopen(collector.url + "/v1/runs", timeout=10) as answer:
             (run,) = json.loads(answer.read())["runs"]
         ranks = {r: rank_at(collector.url, run["run"], r) for r in (0, 1)}
+    return ranks, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_a_two_process_ddp_fit_reports_both_ranks_under_one_run(two_process_fits):
+    ranks, out = two_process_fits
     for r, rank in ranks.items():
-        result = json.loads((tmp_path / f"rank{r}.json").read_text())
+        result = json.loads((out / f"rank{r}.json").read_text())
         truth = result["truth"]
         assert result["closed"] and result["watch"] == truth
         assert counts_at(rank) == truth, f"rank {r}"
@@ -262,3 +254,16 @@ def test_a_two_process_ddp_fit_reports_both_ranks_under_one_run(tmp_path, agent_
         assert result["scheduler_steps"] == sum(truth["optimizers"]["SGD"][k] for k in ("steps", "skipped"))
         # log_metrics: every batch from rank 0 (6 per epoch and rank, 2 epochs), nothing from rank 1.
         assert result["ampwatch_logged"] == (12 if r == 0 else 0), f"rank {r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_a_two_process_fsdp2_fit_in_bf16_reports_each_ranks_poisoned_steps(two_process_fits):
+    """Lightning's ModelParallelStrategy (FSDP2's fully_shard) runs on CPU: the callback attaches to it."""
+    _, out = two_process_fits
+    for r in (0, 1):
+        result = json.loads((out / f"rank{r}-fsdp2.json").read_text())
+        assert result["sharded"] and result["closed"] and result["agent_errors"] == 0
+        assert result["scaler"]["kind"] == "none" and result["watch"] == result["truth"]
+        # Rank 0's inf at its batch 1 reached both ranks' shards: every step from there on is poisoned.
+        assert result["truth"]["optimizers"]["SGD"]["poisoned_steps"] == 5
