@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
