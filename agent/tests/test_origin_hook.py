@@ -390,3 +390,53 @@ def test_without_a_scaler_a_poisoned_step_says_whether_this_rank_s_own_gradients
     finally:
         watch.close()
     assert _hooks_on(net) == 1  # the job's own hook: ampwatch's came off
+
+
+def test_without_a_scaler_a_check_landing_late_gets_the_origin_of_its_own_iteration(group, monkeypatch):
+    """A GPU's check lands after its step (held back by hand here, the rest real): the DDP notes of its iteration
+    are kept on the device until then, apart from the next iteration's. Iteration 0: an own inf. Iteration 1: an
+    inf put into the reduced gradient only. Both land at iteration 2's step."""
+    from ampwatch.agent import _device, _poison
+
+    held = []
+
+    class Held:
+        def __init__(self, read):
+            self.read, self.landed = read, False
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            return self.read.wait()
+
+    def landing_late(tensors):
+        values = _device.max_abs(tensors)
+        held.append(Held(_device.read_later(~torch.isfinite(values).all())))
+        return _poison.NonfiniteCheck(read=held[-1], max_abs=values)
+
+    monkeypatch.setattr(_poison, "check_nonfinite", landing_late)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = agent.watch(None, opt, collector=(), run="t", ddp=model)
+    try:
+        for iteration in range(3):
+            if iteration == 2:
+                for read in held:
+                    read.landed = True
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(_poisoned() if iteration == 0 else torch.randn(3, 4)).float().pow(2).mean().backward()
+            if iteration == 1:
+                net[2].bias.grad[0] = float("inf")
+            opt.step()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.nan_to_num_(0.0, 0.0, 0.0)  # the weights put right, as a job reloading them would
+        poisoned = [(e["iteration"], e["exact"], e["origin"], e["origin_params_total"])
+                    for e in watch._recorder.events.drain() if e["kind"] == "poisoned_step"]
+        assert poisoned == [(0, False, True, 4), (1, False, False, 0)]
+    finally:
+        watch.close()
