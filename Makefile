@@ -1,7 +1,7 @@
 # ampwatch: one entry point for newcomers and CI.
 #   make test   run the whole test suite (creates .venv on first use)
 #   make demo   collector + 2-rank DDP job with an overflow, live (ARGS=--once exits at the end; ARGS=--help)
-#   make bench  run the benchmarks (ARGS=--quick for a short run)
+#   make bench  run the benchmarks (ARGS=--quick for a short run; ARGS=--list says what each measures)
 #   make bench-gpu  check the agent on a GPU: truth, syncs, overhead (ARGS="--device cpu --quick": CPU smoke run)
 
 PYTHON ?= python3

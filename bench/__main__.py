@@ -1,5 +1,7 @@
 """Run the benchmarks: ``python -m bench [--quick] [--only SECTION ...] [--merge]`` (``make bench``).
 
+``python -m bench --list`` says what each section measures and how long it takes (``bench/_catalogue.py``).
+
 Full run: about 15 minutes on a 2-core machine (5 of them under valgrind); writes ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 ``--quick`` (about two minutes) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
 ``--only SECTION --merge`` re-measures one section into an earlier run's page, e.g. after changing the agent's scan:
@@ -19,9 +21,11 @@ import traceback
 from importlib import metadata
 
 from bench import footprint, ingest, inspection, instructions, overhead, report, scrape, tail
+from bench._catalogue import BENCHMARKS, listing
+from bench.report._hand_written import carry_over
 
-SECTIONS = ("overhead", "instructions", "inspection", "ingest", "scrape", "footprint", "tail")
-FULL_ONLY = ("instructions",)  # minutes under valgrind: left out of --quick unless asked for with --only
+SECTIONS = tuple(b.name for b in BENCHMARKS)
+FULL_ONLY = tuple(b.name for b in BENCHMARKS if not b.in_quick)  # left out of --quick unless asked for with --only
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NOTES = [
@@ -110,9 +114,21 @@ def _section(name: str, quick: bool) -> object:
     return [tail.profile(1024, 4 if quick else 10, tuned) for tuned in (False, True)]
 
 
+def _write_page(path: str, page: str) -> None:
+    """Write ``page`` at ``path``, keeping the hand-written blocks of the page there (``bench/README.md``)."""
+    earlier = None
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = f.read()
+    page = carry_over(page, earlier)
+    with open(path, "w") as f:
+        f.write(page)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen sections, then write the JSON results and the Markdown page."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="say what each benchmark measures and how long it takes")
     parser.add_argument("--quick", action="store_true", help="about two minutes; short runs, wide spread")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section (repeatable)")
     parser.add_argument("--render", metavar="JSON", help="only re-render the page of an earlier run's JSON")
@@ -121,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="keep the other sections of PREFIX.json (an earlier run) and replace only those run now")
     args = parser.parse_args(argv)
+    if args.list:
+        print(listing(os.path.join(ROOT, "docs", "benchmarks.json")))
+        return 0
     prefix = args.out or os.path.join(ROOT, "artifacts/bench-quick" if args.quick else "docs/benchmarks")
     earlier_run = None
     if args.merge:
@@ -134,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.render) as f:
             earlier = json.load(f)
         earlier["notes"] = NOTES
-        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
-            f.write(report.render(earlier, os.path.basename(args.render)))
+        _write_page(os.path.splitext(args.render)[0] + ".md", report.render(earlier, os.path.basename(args.render)))
         return 0
     started = time.perf_counter()
     results: dict = {"command": "python -m bench" + " ".join([""] + (argv if argv is not None else sys.argv[1:])),
@@ -149,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one failed section must not lose the others' figures
             traceback.print_exc()
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results.setdefault("section_s", {})[name] = round(time.perf_counter() - t, 1)
         print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", flush=True)
     results["environment"]["loadavg_end"] = round(os.getloadavg()[0], 2)
     results["duration_s"] = round(time.perf_counter() - started, 1)
@@ -165,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(prefix + ".json", "w") as f:
         json.dump(results, f, indent=1)
     page = report.render(results, os.path.basename(prefix) + ".json")
-    with open(prefix + ".md", "w") as f:
-        f.write(page)
+    _write_page(prefix + ".md", page)
     print(page.split("## 1.")[0])
     print(f"bench: wrote {prefix}.md and {prefix}.json in {time.perf_counter() - started:.0f} s")
     failed = [name for name in chosen if isinstance(results.get(name), dict) and "error" in results[name]]

@@ -1,6 +1,6 @@
 """The client side of the socket load generators: HTTP/1.1 by hand on asyncio streams, on the cheapest loop.
 
-``bench._loadgen`` and ``bench._fleet_ranks`` each run thousands of simulated ranks in one process,
+``bench._loadgen`` and ``bench.experiments._fleet_ranks`` each run thousands of simulated ranks in one process,
 each with its own kept-alive connection and one request at a time, as an agent does. A client
 library's cost per request would show up as the generator's lateness, so they write the request
 and read the answer themselves, and run on uvloop where it is installed (the collector has it

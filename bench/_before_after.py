@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Callable, Iterable, Optional
 
-__all__ = ["ROOT", "before_after", "print_and_store", "source_of", "store"]
+__all__ = ["ROOT", "before_after", "commit", "print_and_store", "source_of", "store"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,17 +37,30 @@ def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:
     return {"before": dict(old, ref=ref), "after": side(None)}
 
 
+def commit() -> str:
+    """This tree's commit, short, with ``+uncommitted changes`` when the working tree differs from it."""
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + (" +uncommitted changes" if dirty else "")
+
+
 def store(path: str, key: str, result: dict, argv: list[str], module: Optional[str] = None) -> None:
-    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command, date and
-    the machine's load average (1, 5, 15 min) as it ended, which says how far its absolute figures can be trusted.
-    The command is ``python -m bench.<module>`` with ``argv``'s arguments; ``module`` defaults to ``key``."""
+    """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command, date,
+    the commit it ran at and the machine's load average (1, 5, 15 min) as it ended, which says how far its
+    absolute figures can be trusted. The command is ``python -m`` the module running as ``__main__`` (else
+    ``bench.<module>``, ``module`` defaulting to ``key``) with ``argv``'s arguments."""
     document = {}
     if os.path.exists(path):
         with open(path) as f:
             document = json.load(f)
-    document[key] = dict(result, command=" ".join(["python -m bench." + (module or key), *argv[1:]]),
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    running = spec.name if spec is not None and spec.name.startswith("bench.") else "bench." + (module or key)
+    document[key] = dict(result, command=" ".join(["python -m " + running, *argv[1:]]),
                          date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                         load_average=[round(x, 2) for x in os.getloadavg()])
+                         load_average=[round(x, 2) for x in os.getloadavg()], commit=commit())
     with open(path, "w") as f:
         json.dump(document, f, indent=1)
         f.write("\n")

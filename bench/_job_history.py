@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional
 
+from bench._rank_batch import OptimizerRun
+
 from ampwatch.contract import metrics as m
 from ampwatch.contract.protocol import STREAK_LADDER
 
@@ -37,27 +39,6 @@ STORM_LENGTH = {"during": int(3600 * RATE), "after": int(60 * RATE)}
 _COUNTERS = ("steps", "skipped", "scheduler_steps_after_skip", "poisoned_steps")
 
 
-class _Optimizer:
-    __slots__ = ("steps", "skipped", "scheduler_steps_after_skip", "poisoned_steps", "consecutive", "longest",
-                 "reached")
-
-    def __init__(self) -> None:
-        self.steps = self.skipped = self.scheduler_steps_after_skip = self.poisoned_steps = 0
-        self.consecutive = self.longest = 0
-        self.reached = [0] * len(STREAK_LADDER)
-
-    def step(self, skipped: bool) -> None:
-        if not skipped:
-            self.steps += 1
-            self.consecutive = 0
-            return
-        self.skipped += 1
-        self.consecutive += 1
-        self.longest = max(self.longest, self.consecutive)
-        if self.consecutive in STREAK_LADDER:
-            self.reached[STREAK_LADDER.index(self.consecutive)] += 1
-
-
 class _Scaler:
     """One kind of rank: its GradScaler and optimizers, stepped an iteration at a time."""
 
@@ -67,7 +48,7 @@ class _Scaler:
         self.restore = restore  # the scale is restored (a checkpoint) when the storm ends
         self.iteration, self.scale, self.tracker = 0, 2.0 ** 20, 0
         self.backoffs = self.growths = self.overflows = 0
-        self.optimizers = {name: _Optimizer() for name in OPTIMIZERS}
+        self.optimizers = {name: OptimizerRun() for name in OPTIMIZERS}
 
     def _skips(self, it: int) -> tuple[bool, bool]:
         everyone = self.scale >= OVERFLOW_SCALE or self.storm_at <= it < self.storm_at + self.storm_length
@@ -84,7 +65,10 @@ class _Scaler:
             self.overflows += self.scale >= OVERFLOW_SCALE
             skip_gen, skip_disc = self._skips(it)
             for name, skipped in zip(OPTIMIZERS, (skip_gen, skip_disc)):
-                self.optimizers[name].step(skipped)
+                if skipped:
+                    self.optimizers[name].skip(it)
+                else:
+                    self.optimizers[name].step()
             troubled = it >= self.trouble_from
             if self.restore and it == self.storm_at + self.storm_length:
                 self.scale, self.tracker = 2.0 ** 20, 0

@@ -76,7 +76,7 @@ async def _run(load: Load, port: int, seconds: int, saturate: int, grace: float,
            "timeouts": tally.timeouts, "interval_s": interval,
            "generator_cpu_s": round(time.process_time() - cpu0, 2)}
     if window is not None:
-        # Wall-clock bounds of the storm, for whoever samples the server meanwhile (bench/storm.py).
+        # Wall-clock bounds of the storm, for whoever samples the server meanwhile (bench/experiments/storm.py).
         wall = time.time() - time.perf_counter()
         out.update(pattern=pattern, storm_wall=[window[0] + wall, window[1] + wall],
                    storm_answered=len(tally.latency_storm),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, batch_body, open_identity
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, batch_body, open_identity, optimizer
 from bench._storm import StormRank
 
 from ampwatch.contract.node_batch import encode_node_batch
@@ -37,9 +37,8 @@ def ampwatch_template(run: str, rank: int, ranks: int, every: int = SKIP_EVERY) 
     def body(seq: int) -> bytes:
         c = _counters(seq, every)
         skips, now = c["skips"], time.time()
-        gen = {"steps": c["steps"], "skipped": skips, "consecutive_skipped": 0, "longest_streak": min(skips, 1),
-               "streaks": skips, "streaks_reached": {"1": skips} if skips else {}, "scheduler_steps_after_skip": 0,
-               "poisoned_steps": 0}
+        gen = optimizer(steps=c["steps"], skipped=skips, longest=min(skips, 1), streaks=skips,
+                        reached={"1": skips} if skips else {})
         events = []
         if seq % every == 0:
             events = [{"id": 2 * skips - 1, "kind": "skip", "time": now, "iteration": seq, "optimizer": "gen",

@@ -1,7 +1,7 @@
 """What every simulated rank's protocol v1 batch says alike, written once for the benches' generators.
 
-The fleet's ranks (``bench._fleet_ranks``), the load generator's (``bench._loadgen``), the storm
-model (``bench._storm``) and the in-process ones (``bench._inprocess``) all claim the same agent,
+The fleet's ranks (``bench.experiments._fleet_ranks``), the load generator's (``bench._loadgen``), the storm
+model (``bench._storm``) and the in-process ones (``bench.experiments._inprocess``) all claim the same agent,
 the same GradScaler settings, 8 ranks a node, clean delivery counters and one offending
 parameter; a change to any of them is a change to all of them.
 
@@ -13,11 +13,19 @@ per incarnation and left open (:func:`open_identity`), and each batch appends it
 from __future__ import annotations
 
 import json
+import os
+import sys
 import uuid
 from typing import Any
 
-__all__ = ["CLEAN_DELIVERY", "OFFENDING_PARAM", "RANKS_PER_NODE", "SCALER", "batch_body", "identity",
-           "open_identity"]
+# The batch builder of the repository's test helpers: one copy, from the contract, for tests and benchmarks.
+_HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers")
+if _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
+from batches import CLEAN_DELIVERY, OptimizerRun, optimizer  # noqa: E402
+
+__all__ = ["CLEAN_DELIVERY", "OFFENDING_PARAM", "OptimizerRun", "RANKS_PER_NODE", "SCALER", "batch_body", "identity",
+           "open_identity", "optimizer"]
 
 RANKS_PER_NODE = 8
 """Ranks per simulated host: ``local_rank`` and ``host`` follow from the rank."""
@@ -25,9 +33,6 @@ RANKS_PER_NODE = 8
 SCALER = {"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
           "backoff_factor": 0.5, "growth_interval": 2000}
 """The batch's ``scaler``: torch's defaults but for ``growth_interval``."""
-
-CLEAN_DELIVERY = {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0, "agent_errors": 0}
-"""The state's ``delivery`` counters of an agent that lost and was refused nothing."""
 
 OFFENDING_PARAM = {"name": "decoder.layers.11.mlp.fc2.weight", "inf": 3, "nan": 0}
 """The parameter a skip event names (where it names one)."""

@@ -24,29 +24,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, OptimizerRun
 
-from ampwatch.contract.protocol import STREAK_LADDER as _LADDER, is_rung as _rung
+from ampwatch.contract.protocol import is_rung as _rung
 
 __all__ = ["PATTERNS", "StormRank"]
 
 PATTERNS = ("per-skip", "streaks")
 OPTIMIZERS = ("gen", "disc")
 _SMALLEST = 2.0 ** -149  # the smallest float32 subnormal: half of it rounds to 0.0
-
-
-class _Optimizer:
-    __slots__ = ("steps", "skipped", "consecutive", "longest", "streaks", "start", "reached")
-
-    def __init__(self) -> None:
-        self.steps = self.skipped = self.consecutive = self.longest = self.streaks = self.start = 0
-        self.reached = [0] * len(_LADDER)
-
-    def counters(self) -> dict[str, Any]:
-        return {"steps": self.steps, "skipped": self.skipped, "consecutive_skipped": self.consecutive,
-                "longest_streak": self.longest, "streaks": self.streaks,
-                "streaks_reached": {str(n): c for n, c in zip(_LADDER, self.reached) if c},
-                "scheduler_steps_after_skip": 0, "poisoned_steps": 0}
 
 
 class StormRank:
@@ -59,7 +45,7 @@ class StormRank:
         self.iteration = 0
         self.scale = scale
         self.backoffs = 0
-        self.optimizers = {name: _Optimizer() for name in OPTIMIZERS}
+        self.optimizers = {name: OptimizerRun() for name in OPTIMIZERS}
         self._ids = 0
         self._run = 0  # consecutive backoffs so far
         self._run_reported = 0  # of which already in a scale_change event
@@ -79,11 +65,10 @@ class StormRank:
                 if storm:
                     self._skip(out, name, opt)
                 else:
-                    opt.steps += 1
-                    if opt.consecutive:
+                    start, ended = opt.start, opt.step()
+                    if ended:
                         self._event(out, "streak_end", iteration=self.iteration, optimizer=name,
-                                    start_iteration=opt.start, length=opt.consecutive)
-                        opt.consecutive = 0
+                                    start_iteration=start, length=ended)
             if storm and self.scale > 0.0:
                 self._backoff(out)
             elif self._run:
@@ -92,16 +77,8 @@ class StormRank:
             self.iteration += 1
         return out
 
-    def _skip(self, out: list, name: str, opt: _Optimizer) -> None:
-        opt.skipped += 1
-        opt.consecutive += 1
-        position = opt.consecutive
-        if position == 1:
-            opt.streaks += 1
-            opt.start = self.iteration
-        opt.longest = max(opt.longest, position)
-        if _rung(position) and position <= _LADDER[-1]:
-            opt.reached[position.bit_length() - 1] += 1
+    def _skip(self, out: list, name: str, opt: OptimizerRun) -> None:
+        position = opt.skip(self.iteration)
         if self.pattern == "per-skip" or _rung(position):
             named = _rung(position)  # naming is rate-limited to the rungs either way
             self._event(out, "skip", iteration=self.iteration, optimizer=name, streak=position,

@@ -5,7 +5,7 @@ GradScaler), all watched by the agent without a collector. ``plain``: DDP's buil
 ``python_hook``: DDP's own ``allreduce_hook`` registered as a Python comm hook, nothing of ampwatch
 (what any Python comm hook costs, and what the agent's earlier comm hook replaced the built-in with).
 ``origin``: ``ddp=model``: a tensor hook per parameter notes its own gradient, DDP's built-in all-reduce
-runs as in ``plain``. Blocks of iterations rotate between them (``bench.overhead.rotate``) in the same order
+runs as in ``plain``. Blocks of iterations rotate between them (``bench._loops.rotate``) in the same order
 on both ranks; the cost is the median of per-round ratios of rank 0's process CPU time to ``plain`` (noisy:
 it includes waiting on the other rank). Steadier: the agent's own work (:class:`HookClock`: the thread CPU
 time of its hook calls and of its end of iteration) as a share of the plain iteration. Also: host-device
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.overhead import MODELS, SyncCounter, compare, rotate
+from bench._loops import MODELS, SyncCounter, compare, rotate
 
 __all__ = ["run", "main"]
 
@@ -51,7 +51,7 @@ class HookClock:
     thread). Counts the calling thread's CPU time (``time.thread_time``), not the wall clock: on a machine
     shared with other jobs a call's wall time also counts the time another job held the core. One timer
     call's own cost, measured at start, is taken off each timed call; what calls a hook (autograd's dispatch
-    into Python, DDP's) is outside the timed call, and counted only by the instructions of ``bench.origin_hook``.
+    into Python, DDP's) is outside the timed call, and counted only by the instructions of ``bench.experiments.origin_hook``.
     """
 
     def __init__(self) -> None:
@@ -205,7 +205,7 @@ class DdpSetup:
 
 
 def _build(model: str) -> nn.Module:
-    # bench.overhead's models, as one module DDP can wrap (its transformer is a ModuleDict of block and head).
+    # bench._loops' models, as one module DDP can wrap (its transformer is a ModuleDict of block and head).
     if model == "transformer":
         block = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True, dropout=0.0)
         return nn.Sequential(block, nn.Linear(64, 8))

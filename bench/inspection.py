@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ampwatch.agent._params import MAX_NAMED_PARAMS, NonfiniteReport, ParameterNames, scan_optimizers
-from bench.overhead import _pct
+from bench._loops import pct
 
 __all__ = ["SHAPES", "STORMS", "skip_cost", "storm", "run", "main"]
 
@@ -152,7 +152,7 @@ def skip_cost(n: int, numel: int, rounds: int, before: bool = True) -> dict:
         for name, ts in times.items():
             ratios = [t / b for t, b in zip(ts, base)]
             rows[name] = {"ms": round(statistics.median(ts) * 1e3, 2), "ratio": round(statistics.median(ratios), 2),
-                          "ratio_p25": round(_pct(ratios, .25), 2), "ratio_p75": round(_pct(ratios, .75), 2)}
+                          "ratio_p25": round(pct(ratios, .25), 2), "ratio_p75": round(pct(ratios, .75), 2)}
         out["scenarios"][scenario] = {"offending": len(offending), "variants": rows}
         for i in offending:
             params[i].grad[i % numel] = 0.0
@@ -254,8 +254,8 @@ def storm(kind: str, rounds: int, block: int, collector: Optional[str], tensors:
                "rounds": rounds, "block": block,
                "bare_ms_per_iter": round(statistics.median(cpu[False]) * 1e3, 1),
                "watched_ms_per_iter": round(statistics.median(cpu[True]) * 1e3, 1),
-               "ratio": round(statistics.median(ratios), 3), "ratio_p25": round(_pct(ratios, .25), 3),
-               "ratio_p75": round(_pct(ratios, .75), 3), "wall_ratio": round(statistics.median(wall_ratios), 3)}
+               "ratio": round(statistics.median(ratios), 3), "ratio_p25": round(pct(ratios, .25), 3),
+               "ratio_p75": round(pct(ratios, .75), 3), "wall_ratio": round(statistics.median(wall_ratios), 3)}
     finally:
         bare.close()
         agent_view = watched.close()

@@ -27,12 +27,14 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench import ddp_origin
+from bench._loops import MODELS, ModelBuilder, SyncCounter, compare, pct, rotate
+
+# SyncCounter, compare and rotate live in bench._loops; still named here for bench.gpu, which imports them from here
 __all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "SyncCounter", "agent_host_cost_us", "agent_hot_path_us", "compare", "measure",
            "rotate", "main"]
 
@@ -42,45 +44,6 @@ BF16_VARIANTS = ("bf16", "bf16_ampwatch")
 """The same model in bfloat16 autocast without a GradScaler: the bare loop, and the agent watching it
 (``watch(None, ...)``: every optimizer step checked for inf/NaN gradients)."""
 
-ModelBuilder = Callable[[torch.device], tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]]
-
-
-class SyncCounter(TorchDispatchMode):
-    """Count ``aten._local_scalar_dense`` calls (a host-device sync on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _mlp(device: torch.device) -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
-    x = torch.randn(32, 64).to(device)
-    groups = [list(model[0].parameters()), list(model[2].parameters()) + list(model[4].parameters())]
-    return model, groups, lambda: model(x).float().pow(2).mean()
-
-
-def _transformer(device: torch.device) -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
-    block = nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True, dropout=0.0)
-    head = nn.Linear(64, 8)
-    model = nn.ModuleDict({"block": block, "head": head}).to(device)
-    x = torch.randn(8, 16, 64).to(device)
-    return model, [list(block.parameters()), list(head.parameters())], lambda: head(block(x)).float().pow(2).mean()
-
-
-def _tiny(device: torch.device) -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:
-    # Compute so small that the agent's fixed host cost per iteration stands out.
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(device)
-    x = torch.randn(2, 4).to(device)
-    return model, [list(model[0].parameters()), list(model[1].parameters())], lambda: model(x).float().sum()
-
-
-MODELS: dict[str, ModelBuilder] = {"mlp": _mlp, "transformer": _transformer, "tiny": _tiny}
 COMPARED = ("mlp", "transformer")
 """The models every variant is timed on; ``tiny`` only measures the agent's own host cost."""
 
@@ -183,11 +146,6 @@ class Setup:
             self.watch.close()
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _syncs(setup: Setup, n: int) -> float:
     with SyncCounter() as counter:
         setup.iterate(n)
@@ -227,45 +185,6 @@ def _answers(setup: Setup, n: int) -> dict:
     for _ in range(n):
         setup.iterate(1)
         out["clean_false_alarms"] += any(setup.skipped)
-    return out
-
-
-def rotate(setups: dict[str, Setup], rounds: int, block: int,
-           settle: Callable[[], None] = lambda: None) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Run ``block`` iterations of each setup per round, in an order that rotates every round.
-
-    Returns per-iteration process CPU seconds and wall seconds, one value per round, per variant.
-    ``settle`` runs before each clock starts and before it stops (on a GPU: ``torch.cuda.synchronize``,
-    so a block's time includes its queued device work).
-    """
-    names = list(setups)
-    cpu: dict[str, list[float]] = {v: [] for v in names}
-    wall: dict[str, list[float]] = {v: [] for v in names}
-    for i in range(rounds):
-        for v in names[i % len(names):] + names[:i % len(names)]:
-            settle()
-            c, w = time.process_time(), time.perf_counter()
-            setups[v].iterate(block)
-            settle()
-            cpu[v].append((time.process_time() - c) / block)
-            wall[v].append((time.perf_counter() - w) / block)
-    return cpu, wall
-
-
-def compare(cpu: dict[str, list[float]], wall: dict[str, list[float]], base: str = "bare") -> dict[str, dict]:
-    """Per variant: median per-iteration times and the median [p25-p75] of per-round ratios to ``base``."""
-    out = {}
-    for v in cpu:
-        ratios = [t / b for t, b in zip(cpu[v], cpu[base])]
-        wall_ratios = [t / b for t, b in zip(wall[v], wall[base])]
-        out[v] = {"cpu_us_per_iter": round(statistics.median(cpu[v]) * 1e6, 1),
-                  "wall_us_per_iter": round(statistics.median(wall[v]) * 1e6, 1),
-                  "wall_ratio": round(statistics.median(wall_ratios), 4),
-                  "wall_ratio_p25": round(_pct(wall_ratios, .25), 4),
-                  "wall_ratio_p75": round(_pct(wall_ratios, .75), 4),
-                  "ratio": round(statistics.median(ratios), 4),
-                  "ratio_p25": round(_pct(ratios, .25), 4), "ratio_p75": round(_pct(ratios, .75), 4),
-                  "extra_us_per_iter": round((statistics.median(cpu[v]) - statistics.median(cpu[base])) * 1e6, 1)}
     return out
 
 
@@ -314,8 +233,8 @@ def agent_host_cost_us(rounds: int, block: int, collector: Optional[str]) -> dic
             diffs.append(w - b)
             bare_t.append(b)
         return {"agent_host_us_per_iter": round(statistics.median(diffs) * 1e6, 1),
-                "agent_host_us_p25": round(_pct(diffs, .25) * 1e6, 1),
-                "agent_host_us_p75": round(_pct(diffs, .75) * 1e6, 1),
+                "agent_host_us_p25": round(pct(diffs, .25) * 1e6, 1),
+                "agent_host_us_p75": round(pct(diffs, .75) * 1e6, 1),
                 "tiny_bare_cpu_us_per_iter": round(statistics.median(bare_t) * 1e6, 1)}
     finally:
         bare.close()
@@ -361,8 +280,6 @@ def run(quick: bool) -> dict:
         results["storm_fused"] = measure("mlp", True, max(4, rounds // 4), block, url)
         results["host_cost"] = agent_host_cost_us(rounds * 2, block * 4, url)
     results["host_cost"]["hot_path_us_per_iter"] = agent_hot_path_us()  # the recorder's calls alone, best of 5
-    from bench import ddp_origin  # imports this module: imported here, not at the top
-
     results["ddp_origin"] = ddp_origin.run(quick)  # watch(..., ddp=model): the origin hook on a 2-rank DDP loop
     return results
 

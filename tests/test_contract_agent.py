@@ -2,46 +2,147 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import torch.distributed as dist
+from ports import free_port
 from recording_collector import RecordingCollector
+from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
+from ampwatch.contract.batch import (EVENTS, STAMPED, DeliveryCounters, OptimizerCounters, ParamCount, RankState,
+                                     fields, required)
+from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.server._schema import Batch, parse_batch
 
 
-@pytest.mark.timeout(60)
-def test_batches_from_the_real_agent_validate_against_the_collector_schema():
+def _nan_in_second_then_clip_all(model, scaler, opt_a, opt_b) -> None:
+    """Whole-model clipping after unscaling both: the second optimizer's NaN reaches the first after its inf
+    check, so the first steps with NaN gradients (a poisoned step) and then skips ever after."""
+    model[1].bias.grad[0] = float("nan")
+    scaler.unscale_(opt_a)
+    scaler.unscale_(opt_b)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+@pytest.fixture(scope="module")
+def agent_bodies():
+    """What the real agent sent (real GradScaler, real skips, DDP's origin watched), every event kind among it, as
+    raw JSON bodies."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        return _agent_bodies()
+    finally:
+        dist.destroy_process_group()
+
+
+def _agent_bodies() -> list[bytes]:
     with RecordingCollector() as server:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        ddp = DistributedDataParallel(model)
         opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
         opt_b = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.StepLR(opt_a, step_size=100)
         scaler = torch.amp.GradScaler("cpu", growth_interval=3)
-        watch = agent.watch(scaler, {"first": opt_a, "second": opt_b}, model=model,
-                            collector=server.url, run="contract", push_interval=0.05)
-        for iteration in range(12):
+        watch = agent.watch(scaler, {"first": opt_a, "second": opt_b}, model=model, schedulers={"first": schedule},
+                            ddp=ddp, collector=server.url, run="contract", push_interval=0.05)
+        for iteration in range(14):
             x = torch.randn(8, 4)
             if iteration in (4, 5):
                 x[0, 0] = float("inf")  # non-finite gradients: both optimizers skip, the scale backs off
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean()
+                loss = ddp(x).float().pow(2).mean()
             opt_a.zero_grad()
             opt_b.zero_grad()
             scaler.scale(loss).backward()
+            if iteration == 12:
+                _nan_in_second_then_clip_all(model, scaler, opt_a, opt_b)
             scaler.step(opt_a)
             scaler.step(opt_b)
             scaler.update()
+            if iteration == 6:
+                opt_b.step()  # a warning: stepped outside the watched scaler's step()
+            schedule.step()  # after a skip: a scheduler_after_skip
         watch.close()
+        off = agent.watch(torch.amp.GradScaler("cpu", enabled=False), {"off": torch.optim.SGD(
+            torch.nn.Linear(1, 1).parameters(), lr=0.1)}, collector=server.url, run="contract-off",
+            push_interval=0.05)
+        off.close()
     assert server.bodies, "the agent sent nothing"
-    batches: list[Batch] = [parse_batch(body) for body in server.bodies]  # raises with the field on a mismatch
+    return list(server.bodies)
+
+
+def test_batches_from_the_real_agent_validate_against_the_collector_schema(agent_bodies):
+    batches: list[Batch] = [parse_batch(body) for body in agent_bodies]  # raises with the field on a mismatch
     kinds = {event.kind for b in batches for event in b.events}
-    assert {"skip", "scale_change", "close"} <= kinds
-    last = batches[-1]
-    assert last.closed and last.run == "contract"
-    assert last.state.optimizers["first"].skipped == 2 and last.state.optimizers["second"].skipped == 2
-    assert last.state.optimizers["first"].streaks_reached.get("2") == 1
-    assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+    assert kinds == set(EVENTS), "the run must show every event kind the contract declares"
+    assert any(event.origin for b in batches for event in b.events if event.kind == "skip")
+    last = [b for b in batches if b.run == "contract"][-1]
+    assert last.closed
+    first, second = last.state.optimizers["first"], last.state.optimizers["second"]
+    # Both skip at 4 and 5; at 12 the second skips and the first steps with NaN (poisoned); at 13 both skip.
+    assert (first.skipped, first.poisoned_steps, first.streaks_reached) == (3, 1, {"1": 2, "2": 1})
+    assert (second.skipped, second.poisoned_steps, second.streaks_reached) == (4, 0, {"1": 2, "2": 2})
+    seqs = [b.seq for b in batches if b.run == "contract"]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+def undeclared(body: dict) -> list[str]:
+    """Every field of a batch's ``state`` and ``events`` that ``ampwatch.contract.batch`` does not declare, and
+    every event that lacks one the contract says it must have, as ``path: field``."""
+    state, problems = body["state"], []
+
+    def check(path: str, value: dict, part: type) -> None:
+        problems.extend(f"{path}: {key}" for key in value if key not in fields(part))
+
+    check("state", state, RankState)
+    check("state.delivery", state.get("delivery", {}), DeliveryCounters)
+    for name, counters in state["optimizers"].items():
+        check(f"state.optimizers.{name}", counters, OptimizerCounters)
+        problems.extend(f"state.optimizers.{name}.streaks_reached: {key}" for key in counters["streaks_reached"]
+                        if key not in map(str, STREAK_LADDER))
+    for i, event in enumerate(body["events"]):
+        part = EVENTS[event["kind"]]
+        check(f"events[{i}] ({event['kind']})", event, part)
+        problems.extend(f"events[{i}] ({event['kind']}) lacks {key}" for key in required(part) | set(STAMPED)
+                        if key not in event)
+        for param in event.get("params", []):
+            check(f"events[{i}].params", param, ParamCount)
+    return problems
+
+
+def test_every_field_the_real_agent_sends_is_one_the_contract_declares(agent_bodies):
+    # The collector ignores fields it does not know: a misspelt one would pass the schema and be lost.
+    sent = [json.loads(body) for body in agent_bodies]
+    assert [problem for body in sent for problem in undeclared(body)] == []
+    # Every counter the contract declares is sent (an agent-side rename would leave its old name out).
+    for body in sent:
+        assert all(set(fields(OptimizerCounters)) == set(c) for c in body["state"]["optimizers"].values())
+        assert set(body["state"]["delivery"]) == set(fields(DeliveryCounters))
+
+
+def test_the_batch_builder_of_tests_and_benchmarks_sends_the_contracts_counters():
+    from batches import OptimizerRun, make_batch, optimizer
+
+    run = OptimizerRun()
+    for iteration, skipped in enumerate((False, True, True, False, True)):
+        run.skip(iteration) if skipped else run.step()
+    assert run.counters() == optimizer(steps=2, skipped=3, consecutive=1, longest=2, streaks=2,
+                                      reached={"1": 2, "2": 1})
+    assert undeclared(make_batch(optimizers={"gen": run.counters()})) == []
+    with pytest.raises(TypeError, match="poisoned"):
+        optimizer(poisoned=1)
+
+
+def test_the_contract_check_reports_what_a_typo_would_send():
+    from batches import make_batch, skip_event
+
+    body = make_batch(events=[dict(skip_event(1), scale_typo=2.0)])
+    body["state"]["optimizers"]["gen"]["skiped"] = 1
+    assert undeclared(body) == ["state.optimizers.gen: skiped", "events[0] (skip): scale_typo"]
 
 
 @pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ import pytest
 from batches import make_batch
 from collector_process import CollectorProcess
 
-from bench import _wide_body
+from bench.experiments import _wide_body
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
-from bench.overhead import SyncCounter  # the counter test_recording_cost.py uses
+from bench._loops import SyncCounter  # the counter test_recording_cost.py uses
 
 
 @pytest.fixture(scope="module")

@@ -44,11 +44,11 @@ SIDES = ("before", "after")
 
 
 def measured_by(doc: dict) -> str:
-    """The command and date of a hand-run result, as its table's caption starts: ``python -m bench.x``, date, and
-    the load average on this 2-core machine as it ended where the result recorded it."""
+    """The command and date of a hand-run result, as its table's caption starts: ``python -m bench.x``, date, the
+    commit it ran at, and the load average on this 2-core machine as it ended, where the result recorded them."""
     load = doc.get("load_average")
-    return f"`{doc['command']}`, {doc['date']}" + (f", load average {' / '.join(map(str, load))} (1 / 5 / 15 min)"
-                                                      if load else "")
+    return (f"`{doc['command']}`, {doc['date']}" + (f", at commit {doc['commit']}" if doc.get("commit") else "")
+            + (f", load average {' / '.join(map(str, load))} (1 / 5 / 15 min)" if load else ""))
 
 
 def _side_name(doc: dict, side: str, ref: Optional[str]) -> str:

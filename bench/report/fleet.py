@@ -1,6 +1,6 @@
-"""Section 9: a 16,384-rank job on one collector (``bench.fleet``), today's delivery beside the one before it.
+"""Section 9: a 16,384-rank job on one collector (``bench.experiments.fleet``), today's delivery beside the one before it.
 
-The table is ``rows``' figures for each stored side; ``bench.fleet --render`` prints the same table for
+The table is ``rows``' figures for each stored side; ``bench.experiments.fleet --render`` prints the same table for
 every result in a file. Issue 18's targets are checked against the *after* side of the 16,384-rank run,
 and the result's ``note`` (written by whoever measured it) says why a target is not met and what would
 close the gap.
@@ -69,7 +69,7 @@ def _name(result: dict, side: str) -> str:
 
 
 def table(result: dict) -> list[str]:
-    """The Markdown table of a stored ``bench.fleet`` result: a column per side it ran."""
+    """The Markdown table of a stored ``bench.experiments.fleet`` result: a column per side it ran."""
     sides = [s for s in SIDES if s in result]
     names = [_name(result, s) for s in sides]
     return ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(sides),
@@ -100,7 +100,7 @@ def _targets(r: dict) -> list[tuple[str, str, bool]]:
 
 
 def section(delivery: Optional[dict]) -> list[str]:
-    """The section's lines from ``bench/fleet_delivery.json``, or none before a 16,384-rank run was stored."""
+    """The section's lines from ``bench/experiments/results/fleet_delivery.json``, or none before a 16,384-rank run was stored."""
     if not delivery or "fleet_16384" not in delivery:
         return []
     main = delivery["fleet_16384"]
@@ -110,7 +110,7 @@ def section(delivery: Optional[dict]) -> list[str]:
              f"trains healthily (a batch on news, a heartbeat every {fmt(settings['heartbeat_s'])} s), then "
              f"{fmt(settings['storm_share'] * 100)}% of the ranks run skip streaks, `/metrics` scraped every "
              f"{fmt(settings['scrape_every_s'])} s as Prometheus does, one rank killed without `close()`. The "
-             "*before* side is the delivery that came before (full state every second). `bench/fleet.py` says "
+             "*before* side is the delivery that came before (full state every second). `bench/experiments/fleet.py` says "
              "how each figure is taken.", "",
              "Issue 18's targets against the *after* side:", "", "| target | measured | |", "|---|---|---|",
              *(f"| {target} | {figure} | {'met' if ok else '**not met**'} |" for target, figure, ok in

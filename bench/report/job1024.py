@@ -1,6 +1,6 @@
 """Section 7: what issue 14 asked of one collector at 1,024 ranks, each figure beside the commit before.
 
-Each part is one hand-run benchmark's result in ``bench/job1024_before_after.json`` (under the benchmark's
+Each part is one hand-run benchmark's result in ``bench/experiments/results/job1024_before_after.json`` (under the benchmark's
 name), rendered when it is there: a table with a row per side, then the command and date that measured it.
 """
 
@@ -63,7 +63,7 @@ def _memory(alerts: dict, collector: Optional[dict]) -> list[tuple[str, str, boo
     worst = alerts["kib_per_rank"]
     if collector:
         whole = collector["after"]["kib_per_rank"]
-        figure += f"; the whole collector {fmt(whole)} KiB (`python -m bench.collector_memory`, {collector['date']})"
+        figure += f"; the whole collector {fmt(whole)} KiB (`python -m bench.experiments.collector_memory`, {collector['date']})"
         worst = max(worst, whole)
     return [("memory < 50 KiB per rank after a full 30-minute window", figure, worst < 50)]
 

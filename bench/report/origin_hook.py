@@ -8,7 +8,7 @@ __all__ = ["section"]
 
 
 def section(doc: dict) -> list[str]:
-    """The section's lines for ``doc``, the file ``python -m bench.origin_hook --store`` writes."""
+    """The section's lines for ``doc``, the file ``python -m bench.experiments.origin_hook --store`` writes."""
     d = doc["origin_hook"]
     ins, timing = d["instructions"], d["timing"]
     names = {"plain": "`plain`: DDP's built-in C++ all-reduce", "python_hook": "`python_hook`: DDP's `allreduce_hook` "

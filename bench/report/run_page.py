@@ -29,7 +29,7 @@ def _row(name: str, phase: str, r: dict) -> str:
 
 
 def section(page: Optional[dict]) -> list[str]:
-    """The part's lines, or none when ``bench.run_page`` has not stored a before/after result."""
+    """The part's lines, or none when ``bench.experiments.run_page`` has not stored a before/after result."""
     if not page or "before" not in page:
         return []
     lines = [f"The run page in issue 14's job at {fmt(page['ranks'])} ranks x 2 optimizers (collapse on 40-43, "

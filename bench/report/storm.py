@@ -1,6 +1,6 @@
-"""Section 7's lockstep storm (``bench.storm``): issue 26's targets at 1,024 ranks, this tree beside an earlier commit.
+"""Section 7's lockstep storm (``bench.experiments.storm``): issue 26's targets at 1,024 ranks, this tree beside an earlier commit.
 
-Rendered from the ``lockstep_storm`` result in ``bench/job1024_before_after.json``: the targets with both
+Rendered from the ``lockstep_storm`` result in ``bench/experiments/results/job1024_before_after.json``: the targets with both
 sides' figures, then each side's phases (ingest latency, ``/metrics`` plain and gzipped, CPU), then memory,
 news delivery and storage. The caption gives the command, date and load: on a shared 2-core machine the
 absolute figures are the machine's as much as the collector's, the ratios between the sides are not.
@@ -105,7 +105,7 @@ def section(doc: Optional[dict]) -> list[str]:
     return [f"A DDP job of {fmt(a['ranks'])} ranks x 2 optimizers whose ranks iterate together (an iteration "
             f"every {fmt(a['iteration_s'])} s) and send as the agent's own schedule says (a heartbeat, news at "
             f"the iteration it happens), real HTTP on loopback, one kept-alive connection per rank "
-            f"(`bench._fleet_ranks --lockstep`): healthy for {fmt(phases['healthy'])} s, then every rank skips "
+            f"(`bench.experiments._fleet_ranks --lockstep`): healthy for {fmt(phases['healthy'])} s, then every rank skips "
             f"every iteration for {fmt(phases['storm'])} s (each rank's news at the storm's first skip and at "
             "each rung comes in the same second), then the checkpoint taken before the storm is restored on every "
             f"rank at the same iteration (*recovery*, {fmt(phases['recovery'])} s), then the job trains on "

@@ -1,6 +1,8 @@
-"""Protocol v1 batches built by hand, as JSON-ready dicts (the real agent is tested against the same schema).
+"""Protocol v1 batches built by hand from ``ampwatch.contract.batch``, as JSON-ready dicts, for tests, benchmarks and
+simulated ranks (the real agent is tested against the same contract).
 
-``post_batch`` sends one to a real collector, as an agent would.
+``optimizer`` gives an optimizer's counters, every one the contract declares; :class:`OptimizerRun` advances them a
+step or a skip at a time, as the agent counts them; ``post_batch`` sends a batch to a real collector.
 
 >>> batch = make_batch(run="exp-1", optimizers={"gen": optimizer(steps=10, skipped=1)}, events=[skip_event(1)])
 >>> batch["state"]["optimizers"]["gen"]["skipped"], batch["events"][0]["kind"]
@@ -15,9 +17,13 @@ import time
 import urllib.request
 from typing import Any
 
-from ampwatch.contract.protocol import PROTOCOL_VERSION
+from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, fields
+from ampwatch.contract.protocol import PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
-__all__ = ["BASE", "make_batch", "optimizer", "post_batch", "skip_event"]
+__all__ = ["BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch", "skip_event"]
+
+CLEAN_DELIVERY: dict[str, int] = dict.fromkeys(fields(DeliveryCounters), 0)
+"""The state's ``delivery`` counters of an agent that lost and was refused nothing."""
 
 BASE: dict[str, Any] = {
     "protocol": PROTOCOL_VERSION, "agent": {"version": "0.1.0", "torch": "2.13.0"}, "run": "exp-42", "rank": 0,
@@ -26,18 +32,66 @@ BASE: dict[str, Any] = {
     "scaler": {"enabled": True, "kind": "GradScaler", "init_scale": 65536.0, "growth_factor": 2.0,
                "backoff_factor": 0.5, "growth_interval": 2000},
     "state": {"iteration": 0, "loss_scale": 65536.0, "backoffs": 0, "growths": 0, "manual_sets": 0,
-              "optimizers": {}, "delivery": {"dropped_events": 0, "send_failures": 0, "rejected_batches": 0,
-                                             "agent_errors": 0}},
+              "optimizers": {}, "delivery": CLEAN_DELIVERY},
     "events": [], "closed": False,
 }
 
 
-def optimizer(steps: int = 0, skipped: int = 0, consecutive: int = 0, longest: int = 0, streaks: int = 0,
-              reached: dict[str, int] | None = None, **extra: int) -> dict[str, Any]:
-    """Counters of one optimizer as the agent sends them."""
-    return {"steps": steps, "skipped": skipped, "consecutive_skipped": consecutive, "longest_streak": longest,
-            "streaks": streaks, "streaks_reached": reached or {}, "scheduler_steps_after_skip": 0,
-            "poisoned_steps": 0, **extra}
+_ZEROS = dict.fromkeys(fields(OptimizerCounters), 0)
+_SHORT = {"consecutive": "consecutive_skipped", "longest": "longest_streak", "reached": "streaks_reached"}
+
+
+def optimizer(**counters: Any) -> dict[str, Any]:
+    """Counters of one optimizer as the agent sends them: each counter the contract declares, 0 unless given
+    (``consecutive``, ``longest`` and ``reached`` short for ``consecutive_skipped``, ``longest_streak`` and
+    ``streaks_reached``); a name the contract does not declare raises ``TypeError``."""
+    values = dict(_ZEROS, streaks_reached={})
+    for key, value in counters.items():
+        name = _SHORT.get(key, key)
+        if name not in values:
+            raise TypeError(f"optimizer(): {key!r} is not a counter ampwatch.contract.batch.OptimizerCounters "
+                            f"declares ({', '.join(values)})")
+        values[name] = value
+    return values
+
+
+class OptimizerRun:
+    """One optimizer's counters advanced a step or a skip at a time, as the agent counts them."""
+
+    __slots__ = ("steps", "skipped", "consecutive", "longest", "streaks", "start", "reached",
+                 "scheduler_steps_after_skip", "poisoned_steps")
+
+    def __init__(self) -> None:
+        self.steps = self.skipped = self.consecutive = self.longest = self.streaks = self.start = 0
+        self.scheduler_steps_after_skip = self.poisoned_steps = 0
+        self.reached = [0] * len(STREAK_LADDER)
+
+    def step(self) -> int:
+        """Count an update; return the length of the streak it ended (0: none)."""
+        self.steps += 1
+        ended, self.consecutive = self.consecutive, 0
+        return ended
+
+    def skip(self, iteration: int = 0) -> int:
+        """Count a skip at ``iteration``; return its position in its streak (1: it starts one)."""
+        self.skipped += 1
+        self.consecutive += 1
+        position = self.consecutive
+        if position == 1:
+            self.streaks += 1
+            self.start = iteration
+        if position > self.longest:
+            self.longest = position
+        if is_rung(position) and position <= STREAK_LADDER[-1]:
+            self.reached[position.bit_length() - 1] += 1
+        return position
+
+    def counters(self) -> dict[str, Any]:
+        """Return the counters as a batch's ``state.optimizers[name]`` holds them."""
+        return {"steps": self.steps, "skipped": self.skipped, "consecutive_skipped": self.consecutive,
+                "longest_streak": self.longest, "streaks": self.streaks,
+                "streaks_reached": {str(n): c for n, c in zip(STREAK_LADDER, self.reached) if c},
+                "scheduler_steps_after_skip": self.scheduler_steps_after_skip, "poisoned_steps": self.poisoned_steps}
 
 
 def make_batch(*, optimizers: dict[str, dict] | None = None, events: list[dict] | None = None,

@@ -10,6 +10,7 @@ from ampwatch.agent._errors import AgentErrors
 from ampwatch.agent._events import EventBuffer
 from ampwatch.agent._identity import resolve_identity
 from ampwatch.agent._sender import Sender
+from batches import optimizer
 
 __all__ = ["StandInRecorder", "make_sender", "FAST"]
 
@@ -51,10 +52,8 @@ class StandInRecorder:
                            "backoff_factor": 0.5, "growth_interval": 2000},
                 "state": {"iteration": self.iteration, "loss_scale": 1024.0, "backoffs": self.skipped,
                           "growths": 0, "manual_sets": 0,
-                          "optimizers": {"opt": {"steps": self.iteration - self.skipped, "skipped": self.skipped,
-                                                 "consecutive_skipped": 0, "longest_streak": 1,
-                                                 "streaks": self.skipped, "streaks_reached": {},
-                                                 "scheduler_steps_after_skip": 0, "poisoned_steps": 0}}},
+                          "optimizers": {"opt": optimizer(steps=self.iteration - self.skipped, skipped=self.skipped,
+                                                          longest=1, streaks=self.skipped)}},
             }
 
 

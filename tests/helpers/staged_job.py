@@ -24,7 +24,7 @@ import time
 import urllib.parse
 from typing import Any, Optional
 
-from batches import make_batch, optimizer
+from batches import OptimizerRun, make_batch
 
 __all__ = ["COLLAPSED", "KILLED", "POISONED", "SCHEDULER", "SKIPPY", "StagedJob"]
 
@@ -46,8 +46,8 @@ class _Rank:
     event_id: int = 0
     backoffs: int = 0
     growths: int = 0
-    counters: dict[str, dict[str, Any]] = dataclasses.field(
-        default_factory=lambda: {name: optimizer() for name in _OPTIMIZERS})
+    counters: dict[str, OptimizerRun] = dataclasses.field(
+        default_factory=lambda: {name: OptimizerRun() for name in _OPTIMIZERS})
 
 
 class StagedJob:
@@ -82,24 +82,15 @@ class StagedJob:
             skipped = self._skips(r, iteration)
             for name, c in r.counters.items():
                 if skipped:
-                    c["skipped"] += 1
-                    c["consecutive_skipped"] += 1
-                    streak = c["consecutive_skipped"]
-                    c["longest_streak"] = max(c["longest_streak"], streak)
-                    if streak & (streak - 1) == 0:  # a ladder rung: 1, 2, 4, ...
-                        c["streaks_reached"][str(streak)] = c["streaks_reached"].get(str(streak), 0) + 1
-                    if streak == 1:
-                        c["streaks"] += 1
+                    if c.skip(iteration) == 1:
                         events.append(self._event(r, "skip", iteration, optimizer=name, streak=1,
                                                   params=[{"name": f"{name}.fc.weight", "inf": 1, "nan": 0}],
                                                   params_total=1))
                 else:
-                    if c["consecutive_skipped"]:
+                    start, ended = c.start, c.step()
+                    if ended:
                         events.append(self._event(r, "streak_end", iteration, optimizer=name,
-                                                  start_iteration=iteration - c["consecutive_skipped"],
-                                                  length=c["consecutive_skipped"]))
-                    c["consecutive_skipped"] = 0
-                    c["steps"] += 1
+                                                  start_iteration=start, length=ended))
             if skipped:
                 r.scale, r.good, r.backoffs = r.scale * 0.5, 0, r.backoffs + 1
             else:
@@ -111,11 +102,11 @@ class StagedJob:
             events.append(self._event(r, "scale_change", r.iteration,
                                       cause="backoff" if r.scale < before else "growth", before=before, after=r.scale))
         if r.rank == POISONED and self.tick == 5:
-            r.counters["body"]["poisoned_steps"] += 1
+            r.counters["body"].poisoned_steps += 1
             events.append(self._event(r, "poisoned_step", r.iteration, optimizer="body", reason="nonfinite_grad",
                                       params_total=1, params=[{"name": "body.norm.weight", "inf": 0, "nan": 1}]))
         if r.rank == SCHEDULER and self.tick == 6:
-            r.counters["body"]["scheduler_steps_after_skip"] += 1
+            r.counters["body"].scheduler_steps_after_skip += 1
             events.append(self._event(r, "scheduler_after_skip", r.iteration, optimizer="body",
                                       scheduler="CosineAnnealingLR"))
         r.seq += 1
@@ -123,8 +114,7 @@ class StagedJob:
                           host=f"node-{r.rank // 8}", pid=1000 + r.rank, incarnation=f"{r.rank + 1:032x}",
                           seq=r.seq, sent_at=time.time(), iteration=r.iteration, loss_scale=r.scale,
                           backoffs=r.backoffs, growths=r.growths,
-                          optimizers={name: dict(c, streaks_reached=dict(c["streaks_reached"]))
-                                      for name, c in r.counters.items()}, events=events)
+                          optimizers={name: c.counters() for name, c in r.counters.items()}, events=events)
 
     def live(self) -> list[_Rank]:
         """The ranks still sending (rank 1000 is killed after tick 8)."""

@@ -8,7 +8,8 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+
+from ampwatch.contract.batch import Event
 
 from ._schedule import is_news
 
@@ -35,14 +36,14 @@ class EventBuffer:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._queue: collections.deque[Event] = collections.deque()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.dropped = 0  # events discarded because the buffer was full
         self.wake: threading.Event | None = None  # set on news: the sender's "send soon"
         _live.add(self)
 
-    def append(self, event: dict[str, Any]) -> dict[str, Any]:
+    def append(self, event: Event) -> Event:
         """Add ``event`` (stamped with ``id`` and ``time``) and return it."""
         event.setdefault("time", time.time())
         with self._lock:
@@ -55,13 +56,13 @@ class EventBuffer:
             self.wake.set()
         return event
 
-    def drain(self, limit: int | None = None) -> list[dict[str, Any]]:
+    def drain(self, limit: int | None = None) -> list[Event]:
         """Remove and return up to ``limit`` of the oldest events (all when ``None``)."""
         with self._lock:
             n = len(self._queue) if limit is None else min(limit, len(self._queue))
             return [self._queue.popleft() for _ in range(n)]
 
-    def requeue(self, events: list[dict[str, Any]]) -> None:
+    def requeue(self, events: list[Event]) -> None:
         """Put events taken by :meth:`drain` back at the front (delivery failed), keeping the cap."""
         with self._lock:
             room = self.capacity - len(self._queue)

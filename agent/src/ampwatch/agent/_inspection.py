@@ -9,10 +9,11 @@ detected, and what it costs").
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from ampwatch.contract.batch import PoisonedStepEvent, PoisonReason, SkipEvent
 from ampwatch.contract.protocol import is_rung
 
 from ._errors import AgentErrors
@@ -41,7 +42,7 @@ class SkipInspection:
         self.errors = errors
         self.interval = interval  # seconds between naming scans at streak starts, per optimizer
 
-    def name_offenders(self, record: OptimizerRecord, position: int, event: dict[str, Any],
+    def name_offenders(self, record: OptimizerRecord, position: int, event: SkipEvent,
                        check_weights: bool) -> tuple[NonfiniteReport | None, bool]:
         """Name the parameters whose gradients hold inf/NaN in the skip ``event``, when the rate limit allows.
 
@@ -62,7 +63,7 @@ class SkipInspection:
             targets.append((record.optimizer, "weights"))
         try:
             grads, *checked = scan_optimizers(targets, self.names)
-            event.update(params=grads.params, params_total=grads.total, inspected=True)
+            event["params"], event["params_total"], event["inspected"] = grads.params, grads.total, True
             weights = checked[0] if checked else None
             check_weights = False
         except Exception as error:  # noqa: BLE001 - the skip itself is still reported
@@ -104,14 +105,17 @@ class SkipInspection:
                 self.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     def report_poisoned(self, record: OptimizerRecord, iteration: int,
-                        report: NonfiniteReport, reason: str, **fields: Any) -> None:
+                        report: NonfiniteReport, reason: PoisonReason, **fields: Any) -> None:
         """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step.
 
-        ``fields`` go into the event as they are (a watch without a scaler: ``streak``, ``exact``).
+        ``fields`` go into the event as they are (a watch without a scaler: ``streak``, ``exact``, and with
+        ``ddp=`` the origin fields).
         """
         if record.poison_reported_for == iteration:
             return
         record.poison_reported_for = iteration
         record.poisoned += 1
-        self.events.append({"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
-                            "params": report.params, "params_total": report.total, "reason": reason, **fields})
+        event: PoisonedStepEvent = {"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
+                                    "params": report.params, "params_total": report.total, "reason": reason,
+                                    **fields}  # type: ignore[typeddict-item]
+        self.events.append(event)

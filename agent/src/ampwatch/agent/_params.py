@@ -8,6 +8,8 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 
+from ampwatch.contract.batch import ParamCount
+
 from ._device import nonfinite_counts, nonfinite_indices
 from ._shards import is_sharded, local, shard_text
 
@@ -48,7 +50,7 @@ class ParameterNames:
 class NonfiniteReport:
     """Which parameters of one optimizer hold non-finite values (gradients or weights)."""
 
-    params: list[dict[str, object]]
+    params: list[ParamCount]
     """Up to :data:`MAX_NAMED_PARAMS` entries ``{"name", "inf", "nan"}`` in optimizer order."""
     total: int
     """How many parameters hold at least one inf or NaN (named or not)."""
@@ -89,7 +91,7 @@ def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
     counts = dict(zip(named, nonfinite_counts([tensors[p] for p in named])))
     reports = []
     for (start, params, group_starts), positions in zip(spans, per_target):
-        entries = []
+        entries: list[ParamCount] = []
         for position in positions[:MAX_NAMED_PARAMS]:
             index = position - start
             group = bisect.bisect_right(group_starts, index) - 1

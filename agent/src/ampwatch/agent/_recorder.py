@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ampwatch.contract.batch import (CloseEvent, OptimizerCounters, RankState, SchedulerAfterSkipEvent, SkipEvent,
+                                     StreakEndEvent, WarningEvent)
 from ampwatch.contract.protocol import STREAK_LADDER, is_rung  # streaks_reached lengths: 1, 2, 4, ..., 1024
 
 from . import _device
@@ -70,10 +72,10 @@ class OptimizerRecord:
         """The watched optimizer (None once it has been garbage-collected)."""
         return self.optimizer_ref()
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> OptimizerCounters:
         """Return this optimizer's protocol counters as plain values."""
         reached = list(self.reached)  # list copy is atomic under the GIL
-        return {
+        counters: OptimizerCounters = {
             "steps": self.steps,
             "skipped": self.skipped,
             "consecutive_skipped": self.consecutive,
@@ -83,6 +85,7 @@ class OptimizerRecord:
             "scheduler_steps_after_skip": self.scheduler_steps_after_skip,
             "poisoned_steps": self.poisoned,
         }
+        return counters
 
 
 def _no_scaler() -> None:
@@ -199,8 +202,9 @@ class Recorder:
                        "resuming), call watch.rebind(new_scaler) to carry the watch over to it.")
         log.warning("ampwatch: %s", message)
         if not self.orphaned:
-            self.events.append({"kind": "warning", "iteration": self.iteration, "optimizer": record.name,
-                                "code": "stepped_outside_scaler", "message": message})
+            warning: WarningEvent = {"kind": "warning", "iteration": self.iteration, "optimizer": record.name,
+                                     "code": "stepped_outside_scaler", "message": message}
+            self.events.append(warning)
 
     def _unscaled_step(self, record: OptimizerRecord, check: bool) -> None:
         # Without a scaler every step updates the parameters; an iteration ends when an optimizer that
@@ -285,8 +289,9 @@ class Recorder:
             self._resolve_oldest(record, all_of_them=True)  # rare: fused optimizer on a device
         if record.last_stepped is False:
             record.scheduler_steps_after_skip += 1
-            self.events.append({"kind": "scheduler_after_skip", "iteration": self.iteration,
-                                "optimizer": record.name, "scheduler": scheduler})
+            event: SchedulerAfterSkipEvent = {"kind": "scheduler_after_skip", "iteration": self.iteration,
+                                              "optimizer": record.name, "scheduler": scheduler}
+            self.events.append(event)
 
     def on_unknown_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn once per optimizer that ``scaler.step`` was called with one that is not watched."""
@@ -296,8 +301,9 @@ class Recorder:
         message = (f"scaler.step() was called with a {type(optimizer).__name__} that was not passed to "
                    "ampwatch.agent.watch(); its skips are not reported. Pass every optimizer to watch().")
         log.warning("ampwatch: %s", message)
-        self.events.append({"kind": "warning", "iteration": self.iteration,
-                            "code": "stepped_unknown_optimizer", "message": message})
+        warning: WarningEvent = {"kind": "warning", "iteration": self.iteration,
+                                 "code": "stepped_unknown_optimizer", "message": message}
+        self.events.append(warning)
 
     def stepped(self, record: OptimizerRecord) -> bool | None:
         """Return whether the last ``scaler.step`` of ``record`` updated parameters (None before any)."""
@@ -324,25 +330,25 @@ class Recorder:
         for record in self.records:
             if record.consecutive:
                 self._end_streak(record)
-        self.events.append({"kind": "close", "iteration": self.iteration})
+        close: CloseEvent = {"kind": "close", "iteration": self.iteration}
+        self.events.append(close)
 
     # ----- read from the sender thread ----------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """Return ``{"scaler": ..., "state": ...}`` as in docs/protocol.md (plain values only)."""
         scale = self.scale
-        return {
-            "scaler": dict(scale.settings),
-            "state": {
-                "iteration": self.iteration + self._open_iteration,
-                "loss_scale": scale.value if scale.enabled else None,
-                "backoffs": scale.backoffs,
-                "growths": scale.growths,
-                "manual_sets": scale.manual_sets,
-                "optimizers": {r.name: r.counters() for r in self.records},
-                **({"origin_iterations": self.origin_iterations} if self.origin is not None else {}),
-            },
+        state: RankState = {
+            "iteration": self.iteration + self._open_iteration,
+            "loss_scale": scale.value if scale.enabled else None,
+            "backoffs": scale.backoffs,
+            "growths": scale.growths,
+            "manual_sets": scale.manual_sets,
+            "optimizers": {r.name: r.counters() for r in self.records},
         }
+        if self.origin is not None:
+            state["origin_iterations"] = self.origin_iterations
+        return {"scaler": dict(scale.settings), "state": state}
 
     # ----- outcomes ------------------------------------------------------------------------
 
@@ -384,9 +390,10 @@ class Recorder:
             self.wake.set()  # a new streak is news: send it now, not at the next push interval
 
     def _end_streak(self, record: OptimizerRecord, iteration: int | None = None) -> None:
-        self.events.append({"kind": "streak_end", "optimizer": record.name,
-                            "iteration": self.iteration if iteration is None else iteration,
-                            "start_iteration": record.streak_start, "length": record.consecutive})
+        event: StreakEndEvent = {"kind": "streak_end", "optimizer": record.name,
+                                 "iteration": self.iteration if iteration is None else iteration,
+                                 "start_iteration": record.streak_start, "length": record.consecutive}
+        self.events.append(event)
         record.consecutive = 0
 
     def _report_skip(self, record: OptimizerRecord, position: int, iteration: int) -> None:
@@ -396,9 +403,8 @@ class Recorder:
         rung = is_rung(position)
         if position == 1:
             record.origin_sent = None
-        event: dict[str, Any] = {"kind": "skip", "iteration": iteration, "optimizer": record.name,
-                                 "streak": position, "params": [], "params_total": None,
-                                 "inspected": False}
+        event: SkipEvent = {"kind": "skip", "iteration": iteration, "optimizer": record.name,
+                            "streak": position, "params": [], "params_total": None, "inspected": False}
         # Gradients and weights of a deferred (fused, on-device) outcome may already belong to a later iteration.
         current = iteration == self.iteration
         # A streak start looks at the weights its optimizer's last step left: in this scan when it names,
@@ -418,7 +424,7 @@ class Recorder:
         if weights is not None and weights.total:
             self.inspection.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
-    def _add_origin(self, event: dict[str, Any], iteration: int, current: bool) -> None:
+    def _add_origin(self, event: SkipEvent, iteration: int, current: bool) -> None:
         # Whether this rank's own gradients held inf/NaN before DDP's all-reduce (issue 17): read once per
         # skipped iteration, shared by the skip events of every optimizer that skipped in it.
         try:
@@ -430,4 +436,5 @@ class Recorder:
             return
         if new and report.origin:
             self.origin_iterations += 1
-        event.update(origin=report.origin, origin_params=report.params, origin_params_total=report.params_total)
+        event["origin"], event["origin_params"] = report.origin, report.params
+        event["origin_params_total"] = report.params_total

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ampwatch.contract.batch import ScaleCause, ScaleChangeEvent, ScalerDisabledEvent
 from ampwatch.contract.protocol import NO_SCALER_KIND, is_rung
 
 from . import _device
@@ -80,7 +81,8 @@ class LossScale:
         if not self.enabled:
             self.value = None
             if not was_disabled:
-                self.events.append({"kind": "scaler_disabled", "iteration": iteration})
+                disabled: ScalerDisabledEvent = {"kind": "scaler_disabled", "iteration": iteration}
+                self.events.append(disabled)
             return
         live = _device.scale_tensor(scaler)
         value = (_device.read_later(live).wait()[0] if live is not None
@@ -105,8 +107,9 @@ class LossScale:
         before = self.value
         self.value = after
         if before is not None and not _same(after, before):
-            self.events.append({"kind": "scale_change", "iteration": iteration, "cause": "restored",
-                                "before": before, "after": after})
+            event: ScaleChangeEvent = {"kind": "scale_change", "iteration": iteration, "cause": "restored",
+                                       "before": before, "after": after}
+            self.events.append(event)
 
     @staticmethod
     def _settings_of(scaler: Any) -> dict[str, Any]:
@@ -170,6 +173,7 @@ class LossScale:
             self._end_backoff_run()  # the run of backoffs is over: what is left of it goes out first
         if before is None or _same(after, before):
             return  # unchanged: no transition, not even for update(new_scale=<the same value>)
+        cause: ScaleCause
         if manual:
             cause = "manual"
             self.manual_sets += 1
@@ -182,8 +186,9 @@ class LossScale:
             self.growths += 1
         else:
             return  # to or from NaN outside a manual set: update() cannot do that; nothing to count
-        self.events.append({"kind": "scale_change", "iteration": iteration, "cause": cause,
-                            "before": before, "after": after})
+        event: ScaleChangeEvent = {"kind": "scale_change", "iteration": iteration, "cause": cause,
+                                   "before": before, "after": after}
+        self.events.append(event)
 
     def _backoff(self, before: float, iteration: int) -> None:
         if not self._run:
@@ -202,8 +207,8 @@ class LossScale:
         count = self._run - self._run_sent
         if not count:
             return
-        event = {"kind": "scale_change", "iteration": self._run_last, "cause": "backoff",
-                 "before": self._run_before, "after": self._run_after}
+        event: ScaleChangeEvent = {"kind": "scale_change", "iteration": self._run_last, "cause": "backoff",
+                                   "before": self._run_before, "after": self._run_after}
         if count > 1:
             event["count"] = count
         self.events.append(event)

@@ -1,7 +1,7 @@
 """When the sender builds a batch: news soon, the cumulative state at least once per heartbeat.
 
 Pure bookkeeping on a clock the caller passes in (no threads, no I/O), so the load
-generator of ``bench/fleet.py`` replays exactly the agent's schedule.
+generator of ``bench/experiments/fleet.py`` replays exactly the agent's schedule.
 
 The ranks of one job act together: they start within a second of each other and, under
 DDP, skip at the same iteration. So that a collector is not asked for a whole job's requests
@@ -16,7 +16,7 @@ import math
 import random
 from typing import Any, Mapping
 
-from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
+from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S, is_rung
 
 __all__ = ["NEWS_GAP", "NEWS_HOLD", "RANKS_PER_SECOND", "PushSchedule", "default_heartbeat", "is_news"]
 
@@ -69,7 +69,7 @@ def is_news(event: Mapping[str, Any]) -> bool:
     kind = event.get("kind")
     if kind == "skip":
         streak = event.get("streak")
-        return isinstance(streak, int) and streak > 0 and streak & (streak - 1) == 0
+        return isinstance(streak, int) and is_rung(streak)
     if kind == "scale_change":
         return event.get("cause") not in ("backoff", "growth")
     return kind != "scheduler_after_skip"

@@ -2,6 +2,7 @@
 
 - :mod:`ampwatch.contract.protocol`: the wire protocol's version, limits, streak ladder, counter names
   and a collector's default limits (docs/protocol.md).
+- :mod:`ampwatch.contract.batch`: what a batch's ``state`` and each event kind hold, field by field (typed).
 - :mod:`ampwatch.contract.metrics`: every series the collector exposes (docs/metrics.md).
 - :mod:`ampwatch.contract.thresholds`: the alert thresholds and their profiles (``default``, ``demo``).
 - :mod:`ampwatch.contract.counters`: the rank counters and gauges alert conditions read, by name.

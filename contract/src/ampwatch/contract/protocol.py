@@ -8,7 +8,9 @@ entries. ``tests/test_contract_agent.py`` checks both sides against this module.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, get_args
+
+from .batch import EVENTS, DeliveryCounters, ScaleCause, fields
 
 __all__ = [
     "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
@@ -57,9 +59,9 @@ MAX_PARAMS = 16
 MAX_BATCH_EVENTS = 10_000
 """Events in one batch."""
 
-EVENT_KINDS = ("skip", "streak_end", "scale_change", "scheduler_after_skip", "poisoned_step", "warning",
-               "scaler_disabled", "close")
-"""Every ``kind`` an event may have; a new kind means a new protocol version."""
+EVENT_KINDS: tuple[str, ...] = tuple(EVENTS)
+"""Every ``kind`` an event may have (each one's fields: :data:`ampwatch.contract.batch.EVENTS`); a new kind means
+a new protocol version."""
 
 COLLECTOR_EVENT_KINDS = ("rank_conflict",)
 """Kinds of the events the collector records itself (never accepted from an agent), listed beside the
@@ -71,9 +73,8 @@ with ``scaler.enabled`` false and null settings: nothing is scaled or skipped, s
 (``state.loss_scale`` null), and every optimizer step is checked for non-finite gradients (``poisoned_steps``).
 A collector that does not know it takes it for a disabled scaler, which shows no loss scale either."""
 
-SCALE_CAUSES = ("backoff", "growth", "manual", "restored")
-"""Why the scale changed: in update() by backoff_factor or growth_factor, update(new_scale=...), or outside
-update() (scaler.load_state_dict() on resume, or a new scaler bound with watch.rebind())."""
+SCALE_CAUSES: tuple[str, ...] = get_args(ScaleCause)
+"""Why the scale changed (``ampwatch.contract.batch.ScaleCause``)."""
 
 HEARTBEAT_INTERVAL_S = 15
 """Seconds: the agent's default ``AMPWATCH_PUSH_INTERVAL``. A rank's cumulative state reaches the collector
@@ -96,7 +97,7 @@ at :data:`MAX_HEARTBEAT_INTERVAL_S`) and at a push interval of 40 s, so every ba
 reuses its connection. Below it, each heartbeat opened a new connection (a TCP handshake, with TLS a TLS
 one too): at 16,384 ranks that was a quarter of the collector's CPU."""
 
-DELIVERY_COUNTERS = ("dropped_events", "send_failures", "rejected_batches", "agent_errors")
+DELIVERY_COUNTERS: tuple[str, ...] = fields(DeliveryCounters)
 """Keys of ``state.delivery``: the agent's own health counters."""
 
 COLLECTOR_DEFAULTS: Mapping[str, int] = {

@@ -21,7 +21,7 @@ GC_THRESHOLDS = (5_000, 20, 20)
 # Nearly everything an applied batch allocates lives until that rank's next batch (its view, totals,
 # history entries), so the collector's young generations fill with live objects that every collection
 # walks again for nothing: at 16,384 ranks on a heartbeat, 30-60 ms young and 100-275 ms middle
-# collections every 1-3 s, the whole of the ingest tail (python -m bench.fleet). Freezing moves what is
+# collections every 1-3 s, the whole of the ingest tail (python -m bench.experiments.fleet). Freezing moves what is
 # tracked now out of the collector's reach (O(1)); a collection then walks only what came since.
 FREEZE_EVERY_S = 2.0
 # Frozen objects are still freed by reference counting; only garbage *cycles* among them would wait. Once

@@ -107,7 +107,7 @@ class BuiltinAlerts:
 
         O(ranks): about 0.2-0.3 s at 16,384 ranks, 0.04 s once they are quiet (nothing a window alert reads
         moved within the longest window: :meth:`~.history.RankHistory.quiet`, a healthy job's ranks half an
-        hour after their calibration skips; ``python -m bench.alert_pass``), so the collector calls it from
+        hour after their calibration skips; ``python -m bench.experiments.alert_pass``), so the collector calls it from
         a worker thread. The
         lock is held a slice of ranks at a time (:func:`~.conditions.evaluate`), so :meth:`observe`
         on the event loop waits milliseconds, not the whole pass; a rank observed during the pass

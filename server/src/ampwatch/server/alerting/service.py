@@ -19,7 +19,7 @@ log = logging.getLogger("ampwatch.server.alerts")
 
 # The periodic pass runs in a worker thread and sleeps this long after each slice of 128 ranks (~2 ms of
 # work): at 16,384 ranks it then takes ~0.4 s instead of ~0.3 s, and ingest answers no longer queue behind
-# it for ~200 ms every second (python -m bench.fleet).
+# it for ~200 ms every second (python -m bench.experiments.fleet).
 PASS_BREATHER_S = 0.001
 
 

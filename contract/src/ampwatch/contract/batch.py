@@ -1,0 +1,218 @@
+"""What a protocol-v1 batch's ``state`` and ``events`` hold, field by field (docs/protocol.md#batch).
+
+Each part is a ``TypedDict``: the agent builds its counters and events as these (a dict literal annotated
+with one costs nothing at run time; a type checker checks its keys and values), the collector's schema
+declares exactly these fields, and ``tests/test_contract_agent.py`` fails on a field that either side
+sends or expects and this module does not declare. Keys a collector requires are the required keys;
+the rest may be left out by an agent (an older one, or one that did not watch what they report).
+
+Example::
+
+    from ampwatch.contract.batch import EVENTS, fields
+    fields(EVENTS["streak_end"])  # ('iteration', 'id', 'time', 'kind', 'optimizer', 'start_iteration', 'length')
+"""
+
+from __future__ import annotations
+
+from typing import Dict, FrozenSet, List, Literal, Mapping, Optional, Tuple, TypedDict, Union
+
+__all__ = ["OptimizerCounters", "DeliveryCounters", "RankState", "ParamCount", "ScaleCause", "PoisonReason", "Event",
+           "SkipEvent", "StreakEndEvent", "ScaleChangeEvent", "SchedulerAfterSkipEvent", "PoisonedStepEvent",
+           "WarningEvent", "ScalerDisabledEvent", "CloseEvent", "EVENTS", "STAMPED", "OPTIMIZER_GAUGES",
+           "RANK_GAUGES", "fields", "required"]
+
+
+class _OptimizerCountersRequired(TypedDict):
+    steps: int
+    """``scaler.step()`` calls that updated the parameters."""
+    skipped: int
+    """``scaler.step()`` calls that skipped."""
+    consecutive_skipped: int
+    """The current skip streak (0 when the last step updated): a gauge."""
+    longest_streak: int
+    streaks: int
+    """Skip streaks begun."""
+
+
+class OptimizerCounters(_OptimizerCountersRequired, total=False):
+    """``state.optimizers[name]``: one optimizer's cumulative counters and its current streak."""
+
+    streaks_reached: Dict[str, int]
+    """Streaks that reached each rung of ``protocol.STREAK_LADDER`` (keys ``"1"``, ``"2"``, ...; rungs not
+    reached left out)."""
+    scheduler_steps_after_skip: int
+    poisoned_steps: int
+    """Updates with non-finite gradients or parameters."""
+
+
+OPTIMIZER_GAUGES: Tuple[str, ...] = ("consecutive_skipped", "longest_streak")
+"""Values of :class:`OptimizerCounters` that are not cumulative counts: the collector keeps a process's own (the
+rest it sums over a rank's processes, as it does the rank's counters)."""
+
+
+class DeliveryCounters(TypedDict, total=False):
+    """``state.delivery``: the agent's own health counters."""
+
+    dropped_events: int
+    send_failures: int
+    rejected_batches: int
+    agent_errors: int
+
+
+class _RankStateRequired(TypedDict):
+    iteration: int
+    loss_scale: Optional[float]
+    """Any value the scaler holds (NaN and infinities as the strings "NaN", "Infinity"); null when disabled."""
+    backoffs: int
+    growths: int
+    optimizers: Dict[str, OptimizerCounters]
+
+
+class RankState(_RankStateRequired, total=False):
+    """``state``: the rank's cumulative counters and gauges."""
+
+    manual_sets: int
+    origin_iterations: int
+    """Skipped (without a scaler: poisoned) iterations whose inf/NaN started in this rank's own gradients (absent:
+    ``ddp=`` not watched)."""
+    delivery: DeliveryCounters
+
+
+RANK_GAUGES: Tuple[str, ...] = ("iteration", "loss_scale")
+"""Values of :class:`RankState` that are not cumulative counts (``optimizers`` and ``delivery`` hold counters)."""
+
+
+class _ParamCountRequired(TypedDict):
+    name: str
+
+
+class ParamCount(_ParamCountRequired, total=False):
+    """One parameter a skip or poisoned step names, with its counts of non-finite elements (absent: 0)."""
+
+    inf: int
+    nan: int
+
+
+ScaleCause = Literal["backoff", "growth", "manual", "restored"]
+"""Why the scale changed: by ``update()``'s backoff_factor or growth_factor, ``update(new_scale=...)``, or
+outside ``update()`` (``load_state_dict()`` on resume, a new scaler bound with ``watch.rebind()``)."""
+
+
+class _EventRequired(TypedDict):
+    iteration: int
+
+
+class _Event(_EventRequired, total=False):
+    id: int
+    time: float
+
+
+STAMPED: Tuple[str, ...] = ("id", "time")
+"""Fields every event has that the agent's event buffer sets as it queues the event (the collector requires
+them; the code that records an event leaves them out)."""
+
+
+class _SkipRequired(_Event):
+    kind: Literal["skip"]
+    optimizer: str
+    streak: int
+
+
+class SkipEvent(_SkipRequired, total=False):
+    params: List[ParamCount]
+    params_total: Optional[int]
+    inspected: bool
+    origin: Optional[bool]
+    """With ``ddp=``: whether this rank's own gradients held inf/NaN before the all-reduce."""
+    origin_buckets: List[int]
+    origin_params: List[str]
+    origin_params_total: Optional[int]
+
+
+class StreakEndEvent(_Event):
+    kind: Literal["streak_end"]
+    optimizer: str
+    start_iteration: int
+    length: int
+
+
+class _ScaleChangeRequired(_Event):
+    kind: Literal["scale_change"]
+    cause: ScaleCause
+    before: Optional[float]
+    after: Optional[float]
+
+
+class ScaleChangeEvent(_ScaleChangeRequired, total=False):
+    count: int
+    """Backoffs in consecutive iterations the event stands for (absent: 1)."""
+
+
+class SchedulerAfterSkipEvent(_Event):
+    kind: Literal["scheduler_after_skip"]
+    optimizer: str
+    scheduler: str
+
+
+PoisonReason = Literal["nonfinite_grad", "nonfinite_param"]
+"""What made a step poisoned: its gradients, or the weights it left, held inf/NaN."""
+
+
+class _PoisonedStepRequired(_Event):
+    kind: Literal["poisoned_step"]
+    optimizer: str
+    reason: PoisonReason
+
+
+class PoisonedStepEvent(_PoisonedStepRequired, total=False):
+    params: List[ParamCount]
+    params_total: Optional[int]
+    streak: int
+    """Without a scaler: the step's position in the optimizer's run of consecutive poisoned steps."""
+    exact: bool
+    """Without a scaler (absent: true): false when ``inf``/``nan`` are 1 or 0, whether a gradient held any, not
+    counts (the check was read on a GPU after the gradients moved on)."""
+    origin: Optional[bool]
+    """Without a scaler, with ``ddp=``: whether this rank's own gradients held inf/NaN before the all-reduce."""
+    origin_params: List[str]
+    origin_params_total: Optional[int]
+
+
+class _WarningRequired(_Event):
+    kind: Literal["warning"]
+    code: str
+    message: str
+
+
+class WarningEvent(_WarningRequired, total=False):
+    optimizer: str
+
+
+class ScalerDisabledEvent(_Event):
+    kind: Literal["scaler_disabled"]
+
+
+class CloseEvent(_Event):
+    kind: Literal["close"]
+
+
+EVENTS: Mapping[str, type] = {
+    "skip": SkipEvent, "streak_end": StreakEndEvent, "scale_change": ScaleChangeEvent,
+    "scheduler_after_skip": SchedulerAfterSkipEvent, "poisoned_step": PoisonedStepEvent, "warning": WarningEvent,
+    "scaler_disabled": ScalerDisabledEvent, "close": CloseEvent,
+}
+"""Each event kind an agent sends, and what its events hold."""
+
+Event = Union[SkipEvent, StreakEndEvent, ScaleChangeEvent, SchedulerAfterSkipEvent, PoisonedStepEvent, WarningEvent,
+              ScalerDisabledEvent, CloseEvent]
+"""Any event an agent sends."""
+
+
+def fields(part: type) -> Tuple[str, ...]:
+    """Return every field ``part`` (one of this module's TypedDicts) declares, in order."""
+    return tuple(part.__annotations__)
+
+
+def required(part: type) -> FrozenSet[str]:
+    """Return the fields of ``part`` an agent must set (a collector also requires an event's :data:`STAMPED`)."""
+    return frozenset(part.__required_keys__)  # type: ignore[attr-defined]

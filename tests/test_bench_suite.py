@@ -1,0 +1,197 @@
+"""bench/ as a suite: ``python -m bench --list`` names what runs, every listed module imports, no import cycles.
+
+Cheap by design: nothing is measured; the modules are imported and parsed, and ``--list`` runs in this process.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+
+from bench import __main__ as bench_main
+from bench import _catalogue
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+
+
+def _modules() -> dict[str, str]:
+    """Every module under bench/ by dotted name, with its path."""
+    found = {}
+    for folder, _, files in os.walk(BENCH):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(module: str, path: str, known: set[str]) -> set[str]:
+    """The bench modules ``module`` imports, at its top or inside a function (a cycle either way)."""
+    out = set()
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # ``from package import module`` needs that module (the package's __init__ is already under way)
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        out |= {name for name in names if name in known and name != module}
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle in ``graph`` as the modules along it, or [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return []
+
+
+def test_list_names_every_section_make_bench_runs_with_what_it_measures_and_how_long(capsys):
+    assert bench_main.main(["--list"]) == 0
+    text = capsys.readouterr().out
+    assert bench_main.SECTIONS == tuple(b.name for b in _catalogue.BENCHMARKS)
+    for bench in _catalogue.BENCHMARKS:
+        assert f"{bench.name:<13} python -m {bench.module}" in text
+        assert bench.measures in text and f"full: {bench.full}" in text and f"--quick: {bench.quick}" in text
+    for module, what in _catalogue.experiments():
+        assert what, f"{module} has no docstring saying what it measures"
+        assert f"  {module}\n" in text and what in text
+    # Everything under bench/experiments/ that runs is listed, and rule_eval beside it.
+    listed = {module for module, _ in _catalogue.experiments()}
+    assert "bench.rule_eval" in listed
+    on_disk = {f"bench.experiments.{n[:-3]}" for n in os.listdir(_catalogue.EXPERIMENTS)
+               if n.endswith(".py") and not n.startswith("_")}
+    assert on_disk and on_disk <= listed
+
+
+def test_list_says_how_long_each_section_took_in_the_last_run_where_it_recorded_that(tmp_path):
+    import json
+
+    (tmp_path / "run.json").write_text(json.dumps({"section_s": {"scrape": 61.4}}))
+    text = _catalogue.listing(str(tmp_path / "run.json"))
+    assert "full: about 1 min; last full run 61 s; --quick" in text and text.count("last full run") == 1
+    assert "last full run" not in _catalogue.listing(str(tmp_path / "missing.json"))
+
+
+def test_every_listed_benchmark_imports_and_bench_holds_no_unlisted_entry_point():
+    listed = {b.module for b in (*_catalogue.BENCHMARKS, _catalogue.GPU)}
+    listed |= {part for b in _catalogue.BENCHMARKS for part in b.parts}
+    listed |= {module for module, _ in _catalogue.experiments()}
+    for module in sorted(listed):
+        importlib.import_module(module)
+    # A module of bench/ itself that can run (``python -m``) is a section, part of one, or listed as hand-run:
+    # a new experiment goes under bench/experiments/, where --list finds it.
+    for name in os.listdir(BENCH):
+        if name.endswith(".py") and not name.startswith("_"):
+            source = open(os.path.join(BENCH, name)).read()
+            if 'if __name__ == "__main__"' in source:
+                assert f"bench.{name[:-3]}" in listed, f"bench/{name} runs but python -m bench --list does not name it"
+
+
+def test_bench_has_no_import_cycles():
+    modules = _modules()
+    graph = {module: _imports(module, path, set(modules)) for module, path in modules.items()}
+    assert graph["bench.overhead"] >= {"bench._loops", "bench.ddp_origin"}  # the parser sees both kinds of import
+    assert _cycle(graph) == []
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # and the search finds one
+
+
+def _section_of(lines: list[str], index: int) -> str:
+    return next(line for line in reversed(lines[:index]) if line.startswith("## "))
+
+
+def _block(name: str, text: str) -> list[str]:
+    return [f"<!-- hand-written: {name} -->", text, f"<!-- end hand-written: {name} -->"]
+
+
+def test_a_re_render_keeps_each_hand_written_block_in_its_place(tmp_path):
+    import shutil
+
+    import pytest
+
+    from bench.report._hand_written import blocks
+    json_path = tmp_path / "benchmarks.json"
+    shutil.copy(os.path.join(ROOT, "docs", "benchmarks.json"), json_path)
+    page = tmp_path / "benchmarks.md"
+    assert bench_main.main(["--render", str(json_path)]) == 0
+    lines = page.read_text().split("\n")
+    # after_line: after a rendered line; its neighbour right after it; at_end: its anchor line edited by hand (so
+    # absent from the next render), it goes to the end of its section; orphan: its section is gone.
+    scrape = lines.index("## 3. Scrape cost")
+    anchor = next(k for k in range(scrape + 1, len(lines)) if lines[k].startswith("|"))
+    anchor_line = lines[anchor]
+    lines[anchor + 1:anchor + 1] = _block("after_line", "Kept after the table's first line.") + \
+        _block("neighbour", "Kept right after the block before it.")
+    overhead = lines.index("## 1. Agent overhead per training iteration")
+    lines[overhead + 2] += " (edited by hand)"
+    lines[overhead + 3:overhead + 3] = ["", *_block("at_end", "Kept at the end of section 1."), ""]
+    last = lines.index("## How it is measured")
+    lines[last:last] = ["## 99. A section no render makes", "", *_block("orphan", "Kept, not dropped."), ""]
+    page.write_text("\n".join(lines))
+    assert bench_main.main(["--render", str(json_path)]) == 0
+    again = page.read_text()
+    new = again.split("\n")
+    assert "## 99. A section no render makes" not in new and "(edited by hand)" not in again
+    assert [b.name for b in blocks(again)] == ["at_end", "after_line", "neighbour", "orphan"]
+    start = new.index("<!-- hand-written: after_line -->")
+    assert new[start - 2] == anchor_line and new[start + 4] == "<!-- hand-written: neighbour -->"
+    assert _section_of(new, start) == "## 3. Scrape cost"
+    at_end = new.index("<!-- hand-written: at_end -->")
+    assert _section_of(new, at_end) == "## 1. Agent overhead per training iteration"
+    assert new[at_end + 4].startswith("## ")  # the last thing in its section
+    orphan = new.index("<!-- hand-written: orphan -->")
+    assert new[orphan + 4] == "## How it is measured"
+    # Rendering again changes nothing.
+    assert bench_main.main(["--render", str(json_path)]) == 0
+    assert page.read_text() == again
+    # A block left open or named twice is refused with what to do, before the page is overwritten.
+    page.write_text(again.replace("<!-- end hand-written: orphan -->", ""))
+    with pytest.raises(ValueError, match="'orphan' has no closing line"):
+        bench_main.main(["--render", str(json_path)])
+    page.write_text(again.replace("hand-written: neighbour", "hand-written: after_line"))
+    with pytest.raises(ValueError, match="two hand-written blocks are named 'after_line'"):
+        bench_main.main(["--render", str(json_path)])
+    assert "hand-written: after_line" in page.read_text()
+
+
+def test_a_stored_result_says_the_commit_it_ran_at_and_its_caption_shows_it(tmp_path):
+    import json
+    import subprocess
+
+    from bench._before_after import store
+    from bench.report._format import measured_by
+    store(str(tmp_path / "r.json"), "k", {"after": {}}, ["prog", "--out", "r.json"], module="experiments.k")
+    stored = json.loads((tmp_path / "r.json").read_text())["k"]
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert stored["commit"].split(" ")[0] == head.stdout.strip()
+    assert stored["command"] == "python -m bench.experiments.k --out r.json"
+    assert f", at commit {stored['commit']}, load average " in measured_by(stored)
+    # Every result the page renders from says its commit (backfilled for those stored before commits were).
+    for name in os.listdir(os.path.join(BENCH, "experiments", "results")):
+        document = json.loads(open(os.path.join(BENCH, "experiments", "results", name)).read())
+        for key, result in document.items():
+            assert not (isinstance(result, dict) and "date" in result) or result.get("commit"), (name, key)
