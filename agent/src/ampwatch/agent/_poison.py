@@ -31,7 +31,10 @@ from ._shards import is_sharded, local
 
 if TYPE_CHECKING:  # the recorder imports this module
     from ._inspection import SkipInspection
-    from ._recorder import OptimizerRecord
+    from ._recorder import OptimizerRecord, Recorder
+
+Origin = Callable[[dict[str, Any], int, bool], None]
+"""Adds to a poisoned step's fields whether this rank's own gradients held the inf/NaN (``ddp=``)."""
 
 __all__ = ["NonfiniteCheck", "PoisonCheck", "check_nonfinite", "gradients"]
 
@@ -126,47 +129,71 @@ class PoisonCheck:
     unless more than :data:`_MAX_PENDING` are in flight), and all at :meth:`close`.
     """
 
-    def __init__(self, inspection: SkipInspection,
-                 origin: Callable[[dict[str, Any], int, bool], None] | None = None) -> None:
+    def __init__(self, inspection: SkipInspection) -> None:
         self.inspection = inspection
-        self._origin = origin  # adds, with ddp=, whether this rank's own gradients held inf/NaN (the fields)
         self._pending: collections.deque[tuple[OptimizerRecord, NonfiniteCheck, list, int]] = \
             collections.deque()
 
-    def check(self, record: OptimizerRecord, iteration: int) -> None:
+    def on_step(self, recorder: Recorder, record: OptimizerRecord, closure: bool) -> None:
+        """Count a step of ``record``'s optimizer (its pre-hook); check its gradients now, or after the step
+        when it was given a closure, which makes them inside (:meth:`after_step`)."""
+        # Every step updates the parameters; an iteration ends when an optimizer that already stepped in
+        # it steps again (one iteration: each optimizer's step, in whatever order).
+        if record.stepped_this_iteration:
+            for other in recorder.records:
+                other.stepped_this_iteration = False
+            recorder.iteration += 1
+        recorder.open_iteration = True
+        recorder.count_update(record)
+        record.check_after = closure
+        if not closure:
+            self._check_step(recorder, record)
+
+    def after_step(self, recorder: Recorder, record: OptimizerRecord) -> None:
+        """Check the gradients a step given a closure made and applied (its post-hook)."""
+        if record.check_after:
+            record.check_after = False
+            self._check_step(recorder, record)
+
+    def _check_step(self, recorder: Recorder, record: OptimizerRecord) -> None:
+        self.check(record, recorder.iteration, recorder.poisoned_origin)
+        # No update() ends an iteration: the first step after a backward ends the DDP notes of its iteration,
+        # before the next backward adds to them. Its flags stay on the device while another optimizer may
+        # still step in it or a check is on its way (else Python only).
+        origin = recorder.origin
+        if origin is not None and origin.noted():
+            origin.end_iteration(recorder.iteration, keep=len(recorder.records) > 1 or bool(self._pending))
+
+    def check(self, record: OptimizerRecord, iteration: int, origin: Origin | None = None) -> None:
         """Check the gradients ``record``'s optimizer is about to apply in ``iteration`` (its step pre-hook)."""
         pending = self._pending
         while pending and pending[0][1].done():
-            self._outcome(*pending.popleft(), now=False)
+            self._outcome(*pending.popleft(), now=False, origin=origin)
         grads, params = gradients(record.optimizer)
         if not grads:
             return
         found = check_nonfinite(grads)
         if found.done() and not pending:  # on CPU: now, while the gradients are the very ones the step applies
-            self._outcome(record, found, params, iteration, now=True)
+            self._outcome(record, found, params, iteration, now=True, origin=origin)
             return
         pending.append((record, found, params, iteration))
         if len(pending) > _MAX_PENDING:
-            self._outcome(*pending.popleft(), now=False)
+            self._outcome(*pending.popleft(), now=False, origin=origin)
 
-    def in_flight(self) -> bool:
-        """Tell whether some check is still on its way from the device."""
-        return bool(self._pending)
-
-    def close(self) -> None:
+    def close(self, origin: Origin | None = None) -> None:
         """Resolve every check still in flight (may wait for the device once)."""
         while self._pending:
-            self._outcome(*self._pending.popleft(), now=False)
+            self._outcome(*self._pending.popleft(), now=False, origin=origin)
 
     def _outcome(self, record: OptimizerRecord, found: NonfiniteCheck, params: list, iteration: int,
-                 now: bool) -> None:
+                 now: bool, origin: Origin | None) -> None:
         if not found.any():
             record.poison_run = 0
             return
         record.poison_run += 1
         fields: dict[str, Any] = {}
-        if self._origin is not None:
-            self._origin(fields, iteration, now)
+        if origin is not None:
+            origin(fields, iteration, now)
         if not is_rung(record.poison_run):
             record.poisoned += 1  # counted; the run's events go at its rungs
             return

@@ -119,11 +119,11 @@ class Recorder:
         if scaler is None:
             self._scaler: Any = _no_scaler
             self.scale.unscaled()
-            self.unscaled = PoisonCheck(self.inspection, self._add_poisoned_origin)
+            self.unscaled = PoisonCheck(self.inspection)
         else:
             self._scaler = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
             self.scale.bind(scaler, self.iteration)
-        self._open_iteration = False  # without a scaler: some optimizer stepped in the current iteration
+        self.open_iteration = False  # without a scaler: some optimizer stepped in the current iteration
         self._skipped_this_iteration = False
         self._warned: set[int] = set()
         self._warned_outside = False
@@ -182,7 +182,7 @@ class Recorder:
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
         elif self.unscaled is not None:
-            self._unscaled_step(record, check=not closure)
+            self.unscaled.on_step(self, record, closure)
         elif self.active is None:
             record.last_stepped = None  # this watch no longer knows the optimizer's last step
             if not in_watched_step and not self._warned_outside:
@@ -206,36 +206,16 @@ class Recorder:
                                      "code": "stepped_outside_scaler", "message": message}
             self.events.append(warning)
 
-    def _unscaled_step(self, record: OptimizerRecord, check: bool) -> None:
-        # Without a scaler every step updates the parameters; an iteration ends when an optimizer that
-        # already stepped in it steps again (one iteration: each optimizer's step, in whatever order).
-        if record.stepped_this_iteration:
-            for other in self.records:
-                other.stepped_this_iteration = False
-            self.iteration += 1
-        self._open_iteration = True
+    def count_update(self, record: OptimizerRecord) -> None:
+        """Count a step that updated ``record``'s parameters in this iteration (a watch without a scaler)."""
         self._outcome(record, True, self.iteration)
-        record.check_after = not check
-        if check:
-            self.unscaled.check(record, self.iteration)
-            self._end_origin_notes()
 
     def after_optimizer_step(self, record: OptimizerRecord) -> None:
         """Without a scaler: check the gradients a step given a closure made and applied (step post-hook)."""
-        if record.check_after:
-            record.check_after = False
-            self.unscaled.check(record, self.iteration)
-            self._end_origin_notes()
+        self.unscaled.after_step(self, record)
 
-    def _end_origin_notes(self) -> None:
-        # Without a scaler (no update() to end an iteration) the first step after a backward ends the DDP
-        # notes of its iteration, before the next backward adds to them. Its flags are kept on the device
-        # while another optimizer may still step in it or a check is on its way (else Python only).
-        origin = self.origin
-        if origin is not None and origin.noted():
-            origin.end_iteration(self.iteration, keep=len(self.records) > 1 or self.unscaled.in_flight())
-
-    def _add_poisoned_origin(self, fields: dict[str, Any], iteration: int, current: bool) -> None:
+    def poisoned_origin(self, fields: dict[str, Any], iteration: int, current: bool) -> None:
+        """With ``ddp=``: add to a poisoned step's ``fields`` whether this rank's own gradients held inf/NaN."""
         if self.origin is not None:
             self._add_origin(fields, iteration, current)
 
@@ -321,9 +301,9 @@ class Recorder:
             if record.pending:
                 self._resolve_oldest(record, all_of_them=True)
         if self.unscaled is not None:
-            self.unscaled.close()
-            self.iteration += self._open_iteration
-            self._open_iteration = False
+            self.unscaled.close(self.poisoned_origin)
+            self.iteration += self.open_iteration
+            self.open_iteration = False
         self.scale.close()
         if self.origin is not None:
             self.origin.close()
@@ -339,7 +319,7 @@ class Recorder:
         """Return ``{"scaler": ..., "state": ...}`` as in docs/protocol.md (plain values only)."""
         scale = self.scale
         state: RankState = {
-            "iteration": self.iteration + self._open_iteration,
+            "iteration": self.iteration + self.open_iteration,
             "loss_scale": scale.value if scale.enabled else None,
             "backoffs": scale.backoffs,
             "growths": scale.growths,
