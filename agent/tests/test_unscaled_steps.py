@@ -270,3 +270,23 @@ def test_a_step_without_a_closure_is_checked_before_it_on_the_gradients_it_is_gi
     (event,) = poisoned_events(events, w)
     assert event["iteration"] == 1 and event["params"] == [{"name": "b.weight", "inf": 1, "nan": 0}]
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_closed_watch_without_a_scaler_is_freed_by_reference_counting_alone(amp, no_collector):
+    import gc
+    import weakref
+
+    from ampwatch import agent
+
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gc.disable()  # nothing of the watch may wait for the cyclic collector
+    try:
+        w = agent.watch(None, opt, model=model, run="t")
+        bf16_iteration(model, [opt], torch.randn(4, 8))
+        w.close()
+        recorder, check = weakref.ref(w._recorder), weakref.ref(w._recorder.unscaled)
+        del w
+        assert recorder() is None and check() is None
+    finally:
+        gc.enable()
