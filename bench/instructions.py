@@ -7,7 +7,8 @@ process calls ``os.getppid()``, i.e. libc ``getppid``: ``--zero-before=getppid``
 (``os.getpgrp()``: ``--dump-before=getpgrp``), so imports, set-up and warm-up are left out; they also run
 uninstrumented (``--instr-atstart=no``, switched on by ``callgrind_control`` once the child is set up).
 The loops are ``bench.overhead.Setup``'s: the same model, data, two optimizers, ``GradScaler("cpu")`` and bfloat16
-autocast; the watched loop also asks ``watch.stepped()`` for both optimizers every iteration. No collector:
+autocast; the watched loop also asks ``watch.stepped()`` for both optimizers every iteration. The bf16 rows: the
+same loop without a GradScaler, bare and watched with ``watch(None, ...)`` (every optimizer step checked). No collector:
 the sender thread sleeps between pushes and is measured apart (its CPU time is a few milliseconds per minute).
 
     python -m bench.instructions [--iterations N]
@@ -29,8 +30,10 @@ from typing import Optional
 
 __all__ = ["CASES", "callgrind_instructions", "counting_ends", "counting_starts", "run"]
 
-CASES = (("mlp", False), ("mlp", True))
-"""(model, fused) pairs measured; the tiny MLP is where a fixed per-iteration cost weighs most."""
+CASES = (("mlp", False, "bare", "ampwatch"), ("mlp", True, "bare", "ampwatch"),
+         ("mlp", False, "bf16", "bf16_ampwatch"), ("mlp", True, "bf16", "bf16_ampwatch"))
+"""(model, fused, bare variant, watched variant) measured; the tiny MLP is where a fixed per-iteration cost weighs
+most. ``bare``/``ampwatch``: a GradScaler; ``bf16``/``bf16_ampwatch``: none."""
 WARMUP = 20
 
 
@@ -123,9 +126,11 @@ def run(iterations: int = 200) -> dict:
         raise RuntimeError("valgrind is not installed (Debian package valgrind)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="ampwatch-callgrind-") as workdir, ThreadPoolExecutor(2) as pool:
-        for model, fused in CASES:
-            bare, watched = pool.map(lambda v: _count(v, model, fused, iterations, workdir), ("bare", "ampwatch"))
+        for model, fused, bare_variant, watched_variant in CASES:
+            bare, watched = pool.map(lambda v: _count(v, model, fused, iterations, workdir),
+                                     (bare_variant, watched_variant))
             rows.append({"model": model, "optimizer": "AdamW(fused=True)" if fused else "AdamW(foreach=True)",
+                         "precision": "bf16, no scaler" if bare_variant == "bf16" else "GradScaler",
                          "iterations": iterations, "bare_per_iter": round(bare / iterations),
                          "watched_per_iter": round(watched / iterations),
                          "agent_per_iter": round((watched - bare) / iterations),

@@ -35,11 +35,14 @@ from bench import ddp_origin
 from bench._loops import MODELS, ModelBuilder, SyncCounter, compare, pct, rotate
 
 # SyncCounter, compare and rotate live in bench._loops; still named here for bench.gpu, which imports them from here
-__all__ = ["VARIANTS", "Setup", "SyncCounter", "agent_host_cost_us", "agent_hot_path_us", "compare", "measure",
+__all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "SyncCounter", "agent_host_cost_us", "agent_hot_path_us", "compare", "measure",
            "rotate", "main"]
 
 VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
 """Compared on CPU. ``bench.gpu`` adds ``ampwatch_unasked``: the agent attached, ``stepped()`` never asked."""
+BF16_VARIANTS = ("bf16", "bf16_ampwatch")
+"""The same model in bfloat16 autocast without a GradScaler: the bare loop, and the agent watching it
+(``watch(None, ...)``: every optimizer step checked for inf/NaN gradients)."""
 
 COMPARED = ("mlp", "transformer")
 """The models every variant is timed on; ``tiny`` only measures the agent's own host cost."""
@@ -57,7 +60,7 @@ class Setup:
         torch.manual_seed(0)
         self.variant = variant
         self.device = torch.device(device)
-        self.amp_dtype = torch.bfloat16 if self.device.type == "cpu" else torch.float16
+        self.amp_dtype = torch.bfloat16 if self.device.type == "cpu" or variant in BF16_VARIANTS else torch.float16
         build = MODELS[model] if isinstance(model, str) else model
         self.model, groups, self.loss = build(self.device)
         kw = {"fused": True} if fused else {"foreach": True}
@@ -68,7 +71,13 @@ class Setup:
         first.register_hook(lambda g: g * float("inf") if self.storm else g)
         self.skipped: list[bool] = [False, False]  # the method's answer for the last iteration, per optimizer
         self.watch = None
-        if variant in ("ampwatch", "ampwatch_unasked"):
+        if variant in BF16_VARIANTS:
+            self.scaler = None  # a bf16 job: no loss scaling, nothing skips
+            if variant == "bf16_ampwatch":
+                from ampwatch import agent
+                self.watch = agent.watch(None, {"body": self.opts[0], "head": self.opts[1]}, model=self.model,
+                                         collector=collector, run="bench-overhead-bf16")
+        elif variant in ("ampwatch", "ampwatch_unasked"):
             from ampwatch import agent
             self.watch = agent.watch(self.scaler, {"body": self.opts[0], "head": self.opts[1]}, model=self.model,
                                      collector=collector,
@@ -80,7 +89,8 @@ class Setup:
             Accelerator(cpu=self.device.type == "cpu")
             self.wrapped = [AcceleratedOptimizer(o, device_placement=False, scaler=self.scaler) for o in self.opts]
         # ampwatch_unasked: the bare loop, with the agent attached to the scaler and optimizers it drives
-        self.iterate = self._bare if variant == "ampwatch_unasked" else getattr(self, "_" + variant)
+        self.iterate = (self._bare if variant == "ampwatch_unasked" else self._bf16 if variant in BF16_VARIANTS
+                        else getattr(self, "_" + variant))
 
     def _forward_backward(self) -> None:
         for opt in self.opts:
@@ -95,6 +105,16 @@ class Setup:
             for opt in self.opts:
                 self.scaler.step(opt)
             self.scaler.update()
+
+    def _bf16(self, n: int) -> None:
+        for _ in range(n):
+            for opt in self.opts:
+                opt.zero_grad()
+            with torch.autocast(self.device.type, dtype=self.amp_dtype):
+                loss = self.loss()
+            loss.backward()
+            for opt in self.opts:
+                opt.step()
 
     def _ampwatch(self, n: int) -> None:
         for _ in range(n):

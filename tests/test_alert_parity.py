@@ -2,7 +2,7 @@
 
 Both read the same thresholds (shortened to seconds): Prometheus gets the rules
 ``render_rules`` generates from them, the collector gets them as its
-``--alert-thresholds`` file. Eleven runs, each scripted to trip one alert (or
+``--alert-thresholds`` file. Twelve runs, each scripted to trip one alert (or
 none), stream protocol v1 batches into one real collector for about 20 s; then
 the alerts that fired (name, run, rank, optimizer, severity) must be the same on
 both sides, and equal to what each run was scripted to trip. Edge cases ride
@@ -31,6 +31,7 @@ from webhook_receiver import WebhookReceiver, free_port
 from batches import make_batch, optimizer, post_batch
 from collector_process import CollectorProcess
 
+from ampwatch.contract.protocol import NO_SCALER_KIND
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
 from ampwatch.server._floats import wire_float
@@ -77,15 +78,19 @@ EXPECTED = {
     ("AmpPoisonedStep", "p-poison", "0", "gen", "critical"),
     ("AmpRankSilent", "p-silent", "0", "", "warning"),
     ("AmpSkipOriginRank", "p-origin", "2", "", "warning"),
+    ("AmpPoisonedStep", "p-bf16", "1", "gen", "critical"),  # and no scale alert: two of its ranks have no scaler
 }
+NO_SCALER = {"enabled": False, "kind": NO_SCALER_KIND, "init_scale": None, "growth_factor": None,
+             "backoff_factor": None, "growth_interval": None}
 
 
 class ScriptedRank:
     """One rank's cumulative counters, advanced batch by batch as a real agent would report them."""
 
-    def __init__(self, run: str, rank: int, world_size: int, scale: float = 2.0 ** 16, iteration: int = 0) -> None:
+    def __init__(self, run: str, rank: int, world_size: int, scale: float | None = 2.0 ** 16,
+                 iteration: int = 0) -> None:
         self.run, self.rank, self.world_size = run, rank, world_size
-        self.seq, self.iteration, self.scale = 0, iteration, scale
+        self.seq, self.iteration, self.scale = 0, iteration, scale  # scale None: a rank without a GradScaler
         self.backoffs = 0
         self.opts = {name: optimizer() for name in ("gen", "disc")}
         self.origins: int | None = None  # state.origin_iterations, sent when set (an agent watching DDP)
@@ -122,9 +127,12 @@ class ScriptedRank:
         self.seq += 1
         batch = make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
                           seq=self.seq, incarnation=f"parity-{self.run}-{self.rank}", sent_at=time.time(),
-                          iteration=self.iteration, loss_scale=wire_float(self.scale), backoffs=self.backoffs,
+                          iteration=self.iteration, backoffs=self.backoffs,
+                          loss_scale=None if self.scale is None else wire_float(self.scale),
                           optimizers={k: dict(v, streaks_reached=dict(v["streaks_reached"]))
                                       for k, v in self.opts.items()})
+        if self.scale is None:
+            batch["scaler"] = dict(NO_SCALER)
         if self.origins is not None:
             batch["state"]["origin_iterations"] = self.origins
         return batch
@@ -153,6 +161,10 @@ def _stream(url: str) -> None:
         # Rank 2 of 4 starts three iterations' inf/NaN (its skips, spread to every rank, are left out here so
         # that only this alert is in play).
         "p-origin": [ScriptedRank("p-origin", r, 4) for r in range(4)],
+        # Two bf16 ranks without a GradScaler beside one with a scaler: no scale of theirs may look collapsed
+        # (a 0 or NaN) or apart from the scaler's (a 1.0 beside 2**16); rank 1's poisoned step alone fires.
+        "p-bf16": [ScriptedRank("p-bf16", 0, 3, scale=None), ScriptedRank("p-bf16", 1, 3, scale=None),
+                   ScriptedRank("p-bf16", 2, 3)],
         "p-job": [ScriptedRank("p-job", r, 3) for r in range(3)],
     }
     for rank in ranks["p-origin"]:
@@ -176,6 +188,8 @@ def _stream(url: str) -> None:
         first = batch == TROUBLE.start
         _post(url, ranks["p-sched"][0].step(iter([first]), scheduler_steps_after_skip=int(first)))
         _post(url, ranks["p-poison"][0].step(poisoned_steps=int(first)))
+        for rank in ranks["p-bf16"]:
+            _post(url, rank.step(poisoned_steps=int(first and rank.rank == 1)))
         if batch < 8:  # then it goes quiet without closing
             _post(url, ranks["p-silent"][0].step())
         time.sleep(max(0.0, PERIOD_S - (time.monotonic() - started)))

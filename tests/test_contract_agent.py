@@ -145,6 +145,41 @@ def test_the_contract_check_reports_what_a_typo_would_send():
     assert undeclared(body) == ["state.optimizers.gen: skiped", "events[0] (skip): scale_typo"]
 
 
+@pytest.mark.timeout(60)
+def test_poisoned_steps_of_a_bf16_ddp_job_without_a_scaler_validate_with_their_origin():
+    # watch(None, ..., ddp=model) in a one-rank gloo group: poisoned_step events carry streak, exact and origin.
+    import torch.distributed as dist
+    from ports import free_port
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with RecordingCollector() as server:
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            watch = agent.watch(None, {"net": opt}, ddp=model, collector=server.url, run="contract-bf16",
+                                push_interval=0.05)
+            for iteration in range(4):
+                x = torch.randn(8, 4)
+                if iteration == 1:
+                    x[0, 0] = float("inf")  # poisons this step, and through the weights every later one
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(x).float().pow(2).mean().backward()
+                opt.step()
+            watch.close()
+    finally:
+        dist.destroy_process_group()
+    batches: list[Batch] = [parse_batch(body) for body in server.bodies]
+    poisoned = [e for b in batches for e in b.events if e.kind == "poisoned_step"]
+    assert [(e.iteration, e.streak, e.origin, e.exact) for e in poisoned] == [(1, 1, True, True), (2, 2, True, True)]
+    assert poisoned[0].origin_params == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    last = batches[-1]
+    assert last.state.optimizers["net"].poisoned_steps == 3 and last.state.origin_iterations == 3
+    assert last.scaler.kind == "none" and last.state.loss_scale is None
+
+
 def _max_length(model: type, field: str) -> int:
     """The ``max_length`` the collector's schema puts on ``model.field`` (an optional one's, on what it holds)."""
     import typing

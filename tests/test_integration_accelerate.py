@@ -175,19 +175,42 @@ def test_the_outer_accelerated_scheduler_is_not_what_is_watched(fresh_state):
     assert "step" not in vars(sched_a.scheduler)
 
 
-def test_without_a_scaler_it_says_so_and_changes_nothing(fresh_state, caplog):
-    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
-    torch.manual_seed(0)
-    model = TwoPart()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, opt = accelerator.prepare(model, opt)
-    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
-        watch = ampwatch.watch(accelerator, opt, model=model)
-    (said,) = [r.getMessage() for r in caplog.records if r.name == "ampwatch.agent"]
-    assert "precision 'bf16'" in said and "nothing to watch" in said and "mixed_precision='fp16'" in said
-    assert watch.stepped(opt) is None and "without a GradScaler" in watch.summary()
-    assert not opt.optimizer._optimizer_step_pre_hooks and "step" not in vars(opt)
-    watch.close()
+def bf16_run(watched: bool) -> tuple[Truth, list, object]:
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
+    watch = ampwatch.watch(accelerator, [opt_a, opt_b], [sched_a, sched_b], model=model) if watched else None
+    truth = Truth()
+    train(accelerator, model, [opt_a, opt_b], [sched_a, sched_b], truth)
+    if watch is not None:
+        watch.close()
+        assert not opt_a.optimizer._optimizer_step_pre_hooks and "step" not in vars(sched_a.scheduler)
+    reset_accelerate_state()
+    return truth, bits(model.parameters()), watch
+
+
+def test_in_bf16_every_step_is_checked_and_poisoned_steps_are_the_truth(fresh_state, caplog):
+    with caplog.at_level(logging.INFO, logger="ampwatch.agent"):
+        truth, trained, watch = bf16_run(watched=True)
+    (said,) = [r for r in caplog.records if r.name == "ampwatch.agent"]
+    assert said.levelno == logging.INFO and "mixed_precision='bf16'" in said.getMessage()
+    counts = truth.counts()
+    assert watch_counts(watch.snapshot()) == counts
+    # b's inf at sync step 2 stays in its weights, so every later step of b is poisoned, and of a from the next
+    # one (b's NaN weights reach a's gradients in backward).
+    assert counts["optimizers"]["b"]["poisoned_steps"] == 10 and counts["optimizers"]["a"]["poisoned_steps"] == 9
+    assert watch.snapshot()["state"]["iteration"] == SYNC_STEPS  # one iteration: both optimizers' steps
+    _, plain, _ = bf16_run(watched=False)
+    assert same_bits(trained, plain)
+
+
+def test_fp16_on_cpu_gets_no_scaler_and_the_warning_says_what_accelerate_did_and_what_to_do(fresh_state, caplog):
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    model, opt_a, opt_b, _, _ = job(accelerator)
+    with caplog.at_level(logging.INFO, logger="ampwatch.agent"):
+        ampwatch.watch(accelerator, [opt_a, opt_b], model=model).close()
+    (said,) = [r for r in caplog.records if r.name == "ampwatch.agent"]
+    assert said.levelno == logging.WARNING and "float32" in said.getMessage()
+    assert "examples/accelerate_cpu.py" in said.getMessage()
 
 
 def test_options_that_watch_does_not_take_are_refused(fresh_state):

@@ -113,17 +113,35 @@ def test_training_is_bit_identical_with_and_without_the_callback(agent_env):
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-def test_without_a_scaler_it_says_so_once_and_changes_nothing(agent_env, caplog, precision):
+def test_without_a_scaler_every_step_is_checked_and_poisoned_steps_are_the_truth(agent_env, caplog, precision):
     callback = AmpWatchCallback()
-    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
-        watched, _ = fit(callbacks=[callback], precision=precision, max_epochs=1)
-        fit(callbacks=[callback], precision=precision, max_epochs=1)
+    with caplog.at_level(logging.INFO, logger="ampwatch.agent"):
+        watched, run = fit(callbacks=[callback], precision=precision, max_epochs=1)
+        first = callback.watch
+        fit(callbacks=[callback], precision=precision, max_epochs=1)  # the same callback again: said once
     said = [r.getMessage() for r in caplog.records if r.name == "ampwatch.agent"]
     assert len(said) == 1, said
-    assert f"precision '{precision}'" in said[0] and "nothing to watch" in said[0] and "16-mixed" in said[0]
-    assert not callback.watch.closed and "without a GradScaler" in callback.watch.summary()
+    assert f"precision {precision!r}" in said[0] and "made no GradScaler" in said[0] and "poisoned" in said[0]
+    assert "MixedPrecision('16-mixed', 'cpu')" in said[0]  # on CPU: how to get a real GradScaler
+    truth = watched.truth.counts()
+    assert watch_counts(first.snapshot()) == truth
+    # The inf of batch 1 went into a's weights: every later step of both is poisoned too.
+    assert truth["optimizers"]["a"]["poisoned_steps"] == 5 and truth["optimizers"]["b"]["poisoned_steps"] == 5
+    assert first.closed and all(not o._optimizer_step_pre_hooks and not o._optimizer_step_post_hooks
+                                for o in run.optimizers)
     plain, _ = fit(precision=precision, max_epochs=1)
     assert same_bits(bits(watched.parameters()), bits(plain.parameters()))
+
+
+def test_in_bf16_a_step_given_a_closure_is_checked_after_the_closure_made_its_gradients(agent_env):
+    """Automatic optimization: Lightning calls optimizer.step(closure), which runs forward and backward inside."""
+    callback = AmpWatchCallback()
+    torch.manual_seed(0)
+    module = OneOptimizer(poison={3: (0,)})
+    trainer(max_epochs=1, callbacks=[callback], precision="bf16-mixed").fit(module, data())
+    truth = module.truth.counts()
+    assert truth["optimizers"]["SGD"]["poisoned_steps"] == 3  # batch 3 and the two after it (NaN weights)
+    assert watch_counts(callback.watch.snapshot()) == truth
 
 
 def test_an_exception_in_the_fit_detaches_the_agent_and_goes_on(agent_env):
@@ -201,21 +219,30 @@ def test_the_pytorch_lightning_package_gets_the_same_callback(agent_env):
     assert callback.watch.closed and callback.watch.snapshot()["state"]["optimizers"]["SGD"]["steps"] == 6
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_two_process_ddp_fit_reports_both_ranks_under_one_run(tmp_path, agent_env):
-    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+@pytest.fixture(scope="module")
+def two_process_fits(tmp_path_factory):
+    """One 2-process launch (Lightning's own launcher) of a DDP fit reported to a collector, then an FSDP2 fit
+    in the same processes: (the DDP fit's ranks as the collector has them, the output folder)."""
+    out = tmp_path_factory.mktemp("lightning-two-process")
+    with CollectorProcess(str(out / "ampwatch.db")) as collector:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("AMPWATCH_") and k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
         env["AMPWATCH_URL"] = collector.url  # nothing else: rank, world size and run id come from the launch
-        job = subprocess.run([sys.executable, str(DDP_JOB), str(tmp_path)], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=240)
+        job = subprocess.run([sys.executable, str(DDP_JOB), str(out), "ddp", "fsdp2"], env=env, cwd=out,
+                             capture_output=True, text=True, timeout=400)
         assert job.returncode == 0, job.stderr[-4000:]
         with urllib.request.urlopen(collector.url + "/v1/runs", timeout=10) as answer:
             (run,) = json.loads(answer.read())["runs"]
         ranks = {r: rank_at(collector.url, run["run"], r) for r in (0, 1)}
+    return ranks, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_a_two_process_ddp_fit_reports_both_ranks_under_one_run(two_process_fits):
+    ranks, out = two_process_fits
     for r, rank in ranks.items():
-        result = json.loads((tmp_path / f"rank{r}.json").read_text())
+        result = json.loads((out / f"rank{r}.json").read_text())
         truth = result["truth"]
         assert result["closed"] and result["watch"] == truth
         assert counts_at(rank) == truth, f"rank {r}"
@@ -227,3 +254,16 @@ def test_a_two_process_ddp_fit_reports_both_ranks_under_one_run(tmp_path, agent_
         assert result["scheduler_steps"] == sum(truth["optimizers"]["SGD"][k] for k in ("steps", "skipped"))
         # log_metrics: every batch from rank 0 (6 per epoch and rank, 2 epochs), nothing from rank 1.
         assert result["ampwatch_logged"] == (12 if r == 0 else 0), f"rank {r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_a_two_process_fsdp2_fit_in_bf16_reports_each_ranks_poisoned_steps(two_process_fits):
+    """Lightning's ModelParallelStrategy (FSDP2's fully_shard) runs on CPU: the callback attaches to it."""
+    _, out = two_process_fits
+    for r in (0, 1):
+        result = json.loads((out / f"rank{r}-fsdp2.json").read_text())
+        assert result["sharded"] and result["closed"] and result["agent_errors"] == 0
+        assert result["scaler"]["kind"] == "none" and result["watch"] == result["truth"]
+        # Rank 0's inf at its batch 1 reached both ranks' shards: every step from there on is poisoned.
+        assert result["truth"]["optimizers"]["SGD"]["poisoned_steps"] == 5

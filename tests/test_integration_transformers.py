@@ -134,15 +134,27 @@ def test_reduce_lr_on_plateau_stepped_after_each_evaluation_is_not_watched_as_a_
     assert counters["skipped"] == 3 and counters["scheduler_steps_after_skip"] == 0
 
 
-def test_without_a_scaler_it_says_so_once_and_changes_nothing(tmp_path, caplog):
+def test_in_bf16_every_update_is_checked_and_poisoned_steps_are_the_truth(tmp_path, caplog):
     callback = AmpWatchCallback()
-    with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
-        watched, _ = train(tmp_path, [callback], trainer_class=Trainer, fp16=False, bf16=True)
-        trained = bits(watched.model.parameters())
+    with caplog.at_level(logging.INFO, logger="ampwatch.agent"):
+        watched, truth = train(tmp_path, [callback], trainer_class=Trainer, fp16=False, bf16=True)
+        first, counts = callback.watch, truth.counts()
         watched.train()  # a second train() with the same callback: not said again
-    said = [r.getMessage() for r in caplog.records if r.name == "ampwatch.agent"]
-    assert len(said) == 1 and "precision 'bf16'" in said[0] and "fp16=True" in said[0], said
-    assert "without a GradScaler" in callback.watch.summary()
-    assert not watched.optimizer.optimizer._optimizer_step_pre_hooks
+    said = [r for r in caplog.records if r.name == "ampwatch.agent"]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, said
+    assert "bf16=True" in said[0].getMessage() and "poisoned" in said[0].getMessage()
+    assert watch_counts(first.snapshot()) == counts
+    assert counts["optimizers"]["AdamW"]["poisoned_steps"] == 10  # update 3 holds an inf; NaN weights after it
+    assert first.closed and not watched.optimizer.optimizer._optimizer_step_pre_hooks
     plain, _ = train(tmp_path, [], trainer_class=Trainer, fp16=False, bf16=True)
-    assert same_bits(trained, bits(plain.model.parameters()))
+    assert same_bits(bits(watched.model.parameters()), bits(plain.model.parameters()))
+
+
+def test_fp16_on_cpu_gets_no_scaler_and_the_warning_says_what_the_trainer_did_and_what_to_do(tmp_path, caplog):
+    callback = AmpWatchCallback()
+    with caplog.at_level(logging.INFO, logger="ampwatch.agent"):
+        train(tmp_path, [callback], trainer_class=Trainer, fp16=True, max_steps=1)
+    (said,) = [r for r in caplog.records if r.name == "ampwatch.agent"]
+    assert said.levelno == logging.WARNING
+    assert "fp16=True" in said.getMessage() and "float32" in said.getMessage()
+    assert "examples/transformers_cpu.py" in said.getMessage()

@@ -67,8 +67,8 @@ def _run(snippet: str, monkeypatch) -> dict:
     return namespace
 
 
-def test_the_readme_shows_five_agent_snippets():
-    assert len(_snippets()) == 5
+def test_the_readme_shows_seven_agent_snippets():
+    assert len(_snippets()) == 7
 
 
 @pytest.mark.timeout(120)
@@ -112,9 +112,34 @@ for x, y in loader:
     assert "AdamW: 5 stepped, 1 skipped" in ns["watch"].summary(), ns["watch"].summary()
 
 
+def test_the_bf16_snippet_watches_without_a_scaler_and_counts_each_poisoned_step(monkeypatch):
+    ns = _run(_snippets()[4], monkeypatch)
+    state = ns["watch"].snapshot()
+    # Batch 2's inf went into the weights: its step and every later one applied NaN gradients.
+    assert state["scaler"]["kind"] == "none" and state["state"]["loss_scale"] is None
+    assert state["state"]["optimizers"]["AdamW"]["poisoned_steps"] == 4
+    assert "AdamW: 6 stepped, 0 skipped" in ns["watch"].summary()
+
+
+@pytest.mark.timeout(120)
+def test_the_fsdp2_snippet_watches_a_fully_sharded_model(monkeypatch):
+    import torch.distributed as dist
+    from ports import free_port
+
+    loop = _snippets()[4].split("\n", 3)[3]  # the bf16 snippet's loop, after its watch() line
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ns = _run(_snippets()[5] + loop, monkeypatch)
+    finally:
+        dist.destroy_process_group()
+    assert type(ns["model"].generator.weight).__name__ == "DTensor"  # sharded (one rank here: the whole)
+    assert ns["watch"].snapshot()["state"]["optimizers"]["AdamW"]["poisoned_steps"] == 4
+    assert ns["watch"].snapshot()["state"]["delivery"]["agent_errors"] == 0
+
+
 def test_the_checkpoint_snippet_saves_resumes_and_rebinds_without_a_false_transition(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    ns = _run(_snippets()[4], monkeypatch)
+    ns = _run(_snippets()[6], monkeypatch)
     state = ns["watch"].snapshot()["state"]
     assert state["backoffs"] == 1 and state["growths"] == 0, "the restore was booked as a transition"
     assert state["optimizers"]["SGD"]["skipped"] == 1 and state["optimizers"]["SGD"]["steps"] == 5

@@ -20,16 +20,21 @@ pytestmark = [pytest.mark.slow, needs_browser]
 
 def _stream() -> list[dict]:
     """The issue 8 scenario: head overflows and skips, clipping spreads its NaN and body steps with it."""
-    clean = make_batch(run=RUN, world_size=1, seq=1, iteration=5,
+    clean = make_batch(run=RUN, world_size=2, seq=1, iteration=5,
                        optimizers={"body": optimizer(steps=5), "head": optimizer(steps=5)})
     poisoned = {"id": 2, "kind": "poisoned_step", "time": time.time(), "iteration": 6, "optimizer": "body",
                 "reason": "nonfinite_grad", "params_total": 2,
                 "params": [{"name": HOSTILE, "inf": 0, "nan": 64}, {"name": "body.bias", "inf": 0, "nan": 8}]}
-    after = make_batch(run=RUN, world_size=1, seq=2, iteration=6,
+    after = make_batch(run=RUN, world_size=2, seq=2, iteration=6,
                        optimizers={"body": optimizer(steps=6, poisoned_steps=1),
                                    "head": optimizer(steps=5, skipped=1, consecutive=1, longest=1)},
                        events=[skip_event(1, optimizer="head", iteration=6, params=("head.bias",)), poisoned])
-    return [clean, after]
+    # A second rank trains without a GradScaler (bf16): no scale, so nothing about it may look collapsed or apart.
+    unscaled = make_batch(run=RUN, rank=1, incarnation=f"{2:032x}", world_size=2, seq=1, iteration=6,
+                          loss_scale=None, optimizers={"net": optimizer(steps=6)},
+                          scaler={"enabled": False, "kind": "none", "init_scale": None, "growth_factor": None,
+                                  "backoff_factor": None, "growth_interval": None})
+    return [clean, after, unscaled]
 
 
 @pytest.mark.timeout(60)
@@ -59,6 +64,11 @@ def test_the_status_page_shows_a_poisoned_optimizer_its_event_parameters_and_ale
             assert cells[5] == (f"stepped with non-finite gradients (nonfinite_grad) · "
                                 f"{HOSTILE} (inf 0, nan 64), body.bias (inf 0, nan 8)"), cells
             assert page.locator("img").count() == 0
+
+            # The rank without a GradScaler says so, shows no scale, and is not counted as in trouble.
+            unscaled = page.locator("#ranks tr.rank[data-rank='1'] td")
+            assert unscaled.nth(2).text_content() == "none (bf16/fp32: every step checked)"
+            assert unscaled.nth(3).text_content() == "-" and "disabled" not in unscaled.nth(2).get_attribute("class")
 
             alert = page.locator("#firing tr.alert[data-alert=AmpPoisonedStep]")
             assert alert.count() == 1

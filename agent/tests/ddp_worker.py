@@ -53,12 +53,41 @@ def scenario(rank: int, kind: str) -> dict:
             "scale": scaler.get_scale()}
 
 
+def unscaled(rank: int, watched: bool) -> dict:
+    """DDP in bf16 without a GradScaler (``watch(None, ..., ddp=model)``): rank 1's inf reaches both ranks."""
+    from ampwatch import agent
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = agent.watch(None, {"net": opt}, ddp=model, collector=(), run="ddp-bf16") if watched else None
+    poisoned = []  # ground truth: the iterations whose all-reduced gradients held inf/NaN
+    for i in range(ITERATIONS):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + i))
+        if rank == 1 and i == INJECT_AT:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().pow(2).mean().backward()
+        if not all(bool(torch.isfinite(p.grad).all()) for p in net.parameters()):
+            poisoned.append(i)
+        opt.step()
+    result = {"poisoned": poisoned, "bits": [b.reshape(-1).tolist() for b in bits(net.parameters())]}
+    if w is not None:
+        w.close()
+        result.update(state=w.snapshot()["state"],
+                      events=[e for e in w._recorder.events.drain() if e["kind"] == "poisoned_step"])
+    return result
+
+
 def main(rank: int, out_dir: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AMPWATCH_RUN="ddp-test")
     os.environ.pop("AMPWATCH_URL", None)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         results = {kind: scenario(rank, kind) for kind in ("ddp", "independent", "sharded")}
+        results["unscaled"], results["unscaled_plain"] = unscaled(rank, True), unscaled(rank, False)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:

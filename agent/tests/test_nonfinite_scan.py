@@ -226,3 +226,28 @@ def test_a_scan_copies_to_the_host_once_per_stage_and_never_reads_a_scalar(monke
         assert [tuple(s) for s in copies] == [(2000,)]  # nothing flagged: no second copy
     assert ScalarReads.reads == 0
     assert flagged.total == 667 and clean.total == 0
+
+
+def test_a_sharded_gradient_is_scanned_in_this_rank_s_shard_without_an_internal_error():
+    """FSDP2 (fully_shard) in a one-rank gloo group: parameters and gradients are DTensors. The scan looks at
+    the local shard (never a DTensor reduction, a collective, nor .tolist(), which DTensor refuses) and names
+    the parameter; here the one rank holds the whole of it, so no slice is added (test_fsdp.py: 2 and 4 ranks)."""
+    import torch.distributed as dist
+    from ports import free_port
+    from torch.distributed.fsdp import fully_shard
+
+    from ampwatch.agent._shards import is_sharded
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        fully_shard(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        net(torch.randn(3, 4)).sum().backward()
+        assert is_sharded(net[1].weight.grad)
+        net[1].weight.grad.to_local()[0, 0] = INF
+        (report,) = scan_optimizers([(opt, "grads")], ParameterNames(net.named_parameters()))
+        assert report.params == [{"name": "1.weight", "inf": 1, "nan": 0}] and report.total == 1
+    finally:
+        dist.destroy_process_group()

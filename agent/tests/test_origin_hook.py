@@ -344,3 +344,99 @@ def test_parameters_ddp_ignores_are_not_watched(group):
         assert watch._recorder.origin.names == ["0.weight", "0.bias"]
     finally:
         watch.close()
+
+
+def test_without_a_scaler_a_poisoned_step_says_whether_this_rank_s_own_gradients_held_the_inf(group):
+    """watch(None, ..., ddp=model), two optimizers, two micro-batches per step. The job zeroes non-finite
+    gradients before its steps (a step pre-hook of its own), so the weights stay finite and later iterations
+    are clean. Iteration 1: an inf in the first micro-batch's input (own: origin). Iteration 3: an inf put into
+    the reduced gradient after backward (not own: no origin, although iteration 1's notes held one).
+    Iteration 4: an inf in 2.weight's own gradient only, so only the second optimizer's step is poisoned."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net)
+    first, second = torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1)
+    iteration = 0
+    net[2].weight.register_hook(lambda g: g.clone().fill_(float("inf")) if iteration == 4 else None)
+    watch = agent.watch(None, {"first": first, "second": second}, collector=(), run="t", ddp=model)
+
+    def zero_nonfinite(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)
+
+    for opt in (first, second):
+        opt.register_step_pre_hook(zero_nonfinite)
+    try:
+        for iteration in range(6):
+            for opt in (first, second):
+                opt.zero_grad()
+            for micro in range(2):
+                x = _poisoned() if (iteration, micro) == (1, 0) else torch.randn(3, 4)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(x).float().pow(2).mean().backward()
+            if iteration == 3:
+                net[2].bias.grad[0] = float("inf")
+            first.step()
+            second.step()
+        drained = watch._recorder.events.drain()
+        poisoned = [(e["iteration"], e["optimizer"], e["origin"], e["origin_params"])
+                    for e in drained if e["kind"] == "poisoned_step"]
+        assert poisoned == [(1, "first", True, ["0.weight", "0.bias", "2.weight", "2.bias"]),
+                            (1, "second", True, ["0.weight", "0.bias", "2.weight", "2.bias"]),
+                            (3, "second", False, []), (4, "second", True, ["2.weight"])]
+        assert watch.snapshot()["state"]["origin_iterations"] == 2
+        assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    finally:
+        watch.close()
+    assert _hooks_on(net) == 1  # the job's own hook: ampwatch's came off
+
+
+def test_without_a_scaler_a_check_landing_late_gets_the_origin_of_its_own_iteration(group, monkeypatch):
+    """A GPU's check lands after its step (held back by hand here, the rest real): the DDP notes of its iteration
+    are kept on the device until then, apart from the next iteration's. Iteration 0: an own inf. Iteration 1: an
+    inf put into the reduced gradient only. Both land at iteration 2's step."""
+    from ampwatch.agent import _device, _poison
+
+    held = []
+
+    class Held:
+        def __init__(self, read):
+            self.read, self.landed = read, False
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            return self.read.wait()
+
+    def landing_late(tensors):
+        values = _device.max_abs(tensors)
+        held.append(Held(_device.read_later(~torch.isfinite(values).all())))
+        return _poison.NonfiniteCheck(read=held[-1], max_abs=values)
+
+    monkeypatch.setattr(_poison, "check_nonfinite", landing_late)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = agent.watch(None, opt, collector=(), run="t", ddp=model)
+    try:
+        for iteration in range(3):
+            if iteration == 2:
+                for read in held:
+                    read.landed = True
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(_poisoned() if iteration == 0 else torch.randn(3, 4)).float().pow(2).mean().backward()
+            if iteration == 1:
+                net[2].bias.grad[0] = float("inf")
+            opt.step()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.nan_to_num_(0.0, 0.0, 0.0)  # the weights put right, as a job reloading them would
+        poisoned = [(e["iteration"], e["exact"], e["origin"], e["origin_params_total"])
+                    for e in watch._recorder.events.drain() if e["kind"] == "poisoned_step"]
+        assert poisoned == [(0, False, True, 4), (1, False, False, 0)]
+    finally:
+        watch.close()

@@ -1,4 +1,4 @@
-"""Real DDP over gloo with two processes: who skips, on which rank (and ShardedGradScaler is accepted)."""
+"""Real DDP over gloo with two processes: who skips, on which rank (and ShardedGradScaler is accepted); bf16."""
 
 from __future__ import annotations
 
@@ -48,3 +48,26 @@ def test_sharded_grad_scaler_is_accepted_and_its_all_reduced_skips_are_reported(
         # ShardedGradScaler all-reduces found_inf, so the rank without the inf skips too.
         assert sharded["truth"] == sharded["reported"] == expected
         assert sharded["state"]["backoffs"] == 1 and sharded["state"]["loss_scale"] == sharded["scale"]
+
+
+def test_ddp_in_bf16_without_a_scaler_reports_every_rank_s_poisoned_steps_and_trains_as_before(ranks):
+    for rank in ranks:
+        run = rank["unscaled"]
+        # Rank 1's inf, all-reduced, reached both ranks' gradients and then their weights: every step from there.
+        assert run["poisoned"] == list(range(INJECT_AT, 4))
+        assert run["state"]["optimizers"]["net"]["poisoned_steps"] == len(run["poisoned"])
+        assert [e["iteration"] for e in run["events"]] == [INJECT_AT, INJECT_AT + 1]  # the run's 1st and 2nd
+        assert {p["name"] for p in run["events"][0]["params"]} == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        assert run["state"]["delivery"]["agent_errors"] == 0
+        assert run["bits"] == rank["unscaled_plain"]["bits"]
+
+
+def test_ddp_in_bf16_names_the_rank_whose_own_gradients_poisoned_the_step(ranks):
+    for r, rank in enumerate(ranks):
+        first, second = rank["unscaled"]["events"]
+        # Only rank 1's input held the inf; from the next step on both ranks' weights, so their own gradients, are NaN.
+        assert first["origin"] is (r == 1) and second["origin"] is True
+        assert first["origin_params_total"] == (len(first["origin_params"]) if r == 1 else 0)
+        assert ("0.weight" in first["origin_params"]) is (r == 1)
+        poisoned = len(rank["unscaled"]["poisoned"])
+        assert rank["unscaled"]["state"]["origin_iterations"] == (poisoned if r == 1 else poisoned - 1)

@@ -48,14 +48,15 @@ def transformer_builder(amp: Amp, quick: bool) -> Callable:
     return transformer
 
 
-def _measure(amp: Amp, model, fused: bool, rounds: int, block: int, variants: tuple[str, ...]) -> dict:
+def _measure(amp: Amp, model, fused: bool, rounds: int, block: int, variants: tuple[str, ...],
+             base: str = "bare") -> dict:
     setups = {v: Setup(v, model, fused, collector=(), device=amp.device) for v in variants}
     try:
         for s in setups.values():
             s.iterate(3)  # warm-up: allocator, cuBLAS handles and autotuning, the agent's first reads
         amp.sync()
         cpu, wall = rotate(setups, rounds, block, settle=amp.sync)
-        return {"variants": compare(cpu, wall), "rounds": rounds, "block": block}
+        return {"variants": compare(cpu, wall, base), "rounds": rounds, "block": block}
     finally:
         for s in setups.values():
             s.close()

@@ -20,6 +20,8 @@ __all__ = ["Truth", "bits", "counts_at", "fresh_state", "gpu_like_fp16", "params
            "same_bits", "watch_counts"]
 
 INF = float("inf")
+COUNTED = ("steps", "skipped", "scheduler_steps_after_skip", "poisoned_steps")
+"""Each optimizer's counters the truth knows."""
 
 
 def params_of(optimizer: Any) -> list[torch.Tensor]:
@@ -39,11 +41,16 @@ def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 class Truth:
-    """Count real steps, skips, backoffs, growths and scheduler steps taken right after a skip."""
+    """Count real steps, skips, poisoned steps, backoffs, growths and scheduler steps taken right after a skip.
+
+    A poisoned step updated the parameters with gradients holding inf/NaN (read after the step: the
+    optimizers used here never change a gradient in place). Without a scaler every step is a step.
+    """
 
     def __init__(self) -> None:
         self.steps: collections.Counter = collections.Counter()
         self.skipped: collections.Counter = collections.Counter()
+        self.poisoned: collections.Counter = collections.Counter()
         self.scheduler_steps_after_skip: collections.Counter = collections.Counter()
         self.backoffs = self.growths = 0
         self.last_stepped: dict[str, bool] = {}
@@ -57,9 +64,11 @@ class Truth:
         """Record whether the step changed any parameter, and how the scale moved."""
         name, params, before, scale = self._open
         self._open = None
-        stepped = not same_bits(before, bits(params))
+        stepped = scaler is None or not same_bits(before, bits(params))  # without a scaler nothing skips
         self.last_stepped[name] = stepped
         (self.steps if stepped else self.skipped)[name] += 1
+        self.poisoned[name] += stepped and not all(bool(torch.isfinite(p.grad).all()) for p in params
+                                                   if p.grad is not None)
         if scaler is not None:  # bf16 and fp32 jobs have no scaler: steps only
             after = scaler.get_scale()
             self.backoffs += after < scale
@@ -83,7 +92,8 @@ class Truth:
         names = sorted(set(self.steps) | set(self.skipped))
         return {"backoffs": self.backoffs, "growths": self.growths,
                 "optimizers": {n: {"steps": self.steps[n], "skipped": self.skipped[n],
-                                   "scheduler_steps_after_skip": self.scheduler_steps_after_skip[n]}
+                                   "scheduler_steps_after_skip": self.scheduler_steps_after_skip[n],
+                                   "poisoned_steps": self.poisoned[n]}
                                for n in names}}
 
     def add(self, other: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +104,7 @@ class Truth:
         for name in sorted(set(mine["optimizers"]) | set(other["optimizers"])):
             a = mine["optimizers"].get(name, {})
             b = other["optimizers"].get(name, {})
-            result["optimizers"][name] = {k: a.get(k, 0) + b.get(k, 0)
-                                          for k in ("steps", "skipped", "scheduler_steps_after_skip")}
+            result["optimizers"][name] = {k: a.get(k, 0) + b.get(k, 0) for k in COUNTED}
         return result
 
 
@@ -103,8 +112,7 @@ def watch_counts(snapshot: dict[str, Any]) -> dict[str, Any]:
     """What a watch's snapshot says, in the shape of :meth:`Truth.counts`."""
     state = snapshot["state"]
     return {"backoffs": state["backoffs"], "growths": state["growths"],
-            "optimizers": {n: {k: c[k] for k in ("steps", "skipped", "scheduler_steps_after_skip")}
-                           for n, c in state["optimizers"].items()}}
+            "optimizers": {n: {k: c[k] for k in COUNTED} for n, c in state["optimizers"].items()}}
 
 
 def rank_at(collector_url: str, run: str, rank: int = 0) -> dict[str, Any]:
@@ -118,8 +126,7 @@ def rank_at(collector_url: str, run: str, rank: int = 0) -> dict[str, Any]:
 def counts_at(rank: dict[str, Any]) -> dict[str, Any]:
     """A collector rank's totals in the shape of :meth:`Truth.counts`."""
     return {"backoffs": rank["backoffs"], "growths": rank["growths"],
-            "optimizers": {n: {k: c[k] for k in ("steps", "skipped", "scheduler_steps_after_skip")}
-                           for n, c in rank["optimizers"].items()}}
+            "optimizers": {n: {k: c[k] for k in COUNTED} for n, c in rank["optimizers"].items()}}
 
 
 @pytest.fixture

@@ -13,9 +13,13 @@ __all__ = ["check_scaler", "named_optimizers", "named_params", "peel", "per_step
            "scheduler_and_interval"]
 
 
-def check_scaler(scaler: Any) -> None:
+def check_scaler(scaler: Any, *, none: bool = False) -> None:
+    """Raise a TypeError unless ``scaler`` is a GradScaler (or, with ``none``, None: a job without one)."""
+    if scaler is None and none:
+        return
     if not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler (or a subclass such as ShardedGradScaler), "
+        also = " or None for a job without one (bf16, float32)" if none else ""
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (or a subclass such as ShardedGradScaler){also}, "
                         f"got {type(scaler).__name__}")
 
 

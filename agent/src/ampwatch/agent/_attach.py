@@ -239,6 +239,8 @@ class ScalerPatch:
 class OptimizerHooks:
     """Step pre-hooks on the watched optimizers and wrappers on their per-step LR schedulers.
 
+    Without a scaler, step post-hooks too: a step given a closure computes its gradients inside.
+
     Holds no reference to the scaler.
     """
 
@@ -253,6 +255,8 @@ class OptimizerHooks:
         def install() -> None:
             for record in self.recorder.records:
                 self._handles.append(record.optimizer.register_step_pre_hook(self._pre_hook(record)))
+                if self.recorder.unscaled is not None:  # a step with a closure makes its gradients inside
+                    self._handles.append(record.optimizer.register_step_post_hook(self._post_hook(record)))
             for record, label, scheduler in self._schedulers:
                 step = _held_weakly(scheduler, scheduler.step)
                 self._patches.set(scheduler, "step", self._wrap_scheduler_step(step, record, label))
@@ -279,6 +283,25 @@ class OptimizerHooks:
                 recorder.on_optimizer_step(record, in_watched_step=id(optimizer) in _in_watched_step)
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
+
+        def unscaled_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            try:  # without a scaler, whether the step was given a closure decides when its gradients are read
+                # (torch passes the hook step()'s own arguments, the optimizer first: a closure is the second)
+                closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+                recorder.on_optimizer_step(record, closure is not None)
+            except Exception as error:  # noqa: BLE001
+                recorder.internal_error("optimizer step pre-hook", error)
+
+        return hook if recorder.unscaled is None else unscaled_hook
+
+    def _post_hook(self, record: OptimizerRecord) -> Callable[..., None]:
+        recorder = self.recorder
+
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            try:
+                recorder.after_optimizer_step(record)
+            except Exception as error:  # noqa: BLE001
+                recorder.internal_error("optimizer step post-hook", error)
 
         return hook
 

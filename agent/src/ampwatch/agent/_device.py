@@ -19,6 +19,7 @@ __all__ = [
     "has_step_hooks",
     "host_scalar",
     "init_scale",
+    "max_abs",
     "nonfinite_counts",
     "nonfinite_indices",
     "read_later",
@@ -153,6 +154,7 @@ def read_later(tensor: torch.Tensor) -> PendingRead:
 # ----- non-finite scan: which tensors hold inf/NaN (stage 1), and how many (stage 2) -------------
 
 _foreach_norm = getattr(torch, "_foreach_norm", None)  # private; absent: the public per-tensor path
+_INF = float("inf")
 
 CPU_STACK_MAX_NUMEL = 4096
 """On CPU, tensors up to this many elements are checked in stacks of one shape (a ``torch.stack`` copy,
@@ -299,3 +301,16 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, 
             for position, (n_inf, n_nan) in zip(positions, rows):
                 counts[position] = (int(n_inf), int(n_nan))
     return counts
+
+
+def max_abs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Return max |x| of each tensor, stacked in one tensor on their device (inf or NaN exactly where x held any); no sync.
+
+    One ``_foreach_norm(ord=inf)`` call (private op; NaN propagates; on a GPU a few fused kernel launches for
+    all the tensors) and one ``stack``. The tensors must be real, strided and on one device; raises
+    RuntimeError, TypeError or NotImplementedError otherwise, or when the op is missing.
+    """
+    if _foreach_norm is None:
+        raise NotImplementedError("torch._foreach_norm is missing")
+    with torch.no_grad():
+        return torch.stack(_foreach_norm(tensors, ord=_INF))

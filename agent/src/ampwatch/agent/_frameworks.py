@@ -1,4 +1,4 @@
-"""What the framework integrations share: importing the framework, naming optimizers, pairing schedulers, 'no scaler'.
+"""What the framework integrations share: importing the framework, naming optimizers, pairing schedulers, no scaler.
 
 Lightning, the Hugging Face Trainer and Accelerate each hold the GradScaler,
 the optimizers (maybe wrapped) and the LR schedulers (maybe wrapped, maybe with
@@ -19,7 +19,7 @@ import torch
 from ._arguments import named_optimizers, scheduler_and_interval
 from ._watch import DisabledWatch, Watch, watch
 
-__all__ = ["OPTIONS", "Unwatched", "attach", "check_options", "no_scaler", "require"]
+__all__ = ["OPTIONS", "attach", "check_options", "require", "say_unscaled"]
 
 log = logging.getLogger("ampwatch.agent")
 
@@ -45,34 +45,25 @@ def check_options(options: Mapping[str, Any], where: str) -> dict[str, Any]:
     return dict(options)
 
 
-class Unwatched(DisabledWatch):
-    """What an integration holds when the framework made no GradScaler: records nothing, patches nothing."""
+def say_unscaled(framework: str, what: str, cpu_recipe: str | None = None, *, asked_fp16: bool = False) -> None:
+    """Log, once per job on rank 0, that the framework made no GradScaler and what the watch does instead.
 
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def summary(self) -> str:
-        """Say why nothing is watched."""
-        return f"ampwatch not attached: {self.reason}"
-
-    def __repr__(self) -> str:
-        return f"<ampwatch Unwatched: {self.reason}>"
-
-
-def no_scaler(framework: str, precision: Any, hint: str, *, say: bool) -> Unwatched:
-    """Return the :class:`Unwatched` handle for a job without a GradScaler; log why when ``say`` (once, rank 0)."""
-    reason = f"{framework} trains without a GradScaler (precision {precision!r})"
-    if say:
-        log.warning("ampwatch: %s, so there is nothing to watch and nothing is changed. Only float16 mixed "
-                    "precision scales the loss: bf16 and float32 training never skips an optimizer step for "
-                    "overflow and has no loss scale to report. To watch float16 training, use %s.", reason, hint)
-    return Unwatched(reason)
+    ``what``: what the framework does (its precision, and what it made of the one asked for);
+    ``cpu_recipe``: how to train float16 with a real GradScaler on CPU, said when given. A warning when
+    float16 was asked for (``asked_fp16``) and the framework made no scaler; otherwise information.
+    """
+    message = (f"ampwatch: {framework} made no GradScaler ({what}), so no step is ever skipped and there is no "
+               "loss scale to report; ampwatch checks every optimizer step for inf/NaN gradients instead "
+               "(poisoned steps).")
+    if cpu_recipe:
+        message += f" To train float16 with a real GradScaler on CPU: {cpu_recipe}."
+    log.log(logging.WARNING if asked_fp16 else logging.INFO, "%s", message)
 
 
-def attach(scaler: torch.amp.GradScaler, optimizers: Sequence[Any] | Mapping[str, Any], *,
+def attach(scaler: torch.amp.GradScaler | None, optimizers: Sequence[Any] | Mapping[str, Any], *,
            schedulers: Iterable[Any] = (), module: torch.nn.Module | None = None,
            names: Sequence[str] | None = None, **options: Any) -> Watch | DisabledWatch:
-    """Watch ``scaler`` and ``optimizers`` as a framework holds them (wrapped or not).
+    """Watch ``scaler`` (None: the framework made none) and ``optimizers`` as a framework holds them.
 
     Optimizers are named by ``names`` (in order), else by the submodule of
     ``module`` each one owns when there are several and they own distinct

@@ -105,12 +105,17 @@ class SkipInspection:
                 self.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
     def report_poisoned(self, record: OptimizerRecord, iteration: int,
-                        report: NonfiniteReport, reason: PoisonReason) -> None:
-        """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step."""
+                        report: NonfiniteReport, reason: PoisonReason, **fields: Any) -> None:
+        """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step.
+
+        ``fields`` go into the event as they are (a watch without a scaler: ``streak``, ``exact``, and with
+        ``ddp=`` the origin fields).
+        """
         if record.poison_reported_for == iteration:
             return
         record.poison_reported_for = iteration
         record.poisoned += 1
         event: PoisonedStepEvent = {"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
-                                    "params": report.params, "params_total": report.total, "reason": reason}
+                                    "params": report.params, "params_total": report.total, "reason": reason,
+                                    **fields}  # type: ignore[typeddict-item]
         self.events.append(event)

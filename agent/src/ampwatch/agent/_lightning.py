@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ._frameworks import Unwatched, attach, check_options, no_scaler
+from ._frameworks import attach, check_options, say_unscaled
 from ._watch import DisabledWatch, Watch
 
 __all__ = ["LightningWatch"]
 
-_HINT = "precision='16-mixed' on a GPU (on CPU: plugins=[MixedPrecision('16-mixed', 'cpu')])"
+_CPU_RECIPE = ("Trainer(plugins=[MixedPrecision('16-mixed', 'cpu')]) instead of precision='16-mixed' "
+               "(examples/lightning_cpu.py)")
 
 
 class LightningWatch:
@@ -22,7 +23,7 @@ class LightningWatch:
     ``names``: one name per optimizer, in ``configure_optimizers`` order
     (default: the submodule each optimizer owns, else its class).
     ``log_metrics``: also send the loss scale and each optimizer's skipped
-    steps to the Trainer's loggers every ``log_every_n_steps`` batches (one
+    and poisoned steps to the Trainer's loggers every ``log_every_n_steps`` batches (one
     snapshot of a few counters each time). ``collector``, ``run``, ``token``,
     ``push_interval``: as for :func:`ampwatch.agent.watch`.
     """
@@ -38,14 +39,19 @@ class LightningWatch:
         self._batches = 0
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        """Attach to the precision plugin's scaler, every optimizer and the LR schedulers with their interval."""
+        """Attach to the precision plugin's scaler, every optimizer and the LR schedulers with their interval.
+
+        Without a scaler (bf16, float32) every optimizer step is checked for inf/NaN gradients instead.
+        """
         self._detach()
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is None:
-            self.watch = no_scaler("this Trainer", trainer.precision, _HINT,
-                                   say=not self._said_no_scaler and trainer.is_global_zero)
+        if scaler is None and not self._said_no_scaler and trainer.is_global_zero:
+            on_cpu = getattr(getattr(trainer.strategy, "root_device", None), "type", None) == "cpu"
+            what = f"precision {trainer.precision!r}"
+            if on_cpu and trainer.precision == "bf16-mixed":
+                what += "; on CPU Lightning runs precision='16-mixed' as 'bf16-mixed'"
+            say_unscaled("this Lightning Trainer", what, _CPU_RECIPE if on_cpu else None)
             self._said_no_scaler = True
-            return
         self._batches = 0
         self.watch = attach(scaler, list(trainer.optimizers), names=self.names, module=pl_module,
                             schedulers=list(trainer.lr_scheduler_configs), **self._options)
@@ -58,8 +64,8 @@ class LightningWatch:
         if self._batches % max(1, trainer.log_every_n_steps) or not trainer.is_global_zero:
             return
         state = self.watch.snapshot()["state"]
-        metrics = {f"ampwatch/{name}/skipped_steps": counters["skipped"]
-                   for name, counters in state["optimizers"].items()}
+        metrics = {f"ampwatch/{name}/{metric}": counters[key] for name, counters in state["optimizers"].items()
+                   for metric, key in (("skipped_steps", "skipped"), ("poisoned_steps", "poisoned_steps"))}
         if state["loss_scale"] is not None:
             metrics["ampwatch/loss_scale"] = state["loss_scale"]
         for logger in trainer.loggers:
@@ -79,7 +85,7 @@ class LightningWatch:
             self._detach()
 
     def _detach(self) -> None:
-        if self.watch is not None and not isinstance(self.watch, Unwatched):
+        if self.watch is not None:
             self.watch.close()
 
     def __getstate__(self) -> dict[str, Any]:

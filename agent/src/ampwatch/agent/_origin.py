@@ -12,7 +12,7 @@ communication hook and changes nothing of the reduction; its hooks come off at :
 The hook writes one ``torch.aminmax`` of the gradient into two numbers kept for that parameter (a row per
 backward of the iteration, so an inf in any micro-batch is kept), on the device, without a sync and, after
 the first iterations, without allocating. The numbers are read only on an iteration where some optimizer
-skipped (:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite` makes them one on-device flag
+skipped, or without a scaler was poisoned (:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite` makes them one on-device flag
 for any other reader.
 """
 
@@ -61,7 +61,8 @@ class LocalGradients:
     """Each parameter's own gradient in this iteration, noted on the way in: did it hold inf/NaN?
 
     ``params`` are ``(name, parameter)`` pairs; :meth:`attach` puts the hooks on. The hooks run on the
-    autograd threads, the rest on the training thread: :meth:`end_iteration` (at ``scaler.update()``) starts
+    autograd threads, the rest on the training thread: :meth:`end_iteration` (at ``scaler.update()``; without a scaler, at the
+    first optimizer step after a backward) starts
     the next iteration's notes (Python only), or, while a deferred outcome may still ask about the iteration,
     first keeps one flag per parameter for it.
     """
@@ -180,6 +181,10 @@ class LocalGradients:
             flags.append(torch.isfinite(pair).all().logical_not_().reshape(1))
         return slots, flags
 
+    def noted(self) -> bool:
+        """Tell whether some gradient was noted since the last :meth:`end_iteration` (Python only)."""
+        return any(self._counts)
+
     def nonfinite(self) -> torch.Tensor | None:
         """Whether this rank's own gradients held inf/NaN in this iteration so far, as a 0-d bool tensor on the
         gradients' device (no sync; read it with ``_device.read_later``); None when none was noted yet.
@@ -227,9 +232,9 @@ class LocalGradients:
         known = self._reports.get(iteration)
         if known is not None:
             return known, False
-        if current:
-            flagged = self._flags() if any(self._counts) else None
-        else:
+        if current and any(self._counts):
+            flagged = self._flags()
+        else:  # an ended iteration's, kept (or none)
             flagged = self._kept.get(iteration)
         if flagged is None:
             return None, False

@@ -11,6 +11,7 @@ import torch
 from ampwatch.contract.batch import ParamCount
 
 from ._device import nonfinite_counts, nonfinite_indices
+from ._shards import is_sharded, local, shard_text
 
 __all__ = ["MAX_NAMED_PARAMS", "NonfiniteReport", "ParameterNames", "Part", "scan_optimizers"]
 
@@ -31,11 +32,18 @@ class ParameterNames:
         return self._by_id.get(id(param))
 
     def name(self, param: torch.Tensor, group: int, index: int) -> str:
-        """Return the model's name of ``param``, else ``param_groups[group][index] [shape]``."""
+        """Return the model's name of ``param``, else ``param_groups[group][index] [shape]``.
+
+        A sharded parameter (FSDP2) is named with the slice of it this rank holds:
+        ``"layers.0.weight shard [8:16, 0:8]"``.
+        """
         known = self._by_id.get(id(param))
-        if known is not None:
-            return known
-        return f"param_groups[{group}][{index}] {list(param.shape)}"
+        name = known if known is not None else f"param_groups[{group}][{index}] {list(param.shape)}"
+        if is_sharded(param):
+            where = shard_text(param)
+            if where is not None:
+                name = f"{name} shard {where}"
+        return name
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,6 +68,7 @@ def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
     reduction per device and dtype, one host copy per device); stage 2 counts inf and NaN exactly in the
     first :data:`MAX_NAMED_PARAMS` flagged tensors of each target, in optimizer order (one more small
     copy per device, only when something was flagged). Only those are named; ``total`` counts all flagged.
+    Sharded tensors (FSDP2) are looked at in this rank's shard, with no communication.
     """
     tensors: list[torch.Tensor | None] = []
     spans: list[tuple[int, list[torch.Tensor], list[int]]] = []  # (first position, params, group starts)
@@ -70,7 +79,9 @@ def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
             group_starts.append(len(params))
             params.extend(group["params"])
         spans.append((len(tensors), params, group_starts))
-        tensors.extend([p.grad for p in params] if part == "grads" else params)
+        with torch.no_grad():  # a sharded tensor is looked at in this rank's shard only (no communication)
+            tensors.extend([None if t is None else local(t)
+                            for t in ([p.grad for p in params] if part == "grads" else params)])
     flagged = nonfinite_indices(tensors)
     per_target = []
     for start, params, _ in spans:

@@ -21,6 +21,7 @@ from ._events import EventBuffer
 from ._inspection import SkipInspection
 from ._origin import LocalGradients
 from ._params import ParameterNames
+from ._poison import PoisonCheck
 from ._scale import LossScale
 
 __all__ = ["OptimizerRecord", "Recorder", "STREAK_LADDER"]
@@ -51,6 +52,8 @@ class OptimizerRecord:
     poison_reported_for: int | None = None  # step iteration already reported as poisoned
     last_streak_inspection: float = float("-inf")  # when the last naming scan at a streak start ended
     check_weights: bool = False  # a streak began this iteration: look at the weights its last step left
+    check_after: bool = False  # without a scaler: the step got a closure, check its gradients after it
+    poison_run: int = 0  # without a scaler: consecutive poisoned steps (events go at 1, 2, 4, 8, ...)
     origin_sent: tuple | None = None  # origin of the streak's last skip event: a change is news, a repeat is not
     # Per scaler.step call, written by the wrappers and the step pre-hook.
     hook_fired: bool = False
@@ -85,6 +88,11 @@ class OptimizerRecord:
         return counters
 
 
+def _no_scaler() -> None:
+    """What :attr:`Recorder.scaler` reads in a watch without a GradScaler."""
+    return None
+
+
 class Recorder:
     """Count steps, skips, streaks and scale transitions of one scaler, and emit events.
 
@@ -94,7 +102,7 @@ class Recorder:
     offenders, poisoned steps) are :class:`~._inspection.SkipInspection`'s.
     """
 
-    def __init__(self, scaler: Any, records: list[OptimizerRecord], names: ParameterNames,
+    def __init__(self, scaler: Any | None, records: list[OptimizerRecord], names: ParameterNames,
                  events: EventBuffer, *, errors: AgentErrors | None = None, wake: threading.Event | None = None,
                  inspect_interval: float = 1.0) -> None:
         self.records = records
@@ -107,8 +115,15 @@ class Recorder:
         self.attached = False  # the wrappers and hooks pass straight through while False
         self.active: OptimizerRecord | None = None  # the record inside scaler.step right now
         self.scale = LossScale(events)
-        self._scaler: weakref.ref = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
-        self.scale.bind(scaler, self.iteration)
+        self.unscaled: PoisonCheck | None = None  # a job without a GradScaler: every step is checked instead
+        if scaler is None:
+            self._scaler: Any = _no_scaler
+            self.scale.unscaled()
+            self.unscaled = PoisonCheck(self.inspection)
+        else:
+            self._scaler = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
+            self.scale.bind(scaler, self.iteration)
+        self.open_iteration = False  # without a scaler: some optimizer stepped in the current iteration
         self._skipped_this_iteration = False
         self._warned: set[int] = set()
         self._warned_outside = False
@@ -154,8 +169,9 @@ class Recorder:
         record.found_inf = None
         self.active = record
 
-    def on_optimizer_step(self, record: OptimizerRecord, *, in_watched_step: bool = False) -> None:
-        """Note that ``optimizer.step()`` is being called (step pre-hook).
+    def on_optimizer_step(self, record: OptimizerRecord, closure: bool = False, *,
+                          in_watched_step: bool = False) -> None:
+        """Note that ``optimizer.step()`` is being called (step pre-hook; ``closure``: it was given one).
 
         ``in_watched_step``: it is called inside the ``step()`` of a scaler some watch
         watches (this one's, or a newer watch's of the same optimizer, as when a
@@ -165,6 +181,8 @@ class Recorder:
             record.hook_fired = True
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
+        elif self.unscaled is not None:
+            self.unscaled.on_step(self, record, closure)
         elif self.active is None:
             record.last_stepped = None  # this watch no longer knows the optimizer's last step
             if not in_watched_step and not self._warned_outside:
@@ -187,6 +205,19 @@ class Recorder:
             warning: WarningEvent = {"kind": "warning", "iteration": self.iteration, "optimizer": record.name,
                                      "code": "stepped_outside_scaler", "message": message}
             self.events.append(warning)
+
+    def count_update(self, record: OptimizerRecord) -> None:
+        """Count a step that updated ``record``'s parameters in this iteration (a watch without a scaler)."""
+        self._outcome(record, True, self.iteration)
+
+    def after_optimizer_step(self, record: OptimizerRecord) -> None:
+        """Without a scaler: check the gradients a step given a closure made and applied (step post-hook)."""
+        self.unscaled.after_step(self, record)
+
+    def poisoned_origin(self, fields: dict[str, Any], iteration: int, current: bool) -> None:
+        """With ``ddp=``: add to a poisoned step's ``fields`` whether this rank's own gradients held inf/NaN."""
+        if self.origin is not None:
+            self._add_origin(fields, iteration, current)
 
     def after_step(self, record: OptimizerRecord) -> None:
         """Decide whether the ``scaler.step`` that just returned updated ``record``'s parameters."""
@@ -269,6 +300,10 @@ class Recorder:
         for record in self.records:
             if record.pending:
                 self._resolve_oldest(record, all_of_them=True)
+        if self.unscaled is not None:
+            self.unscaled.close(self.poisoned_origin)
+            self.iteration += self.open_iteration
+            self.open_iteration = False
         self.scale.close()
         if self.origin is not None:
             self.origin.close()
@@ -284,7 +319,7 @@ class Recorder:
         """Return ``{"scaler": ..., "state": ...}`` as in docs/protocol.md (plain values only)."""
         scale = self.scale
         state: RankState = {
-            "iteration": self.iteration,
+            "iteration": self.iteration + self.open_iteration,
             "loss_scale": scale.value if scale.enabled else None,
             "backoffs": scale.backoffs,
             "growths": scale.growths,

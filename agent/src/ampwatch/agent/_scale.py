@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from ampwatch.contract.batch import ScaleCause, ScaleChangeEvent, ScalerDisabledEvent
-from ampwatch.contract.protocol import is_rung
+from ampwatch.contract.protocol import NO_SCALER_KIND, is_rung
 
 from . import _device
 from ._events import EventBuffer
@@ -59,6 +59,12 @@ class LossScale:
         self._run_last = -2  # iteration of the run's latest backoff
 
     # ----- binding and restoring (rare: watch(), rebind(), load_state_dict()) -------------------
+
+    def unscaled(self) -> None:
+        """Say that there is no scaler at all (bf16, float32): no scale, no settings, never a transition."""
+        self.enabled, self.value = False, None
+        self.settings = {"enabled": False, "kind": NO_SCALER_KIND, "init_scale": None, "growth_factor": None,
+                         "backoff_factor": None, "growth_interval": None}
 
     def bind(self, scaler: Any, iteration: int) -> None:
         """Take ``scaler``'s settings and scale; a value that differs from the last one is ``restored``.

@@ -113,12 +113,12 @@ class Watch:
     True
     """
 
-    def __init__(self, session: _Session, patch: ScalerPatch, by_id: dict[int, OptimizerRecord]) -> None:
+    def __init__(self, session: _Session, patch: ScalerPatch | None, by_id: dict[int, OptimizerRecord]) -> None:
         self._session = session
         self._recorder, self._sender = session.recorder, session.sender
-        self._patch = patch
+        self._patch = patch  # None: a job without a GradScaler
         self._by_id = by_id
-        self._finalizer = _finalize_with(patch.scaler, session)
+        self._finalizer = _finalize_with(patch.scaler, session) if patch is not None else _NO_FINALIZER
 
     @property
     def closed(self) -> bool:
@@ -149,6 +149,9 @@ class Watch:
         """
         if self.closed:
             raise RuntimeError("this watch is closed; call ampwatch.agent.watch() with the new scaler instead")
+        if self._patch is None:
+            raise RuntimeError("this watch has no GradScaler (watch(None, ...)): close() it and call "
+                               "ampwatch.agent.watch() with the scaler")
         check_scaler(scaler)
         if scaler is self._patch.scaler:
             return
@@ -178,15 +181,19 @@ class Watch:
     def summary(self) -> str:
         """Return a short human-readable account of steps, skips and loss-scale transitions."""
         state = self._recorder.snapshot()["state"]
-        lines = [f"iteration {state['iteration']}, loss scale {state['loss_scale']}, "
-                 f"backoffs {state['backoffs']}, growths {state['growths']}, manual sets {state['manual_sets']}"]
+        if self._patch is None:
+            lines = [f"iteration {state['iteration']}, no GradScaler: nothing skips, every step is checked"]
+        else:
+            lines = [f"iteration {state['iteration']}, loss scale {state['loss_scale']}, backoffs "
+                     f"{state['backoffs']}, growths {state['growths']}, manual sets {state['manual_sets']}"]
         for name, c in state["optimizers"].items():
             lines.append(f"  {name}: {c['steps']} stepped, {c['skipped']} skipped "
                          f"(longest streak {c['longest_streak']}, now {c['consecutive_skipped']}), "
                          f"{c['poisoned_steps']} poisoned, "
                          f"{c['scheduler_steps_after_skip']} scheduler steps after a skip")
         if "origin_iterations" in state:  # watch(ddp=...): skips whose inf/NaN was in this rank's own gradients
-            lines.append(f"  skipped iterations that started on this rank (DDP): {state['origin_iterations']}")
+            what = "skipped" if self._patch is not None else "poisoned"
+            lines.append(f"  {what} iterations that started on this rank (DDP): {state['origin_iterations']}")
         return "\n".join(lines)
 
     def close(self, timeout: float | None = None) -> None:
@@ -197,7 +204,8 @@ class Watch:
         self._finalizer.detach()
         if not self._session.closed:
             self._recorder.attached = False
-            self._patch.detach()
+            if self._patch is not None:
+                self._patch.detach()
         self._session.close(timeout)
 
     def __enter__(self) -> "Watch":
@@ -208,8 +216,19 @@ class Watch:
 
     def __repr__(self) -> str:
         names = ", ".join(r.name for r in self._recorder.records)
-        kind = type(self._patch.scaler).__name__
+        kind = type(self._patch.scaler).__name__ if self._patch is not None else "no GradScaler"
         return f"<ampwatch Watch of {kind} [{names}]{' closed' if self.closed else ''}>"
+
+
+class _NoFinalizer:
+    """The finalizer of a watch without a scaler: nothing ends it but close() and the exit flush."""
+
+    @staticmethod
+    def detach() -> None:
+        return None
+
+
+_NO_FINALIZER = _NoFinalizer()
 
 
 def _finalize_with(scaler: Any, session: _Session) -> weakref.finalize:
@@ -246,7 +265,7 @@ class DisabledWatch:
         pass
 
 
-def watch(scaler: torch.amp.GradScaler,
+def watch(scaler: torch.amp.GradScaler | None,
           optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer],
           *, model: torch.nn.Module | None = None,
           named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -254,6 +273,9 @@ def watch(scaler: torch.amp.GradScaler,
           token: str | None = None, push_interval: float | None = None, ddp: torch.nn.Module | None = None,
           comm_hook: Any = None, comm_state: Any = None) -> Watch | DisabledWatch:
     """Attach the agent to ``scaler`` and ``optimizers``; the training loop stays as it is.
+
+    ``scaler=None`` watches a job without a GradScaler (bf16, float32): nothing skips, so every
+    ``optimizer.step()`` is checked for gradients holding inf/NaN, a poisoned step (docs/agent.md).
 
     ``optimizers``: one optimizer, a list, or ``{"name": optimizer}``. ``model``
     or ``named_parameters`` only name parameters in reports. ``schedulers``:
@@ -277,7 +299,7 @@ def watch(scaler: torch.amp.GradScaler,
     config = AgentConfig.from_env(collector=collector, run=run, token=token, push_interval=push_interval)
     if config.disabled:
         return DisabledWatch()
-    check_scaler(scaler)
+    check_scaler(scaler, none=True)
     named = named_optimizers(optimizers)
     if ddp is not None and model is None and named_parameters is None:
         model = getattr(ddp, "module", None)
@@ -287,9 +309,11 @@ def watch(scaler: torch.amp.GradScaler,
              for alias in (record.optimizer, *aliases)}
     scheduler_list = per_step_schedulers(schedulers, {r.name: r for r in records})
     with _watched_lock:
-        if id(scaler) in _watched:
-            raise ValueError("this scaler is already watched; close() the earlier watch before watching it again")
-        _watched.add(id(scaler))
+        if scaler is not None:
+            if id(scaler) in _watched:
+                raise ValueError("this scaler is already watched; close() the earlier watch before watching it "
+                                 "again")
+            _watched.add(id(scaler))
     hooks = patch = None
     try:
         events = EventBuffer(capacity=config.max_events)
@@ -300,8 +324,9 @@ def watch(scaler: torch.amp.GradScaler,
         sender = Sender(config, identity, recorder.snapshot, events, errors=errors, wake=wake)
         hooks = OptimizerHooks(recorder, scheduler_list)
         hooks.attach()
-        patch = ScalerPatch(scaler, recorder)
-        patch.attach(by_id)
+        if scaler is not None:
+            patch = ScalerPatch(scaler, recorder)
+            patch.attach(by_id)
         if ddp is not None:
             recorder.origin = observe_ddp(ddp, names, errors)
         recorder.attached = True

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ._frameworks import attach, check_options, no_scaler, require
+from ._frameworks import attach, check_options, require, say_unscaled
 from ._watch import DisabledWatch, Watch
 
 __all__ = ["watch"]
 
 require("accelerate", integration="ampwatch.agent.accelerate", extra="accelerate")
 
-_HINT = "Accelerator(mixed_precision='fp16') on a GPU"
+_CPU_RECIPE = "give the Accelerator a GradScaler yourself, as examples/accelerate_cpu.py does"
 
 
 def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any], schedulers: Any = None, *,
@@ -33,14 +33,19 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
     the one that advances (Accelerate steps it only when gradients sync).
     ``model``: the prepared model, for parameter names. ``collector``,
     ``run``, ``token``, ``push_interval``: as for :func:`ampwatch.agent.watch`.
-    Without a scaler (bf16, fp32, fp16 on CPU) it says so and returns a
-    handle that records nothing.
+    Without a scaler (bf16, fp32, fp16 on CPU) it says so once and checks
+    every optimizer step for inf/NaN gradients instead.
     """
     options = check_options(options, "ampwatch.agent.accelerate.watch()")
     scaler = getattr(accelerator, "scaler", None)
-    if scaler is None:
-        return no_scaler("this Accelerator", getattr(accelerator, "mixed_precision", None), _HINT,
-                         say=bool(getattr(accelerator, "is_main_process", True)))
+    if scaler is None and getattr(accelerator, "is_main_process", True):
+        precision = getattr(accelerator, "mixed_precision", None)
+        on_cpu = getattr(getattr(accelerator, "device", None), "type", None) == "cpu"
+        what = f"mixed_precision={precision!r}"
+        if precision == "fp16" and on_cpu:
+            what += ", but Accelerate makes a GradScaler only on a GPU: it trains in float32 on CPU"
+        asked_fp16 = precision == "fp16"
+        say_unscaled("this Accelerator", what, _CPU_RECIPE if on_cpu and asked_fp16 else None, asked_fp16=asked_fp16)
     if model is not None and callable(getattr(accelerator, "unwrap_model", None)):
         model = accelerator.unwrap_model(model)  # names without DDP's "module." prefix
     if schedulers is None:

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from ._frameworks import Unwatched, attach, check_options, no_scaler, require
+from ._frameworks import attach, check_options, require, say_unscaled
 from ._watch import DisabledWatch, Watch
 
 __all__ = ["AmpWatchCallback"]
 
 _transformers = require("transformers", integration="ampwatch.agent.transformers", extra="transformers")
 
-_HINT = "TrainingArguments(fp16=True) on a GPU"
+_CPU_RECIPE = "a Trainer whose Accelerator is given a GradScaler, as examples/transformers_cpu.py does"
 
 
 class AmpWatchCallback(_transformers.TrainerCallback):
@@ -29,6 +29,8 @@ class AmpWatchCallback(_transformers.TrainerCallback):
     Watches the GradScaler behind the Trainer's optimizer (Accelerate's, made
     for ``fp16=True`` on a GPU), the optimizer itself (named ``name``, default:
     its class) and the LR scheduler, which the Trainer steps once per update.
+    Without a scaler (``bf16=True``, float32, fp16 on CPU) every optimizer step
+    is checked for inf/NaN gradients instead.
     ``collector``, ``run``, ``token``, ``push_interval``: as for
     :func:`ampwatch.agent.watch`.
     """
@@ -45,12 +47,15 @@ class AmpWatchCallback(_transformers.TrainerCallback):
         """Attach to the optimizer's scaler, the optimizer and the LR scheduler (after a resume has loaded them)."""
         self._detach()
         scaler = getattr(optimizer, "scaler", None)
-        if scaler is None:
-            precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-            self.watch = no_scaler("this Trainer", precision, _HINT,
-                                   say=not self._said_no_scaler and state.is_world_process_zero)
+        if scaler is None and not self._said_no_scaler and state.is_world_process_zero:
+            on_cpu = getattr(args, "device", None) is not None and args.device.type == "cpu"
+            if args.fp16:
+                what = ("fp16=True, but Accelerate makes a GradScaler only on a GPU: this Trainer trains in float32 "
+                        "on CPU" if on_cpu else "fp16=True")
+            else:
+                what = "bf16=True" if args.bf16 else "float32"
+            say_unscaled("this Trainer", what, _CPU_RECIPE if on_cpu and args.fp16 else None, asked_fp16=args.fp16)
             self._said_no_scaler = True
-            return
         schedulers = []
         if lr_scheduler is not None:
             per_update = not isinstance(lr_scheduler, _stepped_on_metrics())
@@ -64,7 +69,7 @@ class AmpWatchCallback(_transformers.TrainerCallback):
         self._detach()
 
     def _detach(self) -> None:
-        if self.watch is not None and not isinstance(self.watch, Unwatched):
+        if self.watch is not None:
             self.watch.close()
 
 

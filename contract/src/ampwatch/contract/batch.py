@@ -73,7 +73,8 @@ class RankState(_RankStateRequired, total=False):
 
     manual_sets: int
     origin_iterations: int
-    """Skipped iterations whose inf/NaN started in this rank's own gradients (absent: ``ddp=`` not watched)."""
+    """Skipped (without a scaler: poisoned) iterations whose inf/NaN started in this rank's own gradients (absent:
+    ``ddp=`` not watched)."""
     delivery: DeliveryCounters
 
 
@@ -166,6 +167,15 @@ class _PoisonedStepRequired(_Event):
 class PoisonedStepEvent(_PoisonedStepRequired, total=False):
     params: List[ParamCount]
     params_total: Optional[int]
+    streak: int
+    """Without a scaler: the step's position in the optimizer's run of consecutive poisoned steps."""
+    exact: bool
+    """Without a scaler (absent: true): false when ``inf``/``nan`` are 1 or 0, whether a gradient held any, not
+    counts (the check was read on a GPU after the gradients moved on)."""
+    origin: Optional[bool]
+    """Without a scaler, with ``ddp=``: whether this rank's own gradients held inf/NaN before the all-reduce."""
+    origin_params: List[str]
+    origin_params_total: Optional[int]
 
 
 class _WarningRequired(_Event):

@@ -16,7 +16,7 @@ __all__ = [
     "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
     "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung", "HEARTBEAT_INTERVAL_S",
-    "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S",
+    "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "NO_SCALER_KIND",
 ]
 
 PROTOCOL_VERSION = 1
@@ -66,6 +66,12 @@ a new protocol version."""
 COLLECTOR_EVENT_KINDS = ("rank_conflict",)
 """Kinds of the events the collector records itself (never accepted from an agent), listed beside the
 agents' events by ``GET /v1/runs/{run}/events``: ``rank_conflict``, two processes claim one run and rank."""
+
+NO_SCALER_KIND = "none"
+"""``scaler.kind`` of a rank that trains without a GradScaler (bf16 or float32; ``watch(None, ...)``), sent
+with ``scaler.enabled`` false and null settings: nothing is scaled or skipped, so there is no loss scale
+(``state.loss_scale`` null), and every optimizer step is checked for non-finite gradients (``poisoned_steps``).
+A collector that does not know it takes it for a disabled scaler, which shows no loss scale either."""
 
 SCALE_CAUSES: tuple[str, ...] = get_args(ScaleCause)
 """Why the scale changed (``ampwatch.contract.batch.ScaleCause``)."""

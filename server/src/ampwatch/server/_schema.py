@@ -170,8 +170,16 @@ class PoisonedStepEvent(_EventBase, tag="poisoned_step"):
     kind: ClassVar[str] = "poisoned_step"
     optimizer: Label
     reason: Literal["nonfinite_grad", "nonfinite_param"]
+    # From a rank without a GradScaler: the position in its run of consecutive poisoned steps (sent at 1, 2, 4,
+    # ... as skips are), and exact false when inf/nan only say whether a gradient held any (read on a GPU late).
+    streak: Optional[Positive] = None
+    exact: bool = True
     params: Annotated[list[ParamDetail], Meta(max_length=MAX_PARAMS)] = []
     params_total: Optional[Count] = None
+    # Without a scaler, with ddp=: whether this rank's own gradients held inf/NaN before the all-reduce.
+    origin: Optional[bool] = None
+    origin_params: Annotated[list[_text("param_name")], Meta(max_length=MAX_PARAMS)] = []  # type: ignore
+    origin_params_total: Optional[Count] = None
 
 
 class WarningEvent(_EventBase, tag="warning"):

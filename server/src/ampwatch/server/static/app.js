@@ -246,12 +246,20 @@ function optimizerCell(rank) {
   return cell;
 }
 
+function scalerText(scaler) {
+  if (scaler && scaler.enabled) return scaler.kind || "enabled";
+  // kind "none": a job without a GradScaler (bf16, float32); every step is checked for inf/NaN gradients.
+  if (scaler && scaler.kind === "none") return "none (bf16/fp32: every step checked)";
+  return "disabled (nothing checked)";
+}
+
 function rankRow(rank) {
   const enabled = rank.scaler && rank.scaler.enabled;
+  const unscaled = rank.scaler && rank.scaler.kind === "none";
   return el("tr", {class: "rank", "data-rank": rank.rank},
     el("td", {class: "num"}, rank.rank),
     el("td", {}, rank.host),
-    el("td", {class: enabled ? "" : "disabled"}, enabled ? (rank.scaler.kind || "enabled") : "disabled (nothing checked)"),
+    el("td", {class: enabled || unscaled ? "" : "disabled"}, scalerText(rank.scaler)),
     el("td", {class: "num loss-scale"}, enabled ? scaleText(rank.loss_scale) : "-"),
     el("td", {class: "num"}, rank.iteration),
     optimizerCell(rank),

@@ -1,0 +1,220 @@
+"""Watch a job without a GradScaler: every optimizer step is checked for gradients holding inf or NaN.
+
+bf16 and float32 training never skip a step for overflow: an inf or NaN gradient goes straight into
+the weights (and into Adam's moments, where it stays). ``watch(None, optimizers)`` registers the
+usual step pre-hook on each optimizer; the recorder counts the step and :class:`PoisonCheck` starts
+one batched check of the gradients that step is about to apply (:func:`check_nonfinite`).
+A step whose gradients held inf/NaN is a poisoned step (``reason: nonfinite_grad``), counted and
+named as with a scaler. Nothing is skipped and nothing in training changes: the check only reads.
+
+On CPU the answer is there at once and the offenders are named from the very gradients the step
+applied, with exact counts. On a GPU it travels to the host without a sync (pinned memory and an
+event) and is read at a later step once it has landed, normally the next iteration's; the event names
+the iteration of the poisoned step, and its parameters from what the check kept on the device (which
+gradients held inf, which NaN: ``exact`` false), since by then the gradients are a later iteration's.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampwatch.contract.protocol import is_rung
+
+from . import _device
+from ._params import MAX_NAMED_PARAMS, NonfiniteReport, scan_optimizers
+from ._shards import is_sharded, local
+
+if TYPE_CHECKING:  # the recorder imports this module
+    from ._inspection import SkipInspection
+    from ._recorder import OptimizerRecord, Recorder
+
+Origin = Callable[[dict[str, Any], int, bool], None]
+"""Adds to a poisoned step's fields whether this rank's own gradients held the inf/NaN (``ddp=``)."""
+
+__all__ = ["NonfiniteCheck", "PoisonCheck", "check_nonfinite", "gradients"]
+
+_MAX_PENDING = 64  # checks in flight before we wait for the oldest (only if the device lags far behind)
+
+
+def gradients(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Return the gradients ``optimizer`` is about to apply (a sharded one: this rank's shard), and their params."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [p.grad for p in params]
+    if grads and is_sharded(grads[0]):
+        with torch.no_grad():
+            grads = [local(g) for g in grads]
+    return grads, params
+
+
+class NonfiniteCheck:
+    """Whether some tensors held inf/NaN when :func:`check_nonfinite` looked: answered at once, or on the device.
+
+    On a device, ``max_abs`` (one value per tensor: inf or NaN exactly for the tensors that held inf or
+    NaN) stays there and only one bool travels to the host, through a :class:`~._device.PendingRead`.
+    """
+
+    __slots__ = ("_found", "_read", "_max_abs")
+
+    def __init__(self, found: bool | None = None, read: _device.PendingRead | None = None,
+                 max_abs: torch.Tensor | None = None) -> None:
+        self._found, self._read, self._max_abs = found, read, max_abs
+
+    def done(self) -> bool:
+        """Tell, without blocking, whether :meth:`any` can be answered without a sync."""
+        return self._found is not None or self._read.done()
+
+    def any(self) -> bool:
+        """Return whether some tensor held inf or NaN (waits for the device if the answer has not landed)."""
+        if self._found is None:
+            self._found = bool(self._read.wait()[0])
+        return self._found
+
+    def positions(self) -> list[tuple[int, str]]:
+        """Return ``(position, "inf" or "nan")`` of each tensor that held inf/NaN (a NaN may hide infs).
+
+        Reads one value per tensor from the device (one sync on a GPU): call it only when :meth:`any` is true.
+        """
+        values = _device.read_later(self._max_abs).wait()
+        return [(k, "nan" if v != v else "inf") for k, v in enumerate(values) if not math.isfinite(v)]
+
+
+_SUMMED = frozenset({torch.float32, torch.bfloat16, torch.float64})
+
+
+def check_nonfinite(tensors: list[torch.Tensor]) -> NonfiniteCheck:
+    """Start checking whether any of ``tensors`` (one device) holds an inf or a NaN; no sync.
+
+    On a GPU (any device but the CPU): one batched reduction of all of them
+    (:func:`._device.max_abs`), ``isfinite().all()`` and a copy of that one bool to the host without
+    blocking. On CPU, where each call costs more than the pass over a small tensor: one ``sum`` per
+    tensor, whose values are added on the host (a sum is finite unless the tensor held inf/NaN or its
+    finite values overflowed), and only when that is not finite the exact check (:func:`._device.nonfinite_indices`).
+    Tensors the fast path does not take (several devices, sparse, complex, 8-bit floats) take that exact
+    check at once (one sync on a GPU).
+    """
+    with torch.no_grad():
+        if tensors[0].device.type != "cpu":
+            try:
+                values = _device.max_abs(tensors)
+                if values.is_floating_point():
+                    return NonfiniteCheck(read=_device.read_later(~torch.isfinite(values).all()), max_abs=values)
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass
+            return NonfiniteCheck(found=bool(_device.nonfinite_indices(tensors)))
+        total, strided, summed, half = 0.0, torch.strided, _SUMMED, torch.float16
+        for tensor in tensors:
+            if tensor.layout is strided and tensor.dtype in summed:
+                total += tensor.sum().tolist()  # a CPU tensor: tolist reads it without a scalar op
+            elif tensor.layout is strided and tensor.dtype is half:
+                total += tensor.sum(dtype=torch.float32).tolist()  # float16 sums overflow past 65504
+            else:
+                return NonfiniteCheck(found=bool(_device.nonfinite_indices(tensors)))
+        if math.isfinite(total):
+            return NonfiniteCheck(found=False)
+        return NonfiniteCheck(found=bool(_device.nonfinite_indices(tensors)))
+
+
+class PoisonCheck:
+    """Start a check of each step's gradients; count the steps whose gradients held inf/NaN, and report them.
+
+    Once a job's weights hold NaN every later step's gradients do too: consecutive poisoned steps of an
+    optimizer are a run, reported like a skip streak, by events at its 1st, 2nd, 4th, 8th, ... step
+    (``streak``), each named; every one is counted in ``poisoned_steps``. Checks still on their way
+    from a device are kept in step order and resolved at later steps as they land (never waiting,
+    unless more than :data:`_MAX_PENDING` are in flight), and all at :meth:`close`.
+    """
+
+    def __init__(self, inspection: SkipInspection) -> None:
+        self.inspection = inspection
+        self._pending: collections.deque[tuple[OptimizerRecord, NonfiniteCheck, list, int]] = \
+            collections.deque()
+
+    def on_step(self, recorder: Recorder, record: OptimizerRecord, closure: bool) -> None:
+        """Count a step of ``record``'s optimizer (its pre-hook); check its gradients now, or after the step
+        when it was given a closure, which makes them inside (:meth:`after_step`)."""
+        # Every step updates the parameters; an iteration ends when an optimizer that already stepped in
+        # it steps again (one iteration: each optimizer's step, in whatever order).
+        if record.stepped_this_iteration:
+            for other in recorder.records:
+                other.stepped_this_iteration = False
+            recorder.iteration += 1
+        recorder.open_iteration = True
+        recorder.count_update(record)
+        record.check_after = closure
+        if not closure:
+            self._check_step(recorder, record)
+
+    def after_step(self, recorder: Recorder, record: OptimizerRecord) -> None:
+        """Check the gradients a step given a closure made and applied (its post-hook)."""
+        if record.check_after:
+            record.check_after = False
+            self._check_step(recorder, record)
+
+    def _check_step(self, recorder: Recorder, record: OptimizerRecord) -> None:
+        self.check(record, recorder.iteration, recorder.poisoned_origin)
+        # No update() ends an iteration: the first step after a backward ends the DDP notes of its iteration,
+        # before the next backward adds to them. Its flags stay on the device while another optimizer may
+        # still step in it or a check is on its way (else Python only).
+        origin = recorder.origin
+        if origin is not None and origin.noted():
+            origin.end_iteration(recorder.iteration, keep=len(recorder.records) > 1 or bool(self._pending))
+
+    def check(self, record: OptimizerRecord, iteration: int, origin: Origin | None = None) -> None:
+        """Check the gradients ``record``'s optimizer is about to apply in ``iteration`` (its step pre-hook)."""
+        pending = self._pending
+        while pending and pending[0][1].done():
+            self._outcome(*pending.popleft(), now=False, origin=origin)
+        grads, params = gradients(record.optimizer)
+        if not grads:
+            return
+        found = check_nonfinite(grads)
+        if found.done() and not pending:  # on CPU: now, while the gradients are the very ones the step applies
+            self._outcome(record, found, params, iteration, now=True, origin=origin)
+            return
+        pending.append((record, found, params, iteration))
+        if len(pending) > _MAX_PENDING:
+            self._outcome(*pending.popleft(), now=False, origin=origin)
+
+    def close(self, origin: Origin | None = None) -> None:
+        """Resolve every check still in flight (may wait for the device once)."""
+        while self._pending:
+            self._outcome(*self._pending.popleft(), now=False, origin=origin)
+
+    def _outcome(self, record: OptimizerRecord, found: NonfiniteCheck, params: list, iteration: int,
+                 now: bool, origin: Origin | None) -> None:
+        if not found.any():
+            record.poison_run = 0
+            return
+        record.poison_run += 1
+        fields: dict[str, Any] = {}
+        if origin is not None:
+            origin(fields, iteration, now)
+        if not is_rung(record.poison_run):
+            record.poisoned += 1  # counted; the run's events go at its rungs
+            return
+        if now:  # the gradients the step applied: exact counts
+            (report,) = scan_optimizers([(record.optimizer, "grads")], self.inspection.names)
+            self.inspection.report_poisoned(record, iteration, report, "nonfinite_grad", streak=record.poison_run,
+                                            **fields)
+            return
+        # Read late, the gradients may be a later iteration's: name from what the check kept (one read).
+        positions = found.positions()
+        names = self.inspection.names
+        entries = [{"name": names.name(params[k], *_group_index(record.optimizer, params[k])),
+                    "inf": int(kind == "inf"), "nan": int(kind == "nan")} for k, kind in positions[:MAX_NAMED_PARAMS]]
+        self.inspection.report_poisoned(record, iteration, NonfiniteReport(params=entries, total=len(positions)),
+                                        "nonfinite_grad", streak=record.poison_run, exact=False, **fields)
+
+
+def _group_index(optimizer: torch.optim.Optimizer, param: Any) -> tuple[int, int]:
+    """Return ``(group, index)`` of ``param`` in ``optimizer.param_groups`` (for a parameter the model did not name)."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p is param:
+                return g, i
+    return -1, -1
