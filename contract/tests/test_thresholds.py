@@ -51,7 +51,8 @@ def test_thresholds_are_frozen():
         DEFAULT_THRESHOLDS.skip_streak_warning = 8  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("seconds, text", [(900, "15m"), (3600, "1h"), (90, "90s"), (0, "0s"), (7200, "2h"), (45, "45s")])
+@pytest.mark.parametrize("seconds, text", [(900, "15m"), (3600, "1h"), (90, "90s"), (0, "0s"), (7200, "2h"),
+                                           (45, "45s")])
 def test_promql_duration_uses_the_largest_whole_unit(seconds, text):
     assert promql_duration(seconds) == text
 

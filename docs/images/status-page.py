@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from headless_browser import open_page  # noqa: E402
 out_path = sys.argv[1]
-demo = subprocess.Popen([sys.executable, f"{REPO}/examples/demo.py", "--port", "0", "--data", tempfile.mkdtemp(prefix="ampwatch-shot-"),
+demo = subprocess.Popen([sys.executable, f"{REPO}/examples/demo.py", "--port", "0", "--data",
+                         tempfile.mkdtemp(prefix="ampwatch-shot-"),
                          "--run", "demo-readme"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         start_new_session=True)
 lines = []
