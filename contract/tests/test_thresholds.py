@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
-
-CONTRACT_SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-
 from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds, promql_duration
+
+CONTRACT_SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 
 def test_streak_ladder_is_the_protocols_powers_of_two_up_to_1024():

@@ -4,7 +4,13 @@
 
 Uses Debian's chromium through Playwright, with the tests' own launcher (tests/helpers/headless_browser.py).
 """
-import os, re, signal, subprocess, sys, tempfile, time
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,9 +25,11 @@ lines = []
 try:
     url = None
     for line in demo.stdout:
-        lines.append(line); print(line, end="")
+        lines.append(line)
+        print(line, end="")
         m = re.search(r"status page   (http://\S+)/", line)
-        if m: url = m.group(1)
+        if m:
+            url = m.group(1)
         if "ALERT FIRING   AmpSustainedLossScaleBackoff" in line:
             break
     time.sleep(1.5)
