@@ -1,5 +1,7 @@
 # ampwatch: one entry point for newcomers and CI.
-#   make test   run the whole test suite (creates .venv on first use)
+#   make test   lint (ruff, mypy), then the whole test suite (creates .venv on first use)
+#   make test-fast  lint, then the tests not marked slow (the edit loop)
+#   make lint   ruff over the tree, mypy over the contract and the agent
 #   make demo   collector + 2-rank DDP job with an overflow, live (ARGS=--once exits at the end; ARGS=--help)
 #   make bench  run the benchmarks (ARGS=--quick for a short run; ARGS=--list says what each measures)
 #   make bench-gpu  check the agent on a GPU: truth, syncs, overhead (ARGS="--device cpu --quick": CPU smoke run)
@@ -9,7 +11,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ampwatch-installed
 
-.PHONY: venv test demo bench bench-gpu clean
+.PHONY: venv lint test test-fast demo bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -20,8 +22,15 @@ $(STAMP): contract/pyproject.toml agent/pyproject.toml server/pyproject.toml das
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ./contract -e ./agent -e ./server -e ./dashboards -r requirements-dev.txt
 	touch $@
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: lint
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)

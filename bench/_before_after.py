@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def source_of(ref: str, into: str, *folders: str) -> str:
-    """Extract ``folders`` (default ``server/src``) of ``ref`` into ``into``; return them as a PYTHONPATH to put first."""
+    """Extract ``folders`` (default ``server/src``) of ``ref`` into ``into``; return them as a PYTHONPATH to put
+    first."""
     folders = folders or ("server/src",)
     archive = os.path.join(into, "src.tar")
     subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, ref, *folders], check=True)

@@ -158,7 +158,8 @@ class Job:
                                   (m.RANK_LAST_SEEN, round(seen, 3)), (m.RANK_CLOSED, 0)):
                 yield f"{metric.name}{{{base}}}", value
             yield (f'{m.RANK_INFO.name}{{{base},host="node-{rank // 8:03d}",local_rank="{rank % 8}",'
-                   f'world_size="{self.ranks}",scaler_enabled="true",scaler_kind="GradScaler",agent_version="0.1.0"}}', 1)
+                   f'world_size="{self.ranks}",scaler_enabled="true",scaler_kind="GradScaler",'
+                   f'agent_version="0.1.0"}}', 1)
 
     def exposition(self, t: float) -> str:
         """Return ``/metrics`` (text format) at time ``t`` (at or after ``end``, increasing between calls)."""

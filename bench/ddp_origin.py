@@ -51,7 +51,8 @@ class HookClock:
     thread). Counts the calling thread's CPU time (``time.thread_time``), not the wall clock: on a machine
     shared with other jobs a call's wall time also counts the time another job held the core. One timer
     call's own cost, measured at start, is taken off each timed call; what calls a hook (autograd's dispatch
-    into Python, DDP's) is outside the timed call, and counted only by the instructions of ``bench.experiments.origin_hook``.
+    into Python, DDP's) is outside the timed call, and counted only by the instructions of
+    ``bench.experiments.origin_hook``.
     """
 
     def __init__(self) -> None:

@@ -35,8 +35,8 @@ from bench import ddp_origin
 from bench._loops import MODELS, ModelBuilder, SyncCounter, compare, pct, rotate
 
 # SyncCounter, compare and rotate live in bench._loops; still named here for bench.gpu, which imports them from here
-__all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "SyncCounter", "agent_host_cost_us", "agent_hot_path_us", "compare", "measure",
-           "rotate", "main"]
+__all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "SyncCounter", "agent_host_cost_us", "agent_hot_path_us", "compare",
+           "measure", "rotate", "main"]
 
 VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
 """Compared on CPU. ``bench.gpu`` adds ``ampwatch_unasked``: the agent attached, ``stepped()`` never asked."""

@@ -20,8 +20,9 @@ minutes as Grafana would (15 s steps; tables at one instant): series and bytes p
 ``--storm during`` measures while a whole-job storm is under way (every rank skipping since a minute before
 the live evaluations, its scale collapsing); ``after`` about two minutes after a one-minute storm (its
 scale collapsed, then restored from a checkpoint), while its streak alerts still hold; ``short`` (the
-default) with the 18-skip storm of issue 14 two minutes before the history's end. Rules that fold a storm into one alert fire fewer instances than earlier
-ones: both sides must then fire the same alerts apart from the storm's (checked).
+default) with the 18-skip storm of issue 14 two minutes before the history's end. Rules that fold a storm
+into one alert fire fewer instances than earlier ones: both sides must then fire the same alerts apart from
+the storm's (checked).
 
 Takes about 8 minutes on a shared 2-core machine (3-5 of them writing the history); everything listens on
 127.0.0.1 and every process started is stopped at the end, even on failure.

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 __all__ = ["CollectorView", "scale_text"]
 

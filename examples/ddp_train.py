@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run", default=None,
                         help="run id (default: AMPWATCH_RUN, else the launcher's, else agreed among ranks)")
     parser.add_argument("--push-interval", type=float, default=None,
-                        help="seconds between batches to the collector (default: AMPWATCH_PUSH_INTERVAL or 15; news goes at once)")
+                        help="seconds between batches to the collector (default: AMPWATCH_PUSH_INTERVAL or 15; "
+                             "news goes at once)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (the same on every rank)")
     parser.add_argument("--sleep", type=float, default=0.0,
                         help="seconds to pause after each iteration (paces the job so a collector sees it live)")

@@ -4,7 +4,8 @@
     python examples/plain_loop_cpu.py --bf16     # bf16 autocast, no scaler: batch 3 is a poisoned step
 
 Batch 3 holds an inf. With a GradScaler the step is skipped and the scale backs off: training goes
-on (the first step skips too: the scale starts at 2**16 and calibrates, which is normal). In bf16 nothing skips: the inf reaches the weights, and every step after it applies NaN.
+on (the first step skips too: the scale starts at 2**16 and calibrates, which is normal). In bf16 nothing
+skips: the inf reaches the weights, and every step after it applies NaN.
 Set AMPWATCH_URL (and AMPWATCH_TOKEN, if the collector asks for one) to send it to a collector.
 """
 

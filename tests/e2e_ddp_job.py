@@ -5,7 +5,8 @@ Run by tests/test_prometheus_e2e.py as a separate process:
     python tests/e2e_ddp_job.py --collector URL --run RUN --iterations 150 --overflow-at 30-37 --sleep 0.05
 
 On an overflow iteration rank 0's input holds an inf; DDP's all-reduce spreads it to
-both ranks' gradients, so both ranks skip both optimizers and back the scale off; rank 0 alone is reported as the origin.
+both ranks' gradients, so both ranks skip both optimizers and back the scale off; rank 0 alone is
+reported as the origin.
 """
 
 from __future__ import annotations

@@ -182,10 +182,11 @@ def test_rule_eval_runs_both_rule_sets_over_full_30_minute_windows_and_they_fire
 def test_fleet_node_relay_transport_posts_one_request_per_node_and_answers_every_rank(tmp_path):
     out = tmp_path / "ranks.json"
     with _servers.collector() as srv:
-        sim = subprocess.run([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port), "--ranks", "32",
-                              "--delivery", "after", "--transport", "node-relay", "--heartbeat", "1",
-                              "--warm", "2", "--healthy", "3", "--storm", "6", "--storm-share", "0.25", "--iteration-s", "0.2",
-                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        sim = subprocess.run([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port),
+                              "--ranks", "32", "--delivery", "after", "--transport", "node-relay", "--heartbeat", "1",
+                              "--warm", "2", "--healthy", "3", "--storm", "6", "--storm-share", "0.25",
+                              "--iteration-s", "0.2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
         assert sim.returncode == 0, sim.stderr
         text = urllib.request.urlopen(srv.url + "/metrics", timeout=10).read().decode()
     result = json.loads(out.read_text())

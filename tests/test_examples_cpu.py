@@ -19,10 +19,14 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 # example -> (what the float16 run with a GradScaler says, what the bf16 run without one says)
 EXPECTED = {
-    "plain_loop_cpu": ("AdamW: 6 stepped, 2 skipped", "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 5 poisoned"),
-    "lightning_cpu": ("AdamW: 6 stepped, 2 skipped", "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 5 poisoned"),
-    "transformers_cpu": ("AdamW: 7 stepped, 1 skipped", "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 6 poisoned"),
-    "accelerate_cpu": ("AdamW: 6 stepped, 2 skipped", "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 5 poisoned"),
+    "plain_loop_cpu": ("AdamW: 6 stepped, 2 skipped",
+                     "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 5 poisoned"),
+    "lightning_cpu": ("AdamW: 6 stepped, 2 skipped",
+                    "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 5 poisoned"),
+    "transformers_cpu": ("AdamW: 7 stepped, 1 skipped",
+                       "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 6 poisoned"),
+    "accelerate_cpu": ("AdamW: 6 stepped, 2 skipped",
+                     "AdamW: 8 stepped, 0 skipped (longest streak 0, now 0), 5 poisoned"),
 }
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]

@@ -238,7 +238,8 @@ def _quote(text: str) -> str:
 
 
 # The protocol asks for printable names (str.isprintable: no control, format or non-ASCII space characters).
-NAME = st.text(min_size=1, max_size=40).filter(str.isprintable) | HOSTILE_TEXT.filter(lambda s: 1 <= len(s) <= 128 and s.isprintable())
+NAME = (st.text(min_size=1, max_size=40).filter(str.isprintable)
+        | HOSTILE_TEXT.filter(lambda s: 1 <= len(s) <= 128 and s.isprintable()))
 
 
 # Counters up to 2^53 check exact big numbers: no process's first batch holds that many (the plausibility
@@ -293,7 +294,8 @@ def test_a_batch_of_100000_events_is_refused_with_a_message_and_changes_nothing(
     events = [skip_event(i + 1, iteration=i) for i in range(100_000)]
     body = json.dumps(make_batch(events=events)).encode()
     with TestClient(create_app(ServerConfig(db=str(tmp_path / "a.db"), allowed_hosts=("testserver",)))) as client:
-        too_large = client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})  # ~20 MB: over the default 8 MiB
+        # ~20 MB: over the default 8 MiB
+        too_large = client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})
         assert too_large.status_code == 413 and "--max-body-bytes" in too_large.json()["message"]
     with TestClient(create_app(ServerConfig(db=str(tmp_path / "b.db"), max_body_bytes=64 * 1024 * 1024,
                                             allowed_hosts=("testserver",)))) as client:

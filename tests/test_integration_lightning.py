@@ -16,7 +16,6 @@ import pickle
 import subprocess
 import sys
 import urllib.request
-import warnings
 from pathlib import Path
 
 import pytest

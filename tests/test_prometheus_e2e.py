@@ -1,4 +1,5 @@
-"""End to end with the real programs: 2-rank gloo jobs -> collector -> Prometheus (generated rules) -> Alertmanager -> webhook.
+"""End to end with the real programs: 2-rank gloo jobs -> collector -> Prometheus (generated rules) -> Alertmanager
+-> webhook.
 
 Everything listens on 127.0.0.1. The rules are generated from the same code as the
 committed ones, with thresholds and windows shortened to seconds so the whole chain runs

@@ -1,4 +1,5 @@
-"""Security of the collector: ingest and read tokens, no CORS, per-client rate limit, body limit, TLS, no secret in a log.
+"""Security of the collector: ingest and read tokens, no CORS, per-client rate limit, body limit, TLS, no secret in
+a log.
 
 In-process tests drive the real app through Starlette's TestClient (real ASGI, real SQLite); the
 TLS, logging and body-limit tests run a real collector process on a free loopback port.
@@ -167,7 +168,8 @@ def test_over_tls_the_real_agent_delivers_and_plain_http_gets_no_answer(tmp_path
     cert, key = _openssl_cert(tmp_path)
     monkeypatch.setenv("SSL_CERT_FILE", cert)  # trust the test's own CA, here and in the agent's default context
     with _TlsCollector(str(tmp_path / "ampwatch.db"), args=["--ssl-certfile", cert, "--ssl-keyfile", key,
-                                                            "--token", INGEST_TOKEN, "--log-level", "info"]) as collector:
+                                                            "--token", INGEST_TOKEN,
+                                                            "--log-level", "info"]) as collector:
         sender, recorder = make_sender(collector.url, run="tls-run", token=INGEST_TOKEN)
         try:
             for _ in range(3):
@@ -204,7 +206,8 @@ def test_tokens_never_appear_in_the_collector_log_or_the_agents(tmp_path, caplog
             batch = make_batch()
             assert client.post("/v1/ingest", json=batch, headers=_bearer(wrong)).status_code == 403
             assert client.post("/v1/ingest", json=batch, headers=_bearer(INGEST_TOKEN)).status_code == 200
-            assert client.post("/v1/ingest", content=b"{", headers={**_bearer(INGEST_TOKEN), "Content-Type": "application/json"}).status_code == 400
+            assert client.post("/v1/ingest", content=b"{",
+                               headers={**_bearer(INGEST_TOKEN), "Content-Type": "application/json"}).status_code == 400
             assert client.get("/metrics", headers=_bearer(wrong)).status_code == 403
             assert client.get("/metrics", headers=_bearer(READ_TOKEN)).status_code == 200
             assert client.get("/v1/runs/nope", headers=_bearer(READ_TOKEN)).status_code == 404

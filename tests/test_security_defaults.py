@@ -110,7 +110,8 @@ def test_tokens_and_webhook_urls_come_from_files_and_never_show_on_the_command_l
         with httpx.Client(base_url=collector.url, timeout=10) as client:
             batch = make_batch(optimizers={"gen": optimizer(steps=3)})
             assert client.post("/v1/ingest", json=batch).status_code == 401
-            assert client.post("/v1/ingest", json=batch, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+            assert client.post("/v1/ingest", json=batch,
+                               headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
             assert client.get("/metrics", headers={"Authorization": f"Bearer read-{TOKEN}"}).status_code == 200
 
 

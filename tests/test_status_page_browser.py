@@ -88,7 +88,8 @@ def test_the_status_page_shows_the_finished_run_its_ranks_skips_and_the_streak_a
                 "over the whole run: scale ended collapsed: 2")
             for rank in ("0", "1"):
                 assert page.locator(f'#trouble tr.trouble[data-rank="{rank}"] .reason').all_text_contents() == [
-                    "scale ended collapsed", "long streak", "high skip ratio"] + ["alert fired"] * bool(rank_alerts[rank])
+                    "scale ended collapsed", "long streak", "high skip ratio",
+                ] + ["alert fired"] * bool(rank_alerts[rank])
             ARTIFACTS.mkdir(exist_ok=True)
             # docs/images/status-page-finished.png: from the banner down (the run's name here is hostile markup).
             top = page.locator("#trouble-box").bounding_box()["y"]

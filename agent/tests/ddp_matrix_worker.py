@@ -84,7 +84,8 @@ def _register_hook(model: DistributedDataParallel, hook: str, group) -> None:
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
                                             random_seed=0)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif hook == "bf16_compress":  # registered by name DDP wants CUDA or XPU; called from a hook of one's own, gloo runs it
+    elif hook == "bf16_compress":
+        # registered by name DDP wants CUDA or XPU; called from a hook of one's own, gloo runs it
         model.register_comm_hook(group, _bf16_compress)
     elif hook != "none":
         model.register_comm_hook(group, getattr(default_hooks, f"{hook}_hook"))

@@ -63,7 +63,8 @@ def test_interpreter_exit_with_a_hanging_collector_waits_no_longer_than_the_clos
             from delivery_harness import record_sender_joins
             exit_began = []
             # Registered first, so it runs last: after the agent's exit flush.
-            atexit.register(lambda: print(f"flush took {time.monotonic() - exit_began[0]:.3f}; joins {json.dumps(joins)}"))
+            atexit.register(lambda: print(f"flush took {time.monotonic() - exit_began[0]:.3f}; "
+                                          f"joins {json.dumps(joins)}"))
             joins = record_sender_joins()
             sender, recorder = make_sender(url, push_interval=30.0, timeout=3600.0, close_timeout=1.0)
             recorder.skip()

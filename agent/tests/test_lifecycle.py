@@ -239,5 +239,6 @@ def test_exit_with_several_unclosed_watches_and_a_hanging_collector_waits_one_cl
     # Each watch waited its own close timeout in turn before (5 watches: 10 s); two exit handlers each waiting a
     # full timeout would wait 4 s. How long the flush asked to wait in all is a fact of its logic, whatever the
     # machine's speed; that it waited no less, for batches that might still be answered, is a lower bound.
-    assert 0 < sum(json.loads(joins)) <= 2.0, f"the exit flush of 5 unclosed watches waited {joins} with close_timeout=2"
+    assert 0 < sum(json.loads(joins)) <= 2.0, (f"the exit flush of 5 unclosed watches waited {joins} "
+                                               "with close_timeout=2")
     assert float(took) >= 1.9, f"the exit flush gave up after {float(took):.2f} s with close_timeout=2"

@@ -1,4 +1,5 @@
-"""A job without a GradScaler (bf16, float32): ``watch(None, ...)`` checks every optimizer step for inf/NaN gradients."""
+"""A job without a GradScaler (bf16, float32): ``watch(None, ...)`` checks every optimizer step for inf/NaN
+gradients."""
 
 from __future__ import annotations
 

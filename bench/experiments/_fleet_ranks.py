@@ -5,7 +5,8 @@ batches with the cumulative state and the events the real recorder emits for it:
 runs skip streaks (a skip and a backoff per skipped iteration, ``streak_end`` after) from
 ``--storm-at``. With ``--lockstep`` the job is a DDP job: its ranks iterate together (within
 ``LOCKSTEP_DRIFT_S``), every one of them skips through the storm and the checkpoint restore that
-ends it, so each one's news comes at the same iteration (``bench.experiments._fleet_plan.JobTimeline``). When a batch goes is decided by :class:`ampwatch.agent._schedule.PushSchedule`
+ends it, so each one's news comes at the same iteration (``bench.experiments._fleet_plan.JobTimeline``).
+When a batch goes is decided by :class:`ampwatch.agent._schedule.PushSchedule`
 and ``is_news``, the agent's own code, with the settings of ``--delivery``:
 
 - ``before``: today's delivery up to issue 18: the full state every second, a streak's first
@@ -114,8 +115,8 @@ async def _run(args: argparse.Namespace) -> dict:
                 http[phase].append(round(seconds, 5))
     return {"delivery": args.delivery, "transport": args.transport, "ranks": args.ranks, "phases": phases,
             "killed": {"rank": args.kill_rank, "at": warm_end + args.kill_after} if args.kill_rank >= 0 else None,
-            "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests, "bytes": tally.bytes,
-            "refused": tally.refused, "timeouts": tally.timeouts, "missed": tally.missed,
+            "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests,
+            "bytes": tally.bytes, "refused": tally.refused, "timeouts": tally.timeouts, "missed": tally.missed,
             "killed_last_ack": tally.killed_last_ack,
             "storm": {str(r): v for r, v in tally.storm.items()},
             "generator_cpu_s": round(time.process_time() - cpu0, 2)}
@@ -123,7 +124,8 @@ async def _run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the simulated job; write its results as JSON to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.experiments._fleet_ranks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments._fleet_ranks",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--delivery", choices=sorted(DELIVERIES), required=True)

@@ -22,7 +22,8 @@ from ampwatch.contract.protocol import KEEP_ALIVE_S
 
 __all__ = ["Answer", "KeptAlive", "NodeRelayTransport", "PerRankTransport", "TRANSPORTS", "node_address"]
 
-IDLE_CLOSE_S = KEEP_ALIVE_S - 1.0  # the collector closes a connection idle that long: reconnect before, as the agent must
+# the collector closes a connection idle that long: reconnect before, as the agent must
+IDLE_CLOSE_S = KEEP_ALIVE_S - 1.0
 
 
 @dataclasses.dataclass

@@ -87,7 +87,8 @@ def measure(ranks: int = 1024, minutes: float = 31.0, push_s: float = 5.0) -> di
 
 def main(argv: list[str] | None = None) -> dict:
     """Measure in a fresh process (so the figure is this run's alone) and print it; ``--out`` also stores it."""
-    parser = argparse.ArgumentParser(prog="python -m bench.experiments.collector_memory", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.collector_memory",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--minutes", type=float, default=31.0, help="simulated minutes (the longest window is 30)")
     parser.add_argument("--push-s", type=float, default=5.0, help="simulated seconds between two pushes of a rank")

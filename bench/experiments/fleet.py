@@ -15,10 +15,12 @@ batch (+ 2 ticks of 1 s), with the silence scaled to 3 heartbeats + 1 so that th
     python -m bench.experiments.fleet                          # 16,384 ranks, before and after: about 6 minutes
     python -m bench.experiments.fleet --quick                  # 1,024 ranks, shorter phases: about 4 minutes
     python -m bench.experiments.fleet --only after --ranks 4096
-    python -m bench.experiments.fleet --out bench/experiments/results/fleet_delivery.json        # also store it (key "fleet_16384")
-    python -m bench.experiments.fleet --lockstep --before f833925            # a whole-job storm, f833925's collector beside
-                                                                 # this tree's (key "fleet_16384_lockstep")
-    python -m bench.experiments.fleet --render bench/experiments/results/fleet_delivery.json     # print the Markdown tables stored there
+    python -m bench.experiments.fleet --out bench/experiments/results/fleet_delivery.json
+                                                               # also store it (key "fleet_16384")
+    python -m bench.experiments.fleet --lockstep --before f833925  # a whole-job storm, f833925's collector beside
+                                                                   # this tree's (key "fleet_16384_lockstep")
+    python -m bench.experiments.fleet --render bench/experiments/results/fleet_delivery.json
+                                                               # print the Markdown tables stored there
 
 ``--transport node-relay`` runs the *after* side through the node relay (one protocol v2 request
 per node, ``bench/experiments/_fleet_ranks.py`` ``TRANSPORTS``). A rank's ingest latency is from handing its
@@ -278,7 +280,8 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
         "healthy": {"requests_per_s": round(job["requests"]["healthy"] / healthy_s, 1),
                     "http_requests_per_s": round(len(job["http_latency"]["healthy"]) / healthy_s, 1),
                     "http_latency": ms_summary(job["http_latency"]["healthy"]),
-                    "latency": ms_summary(latency["healthy"]), "latency_outside_scrapes": ms_summary(unscraped["healthy"]),
+                    "latency": ms_summary(latency["healthy"]),
+                    "latency_outside_scrapes": ms_summary(unscraped["healthy"]),
                     "late_p99_ms": ms_summary(job["late"]["healthy"])["p99_ms"],
                     "collector_cpu_cores": round((cpu["healthy_end"] - cpu["healthy"]) / healthy_s, 3),
                     "collector_cpu_us_per_rank_s": round(1e6 * (cpu["healthy_end"] - cpu["healthy"])

@@ -81,7 +81,8 @@ def _line(side: str, r: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     """Run both sides and print them side by side; ``--out`` also stores them under ``fleet_ingest``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.experiments.fleet_ingest", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.fleet_ingest",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=16_384)
     parser.add_argument("--interval", type=float, default=15.0, help="seconds between two updates of a rank")
     parser.add_argument("--seconds", type=int, default=90, help="seconds of paced load per side")

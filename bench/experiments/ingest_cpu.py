@@ -10,7 +10,8 @@ With ``--storm`` every measured push skips all its iterations on every rank (a w
 the streak alerts fire at the second and stay firing, their values changing with every batch),
 stored under ``ingest_cpu_storm``.
 
-    python -m bench.experiments.ingest_cpu [--ranks 1024] [--pushes 8] [--rounds 3] [--storm] [--before REF] [--out FILE]
+    python -m bench.experiments.ingest_cpu [--ranks 1024] [--pushes 8] [--rounds 3] [--storm] [--before REF]
+                                           [--out FILE]
 
 Takes about a minute at the defaults.
 """

@@ -69,7 +69,8 @@ def _child(ranks: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Render on both sides; print a row per side."""
-    parser = argparse.ArgumentParser(prog="python -m bench.experiments.metrics_render", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.metrics_render",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--before", required=True, help="the earlier commit to measure beside this tree")
     parser.add_argument("--ranks", type=int, default=16384)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -81,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for side, path in ((f"before ({args.before})", source_of(args.before, tmp)), ("after", None)):
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p))
-            out = subprocess.run([sys.executable, "-m", "bench.experiments.metrics_render", "--before", args.before, "--child",
-                                  "--ranks", str(args.ranks)], cwd=ROOT, env=env, check=True, capture_output=True,
-                                 text=True).stdout
+            out = subprocess.run([sys.executable, "-m", "bench.experiments.metrics_render", "--before", args.before,
+                                  "--child", "--ranks", str(args.ranks)], cwd=ROOT, env=env, check=True,
+                                 capture_output=True, text=True).stdout
             times = json.loads(out.strip().splitlines()[-1])
             print(f"| {side} | " + " | ".join(str(times[phase]) for phase in PHASES) + " |")
     return 0

@@ -116,7 +116,8 @@ def _env(agent_src: Optional[str]) -> dict:
 def _timed(agent_src: Optional[str], model: str, rounds: int, block: int) -> dict:
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}, OMP_NUM_THREADS="1",
                **_env(agent_src))
-    done = subprocess.run([sys.executable, "-m", "bench.experiments.origin_hook", "--child-time", model, str(rounds), str(block)],
+    done = subprocess.run([sys.executable, "-m", "bench.experiments.origin_hook", "--child-time", model, str(rounds),
+                           str(block)],
                           env=env, cwd=ROOT, check=True, capture_output=True, text=True, timeout=1800)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -133,7 +134,8 @@ def run(before: Optional[str], iterations: int = 50, rounds: int = 20, block: in
 
         def count(job: tuple[str, str]) -> int:
             model, name = job
-            return callgrind_instructions(["bench.experiments.origin_hook", "--child-count", name, model, str(iterations)],
+            return callgrind_instructions(["bench.experiments.origin_hook", "--child-count", name, model,
+                                           str(iterations)],
                                           os.path.join(workdir, f"{model}-{name}.cg"), _env(sources[name]))
         with ThreadPoolExecutor(2) as pool:
             counts = dict(zip(jobs, pool.map(count, jobs)))

@@ -15,7 +15,8 @@ healthy job), and a skip on every rank at the same moment every 5 s (as DDP rank
 The collector's own counters give batches applied per request.
 
     python -m bench.experiments.relay                          # 1,024 ranks, 10 s per side, then the real relay: ~3 min
-    python -m bench.experiments.relay --ranks 1024 4096 --out bench/experiments/results/relay.json   # both levels: about 4 minutes
+    python -m bench.experiments.relay --ranks 1024 4096 --out bench/experiments/results/relay.json
+                                                               # both levels: about 4 minutes
 """
 
 from __future__ import annotations

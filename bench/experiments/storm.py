@@ -19,7 +19,8 @@ rank, and the database's growth per storm-minute. The sides run one after the ot
     python -m bench.experiments.storm                      # 1,024 ranks, 15 minutes a side: about 32 minutes
     python -m bench.experiments.storm --minutes 4          # the same phases, a shorter hold: about 10 minutes
     python -m bench.experiments.storm --only after --minutes 4
-    python -m bench.experiments.storm --out bench/experiments/results/job1024_before_after.json   # also store it (key "lockstep_storm")
+    python -m bench.experiments.storm --out bench/experiments/results/job1024_before_after.json
+                                                           # also store it (key "lockstep_storm")
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float) -> d
         _scrape(srv.url, False)  # the exposition's own start-up (a thread, label caches) is not the job's
         rss_empty = stats.memory_kib()["VmRSS"]
         out = os.path.join(tmp, "job.json")
-        sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port), "--ranks",
-                                str(ranks), "--delivery", "after", "--lockstep", "--iteration-s", str(iteration_s),
+        sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port),
+                                "--ranks", str(ranks), "--delivery", "after", "--lockstep",
+                                "--iteration-s", str(iteration_s),
                                 "--warm", str(warm), "--healthy", str(HEALTHY_S), "--storm", str(storm_s),
                                 "--recovery", str(RECOVERY_S), "--hold", str(hold), "--run", "storm", "--out", out],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line(c), flush=True)
         checks += found
         print(f"bench.gpu: {name} done in {time.perf_counter() - t:.1f} s", flush=True)
-    results = {"command": "python -m bench.gpu" + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:])),
+    results = {"command": "python -m bench.gpu"
+                          + "".join(" " + a for a in (argv if argv is not None else sys.argv[1:])),
                "device": device, "quick": args.quick, "environment": env, "checks": checks,
                "duration_s": round(time.perf_counter() - started, 1)}
     failing = [c for c in checks if c["status"] in FAILING]

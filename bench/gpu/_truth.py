@@ -206,7 +206,8 @@ def compare(run: Run, plan: Plan, state: dict[str, Any], events: list[dict[str, 
     changes = [(e["iteration"], e["cause"], e["before"], e["after"], e.get("count", 1)) for e in events
                if e["kind"] == "scale_change"]
     if changes != exp["transitions"]:
-        problems.append(f"scale_change events (iteration, cause, before, after, count): agent {_diff(changes, exp['transitions'])}")
+        problems.append("scale_change events (iteration, cause, before, after, count): "
+                        f"agent {_diff(changes, exp['transitions'])}")
     wrong = [(i, n, a, run.truth[i][n]) for i, row in enumerate(run.answers) for n, a in row.items()
              if a is not run.truth[i][n]]
     if wrong:

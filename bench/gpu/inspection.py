@@ -119,7 +119,8 @@ def run(amp: Amp, quick: bool) -> list[dict]:
                  f"{n:,} tensors, median of {repeats}: clean step+update {ms['clean_step_ms']} ms; skip bare "
                  f"(GradScaler's own inf check) {ms['bare_skip_ms']} ms; skip watched and inspected "
                  f"{ms['watched_skip_ms']} ms (+{ms['watched_skip_ms'] - ms['bare_skip_ms']:.3f} ms); syncs over "
-                 f"the skip: bare {bare_syncs}, watched {watched_syncs[0]} ({extra:+d}; expected +2: a bounded copy of one flag per "
-                 f"tensor, then the counts of the first 16 flagged{'' if amp.cuda else '; on CPU neither is a sync'}; {sync_method(amp.cuda)})",
+                 f"the skip: bare {bare_syncs}, watched {watched_syncs[0]} ({extra:+d}; expected +2: a bounded copy "
+                 f"of one flag per tensor, then the counts of the first 16 flagged"
+                 f"{'' if amp.cuda else '; on CPU neither is a sync'}; {sync_method(amp.cuda)})",
                  tensors=n, repeats=repeats, bare_syncs=bare_syncs, watched_syncs=watched_syncs[0], **ms)
     return [names, cost]

@@ -89,9 +89,11 @@ def run(amp: Amp, quick: bool) -> list[dict]:
     else:
         notes.append("Accelerate is not installed: its AcceleratedOptimizer is left out")
     if amp.cuda:
-        plans = [("mlp", (8, 20) if quick else (30, 40)), (transformer_builder(amp, quick), (4, 3) if quick else (10, 6))]
+        plans = [("mlp", (8, 20) if quick else (30, 40)),
+                 (transformer_builder(amp, quick), (4, 3) if quick else (10, 6))]
     else:
-        plans = [("mlp", (4, 5) if quick else (20, 20)), (transformer_builder(amp, quick), (3, 2) if quick else (10, 5))]
+        plans = [("mlp", (4, 5) if quick else (20, 20)),
+                 (transformer_builder(amp, quick), (3, 2) if quick else (10, 5))]
     primary = "wall" if amp.cuda else "cpu"  # on a shared CPU machine, process CPU time drifts less than wall
     checks = [check("overhead", "note", "info", n) for n in notes]
     for model, (rounds, block) in plans:

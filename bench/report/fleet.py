@@ -1,4 +1,5 @@
-"""Section 9: a 16,384-rank job on one collector (``bench.experiments.fleet``), today's delivery beside the one before it.
+"""Section 9: a 16,384-rank job on one collector (``bench.experiments.fleet``), today's delivery beside the one
+before it.
 
 The table is ``rows``' figures for each stored side; ``bench.experiments.fleet --render`` prints the same table for
 every result in a file. Issue 18's targets are checked against the *after* side of the 16,384-rank run,
@@ -100,7 +101,8 @@ def _targets(r: dict) -> list[tuple[str, str, bool]]:
 
 
 def section(delivery: Optional[dict]) -> list[str]:
-    """The section's lines from ``bench/experiments/results/fleet_delivery.json``, or none before a 16,384-rank run was stored."""
+    """The section's lines from ``bench/experiments/results/fleet_delivery.json``, or none before a 16,384-rank run
+    was stored."""
     if not delivery or "fleet_16384" not in delivery:
         return []
     main = delivery["fleet_16384"]
@@ -110,8 +112,8 @@ def section(delivery: Optional[dict]) -> list[str]:
              f"trains healthily (a batch on news, a heartbeat every {fmt(settings['heartbeat_s'])} s), then "
              f"{fmt(settings['storm_share'] * 100)}% of the ranks run skip streaks, `/metrics` scraped every "
              f"{fmt(settings['scrape_every_s'])} s as Prometheus does, one rank killed without `close()`. The "
-             "*before* side is the delivery that came before (full state every second). `bench/experiments/fleet.py` says "
-             "how each figure is taken.", "",
+             "*before* side is the delivery that came before (full state every second). `bench/experiments/fleet.py` "
+             "says how each figure is taken.", "",
              "Issue 18's targets against the *after* side:", "", "| target | measured | |", "|---|---|---|",
              *(f"| {target} | {figure} | {'met' if ok else '**not met**'} |" for target, figure, ok in
                _targets(main["after"])), "", *table(main), "", f"{measured_by(main)}."]

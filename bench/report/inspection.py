@@ -27,7 +27,7 @@ def summary_rows(insp: dict) -> list[str]:
         out.append(f"| skip storm (skips alternate with steps), {st['tensors']:,}-tensor {st['model']}, "
                    f"{st['optimizers']} optimizer(s): CPU time vs unwatched | {st['ratio']:.3f} "
                    f"[{st['ratio_p25']:.3f}-{st['ratio_p75']:.3f}] | "
-                   f"{'issue 11 measured ' + format(before, '.2f') + 'x before this change (its model)' if before else '-'} | "
+                   f"{f'issue 11 measured {before:.2f}x before this change (its model)' if before else '-'} | "
                    f"{st['named_skips']} of {st['skips']} skips named (rate limit); checks for poisoned steps on all |")
     return out
 
@@ -74,7 +74,8 @@ def section(insp: dict) -> list[str]:
                        f"{fmt(st['watched_ms_per_iter'])} | {st['ratio']:.3f} [{st['ratio_p25']:.3f}-"
                        f"{st['ratio_p75']:.3f}] | {st['wall_ratio']:.3f} | {st.get('iterations', '-')} | "
                        f"{st.get('skips', '-')} | "
-                       f"{st.get('named_skips', '-')} | {st.get('poisoned_steps', '-')} | {st.get('agent_errors', '-')} |")
+                       f"{st.get('named_skips', '-')} | {st.get('poisoned_steps', '-')} | "
+                       f"{st.get('agent_errors', '-')} |")
     before = insp.get("issue_before")
     if before:
         out += ["", f"Before this change a 10,000-tensor skip storm ran at {before['storm_ratio']:.2f}x the unwatched "

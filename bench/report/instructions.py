@@ -18,8 +18,9 @@ def section(ins: dict) -> list[str]:
            "| ratio |",
            "|---|---|---|---|---|---|---|---|"]
     for r in ins["rows"]:
-        out.append(f"| {r['model']} | {r['optimizer']} | {_precision(r)} | {r['iterations']} | {r['bare_per_iter']:,} | "
-                   f"{r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | {r['ratio']:.4f} |")
+        out.append(f"| {r['model']} | {r['optimizer']} | {_precision(r)} | {r['iterations']} | "
+                   f"{r['bare_per_iter']:,} | {r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | "
+                   f"{r['ratio']:.4f} |")
     return out
 
 
@@ -27,7 +28,8 @@ def summary_rows(ins: dict) -> list[str]:
     """The summary's rows: the instructions ratio per model, which the machine's load does not move."""
     out = []
     for r in ins["rows"]:
-        out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} {_precision(r)} (callgrind, exact) | "
+        out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} {_precision(r)} "
+                   "(callgrind, exact) | "
                    f"{r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per iteration) | - | "
                    f"{(r['ratio'] - 1) * 100:.2f}% |")
     return out

@@ -1,7 +1,7 @@
 """Section 7: what issue 14 asked of one collector at 1,024 ranks, each figure beside the commit before.
 
-Each part is one hand-run benchmark's result in ``bench/experiments/results/job1024_before_after.json`` (under the benchmark's
-name), rendered when it is there: a table with a row per side, then the command and date that measured it.
+Each part is one hand-run benchmark's result in ``bench/experiments/results/job1024_before_after.json`` (under the
+benchmark's name), rendered when it is there: a table with a row per side, then the command and date that measured it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def _memory(alerts: dict, collector: Optional[dict]) -> list[tuple[str, str, boo
     worst = alerts["kib_per_rank"]
     if collector:
         whole = collector["after"]["kib_per_rank"]
-        figure += f"; the whole collector {fmt(whole)} KiB (`python -m bench.experiments.collector_memory`, {collector['date']})"
+        figure += (f"; the whole collector {fmt(whole)} KiB (`python -m bench.experiments.collector_memory`, "
+                   f"{collector['date']})")
         worst = max(worst, whole)
     return [("memory < 50 KiB per rank after a full 30-minute window", figure, worst < 50)]
 
@@ -75,7 +76,8 @@ def _targets(doc: dict) -> list[str]:
         return []
     storm, notify, memory = doc["lockstep_storm"]["after"], doc["notify_storm"]["after"], doc["alert_memory"]["after"]
     in_storm = storm["latency"]["storm"]
-    page, rules, size = doc["run_page"]["after"]["storm"]["page"], doc["rule_eval"]["after"], doc["metrics_size"]["after"]
+    page, rules, size = (doc["run_page"]["after"]["storm"]["page"], doc["rule_eval"]["after"],
+                         doc["metrics_size"]["after"])
     rows = [("whole-job storm: ingest p99 < 250 ms, no answer past the agent's 2 s",
              f"p99 {fmt(in_storm['p99_ms'])} ms, {fmt(in_storm['over_2s'])} past 2 s (lockstep, below)",
              in_storm["p99_ms"] < 250 and in_storm["over_2s"] == 0),

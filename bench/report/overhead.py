@@ -28,7 +28,8 @@ def section(ov: dict) -> list[str]:
                     f"iteration costs {h['tiny_bare_cpu_us_per_iter']} us; sender thread and `stepped()` calls "
                     f"included): **{h['agent_host_us_per_iter']} us** (p25 {h['agent_host_us_p25']}, p75 "
                     f"{h['agent_host_us_p75']}). The recorder's own calls per iteration alone "
-                    f"(`agent_hot_path_us` in `bench/overhead.py`, best of 5): **{h.get('hot_path_us_per_iter', '-')} us**."]
+                    f"(`agent_hot_path_us` in `bench/overhead.py`, best of 5): "
+                    f"**{h.get('hot_path_us_per_iter', '-')} us**."]
     out += _ddp_origin(ov.get("ddp_origin"))
     return out
 

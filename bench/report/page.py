@@ -11,7 +11,8 @@ import os
 from typing import Optional
 
 from bench.gpu import report as gpu_report
-from bench.report import fleet, footprint, ingest, inspection, instructions, job1024, origin_hook, overhead, scrape, tail
+from bench.report import (fleet, footprint, ingest, inspection, instructions, job1024, origin_hook, overhead, scrape,
+                          tail)
 
 __all__ = ["BEFORE_AFTER", "FLEET", "GPU_RESULTS", "JOB_1024", "ORIGIN_HOOK", "render"]
 

@@ -19,8 +19,8 @@ def section(r: Optional[dict]) -> list[str]:
              "commit's rules and these side by side on the same data, a whole-job storm's streak alerts firing "
              f"({fmt(r['after']['firing'].get('AmpConsecutiveSkippedSteps (warning)', 0))} instances). Wall-clock "
              f"times over {r['after']['evaluations']} evaluations each, as `/api/v1/rules` reports them (they stretch "
-             "when other jobs share this machine's 2 cores: the caption gives the load), and the CPU each Prometheus used per interval "
-             "(evaluation, scrape, the bench's reads):", "",
+             "when other jobs share this machine's 2 cores: the caption gives the load), and the CPU each Prometheus "
+             "used per interval (evaluation, scrape, the bench's reads):", "",
              "| | rules | group median ms | % of interval | group max ms | % of interval | CPU s per interval |",
              "|---|---|---|---|---|---|---|"]
     lines += side_rows(r, lambda name, x: f"| {name} | {x['rules']} | {fmt(x['group_median_s'] * 1000)} | "

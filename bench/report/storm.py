@@ -1,7 +1,8 @@
-"""Section 7's lockstep storm (``bench.experiments.storm``): issue 26's targets at 1,024 ranks, this tree beside an earlier commit.
+"""Section 7's lockstep storm (``bench.experiments.storm``): issue 26's targets at 1,024 ranks, this tree beside an
+earlier commit.
 
-Rendered from the ``lockstep_storm`` result in ``bench/experiments/results/job1024_before_after.json``: the targets with both
-sides' figures, then each side's phases (ingest latency, ``/metrics`` plain and gzipped, CPU), then memory,
+Rendered from the ``lockstep_storm`` result in ``bench/experiments/results/job1024_before_after.json``: the targets
+with both sides' figures, then each side's phases (ingest latency, ``/metrics`` plain and gzipped, CPU), then memory,
 news delivery and storage. The caption gives the command, date and load: on a shared 2-core machine the
 absolute figures are the machine's as much as the collector's, the ratios between the sides are not.
 """
@@ -37,7 +38,8 @@ def _ok_latency(r: dict, phase: str) -> bool:
 
 
 TARGETS: tuple[tuple[str, Callable[[dict], str], Callable[[dict], bool]], ...] = (
-    ("storm ingest p99 < 250 ms, no answer over 1 s", lambda r: _latency(r, "storm"), lambda r: _ok_latency(r, "storm")),
+    ("storm ingest p99 < 250 ms, no answer over 1 s", lambda r: _latency(r, "storm"),
+     lambda r: _ok_latency(r, "storm")),
     ("recovery ingest p99 < 250 ms, no answer over 1 s", lambda r: _latency(r, "recovery"),
      lambda r: _ok_latency(r, "recovery")),
     ("collector RSS <= 50 KiB per rank after 15 minutes including a storm",
@@ -105,8 +107,8 @@ def section(doc: Optional[dict]) -> list[str]:
     return [f"A DDP job of {fmt(a['ranks'])} ranks x 2 optimizers whose ranks iterate together (an iteration "
             f"every {fmt(a['iteration_s'])} s) and send as the agent's own schedule says (a heartbeat, news at "
             f"the iteration it happens), real HTTP on loopback, one kept-alive connection per rank "
-            f"(`bench.experiments._fleet_ranks --lockstep`): healthy for {fmt(phases['healthy'])} s, then every rank skips "
-            f"every iteration for {fmt(phases['storm'])} s (each rank's news at the storm's first skip and at "
+            f"(`bench.experiments._fleet_ranks --lockstep`): healthy for {fmt(phases['healthy'])} s, then every rank "
+            f"skips every iteration for {fmt(phases['storm'])} s (each rank's news at the storm's first skip and at "
             "each rung comes in the same second), then the checkpoint taken before the storm is restored on every "
             f"rank at the same iteration (*recovery*, {fmt(phases['recovery'])} s), then the job trains on "
             f"(*hold*) until {fmt(a['minutes'])} minutes after its start, when the collector's resident memory "
@@ -118,7 +120,8 @@ def section(doc: Optional[dict]) -> list[str]:
             "end / peak MiB | event rows per storm-minute | event MB per storm-minute | database MB per storm-minute "
             "| refused / timed-out / missed |", "|---|---|---|---|---|---|---|",
             *side_rows(doc, lambda name, r: (
-                f"| {name} | {fmt(r['first_skip_to_answer']['p50_s'], 2)} / {fmt(r['first_skip_to_answer']['p99_s'], 2)}"
+                f"| {name} | {fmt(r['first_skip_to_answer']['p50_s'], 2)} / "
+                f"{fmt(r['first_skip_to_answer']['p99_s'], 2)}"
                 f" / {fmt(r['first_skip_to_answer']['max_s'], 2)} ({fmt(r['first_skip_to_answer']['within_2s'])} of "
                 f"{fmt(r['first_skip_to_answer']['n'] + r['first_skips_not_answered'])}) | "
                 f"{fmt(r['rss_mib']['empty'])} / {fmt(r['rss_mib']['after_storm'])} / {fmt(r['rss_mib']['end'])} / "

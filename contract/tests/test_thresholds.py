@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
-
-CONTRACT_SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-
 from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds, promql_duration
+
+CONTRACT_SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 
 def test_streak_ladder_is_the_protocols_powers_of_two_up_to_1024():
@@ -51,7 +50,8 @@ def test_thresholds_are_frozen():
         DEFAULT_THRESHOLDS.skip_streak_warning = 8  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("seconds, text", [(900, "15m"), (3600, "1h"), (90, "90s"), (0, "0s"), (7200, "2h"), (45, "45s")])
+@pytest.mark.parametrize("seconds, text", [(900, "15m"), (3600, "1h"), (90, "90s"), (0, "0s"), (7200, "2h"),
+                                           (45, "45s")])
 def test_promql_duration_uses_the_largest_whole_unit(seconds, text):
     assert promql_duration(seconds) == text
 

@@ -4,23 +4,32 @@
 
 Uses Debian's chromium through Playwright, with the tests' own launcher (tests/helpers/headless_browser.py).
 """
-import os, re, signal, subprocess, sys, tempfile, time
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from headless_browser import open_page  # noqa: E402
 out_path = sys.argv[1]
-demo = subprocess.Popen([sys.executable, f"{REPO}/examples/demo.py", "--port", "0", "--data", tempfile.mkdtemp(prefix="ampwatch-shot-"),
+demo = subprocess.Popen([sys.executable, f"{REPO}/examples/demo.py", "--port", "0", "--data",
+                         tempfile.mkdtemp(prefix="ampwatch-shot-"),
                          "--run", "demo-readme"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         start_new_session=True)
 lines = []
 try:
     url = None
     for line in demo.stdout:
-        lines.append(line); print(line, end="")
+        lines.append(line)
+        print(line, end="")
         m = re.search(r"status page   (http://\S+)/", line)
-        if m: url = m.group(1)
+        if m:
+            url = m.group(1)
         if "ALERT FIRING   AmpSustainedLossScaleBackoff" in line:
             break
     time.sleep(1.5)

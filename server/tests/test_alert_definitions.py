@@ -167,7 +167,7 @@ def test_each_alert_fires_and_neither_the_event_path_nor_the_periodic_pass_drops
     ranks, now = _quiet_ranks(alerts, n)
     at_ingest = [a for a in trip(ranks, now) if a.name == name]
     definition = ALERTS[name]
-    if definition.for_s is None and definition.scope not in ("run", "host"):
+    if definition.for_field is None and definition.scope not in ("run", "host"):
         assert [a.status for a in at_ingest] == ["firing"], f"{name} did not fire at the ingest that tripped it"
     stops = STOPS.get(name, set())
     changes, started, beat = list(at_ingest), now, now

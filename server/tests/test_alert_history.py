@@ -45,13 +45,16 @@ def test_a_ranks_history_keeps_counters_past_32_bits_and_counts_an_optimizer_see
                         disc=OptimizerTotals(steps=7, poisoned_steps=1)), 100)
     first, second, third = (history.baseline(20.0, window) for window in (20, 10, 0))
     # First seen past calibration: the first snapshot is its origin, not zero.
-    assert (first.count("iteration"), first.count("steps", "gen"), first.count("steps", "disc"), first.count("backoffs")) == (big, 10, 0, 3)
+    assert (first.count("iteration"), first.count("steps", "gen"), first.count("steps", "disc"),
+            first.count("backoffs")) == (big, 10, 0, 3)
     assert (second.count("steps", "gen"), second.count("skipped", "gen")) == (big, 5)
     assert (third.count("steps", "disc"), third.count("steps", "gen")) == (7, big + 1)
     assert history.baseline(20.0, 100).count("steps", "gen") == 10  # older than anything kept: the origin
     # Whether a counter rose after the baseline moment: the growth and the streak at 10 s, the poisoned step at 20 s.
-    assert first.rose("growths") and first.rose("streaks_reached", "gen", 8) and not first.rose("streaks_reached", "gen", 64)
-    assert not second.rose("growths") and not second.rose("streaks_reached", "gen", 8) and second.rose("poisoned_steps", "disc")
+    assert (first.rose("growths") and first.rose("streaks_reached", "gen", 8)
+            and not first.rose("streaks_reached", "gen", 64))
+    assert (not second.rose("growths") and not second.rose("streaks_reached", "gen", 8)
+            and second.rose("poisoned_steps", "disc"))
     assert not third.rose("poisoned_steps", "disc") and not third.rose("poisoned_steps", "gen")
     # The origin: rises after the first snapshot count.
     assert history.baseline(20.0, 100).rose("growths") and history.baseline(20.0, 100).rose("poisoned_steps", "disc")

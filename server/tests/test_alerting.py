@@ -272,7 +272,8 @@ def test_scheduler_steps_after_skips_and_poisoned_steps_fire_at_once_and_resolve
     r.send(0.0)
     r.scheduler, r.poisoned = 1, 2
     fired = r.send(1.0)
-    assert names(fired) == [("AmpPoisonedStep", "firing", "critical"), ("AmpSchedulerStepsOnSkipped", "firing", "warning")]
+    assert names(fired) == [("AmpPoisonedStep", "firing", "critical"),
+                            ("AmpSchedulerStepsOnSkipped", "firing", "warning")]
     assert {a.name: a.value for a in fired} == {"AmpPoisonedStep": 2, "AmpSchedulerStepsOnSkipped": 1}
     assert names(r.send(T.scheduler_window_s + 10.0)) == [("AmpSchedulerStepsOnSkipped", "resolved", "warning")]
     assert names(r.send(T.poisoned_window_s + 10.0)) == [("AmpPoisonedStep", "resolved", "critical")]

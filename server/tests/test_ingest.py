@@ -29,7 +29,7 @@ def test_a_batch_applied_twice_changes_nothing(client):
     assert value(after, "ampwatch_optimizer_steps_total", run="exp-42", rank="0", optimizer="gen") == 5
     assert value(after, "ampwatch_collector_duplicate_batches_total") == 1
     assert len(client.get("/v1/runs/exp-42/events").json()["events"]) == 1
-    strip = lambda text: [l for l in text.splitlines() if l.startswith("ampwatch_optimizer")]  # noqa: E731
+    strip = lambda text: [line for line in text.splitlines() if line.startswith("ampwatch_optimizer")]  # noqa: E731
     assert strip(before) == strip(after)
 
 

@@ -98,7 +98,8 @@ def test_events_read_back_whole_although_rows_keep_only_what_is_not_a_column_or_
     warning = {"id": 5, "kind": "warning", "time": 1_764_400_003.0, "iteration": 11, "code": "c", "message": "m"}
     config = config_for()
     with TestClient(create_app(config)) as client:
-        assert client.post("/v1/ingest", json=make_batch(events=[skip, bare, folded, single, warning])).status_code == 200
+        assert client.post("/v1/ingest",
+                           json=make_batch(events=[skip, bare, folded, single, warning])).status_code == 200
         got = client.get("/v1/runs/exp-42/events").json()["events"]
     defaults = {"params": [], "params_total": None, "inspected": True, "origin": None, "origin_buckets": [],
                 "origin_params": [], "origin_params_total": None}

@@ -48,7 +48,8 @@ def test_every_value_a_scaler_can_hold_is_applied_exposed_and_given_back_as_sent
             {"id": 1, "kind": "scale_change", "time": 1.0, "iteration": 7, "cause": "backoff",
              "before": 1.0, "after": sent}])
         batch["scaler"]["init_scale"] = sent
-        answer = client.post("/v1/ingest", content=json.dumps(batch, allow_nan=False), headers={"Content-Type": "application/json"})
+        answer = client.post("/v1/ingest", content=json.dumps(batch, allow_nan=False),
+                             headers={"Content-Type": "application/json"})
         assert answer.status_code == 200, answer.text
     text = client.get("/metrics").text
     _promtool_check(text)
@@ -67,7 +68,8 @@ def test_python_json_tokens_and_the_null_of_old_agents_are_accepted_too(client):
     tokens = json.dumps(make_batch(run="tokens", loss_scale=math.nan, events=[
         {"id": 1, "kind": "scale_change", "time": 1.0, "iteration": 1, "cause": "growth",
          "before": math.inf, "after": -math.inf}]))
-    assert "NaN" in tokens and client.post("/v1/ingest", content=tokens, headers={"Content-Type": "application/json"}).status_code == 200
+    assert "NaN" in tokens and client.post("/v1/ingest", content=tokens,
+                                           headers={"Content-Type": "application/json"}).status_code == 200
     event = client.get("/v1/runs/tokens/events").json()["events"][0]
     assert (event["before"], event["after"]) == ("Infinity", "-Infinity")
     # Agents before this protocol text sent non-finite floats as null.

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-__all__ = ["Truth", "bits", "counts_at", "fresh_state", "gpu_like_fp16", "params_of", "rank_at", "reset_accelerate_state",
-           "same_bits", "watch_counts"]
+__all__ = ["Truth", "bits", "counts_at", "fresh_state", "gpu_like_fp16", "params_of", "rank_at",
+           "reset_accelerate_state", "same_bits", "watch_counts"]
 
 INF = float("inf")
 COUNTED = ("steps", "skipped", "scheduler_steps_after_skip", "poisoned_steps")

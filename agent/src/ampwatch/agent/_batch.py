@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ampwatch.contract.protocol import DELIVERY_COUNTERS, PROTOCOL_VERSION
 
@@ -16,7 +16,7 @@ __all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_b
 
 
 def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], delivery: Mapping[str, int],
-                events: list[dict[str, Any]], closed: bool = False) -> dict[str, Any]:
+                events: Sequence[Mapping[str, Any]], closed: bool = False) -> dict[str, Any]:
     """Return the batch for ``seq``: identity, ``snapshot()`` with delivery counters, and events.
 
     Strings are cut to the protocol's limits here (ending in ``…``), so the collector
@@ -47,7 +47,7 @@ def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], de
     }
 
 
-def fit_event(event: dict[str, Any]) -> dict[str, Any]:
+def fit_event(event: Mapping[str, Any]) -> Mapping[str, Any]:
     """Return ``event`` within the protocol's limits: a copy with long strings cut, or ``event`` itself."""
     kind = event.get("kind")
     if kind in ("skip", "poisoned_step"):
@@ -69,7 +69,7 @@ def fit_event(event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
-def _cut_fields(event: dict[str, Any], **limits: int) -> dict[str, Any]:
+def _cut_fields(event: Mapping[str, Any], **limits: int) -> Mapping[str, Any]:
     """Return ``event``, or a copy with each named string field cut to its limit."""
     long = {k: cut(event[k], n) for k, n in limits.items() if isinstance(event.get(k), str) and len(event[k]) > n}
     return dict(event, **long) if long else event

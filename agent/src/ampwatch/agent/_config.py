@@ -96,6 +96,13 @@ class AgentConfig:
         return dataclasses.replace(self, push_interval=default_heartbeat(per_collector))
 
     @property
+    def heartbeat(self) -> float:
+        """The push interval of a config :meth:`for_job` resolved (seconds)."""
+        if self.push_interval is None:
+            raise ValueError("the push interval is resolved by AgentConfig.for_job(world_size): call it first")
+        return self.push_interval
+
+    @property
     def sends(self) -> bool:
         """Return whether a collector is configured (otherwise the agent only records)."""
         return bool(self.collectors) and not self.disabled

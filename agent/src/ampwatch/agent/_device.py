@@ -131,9 +131,9 @@ class PendingRead:
         if self._value is None:
             if self._event is not None:
                 self._event.synchronize()
-                self._value = self._host.reshape(-1).tolist()
+                self._value = self._host.reshape(-1).tolist()  # type: ignore[union-attr] # set with the event
             else:
-                self._value = self._source.cpu().reshape(-1).tolist()
+                self._value = self._source.cpu().reshape(-1).tolist()  # type: ignore[union-attr] # read once
             self._host = self._event = self._source = None
         return self._value
 
@@ -190,7 +190,7 @@ def _flags_batched(values: list[torch.Tensor]) -> torch.Tensor:
     the CUDA kernel alike (real tensors only: a complex |x| could overflow). On CUDA this is a few
     fused kernel launches for all the tensors, about the cost of the scaler's own check, and no sync.
     """
-    return ~torch.isfinite(torch.stack(_foreach_norm(values, ord=float("inf"))))
+    return ~torch.isfinite(torch.stack(_foreach_norm(values, ord=float("inf"))))  # type: ignore[misc] # present here
 
 
 def _flags_per_tensor(values: list[torch.Tensor]) -> torch.Tensor:
@@ -270,7 +270,7 @@ def nonfinite_indices(tensors: Sequence[torch.Tensor | None]) -> list[int]:
             order, parts = per_device.setdefault(device, ([], []))
             order.extend(positions)
             parts.append(_flags(device, shape is not None, members))
-        flagged = []
+        flagged: list[int] = []
         for order, parts in per_device.values():
             # The one copy for this device: a bool per tensor, read with tolist (no scalar reads).
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist()
@@ -304,7 +304,7 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, 
 
 
 def max_abs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Return max |x| of each tensor, stacked in one tensor on their device (inf or NaN exactly where x held any); no sync.
+    """Return max |x| of each tensor, stacked in one tensor on their device (inf or NaN where x held any); no sync.
 
     One ``_foreach_norm(ord=inf)`` call (private op; NaN propagates; on a GPU a few fused kernel launches for
     all the tensors) and one ``stack``. The tensors must be real, strided and on one device; raises

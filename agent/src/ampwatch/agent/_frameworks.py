@@ -95,8 +95,9 @@ def _names_from_module(module: torch.nn.Module | None, optimizers: list[torch.op
     owner = {id(p): name for name, p in module.named_parameters()}
     prefixes = []
     for opt in optimizers:
-        paths = [owner.get(id(p)) for group in opt.param_groups for p in group["params"]]
-        if not paths or None in paths:
+        found = [owner.get(id(p)) for group in opt.param_groups for p in group["params"]]
+        paths = [path for path in found if path is not None]
+        if not paths or len(paths) < len(found):
             return None
         common = os.path.commonprefix([path.split(".")[:-1] for path in paths])
         prefixes.append(".".join(common)[:128])

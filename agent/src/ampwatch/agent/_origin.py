@@ -12,8 +12,8 @@ communication hook and changes nothing of the reduction; its hooks come off at :
 The hook writes one ``torch.aminmax`` of the gradient into two numbers kept for that parameter (a row per
 backward of the iteration, so an inf in any micro-batch is kept), on the device, without a sync and, after
 the first iterations, without allocating. The numbers are read only on an iteration where some optimizer
-skipped, or without a scaler was poisoned (:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite` makes them one on-device flag
-for any other reader.
+skipped, or without a scaler was poisoned (:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite`
+makes them one on-device flag for any other reader.
 """
 
 from __future__ import annotations
@@ -61,10 +61,9 @@ class LocalGradients:
     """Each parameter's own gradient in this iteration, noted on the way in: did it hold inf/NaN?
 
     ``params`` are ``(name, parameter)`` pairs; :meth:`attach` puts the hooks on. The hooks run on the
-    autograd threads, the rest on the training thread: :meth:`end_iteration` (at ``scaler.update()``; without a scaler, at the
-    first optimizer step after a backward) starts
-    the next iteration's notes (Python only), or, while a deferred outcome may still ask about the iteration,
-    first keeps one flag per parameter for it.
+    autograd threads, the rest on the training thread: :meth:`end_iteration` (at ``scaler.update()``; without a
+    scaler, at the first optimizer step after a backward) starts the next iteration's notes (Python only), or,
+    while a deferred outcome may still ask about the iteration, first keeps one flag per parameter for it.
     """
 
     def __init__(self, params: Iterable[tuple[str, torch.Tensor]], errors: Any) -> None:
@@ -103,10 +102,10 @@ class LocalGradients:
             self.close()
             raise
 
-    def _hook(self, slot: int):  # type: ignore[no-untyped-def]
+    def _hook(self, slot: int):
         counts, outs, slow = self._counts, self._outs[slot], self._note_slowly
 
-        def note(grad):  # type: ignore[no-untyped-def]
+        def note(grad):
             # The fast path: one aminmax into this parameter's next row. Anything else (a sparse or
             # complex gradient, one inside the autograd graph, a row not made yet) raises before writing.
             try:
@@ -233,7 +232,7 @@ class LocalGradients:
         if known is not None:
             return known, False
         if current and any(self._counts):
-            flagged = self._flags()
+            flagged: tuple[list[int], list[torch.Tensor]] | None = self._flags()
         else:  # an ended iteration's, kept (or none)
             flagged = self._kept.get(iteration)
         if flagged is None:

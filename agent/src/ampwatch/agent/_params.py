@@ -94,9 +94,9 @@ def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
         entries: list[ParamCount] = []
         for position in positions[:MAX_NAMED_PARAMS]:
             index = position - start
-            group = bisect.bisect_right(group_starts, index) - 1
+            slot = bisect.bisect_right(group_starts, index) - 1
             n_inf, n_nan = counts[position]
-            entries.append({"name": names.name(params[index], group, index - group_starts[group]),
+            entries.append({"name": names.name(params[index], slot, index - group_starts[slot]),
                             "inf": n_inf, "nan": n_nan})
         reports.append(NonfiniteReport(params=entries, total=len(positions)))
     return reports

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ampwatch.contract.batch import ParamCount
 from ampwatch.contract.protocol import is_rung
 
 from . import _device
@@ -66,12 +67,12 @@ class NonfiniteCheck:
 
     def done(self) -> bool:
         """Tell, without blocking, whether :meth:`any` can be answered without a sync."""
-        return self._found is not None or self._read.done()
+        return self._found is not None or self._read.done()  # type: ignore[union-attr] # one or the other
 
     def any(self) -> bool:
         """Return whether some tensor held inf or NaN (waits for the device if the answer has not landed)."""
         if self._found is None:
-            self._found = bool(self._read.wait()[0])
+            self._found = bool(self._read.wait()[0])  # type: ignore[union-attr] # one or the other
         return self._found
 
     def positions(self) -> list[tuple[int, str]]:
@@ -79,7 +80,7 @@ class NonfiniteCheck:
 
         Reads one value per tensor from the device (one sync on a GPU): call it only when :meth:`any` is true.
         """
-        values = _device.read_later(self._max_abs).wait()
+        values = _device.read_later(self._max_abs).wait()  # type: ignore[arg-type] # kept with a read
         return [(k, "nan" if v != v else "inf") for k, v in enumerate(values) if not math.isfinite(v)]
 
 
@@ -109,9 +110,9 @@ def check_nonfinite(tensors: list[torch.Tensor]) -> NonfiniteCheck:
         total, strided, summed, half = 0.0, torch.strided, _SUMMED, torch.float16
         for tensor in tensors:
             if tensor.layout is strided and tensor.dtype in summed:
-                total += tensor.sum().tolist()  # a CPU tensor: tolist reads it without a scalar op
+                total += tensor.sum().tolist()  # type: ignore[operator] # a 0-d tensor: one float, read without a scalar op
             elif tensor.layout is strided and tensor.dtype is half:
-                total += tensor.sum(dtype=torch.float32).tolist()  # float16 sums overflow past 65504
+                total += tensor.sum(dtype=torch.float32).tolist()  # type: ignore[operator] # float16 sums overflow past 65504
             else:
                 return NonfiniteCheck(found=bool(_device.nonfinite_indices(tensors)))
         if math.isfinite(total):
@@ -205,7 +206,7 @@ class PoisonCheck:
         # Read late, the gradients may be a later iteration's: name from what the check kept (one read).
         positions = found.positions()
         names = self.inspection.names
-        entries = [{"name": names.name(params[k], *_group_index(record.optimizer, params[k])),
+        entries: list[ParamCount] = [{"name": names.name(params[k], *_group_index(record.optimizer, params[k])),
                     "inf": int(kind == "inf"), "nan": int(kind == "nan")} for k, kind in positions[:MAX_NAMED_PARAMS]]
         self.inspection.report_poisoned(record, iteration, NonfiniteReport(params=entries, total=len(positions)),
                                         "nonfinite_grad", streak=record.poison_run, exact=False, **fields)

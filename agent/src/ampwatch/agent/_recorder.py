@@ -68,9 +68,10 @@ class OptimizerRecord:
         return cls(name=name, optimizer_ref=weakref.ref(optimizer))
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The watched optimizer (None once it has been garbage-collected)."""
-        return self.optimizer_ref()
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The watched optimizer. A record is read only from that optimizer's own hooks and the scaler's calls
+        with it, so the optimizer is alive whenever this is read (the weak reference is for the garbage collector)."""
+        return self.optimizer_ref()  # type: ignore[return-value]
 
     def counters(self) -> OptimizerCounters:
         """Return this optimizer's protocol counters as plain values."""
@@ -212,7 +213,8 @@ class Recorder:
 
     def after_optimizer_step(self, record: OptimizerRecord) -> None:
         """Without a scaler: check the gradients a step given a closure made and applied (step post-hook)."""
-        self.unscaled.after_step(self, record)
+        if self.unscaled is not None:
+            self.unscaled.after_step(self, record)
 
     def poisoned_origin(self, fields: dict[str, Any], iteration: int, current: bool) -> None:
         """With ``ddp=``: add to a poisoned step's ``fields`` whether this rank's own gradients held inf/NaN."""
@@ -402,13 +404,14 @@ class Recorder:
                 record.origin_sent = origin
             self.events.append(event)
         if weights is not None and weights.total:
-            self.inspection.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
+            self.inspection.report_poisoned(record, record.last_step_iteration,  # type: ignore[arg-type] # stepped
+                                            weights, "nonfinite_param")
 
-    def _add_origin(self, event: SkipEvent, iteration: int, current: bool) -> None:
+    def _add_origin(self, event: SkipEvent | dict[str, Any], iteration: int, current: bool) -> None:
         # Whether this rank's own gradients held inf/NaN before DDP's all-reduce: read once per
         # skipped iteration, shared by the skip events of every optimizer that skipped in it.
         try:
-            report, new = self.origin.report(iteration, current)
+            report, new = self.origin.report(iteration, current)  # type: ignore[union-attr] # called with one
         except Exception as error:  # noqa: BLE001 - the skip itself is still reported
             self.internal_error("origin flags", error)
             return

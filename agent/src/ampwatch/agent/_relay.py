@@ -58,12 +58,12 @@ def relay_wait(config: AgentConfig, body: bytes) -> float:
     """
     if b'"events":[]' in body and b'"closed":true' not in body:
         return relay_hold(config)
-    return min(0.2, config.push_interval / 2)
+    return min(0.2, config.heartbeat / 2)
 
 
 def relay_hold(config: AgentConfig) -> float:
     """Return the longest the relay holds a batch before posting it (seconds)."""
-    return min(1.0, config.push_interval)
+    return min(1.0, config.heartbeat)
 
 
 class RelayPaths:

@@ -21,7 +21,7 @@ _MAX_PENDING = 64  # scale reads in flight before we wait for the oldest (only i
 
 def as_float32(value: float) -> float:
     """Return ``value`` as the scaler holds it: rounded to float32 (0.1 -> 0.10000000149011612, 1e39 -> inf)."""
-    return torch.tensor(float(value), dtype=torch.float32).tolist()
+    return float(torch.tensor(float(value), dtype=torch.float32))
 
 
 def _same(a: float, b: float) -> bool:
@@ -137,11 +137,11 @@ class LossScale:
         if live is not self._source:  # look at the device once per scale tensor, not per iteration
             self._source = live
             self._device = None if live is None else live.device.type
-        if self._device == "cpu":
-            self._apply(_device.host_scalar(live), iteration, manual)
+        if self._device == "cpu":  # a device only for a tensor: live is one
+            self._apply(_device.host_scalar(live), iteration, manual)  # type: ignore[arg-type]
             return
         if self._device == "cuda":
-            self._pending.append((_device.read_later(live), iteration, manual))
+            self._pending.append((_device.read_later(live), iteration, manual))  # type: ignore[arg-type]
             while self._pending and self._pending[0][0].done():
                 self._resolve(*self._pending.popleft())
             if len(self._pending) > _MAX_PENDING:
@@ -194,7 +194,7 @@ class LossScale:
         if not self._run:
             self._run_before = before
         self._run += 1
-        self._run_last, self._run_after = iteration, self.value
+        self._run_last, self._run_after = iteration, self.value  # type: ignore[assignment] # a backoff was read
         if is_rung(self._run):  # the 1st, 2nd, 4th, ... backoff of the run
             self._send_backoffs()
 

@@ -51,7 +51,8 @@ def default_heartbeat(ranks_per_collector: float) -> float:
     >>> [round(default_heartbeat(n), 1) for n in (8, 4096, 7500, 10000, 16384, 1_000_000)]
     [15.0, 15.0, 15.0, 20.0, 30.0, 30.0]
     """
-    return min(float(MAX_HEARTBEAT_INTERVAL_S), max(float(HEARTBEAT_INTERVAL_S), ranks_per_collector / RANKS_PER_SECOND))
+    spread = ranks_per_collector / RANKS_PER_SECOND
+    return min(float(MAX_HEARTBEAT_INTERVAL_S), max(float(HEARTBEAT_INTERVAL_S), spread))
 
 
 def is_news(event: Mapping[str, Any]) -> bool:

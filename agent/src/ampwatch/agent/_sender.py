@@ -10,6 +10,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+from ampwatch.contract.batch import Event
+
 from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
 from ._config import AgentConfig
 from ._errors import AgentErrors
@@ -56,12 +58,12 @@ class Sender:
         config = config.for_job(identity.world_size)  # the default heartbeat follows the job's size
         self.config, self.identity, self.snapshot, self.events = config, identity, snapshot, events
         self.errors = errors if errors is not None else AgentErrors()
-        self._outcomes = DeliveryOutcomes(config.push_interval, config.max_backoff)  # counters, backoff, what was said
+        self._outcomes = DeliveryOutcomes(config.heartbeat, config.max_backoff)  # counters, backoff, what was said
         self._pid = os.getpid()
         self._seq = 0  # seq of the last batch built
         self._wake = wake if wake is not None else threading.Event()
         events.wake = self._wake  # news appended by the training thread wakes this sender
-        self._schedule = PushSchedule(config.push_interval, ranks=identity.world_size)
+        self._schedule = PushSchedule(config.heartbeat, ranks=identity.world_size)
         self._stop = threading.Event()
         self._deadline: float | None = None  # monotonic time by which close() gives up
         self._thread: threading.Thread | None = None
@@ -165,10 +167,10 @@ class Sender:
                     wait = min(wait, self._outcomes.retry_at - time.monotonic())
                 if closing:
                     wait = min(wait, self._deadline_left())
-                self._wake.wait(max(0.0, min(wait, self.config.push_interval)))
+                self._wake.wait(max(0.0, min(wait, self.config.heartbeat)))
             except Exception as exc:  # never let the thread die: count, pause, carry on
                 self.errors.report("the sender thread", exc)
-                if self._stop.wait(min(1.0, self.config.push_interval)):
+                if self._stop.wait(min(1.0, self.config.heartbeat)):
                     if self._deadline_left() <= 0:
                         break
                     time.sleep(0.05)  # closing: keep trying until the deadline, but not in a tight loop
@@ -207,7 +209,7 @@ class Sender:
         self._built_at = time.monotonic()
         self._closed_built = closed
 
-    def _encode(self, snapshot: dict[str, Any], events: list[dict[str, Any]], closed: bool) -> bytes:
+    def _encode(self, snapshot: dict[str, Any], events: list[Event], closed: bool) -> bytes:
         """Encode batch ``self._seq`` with the delivery counters as they are now."""
         batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=self.delivery,
                             events=events, closed=closed)

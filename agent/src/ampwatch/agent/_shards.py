@@ -15,6 +15,7 @@ import torch
 
 __all__ = ["is_sharded", "local", "shard_text"]
 
+_DTensor: Any
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # a torch built without distributed support

@@ -10,6 +10,8 @@ What it hooks and how it behaves on resume: docs/integrations.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._frameworks import require
 from ._lightning import LightningWatch
 
@@ -18,5 +20,8 @@ __all__ = ["AmpWatchCallback"]
 _pl = require("lightning.pytorch", integration="ampwatch.agent.lightning", extra="lightning")
 
 
-class AmpWatchCallback(LightningWatch, _pl.Callback):
+_Callback: Any = _pl.Callback  # a base class mypy cannot see through require()
+
+
+class AmpWatchCallback(LightningWatch, _Callback):
     __doc__ = LightningWatch.__doc__

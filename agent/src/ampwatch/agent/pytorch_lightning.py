@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._frameworks import require
 from ._lightning import LightningWatch
 
@@ -13,5 +15,8 @@ __all__ = ["AmpWatchCallback"]
 _pl = require("pytorch_lightning", integration="ampwatch.agent.pytorch_lightning", extra="pytorch-lightning")
 
 
-class AmpWatchCallback(LightningWatch, _pl.Callback):
+_Callback: Any = _pl.Callback  # a base class mypy cannot see through require()
+
+
+class AmpWatchCallback(LightningWatch, _Callback):
     __doc__ = LightningWatch.__doc__

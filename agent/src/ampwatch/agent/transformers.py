@@ -23,7 +23,10 @@ _transformers = require("transformers", integration="ampwatch.agent.transformers
 _CPU_RECIPE = "a Trainer whose Accelerator is given a GradScaler, as examples/transformers_cpu.py does"
 
 
-class AmpWatchCallback(_transformers.TrainerCallback):
+_TrainerCallback: Any = _transformers.TrainerCallback  # a base class mypy cannot see through require()
+
+
+class AmpWatchCallback(_TrainerCallback):
     """Attach the ampwatch agent when training begins, detach when it ends.
 
     Watches the GradScaler behind the Trainer's optimizer (Accelerate's, made

@@ -63,7 +63,7 @@ class AlertDefinition:
     labelled with its host and local rank too (what a hardware ticket needs), judged across its run."""
     severities: tuple[Severity, ...]
     """One rule per severity (the streak alert has a warning and a critical one)."""
-    for_s: Optional[str]
+    for_field: Optional[str]
     """The AlertThresholds field holding its ``for:`` window; None: it fires at the first evaluation."""
     parameters: tuple[str, ...]
     """The AlertThresholds fields its condition reads (besides its window and its severities' thresholds); for one
@@ -109,14 +109,14 @@ class AlertDefinition:
             raise ValueError(f"{where}: an alert that speaks for a per-rank one is of scope run and reads no counters "
                              "of its own (its condition is the per-rank alert's, counted across the run)")
         fields = {f.name for f in dataclasses.fields(AlertThresholds)}
-        for field in (self.window, self.for_s, *self.parameters, *(s.threshold for s in self.severities)):
+        for field in (self.window, self.for_field, *self.parameters, *(s.threshold for s in self.severities)):
             if field is not None and field not in fields:
                 raise ValueError(f"{where}: {field!r} is not a field of AlertThresholds")
 
     @property
     def thresholds_read(self) -> tuple[str, ...]:
         """Return every AlertThresholds field it depends on: parameters, window, ``for``, severities' thresholds."""
-        return (*self.parameters, *filter(None, (self.window, self.for_s)),
+        return (*self.parameters, *filter(None, (self.window, self.for_field)),
                 *(s.threshold for s in self.severities if s.threshold))
 
     @property
@@ -135,7 +135,7 @@ class AlertDefinition:
 
     def for_seconds(self, t: AlertThresholds) -> int:
         """Return how long its condition must hold before it fires, in seconds."""
-        return getattr(t, self.for_s) if self.for_s else 0
+        return getattr(t, self.for_field) if self.for_field else 0
 
     def severity(self, level: Optional[str] = None) -> Severity:
         """Return the severity of that level (None: the only one)."""
@@ -186,7 +186,7 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
     AlertDefinition(
         name="AmpConsecutiveSkippedSteps", scope="optimizer",
         severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
-        for_s=None, parameters=(), window="skip_streak_window_s", rises=("streaks_reached",),
+        for_field=None, parameters=(), window="skip_streak_window_s", rises=("streaks_reached",),
         gauges=("consecutive_skipped",),
         summary="An optimizer skipped {threshold} or more steps in a row",
         description=f"The {_WHERE} skipped at least {{threshold}} consecutive steps within the last "
@@ -195,13 +195,13 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
     AlertDefinition(
         name="AmpRunSkipStorm", scope="run",
         severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
-        for_s=None, parameters=_SPEAKING, speaks_for="AmpConsecutiveSkippedSteps",
+        for_field=None, parameters=_SPEAKING, speaks_for="AmpConsecutiveSkippedSteps",
         summary="Most ranks of a run skip together: {threshold} or more steps in a row",
         description="{percent} of the ranks of run {run} have an optimizer that skipped at least {threshold} "
                     "consecutive steps within the last {skip_streak_window_s}: the whole job stopped updating its "
                     f"parameters. {_SPEAKS.format(their='streak alerts of this severity')}"),
     AlertDefinition(
-        name="AmpSustainedLossScaleBackoff", scope="run", severities=_WARNING, for_s="backoff_for_s",
+        name="AmpSustainedLossScaleBackoff", scope="run", severities=_WARNING, for_field="backoff_for_s",
         parameters=("backoff_min_count", "backoff_rank_share", "calibration_iterations"),
         window="backoff_window_s", counts=("backoffs", "iteration"), rises=("growths",),
         context=("iteration", "growths"),
@@ -210,58 +210,58 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "{backoff_min_count} times in the last {backoff_window_s} without any growth: gradients keep "
                     "overflowing."),
     AlertDefinition(
-        name="AmpLossScaleCollapsed", scope="rank", severities=_CRITICAL, for_s="collapsed_for_s",
+        name="AmpLossScaleCollapsed", scope="rank", severities=_CRITICAL, for_field="collapsed_for_s",
         parameters=("collapsed_loss_scale",),
         summary="The loss scale collapsed below {collapsed_loss_scale}, or is NaN or infinite",
         description=f"The loss scale of {_ON_RANK} is {{value}}, not a finite value of at least "
                     "{collapsed_loss_scale}: backoffs keep halving it because gradients are non-finite at any "
                     "scale, or it became 0, NaN or infinite, where every step skips and it can never recover."),
     AlertDefinition(
-        name="AmpRunLossScaleCollapsed", scope="run", severities=_CRITICAL, for_s="collapsed_for_s",
+        name="AmpRunLossScaleCollapsed", scope="run", severities=_CRITICAL, for_field="collapsed_for_s",
         parameters=_SPEAKING, speaks_for="AmpLossScaleCollapsed",
         summary="The loss scale collapsed on most ranks of a run",
         description="{percent} of the ranks of run {run} have a loss scale below {collapsed_loss_scale}, NaN or "
                     "infinite: gradients are non-finite at any scale across the job, or the scale became 0, NaN or "
                     f"infinite, where every step skips. {_SPEAKS.format(their='collapsed-scale alerts')}"),
     AlertDefinition(
-        name="AmpLossScaleDesync", scope="run", severities=_WARNING, for_s="desync_for_s",
+        name="AmpLossScaleDesync", scope="run", severities=_WARNING, for_field="desync_for_s",
         parameters=("desync_scale_ratio",),
         summary="Ranks of a run disagree on the loss scale",
         description="The largest loss scale among the open ranks of run {run} is {value} times the smallest: the "
                     "ranks no longer see the same gradients or scaler state."),
     AlertDefinition(
-        name="AmpHighSkippedStepRatio", scope="optimizer", severities=_WARNING, for_s="skip_ratio_for_s",
+        name="AmpHighSkippedStepRatio", scope="optimizer", severities=_WARNING, for_field="skip_ratio_for_s",
         parameters=("skip_ratio", "skip_ratio_min_steps"), window="skip_ratio_window_s",
         counts=("skipped", "steps"), context=("steps",),
         summary="An optimizer skips a large share of its steps",
         description=f"The {_WHERE} skipped {{percent}} of its steps over the last {{skip_ratio_window_s}}."),
     AlertDefinition(
-        name="AmpRunHighSkippedStepRatio", scope="run", severities=_WARNING, for_s="skip_ratio_for_s",
+        name="AmpRunHighSkippedStepRatio", scope="run", severities=_WARNING, for_field="skip_ratio_for_s",
         parameters=_SPEAKING, speaks_for="AmpHighSkippedStepRatio",
         summary="Most ranks of a run skip a large share of their steps",
         description="{percent} of the ranks of run {run} have an optimizer that skipped a share of at least "
                     "{skip_ratio} of its steps over the last {skip_ratio_window_s}: the whole job loses updates. "
                     f"{_SPEAKS.format(their='skip-ratio alerts')}"),
     AlertDefinition(
-        name="AmpRankSilent", scope="rank", severities=_WARNING, for_s="silent_for_s",
+        name="AmpRankSilent", scope="rank", severities=_WARNING, for_field="silent_for_s",
         parameters=("silent_after_s",),
         summary="A rank stopped reporting without closing",
         description=f"No batch from {_ON_RANK} for {{duration}} and it did not close: the process died, hung, or "
                     "cannot reach the collector."),
     AlertDefinition(
-        name="AmpSchedulerStepsOnSkipped", scope="optimizer", severities=_WARNING, for_s=None,
+        name="AmpSchedulerStepsOnSkipped", scope="optimizer", severities=_WARNING, for_field=None,
         parameters=(), window="scheduler_window_s", rises=("scheduler_steps_after_skip",),
         summary="An LR scheduler stepped after a skipped optimizer step",
         description=f"The LR scheduler of {_WHERE} stepped right after skipped steps (so far: {{value}}): the "
                     "schedule runs ahead of the real updates."),
     AlertDefinition(
-        name="AmpPoisonedStep", scope="optimizer", severities=_CRITICAL, for_s=None,
+        name="AmpPoisonedStep", scope="optimizer", severities=_CRITICAL, for_field=None,
         parameters=(), window="poisoned_window_s", rises=("poisoned_steps",),
         summary="An optimizer updated its parameters with non-finite gradients",
         description=f"The {_WHERE} stepped although its gradients were non-finite, or its parameters became "
                     "non-finite (poisoned steps so far: {value}): the weights are likely NaN for good."),
     AlertDefinition(
-        name="AmpSkipOriginRank", scope="host", severities=_WARNING, for_s=None,
+        name="AmpSkipOriginRank", scope="host", severities=_WARNING, for_field=None,
         parameters=("origin_min_count", "origin_rank_share"), window="origin_window_s",
         counts=("origin_iterations",),
         summary="One rank keeps starting the run's skipped steps",
@@ -270,7 +270,7 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "{origin_window_s}, while at most {origin_rank_share} of the run's ranks did: suspect that "
                     "GPU, its host or its data shard."),
     AlertDefinition(
-        name="AmpRankConflict", scope="rank", severities=_WARNING, for_s=None, parameters=(),
+        name="AmpRankConflict", scope="rank", severities=_WARNING, for_field=None, parameters=(),
         window="conflict_window_s", rises=("conflicts",),
         summary="Two processes claim one run and rank",
         description=f"A second process claimed {_ON_RANK} while the first one kept sending (conflicts so far: "

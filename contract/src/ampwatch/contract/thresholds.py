@@ -31,8 +31,9 @@ class AlertThresholds:
 
     calibration_iterations: int = 100
     """Iterations at the start of a rank during which loss-scale backoffs are the
-    normal calibration of a dynamic scale (init 2**16) and never count as
-    sustained backoff (GRADSCALER.md claim 11)."""
+    normal calibration of a dynamic scale (init 2**16: a model whose gradients
+    overflow at that scale backs off several times in its first iterations) and
+    never count as sustained backoff."""
 
     skip_streak_warning: int = 16
     """Consecutive skipped steps of one optimizer that raise a warning. 16 because a

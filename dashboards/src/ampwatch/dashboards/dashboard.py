@@ -139,7 +139,8 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
                "one rank alone at its GPU. Start the investigation here.",
                 hide=["Time"], rename={"Value": "ranks"}), 24),
             (_table("Ranks where skips started (DDP)", [
-                (f"topk by (run) (20, sum by (run, rank) (increase({m.RANK_ORIGIN_ITERATIONS}{{{_RANK}}}[$__range])) > 0)"
+                (f"topk by (run) (20, sum by (run, rank) "
+                 f"(increase({m.RANK_ORIGIN_ITERATIONS}{{{_RANK}}}[$__range])) > 0)"
                  f" * on (run, rank) group_left (host, local_rank) {m.RANK_INFO}", ""),
             ], "Skipped iterations over the dashboard's time range whose inf/NaN was in the rank's own "
                "gradients before DDP's all-reduce (agents watching with ddp=), with host and local rank, the 20 "
@@ -215,7 +216,8 @@ def _skip_ratio() -> str:
     """Skipped / all scaler.step() calls per interval, per rank and optimizer."""
     skipped = f"increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval])"
     return (f"sum by (run, rank, optimizer) ({skipped})"
-            f" / sum by (run, rank, optimizer) ({skipped} + increase({m.OPTIMIZER_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))")
+            f" / sum by (run, rank, optimizer) ({skipped} + "
+            f"increase({m.OPTIMIZER_STEPS}{{{_OPTIMIZER}}}[$__rate_interval]))")
 
 
 def _targets(queries: list[tuple[str, str]], instant: bool = False, table: bool = False) -> list[Target]:

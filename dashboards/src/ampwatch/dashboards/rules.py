@@ -199,7 +199,8 @@ CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
                                                 f"{t.skip_ratio_min_steps}"),
     "AmpRankSilent": lambda t, r, _: (f"(time() - {m.RANK_LAST_SEEN} > {t.silent_after_s})\n"
                                       f"unless on (run, rank) {r.closed}"),
-    "AmpSchedulerStepsOnSkipped": lambda t, r, _: _counter_rose(r.scheduler_steps, m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP,
+    "AmpSchedulerStepsOnSkipped": lambda t, r, _: _counter_rose(r.scheduler_steps,
+                                                                m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP,
                                                                 t.scheduler_window_s),
     "AmpPoisonedStep": lambda t, r, _: _counter_rose(r.poisoned, m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s),
     "AmpSkipOriginRank": _origin,

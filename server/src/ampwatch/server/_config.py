@@ -81,9 +81,9 @@ class ServerConfig:
     rate_limit: float = _option(0.0, "requests per second per client address, bursts up to twice that; 429 above "
                                      "(0: off)")
     keep_alive: float = _option(float(KEEP_ALIVE_S), "seconds an idle kept-alive agent connection stays open; keep it "
-                                                   "above 1.5 x the agents' AMPWATCH_PUSH_INTERVAL (15-30 s by default), "
-                                                   "so that each batch reuses its rank's connection instead of "
-                                                   "opening one")
+                                                   "above 1.5 x the agents' AMPWATCH_PUSH_INTERVAL "
+                                                   "(15-30 s by default), so that each batch reuses its rank's "
+                                                   "connection instead of opening one")
     header_timeout: float = _option(10.0, "seconds a connection has to send a request's headers, from when it "
                                           "opens or the request's first byte; closed after (agents send theirs "
                                           "at once)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -169,18 +169,19 @@ the render waits for the GIL up to that long while the event loop is busy (a sto
 of work between pauses made a render in a storm several times slower than its CPU time."""
 KEEP_LINES_FROM = 4096
 """Ranks held from which each rank's lines are kept between scrapes: at 16,384 ranks x 2 optimizers a render
-with half the ranks changed then takes about 0.75 s of CPU instead of 1.8 s (``python -m bench.experiments.metrics_render``)
-for about 4 KiB a rank; below, a render takes a tenth of a second or less and the memory is not worth it."""
+with half the ranks changed then takes about 0.75 s of CPU instead of 1.8 s
+(``python -m bench.experiments.metrics_render``) for about 4 KiB a rank; below, a render takes a tenth of a
+second or less and the memory is not worth it."""
 RENDER_PAUSE_S = 0.001  # what the app's worker-thread render sleeps between them
 
 
 class Exposition:
     """Render ``/metrics`` from the state at each scrape; keeps each rank's label strings between scrapes.
 
-    Costs about 50 ms at 1,024 ranks x 2 optimizers, about 0.7 s of CPU at 16,384 (``bench.experiments.metrics_render``),
-    nearly all of it formatting lines. Safe to run in a worker thread while the event loop applies
-    batches: it reads one :class:`RankView` per rank (all of one batch, never half), and one
-    render runs at a time. The cache is rebuilt from the ranks held at each scrape, so a rank
+    Costs about 50 ms at 1,024 ranks x 2 optimizers, about 0.7 s of CPU at 16,384
+    (``bench.experiments.metrics_render``), nearly all of it formatting lines. Safe to run in a worker thread
+    while the event loop applies batches: it reads one :class:`RankView` per rank (all of one batch, never
+    half), and one render runs at a time. The cache is rebuilt from the ranks held at each scrape, so a rank
     that left memory leaves it too.
     """
 

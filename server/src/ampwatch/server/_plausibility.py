@@ -66,8 +66,8 @@ def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, r
     name, rise, total = found
     if rise > allowed:
         return (f"counter {name} rose by {rise} in one batch, over this collector's plausibility bound of "
-                f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. No training loop counts that "
-                f"fast; if yours does, raise --max-counter-rate")
+                f"{allowed:.0f}: {rate:g} per second (--max-counter-rate) {over}, plus {FLOOR_S:.0f} s' worth. "
+                f"No training loop counts that fast; if yours does, raise --max-counter-rate")
     return (f"counter {name} would reach {total} over all the processes of rank {new.batch.rank}, over this "
             f"collector's plausibility bound of {allowed_total:.0f} for one rank: {rate:g} per second "
             f"(--max-counter-rate) over the {lived:.0f} s since the collector first saw it, plus "

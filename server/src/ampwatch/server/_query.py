@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -240,7 +239,8 @@ _SCALE_MIN_AGE_S = 3.0  # the chart's data, likewise once per page refresh
 _SKIPS_SCANNED, _SKIPS_SHOWN = 20_000, 2_000
 _SKIPS_SQL = ("SELECT id, rank, kind, time, iteration, optimizer, body FROM (SELECT rowid, id, rank, kind, time, "
               "iteration, optimizer, body FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?) "
-              "WHERE kind IN ('skip', 'streak_end') AND iteration >= ? AND rank IN ({ranks}) ORDER BY rowid DESC LIMIT ?")
+              "WHERE kind IN ('skip', 'streak_end') AND iteration >= ? AND rank IN ({ranks}) "
+              "ORDER BY rowid DESC LIMIT ?")
 
 
 @router.get("/runs/{run:path}", summary="One run: its ranks with their current state")

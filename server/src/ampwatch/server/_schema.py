@@ -19,8 +19,8 @@ from ampwatch.contract.protocol import (MAX_BATCH_EVENTS, MAX_PARAMS, PROTOCOL_V
 
 from ._floats import NONFINITE_STRINGS, wire_float
 
-__all__ = ["LARGE_BODY_BYTES", "Batch", "BatchError", "parse_large_batch", "WireRankState", "WireOptimizerCounters", "Event", "encode_batch_state", "wire_document",
-           "parse_batch", "stored_event", "event_of_row"]
+__all__ = ["LARGE_BODY_BYTES", "Batch", "BatchError", "parse_large_batch", "WireRankState", "WireOptimizerCounters",
+           "Event", "encode_batch_state", "wire_document", "parse_batch", "stored_event", "event_of_row"]
 
 LADDER_KEYS: tuple[str, ...] = tuple(map(str, STREAK_LADDER))  # "1", "2", ..., "1024": JSON object keys
 

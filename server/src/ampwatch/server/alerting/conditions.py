@@ -191,7 +191,7 @@ class RunCondition:
 def _backing_off(r: RankReading, t: AlertThresholds) -> bool:
     """Backed off often enough without growing over the backoff window, once past calibration."""
     cur, base = r.current, r.since("AmpSustainedLossScaleBackoff")
-    # Calibration backoffs at start-up are normal (GRADSCALER.md claim 11): a rank counts only once its
+    # Backoffs at start-up are the scaler calibrating its first scale, which is normal: a rank counts only once its
     # whole window is past calibration (a rank younger than the window has a zero baseline).
     return base.count("iteration") >= t.calibration_iterations and \
         cur.totals.backoffs - base.count("backoffs") >= t.backoff_min_count and not base.rose("growths")
