@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import torch
 
 from . import _device
-from ._recorder import OptimizerRecord
+from ._record import OptimizerRecord
 
 __all__ = ["check_scaler", "named_optimizers", "named_params", "peel", "per_step_schedulers",
            "scheduler_and_interval"]

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ._arguments import peel
-from ._recorder import OptimizerRecord, Recorder
+from ._record import OptimizerRecord
+from ._recorder import Recorder
 
 __all__ = ["OptimizerHooks", "ScalerPatch", "record_of"]
 

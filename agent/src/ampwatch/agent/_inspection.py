@@ -21,7 +21,7 @@ from ._events import EventBuffer
 from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
 
 if TYPE_CHECKING:  # the recorder imports this module
-    from ._recorder import OptimizerRecord
+    from ._record import OptimizerRecord
 
 __all__ = ["SkipInspection"]
 

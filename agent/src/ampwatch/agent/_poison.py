@@ -32,7 +32,8 @@ from ._shards import is_sharded, local
 
 if TYPE_CHECKING:  # the recorder imports this module
     from ._inspection import SkipInspection
-    from ._recorder import OptimizerRecord, Recorder
+    from ._record import OptimizerRecord
+    from ._recorder import Recorder
 
 Origin = Callable[[dict[str, Any], int, bool], None]
 """Adds to a poisoned step's fields whether this rank's own gradients held the inf/NaN (``ddp=``)."""

@@ -19,7 +19,8 @@ from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
 from ._origin import observe_ddp
 from ._params import ParameterNames
-from ._recorder import OptimizerRecord, Recorder
+from ._record import OptimizerRecord
+from ._recorder import Recorder
 from ._sender import Sender, close_all_senders
 
 __all__ = ["DisabledWatch", "Watch", "watch"]
