@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from alert_ranks import FakeRank
+from alert_ranks import healthy_job
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
 HEARTBEAT_S = 15
 
-
-def _job(alerts: BuiltinAlerts, size: int, run: str = "exp") -> list[FakeRank]:
-    ranks = [FakeRank(alerts, run=run, rank=r, scale=2.0 ** 20) for r in range(size)]
-    for r in ranks:  # healthy past calibration
-        for _ in range(200):
-            r.iterate()
-        r.send(0.0)
-    alerts.evaluate(0.5)
-    return ranks
 
 
 def _changes(transitions: list, *names: str) -> list[tuple]:
@@ -34,7 +25,7 @@ def _changes(transitions: list, *names: str) -> list[tuple]:
 
 def test_a_scale_that_stays_collapsed_after_the_storm_is_one_run_alert_and_never_one_per_rank():
     alerts = BuiltinAlerts(T)
-    ranks = _job(alerts, 4)
+    ranks = healthy_job(alerts, 4)
     transitions = []
     for r in ranks:  # 30 skips in a row on every rank: the scale falls from 2**20 to 2**-10
         for _ in range(30):
@@ -61,7 +52,7 @@ def test_a_scale_that_stays_collapsed_after_the_storm_is_one_run_alert_and_never
 
 def test_a_storm_of_many_minutes_is_one_run_skip_ratio_alert_and_a_rank_that_stands_out_keeps_its_own():
     alerts = BuiltinAlerts(T)
-    job, other = _job(alerts, 6), _job(alerts, 4, run="other")
+    job, other = healthy_job(alerts, 6), healthy_job(alerts, 4, run="other")
     transitions, now = [], 0.0
     # Every rank of the job skips one step in four for twelve minutes (never a streak); in the other run only
     # rank 1 does.
@@ -87,7 +78,7 @@ def test_a_storm_of_many_minutes_is_one_run_skip_ratio_alert_and_a_rank_that_sta
 def test_a_storms_edges_never_show_rank_alerts_and_a_rank_still_skipping_after_it_fires_once_it_is_over():
     t = dataclasses.replace(T, skip_streak_window_s=60)  # the storm lingers a minute, not ten
     alerts = BuiltinAlerts(t)
-    ranks = _job(alerts, 8)
+    ranks = healthy_job(alerts, 8)
     transitions = []
     # Its start: rank 0's batch comes a pass before the others' (alone in a streak at that pass).
     for r in ranks[:1]:

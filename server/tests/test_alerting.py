@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from alert_ranks import FakeRank, names
+from alert_ranks import FakeRank, healthy_job, names
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
@@ -334,20 +334,11 @@ def test_a_rank_that_started_fewer_skips_than_the_minimum_does_not_fire():
     assert alerts.evaluate(20.0) == [] and alerts.firing() == []
 
 
-def _storm_job(alerts: BuiltinAlerts, size: int) -> list[FakeRank]:
-    ranks = [FakeRank(alerts, rank=r, scale=2.0 ** 20) for r in range(size)]
-    for r in ranks:  # healthy past calibration
-        for _ in range(200):
-            r.iterate()
-        r.send(0.0)
-    alerts.evaluate(0.5)
-    return ranks
-
 
 def test_a_whole_job_storm_is_one_run_alert_that_fires_and_resolves_and_no_rank_alert_of_it_ever_fires():
     t = dataclasses.replace(T, skip_streak_window_s=60)  # the storm lingers a minute, not ten
     alerts = BuiltinAlerts(t)
-    ranks = _storm_job(alerts, 64)
+    ranks = healthy_job(alerts, 64)
     transitions = []
     # Every rank skips 20 in a row together; their batches straddle a pass, as a lockstep burst does.
     for r in ranks:
@@ -377,7 +368,7 @@ def test_a_whole_job_storm_is_one_run_alert_that_fires_and_resolves_and_no_rank_
 
 def test_a_job_whose_scale_collapses_for_a_minute_is_one_alert_per_trouble_and_a_rank_that_stands_out_keeps_its_own():
     alerts = BuiltinAlerts(T)
-    ranks = _storm_job(alerts, 8)
+    ranks = healthy_job(alerts, 8)
     for _ in range(T.skip_streak_warning):  # rank 3 stands out: in a streak of its own before the job's storm
         ranks[3].iterate(skipped=True)
     first = ranks[3].send(5.0) + alerts.evaluate(5.5)

@@ -11,7 +11,7 @@ from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals, ladder
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
-__all__ = ["FakeRank", "firing_names", "names"]
+__all__ = ["FakeRank", "firing_names", "healthy_job", "names"]
 
 
 class FakeRank:
@@ -54,6 +54,17 @@ class FakeRank:
     def send(self, now: float) -> list:
         """Deliver a batch to the evaluator; return the transitions of this rank's alerts."""
         return self.alerts.observe(self.snapshot(now), now)
+
+
+def healthy_job(alerts: BuiltinAlerts, size: int, run: str = "exp") -> list[FakeRank]:
+    """Return ``size`` ranks of ``run`` at scale 2^20, each healthy past calibration and evaluated once."""
+    ranks = [FakeRank(alerts, run=run, rank=r, scale=2.0 ** 20) for r in range(size)]
+    for r in ranks:
+        for _ in range(200):
+            r.iterate()
+        r.send(0.0)
+    alerts.evaluate(0.5)
+    return ranks
 
 
 def names(alerts) -> list[tuple[str, str, str]]:
