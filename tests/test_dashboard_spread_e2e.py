@@ -14,11 +14,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from batches import make_batch, optimizer, post_batch
-from collector_process import CollectorProcess
-from patience import SETTLE_S
-from prometheus_stack import Processes, query_range, start_prometheus, wait_for_scrapes, wait_until
-from webhook_receiver import free_port
+from ampwatch_support.batches import make_batch, optimizer, post_batch
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.patience import SETTLE_S
+from ampwatch_support.prometheus_stack import Processes, query_range, start_prometheus, wait_for_scrapes, wait_until
+from ampwatch_support.webhook_receiver import free_port
 
 from ampwatch.dashboards.dashboard import dashboard_json
 from ampwatch.dashboards.rules import render_rules

@@ -17,10 +17,10 @@ import urllib.request
 
 import httpx
 import pytest
-from fault_training import POISON_EVERY, Trainer
-from recording_collector import RecordingCollector
-from collector_process import CollectorProcess
-from exposition import value
+from ampwatch_support.fault_training import POISON_EVERY, Trainer
+from ampwatch_support.recording_collector import RecordingCollector
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
