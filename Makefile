@@ -16,10 +16,12 @@ STAMP := $(VENV)/.ampwatch-installed
 venv: $(STAMP)
 
 # torch first, pinned: an unpinned torch (or one pulled in by a package) downloads a multi-GB CUDA build.
-$(STAMP): contract/pyproject.toml agent/pyproject.toml server/pyproject.toml dashboards/pyproject.toml requirements-dev.txt
+$(STAMP): contract/pyproject.toml agent/pyproject.toml server/pyproject.toml dashboards/pyproject.toml \
+	  support/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ./contract -e ./agent -e ./server -e ./dashboards -r requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ./contract -e ./agent -e ./server -e ./dashboards \
+	  -e ./support -r requirements-dev.txt
 	touch $@
 
 lint: $(STAMP)
@@ -47,7 +49,7 @@ bench: $(STAMP)
 # machine may have no venv): the venv's python when there is one, else $(PYTHON). Writes artifacts/gpu/gpu.json and gpu.md.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 bench-gpu:
-	PYTHONPATH=agent/src:contract/src $(GPU_PYTHON) -m bench.gpu $(ARGS)
+	PYTHONPATH=agent/src:contract/src:support/src $(GPU_PYTHON) -m bench.gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache data artifacts

@@ -1,7 +1,7 @@
 """Suite-wide: each test's pytest timeout grows with AMPWATCH_TEST_SLOWDOWN, as every wait's deadline does
-(tests/helpers/patience.py)."""
+(ampwatch_support.patience)."""
 
-from patience import _scaled_timeouts
+from ampwatch_support.patience import _scaled_timeouts
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,8 @@
-"""What the agent-overhead benchmarks share: the models, the host-device sync counter, rotating blocks.
+"""What the agent-overhead benchmarks share: the models, rotating blocks (and the sync counter, from ampwatch_support).
 
-``bench.overhead`` (one process), ``bench.ddp_origin`` (a DDP group), ``bench.instructions``,
-``bench.gpu`` and the agent's tests that count syncs all use these, so each is written once.
+``bench.overhead`` (one process), ``bench.ddp_origin`` (a DDP group), ``bench.instructions`` and
+``bench.gpu`` all use these, so each is written once. The agent's tests count syncs with the same
+``ampwatch_support.syncs.SyncCounter``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MODELS", "Loop", "ModelBuilder", "SyncCounter", "compare", "pct", "rotate"]
+__all__ = ["MODELS", "Loop", "ModelBuilder", "compare", "pct", "rotate"]
 
 
 class Loop(Protocol):
@@ -25,19 +25,6 @@ class Loop(Protocol):
 
 
 ModelBuilder = Callable[[torch.device], tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]]
-
-
-class SyncCounter(TorchDispatchMode):
-    """Count ``aten._local_scalar_dense`` calls (a host-device sync on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _mlp(device: torch.device) -> tuple[nn.Module, list[list[nn.Parameter]], Callable[[], torch.Tensor]]:

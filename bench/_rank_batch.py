@@ -13,16 +13,11 @@ per incarnation and left open (:func:`open_identity`), and each batch appends it
 from __future__ import annotations
 
 import json
-import os
-import sys
 import uuid
 from typing import Any
 
-# The batch builder of the repository's test helpers: one copy, from the contract, for tests and benchmarks.
-_HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers")
-if _HELPERS not in sys.path:
-    sys.path.insert(0, _HELPERS)
-from batches import CLEAN_DELIVERY, OptimizerRun, optimizer  # noqa: E402
+# The batch builder of tests and benchmarks alike: one copy, from the contract.
+from ampwatch_support.batches import CLEAN_DELIVERY, OptimizerRun, optimizer
 
 __all__ = ["CLEAN_DELIVERY", "OFFENDING_PARAM", "OptimizerRun", "RANKS_PER_NODE", "SCALER", "batch_body", "identity",
            "open_identity", "optimizer"]

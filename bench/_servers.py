@@ -12,12 +12,9 @@ import time
 import urllib.request
 from typing import Iterator, Optional
 
-# The collector process and free ports come from the repository's test helpers: one copy for tests and benchmarks.
-_HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers")
-if _HELPERS not in sys.path:
-    sys.path.insert(0, _HELPERS)
-from collector_process import CollectorProcess  # noqa: E402
-from ports import free_port  # noqa: E402
+# The collector process and free ports: one copy for tests, benchmarks and the demo.
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.ports import free_port
 
 __all__ = ["PUSHGATEWAY", "CollectorProcess", "ProcessStats", "collector", "free_port", "pushgateway", "server",
            "load"]

@@ -32,7 +32,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench._loops import MODELS, SyncCounter, compare, rotate
+from bench._loops import MODELS, compare, rotate
+from ampwatch_support.syncs import SyncCounter
 
 __all__ = ["run", "main"]
 

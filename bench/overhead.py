@@ -32,11 +32,11 @@ from typing import Iterator, Optional
 import torch
 
 from bench import ddp_origin
-from bench._loops import MODELS, ModelBuilder, SyncCounter, compare, pct, rotate
+from bench._loops import MODELS, ModelBuilder, compare, pct, rotate
+from ampwatch_support.syncs import SyncCounter
 
-# SyncCounter, compare and rotate live in bench._loops; still named here for bench.gpu, which imports them from here
-__all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "SyncCounter", "agent_host_cost_us", "agent_hot_path_us", "compare",
-           "measure", "rotate", "main"]
+__all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "agent_host_cost_us", "agent_hot_path_us", "measure",
+           "main"]
 
 VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
 """Compared on CPU. ``bench.gpu`` adds ``ampwatch_unasked``: the agent attached, ``stepped()`` never asked."""

@@ -28,13 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+# A collector in a child process, started and stopped the way the tests do it.
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.ports import free_port
+
 from _demo_report import CollectorView
 
 REPO = Path(__file__).resolve().parents[1]
-# A collector in a child process, started and stopped the way the tests do it (one copy, in tests/helpers).
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
-from collector_process import CollectorProcess  # noqa: E402
-from ports import free_port  # noqa: E402
 
 TRAIN = REPO / "examples" / "ddp_train.py"
 TROUBLE = range(80, 88)  # iterations with an inf input on rank 0

@@ -21,14 +21,12 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+import torch
+from lightning.pytorch.loggers import Logger
 
-import torch  # noqa: E402
-from lightning.pytorch.loggers import Logger  # noqa: E402
-
-from ampwatch.agent.lightning import AmpWatchCallback  # noqa: E402
-from framework_truth import watch_counts  # noqa: E402
-from lightning_job import OneOptimizer, data, fp16_plugin, trainer  # noqa: E402
+from ampwatch.agent.lightning import AmpWatchCallback
+from ampwatch_support.framework_truth import watch_counts
+from ampwatch_support.lightning_job import OneOptimizer, data, fp16_plugin, trainer
 
 POISON = {1: (0,), 2: (0,), 4: (1,)}
 

@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from prometheus_stack import Processes, get, query_range, start_prometheus, wait_for_scrapes, wait_until
-from webhook_receiver import WebhookReceiver, free_port
-from batches import make_batch, optimizer, post_batch
-from collector_process import CollectorProcess
+from ampwatch_support.prometheus_stack import (Processes, get, query_range, start_prometheus, wait_for_scrapes,
+                                               wait_until)
+from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
+from ampwatch_support.batches import make_batch, optimizer, post_batch
+from ampwatch_support.collector_process import CollectorProcess
 
 from ampwatch.contract.protocol import NO_SCALER_KIND
 from ampwatch.contract.thresholds import AlertThresholds

@@ -31,8 +31,8 @@ RUN_WITH_ONLY_TORCH = (
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_") and k != "PYTHONPATH"}
-    # The source of the agent and its contract and nothing else, as on a GPU machine.
-    env["PYTHONPATH"] = os.pathsep.join(["agent/src", "contract/src"])
+    # The source of the agent, its contract and the sync counter, as on a GPU machine without a venv.
+    env["PYTHONPATH"] = os.pathsep.join(["agent/src", "contract/src", "support/src"])
     return env
 
 
@@ -113,4 +113,4 @@ def test_the_docs_section_says_how_to_run_it_until_a_gpu_run_is_committed():
 
     text = "\n".join(section(None))
     assert text.startswith("## GPU") and "Not yet run on a GPU" in text and COMMAND in text
-    assert COMMAND == "PYTHONPATH=agent/src:contract/src python -m bench.gpu --out-dir $OUT"
+    assert COMMAND == "PYTHONPATH=agent/src:contract/src:support/src python -m bench.gpu --out-dir $OUT"

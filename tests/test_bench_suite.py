@@ -6,7 +6,9 @@ Cheap by design: nothing is measured; the modules are imported and parsed, and `
 from __future__ import annotations
 
 import ast
+import glob
 import importlib
+import importlib.util
 import os
 
 from bench import __main__ as bench_main
@@ -119,6 +121,26 @@ def test_bench_has_no_import_cycles():
     assert graph["bench.overhead"] >= {"bench._loops", "bench.ddp_origin"}  # the parser sees both kinds of import
     assert _cycle(graph) == []
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # and the search finds one
+
+
+def test_bench_examples_and_tests_import_what_they_share_normally():
+    """What tests, benchmarks and the demo share is the installed ``ampwatch_support``: no file adds a folder of
+    the repository to ``sys.path`` to reach it, and no test imports a benchmark's module for it."""
+    hacks, from_bench = [], []
+    for folder in ("bench", "examples", "docs", "tests", "agent/tests", "server/tests", "dashboards/tests",
+                   "contract/tests", "support"):
+        for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)):
+            tree = ast.parse(open(path).read())
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("insert", "append") and ast.unparse(node.func.value) == "sys.path"
+                        and "helpers" in ast.unparse(node)):
+                    hacks.append(os.path.relpath(path, ROOT))
+                if (folder.endswith("tests") and isinstance(node, ast.ImportFrom) and node.module
+                        and node.module.startswith("bench") and not os.path.basename(path).startswith("test_bench")):
+                    from_bench.append(f"{os.path.relpath(path, ROOT)}: {node.module}")
+    assert hacks == [] and from_bench == []
+    assert importlib.util.find_spec("ampwatch_support.collector_process") is not None
 
 
 def _section_of(lines: list[str], index: int) -> str:

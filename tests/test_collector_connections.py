@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from collector_process import CollectorProcess
+from ampwatch_support.collector_process import CollectorProcess
 
 UVICORN_DEFAULT_KEEP_ALIVE_S = 5
 

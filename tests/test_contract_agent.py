@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from ports import free_port
-from recording_collector import RecordingCollector
+from ampwatch_support.ports import free_port
+from ampwatch_support.recording_collector import RecordingCollector
 from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
@@ -125,7 +125,7 @@ def test_every_field_the_real_agent_sends_is_one_the_contract_declares(agent_bod
 
 
 def test_the_batch_builder_of_tests_and_benchmarks_sends_the_contracts_counters():
-    from batches import OptimizerRun, make_batch, optimizer
+    from ampwatch_support.batches import OptimizerRun, make_batch, optimizer
 
     run = OptimizerRun()
     for iteration, skipped in enumerate((False, True, True, False, True)):
@@ -138,7 +138,7 @@ def test_the_batch_builder_of_tests_and_benchmarks_sends_the_contracts_counters(
 
 
 def test_the_contract_check_reports_what_a_typo_would_send():
-    from batches import make_batch, skip_event
+    from ampwatch_support.batches import make_batch, skip_event
 
     body = make_batch(events=[dict(skip_event(1), scale_typo=2.0)])
     body["state"]["optimizers"]["gen"]["skiped"] = 1
@@ -149,7 +149,7 @@ def test_the_contract_check_reports_what_a_typo_would_send():
 def test_poisoned_steps_of_a_bf16_ddp_job_without_a_scaler_validate_with_their_origin():
     # watch(None, ..., ddp=model) in a one-rank gloo group: poisoned_step events carry streak, exact and origin.
     import torch.distributed as dist
-    from ports import free_port
+    from ampwatch_support.ports import free_port
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -228,7 +228,7 @@ def test_non_finite_scales_from_the_agents_encoder_validate_as_what_they_are():
     import math
 
     from ampwatch.agent._batch import encode_batch
-    from batches import make_batch
+    from ampwatch_support.batches import make_batch
 
     batch = make_batch(loss_scale=math.nan, events=[{"id": 1, "kind": "scale_change", "time": 1.0, "iteration": 0,
                                                      "cause": "restored", "before": math.inf, "after": 0.0}])

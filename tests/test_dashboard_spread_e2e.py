@@ -5,6 +5,7 @@ scrapes it every second. Three ranks are staged as outliers: rank 42 with a smal
 ``gen`` optimizer skips half its steps, rank 7 with a small scale too (2**4), rank 9 iterating at a
 fifth of the others' pace. Every per-rank time-series panel's queries then run as Grafana sends them;
 each panel returns a handful of series whatever the rank count, and the outlier ranks are among them.
+Beside it, a 4-rank bf16 run without a GradScaler (one rank's steps poisoned): no scale line, no scale alert.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from batches import make_batch, optimizer, post_batch
-from collector_process import CollectorProcess
-from patience import SETTLE_S
-from prometheus_stack import Processes, query_range, start_prometheus, wait_for_scrapes, wait_until
-from webhook_receiver import free_port
+from ampwatch_support.batches import make_batch, optimizer, post_batch
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.patience import SETTLE_S
+from ampwatch_support.prometheus_stack import Processes, query_range, start_prometheus, wait_for_scrapes, wait_until
+from ampwatch_support.webhook_receiver import free_port
 
+from ampwatch.contract.protocol import NO_SCALER_KIND
 from ampwatch.dashboards.dashboard import dashboard_json
 from ampwatch.dashboards.rules import render_rules
 
@@ -30,6 +32,9 @@ SCALES = {42: 2.0 ** 2, 7: 2.0 ** 4}  # the rest stay at 2**16
 SLOW = 9
 GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s", "$__range": "30s"}
 SECTIONS = ("Loss scale", "Skipped steps")  # the per-rank time-series panels
+BF16, BF16_RANKS, POISONED = "bf16-4", 4, 1  # a run without a scaler, and its rank whose steps are poisoned
+NO_SCALER = {"enabled": False, "kind": NO_SCALER_KIND, "init_scale": None, "growth_factor": None,
+             "backoff_factor": None, "growth_interval": None}
 
 
 def _stream(url: str) -> None:
@@ -42,6 +47,12 @@ def _stream(url: str) -> None:
                                        loss_scale=SCALES.get(rank, 2.0 ** 16),
                                        optimizers={"gen": optimizer(steps=iterations - skipped, skipped=skipped),
                                                    "disc": optimizer(steps=iterations)}))
+        for rank in range(BF16_RANKS):
+            poisoned = 5 * seq if rank == POISONED else 0
+            post_batch(url, make_batch(run=BF16, rank=rank, world_size=BF16_RANKS, local_rank=rank, seq=seq,
+                                       incarnation=f"bf16-rank-{rank}", sent_at=time.time(), iteration=10 * seq,
+                                       scaler=NO_SCALER, loss_scale=None,
+                                       optimizers={"gen": optimizer(steps=10 * seq, poisoned_steps=poisoned)}))
         time.sleep(0.5)
 
 
@@ -102,7 +113,8 @@ def test_every_per_rank_panel_draws_a_handful_of_lines_at_64_ranks(stack):
     panels = _panels()
     assert len(panels) == 8
     for title, targets in panels.items():
-        series = [s for target in targets for s in _query(prometheus, target["expr"], start, end)]
+        series = [s for target in targets for s in _query(prometheus, target["expr"], start, end)
+                  if s["metric"].get("run", RUN) == RUN]
         assert series, title
         # At any moment: 3 spread lines and 5 outliers per run and optimizer at most (topk may pick other
         # ranks at other moments, when values move).
@@ -128,7 +140,8 @@ def test_the_skip_ratio_panel_shows_the_median_and_the_rank_that_skips(stack):
     # Ratios per 4 s interval: NaN where an interval saw no step of a rank, so judged over the whole stream.
     prometheus, start, end = stack
     (median, top) = _panels()["Skip ratio: median and top ranks"]
-    medians = {s["metric"]["optimizer"]: set(_values(s)) for s in _query(prometheus, median["expr"], start, end)}
+    medians = {s["metric"]["optimizer"]: set(_values(s)) for s in _query(prometheus, median["expr"], start, end)
+               if s["metric"]["run"] == RUN}
     assert medians == {"gen": {0.0}, "disc": {0.0}}
     skipping = {(s["metric"]["rank"], s["metric"]["optimizer"]): set(_values(s)) - {0.0}
                 for s in _query(prometheus, top["expr"], start, end)}
@@ -138,7 +151,27 @@ def test_the_skip_ratio_panel_shows_the_median_and_the_rank_that_skips(stack):
 def test_the_iteration_rate_panel_shows_the_slow_rank_among_the_slowest(stack):
     prometheus, start, end = stack
     targets = {t["legendFormat"].split(" ")[0]: t["expr"] for t in _panels()["Iterations per second across ranks"]}
-    slowest = {s["metric"]["rank"]: _values(s) for s in _query(prometheus, targets["{{run}}"], start, end)}
-    (median,) = _query(prometheus, targets["median"], start, end)
+    slowest = {s["metric"]["rank"]: _values(s) for s in _query(prometheus, targets["{{run}}"], start, end)
+               if s["metric"]["run"] == RUN}
+    (median,) = [s for s in _query(prometheus, targets["median"], start, end) if s["metric"]["run"] == RUN]
     assert str(SLOW) in slowest
     assert 0 < max(slowest[str(SLOW)]) < max(_values(median))
+
+
+def test_a_run_without_a_scaler_draws_no_scale_line_and_raises_no_scale_alert(stack):
+    prometheus, start, end = stack
+    panels = {panel["title"]: panel["targets"] for panel in dashboard_json()["panels"] if "targets" in panel}
+    for title in ("Loss scale across ranks", "Scale spread across ranks (largest / smallest)"):
+        runs = {s["metric"].get("run") for t in panels[title] for s in _query(prometheus, t["expr"], start, end)}
+        assert runs == {RUN}, title  # the scaled run's band and outliers; nothing at all for the bf16 run
+    # Its ranks still iterate, and its poisoned steps are counted, in the panels that apply to it.
+    rates = {s["metric"]["run"] for t in panels["Iterations per second across ranks"]
+             for s in _query(prometheus, t["expr"], start, end)}
+    assert BF16 in rates
+    (poisoned,) = [s for s in _query(prometheus, panels["Poisoned steps"][0]["expr"], end, end + 2)
+                   if s["metric"]["run"] == BF16]
+    assert _last(poisoned) == 5 * BATCHES
+    # No scale alert for it, pending or firing, at any evaluation of the stream (every second).
+    scale_alerts = query_range(prometheus, f'ALERTS{{run="{BF16}", alertname=~"Amp.*(Scale|Backoff).*"}}', start, end)
+    assert scale_alerts == []
+    assert query_range(prometheus, f'ALERTS{{run="{BF16}", alertname="AmpPoisonedStep"}}', start, end)

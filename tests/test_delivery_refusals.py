@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 import torch
-from collector_process import CollectorProcess
-from exposition import value
-from patience import wait_until
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
+from ampwatch_support.patience import wait_until
 
 from ampwatch import agent
 from ampwatch.agent._limits import CUT_MARK, TEXT_LIMITS

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from framework_truth import fresh_state  # noqa: F401 (a fixture)
+from ampwatch_support.framework_truth import fresh_state  # noqa: F401 (a fixture)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_cpu_example_reports_its_skip_with_a_scaler_and_its_poisoned_steps_in_bf16(name, fresh_state, capsys,
                                                                                          tmp_path):
-    from framework_truth import reset_accelerate_state
+    from ampwatch_support.framework_truth import reset_accelerate_state
 
     fresh_state.chdir(tmp_path)
     main = runpy.run_path(str(EXAMPLES / f"{name}.py"))["main"]

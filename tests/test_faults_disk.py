@@ -14,10 +14,10 @@ import subprocess
 
 import httpx
 import pytest
-from fault_training import Trainer
-from batches import make_batch
-from collector_process import CollectorProcess
-from exposition import value
+from ampwatch_support.fault_training import Trainer
+from ampwatch_support.batches import make_batch
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

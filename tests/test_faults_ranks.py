@@ -13,17 +13,17 @@ import time
 
 import httpx
 import pytest
-from collector_process import CollectorProcess
-from exposition import scrape, value
-from patience import SETTLE_S, START_S
-from rank_processes import check_rank_truth, spawn_rank, wait_for
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import scrape, value
+from ampwatch_support.patience import SETTLE_S, START_S
+from ampwatch_support.rank_processes import check_rank_truth, spawn_rank, wait_for
 
 
 pytestmark = pytest.mark.slow
 
 RANK = """
 import json, os, pathlib, sys
-from fault_training import Trainer
+from ampwatch_support.fault_training import Trainer
 url, run, stop, truth = sys.argv[1:5]
 trainer = Trainer(collector=url, run=run, push_interval=0.1)
 while not os.path.exists(stop):
@@ -38,7 +38,7 @@ FORKING = """
 import json, os, pathlib, sys, threading
 import torch
 from torch.utils.data import DataLoader, Dataset
-from fault_training import Trainer
+from ampwatch_support.fault_training import Trainer
 url, run, truth = sys.argv[1:4]
 
 class Samples(Dataset):

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
-from batches import make_batch, optimizer, skip_event  # noqa: E402
-from collector_process import CollectorProcess  # noqa: E402
-from exposition import assert_promtool_accepts, samples, value  # noqa: E402
+from ampwatch_support.batches import make_batch, optimizer, skip_event  # noqa: E402
+from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
+from ampwatch_support.exposition import assert_promtool_accepts, samples, value  # noqa: E402
 
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
 

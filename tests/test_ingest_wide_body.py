@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from batches import make_batch
-from collector_process import CollectorProcess
-
-from bench.experiments import _wide_body
+from ampwatch_support import wide_body
+from ampwatch_support.batches import make_batch
+from ampwatch_support.collector_process import CollectorProcess
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -24,11 +23,11 @@ def test_wide_bodies_are_refused_before_they_are_built_into_objects(tmp_path):
             httpx.Client(base_url=collector.url, timeout=120) as client:
         assert client.post("/v1/ingest", json=make_batch(run="real-job")).status_code == 200
         pid = collector.proc.pid
-        for name, body in _wide_body.bodies(make_batch(run="wide-body")).items():
-            _wide_body.reset_peak(pid)
-            base = _wide_body.peak_kib(pid)
+        for name, body in wide_body.bodies(make_batch(run="wide-body")).items():
+            wide_body.reset_peak(pid)
+            base = wide_body.peak_kib(pid)
             answer = client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json"})
-            grown = (_wide_body.peak_kib(pid) - base) / 1024
+            grown = (wide_body.peak_kib(pid) - base) / 1024
             assert answer.status_code == 422 and answer.json()["error"] == "schema", (name, answer.text[:300])
             assert answer.json()["retry"] is False and "state" in answer.json()["detail"][0], name
             assert grown < PEAK_GROWTH_MIB, f"{name}: peak memory grew by {grown:.0f} MiB"

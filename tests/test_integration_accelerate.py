@@ -2,11 +2,11 @@
 
 On a GPU, ``Accelerator(mixed_precision="fp16")`` sets ``native_amp = True`` and makes a
 ``torch.amp.GradScaler``; on CPU it makes none (fp16 becomes fp32). ``gpu_like_fp16``
-(tests/helpers/framework_truth.py) does on CPU what Accelerate does on a GPU, with a real
+(``ampwatch_support.framework_truth``) does on CPU what Accelerate does on a GPU, with a real
 ``GradScaler("cpu")``: float16 autocast in the prepared model, ``accelerator.backward``
 scaling the loss, and every prepared optimizer stepping through ``scaler.step`` and
 ``scaler.update``.
-Ground truth: parameter bit patterns and the scaler's own scale (tests/helpers/framework_truth.py).
+Ground truth: parameter bit patterns and the scaler's own scale (``ampwatch_support.framework_truth``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 
 from ampwatch.agent import accelerate as ampwatch  # noqa: E402
-from collector_process import CollectorProcess  # noqa: E402
-from framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
+from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
+from ampwatch_support.framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
                              INF, Truth, bits, counts_at, gpu_like_fp16, params_of, rank_at,  # noqa: E402
                              reset_accelerate_state, same_bits, watch_counts)
 

@@ -3,7 +3,7 @@
 Float16 autocast with a real ``torch.amp.GradScaler("cpu")`` through Lightning's own
 MixedPrecision plugin (on CPU ``precision="16-mixed"`` would silently become bf16
 without a scaler); overflow injected at known batches; ground truth from parameter
-bit patterns and the scaler's own scale (tests/helpers/framework_truth.py).
+bit patterns and the scaler's own scale (``ampwatch_support.framework_truth``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from ampwatch.agent.lightning import AmpWatchCallback  # noqa: E402
-from collector_process import CollectorProcess  # noqa: E402
-from framework_truth import bits, counts_at, rank_at, same_bits, watch_counts  # noqa: E402
-from lightning_job import OneOptimizer, TwoOptimizers, data, fp16_plugin, trainer  # noqa: E402
+from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
+from ampwatch_support.framework_truth import bits, counts_at, rank_at, same_bits, watch_counts  # noqa: E402
+from ampwatch_support.lightning_job import OneOptimizer, TwoOptimizers, data, fp16_plugin, trainer  # noqa: E402
 
 DDP_JOB = Path(__file__).with_name("lightning_ddp_job.py")
 # Batch numbers over the whole fit -> the part whose gradients get an inf: a streak of two on

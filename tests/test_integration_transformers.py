@@ -1,7 +1,7 @@
 """ampwatch.agent.transformers.AmpWatchCallback in real Hugging Face Trainer runs, checked against ground truth.
 
 The Trainer leaves mixed precision to Accelerate, which makes a GradScaler only for
-fp16 on a GPU. ``CpuFp16Trainer`` (tests/helpers/hf_job.py) does on CPU what Accelerate
+fp16 on a GPU. ``CpuFp16Trainer`` (``ampwatch_support.hf_job``) does on CPU what Accelerate
 does there (``native_amp = True`` and a ``torch.amp.GradScaler``, here a real
 ``GradScaler("cpu")``): float16 autocast, the loss scaled in ``backward``, gradients
 unscaled for clipping, the optimizer stepped through ``scaler.step`` and ``scaler.update``.
@@ -20,11 +20,11 @@ pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from ampwatch.agent.transformers import AmpWatchCallback  # noqa: E402
-from collector_process import CollectorProcess  # noqa: E402
-from framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
+from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
+from ampwatch_support.framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
                              Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
                              same_bits, watch_counts)
-from hf_job import CpuFp16Trainer, Examples, Tiny  # noqa: E402
+from ampwatch_support.hf_job import CpuFp16Trainer, Examples, Tiny  # noqa: E402
 
 EXAMPLES = 48
 BATCH, ACCUMULATION = 2, 2  # 12 optimizer steps per epoch

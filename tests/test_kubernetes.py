@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batches import make_batch, optimizer
-from collector_process import CollectorProcess
+from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.collector_process import CollectorProcess
 
 from ampwatch.dashboards.dashboard import DATASOURCE_UID
 from ampwatch.dashboards.generate import DASHBOARD_FILE, RULES_FILE, stale_names

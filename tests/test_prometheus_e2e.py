@@ -25,9 +25,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_stack import Processes, binary, get, query_range, start_prometheus, wait_for_scrapes, wait_until
-from patience import SETTLE_S
-from webhook_receiver import free_port
+from ampwatch_support.prometheus_stack import (Processes, binary, get, query_range, start_prometheus,
+                                               wait_for_scrapes, wait_until)
+from ampwatch_support.patience import SETTLE_S
+from ampwatch_support.webhook_receiver import free_port
 
 from ampwatch.contract.metrics import METRICS
 from ampwatch.contract.thresholds import AlertThresholds

@@ -13,12 +13,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from batches import make_batch
-from collector_process import CollectorProcess
-from ports import free_port
-from rank_processes import wait_for
+from ampwatch_support.batches import make_batch
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.ports import free_port
+from ampwatch_support.rank_processes import wait_for
 
-from framework_truth import reset_accelerate_state
+from ampwatch_support.framework_truth import reset_accelerate_state
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -124,7 +124,7 @@ def test_the_bf16_snippet_watches_without_a_scaler_and_counts_each_poisoned_step
 @pytest.mark.timeout(120)
 def test_the_fsdp2_snippet_watches_a_fully_sharded_model(monkeypatch):
     import torch.distributed as dist
-    from ports import free_port
+    from ampwatch_support.ports import free_port
 
     loop = _snippets()[4].split("\n", 3)[3]  # the bf16 snippet's loop, after its watch() line
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -177,10 +177,10 @@ def test_the_readme_shows_one_snippet_per_framework():
 def test_the_lightning_snippet_reports_the_skip_of_a_real_fit(monkeypatch, tmp_path):
     pytest.importorskip("lightning")
     from ampwatch.agent.lightning import AmpWatchCallback
-    from framework_truth import watch_counts
+    from ampwatch_support.framework_truth import watch_counts
 
-    preamble = ("import torch\nfrom lightning_job import OneOptimizer, data, fp16_plugin\ntorch.manual_seed(0)\n"
-                "model = OneOptimizer(poison={2: (0,)})\ntrain_loader = data()\n")
+    preamble = ("import torch\nfrom ampwatch_support.lightning_job import OneOptimizer, data, fp16_plugin\n"
+                "torch.manual_seed(0)\nmodel = OneOptimizer(poison={2: (0,)})\ntrain_loader = data()\n")
     # On CPU precision="16-mixed" becomes bf16 without a scaler; Lightning's plugin gives the GPU's fp16 path.
     snippet = _framework_snippet(0, {'precision="16-mixed", max_epochs=10': (
         'accelerator="cpu", plugins=[fp16_plugin(init_scale=1024.0)], max_epochs=1, logger=False, '
@@ -204,8 +204,8 @@ def test_the_hugging_face_snippet_reports_the_skip_of_a_real_training(monkeypatc
     pytest.importorskip("transformers")
     from ampwatch.agent.transformers import AmpWatchCallback
 
-    preamble = ("import torch\nfrom hf_job import CpuFp16Trainer, Examples, Tiny\ntorch.manual_seed(0)\n"
-                "model = Tiny()\ntrain_dataset = Examples(64, poisoned=(20,))\n")
+    preamble = ("import torch\nfrom ampwatch_support.hf_job import CpuFp16Trainer, Examples, Tiny\n"
+                "torch.manual_seed(0)\nmodel = Tiny()\ntrain_dataset = Examples(64, poisoned=(20,))\n")
     snippet = _framework_snippet(1, {
         "fp16=True, num_train_epochs=3": ('fp16=True, num_train_epochs=1, use_cpu=True, report_to="none", '
                                           'save_strategy="no", logging_strategy="no", disable_tqdm=True, '
@@ -222,7 +222,7 @@ def test_the_hugging_face_snippet_reports_the_skip_of_a_real_training(monkeypatc
 def test_the_accelerate_snippet_watches_an_unchanged_loop(monkeypatch, tmp_path, fresh_accelerate):
     preamble = """
 import torch
-from framework_truth import gpu_like_fp16
+from ampwatch_support.framework_truth import gpu_like_fp16
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -13,10 +13,10 @@ import time
 
 import httpx
 import pytest
-from batches import make_batch, optimizer
-from collector_process import CollectorProcess
-from exposition import assert_promtool_accepts, samples
-from patience import START_S
+from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import assert_promtool_accepts, samples
+from ampwatch_support.patience import START_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -18,10 +18,10 @@ from collections.abc import Container, Iterator
 
 import httpx
 import pytest
-from collector_process import CollectorProcess
-from exposition import scrape, value
-from patience import SETTLE_S, START_S
-from rank_processes import RankProcess, check_rank_truth, spawn_rank, wait_for
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import scrape, value
+from ampwatch_support.patience import SETTLE_S, START_S
+from ampwatch_support.rank_processes import RankProcess, check_rank_truth, spawn_rank, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ V1_ONLY = "a95d20e"  # the last commit whose collector knows only protocol v1
 # A rank trains until told to stop; it leaves a file "relay<rank>" once it runs the host's relay.
 RANK = """
 import json, os, pathlib, sys, threading
-from fault_training import Trainer
+from ampwatch_support.fault_training import Trainer
 url, run, stop, out, rank = sys.argv[1:6]
 trainer = Trainer(collector=url, run=run, push_interval=0.05)
 while not os.path.exists(stop):

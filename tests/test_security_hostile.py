@@ -11,9 +11,9 @@ import urllib.parse
 
 import httpx
 import pytest
-from batches import make_batch, optimizer, skip_event
-from collector_process import CollectorProcess
-from exposition import samples, value
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import samples, value
 
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -13,9 +13,9 @@ import subprocess
 
 import httpx
 import pytest
-from batches import make_batch
-from collector_process import CollectorProcess
-from exposition import value
+from ampwatch_support.batches import make_batch
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,10 +16,10 @@ import time
 
 import httpx
 import pytest
-from batches import make_batch, optimizer, skip_event
-from collector_process import CollectorProcess
-from exposition import value
-from patience import wait_until
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
+from ampwatch_support.patience import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,10 +6,10 @@ import time
 
 import httpx
 import pytest
-from batches import make_batch, optimizer, skip_event
-from collector_process import CollectorProcess
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.collector_process import CollectorProcess
 
-from headless_browser import needs_browser, open_page
+from ampwatch_support.headless_browser import needs_browser, open_page
 
 RUN = "poisoned-run"
 # Markup in a parameter name: it must show as text, never become an element.

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from batches import make_batch
-from collector_process import CollectorProcess
+from ampwatch_support.batches import make_batch
+from ampwatch_support.collector_process import CollectorProcess
 
-from headless_browser import needs_browser, open_page
+from ampwatch_support.headless_browser import needs_browser, open_page
 
 pytestmark = [pytest.mark.slow, needs_browser, pytest.mark.timeout(180)]
 

@@ -11,10 +11,10 @@ from typing import Iterator
 
 import httpx
 import pytest
-from collector_process import CollectorProcess
-from staged_job import COLLAPSED, KILLED, POISONED, SCHEDULER, SKIPPY, StagedJob
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.staged_job import COLLAPSED, KILLED, POISONED, SCHEDULER, SKIPPY, StagedJob
 
-from headless_browser import needs_browser, open_page, wait_until
+from ampwatch_support.headless_browser import needs_browser, open_page, wait_until
 
 RUN = "job-1024"
 RANKS = 1024

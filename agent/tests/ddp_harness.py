@@ -1,8 +1,8 @@
 """What the real-DDP worker scripts and their tests share: a rank's scaled backward, and running a worker once.
 
 The workers (``ddp_worker.py``, ``ddp_matrix_worker.py``) run as scripts, one process per rank,
-outside pytest and without tests/helpers on ``sys.path``: :func:`run_ranks` imports its pytest-side
-helpers when it runs, so that every rank can import this module cheaply.
+outside pytest: :func:`run_ranks` imports its pytest-side helpers (``ampwatch_support``) when it runs,
+so that every rank can import this module cheaply.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run_ranks(worker: Path, out: Path, world_size: int, args: Sequence[str] = ()
     environment, so a developer's ``AMPWATCH_URL`` cannot make it send.
     """
     import pytest  # here, not above: the workers import this module outside pytest
-    from ports import free_port
+    from ampwatch_support.ports import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
     proc = subprocess.Popen([sys.executable, str(worker), str(out), str(free_port()), *args], env=env,

@@ -10,7 +10,9 @@ All scenarios share one process group. Used by test_fsdp.py, which owns the time
 - ``restored``: a new model, optimizer and scaler loaded from that checkpoint, watched by a new watch,
   trained over the same steps as the rest of ``scaled``.
 - ``unscaled``/``unscaled_plain``: no scaler (bf16), the same two micro-batches per step; an inf planted into
-  rank 1's shard of a gradient after the second.
+  rank 1's shard of a gradient after the second; a ``torch.distributed.checkpoint`` save before the plant.
+- ``unscaled_restored``: a new model and optimizer loaded from that checkpoint, watched by a new ``watch(None)``,
+  trained over the same steps as the rest of ``unscaled``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ SAVE_AFTER = 4  # steps done when the checkpoint is saved
 FED = {2: "last"}  # step -> whose first micro-batch holds an inf (the all-reduced found_inf makes every rank skip)
 PLANTED = {5: 1}  # step -> the rank whose shard of 2.weight's gradient gets an inf after backward
 UNSCALED_PLANTED = {3: 1}
+UNSCALED_SAVE_AFTER = 3  # steps done when the scaler-less run is saved: the last clean one
 
 
 def _net() -> nn.Module:
@@ -97,8 +100,7 @@ def scaled(rank: int, world_size: int, watched: bool, checkpoint: str) -> dict:
             scaler.update()
             scales.append(scaler.get_scale())
             if step + 1 == SAVE_AFTER:
-                model_state, optim_state = get_state_dict(net, opt)
-                dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
+                save(net, opt, checkpoint)
                 torch.save(scaler.state_dict(), os.path.join(checkpoint, f"scaler{rank}.pt"))
     finally:
         result = _result(w)
@@ -109,12 +111,7 @@ def restored(rank: int, world_size: int, checkpoint: str) -> dict:
     """A resumed process: fresh objects loaded from the checkpoint the watched run saved, watched anew."""
     from ampwatch import agent
 
-    net = _net()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    model_state, optim_state = get_state_dict(net, opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=checkpoint)
-    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    net, opt = load(checkpoint)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
     w = agent.watch(scaler, {"net": opt}, model=net, collector=(), run="fsdp")
     scaler.load_state_dict(torch.load(os.path.join(checkpoint, f"scaler{rank}.pt")))
@@ -132,26 +129,46 @@ def restored(rank: int, world_size: int, checkpoint: str) -> dict:
     return {**result, "reported": reported, "bits": shard_bits(net), "scale": scaler.get_scale()}
 
 
+def save(net: nn.Module, opt: torch.optim.Optimizer, checkpoint: str) -> None:
+    model_state, optim_state = get_state_dict(net, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
+
+
+def load(checkpoint: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fresh model and optimizer, loaded from ``checkpoint``."""
+    net = _net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return net, opt
+
+
 def checkpoint_keys(checkpoint: str) -> list[str]:
     """Every key the checkpoint holds (its metadata's), sorted."""
     return sorted(dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata)
 
 
-def unscaled(rank: int, world_size: int, watched: bool) -> dict:
+def unscaled(rank: int, world_size: int, watched: bool, checkpoint: str, resume: bool = False) -> dict:
+    """No scaler; saved to ``checkpoint`` after :data:`UNSCALED_SAVE_AFTER` steps, or (``resume``) loaded from it
+    and trained from there."""
     from ampwatch import agent
 
-    net = _net()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net, opt = load(checkpoint) if resume else (_net(), None)
+    opt = opt or torch.optim.AdamW(net.parameters(), lr=1e-2)
     w = agent.watch(None, {"net": opt}, model=net, collector=(), run="fsdp") if watched else None
     poisoned = []  # ground truth: the steps whose gradient shards on this rank held inf/NaN
     try:
-        for step in range(STEPS):
+        for step in range(UNSCALED_SAVE_AFTER if resume else 0, STEPS):
             opt.zero_grad()
             backward(net, rank, step, world_size, None, fed={})  # two micro-batches, as scaled
             plant(net, rank, step, UNSCALED_PLANTED)
             if not grads_finite(net):
                 poisoned.append(step)
             opt.step()
+            if step + 1 == UNSCALED_SAVE_AFTER:
+                save(net, opt, checkpoint)
     finally:
         result = _result(w)
     return {**result, "poisoned": poisoned, "bits": shard_bits(net)}
@@ -171,17 +188,18 @@ def main(rank: int, out_dir: str, port: int, world_size: int) -> None:
     os.environ.pop("AMPWATCH_URL", None)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        watched_dir = os.path.join(out_dir, "checkpoint-watched")
-        plain_dir = os.path.join(out_dir, "checkpoint-plain")
+        checkpoints = {name: os.path.join(out_dir, f"checkpoint-{name}")
+                       for name in ("watched", "plain", "unscaled-watched", "unscaled-plain")}
         results = {
-            "scaled": scaled(rank, world_size, True, watched_dir),
-            "scaled_plain": scaled(rank, world_size, False, plain_dir),
-            "unscaled": unscaled(rank, world_size, True),
-            "unscaled_plain": unscaled(rank, world_size, False),
+            "scaled": scaled(rank, world_size, True, checkpoints["watched"]),
+            "scaled_plain": scaled(rank, world_size, False, checkpoints["plain"]),
+            "unscaled": unscaled(rank, world_size, True, checkpoints["unscaled-watched"]),
+            "unscaled_plain": unscaled(rank, world_size, False, checkpoints["unscaled-plain"]),
         }
         dist.barrier()
-        results["restored"] = restored(rank, world_size, watched_dir)
-        results["checkpoint_keys"] = {"watched": checkpoint_keys(watched_dir), "plain": checkpoint_keys(plain_dir)}
+        results["restored"] = restored(rank, world_size, checkpoints["watched"])
+        results["unscaled_restored"] = unscaled(rank, world_size, True, checkpoints["unscaled-watched"], resume=True)
+        results["checkpoint_keys"] = {name: checkpoint_keys(path) for name, path in checkpoints.items()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:

@@ -14,7 +14,7 @@ import time
 import tracemalloc
 
 import pytest
-from ports import LoopbackServer
+from ampwatch_support.ports import LoopbackServer
 
 from ampwatch.agent._http import ANSWER_BYTES, RESULT_BYTES, IngestClient, Outcome, answer_limit
 from ampwatch.contract.node_batch import encode_node_batch

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from recording_collector import RecordingCollector
+from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import build_batch, encode_batch
 from ampwatch.agent._identity import resolve_identity

@@ -6,7 +6,7 @@ import hashlib
 import re
 
 import pytest
-from delivery_harness import make_sender
+from ampwatch_support.delivery_harness import make_sender
 
 from ampwatch.agent._config import AgentConfig
 

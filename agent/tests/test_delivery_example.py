@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from recording_collector import RecordingCollector
+from ampwatch_support.recording_collector import RecordingCollector
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
 

@@ -3,32 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from patience import START_S
-from recording_collector import RecordingCollector
+from ampwatch_support.patience import START_S
+from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = pytest.mark.slow
 
-HELPERS = pathlib.Path(__file__).resolve().parents[2] / "tests" / "helpers"
-
 PRELUDE = """
 import os, sys, time
-from delivery_harness import make_sender
+from ampwatch_support.delivery_harness import make_sender
 url, mode = sys.argv[1], sys.argv[2]
 """
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
-    """Start ``script`` after the prelude in a fresh interpreter that can import the helpers; stdin, out, err piped."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
+    """Start ``script`` after the prelude in a fresh interpreter; stdin, out, err piped."""
     code = textwrap.dedent(PRELUDE) + textwrap.dedent(script)
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -60,7 +55,7 @@ def test_interpreter_exit_with_a_hanging_collector_waits_no_longer_than_the_clos
         server.delay = 3600.0  # no answer while the process lives (stopping the server ends it)
         process = _start("""
             import atexit, json
-            from delivery_harness import record_sender_joins
+            from ampwatch_support.delivery_harness import record_sender_joins
             exit_began = []
             # Registered first, so it runs last: after the agent's exit flush.
             atexit.register(lambda: print(f"flush took {time.monotonic() - exit_began[0]:.3f}; "

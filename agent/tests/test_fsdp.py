@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ddp_harness import run_ranks  # noqa: E402
-from fsdp_worker import FED, PLANTED, SAVE_AFTER, STEPS, UNSCALED_PLANTED  # noqa: E402
+from fsdp_worker import FED, PLANTED, SAVE_AFTER, STEPS, UNSCALED_PLANTED, UNSCALED_SAVE_AFTER  # noqa: E402
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
@@ -99,4 +99,23 @@ def test_a_distributed_checkpoint_saved_while_watched_holds_nothing_of_ours_and_
         assert resumed["reported"] == run["truth"][SAVE_AFTER:]
         (restore,) = [e for e in resumed["events"] if e.get("cause") == "restored"]
         assert restore["after"] == run["scales"][SAVE_AFTER - 1]
+        assert resumed["state"]["delivery"]["agent_errors"] == 0
+
+
+def test_a_scaler_less_run_checkpointed_while_watched_holds_nothing_of_ours_and_resumes_exactly(ranks):
+    (_, planter), = UNSCALED_PLANTED.items()
+    for rank, result in enumerate(ranks):
+        assert result["checkpoint_keys"]["unscaled-watched"] == result["checkpoint_keys"]["unscaled-plain"]
+        run, resumed = result["unscaled"], result["unscaled_restored"]
+        # Trained on from the checkpoint by a new process's objects: the same shards, bit for bit, as the run
+        # that never stopped, and the same poisoned steps, counted and reported by the new watch.
+        assert resumed["bits"] == run["bits"] == result["unscaled_plain"]["bits"]
+        assert resumed["poisoned"] == [s for s in run["poisoned"] if s >= UNSCALED_SAVE_AFTER] != []
+        assert resumed["state"]["optimizers"]["net"]["poisoned_steps"] == len(resumed["poisoned"])
+        # Its first poisoned step is the uninterrupted run's, with the same parameters named.
+        first, uninterrupted = kinds(resumed, "poisoned_step")[0], kinds(run, "poisoned_step")[0]
+        assert first["streak"] == 1 and first["params"] == uninterrupted["params"] != []
+        if rank == planter:
+            assert first["params"] == [{"name": f"2.weight shard [{rows(rank, len(ranks))}, 0:16]", "inf": 1, "nan": 0}]
+        assert resumed["scaler"]["kind"] == "none" and resumed["state"]["loss_scale"] is None
         assert resumed["state"]["delivery"]["agent_errors"] == 0

@@ -15,8 +15,8 @@ import weakref
 
 import pytest
 import torch
-from patience import START_S, wait_until
-from recording_collector import RecordingCollector
+from ampwatch_support.patience import START_S, wait_until
+from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch import agent
 
@@ -209,7 +209,7 @@ def test_exit_with_several_unclosed_watches_and_a_hanging_collector_waits_one_cl
             import atexit, json, sys, time
             import torch
             from ampwatch import agent
-            from delivery_harness import record_sender_joins
+            from ampwatch_support.delivery_harness import record_sender_joins
             exit_began = []
             atexit.register(lambda: print(f"flush took {time.monotonic() - exit_began[0]:.3f}; "
                                           f"joins {json.dumps(joins)}"))
@@ -223,8 +223,7 @@ def test_exit_with_several_unclosed_watches_and_a_hanging_collector_waits_one_cl
             sys.stdin.readline()  # the test says when every first batch hangs on the collector
             exit_began.append(time.monotonic())
         """)
-        env = {**os.environ, "AMPWATCH_CLOSE_TIMEOUT": "2", "AMPWATCH_TIMEOUT": "3600", "AMPWATCH_PUSH_INTERVAL": "30",
-               "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers"), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "AMPWATCH_CLOSE_TIMEOUT": "2", "AMPWATCH_TIMEOUT": "3600", "AMPWATCH_PUSH_INTERVAL": "30"}
         process = subprocess.Popen([sys.executable, "-c", script, server.url], env=env, stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:

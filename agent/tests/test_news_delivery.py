@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from recording_collector import RecordingCollector
+from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,11 +9,11 @@ import time
 
 import httpx
 import pytest
-from collector_process import CollectorProcess
-from delivery_harness import make_sender
-from exposition import value
-from patience import SETTLE_S, wait_until
-from recording_collector import RecordingCollector
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.delivery_harness import make_sender
+from ampwatch_support.exposition import value
+from ampwatch_support.patience import SETTLE_S, wait_until
+from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """The agent adds no host-device synchronisation on clean iterations.
 
 A sync shows up as ``aten._local_scalar_dense`` (what ``.item()``, ``float()``
-and ``bool()`` of a tensor dispatch to); ``bench._loops.SyncCounter``, a
+and ``bool()`` of a tensor dispatch to); ``ampwatch_support.syncs.SyncCounter``, a
 TorchDispatchMode, counts them on CPU exactly as it would on a GPU.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench._loops import SyncCounter  # the counter the benchmarks and the GPU check use
+from ampwatch_support.syncs import SyncCounter  # the counter the benchmarks and the GPU check use
 
 
 def count_syncs(amp, *, fused: bool, watched: bool, iterations: int = 10,

@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
-from delivery_harness import make_sender
-from patience import SETTLE_S, wait_until
-from recording_collector import RecordingCollector
+from ampwatch_support.delivery_harness import make_sender
+from ampwatch_support.patience import SETTLE_S, wait_until
+from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
 from ampwatch.agent._config import AgentConfig

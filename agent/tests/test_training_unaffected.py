@@ -7,8 +7,8 @@ import random
 import threading
 
 import torch
-from patience import wait_until
-from recording_collector import free_port
+from ampwatch_support.patience import wait_until
+from ampwatch_support.recording_collector import free_port
 
 
 def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):

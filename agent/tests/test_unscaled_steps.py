@@ -3,14 +3,9 @@ gradients."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for bench.overhead
-from bench.overhead import SyncCounter  # noqa: E402 - the counter test_recording_cost.py uses
+from ampwatch_support.syncs import SyncCounter  # the counter test_recording_cost.py uses
 
 INF = float("inf")
 

@@ -11,7 +11,7 @@ Each side starts a real collector on loopback (the earlier one runs ``ampwatch.s
 - run flood: 1,000 junk runs as fast as one client sends them, then a real job's first batch from
   another address (127.0.0.2, loopback on Linux);
 - wide body: one batch whose ``state.optimizers`` holds 500,000 keys (5.6 MiB), then one holding 90,000
-  optimizers' counters (8 MiB), while a real job's rank keeps sending (``bench/experiments/_wide_body.py``);
+  optimizers' counters (8 MiB), while a real job's rank keeps sending (``ampwatch_support.wide_body``);
 - rebinding: a web page whose name is rebound to 127.0.0.1 posts a batch and reads ``/v1/runs`` and
   ``/metrics`` with ``Host`` and ``Origin`` both its own name;
 - forged close: a batch from a fresh incarnation with the host and pid that ``GET /v1/runs/{run}`` shows
@@ -42,11 +42,11 @@ from typing import Optional
 
 import httpx
 
+from ampwatch_support import wide_body
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.exposition import value
 from bench import _servers
-from bench.experiments import _wide_body  # puts tests/helpers on sys.path
 from bench._before_after import before_after, store
-from batches import make_batch, optimizer, skip_event  # noqa: E402
-from exposition import value  # noqa: E402
 
 __all__ = ["main"]
 
@@ -220,7 +220,7 @@ def _side(path: Optional[str]) -> dict:
                                    "real_job_from_another_address": elsewhere.post(
                                        "/v1/ingest", json=make_batch(run="real-job")).status_code,
                                    "run_list_first_page": len(runs["runs"]), "run_list_pages": "next" in runs}
-            result["wide_body"] = _wide_body.play(
+            result["wide_body"] = wide_body.play(
                 lambda body: client.post("/v1/ingest", content=body, headers=JSON).status_code, collector.proc.pid,
                 lambda: elsewhere.post("/v1/ingest", json=make_batch(run="real-job", seq=int(time.time() * 1e3))
                                        ).status_code)

@@ -28,8 +28,7 @@ PHASES = ("every rank new", "half changed", "none changed")
 
 
 def _child(ranks: int) -> dict[str, float]:
-    sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
-    from batches import make_batch, optimizer
+    from ampwatch_support.batches import make_batch, optimizer
     from fastapi.testclient import TestClient
 
     from ampwatch.server._app import create_app

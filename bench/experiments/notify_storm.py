@@ -1,7 +1,7 @@
 """Built-in notifications in a whole-job storm, this tree beside an earlier commit, in one run.
 
 Each side runs in a fresh process with its default notification settings and one ``webhook``
-target, a real HTTP receiver on loopback (tests/helpers/webhook_receiver.py): 1,024 ranks x 3
+target, a real HTTP receiver on loopback (``ampwatch_support.webhook_receiver``): 1,024 ranks x 3
 alerts (3,072) fire at once, as when every rank of a DDP job skips; once each is sent or dropped,
 all resolve. Reported per phase: POSTs the receiver got, their bytes, alerts dropped, seconds.
 The earlier side imports ``ampwatch.server`` from ``git archive <ref>``.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -30,8 +29,7 @@ _NAMES = ("AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio", "AmpScheduler
 
 def measure(ranks: int) -> dict:
     """Send the storm through ``ampwatch.server``'s notifier to a real receiver; return what arrived."""
-    sys.path.insert(0, os.path.join(_ROOT, "tests", "helpers"))
-    from webhook_receiver import WebhookReceiver
+    from ampwatch_support.webhook_receiver import WebhookReceiver
 
     from ampwatch.server.alerting.alert import Alert
     from ampwatch.server.alerting.notifications import Notifier, Target

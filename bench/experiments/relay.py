@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ def _side(target: str, ranks: int, seconds: int, per_node: int) -> dict:
 
 _AGENT = """
 import sys, time
-from delivery_harness import make_sender
+from ampwatch_support.delivery_harness import make_sender
 url, rank, world, seconds, relay_dir, skips = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), \
     sys.argv[5], sys.argv[6] == "skips"
 sender, recorder = make_sender(url, run="bench-relay", rank=rank, world_size=world, push_interval=1.0,
@@ -69,15 +68,13 @@ SCENARIOS = ("counters only", "skips")
 def real_relay(agents: int = 8, seconds: int = 30, scenario: str = "counters only") -> dict:
     """Run ``agents`` real senders relaying on this host for ``seconds``; return batches per request."""
     with _servers.collector() as srv, tempfile.TemporaryDirectory() as relay_dir:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([_servers._HELPERS, os.environ.get("PYTHONPATH", "")]))
         procs = [subprocess.Popen([sys.executable, "-c", _AGENT, srv.url, str(r), str(agents), str(seconds),
-                                   relay_dir, scenario.split()[0]], env=env) for r in range(agents)]
+                                   relay_dir, scenario.split()[0]]) for r in range(agents)]
         for proc in procs:
             proc.wait(seconds + 300)  # importing torch takes a while on a loaded machine
         with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as answer:
             text = answer.read().decode()
-    sys.path.insert(0, _servers._HELPERS)
-    from exposition import value
+    from ampwatch_support.exposition import value
     requests = value(text, "ampwatch_collector_ingest_requests_total", code="200") or 0
     batches = value(text, "ampwatch_collector_batches_applied_total") or 0
     return {"scenario": scenario, "agents": agents, "seconds": seconds, "push_interval_s": 1.0,

@@ -1,7 +1,7 @@
 """The run page at N ranks in issue 14's scenario, this tree beside an earlier commit, in real Chromium.
 
 Each side starts a collector (the earlier commit's ``server/src`` first on its ``PYTHONPATH``, so its
-status page too) and drives ``tests/helpers/staged_job.py``: N ranks x 2 optimizers, collapse on
+status page too) and drives ``ampwatch_support.staged_job``: N ranks x 2 optimizers, collapse on
 40-43, 1 skip in 8 on 777, a poisoned step on 512, scheduler-after-skip on 900, rank 1000 killed,
 16 ticks of 20 iterations sent back to back, then a tick every 2 s (the agent's interval) while
 measuring. ``--silent-after 10`` so the killed rank is silent within the bench. Two phases, measured
@@ -13,7 +13,7 @@ ticks after the storm began):
   every refresh before); measured again once the job stopped sending (*quiet*: 20 GETs 0.25 s apart;
   the summary's cache holds there, so its fastest answer is what one more reader costs, while the
   slower ones waited for the built-in alert pass on the event loop);
-- the status page in headless Chromium (tests/helpers/headless_browser.py): *first paint* is the
+- the status page in headless Chromium (``ampwatch_support.headless_browser``): *first paint* is the
   time from navigation start (the Performance API's time origin, so not the browser's launch) to the
   first ranks-in-trouble row in the DOM, with its parts (the HTML answered, the script answered and
   run, the summary asked for and answered); *bytes per refresh* is every ``/v1/`` answer's body during
@@ -102,7 +102,7 @@ def _endpoints(url: str, run: str, times: int = 7, gap_s: float = 1.0) -> dict:
 
 def _page(url: str, run: str, watch_s: float) -> dict:
     """Open the run view in Chromium; first paint (ms from navigation start) and API bytes per refresh."""
-    from headless_browser import open_page, wait_until
+    from ampwatch_support.headless_browser import open_page, wait_until
 
     received: list[tuple[float, str, int]] = []
     with open_page("about:blank") as (page, problems):
@@ -137,7 +137,7 @@ def _page(url: str, run: str, watch_s: float) -> dict:
 
 
 def _side(ranks: int, watch_s: float, path: Optional[str]) -> dict:
-    from staged_job import KILLED, StagedJob  # tests/helpers, on sys.path through bench._servers
+    from ampwatch_support.staged_job import KILLED, StagedJob
 
     env = {"PYTHONPATH": path} if path else None
     result: dict = {"ranks": ranks}

@@ -1,10 +1,12 @@
 """Check ampwatch on a GPU: truth, zero syncs, overhead, inspection, two ranks, bf16 (``make bench-gpu``).
 
-    PYTHONPATH=agent/src:contract/src python -m bench.gpu [--device cuda|cpu] [--quick] [--out-dir DIR] [--only SECTION]
+    PYTHONPATH=agent/src:contract/src:support/src python -m bench.gpu [--device cuda|cpu] [--quick]
+        [--out-dir DIR] [--only SECTION]
 
-Needs torch and the source of the agent and its contract only. Prints the environment and one line per check, writes
-``DIR/gpu.json`` and ``DIR/gpu.md`` (the "GPU" section of docs/benchmarks.md), and exits 1 when any check
-fails (a truth or sync mismatch) or errors, 2 when the device is missing. Under 5 minutes on one GPU.
+Needs torch and the source of the agent, its contract and the sync counter only. Prints the environment and
+one line per check, writes ``DIR/gpu.json`` and ``DIR/gpu.md`` (the "GPU" section of docs/benchmarks.md), and
+exits 1 when any check fails (a truth or sync mismatch) or errors, 2 when the device is missing. Under 5 minutes
+on one GPU.
 ``--device cpu`` runs the same checks against a CPU scaler (CI's smoke run): it proves nothing about CUDA.
 """
 

@@ -1,7 +1,7 @@
 """Ways to see host-device synchronisation, from the cheapest to the most complete.
 
 - CPU: a TorchDispatchMode counting ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ...), which is a
-  sync on a GPU (``bench.overhead.SyncCounter``).
+  sync on a GPU (``ampwatch_support.syncs.SyncCounter``).
 - CUDA, ``torch.cuda.set_sync_debug_mode``: "error" raises and "warn" warns on every sync that goes through
   c10's ``memcpy_and_sync``/``stream_synchronize`` (``.item()``, ``.cpu()``, ``nonzero``...). It does not
   see ``torch.cuda.Event.synchronize()`` or ``torch.cuda.synchronize()``.
@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from bench.overhead import SyncCounter
+from ampwatch_support.syncs import SyncCounter
 
 __all__ = ["SyncTrace", "count_syncs", "sync_debug", "sync_method"]
 

@@ -21,7 +21,8 @@ from torch import nn
 
 from bench.gpu._amp import Amp
 from bench.gpu._checks import check
-from bench.overhead import Setup, compare, rotate
+from bench._loops import compare, rotate
+from bench.overhead import Setup
 
 __all__ = ["run", "transformer_builder"]
 

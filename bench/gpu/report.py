@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 __all__ = ["COMMAND", "section"]
 
-COMMAND = "PYTHONPATH=agent/src:contract/src python -m bench.gpu --out-dir $OUT"
+COMMAND = "PYTHONPATH=agent/src:contract/src:support/src python -m bench.gpu --out-dir $OUT"
 """The one command a session with a GPU runs from the repository root (``$OUT``: a folder that comes back)."""
 
 _NOT_RUN = [

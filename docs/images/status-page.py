@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/images/status-page.py docs/images/status-page.png
 
-Uses Debian's chromium through Playwright, with the tests' own launcher (tests/helpers/headless_browser.py).
+Uses Debian's chromium through Playwright, with the tests' own launcher (``ampwatch_support.headless_browser``).
 """
 import os
 import re
@@ -13,9 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from ampwatch_support.headless_browser import open_page
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
-from headless_browser import open_page  # noqa: E402
 out_path = sys.argv[1]
 demo = subprocess.Popen([sys.executable, f"{REPO}/examples/demo.py", "--port", "0", "--data",
                          tempfile.mkdtemp(prefix="ampwatch-shot-"),

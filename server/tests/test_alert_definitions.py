@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import pytest
-from alert_ranks import FakeRank
+from ampwatch_support.alert_ranks import FakeRank
 
 from ampwatch.contract.alerts import ALERT_NAMES, ALERTS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from alert_ranks import FakeRank
+from ampwatch_support.alert_ranks import FakeRank
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server._state import RankSnapshot

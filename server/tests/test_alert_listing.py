@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batches import make_batch, optimizer
+from ampwatch_support.batches import make_batch, optimizer
 
 
 def _poisoned(client, rank: int, run: str = "exp-42") -> None:

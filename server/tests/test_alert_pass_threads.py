@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from alert_ranks import FakeRank
+from ampwatch_support.alert_ranks import FakeRank
 
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
 

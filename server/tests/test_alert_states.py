@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from alert_ranks import FakeRank, firing_names, names
+from ampwatch_support.alert_ranks import FakeRank, firing_names, names
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts

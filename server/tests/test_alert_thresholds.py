@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from fastapi.testclient import TestClient
-from batches import make_batch, optimizer
+from ampwatch_support.batches import make_batch, optimizer
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server import create_app

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from alert_ranks import healthy_job
+from ampwatch_support.alert_ranks import healthy_job
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts

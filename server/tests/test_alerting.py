@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from alert_ranks import FakeRank, healthy_job, names
+from ampwatch_support.alert_ranks import FakeRank, healthy_job, names
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts

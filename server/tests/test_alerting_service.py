@@ -9,10 +9,10 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from patience import wait_until
-from webhook_receiver import WebhookReceiver
-from batches import make_batch, optimizer
-from exposition import value
+from ampwatch_support.patience import wait_until
+from ampwatch_support.webhook_receiver import WebhookReceiver
+from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.exposition import value
 
 from ampwatch.server import ServerConfig, create_app
 from ampwatch.server.__main__ import build_parser

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from fastapi.testclient import TestClient
-from batches import make_batch, optimizer, skip_event
-from exposition import value
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.exposition import value
 
 from ampwatch.server import create_app
 

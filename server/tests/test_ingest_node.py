@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from batches import make_batch, optimizer, skip_event
-from exposition import value
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.exposition import value
 
 from ampwatch.contract.node_batch import encode_node_batch, split_node_batch
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 
 from fastapi.testclient import TestClient
-from batches import make_batch, optimizer, skip_event
-from exposition import value
-from patience import wait_until
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.exposition import value
+from ampwatch_support.patience import wait_until
 
 from ampwatch.server import create_app
 

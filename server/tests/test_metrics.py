@@ -12,9 +12,9 @@ import urllib.request
 from typing import Optional
 
 import pytest
-from batches import make_batch, optimizer, skip_event
-from collector_process import CollectorProcess
-from exposition import value
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
 
 from ampwatch.contract.metrics import METRICS, OPTIMIZER_SKIPPED_STEPS, OPTIMIZER_STEPS
 

@@ -6,8 +6,8 @@ import json
 import time
 
 import pytest
-from patience import SETTLE_S, wait_until
-from webhook_receiver import WebhookReceiver, free_port
+from ampwatch_support.patience import SETTLE_S, wait_until
+from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 from ampwatch.server.alerting.alert import Alert
 from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target, parse_targets

@@ -8,8 +8,8 @@ import time
 import urllib.request
 
 import pytest
-from patience import START_S, wait_until
-from webhook_receiver import WebhookReceiver, free_port
+from ampwatch_support.patience import START_S, wait_until
+from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 from ampwatch.server.alerting.alert import Alert
 from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target

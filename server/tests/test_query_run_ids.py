@@ -5,7 +5,7 @@ from __future__ import annotations
 import urllib.parse
 
 import pytest
-from batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import make_batch, optimizer, skip_event
 
 
 @pytest.mark.parametrize("run", ["team/exp-1", "a/b/c", "sweep/lr=1e-3/seed 0"])

@@ -9,9 +9,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from batches import make_batch, optimizer, skip_event
-from collector_process import CollectorProcess
-from exposition import value
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
 
 
 def _post(url: str, batch: dict) -> int:

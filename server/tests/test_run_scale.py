@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import make_batch, optimizer, skip_event
 
 from ampwatch.server._scale_trace import CAPACITY, ScaleTrace
 

@@ -6,7 +6,7 @@ import time
 from typing import Iterator, Union
 
 import pytest
-from batches import make_batch, optimizer
+from ampwatch_support.batches import make_batch, optimizer
 from fastapi.testclient import TestClient
 
 from ampwatch.server import create_app

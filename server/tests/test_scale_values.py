@@ -14,8 +14,8 @@ import subprocess
 
 import pytest
 from fastapi.testclient import TestClient
-from batches import make_batch
-from exposition import value
+from ampwatch_support.batches import make_batch
+from ampwatch_support.exposition import value
 
 from ampwatch.server import create_app
 

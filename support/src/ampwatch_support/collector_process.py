@@ -14,8 +14,8 @@ import time
 import urllib.request
 from typing import Optional, Sequence
 
-from patience import START_S
-from ports import free_port
+from ampwatch_support.patience import START_S
+from ampwatch_support.ports import free_port
 
 __all__ = ["CollectorProcess"]
 

@@ -22,12 +22,10 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from exposition import value
-from patience import SETTLE_S, wait_until
+from ampwatch_support.exposition import value
+from ampwatch_support.patience import SETTLE_S, wait_until
 
 __all__ = ["RankProcess", "check_rank_truth", "spawn_rank", "wait_for"]
-
-HELPERS = Path(__file__).resolve().parent
 
 # What every rank imports first, done once in the fork server: torch, and what its first optimizer pulls in.
 _PRELOAD = ["torch", "torch._dynamo", "ampwatch.agent"]
@@ -94,11 +92,10 @@ def spawn_rank(script: str, *args: str, rank: int = 0, world_size: int = 1,
                env: Optional[dict[str, str]] = None) -> RankProcess:
     """Run ``script`` (dedented; ``args`` in its ``sys.argv``) as rank ``rank`` of ``world_size``; output kept.
 
-    The script can import these helpers; ``env`` adds to the environment. Retries back off at most 0.3 s, so the
+    The script can import ``ampwatch_support``; ``env`` adds to the environment. Retries back off at most 0.3 s, so the
     rank resumes within a test's patience; no disk spool, whatever the test process has.
     """
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+    environ = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                "AMPWATCH_MAX_BACKOFF": "0.3", **(env or {})}
     environ.pop("AMPWATCH_SPOOL_DIR", None)
     return RankProcess(textwrap.dedent(script), list(args), environ)

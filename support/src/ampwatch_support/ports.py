@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Optional
 
-from patience import SETTLE_S
+from ampwatch_support.patience import SETTLE_S
 
 __all__ = ["LoopbackServer", "free_port"]
 

@@ -75,6 +75,6 @@ _CACHE: dict[str, bytes] = {}
 def bodies_cache() -> dict[str, bytes]:
     """:func:`bodies` of the test helpers' base batch, built once."""
     if not _CACHE:
-        from batches import make_batch
+        from ampwatch_support.batches import make_batch
         _CACHE.update(bodies(make_batch(run="wide-body")))
     return _CACHE

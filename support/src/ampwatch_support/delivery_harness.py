@@ -10,7 +10,7 @@ from ampwatch.agent._errors import AgentErrors
 from ampwatch.agent._events import EventBuffer
 from ampwatch.agent._identity import resolve_identity
 from ampwatch.agent._sender import Sender
-from batches import optimizer
+from ampwatch_support.batches import optimizer
 
 __all__ = ["StandInRecorder", "make_sender", "record_sender_joins", "FAST"]
 

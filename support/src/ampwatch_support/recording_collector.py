@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
-from patience import SETTLE_S
-from ports import LoopbackServer, free_port
+from ampwatch_support.patience import SETTLE_S
+from ampwatch_support.ports import LoopbackServer, free_port
 
 __all__ = ["RecordingCollector", "free_port"]
 

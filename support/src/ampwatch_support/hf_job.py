@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from framework_truth import INF, gpu_like_fp16
+from ampwatch_support.framework_truth import INF, gpu_like_fp16
 
 __all__ = ["CpuFp16Trainer", "Examples", "Tiny"]
 

@@ -8,7 +8,7 @@ import shutil
 from typing import Any, Iterator, Optional
 
 import pytest
-from patience import SETTLE_S
+from ampwatch_support.patience import SETTLE_S
 
 __all__ = ["CHROMIUM", "needs_browser", "open_page", "wait_until"]
 

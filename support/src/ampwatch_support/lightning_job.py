@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from framework_truth import INF, Truth, params_of
+from ampwatch_support.framework_truth import INF, Truth, params_of
 
 __all__ = ["OneOptimizer", "TwoOptimizers", "data", "fp16_plugin", "trainer"]
 

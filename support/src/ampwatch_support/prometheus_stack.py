@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import pytest
 import yaml
-from patience import START_S
+from ampwatch_support.patience import START_S
 
 __all__ = ["Processes", "binary", "get", "query_range", "start_prometheus", "wait_for_scrapes", "wait_until"]
 

@@ -24,7 +24,7 @@ import time
 import urllib.parse
 from typing import Any, Optional
 
-from batches import OptimizerRun, make_batch
+from ampwatch_support.batches import OptimizerRun, make_batch
 
 __all__ = ["COLLAPSED", "KILLED", "POISONED", "SCHEDULER", "SKIPPY", "StagedJob"]
 
