@@ -11,12 +11,14 @@ step (a skip leaves them unchanged) and, without a scaler, whether its own gradi
 - ``fsdp2-unscaled``: the same model in bf16, ``watch(None, ...)``: an inf planted into the last rank's
   gradient shard; each rank's poisoned steps and events must be its own truth (the planting rank from that
   step on, the others from the next, once the NaN weights are all-gathered).
-- ``fsdp1-sharded-scaler`` (CUDA): ``FullyShardedDataParallel`` with ``ShardedGradScaler``, what Lightning's
-  ``FSDPStrategy`` and Accelerate's FSDP1 plugin set up, with ``use_orig_params`` True and False; as
-  ``fsdp2-scaled``. FSDP1 does not run on CPU.
+- ``fsdp1-orig-params``, ``fsdp1-flat-params``: ``FullyShardedDataParallel`` with ``ShardedGradScaler`` (what
+  Lightning's ``FSDPStrategy`` and Accelerate's FSDP1 plugin set up), ``use_orig_params`` True (Lightning's
+  default) and False; as ``fsdp2-scaled``, the first micro-batch under ``no_sync()``. torch's FSDP1 itself
+  runs on CPU over gloo (``device_id`` cpu, ``ShardedGradScaler("cpu")``); the frameworks do not.
 - ``lightning-fsdp-strategy``, ``accelerate-fsdp1``, ``accelerate-fsdp2`` (CUDA, and the package installed):
   the integrations on the frameworks' own FSDP set-up, fp16, an inf fed at one step
-  (``bench/gpu/_fsdp_frameworks.py``).
+  (``bench/gpu/_fsdp_frameworks.py``). On CPU each is a skip saying why: Lightning refuses
+  ``FSDPStrategy`` without a GPU, and Accelerate runs the job as plain multi-process CPU, the plugin unused.
 """
 
 from __future__ import annotations
@@ -203,9 +205,8 @@ def _scenarios(amp: Amp, rank: int, world: int) -> dict[str, Callable[[], dict[s
         return _scaled(amp, rank, world, _fsdp1(amp.device, use_orig_params), scaler, backward)
 
     found = {"fsdp2-scaled": fsdp2_scaled, "fsdp2-unscaled": lambda: _unscaled(amp.device, rank, world)}
-    if amp.cuda:
-        found[FSDP1[0]] = lambda: fsdp1(True)
-        found[FSDP1[1]] = lambda: fsdp1(False)
+    found[FSDP1[0]] = lambda: fsdp1(True)
+    found[FSDP1[1]] = lambda: fsdp1(False)
     return found
 
 
@@ -279,7 +280,7 @@ def _sharded(amp: Amp) -> list[dict]:
     world = min(2, torch.cuda.device_count()) if amp.cuda else 2
     backend = "nccl" if amp.cuda else "gloo"
     ranks = spawn_ranks(_rank, (world, amp.device.type), world, timeout=240.0)
-    names = ["fsdp2-scaled", "fsdp2-unscaled", *(FSDP1 if amp.cuda else ())]
+    names = ["fsdp2-scaled", "fsdp2-unscaled", *FSDP1]
     if isinstance(ranks, str):
         return [check("fsdp", n, "fail", ranks) for n in names]
     crashed = [r for r in ranks if "error" in r]
@@ -289,26 +290,23 @@ def _sharded(amp: Amp) -> list[dict]:
     checks = [_judge("fsdp2-scaled", ranks, _scaled_ok, backend),
               _judge("fsdp2-unscaled", ranks, lambda r: f"poisoned {r['poisoned']} = truth, "
                      f"poisoned_steps {r['agent']['poisoned_steps']}", backend + ", bf16 without a scaler")]
-    if amp.cuda:
-        checks += [_judge(n, ranks, _scaled_ok, backend + f", {n}") for n in FSDP1]
-    else:
-        checks += [check("fsdp", n, "skip", "needs CUDA: FSDP1 (FullyShardedDataParallel with ShardedGradScaler, "
-                         "what Lightning's FSDPStrategy and Accelerate's FSDP1 plugin set up) does not run on CPU")
-                   for n in FSDP1]
-    return checks
+    return checks + [_judge(n, ranks, _scaled_ok, f"{backend}, FullyShardedDataParallel("
+                            f"use_orig_params={n == FSDP1[0]})") for n in FSDP1]
 
 
-FRAMEWORKS = {"lightning-fsdp-strategy": ("lightning", "Lightning's FSDPStrategy (FSDP1)"),
-              "accelerate-fsdp1": ("accelerate", "Accelerate's FSDP plugin (FSDP1)"),
-              "accelerate-fsdp2": ("accelerate", "Accelerate's FSDP plugin (fsdp_version=2)")}
-"""check -> (the package it needs, what it runs)."""
+_LIGHTNING_ON_CPU = "Lightning refuses it without a GPU (\"The strategy `fsdp` requires a GPU accelerator\")"
+_ACCELERATE_ON_CPU = "on CPU Accelerate runs the job as plain multi-process CPU (MULTI_CPU), the plugin unused"
+FRAMEWORKS = {"lightning-fsdp-strategy": ("lightning", "Lightning's FSDPStrategy (FSDP1)", _LIGHTNING_ON_CPU),
+              "accelerate-fsdp1": ("accelerate", "Accelerate's FSDP plugin (FSDP1)", _ACCELERATE_ON_CPU),
+              "accelerate-fsdp2": ("accelerate", "Accelerate's FSDP plugin (fsdp_version=2)", _ACCELERATE_ON_CPU)}
+"""check -> (the package it needs, what it runs, why it needs CUDA)."""
 
 
 def _frameworks(amp: Amp) -> list[dict]:
     checks = []
-    for name, (package, what) in FRAMEWORKS.items():
+    for name, (package, what, on_cpu) in FRAMEWORKS.items():
         if not amp.cuda:
-            checks.append(check("fsdp", name, "skip", f"needs CUDA: {what} does not shard on CPU"))
+            checks.append(check("fsdp", name, "skip", f"needs CUDA: {what}; {on_cpu}"))
         elif importlib.util.find_spec(package) is None:
             checks.append(check("fsdp", name, "skip", f"{package} is not installed: pip install ./contract "
                                 f"\"./agent[{package}]\" to run {what}"))
