@@ -20,13 +20,14 @@ import torch.distributed as dist
 
 from bench.gpu._amp import changed, snapshot_bits
 from bench.gpu._truth import Plan, Run, compare, drain_events
-from bench.gpu.fsdp import FED_AT, STEPS, _input, _sequential, _shards
+from bench.gpu.fsdp import FED_AT, STEPS, micro_batch, sequential, shards
 
 __all__ = ["ok", "rank"]
 
 
 def _batches(rank: int, world: int) -> list[torch.Tensor]:
-    return [_input(rank, step, 0, torch.device("cpu"), rank == world - 1 and step == FED_AT) for step in range(STEPS)]
+    cpu = torch.device("cpu")
+    return [micro_batch(rank, step, 0, cpu, rank == world - 1 and step == FED_AT) for step in range(STEPS)]
 
 
 def _judge(watch: Any, scaler: Any, init_scale: float, growth_interval: int, flags: list[torch.Tensor],
@@ -57,7 +58,7 @@ def _lightning(rank: int, world: int) -> dict[str, Any]:
     class Model(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = _sequential()
+            self.net = sequential()
 
         def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
             return self.net(batch).float().pow(2).mean()
@@ -78,11 +79,11 @@ def _lightning(rank: int, world: int) -> dict[str, Any]:
             self.settings = (float(scaler.get_scale()), scaler.get_growth_interval())
 
         def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
-            self.before = snapshot_bits(_shards(trainer.optimizers[0]))
+            self.before = snapshot_bits(shards(trainer.optimizers[0]))
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
             optimizer = trainer.optimizers[0]
-            self.flags.append(changed(self.before, _shards(optimizer)))
+            self.flags.append(changed(self.before, shards(optimizer)))
             self.answers.append(self.watching.watch.stepped(optimizer))
 
     watching = AmpWatchCallback(collector=(), run="bench-gpu-lightning-fsdp")
@@ -106,7 +107,7 @@ def _accelerate(rank: int, world: int, version: int) -> dict[str, Any]:
     if accelerator.distributed_type != DistributedType.FSDP or accelerator.scaler is None:
         raise RuntimeError(f"Accelerate set up {accelerator.distributed_type} with scaler {accelerator.scaler}, "
                            "not FSDP with a scaler")
-    net = _sequential()
+    net = sequential()
     model, opt = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
     scaler = accelerator.scaler
     settings = (float(scaler.get_scale()), scaler.get_growth_interval())
@@ -117,9 +118,9 @@ def _accelerate(rank: int, world: int, version: int) -> dict[str, Any]:
             with accelerator.autocast():
                 loss = model(x.to(accelerator.device)).float().pow(2).mean()
             accelerator.backward(loss)
-            before = snapshot_bits(_shards(opt.optimizer))
+            before = snapshot_bits(shards(opt.optimizer))
             opt.step()
-            flags.append(changed(before, _shards(opt.optimizer)))
+            flags.append(changed(before, shards(opt.optimizer)))
             answers.append(watch.stepped(opt))
     return _judge(watch, scaler, *settings, flags, answers)
 

@@ -26,20 +26,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
-import time
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from bench.gpu._amp import Amp, changed, params_of, snapshot_bits
 from bench.gpu._checks import check, verdict
 from bench.gpu._truth import Plan, Run, compare, drain_events
-from bench.gpu.ddp import _free_port
+from bench.gpu._ranks import spawn_ranks
 
 __all__ = ["run"]
 
@@ -53,7 +50,7 @@ FSDP1 = ("fsdp1-orig-params", "fsdp1-flat-params")
 """FSDP1's checks, by ``use_orig_params`` (True: Lightning's FSDPStrategy default; False: FSDP1's own)."""
 
 
-def _sequential() -> nn.Sequential:
+def sequential() -> nn.Sequential:
     torch.manual_seed(0)  # the same initial weights on every rank
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
 
@@ -63,12 +60,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _shards(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+def shards(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     with torch.no_grad():
         return [_local(p) for p in params_of(opt)]
 
 
-def _input(rank: int, step: int, micro: int, device: torch.device, fed: bool) -> torch.Tensor:
+def micro_batch(rank: int, step: int, micro: int, device: torch.device, fed: bool) -> torch.Tensor:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * rank + 10 * step + micro))
     if fed:
         x[0, 0] = float("inf")
@@ -87,7 +84,7 @@ def _fsdp2(device: torch.device, world: int) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world,))  # explicit: the default mesh is on the accelerator, if any
-    net = _sequential().to(device)
+    net = sequential().to(device)
     for layer in (net[0], net[2], net[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -97,7 +94,7 @@ def _fsdp2(device: torch.device, world: int) -> nn.Module:
 def _fsdp1(device: torch.device, use_orig_params: bool) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(_sequential().to(device), device_id=device, use_orig_params=use_orig_params)
+    return FullyShardedDataParallel(sequential().to(device), device_id=device, use_orig_params=use_orig_params)
 
 
 def _scaled(amp: Amp, rank: int, world: int, net: nn.Module, scaler: Any,
@@ -111,12 +108,13 @@ def _scaled(amp: Amp, rank: int, world: int, net: nn.Module, scaler: Any,
     with agent.watch(scaler, {"net": opt}, model=net, collector=(), run="bench-gpu-fsdp") as watch:
         for step in range(STEPS):
             opt.zero_grad()
-            backward(net, lambda micro: _input(rank, step, micro, amp.device, last and step == FED_AT and micro == 0))
+            fed = last and step == FED_AT
+            backward(net, lambda micro: micro_batch(rank, step, micro, amp.device, fed and micro == 0))
             if last and step == PLANTED_AT:
                 _plant(opt)
-            before = snapshot_bits(_shards(opt))
+            before = snapshot_bits(shards(opt))
             scaler.step(opt)
-            flags.append(changed(before, _shards(opt)))
+            flags.append(changed(before, shards(opt)))
             answers.append({"net": watch.stepped(opt)})
             scaler.update()
     truth = [{"net": stepped} for stepped in torch.stack(flags).tolist()]  # the one read of the truth
@@ -146,7 +144,7 @@ def _unscaled(device: torch.device, rank: int, world: int) -> dict[str, Any]:
     with agent.watch(None, {"net": opt}, model=net, collector=(), run="bench-gpu-fsdp-bf16") as watch:
         for step in range(STEPS):
             opt.zero_grad()
-            _micro_batches(net, lambda micro: _input(rank, step, micro, device, False),
+            _micro_batches(net, lambda micro: micro_batch(rank, step, micro, device, False),
                            lambda: torch.autocast(device.type, dtype=torch.bfloat16), None)
             if rank == world - 1 and step == UNSCALED_PLANTED_AT:
                 _plant(opt)
@@ -235,28 +233,6 @@ def _rank(rank: int, world: int, device_type: str, out_dir: str, port: int) -> N
             dist.destroy_process_group()
 
 
-def spawn_ranks(target: Callable[..., None], args: tuple, world: int, timeout: float) -> list[dict] | str:
-    """Run ``target(rank, *args, out_dir, port)`` in ``world`` processes; return each rank's JSON, or why not."""
-    with tempfile.TemporaryDirectory(prefix="ampwatch-gpu-fsdp-") as out_dir:
-        env_before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AMPWATCH_")}
-        try:
-            context = mp.spawn(target, args=(*args, out_dir, _free_port()), nprocs=world, join=False)
-            deadline = time.monotonic() + timeout
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        if process.is_alive():
-                            process.kill()
-                    return f"the {world}-rank job did not finish in {timeout:.0f} s"
-        finally:
-            os.environ.update(env_before)
-        ranks = []
-        for r in range(world):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
-        return ranks
-
-
 def _judge(name: str, ranks: list[dict], ok: Callable[[dict], str], backend: str) -> dict:
     problems: list[str] = []
     for r in ranks:
@@ -279,7 +255,7 @@ def _scaled_ok(r: dict) -> str:
 def _sharded(amp: Amp) -> list[dict]:
     world = min(2, torch.cuda.device_count()) if amp.cuda else 2
     backend = "nccl" if amp.cuda else "gloo"
-    ranks = spawn_ranks(_rank, (world, amp.device.type), world, timeout=240.0)
+    ranks = spawn_ranks(_rank, (world, amp.device.type), world, timeout=240.0, prefix="ampwatch-gpu-fsdp-")
     names = ["fsdp2-scaled", "fsdp2-unscaled", *FSDP1]
     if isinstance(ranks, str):
         return [check("fsdp", n, "fail", ranks) for n in names]
@@ -314,7 +290,8 @@ def _frameworks(amp: Amp) -> list[dict]:
             from bench.gpu import _fsdp_frameworks
 
             world = min(2, torch.cuda.device_count())
-            ranks = spawn_ranks(_fsdp_frameworks.rank, (world, name), world, timeout=240.0)
+            ranks = spawn_ranks(_fsdp_frameworks.rank, (world, name), world, timeout=240.0,
+                                prefix="ampwatch-gpu-fsdp-")
             if isinstance(ranks, str):
                 checks.append(check("fsdp", name, "fail", ranks))
                 continue
