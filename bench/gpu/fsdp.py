@@ -34,14 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.gpu._amp import Amp, changed, params_of, snapshot_bits
+from bench.gpu._fsdp_model import FED_AT, STEPS, local, micro_batch, sequential, shards
 from bench.gpu._checks import check, verdict
 from bench.gpu._truth import Plan, Run, compare, drain_events
 from bench.gpu._ranks import spawn_ranks
 
 __all__ = ["run"]
 
-STEPS = 8
-FED_AT = 2  # the last rank's first micro-batch holds an inf
 PLANTED_AT = 5  # the last rank's shard of a gradient gets an inf after backward
 UNSCALED_PLANTED_AT = 3
 INIT_SCALE = 2.0 ** 10
@@ -50,32 +49,12 @@ FSDP1 = ("fsdp1-orig-params", "fsdp1-flat-params")
 """FSDP1's checks, by ``use_orig_params`` (True: Lightning's FSDPStrategy default; False: FSDP1's own)."""
 
 
-def sequential() -> nn.Sequential:
-    torch.manual_seed(0)  # the same initial weights on every rank
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard: a DTensor's local tensor (FSDP2), else the tensor itself (FSDP1's flat or view shards)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def shards(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [_local(p) for p in params_of(opt)]
-
-
-def micro_batch(rank: int, step: int, micro: int, device: torch.device, fed: bool) -> torch.Tensor:
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * rank + 10 * step + micro))
-    if fed:
-        x[0, 0] = float("inf")
-    return x.to(device)
 
 
 def _plant(opt: torch.optim.Optimizer) -> None:
     """Write an inf into the first element of this rank's first non-empty gradient shard."""
     with torch.no_grad():
-        grad = next(g for g in (_local(p.grad) for p in params_of(opt) if p.grad is not None) if g.numel())
+        grad = next(g for g in (local(p.grad) for p in params_of(opt) if p.grad is not None) if g.numel())
         grad.view(-1)[0] = float("inf")
 
 
@@ -148,7 +127,7 @@ def _unscaled(device: torch.device, rank: int, world: int) -> dict[str, Any]:
                            lambda: torch.autocast(device.type, dtype=torch.bfloat16), None)
             if rank == world - 1 and step == UNSCALED_PLANTED_AT:
                 _plant(opt)
-            bad.append(torch.stack([~torch.isfinite(g).all() for g in (_local(p.grad) for p in params_of(opt))
+            bad.append(torch.stack([~torch.isfinite(g).all() for g in (local(p.grad) for p in params_of(opt))
                                     if g.numel()]).any())
             opt.step()
     truth = [i for i, b in enumerate(torch.stack(bad).tolist()) if b]  # the one read of the truth
