@@ -47,7 +47,7 @@ def _precision(row: dict) -> str:
 
 def _model(row: dict) -> str:
     """The row's model, and ``DDP`` when it trained inside DistributedDataParallel."""
-    return f"{row['model']}, DDP" if row.get("ddp") else row["model"]
+    return f"{row['model']} (DDP)" if row.get("ddp") else row["model"]
 
 
 def _interpretation(rows: list[dict]) -> list[str]:
@@ -64,13 +64,14 @@ def _interpretation(rows: list[dict]) -> list[str]:
     def added(picked: list[dict]) -> str:
         return " and ".join(f"+{r['agent_per_iter']:,}" for r in picked)
 
-    text = (f"Without a scaler the agent's work is a fixed cost per optimizer step, one reduction per gradient and a "
-            f"few Python calls, whatever the tensors' size: {added(mlp)} instructions per iteration on the mlp "
-            f"(foreach, fused), {share(mlp)} of its short iteration, and {added(transformer)} on the transformer "
-            f"block, {share(transformer)} of a longer one.")
+    text = (f"Without a scaler the agent's work is a fixed cost per optimizer step: a few Python calls and one "
+            f"reduction per gradient, so it grows with the number of gradients, not with the model's compute: "
+            f"{added(mlp)} instructions per iteration on the mlp (6 gradients; foreach, fused), {share(mlp)} of its "
+            f"short iteration, and {added(transformer)} on the transformer block (14 gradients), {share(transformer)} "
+            f"of an iteration ten times longer.")
     ddp = pick("mlp", True) + pick("transformer", True)
     if ddp:
-        text += (" Under DDP the per-parameter hooks add to it: " +
+        text += (" Under DDP (one optimizer) the per-parameter tensor hooks add to it: " +
                  ", ".join(f"{r['model']} {(r['ratio'] - 1) * 100:.2f}% (+{r['agent_per_iter']:,})" for r in ddp) +
                  ".")
     return ["", text]
