@@ -21,9 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def source_of(ref: str, into: str, *folders: str) -> str:
-    """Extract ``folders`` (default ``server/src``) of ``ref`` into ``into``; return them as a PYTHONPATH to put
-    first."""
-    folders = folders or ("server/src",)
+    """Extract ``folders`` of ``ref`` into ``into``; return them as a PYTHONPATH to put first.
+
+    The default is the collector with the contract it was written against (``server/src``, ``contract/src``): an
+    earlier collector run against today's contract fails where a name it reads has changed since."""
+    folders = folders or ("server/src", "contract/src")
     archive = os.path.join(into, "src.tar")
     subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, ref, *folders], check=True)
     with tarfile.open(archive) as tar:

@@ -13,7 +13,7 @@ import json
 import os
 from typing import NamedTuple
 
-__all__ = ["BENCHMARKS", "EXPERIMENTS", "GPU", "HAND_RUN", "Benchmark", "experiments", "listing"]
+__all__ = ["BENCHMARKS", "EXPERIMENTS", "GPU", "Benchmark", "experiments", "listing"]
 
 _BENCH = os.path.dirname(os.path.abspath(__file__))
 EXPERIMENTS = os.path.join(_BENCH, "experiments")
@@ -63,15 +63,11 @@ GPU = Benchmark("gpu", "bench.gpu",
                 "on a GPU: the agent's counters against bit-level ground truth, host-device syncs, overhead, "
                 "inspection, two DDP ranks (--device cpu --quick is a CPU smoke run)", "under 5 min", "about 1 min")
 
-HAND_RUN = ("bench.rule_eval",)
-"""Hand-run before/after benchmarks still beside ``make bench``'s (their figures: docs/benchmarks.md section 7)."""
-
-
 def experiments() -> list[tuple[str, str]]:
-    """``(module, first line of its docstring)`` of each hand-run benchmark: :data:`HAND_RUN`, then every
-    public module under ``bench/experiments/``."""
-    names = [*HAND_RUN, *(f"bench.experiments.{name[:-3]}" for name in sorted(os.listdir(EXPERIMENTS))
-                          if name.endswith(".py") and not name.startswith("_"))]
+    """``(module, first line of its docstring)`` of each hand-run benchmark: every public module under
+    ``bench/experiments/``."""
+    names = [f"bench.experiments.{name[:-3]}" for name in sorted(os.listdir(EXPERIMENTS))
+             if name.endswith(".py") and not name.startswith("_")]
     found = []
     for module in names:
         with open(os.path.join(os.path.dirname(_BENCH), *module.split(".")) + ".py") as f:

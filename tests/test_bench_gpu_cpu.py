@@ -37,11 +37,11 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(320)
 def test_cpu_smoke_run_passes_every_truth_and_sync_check_with_only_torch_importable(tmp_path):
     argv = ["--device", "cpu", "--quick", "--out-dir", str(tmp_path)]
     out = subprocess.run([sys.executable, "-c", RUN_WITH_ONLY_TORCH.format(blocked=NOT_IMPORTABLE, argv=argv)],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=170)
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-6000:]
     assert "proves nothing about CUDA" in out.stdout
     results = json.loads((tmp_path / "gpu.json").read_text())
@@ -58,11 +58,38 @@ def test_cpu_smoke_run_passes_every_truth_and_sync_check_with_only_torch_importa
         assert by_name[key]["status"] == "pass", by_name[key]
     assert by_name[("syncs", "foreach-counted")]["bare"] > 0  # the counter saw the scaler's own reads
     assert by_name[("sync-trace", "all-synchronisations")]["status"] == "skip"
+    _assert_fsdp_section(by_name)
     overhead = [c for c in results["checks"] if c["section"] == "overhead" and "variants" in c]
     assert len(overhead) == 4 and all({"bare", "ampwatch_unasked", "ampwatch", "forum"} <= set(c["variants"])
                                       for c in overhead)
     page = (tmp_path / "gpu.md").read_text()
     assert page.startswith("## GPU") and "proves nothing about CUDA" in page and "| truth | never-ask | pass |" in page
+
+
+def _assert_fsdp_section(by_name: dict) -> None:
+    """torch's FSDP2 and FSDP1 ran on 2 gloo ranks, each exact against its own truth; the frameworks' FSDP
+    needs CUDA and says so."""
+    from bench.gpu.fsdp import FED_AT, PLANTED_AT, STEPS, UNSCALED_PLANTED_AT
+
+    fsdp = {name: c["status"] for (section, name), c in by_name.items() if section == "fsdp"}
+    assert fsdp == {"fsdp2-scaled": "pass", "fsdp2-unscaled": "pass", "fsdp1-orig-params": "pass",
+                    "fsdp1-flat-params": "pass", "lightning-fsdp-strategy": "skip", "accelerate-fsdp1": "skip",
+                    "accelerate-fsdp2": "skip"}
+    for name in ("fsdp2-scaled", "fsdp1-orig-params", "fsdp1-flat-params"):
+        ranks = by_name[("fsdp", name)]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        for r in ranks:  # both ranks skipped the fed and the planted step, and the agent counted exactly that
+            assert r["skipped"] == [FED_AT, PLANTED_AT] and r["problems"] == [], (name, r)
+            assert (r["agent"]["steps"], r["agent"]["skipped"], r["agent"]["backoffs"]) == (STEPS - 2, 2, 2)
+    assert "ShardedGradScaler" in by_name[("fsdp", "fsdp1-flat-params")]["detail"]
+    # The planting rank (the last) is poisoned from its plant on; the other from the next all-gather.
+    unscaled = by_name[("fsdp", "fsdp2-unscaled")]["ranks"]
+    assert [r["poisoned"] for r in unscaled] == [list(range(UNSCALED_PLANTED_AT + 1, STEPS)),
+                                                 list(range(UNSCALED_PLANTED_AT, STEPS))]
+    assert [r["agent"]["poisoned_steps"] for r in unscaled] == [STEPS - UNSCALED_PLANTED_AT - 1,
+                                                               STEPS - UNSCALED_PLANTED_AT]
+    for name in ("lightning-fsdp-strategy", "accelerate-fsdp1", "accelerate-fsdp2"):
+        assert by_name[("fsdp", name)]["detail"].startswith("needs CUDA"), by_name[("fsdp", name)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the default device is there")
@@ -113,4 +140,5 @@ def test_the_docs_section_says_how_to_run_it_until_a_gpu_run_is_committed():
 
     text = "\n".join(section(None))
     assert text.startswith("## GPU") and "Not yet run on a GPU" in text and COMMAND in text
+    assert "FSDPStrategy" in text and "Accelerate's FSDP plugin" in text
     assert COMMAND == "PYTHONPATH=agent/src:contract/src:support/src python -m bench.gpu --out-dir $OUT"

@@ -157,7 +157,7 @@ def test_quick_bench_measures_and_merge_replaces_only_the_sections_run_now_and_s
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rule_eval_runs_both_rule_sets_over_full_30_minute_windows_and_they_fire_the_same_alerts():
-    from bench import rule_eval
+    from bench.experiments import rule_eval
     result = rule_eval.measure(ranks=16, evaluations=3, before="a95d20e")  # raises if the alerts differ
     assert result["samples_per_series_in_30m"] >= 115  # a sample every 15 s over the whole window
 

@@ -32,6 +32,9 @@ MAX_SLOWDOWN = 2.0
 # Each outage phase runs at least this many iterations, so it makes more events than AMPWATCH_MAX_EVENTS (64)
 # holds however slowly a loaded machine trains: a skip and a backoff every POISON_EVERY iterations.
 OUTAGE_ITERATIONS = 64 * POISON_EVERY
+# A misbehaving far end's phase makes at least 80 events (a skip and a backoff every POISON_EVERY iterations):
+# more than the 64 the buffer holds, however slowly a loaded machine trains.
+MISBEHAVING_ITERATIONS = 40 * POISON_EVERY
 
 
 @pytest.fixture
@@ -144,8 +147,8 @@ def test_a_slow_or_failing_collector_neither_slows_training_nor_grows_the_agents
                 far_end.status = 503
             sender, buffer = trainer.watch._sender, trainer.watch._recorder.events
             held = []
-            for _ in range(6):  # ~3 s, several hundred events: far more than the 64 the buffer holds
-                trainer.run_for(PHASE_S / 3, "down")
+            for _ in range(6):  # ~3 s, and MISBEHAVING_ITERATIONS at least
+                trainer.run_for(PHASE_S / 3, "down", at_least=MISBEHAVING_ITERATIONS // 6)
                 held.append(len(buffer))
             trainer.run_for(0.01, "up-again")
         finally:

@@ -179,8 +179,8 @@ def test_the_lightning_snippet_reports_the_skip_of_a_real_fit(monkeypatch, tmp_p
     from ampwatch.agent.lightning import AmpWatchCallback
     from ampwatch_support.framework_truth import watch_counts
 
-    preamble = ("import torch\nfrom lightning_job import OneOptimizer, data, fp16_plugin\ntorch.manual_seed(0)\n"
-                "model = OneOptimizer(poison={2: (0,)})\ntrain_loader = data()\n")
+    preamble = ("import torch\nfrom ampwatch_support.lightning_job import OneOptimizer, data, fp16_plugin\n"
+                "torch.manual_seed(0)\nmodel = OneOptimizer(poison={2: (0,)})\ntrain_loader = data()\n")
     # On CPU precision="16-mixed" becomes bf16 without a scaler; Lightning's plugin gives the GPU's fp16 path.
     snippet = _framework_snippet(0, {'precision="16-mixed", max_epochs=10': (
         'accelerator="cpu", plugins=[fp16_plugin(init_scale=1024.0)], max_epochs=1, logger=False, '
@@ -204,8 +204,8 @@ def test_the_hugging_face_snippet_reports_the_skip_of_a_real_training(monkeypatc
     pytest.importorskip("transformers")
     from ampwatch.agent.transformers import AmpWatchCallback
 
-    preamble = ("import torch\nfrom hf_job import CpuFp16Trainer, Examples, Tiny\ntorch.manual_seed(0)\n"
-                "model = Tiny()\ntrain_dataset = Examples(64, poisoned=(20,))\n")
+    preamble = ("import torch\nfrom ampwatch_support.hf_job import CpuFp16Trainer, Examples, Tiny\n"
+                "torch.manual_seed(0)\nmodel = Tiny()\ntrain_dataset = Examples(64, poisoned=(20,))\n")
     snippet = _framework_snippet(1, {
         "fp16=True, num_train_epochs=3": ('fp16=True, num_train_epochs=1, use_cpu=True, report_to="none", '
                                           'save_strategy="no", logging_strategy="no", disable_tqdm=True, '

@@ -70,13 +70,15 @@ def _phase_of(t: float, bounds: dict[str, tuple[float, float]]) -> Optional[str]
     return next((name for name, (a, b) in bounds.items() if a <= t < b), None)
 
 
-def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float) -> dict:
-    """Run the job against a fresh collector of the ``ampwatch.server`` on sys.path; return the figures."""
+def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, server: str = "") -> dict:
+    """Run the job against a fresh collector (``server``, a PYTHONPATH to put first: an earlier commit's; else
+    this tree's); return the figures."""
     from bench import _servers
 
     warm = warm_seconds(ranks)
     hold = max(0.0, minutes * 60 - warm - HEALTHY_S - storm_s - RECOVERY_S)
-    with tempfile.TemporaryDirectory() as tmp, _servers.collector() as srv:
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (server, os.environ.get("PYTHONPATH")) if p)} if server else None
+    with tempfile.TemporaryDirectory() as tmp, _servers.collector(env=env) as srv:
         stats = srv.stats
         _scrape(srv.url, False)  # the exposition's own start-up (a thread, label caches) is not the job's
         rss_empty = stats.memory_kib()["VmRSS"]
@@ -167,14 +169,11 @@ def _summary(ranks: int, iteration_s: float, bounds: dict, job: dict, scrapes: l
 
 
 def _side(args: argparse.Namespace, path: Optional[str]) -> dict:
-    env = dict(os.environ)
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
-    code = ("import sys, json; import ampwatch.server; from bench.experiments.storm import measure;"
-            "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5])); r['server'] = ampwatch.server.__file__;"
-            "print(json.dumps(r))")
+    # Only the collector runs the earlier commit's code (with its contract); the job and the measuring are this tree's.
+    code = ("import sys, json; from bench.experiments.storm import measure;"
+            "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5]), sys.argv[5]); print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, str(args.ranks), str(args.minutes), str(args.storm_seconds),
-                          str(args.iteration_s)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                          str(args.iteration_s), path or ""], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                          timeout=args.minutes * 60 + 900)
     if out.returncode != 0:
         raise RuntimeError(f"the {'earlier' if path else 'current'} side failed (exit {out.returncode})")

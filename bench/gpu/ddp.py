@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import tempfile
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.gpu._amp import Amp, ThreePart, make_optimizers
 from bench.gpu._checks import check, verdict
+from bench.gpu._ranks import spawn_ranks
 from bench.gpu._truth import Plan, compare, drain_events, expected, run_plan
 
 __all__ = ["run"]
@@ -73,35 +70,15 @@ def _rank(rank: int, backend: str, out_dir: str, port: int) -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(amp: Amp, quick: bool, timeout: float = 180.0) -> list[dict]:
     """Run the two-rank job (two GPUs, or two CPU processes over gloo) and judge both ranks."""
     if amp.cuda and torch.cuda.device_count() < WORLD:
         return [check("ddp", "two-ranks", "skip", f"needs {WORLD} GPUs, this machine has "
                       f"{torch.cuda.device_count()}: the NCCL job did not run")]
     backend = "nccl" if amp.cuda else "gloo"
-    with tempfile.TemporaryDirectory(prefix="ampwatch-gpu-ddp-") as out_dir:
-        env_before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("AMPWATCH_")}
-        try:
-            context = mp.spawn(_rank, args=(backend, out_dir, _free_port()), nprocs=WORLD, join=False)
-            deadline = time.monotonic() + timeout
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    for process in context.processes:
-                        if process.is_alive():
-                            process.kill()
-                    return [check("ddp", "two-ranks", "fail", f"the {backend} job did not finish in {timeout:.0f} s")]
-        finally:
-            os.environ.update(env_before)
-        ranks = []
-        for r in range(WORLD):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                ranks.append(json.load(f))
+    ranks = spawn_ranks(_rank, (backend,), WORLD, timeout, prefix="ampwatch-gpu-ddp-")
+    if isinstance(ranks, str):
+        return [check("ddp", "two-ranks", "fail", f"{backend}: {ranks}")]
     problems = []
     for r in ranks:
         if "error" in r:

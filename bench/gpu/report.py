@@ -25,7 +25,10 @@ _NOT_RUN = [
     "poisoned-step scenario and parameter names), zero extra syncs (fused loop under "
     "`torch.cuda.set_sync_debug_mode(\"error\")`, foreach warnings counted, every stream/event/device "
     "synchronisation traced), overhead on a host-bound and a device-bound model, an inspected skip over "
-    "10,000 tensors, and a 2-rank NCCL job when two GPUs are present. `make bench-gpu` runs the same; "
+    "10,000 tensors, a 2-rank NCCL job when two GPUs are present, and sharded training on the available ranks "
+    "(FSDP2 `fully_shard` with a `GradScaler` and in bf16 without one, FSDP1 with `ShardedGradScaler`, each rank "
+    "against its own shards; Lightning's `FSDPStrategy` and Accelerate's FSDP plugin, FSDP1 and 2, with the "
+    "integrations, when installed: these need a GPU). `make bench-gpu` runs the same; "
     "`make bench-gpu ARGS=\"--device cpu --quick\"` is its CPU smoke run (part of `make test`), which "
     "proves nothing about CUDA.",
 ]

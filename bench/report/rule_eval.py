@@ -10,7 +10,7 @@ __all__ = ["section"]
 
 
 def section(r: Optional[dict]) -> list[str]:
-    """The part's lines, or none when ``bench.rule_eval`` has not stored a result."""
+    """The part's lines, or none when ``bench.experiments.rule_eval`` has not stored a result."""
     if not r:
         return []
     lines = [f"Prometheus rule evaluation at {fmt(r['ranks'])} ranks x {r['optimizers']} optimizers "

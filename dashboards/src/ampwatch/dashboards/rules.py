@@ -12,7 +12,7 @@ poisoned steps) is read once per evaluation, by a recording rule that keeps
 only its non-zero series, and the alerts read those few; a counter rose within
 a window when it differs from its value one window ago (``offset``: two
 instant reads, no range read), which the streak rungs' recording rule works
-out once for both streak alerts. ``python -m bench.rule_eval`` measures it.
+out once for both streak alerts. ``python -m bench.experiments.rule_eval`` measures it.
 
 Example::
 

@@ -1,7 +1,7 @@
 """Prometheus rule evaluation at 1,024 ranks x 2 optimizers over full 30-minute windows: earlier rules vs these.
 
 The real Debian ``prometheus`` evaluates the ampwatch rules every 15 s over a simulated 1,024-rank job
-(``bench._job_history``: healthy ranks, a few in trouble, a whole-job storm). The job's last 33 minutes, one
+(``bench.experiments._job_history``: healthy ranks, a few in trouble, a whole-job storm). The job's last 33 minutes, one
 sample per series every 15 s, are written into Prometheus's head through its remote-write receiver, in time
 order, as 33 minutes of scrapes would have stored them (a backfilled block would be read differently, and
 more slowly, than the head a live server holds), so every window of every rule is full from the first
@@ -14,7 +14,8 @@ evaluation, the scrape and these reads) is reported too. Both servers must fire 
 ranks (checked). Then every query of the earlier commit's dashboard and of this tree's runs over the last 30
 minutes as Grafana would (15 s steps; tables at one instant): series and bytes per panel.
 
-    python -m bench.rule_eval [--ranks 1024] [--evaluations 10] [--before a95d20e] [--storm short|after|during]
+    python -m bench.experiments.rule_eval [--ranks 1024] [--evaluations 10] [--before a95d20e]
+        [--storm short|after|during]
                               [--out FILE]
 
 ``--storm during`` measures while a whole-job storm is under way (every rank skipping since a minute before
@@ -49,8 +50,8 @@ from typing import Any, Optional
 from ampwatch.contract.alerts import SPEAKERS
 
 from bench._before_after import ROOT, print_and_store, source_of
-from bench._job_history import Job
-from bench._remote_write import RemoteWriter
+from bench.experiments._job_history import Job
+from bench.experiments._remote_write import RemoteWriter
 from bench._servers import free_port
 
 __all__ = ["main", "measure"]
