@@ -40,7 +40,7 @@ BENCHMARKS = (
               "about 2 min", "about 45 s", parts=("bench.ddp_origin",)),
     Benchmark("instructions", "bench.instructions",
               "the agent's overhead in CPU instructions per iteration, counted exactly under valgrind's callgrind",
-              "about 3 min", "about 1 min (only with --only instructions)", in_quick=False),
+              "about 15 min", "about 2 min (only with --only instructions)", in_quick=False),
     Benchmark("inspection", "bench.inspection",
               "cost of naming the offending parameters of a skip on models with many tensors, vs GradScaler's "
               "own inf check, and skip storms on such models", "about 2.5 min", "about 1 min"),

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bench._loops import MODELS, compare, rotate
 from ampwatch_support.syncs import SyncCounter
 
-__all__ = ["run", "main"]
+__all__ = ["DdpBf16Setup", "DdpSetup", "one_process_group", "run", "main"]
 
 WORLD_SIZE = 2
 COMPARED = ("mlp", "transformer")
@@ -204,6 +204,48 @@ class DdpSetup:
 
     def close(self) -> None:
         self.watch.close()
+
+
+class DdpBf16Setup:
+    """One DDP model and one AdamW in bfloat16 autocast without a GradScaler: bare, or watched by the agent.
+
+    ``watched``: ``agent.watch(None, {"net": opt}, model=net, ddp=ddp)`` (every step's gradients checked for
+    inf/NaN, and each parameter's own gradient noted by a tensor hook before DDP's all-reduce); no collector.
+    """
+
+    def __init__(self, model: str, watched: bool, fused: bool = False) -> None:
+        torch.manual_seed(0)
+        net = _build(model)
+        self.ddp = DistributedDataParallel(net)
+        kw = {"fused": True} if fused else {"foreach": True}
+        self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-3, **kw)
+        self.x = _input(model)
+        self.watch = None
+        if watched:
+            from ampwatch import agent
+            self.watch = agent.watch(None, {"net": self.opt}, model=net, ddp=self.ddp, collector=(),
+                                     run=f"bench-ddp-bf16-{model}")
+
+    def iterate(self, n: int) -> None:
+        for _ in range(n):
+            self.opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = self.ddp(self.x).float().pow(2).mean()
+            loss.backward()
+            self.opt.step()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+
+
+def one_process_group() -> None:
+    """Start a gloo process group of this process alone (world size 1: DDP still buckets and all-reduces)."""
+    torch.set_num_threads(1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def _build(model: str) -> nn.Module:

@@ -8,7 +8,9 @@ process calls ``os.getppid()``, i.e. libc ``getppid``: ``--zero-before=getppid``
 uninstrumented (``--instr-atstart=no``, switched on by ``callgrind_control`` once the child is set up).
 The loops are ``bench.overhead.Setup``'s: the same model, data, two optimizers, ``GradScaler("cpu")`` and bfloat16
 autocast; the watched loop also asks ``watch.stepped()`` for both optimizers every iteration. The bf16 rows: the
-same loop without a GradScaler, bare and watched with ``watch(None, ...)`` (every optimizer step checked). No collector:
+same loop without a GradScaler, bare and watched with ``watch(None, ...)`` (every optimizer step checked); the DDP
+rows: one AdamW over a DistributedDataParallel model in a gloo group of one process (world size 1: DDP's reducer
+still buckets and all-reduces), bare and watched with ``watch(None, ..., ddp=model)``. No collector:
 the sender thread sleeps between pushes and is measured apart (its CPU time is a few milliseconds per minute).
 
     python -m bench.instructions [--iterations N]
@@ -26,21 +28,35 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from bench._loops import Loop
 
 __all__ = ["CASES", "callgrind_instructions", "counting_ends", "counting_starts", "run"]
 
 CASES = (("mlp", False, "bare", "ampwatch"), ("mlp", True, "bare", "ampwatch"),
-         ("mlp", False, "bf16", "bf16_ampwatch"), ("mlp", True, "bf16", "bf16_ampwatch"))
+         ("mlp", False, "bf16", "bf16_ampwatch"), ("mlp", True, "bf16", "bf16_ampwatch"),
+         ("transformer", False, "bf16", "bf16_ampwatch"), ("transformer", True, "bf16", "bf16_ampwatch"),
+         ("mlp", False, "ddp_bf16", "ddp_bf16_ampwatch"), ("transformer", False, "ddp_bf16", "ddp_bf16_ampwatch"))
 """(model, fused, bare variant, watched variant) measured; the tiny MLP is where a fixed per-iteration cost weighs
-most. ``bare``/``ampwatch``: a GradScaler; ``bf16``/``bf16_ampwatch``: none."""
+most, the transformer block a more realistic one. ``bare``/``ampwatch``: a GradScaler; ``bf16``/``bf16_ampwatch``:
+none; ``ddp_bf16``/``ddp_bf16_ampwatch``: none, the model in DistributedDataParallel (a gloo group of this process
+alone), watched with ``ddp=`` (``bench.ddp_origin.DdpBf16Setup``)."""
 WARMUP = 20
 
 
 def _child(variant: str, model: str, fused: bool, iterations: int) -> None:
-    from bench.overhead import Setup
+    setup: Loop
+    if variant.startswith("ddp_"):
+        from bench.ddp_origin import DdpBf16Setup, one_process_group
 
-    setup = Setup(variant, model, fused, None)
+        one_process_group()
+        setup = DdpBf16Setup(model, watched=variant.endswith("_ampwatch"), fused=fused)
+    else:
+        from bench.overhead import Setup
+
+        setup = Setup(variant, model, fused, None)
     setup.iterate(WARMUP)
     counting_starts()
     setup.iterate(iterations)
@@ -130,7 +146,8 @@ def run(iterations: int = 200) -> dict:
             bare, watched = pool.map(lambda v: _count(v, model, fused, iterations, workdir),
                                      (bare_variant, watched_variant))
             rows.append({"model": model, "optimizer": "AdamW(fused=True)" if fused else "AdamW(foreach=True)",
-                         "precision": "bf16, no scaler" if bare_variant == "bf16" else "GradScaler",
+                         "precision": "GradScaler" if bare_variant == "bare" else "bf16, no scaler",
+                         "ddp": bare_variant.startswith("ddp_"),
                          "iterations": iterations, "bare_per_iter": round(bare / iterations),
                          "watched_per_iter": round(watched / iterations),
                          "agent_per_iter": round((watched - bare) / iterations),

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,14 +50,9 @@ STORED = os.path.join(ROOT, "bench", "experiments", "results", "origin_hook_befo
 
 
 def _group() -> None:
-    import torch
-    import torch.distributed as dist
+    from bench.ddp_origin import one_process_group
 
-    torch.set_num_threads(1)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    one_process_group()
 
 
 def _count_child(variant: str, model: str, iterations: int) -> None:

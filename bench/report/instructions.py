@@ -13,12 +13,17 @@ def section(ins: dict) -> list[str]:
            "rows train without a GradScaler, bare and watched with `watch(None, ...)`, which checks the gradients of "
            "every optimizer step: on CPU one `sum` per gradient, added on the host (an operator call per gradient "
            "and step, which this 6-tensor model's short iteration weighs heavily; on a GPU one batched "
-           "`_foreach_norm` per step instead, `python -m bench.gpu`).", "",
+           "`_foreach_norm` per step instead, `python -m bench.gpu`). The DDP rows run one AdamW over a "
+           "`DistributedDataParallel` model in a gloo group of one process (world size 1: DDP's reducer still "
+           "buckets and all-reduces the gradients), bare and watched with `watch(None, ..., ddp=model)`, which adds "
+           "a tensor hook per parameter noting whether its own gradient held inf/NaN before the all-reduce."]
+    out += _interpretation(ins["rows"])
+    out += ["",
            "| model | optimizer | precision | iterations | bare instructions/iter | watched instructions/iter | agent "
            "| ratio |",
            "|---|---|---|---|---|---|---|---|"]
     for r in ins["rows"]:
-        out.append(f"| {r['model']} | {r['optimizer']} | {_precision(r)} | {r['iterations']} | "
+        out.append(f"| {_model(r)} | {r['optimizer']} | {_precision(r)} | {r['iterations']} | "
                    f"{r['bare_per_iter']:,} | {r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | "
                    f"{r['ratio']:.4f} |")
     return out
@@ -28,7 +33,7 @@ def summary_rows(ins: dict) -> list[str]:
     """The summary's rows: the instructions ratio per model, which the machine's load does not move."""
     out = []
     for r in ins["rows"]:
-        out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} {_precision(r)} "
+        out.append(f"| CPU instructions per iteration, {_model(r)} {r['optimizer']} {_precision(r)} "
                    "(callgrind, exact) | "
                    f"{r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per iteration) | - | "
                    f"{(r['ratio'] - 1) * 100:.2f}% |")
@@ -38,3 +43,35 @@ def summary_rows(ins: dict) -> list[str]:
 def _precision(row: dict) -> str:
     """How the row's loop trains (runs before the bf16 rows were added measured only the GradScaler loop)."""
     return row.get("precision", "GradScaler")
+
+
+def _model(row: dict) -> str:
+    """The row's model, and ``DDP`` when it trained inside DistributedDataParallel."""
+    return f"{row['model']} (DDP)" if row.get("ddp") else row["model"]
+
+
+def _interpretation(rows: list[dict]) -> list[str]:
+    """One or two sentences on the bf16 rows: a fixed cost per optimizer step, weighed on a small and a larger model."""
+    def pick(model: str, ddp: bool) -> list[dict]:
+        return [r for r in rows if r["model"] == model and _precision(r) != "GradScaler" and bool(r.get("ddp")) == ddp]
+
+    mlp, transformer = pick("mlp", False), pick("transformer", False)
+    if not (mlp and transformer):
+        return []
+    def share(picked: list[dict]) -> str:
+        return " and ".join(f"{(r['ratio'] - 1) * 100:.2f}%" for r in picked)
+
+    def added(picked: list[dict]) -> str:
+        return " and ".join(f"+{r['agent_per_iter']:,}" for r in picked)
+
+    text = (f"Without a scaler the agent's work is a fixed cost per optimizer step: a few Python calls and one "
+            f"reduction per gradient, so it grows with the number of gradients, not with the model's compute: "
+            f"{added(mlp)} instructions per iteration on the mlp (6 gradients; foreach, fused), {share(mlp)} of its "
+            f"short iteration, and {added(transformer)} on the transformer block (14 gradients), {share(transformer)} "
+            f"of an iteration ten times longer.")
+    ddp = pick("mlp", True) + pick("transformer", True)
+    if ddp:
+        text += (" Under DDP (one optimizer) the per-parameter tensor hooks add to it: " +
+                 ", ".join(f"{r['model']} {(r['ratio'] - 1) * 100:.2f}% (+{r['agent_per_iter']:,})" for r in ddp) +
+                 ".")
+    return ["", text]
