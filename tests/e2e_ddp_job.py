@@ -62,7 +62,8 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
         scaler.step(opt_body)
         scaler.step(opt_head)
         scaler.update()
-        time.sleep(args.sleep)  # pace the job so that Prometheus scrapes it while it runs
+        # Pace the job so that Prometheus scrapes it while it runs, and its streaks while they last.
+        time.sleep(args.overflow_sleep if iteration in overflow else args.sleep)
     watch.close()
     dist.destroy_process_group()
 
@@ -75,7 +76,11 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, required=True)
     parser.add_argument("--overflow-at", default="", help="iterations with an inf input, e.g. 30-37,50")
     parser.add_argument("--sleep", type=float, default=0.05, help="seconds to sleep after each iteration")
+    parser.add_argument("--overflow-sleep", type=float, default=None,
+                        help="seconds to sleep after an overflow iteration (default: --sleep)")
     args = parser.parse_args()
+    if args.overflow_sleep is None:
+        args.overflow_sleep = args.sleep
     torch.set_num_threads(1)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

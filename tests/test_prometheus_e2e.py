@@ -128,7 +128,10 @@ def stack(tmp_path_factory):
         run_split = _run_split_across(collector, second)
         jobs = [
             processes.start("job-streak", [sys.executable, str(JOB), "--collector", collector, "--run", RUN_STREAK,
-                                           "--iterations", "200", "--overflow-at", "40-47"], env=env),
+                                           "--iterations", "200", "--overflow-at", "40-47",
+                                           # the streak lasts 4 s: scrapes every second see it under way (the
+                                           # streak panel's gauge), however the agent's batches fall
+                                           "--overflow-sleep", "0.5"], env=env),
             processes.start("job-backoff", [sys.executable, str(JOB), "--collector", f"{collector},{second}",
                                             "--run", run_split,
                                             "--iterations", "260", "--overflow-at", "140,144,148,152,156,160"],
