@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import tempfile
 import time
-from typing import Callable
+import traceback
+from typing import Any, Callable, Iterator
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn_ranks"]
+__all__ = ["free_port", "rank_process", "spawn_ranks"]
 
 
 def free_port() -> int:
@@ -46,3 +50,27 @@ def spawn_ranks(target: Callable[..., None], args: tuple, world: int, timeout: f
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
         return ranks
+
+
+@contextlib.contextmanager
+def rank_process(rank: int, world: int, device_type: str, out_dir: str,
+                 port: int) -> Iterator[tuple[dict[str, Any], torch.device]]:
+    """In a rank :func:`spawn_ranks` started: join the process group (NCCL on ``cuda``, else gloo) and yield
+    ``(result, device)``; whatever happens, write ``result`` to ``out_dir/rank{rank}.json`` (an error in it,
+    with its traceback) and leave the group."""
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                **({"device_id": device} if device.type == "cuda" else {}))
+        yield result, device
+    except Exception as error:  # noqa: BLE001 - reported by the parent
+        result["error"] = "".join(traceback.format_exception(error))[-3000:]
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f, default=str)
+        if dist.is_initialized():
+            dist.destroy_process_group()

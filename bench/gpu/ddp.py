@@ -9,16 +9,13 @@ with its own bit-level ground truth; the parent compares the ranks with each oth
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
 
 import torch
 import torch.distributed as dist
 
 from bench.gpu._amp import Amp, ThreePart, make_optimizers
 from bench.gpu._checks import check, verdict
-from bench.gpu._ranks import spawn_ranks
+from bench.gpu._ranks import rank_process, spawn_ranks
 from bench.gpu._truth import Plan, compare, drain_events, expected, run_plan
 
 __all__ = ["run"]
@@ -39,14 +36,7 @@ def _rank(rank: int, backend: str, out_dir: str, port: int) -> None:
     from ampwatch import agent
     from torch.nn.parallel import DistributedDataParallel
 
-    result: dict = {"rank": rank}
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=rank, world_size=WORLD,
-                                **({"device_id": device} if device.type == "cuda" else {}))
+    with rank_process(rank, WORLD, "cuda" if backend == "nccl" else "cpu", out_dir, port) as (result, device):
         amp = Amp(device)
         torch.manual_seed(0)  # the same initial weights on both ranks (DDP broadcasts rank 0's anyway)
         net = ThreePart().to(device)
@@ -61,13 +51,6 @@ def _rank(rank: int, backend: str, out_dir: str, port: int) -> None:
                       expected={k: v for k, v in expected(run, plan).items() if k != "skips"},
                       agent=state)
         dist.barrier()
-    except Exception as error:  # noqa: BLE001 - reported by the parent
-        result["error"] = "".join(traceback.format_exception(error))[-3000:]
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f, default=str)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def run(amp: Amp, quick: bool, timeout: float = 180.0) -> list[dict]:

@@ -24,8 +24,6 @@ step (a skip leaves them unchanged) and, without a scaler, whether its own gradi
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import traceback
 from typing import Any, Callable
 
@@ -37,7 +35,7 @@ from bench.gpu._amp import Amp, changed, params_of, snapshot_bits
 from bench.gpu._fsdp_model import FED_AT, STEPS, local, micro_batch, sequential, shards
 from bench.gpu._checks import check, verdict
 from bench.gpu._truth import Plan, Run, compare, drain_events
-from bench.gpu._ranks import spawn_ranks
+from bench.gpu._ranks import rank_process, spawn_ranks
 
 __all__ = ["run"]
 
@@ -189,27 +187,13 @@ def _scenarios(amp: Amp, rank: int, world: int) -> dict[str, Callable[[], dict[s
 
 def _rank(rank: int, world: int, device_type: str, out_dir: str, port: int) -> None:
     """One rank: every scenario in one process group; write what it saw to ``rank{rank}.json``."""
-    result: dict[str, Any] = {"rank": rank}
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                **({"device_id": device} if device.type == "cuda" else {}))
+    with rank_process(rank, world, device_type, out_dir, port) as (result, device):
         for name, scenario in _scenarios(Amp(device), rank, world).items():
             try:
                 result[name] = scenario()
             except Exception as error:  # noqa: BLE001 - reported by the parent; the other scenarios go on
                 result[name] = {"error": "".join(traceback.format_exception(error))[-3000:]}
             dist.barrier()
-    except Exception as error:  # noqa: BLE001 - reported by the parent
-        result["error"] = "".join(traceback.format_exception(error))[-3000:]
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f, default=str)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _judge(name: str, ranks: list[dict], ok: Callable[[dict], str], backend: str) -> dict:
