@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, optimizer
 from bench._storm import StormRank
 
-from ampwatch.agent._schedule import NEWS_GAP, NEWS_HOLD, is_news
+from ampwatch.agent._schedule import NEWS_GAP, NEWS_HOLD, NEWS_SPREAD, is_news
 from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
 
 __all__ = ["DELIVERIES", "Delivery", "JobTimeline", "LockstepPlan", "Plan", "storm_streaks"]
@@ -33,6 +33,7 @@ class Delivery:
     news_hold: float
     news: Callable[[dict], bool]
     spread: bool  # whether the ranks of a job spread their first batches and news (PushSchedule's ranks=)
+    news_spread: float = NEWS_SPREAD  # the widest spread of a job's news (PushSchedule's news_spread=)
 
 
 DELIVERIES = {

@@ -51,7 +51,8 @@ async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, tra
                    end: float, kill_at: Optional[float], tally: Tally) -> None:
     """Send ``rank``'s batches of ``plan`` through ``transport`` until ``end`` (or ``kill_at``: no close)."""
     schedule = PushSchedule(delivery.heartbeat, delivery.news_gap, delivery.news_hold,
-                            ranks=world if delivery.spread else 1, rng=random.Random(rank))
+                            ranks=world if delivery.spread else 1, news_spread=delivery.news_spread,
+                            rng=random.Random(rank))
     seq, sent_it, event_id = 0, 0, 0
     head = open_identity(run, rank, world)
     news_times = [plan.time_of(it) for it, e in plan.events if delivery.news(e)]

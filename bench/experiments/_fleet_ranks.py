@@ -59,6 +59,8 @@ async def _run(args: argparse.Namespace) -> dict:
     delivery = DELIVERIES[args.delivery]
     if args.heartbeat:
         delivery = dataclasses.replace(delivery, heartbeat=args.heartbeat)
+    if args.news_spread is not None:
+        delivery = dataclasses.replace(delivery, news_spread=args.news_spread)
     t0 = time.time() + 1.0
     warm_end = t0 + args.warm
     storm_at = warm_end + args.healthy
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delivery", choices=sorted(DELIVERIES), required=True)
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="per-rank")
     parser.add_argument("--heartbeat", type=float, default=None, help="another push interval for this delivery")
+    parser.add_argument("--news-spread", type=float, default=None,
+                        help="the widest spread of a job's news, seconds (default: the agent's NEWS_SPREAD)")
     parser.add_argument("--run", default="fleet")
     parser.add_argument("--warm", type=float, required=True, help="seconds for every rank to start")
     parser.add_argument("--healthy", type=float, required=True, help="seconds of healthy training, measured")

@@ -19,6 +19,7 @@ rank, and the database's growth per storm-minute. The sides run one after the ot
     python -m bench.experiments.storm                      # 1,024 ranks, 15 minutes a side: about 32 minutes
     python -m bench.experiments.storm --minutes 4          # the same phases, a shorter hold: about 10 minutes
     python -m bench.experiments.storm --only after --minutes 4
+    python -m bench.experiments.storm --only after --minutes 4 --news-spread 0.95   # the agent's spread before 1.5 s
     python -m bench.experiments.storm --out bench/experiments/results/job1024_before_after.json
                                                            # also store it (key "lockstep_storm")
 """
@@ -38,6 +39,8 @@ from typing import Optional
 
 from bench._before_after import ROOT, print_and_store, source_of
 from bench.experiments.fleet import first_skip_delays, seconds_summary, ms_summary, warm_seconds
+
+from ampwatch.agent._schedule import NEWS_SPREAD
 
 __all__ = ["KEY", "PHASES", "measure", "main"]
 
@@ -70,9 +73,10 @@ def _phase_of(t: float, bounds: dict[str, tuple[float, float]]) -> Optional[str]
     return next((name for name, (a, b) in bounds.items() if a <= t < b), None)
 
 
-def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, server: str = "") -> dict:
+def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, server: str = "",
+            news_spread: float = NEWS_SPREAD) -> dict:
     """Run the job against a fresh collector (``server``, a PYTHONPATH to put first: an earlier commit's; else
-    this tree's); return the figures."""
+    this tree's), its ranks spreading their news over at most ``news_spread`` s; return the figures."""
     from bench import _servers
 
     warm = warm_seconds(ranks)
@@ -85,7 +89,7 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, serv
         out = os.path.join(tmp, "job.json")
         sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port),
                                 "--ranks", str(ranks), "--delivery", "after", "--lockstep",
-                                "--iteration-s", str(iteration_s),
+                                "--iteration-s", str(iteration_s), "--news-spread", str(news_spread),
                                 "--warm", str(warm), "--healthy", str(HEALTHY_S), "--storm", str(storm_s),
                                 "--recovery", str(RECOVERY_S), "--hold", str(hold), "--run", "storm", "--out", out],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -121,7 +125,8 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, serv
                                 "WHERE time >= ? AND time < ?", (t["storm_at"], storm_end)).fetchone()
         kinds = dict(db.execute("SELECT kind, count(*) FROM events GROUP BY kind").fetchall())
         db.close()
-    return _summary(ranks, iteration_s, bounds, job, scrapes, samples, rss_empty, peak, rows, body, kinds)
+    return dict(_summary(ranks, iteration_s, bounds, job, scrapes, samples, rss_empty, peak, rows, body, kinds),
+                news_spread_s=news_spread)
 
 
 def _summary(ranks: int, iteration_s: float, bounds: dict, job: dict, scrapes: list[dict], samples: dict,
@@ -171,10 +176,11 @@ def _summary(ranks: int, iteration_s: float, bounds: dict, job: dict, scrapes: l
 def _side(args: argparse.Namespace, path: Optional[str]) -> dict:
     # Only the collector runs the earlier commit's code (with its contract); the job and the measuring are this tree's.
     code = ("import sys, json; from bench.experiments.storm import measure;"
-            "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5]), sys.argv[5]); print(json.dumps(r))")
+            "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5]), sys.argv[5], float(sys.argv[6]));"
+            "print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, str(args.ranks), str(args.minutes), str(args.storm_seconds),
-                          str(args.iteration_s), path or ""], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                         timeout=args.minutes * 60 + 900)
+                          str(args.iteration_s), path or "", str(args.news_spread)],
+                         cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=args.minutes * 60 + 900)
     if out.returncode != 0:
         raise RuntimeError(f"the {'earlier' if path else 'current'} side failed (exit {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -207,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--iteration-s", type=float, default=0.2, help="seconds per training iteration")
     parser.add_argument("--before", default="f833925", help="the commit whose collector to compare with")
     parser.add_argument("--only", choices=("before", "after"), help="run one side only")
+    parser.add_argument("--news-spread", type=float, default=NEWS_SPREAD,
+                        help="the widest spread of the job's news, seconds, on both sides (default: the agent's "
+                             f"NEWS_SPREAD, {NEWS_SPREAD}; 0.95 was the agent's up to issue 26)")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
     args = parser.parse_args(argv)
     result: dict = {}

@@ -40,7 +40,8 @@ class AgentConfig:
     (``AMPWATCH_PUSH_INTERVAL``). ``None``, the default: 15 s, longer for a job of more than 7,500
     ranks per collector (at most 30 s; :func:`~._schedule.default_heartbeat`), resolved by
     :meth:`for_job` once the job's size is known. News (a skip streak starting or reaching a rung,
-    its end, a poisoned step, a warning, the close) is sent within a second, whatever this is."""
+    its end, a poisoned step, a warning, the close) is sent within a second (a job of more than 500 ranks:
+    within 2 s), whatever this is."""
     spool_dir: str | None = None
     """Directory for an on-disk spool of unsent batches (``AMPWATCH_SPOOL_DIR``)."""
     spool_max_bytes: int = 64 * 1024 * 1024

@@ -7,7 +7,8 @@ The ranks of one job act together: they start within a second of each other and,
 DDP, skip at the same iteration. So that a collector is not asked for a whole job's requests
 at once, each rank draws its own offsets, wider for bigger jobs (:data:`RANKS_PER_SECOND`):
 its first batch within a few seconds (a big job: within a minute), its heartbeats on its own
-grid (news does not move it), its news within a second.
+grid (news does not move it), its news within a second (a job of more than 500 ranks: within
+:data:`NEWS_HOLD` + :data:`NEWS_SPREAD`, 1.55 s).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 
 from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S, is_rung
 
-__all__ = ["NEWS_GAP", "NEWS_HOLD", "RANKS_PER_SECOND", "PushSchedule", "default_heartbeat", "is_news"]
+__all__ = ["NEWS_GAP", "NEWS_HOLD", "NEWS_SPREAD", "RANKS_PER_SECOND", "PushSchedule", "default_heartbeat", "is_news"]
 
 NEWS_GAP = 1.0
 """Seconds: at most one batch per gap however much news comes (a storm of events does not multiply
@@ -29,12 +30,19 @@ NEWS_HOLD = 0.05
 """Seconds a news batch waits at least after its first news, so the rest of the iteration joins it:
 the backoff that ``update()`` records right after a streak's first skip, the other optimizers' skips."""
 
+NEWS_SPREAD = 1.5
+"""Seconds: the widest a job spreads its ranks' news (:data:`RANKS_PER_SECOND`), so news still goes
+within 2 s (:data:`NEWS_HOLD` + 1.5 s, and the answer's latency) whatever the job's size. Under DDP
+every rank's news of a whole-job skip comes at the same iteration: at 1,024 ranks a spread of 0.95 s
+asked a collector for about 1,080 batches in that second, and its answers' p99 was 455 ms; over
+1.5 s it is about 680 a second (docs/benchmarks.md, section 7)."""
+
 RANKS_PER_SECOND = 500
 """Ranks of one job whose first batches a collector is asked to take per second: a job of N ranks
 spreads its first batches over N / 500 s (at most 4 heartbeats) and its news over N / 500 s (at
-most ``NEWS_GAP - NEWS_HOLD``, so news still goes within a second). Two ranks: 2 ms; 16,384
-ranks: 33 s and 0.95 s. A rank's first contact costs a collector more than an update (its rows
-are created), and a collector on two cores keeps up with a few thousand updates a second. It is also
+most :data:`NEWS_SPREAD`). Two ranks: 2 ms; 16,384 ranks: 33 s and 1.5 s. A rank's first contact
+costs a collector more than an update (its rows are created), and a collector on two cores keeps up
+with a few thousand updates a second. It is also
 the most heartbeats per second a job asks of one collector by default (:func:`default_heartbeat`);
 docs/benchmarks.md (the fleet section) has the figures behind it."""
 
@@ -80,10 +88,10 @@ class PushSchedule:
     ``heartbeat`` is the push interval (``AMPWATCH_PUSH_INTERVAL``): heartbeats fall on a
     grid of that period starting at the first batch; one is left out when another batch went
     less than half a period before it, so the wait between batches is at most 1.5 periods.
-    News makes a batch due ``news_hold`` (plus this rank's share of the job's spread) after
-    it, but never sooner than ``news_gap`` after the last batch: within one ``news_gap`` in
-    all. A gap or hold longer than the heartbeat is cut to it, so a short push interval
-    (tests, the demo) sends news as often as it sends state. ``ranks`` is the job's world size.
+    News makes a batch due ``news_hold`` (plus this rank's share of the job's spread, at most
+    ``news_spread``) after it, but never sooner than ``news_gap`` after the last batch. A gap,
+    hold or spread longer than the heartbeat is cut to it, so a short push interval (tests, the
+    demo) sends news as often as it sends state. ``ranks`` is the job's world size.
 
     >>> s = PushSchedule(heartbeat=15.0)
     >>> s.begin(100.0); s.due()  # one rank: the first batch goes at once
@@ -104,13 +112,13 @@ class PushSchedule:
                  "next_heartbeat")
 
     def __init__(self, heartbeat: float, news_gap: float = NEWS_GAP, news_hold: float = NEWS_HOLD, *,
-                 ranks: int = 1, rng: random.Random | None = None) -> None:
+                 ranks: int = 1, news_spread: float = NEWS_SPREAD, rng: random.Random | None = None) -> None:
         rng = rng if rng is not None else random.Random()
         self.heartbeat = heartbeat
         self.news_gap = min(news_gap, heartbeat)
         news_hold = min(news_hold, self.news_gap)
         spread = max(0, ranks - 1) / RANKS_PER_SECOND
-        self.news_delay = news_hold + rng.uniform(0.0, min(spread, self.news_gap - news_hold))
+        self.news_delay = news_hold + rng.uniform(0.0, min(spread, news_spread, self.heartbeat - news_hold))
         self.first_delay = rng.uniform(0.0, min(spread, 4 * heartbeat))
         self.last_built = float("-inf")
         self.news_since: float | None = None  # when the first news not yet in a batch came

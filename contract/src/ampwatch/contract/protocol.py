@@ -79,9 +79,10 @@ SCALE_CAUSES: tuple[str, ...] = get_args(ScaleCause)
 HEARTBEAT_INTERVAL_S = 15
 """Seconds: the agent's default ``AMPWATCH_PUSH_INTERVAL``. A rank's cumulative state reaches the collector
 at least this often while it runs; news (a streak starting or reaching a rung, a poisoned step, a warning,
-the close) goes within a second. Prometheus scrapes every 15-30 s, so a scrape rarely sees a stale count;
-the silence threshold (``thresholds.silent_after_s``) is a multiple of it. A job too big for one collector
-to take every rank's heartbeat that often gets a longer one by default, up to
+the close) goes within a second (a job of more than 500 ranks spreads it over up to 1.5 s). Prometheus
+scrapes every 15-30 s, so a scrape rarely sees a stale count; the silence threshold
+(``thresholds.silent_after_s``) is a multiple of it. A job too big for one collector to take every
+rank's heartbeat that often gets a longer one by default, up to
 :data:`MAX_HEARTBEAT_INTERVAL_S` (the agent's ``_schedule.default_heartbeat``)."""
 
 MAX_HEARTBEAT_INTERVAL_S = 30
