@@ -17,12 +17,13 @@ a skip event where a streak starts, one scale change per batch, the rare kinds e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
 import time
 import urllib.parse
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ampwatch_support.batches import OptimizerRun, make_batch
 
@@ -58,10 +59,29 @@ class StagedJob:
         self.ranks = [_Rank(r) for r in range(ranks)]
         self.tick = 0
         self.storming = False
+        self.storm_ticks = 0  # ticks sent whole since storm()
+        self._held = threading.Event()  # between_ticks(): start no tick
+        self._between = threading.Event()  # no tick in flight
+        self._between.set()
 
     def storm(self) -> None:
         """From the next tick on, every rank skips every step (the everyday DDP failure)."""
         self.storming = True
+
+    @contextlib.contextmanager
+    def between_ticks(self, timeout_s: float) -> Iterator[None]:
+        """Hold the ticks for the block, once the one in flight has landed: the collector holds whole ticks.
+
+        A reader that must see one whole tick (a page refreshing every 3 s) needs this on a loaded machine,
+        where a tick takes longer than the 2 s between ticks and another is always landing.
+        """
+        self._held.set()
+        try:
+            if not self._between.wait(timeout_s):
+                raise TimeoutError(f"a tick still in flight after {timeout_s:.0f} s")
+            yield
+        finally:
+            self._held.clear()
 
     def _skips(self, r: _Rank, iteration: int) -> bool:
         if self.storming or (r.rank in COLLAPSED and self.tick >= 3):
@@ -150,8 +170,18 @@ class StagedJob:
     async def _ticks(self, count: Optional[int], period_s: float, stop: Optional[threading.Event]) -> None:
         sent = 0
         while (count is None or sent < count) and not (stop is not None and stop.is_set()):
+            self._between.clear()  # before the look at _held: between_ticks() then waits for this tick
+            if self._held.is_set():
+                self._between.set()
+                await asyncio.sleep(0.02)
+                continue
             started = time.monotonic()
-            await self._send_tick()
+            storming = self.storming
+            try:
+                await self._send_tick()
+            finally:
+                self._between.set()
+            self.storm_ticks += storming
             sent += 1
             await asyncio.sleep(max(0.0, period_s - (time.monotonic() - started)))
 
