@@ -135,16 +135,11 @@ def _requests_and_batches(url: str) -> tuple[float, float]:
             + (value(text, "ampwatch_collector_duplicate_batches_total") or 0))
 
 
-def _fewer_requests(url: str, per_batch: float) -> bool:
-    """Whether the collector has answered fewer than ``per_batch`` requests per batch they carried."""
+def _fewer_requests(url: str, per_batch: float = 1.0, since: tuple[float, float] = (0.0, 0.0)) -> bool:
+    """Whether the requests answered since ``since`` (requests, batches) number fewer than ``per_batch`` per
+    batch they carried: at 1.0, some request carried several ranks' batches."""
     requests, batches = _requests_and_batches(url)
-    return requests < per_batch * batches
-
-
-def _gathered_since(url: str, before: tuple[float, float]) -> bool:
-    """Whether the requests since ``before`` (requests, batches) carried more batches than there were requests."""
-    requests, batches = _requests_and_batches(url)
-    return requests - before[0] < batches - before[1]
+    return requests - since[0] < per_batch * (batches - since[1])
 
 
 def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact_counts(tmp_path):
@@ -176,7 +171,7 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
             takeover = _requests_and_batches(collector.url)
             # The new relay gathers batches again: a request carries several. Waited for, not counted over a
             # window: on a loaded machine a rank's batch may miss the other's for a while.
-            wait_for(lambda: _gathered_since(collector.url, takeover),
+            wait_for(lambda: _fewer_requests(collector.url, since=takeover),
                      what="a request through the new relay carrying several ranks' batches")
             after = _requests_and_batches(collector.url)
             _wait_past(collector.url, run, survivors, 50)
@@ -194,7 +189,7 @@ def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
     run, world = "mixed", 4
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         _run_and_check_exact(collector.url, run, tmp_path, world, relayed=range(2),
-                             gathered=lambda: _fewer_requests(collector.url, 1.0),
+                             gathered=lambda: _fewer_requests(collector.url),
                              what="a request through the relay carrying both relayed ranks' batches")
         requests, batches = _requests_and_batches(collector.url)
     print(f"\n{batches:.0f} batches in {requests:.0f} requests (2 relayed ranks, 2 posting v1)")

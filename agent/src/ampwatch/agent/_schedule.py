@@ -34,17 +34,17 @@ NEWS_SPREAD = 1.5
 """Seconds: the widest a job spreads its ranks' news (:data:`RANKS_PER_SECOND`), so news still goes
 within 2 s (:data:`NEWS_HOLD` + 1.5 s, and the answer's latency) whatever the job's size. Under DDP
 every rank's news of a whole-job skip comes at the same iteration: at 1,024 ranks a spread of 0.95 s
-asked a collector for about 1,080 batches in that second, and its answers' p99 was 455 ms; over
-1.5 s it is about 680 a second (docs/benchmarks.md, section 7)."""
+asked a collector for about 1,080 batches in that second, 1.5 s for about 680, and the storm's ingest
+p99 fell from 667-700 to 487-501 ms (docs/benchmarks.md, section 7)."""
 
 RANKS_PER_SECOND = 500
 """Ranks of one job whose first batches a collector is asked to take per second: a job of N ranks
 spreads its first batches over N / 500 s (at most 4 heartbeats) and its news over N / 500 s (at
 most :data:`NEWS_SPREAD`). Two ranks: 2 ms; 16,384 ranks: 33 s and 1.5 s. A rank's first contact
 costs a collector more than an update (its rows are created), and a collector on two cores keeps up
-with a few thousand updates a second. It is also
-the most heartbeats per second a job asks of one collector by default (:func:`default_heartbeat`);
-docs/benchmarks.md (the fleet section) has the figures behind it."""
+with a few thousand updates a second. It is also the most heartbeats per second a job asks of one
+collector by default (:func:`default_heartbeat`); docs/benchmarks.md (the fleet section) has the
+figures behind it."""
 
 
 def default_heartbeat(ranks_per_collector: float) -> float:
