@@ -31,5 +31,20 @@ def test_a_storm_is_one_row_and_the_events_around_it_keep_their_own(client):
     assert len(short["rows"]) == 2 and short["more"] is True
 
 
+def test_a_storm_the_scans_edge_cuts_is_counted_whole(client):
+    for rank in range(12):  # twelve ranks skip iteration 20, then two ranks skip iteration 30
+        _post(client, rank, 1, [skip_event(1, iteration=20)])
+    for rank in (1, 2):
+        _post(client, rank, 2, [skip_event(2, iteration=30)])
+    # The rows start among the newest 8 events: the two later skips and 6 of the storm's 12.
+    body = client.get("/v1/runs/exp-42/events/latest", params={"scan": 8}).json()
+    shape = [(r["event"]["iteration"], r["count"], r["rank_ranges"]) for r in body["rows"]]
+    assert shape == [(30, 1, "2"), (30, 1, "1"), (20, 12, "0-11")]
+    assert body["scanned"] == 14 and body["more"] is False
+    # A storm wholly behind the rows' start gets no row (and no partial count).
+    behind = client.get("/v1/runs/exp-42/events/latest", params={"scan": 2}).json()
+    assert [(r["event"]["iteration"], r["count"]) for r in behind["rows"]] == [(30, 1), (30, 1)]
+
+
 def test_latest_events_of_an_unknown_run_is_a_404(client):
     assert client.get("/v1/runs/nope/events/latest").status_code == 404
