@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -14,15 +13,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ampwatch_support.ports import free_port
 
-__all__ = ["free_port", "rank_process", "spawn_ranks"]
-
-
-def free_port() -> int:
-    """Return a TCP port free on 127.0.0.1 now (for ``MASTER_PORT``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["rank_process", "spawn_ranks"]
 
 
 def spawn_ranks(target: Callable[..., None], args: tuple, world: int, timeout: float,

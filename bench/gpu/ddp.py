@@ -9,7 +9,6 @@ with its own bit-level ground truth; the parent compares the ranks with each oth
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
