@@ -83,8 +83,8 @@ class StagedJob:
         finally:
             self._held.clear()
 
-    def _skips(self, r: _Rank, iteration: int) -> bool:
-        if self.storming or (r.rank in COLLAPSED and self.tick >= 3):
+    def _skips(self, r: _Rank, iteration: int, storming: bool) -> bool:
+        if storming or (r.rank in COLLAPSED and self.tick >= 3):
             return True
         if r.rank == SKIPPY:
             return iteration % 8 == 0
@@ -94,12 +94,12 @@ class StagedJob:
         r.event_id += 1
         return {"id": r.event_id, "kind": kind, "time": time.time(), "iteration": iteration, **fields}
 
-    def batch(self, r: _Rank) -> dict[str, Any]:
-        """Advance ``r`` by one tick and return its batch."""
+    def batch(self, r: _Rank, storming: bool) -> dict[str, Any]:
+        """Advance ``r`` by one tick (every step skipped if ``storming``) and return its batch."""
         growth_interval = 7 if r.rank == SKIPPY else 2000
         before, events = r.scale, []
         for iteration in range(r.iteration + 1, r.iteration + self.per_tick + 1):
-            skipped = self._skips(r, iteration)
+            skipped = self._skips(r, iteration, storming)
             for name, c in r.counters.items():
                 if skipped:
                     if c.skip(iteration) == 1:
@@ -140,9 +140,19 @@ class StagedJob:
         """The ranks still sending (rank 1000 is killed after tick 8)."""
         return [r for r in self.ranks if not (r.rank == KILLED and self.tick > 8)]
 
-    async def _send_tick(self, connections: int = 64) -> None:
-        bodies = [json.dumps(self.batch(r)).encode() for r in self.live()]
+    def next_tick(self) -> tuple[bool, list[dict[str, Any]]]:
+        """Whether the next tick storms, and its batches, one per live rank.
+
+        :attr:`storming` is read once, before any batch is built: a :meth:`storm` called meanwhile starts at
+        the tick after, on every rank at the same iteration.
+        """
+        storming = self.storming
+        batches = [self.batch(r, storming) for r in self.live()]
         self.tick += 1
+        return storming, batches
+
+    async def _send(self, batches: list[dict[str, Any]], connections: int = 64) -> None:
+        bodies = [json.dumps(batch).encode() for batch in batches]
         url = urllib.parse.urlsplit(self.url)
 
         # Raw keep-alive HTTP/1.1 (an HTTP client library's pool costs more CPU than the collector here).
@@ -176,9 +186,9 @@ class StagedJob:
                 await asyncio.sleep(0.02)
                 continue
             started = time.monotonic()
-            storming = self.storming
             try:
-                await self._send_tick()
+                storming, batches = self.next_tick()
+                await self._send(batches)
             finally:
                 self._between.set()
             self.storm_ticks += storming
