@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import pathlib
@@ -180,6 +181,54 @@ def test_a_render_that_pauses_for_the_event_loop_is_the_same_text_as_one_that_do
     count = len(pauses)
     assert paced == Exposition(state, own, 60.0, clock=lambda: 1e9).render_ranks(1e9)
     assert len(pauses) == count  # the plain render did not pause
+
+
+def test_a_render_pauses_for_the_event_loop_only_while_it_is_busy(client, monkeypatch):
+    from ampwatch.server import _pacing
+    from ampwatch.server._metrics import RENDER_PAUSE_S, Exposition
+
+    state, own = client.app.state.collector_state, client.app.state.own
+    _hold_ranks(state, 1100)
+    pauses: list[float] = []
+    monkeypatch.setattr(_pacing.time, "sleep", pauses.append)
+    ticks = iter(range(10 ** 9))
+    monkeypatch.setattr(_pacing.time, "perf_counter", lambda: next(ticks) / 1000)
+    loop_busy = [False]
+    exposition = Exposition(state, own, 60.0, clock=lambda: 1e9, pause_s=RENDER_PAUSE_S, busy=lambda: loop_busy[0])
+    idle = exposition.render_ranks(1e9)
+    assert pauses == []  # the loop had nothing to do: no pause
+    loop_busy[0] = True
+    assert exposition.render_ranks(1e9) == idle and len(pauses) >= 100
+
+
+def test_the_apps_render_sees_the_loop_busy_while_an_ingest_request_is_in_flight(client):
+    exposition, ingest = client.app.state.exposition, client.app.state.ingest
+    assert exposition.busy is not None and not exposition.busy()
+
+    async def a_request_whose_body_is_on_its_way() -> tuple[bool, bool, int]:
+        asked, body_sent = asyncio.Event(), asyncio.Event()
+
+        async def receive() -> dict:
+            asked.set()
+            await body_sent.wait()
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        answers: list[dict] = []
+
+        async def send(message: dict) -> None:
+            answers.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/ingest", "client": ("127.0.0.1", 1),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]}
+        request = asyncio.ensure_future(ingest(scope, receive, send))
+        await asyncio.wait_for(asked.wait(), 60)
+        during = exposition.busy()
+        body_sent.set()
+        await asyncio.wait_for(request, 60)
+        return during, exposition.busy(), answers[0]["status"]
+
+    during, after, status = client.portal.call(a_request_whose_body_is_on_its_way)
+    assert during and not after and status == 422  # "{}" is no batch: answered, and no longer in flight
 
 
 def _scrape(url: str, accept_encoding: Optional[str]) -> tuple[dict, bytes]:

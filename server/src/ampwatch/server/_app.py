@@ -89,8 +89,9 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         state.retire(clock(), config.expire_after, config.run_retention)
         own = SelfMetrics(state, store.size_bytes, VERSION)
         app.state.store, app.state.collector_state, app.state.own = store, state, own
-        app.state.exposition = Exposition(state, own, config.silent_after, clock, pause_s=RENDER_PAUSE_S)
-        app.state.ingest = IngestService(config, state, store, own, clock)
+        ingest = app.state.ingest = IngestService(config, state, store, own, clock)
+        app.state.exposition = Exposition(state, own, config.silent_after, clock, pause_s=RENDER_PAUSE_S,
+                                          busy=lambda: ingest.in_flight > 0)
         notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval,
                               repeat_interval_s=config.notify_repeat_interval)
         alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds,

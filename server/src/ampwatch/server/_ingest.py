@@ -75,10 +75,20 @@ class IngestService:
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
         self.on_applied: Optional[Callable[[RankState], None]] = None  # built-in alerts; must not raise or block
         self._requests_by_status: dict[int, Any] = {}  # counter children, looked up once per status
+        self.in_flight = 0
+        """Ingest requests begun and not yet answered (the event loop has work: ``/metrics`` pauses for it)."""
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Answer one ``POST /v1/ingest`` as a bare ASGI app (the hot path skips the framework's routing)."""
         started = time.perf_counter()
+        self.in_flight += 1
+        try:
+            await self._answer(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+        self.own.latency.observe(time.perf_counter() - started)
+
+    async def _answer(self, scope: dict, receive: Callable, send: Callable) -> None:
         retry_after = None
         # Every refusal says "retry": true (the very same batch may pass later: send it again) or false (it
         # never will: drop it); agents act on that rather than on the status alone (docs/protocol.md).
@@ -99,7 +109,6 @@ class IngestService:
         if counter is None:
             counter = self._requests_by_status[status] = self.own.requests.labels(str(status))
         counter.inc()
-        self.own.latency.observe(time.perf_counter() - started)
 
     def _failure(self, exc: Exception) -> tuple[int, dict, Optional[int]]:
         """Return the status, error body and Retry-After for a request (v1) or one rank's batch (v2) that failed."""

@@ -187,10 +187,13 @@ class Exposition:
 
     def __init__(self, state: CollectorState, own: "SelfMetrics", silent_after: float,
                  clock: Callable[[], float] = time.time, pause_s: float = 0.0,
-                 keep_lines_from: int = KEEP_LINES_FROM) -> None:
+                 busy: Optional[Callable[[], bool]] = None, keep_lines_from: int = KEEP_LINES_FROM) -> None:
         self.state, self.own, self.silent_after, self.clock = state, own, silent_after, clock
         self.pause_s = pause_s
-        """Sleep this long after each millisecond of formatting: the app renders in a worker thread (``_pacing``)."""
+        """Sleep this long after each :data:`RENDER_WORK_S` of formatting: the app renders in a worker thread
+        (``_pacing``)."""
+        self.busy = busy
+        """Whether the event loop has work now (ingest requests in flight): pause only then (None: always)."""
         self.keep_lines_from = keep_lines_from
         """Keep each rank's lines between scrapes while at least this many ranks are held."""
         self._lines: dict[RankState, _RankLines] = {}
@@ -213,9 +216,9 @@ class Exposition:
         # since the last scrape (a view is replaced whole by each applied batch): at a 30 s heartbeat and
         # 15 s scrapes, about half the ranks are unchanged from one scrape to the next.
         keep = len(ranks) >= self.keep_lines_from
-        blocks = [lines.block(v, keep) for v, lines in _paced(ranks, RENDER_WORK_S, self.pause_s)]
+        blocks = [lines.block(v, keep) for v, lines in _paced(ranks, RENDER_WORK_S, self.pause_s, self.busy)]
         out: list[str] = []
-        for family, metric in _paced(_NUMBERED_FAMILIES, RENDER_WORK_S, self.pause_s):
+        for family, metric in _paced(_NUMBERED_FAMILIES, RENDER_WORK_S, self.pause_s, self.busy):
             out.append(_HEADERS[metric])
             out.extend(block[family] for block in blocks)
         self._render_runs([v for v, _ in ranks], now, out.append)
