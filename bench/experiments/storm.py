@@ -11,10 +11,12 @@ every rank), then the checkpoint taken before the storm is restored on every ran
 (*recovery*), and the job trains on (*hold*) until ``--minutes`` after the start.
 
 Measured per phase: ingest latency (from handing a batch over to its answer, as the agent times it),
-answers over 1 s and 2 s, ``/metrics`` scraped every 7.5 s alternately plain and gzipped (as Prometheus
-asks for it), collector CPU; at the end the collector's resident memory over the empty collector's, per
-rank, and the database's growth per storm-minute. The sides run one after the other, each about
-``--minutes`` plus start-up.
+answers over 1 s and 2 s, ``/metrics`` scraped every 7.5 s both plain and gzipped (as Prometheus asks for
+it), one right after the other, which first by turns, so that the two are compared at the same moments of
+the job (scraped by turns, each every 15 s, the gzipped scrapes met the storm's bursts at its 32nd and
+256th skips and the plain ones met none), collector CPU; at the end the collector's resident memory over
+the empty collector's, per rank, and the database's growth per storm-minute. The sides run one after the
+other, each about ``--minutes`` plus start-up.
 
     python -m bench.experiments.storm                      # 1,024 ranks, 15 minutes a side: about 32 minutes
     python -m bench.experiments.storm --minutes 4          # the same phases, a shorter hold: about 10 minutes
@@ -45,7 +47,7 @@ from ampwatch.agent._schedule import NEWS_SPREAD
 __all__ = ["KEY", "PHASES", "measure", "main"]
 
 KEY = "lockstep_storm"
-SCRAPE_EVERY_S = 7.5  # alternately plain and gzipped: each every 15 s, Prometheus' default interval
+SCRAPE_EVERY_S = 7.5  # a plain and a gzipped scrape, one right after the other
 HEALTHY_S, RECOVERY_S = 45.0, 45.0
 PHASES = ("warm", "healthy", "storm", "recovery", "hold")
 
@@ -109,7 +111,9 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, serv
         for at, what in sorted(moments):
             time.sleep(max(0.0, at - time.time()))
             if what == "scrape":
-                scrapes.append(_scrape(srv.url, gzipped=len(scrapes) % 2 == 1))
+                first_gzipped = len(scrapes) % 4 == 2  # plain first, then gzipped first, by turns
+                scrapes.append(_scrape(srv.url, gzipped=first_gzipped))
+                scrapes.append(_scrape(srv.url, gzipped=not first_gzipped))
             else:
                 samples[what[7:]] = (stats.cpu_s(), stats.memory_kib()["VmRSS"], _logical_bytes(db))
         time.sleep(max(0.0, t["end"] - time.time()))

@@ -112,8 +112,8 @@ def section(doc: Optional[dict]) -> list[str]:
             "each rung comes in the same second), then the checkpoint taken before the storm is restored on every "
             f"rank at the same iteration (*recovery*, {fmt(phases['recovery'])} s), then the job trains on "
             f"(*hold*) until {fmt(a['minutes'])} minutes after its start, when the collector's resident memory "
-            "is read. `/metrics` is scraped every 7.5 s, alternately plain and gzipped. Each side on a fresh "
-            "collector with default settings, one after the other.", "",
+            "is read. `/metrics` is scraped every 7.5 s, plain and gzipped one right after the other. Each side "
+            "on a fresh collector with default settings, one after the other.", "",
             "Issue 26's targets (the verdict is the *after* side's):", "", *target_rows(doc), "",
             *_phase_table(doc), "",
             "| side | first skip -> its batch answered p50 / p99 / max s (within 2 s) | RSS empty / after the storm / "
