@@ -164,17 +164,24 @@ def test_scraping_1024_ranks_exposes_each_ranks_own_counters_once(client):
     assert exposed == expected
 
 
-def test_a_render_that_pauses_for_the_event_loop_is_the_same_text_as_one_that_does_not(client, monkeypatch):
+def _pauses_at_a_millisecond_per_item(monkeypatch) -> list[float]:
+    """Record the render's pauses instead of sleeping them; its clock a millisecond further at each reading."""
     from ampwatch.server import _pacing
+
+    pauses: list[float] = []
+    monkeypatch.setattr(_pacing.time, "sleep", pauses.append)
+    ticks = iter(range(10 ** 9))
+    monkeypatch.setattr(_pacing.time, "perf_counter", lambda: next(ticks) / 1000)
+    return pauses
+
+
+def test_a_render_that_pauses_for_the_event_loop_is_the_same_text_as_one_that_does_not(client, monkeypatch):
     from ampwatch.server._metrics import RENDER_PAUSE_S, RENDER_WORK_S, Exposition
 
     state, own = client.app.state.collector_state, client.app.state.own
     _hold_ranks(state, 1100)
     assert client.app.state.exposition.pause_s == RENDER_PAUSE_S > 0  # the app's render, in a worker thread
-    pauses: list[float] = []
-    monkeypatch.setattr(_pacing.time, "sleep", pauses.append)
-    ticks = iter(range(10 ** 9))  # a clock a millisecond further at each reading: a pause after every item
-    monkeypatch.setattr(_pacing.time, "perf_counter", lambda: next(ticks) / 1000)
+    pauses = _pauses_at_a_millisecond_per_item(monkeypatch)
     paced = Exposition(state, own, 60.0, clock=lambda: 1e9, pause_s=RENDER_PAUSE_S).render_ranks(1e9)
     every = round(RENDER_WORK_S * 1000)  # items between two pauses: one clock reading, a millisecond, per item
     assert len(pauses) >= 1100 // every and set(pauses) == {RENDER_PAUSE_S}
@@ -184,15 +191,11 @@ def test_a_render_that_pauses_for_the_event_loop_is_the_same_text_as_one_that_do
 
 
 def test_a_render_pauses_for_the_event_loop_only_while_it_is_busy(client, monkeypatch):
-    from ampwatch.server import _pacing
     from ampwatch.server._metrics import RENDER_PAUSE_S, Exposition
 
     state, own = client.app.state.collector_state, client.app.state.own
     _hold_ranks(state, 1100)
-    pauses: list[float] = []
-    monkeypatch.setattr(_pacing.time, "sleep", pauses.append)
-    ticks = iter(range(10 ** 9))
-    monkeypatch.setattr(_pacing.time, "perf_counter", lambda: next(ticks) / 1000)
+    pauses = _pauses_at_a_millisecond_per_item(monkeypatch)
     loop_busy = [False]
     exposition = Exposition(state, own, 60.0, clock=lambda: 1e9, pause_s=RENDER_PAUSE_S, busy=lambda: loop_busy[0])
     idle = exposition.render_ranks(1e9)

@@ -3,8 +3,8 @@
 A worker thread doing pure-Python work for a second (``/metrics`` at 16,384 ranks) holds the GIL
 for all of it, bar the interpreter's forced switches: the event loop, which gives the GIL up at
 every poll for I/O, gets it back only a switch interval (5 ms) later each time, so ingest answers
-queue behind the pass. Sleeping a millisecond after each millisecond of work hands the GIL over at once
-and leaves the event loop about half of the interpreter while the pass lasts. Only while the loop has
+queue behind the pass. Sleeping a millisecond after every few milliseconds of work hands the GIL over at
+once and leaves the event loop its share of the interpreter while the pass lasts. Only while the loop has
 work: a pass given ``busy`` pauses when it says so (ingest requests in flight), and runs at full speed
 while the loop idles (a healthy job's batches come a few milliseconds in every hundred).
 """
