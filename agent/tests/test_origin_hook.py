@@ -410,7 +410,7 @@ def test_without_a_scaler_a_check_landing_late_gets_the_origin_of_its_own_iterat
         def wait(self):
             return self.read.wait()
 
-    def landing_late(tensors):
+    def landing_late(tensors, flag):
         values = _device.max_abs(tensors)
         held.append(Held(_device.read_later(~torch.isfinite(values).all())))
         return _poison.NonfiniteCheck(read=held[-1], max_abs=values)

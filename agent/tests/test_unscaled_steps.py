@@ -168,7 +168,7 @@ def test_a_check_still_on_its_way_is_reported_late_by_presence_under_its_own_ite
 
     held: list[_HeldRead] = []
 
-    def landing_late(tensors):  # the device branch of check_nonfinite, run on CPU tensors
+    def landing_late(tensors, flag):  # the device branch of check_nonfinite, run on CPU tensors
         values = _device.max_abs(tensors)
         held.append(_HeldRead(_device.read_later(~torch.isfinite(values).all())))
         return _poison.NonfiniteCheck(read=held[-1], max_abs=values)
@@ -218,10 +218,69 @@ class _HeldRead:
     ([torch.ones(2, dtype=torch.float64), torch.zeros(0)], False),
 ])
 def test_the_cpu_check_finds_every_inf_and_nan_and_nothing_else(tensors, found):
-    from ampwatch.agent._poison import check_nonfinite
+    from ampwatch.agent._poison import _CLEAN, KernelFlag, check_nonfinite
 
-    check = check_nonfinite(tensors)
+    flag = KernelFlag()
+    check = check_nonfinite(tensors, flag)
     assert check.done() and check.any() is found
+    assert check_nonfinite([torch.ones(3)], flag) is _CLEAN  # the flag was left clear: the next clean check is fast
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The tensor lists the agent hands GradScaler's kernel (which still runs)."""
+    from ampwatch.agent import _poison
+
+    calls: list[list[torch.Tensor]] = []
+    real = _poison._kernel
+
+    def counted(tensors, found_inf, inv_scale):
+        calls.append(list(tensors))
+        return real(tensors, found_inf, inv_scale)
+
+    monkeypatch.setattr(_poison, "_kernel", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype, view", [(torch.float32, torch.int32), (torch.float64, torch.int64)])
+def test_the_cpu_kernel_check_stores_every_gradient_back_bit_for_bit(dtype, view, kernel_calls):
+    """GradScaler's kernel with an inverse scale of 1 writes the gradients in place: the very bits it read,
+    with no version counter bumped and nothing recorded for autograd (a ``create_graph=True`` gradient)."""
+    from ampwatch.agent._poison import KernelFlag, check_nonfinite
+
+    special = torch.tensor([0.0, -0.0, 1e-45 if dtype == torch.float32 else 5e-324, -3.5, INF, -INF], dtype=dtype)
+    nan_payloads = torch.tensor([0x7FC00001, -0x7FFFF] if view == torch.int32 else [0x7FF8000000000001, -0x7FFFF],
+                                dtype=view).view(dtype)  # a quiet NaN with a payload, a negative NaN
+    w = torch.randn(3, dtype=dtype, requires_grad=True)
+    (w * w).sum().backward(create_graph=True)
+    graph_grad, node = w.grad, w.grad.grad_fn
+    grads = [special, nan_payloads, torch.randn(1000, dtype=dtype)[::3], graph_grad]  # and a strided view
+    before, versions = [_bits(g) for g in grads], [g._version for g in grads]
+    assert check_nonfinite(grads, KernelFlag()).any() is True
+    assert len(kernel_calls) == 1 and all(a is b for a, b in zip(kernel_calls[0], grads))
+    assert [_bits(g) for g in grads] == before
+    assert [g._version for g in grads] == versions and graph_grad.grad_fn is node
+
+
+def test_the_cpu_check_gives_the_kernel_nothing_it_could_change(kernel_calls):
+    """bfloat16/float16 gradients (which the kernel would store back through float32) take the read-only
+    sums; overlapping memory, which the kernel refuses, the exact scan; either way the flag stays clear."""
+    from ampwatch.agent._poison import _CLEAN, KernelFlag, check_nonfinite
+
+    flag = KernelFlag()
+    for tensors in ([torch.ones(4, dtype=torch.bfloat16)], [torch.ones(2), torch.ones(2, dtype=torch.float16)],
+                    [torch.tensor([INF], dtype=torch.bfloat16)]):
+        before = [_bits(t) for t in tensors]
+        assert check_nonfinite(tensors, flag).any() is bool(torch.isinf(tensors[0]).any())
+        assert [_bits(t) for t in tensors] == before
+    assert kernel_calls == []
+    assert check_nonfinite([torch.tensor([INF]).expand(3)], flag).any() is True  # refused by the kernel
+    assert len(kernel_calls) == 1
+    assert check_nonfinite([torch.ones(3)], flag) is _CLEAN
 
 
 def test_a_step_given_a_closure_is_checked_on_the_gradients_its_closure_made(amp, watching, events):
@@ -245,6 +304,29 @@ def test_a_step_given_a_closure_is_checked_on_the_gradients_its_closure_made(amp
     (event,) = poisoned_events(events, w)
     assert event["iteration"] == 1 and event["params"] == [{"name": "b.weight", "inf": 1, "nan": 0}]
     assert w.snapshot()["state"]["optimizers"]["SGD"]["steps"] == 3
+
+
+def test_the_first_step_given_a_closure_is_checked_and_close_removes_its_hook(amp, watching, events):
+    """The post-hook that reads a closure's gradients is registered at the first step given one, in time
+    for that very step; a job that never passes a closure pays for no post-hook; close() removes both."""
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = watching(None, opt, model=model)
+    bf16_iteration(model, [opt], torch.randn(4, 8))
+    assert not opt._optimizer_step_post_hooks
+
+    def closure():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(4, 8)).float().pow(2).mean().backward()
+        amp.poison_grad(model.a.weight)
+
+    opt.step(closure)
+    (event,) = poisoned_events(events, w)
+    assert event["iteration"] == 1 and event["params"] == [{"name": "a.weight", "inf": 1, "nan": 0}]
+    assert len(opt._optimizer_step_post_hooks) == 1
+    w.close()
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
 def test_a_step_without_a_closure_is_checked_before_it_on_the_gradients_it_is_given(amp, watching, events):

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ._arguments import peel
+from ._poison import PoisonCheck
 from ._record import OptimizerRecord
 from ._recorder import Recorder
 
@@ -240,7 +241,8 @@ class ScalerPatch:
 class OptimizerHooks:
     """Step pre-hooks on the watched optimizers and wrappers on their per-step LR schedulers.
 
-    Without a scaler, step post-hooks too: a step given a closure computes its gradients inside.
+    Without a scaler, the pre-hooks go straight to the :class:`~._poison.PoisonCheck`, and an optimizer
+    whose step is given a closure (which computes its gradients inside) gets a step post-hook too.
 
     Holds no reference to the scaler.
     """
@@ -256,8 +258,6 @@ class OptimizerHooks:
         def install() -> None:
             for record in self.recorder.records:
                 self._handles.append(record.optimizer.register_step_pre_hook(self._pre_hook(record)))
-                if self.recorder.unscaled is not None:  # a step with a closure makes its gradients inside
-                    self._handles.append(record.optimizer.register_step_post_hook(self._post_hook(record)))
             for record, label, scheduler in self._schedulers:
                 step = _held_weakly(scheduler, scheduler.step)
                 self._patches.set(scheduler, "step", self._wrap_scheduler_step(step, record, label))
@@ -285,22 +285,33 @@ class OptimizerHooks:
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
+        unscaled = recorder.unscaled
+        if unscaled is None:
+            return hook
+        post_hook: list[Any] = []  # its handle, once registered
+
         def unscaled_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:  # without a scaler, whether the step was given a closure decides when its gradients are read
                 # (torch passes the hook step()'s own arguments, the optimizer first: a closure is the second)
                 closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-                recorder.on_optimizer_step(record, closure is not None)
+                if closure is not None and not post_hook:
+                    # A step with a closure makes its gradients inside: read them in a post-hook, registered at
+                    # the first such step (torch runs it after this very step), so that other jobs' steps pay
+                    # for no second hook.
+                    post_hook.append(optimizer.register_step_post_hook(self._post_hook(record, unscaled)))
+                    self._handles.append(post_hook[0])
+                unscaled.on_step(recorder, record, closure is not None)  # straight on: the recorder adds nothing
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
-        return hook if recorder.unscaled is None else unscaled_hook
+        return unscaled_hook
 
-    def _post_hook(self, record: OptimizerRecord) -> Callable[..., None]:
+    def _post_hook(self, record: OptimizerRecord, unscaled: PoisonCheck) -> Callable[..., None]:
         recorder = self.recorder
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:
-                recorder.after_optimizer_step(record)
+                unscaled.after_step(recorder, record)
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step post-hook", error)
 

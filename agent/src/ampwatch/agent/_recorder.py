@@ -111,9 +111,9 @@ class Recorder:
         record.found_inf = None
         self.active = record
 
-    def on_optimizer_step(self, record: OptimizerRecord, closure: bool = False, *,
-                          in_watched_step: bool = False) -> None:
-        """Note that ``optimizer.step()`` is being called (step pre-hook; ``closure``: it was given one).
+    def on_optimizer_step(self, record: OptimizerRecord, *, in_watched_step: bool = False) -> None:
+        """Note that ``optimizer.step()`` is being called (step pre-hook; without a scaler the hook calls
+        :meth:`PoisonCheck.on_step <._poison.PoisonCheck.on_step>` instead).
 
         ``in_watched_step``: it is called inside the ``step()`` of a scaler some watch
         watches (this one's, or a newer watch's of the same optimizer, as when a
@@ -123,8 +123,6 @@ class Recorder:
             record.hook_fired = True
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
-        elif self.unscaled is not None:
-            self.unscaled.on_step(self, record, closure)
         elif self.active is None:
             record.last_stepped = None  # this watch no longer knows the optimizer's last step
             if not in_watched_step and not self._warned_outside:
@@ -151,11 +149,6 @@ class Recorder:
     def count_update(self, record: OptimizerRecord) -> None:
         """Count a step that updated ``record``'s parameters in this iteration (a watch without a scaler)."""
         self._outcome(record, True, self.iteration)
-
-    def after_optimizer_step(self, record: OptimizerRecord) -> None:
-        """Without a scaler: check the gradients a step given a closure made and applied (step post-hook)."""
-        if self.unscaled is not None:
-            self.unscaled.after_step(self, record)
 
     def poisoned_origin(self, fields: dict[str, Any], iteration: int, current: bool) -> None:
         """With ``ddp=``: add to a poisoned step's ``fields`` whether this rank's own gradients held inf/NaN."""
