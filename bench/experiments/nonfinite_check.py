@@ -39,14 +39,14 @@ from bench.instructions import callgrind_instructions, counting_ends, counting_s
 __all__ = ["WAYS", "main", "run"]
 
 MODELS = ("mlp", "transformer")
-WAYS = ("agent", "sum_each", "sum_each_unread", "cat_sum", "foreach_norm", "foreach_norm_inf", "aten_sum", "dot")
+WAYS = ("agent", "amp_check", "sum_each", "sum_each_unread", "cat_sum", "foreach_norm", "foreach_norm_inf", "aten_sum", "dot")
 WARMUP = 20
 
 
 def _ways() -> dict[str, Callable[[list], bool]]:
     import torch
 
-    from ampwatch.agent._poison import check_nonfinite
+    from ampwatch.agent._poison import KernelFlag, check_nonfinite
 
     aten_sum = torch.ops.aten.sum.default
 
@@ -74,7 +74,14 @@ def _ways() -> dict[str, Callable[[list], bool]]:
             total += v.dot(v).tolist()
         return not math.isfinite(total)
 
-    return {"agent": lambda grads: check_nonfinite(grads).any(), "sum_each": sum_each,
+    found, one = torch.zeros(1), torch.ones(1)
+
+    def amp_check(grads: list) -> bool:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        return bool(found.tolist()[0])
+
+    flag = KernelFlag()
+    return {"agent": lambda grads: check_nonfinite(grads, flag).any(), "amp_check": amp_check, "sum_each": sum_each,
             "sum_each_unread": sum_each_unread,
             "cat_sum": lambda grads: not math.isfinite(torch.cat([t.reshape(-1) for t in grads]).sum().tolist()),
             "foreach_norm": lambda grads: not math.isfinite(torch.stack(torch._foreach_norm(grads, 1)).sum().tolist()),
@@ -106,7 +113,8 @@ def _child(way: str, model: str, checks: int) -> None:
 
 def run(checks: int = 100) -> dict:
     """Count each way on each model; return instructions per iteration (every group checked once)."""
-    jobs = [(model, way) for model in MODELS for way in WAYS]
+    ways = os.environ.get("NONFINITE_WAYS", ",".join(WAYS)).split(",")
+    jobs = [(model, way) for model in MODELS for way in ways]
     with tempfile.TemporaryDirectory(prefix="ampwatch-nonfinite-check-") as workdir:
         def count(job: tuple[str, str]) -> int:
             model, way = job
@@ -122,7 +130,7 @@ def run(checks: int = 100) -> dict:
     for model in MODELS:
         groups = BUILDERS[model](torch.device("cpu"))[1]
         gradients = sum(len(g) for g in groups)
-        per_iter = {way: round(counts[model, way] / checks) for way in WAYS}
+        per_iter = {way: round(counts[model, way] / checks) for way in ways}
         result["models"][model] = {"gradients": gradients, "groups": len(groups), "per_iteration": per_iter,
                                    "per_gradient": {way: round(n / gradients) for way, n in per_iter.items()}}
     return result
@@ -140,7 +148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     result = run(args.checks)
     print(f"{'way':<18}" + "".join(f"{m + ' per iteration':>26}{'per gradient':>14}" for m in MODELS))
-    for way in WAYS:
+    for way in result["models"]["mlp"]["per_iteration"]:
         print(f"{way:<18}" + "".join(f"{result['models'][m]['per_iteration'][way]:>26,}"
                                      f"{result['models'][m]['per_gradient'][way]:>14,}" for m in MODELS))
     if args.out:
