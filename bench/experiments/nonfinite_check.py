@@ -1,15 +1,17 @@
 """What checking a step's gradients for inf/NaN costs on CPU, in instructions: the agent's check beside batched ways.
 
 Without a GradScaler the agent checks the gradients of every optimizer step (``check_nonfinite`` in
-``ampwatch.agent._poison``). On CPU it sums each gradient and adds the sums on the host: one operator
-call per gradient. Section 1b counts that on the mlp at 2.2-2.6% of a bf16 iteration, where the issue
-asked for 1.5%. This counts, per iteration of the models of ``bench._loops`` (the gradients of both
-optimizers' parameter groups, from one real backward), what each way of asking "does any of these hold
-an inf or a NaN?" costs, each in a process of its own under callgrind (``bench.instructions``' markers:
+``ampwatch.agent._poison``). It used to sum each gradient on CPU and add the sums on the host: one
+operator call per gradient, which section 1b counted at 2.2-2.6% of the mlp's bf16 iteration, where the
+issue asked for 1.5%; this experiment found GradScaler's own kernel cheaper, and the agent now uses it.
+It counts, per iteration of the models of ``bench._loops`` (the gradients of both optimizers' parameter
+groups, from one real backward), what each way of asking "does any of these hold an inf or a NaN?" costs, each in a process of its own under callgrind (``bench.instructions``' markers:
 imports, set-up and a warm-up of 20 left out):
 
-- ``agent``: the agent's own check;
-- ``sum_each``: ``t.sum()`` per gradient and the floats added on the host (what the agent does, bare);
+- ``agent``: the agent's own check (GradScaler's kernel, below, for these float32 gradients);
+- ``amp_check``: ``torch._amp_foreach_non_finite_check_and_unscale_`` with an inverse scale of 1, what
+  ``scaler.unscale_()`` runs: one call for all the gradients, stored back unchanged; its flag read;
+- ``sum_each``: ``t.sum()`` per gradient and the floats added on the host (the agent's check before);
 - ``sum_each_unread``: ``t.sum()`` per gradient, never read (the operator calls alone: a floor for any
   way that calls one operator per gradient);
 - ``cat_sum``: every gradient flattened, ``torch.cat``, one ``sum``;
@@ -18,7 +20,7 @@ imports, set-up and a warm-up of 20 left out):
 - ``aten_sum``: ``torch.ops.aten.sum.default`` per gradient (the dispatcher without Python's argument parser);
 - ``dot``: ``v.dot(v)`` per flattened gradient (BLAS, no reduction iterator).
 
-    python -m bench.experiments.nonfinite_check [--checks N] [--out FILE]
+    python -m bench.experiments.nonfinite_check [--checks N] [--ways WAY ...] [--out FILE]
 
 About 4 minutes (two callgrind processes at a time).
 """
@@ -74,7 +76,7 @@ def _ways() -> dict[str, Callable[[list], bool]]:
             total += v.dot(v).tolist()
         return not math.isfinite(total)
 
-    found, one = torch.zeros(1), torch.ones(1)
+    found, one = torch.zeros(1), torch.ones(1)  # never set: these gradients are finite
 
     def amp_check(grads: list) -> bool:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
@@ -111,9 +113,8 @@ def _child(way: str, model: str, checks: int) -> None:
     os._exit(0)
 
 
-def run(checks: int = 100) -> dict:
+def run(checks: int = 100, ways: tuple[str, ...] = WAYS) -> dict:
     """Count each way on each model; return instructions per iteration (every group checked once)."""
-    ways = os.environ.get("NONFINITE_WAYS", ",".join(WAYS)).split(",")
     jobs = [(model, way) for model in MODELS for way in ways]
     with tempfile.TemporaryDirectory(prefix="ampwatch-nonfinite-check-") as workdir:
         def count(job: tuple[str, str]) -> int:
@@ -140,13 +141,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.experiments.nonfinite_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--checks", type=int, default=100, help="iterations of checks counted under callgrind")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS), metavar="WAY",
+                        help=f"count only these ways (default: all of {', '.join(WAYS)})")
     parser.add_argument("--out", help="also store the result under 'nonfinite_check' in this JSON file")
     parser.add_argument("--child", nargs=3, metavar=("WAY", "MODEL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(args.child[0], args.child[1], int(args.child[2]))
         return 0
-    result = run(args.checks)
+    result = run(args.checks, tuple(args.ways))
     print(f"{'way':<18}" + "".join(f"{m + ' per iteration':>26}{'per gradient':>14}" for m in MODELS))
     for way in result["models"]["mlp"]["per_iteration"]:
         print(f"{way:<18}" + "".join(f"{result['models'][m]['per_iteration'][way]:>26,}"
