@@ -111,3 +111,32 @@ def test_a_storms_edges_never_show_rank_alerts_and_a_rank_still_skipping_after_i
     rank_7 = next(a.starts_at for a in transitions if a.name == "AmpConsecutiveSkippedSteps")
     # storm_edge_for_s after the last pass that held it back (the pass before the storm resolved), a second look on.
     assert t.storm_edge_for_s - 1 <= rank_7 - storm_over <= t.storm_edge_for_s + 2
+
+
+def test_in_a_run_of_several_ranks_the_pass_alone_fires_and_resolves_a_ranks_own_streak_alert():
+    """A rank's batch in a run of several ranks leaves the alerts a run-wide one may speak for to the pass (which
+    reads the whole run): it neither fires nor resolves them, and does not even read them. One rank that
+    stands out with a streak fires at the second pass that finds it and resolves at the first pass after
+    its streak's window, not at the batch that showed it over."""
+    t = dataclasses.replace(T, skip_streak_window_s=60)
+    alerts = BuiltinAlerts(t)
+    ranks = healthy_job(alerts, 4)
+    at_batches, at_passes = [], []
+    for _ in range(20):
+        ranks[1].iterate(skipped=True)
+    at_batches += ranks[1].send(10.0)
+    now = 10.0
+    while now < 10.0 + t.skip_streak_window_s + 10:
+        now += 1.0
+        if now % 5 == 0:
+            for r in ranks:
+                r.iterate()
+                at_batches += r.send(now)
+        at_passes += alerts.evaluate(now + 0.5)
+    assert _changes(at_batches, "AmpConsecutiveSkippedSteps") == []
+    assert _changes(at_passes, "AmpConsecutiveSkippedSteps") == [
+        ("AmpConsecutiveSkippedSteps", "firing", "1", "warning"), ("AmpConsecutiveSkippedSteps", "resolved", "1",
+                                                                    "warning")]
+    fired, resolved = at_passes[0].starts_at, at_passes[1].ends_at
+    assert fired == 12.5  # the pass at 11.5 found it, the one at 12.5 fired it
+    assert resolved - (10.0 + t.skip_streak_window_s) in (0.5, 1.5)  # the pass after its window, not a batch

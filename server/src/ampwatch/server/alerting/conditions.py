@@ -28,7 +28,7 @@ from .annotations import AlertTexts
 from .history import Baseline, RankHistory
 
 __all__ = ["ActiveAlert", "RankFacts", "RankReading", "RunCondition", "RANK_CONDITIONS", "RUN_CONDITIONS",
-           "usable_scale", "rank_alerts", "rank_facts", "run_alerts", "run_alerts_of", "held_back", "evaluate",
+           "usable_scale", "rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts", "run_alerts_of", "held_back", "evaluate",
            "evaluate_with_facts"]
 
 
@@ -41,11 +41,12 @@ class ActiveAlert:
     value: float
     for_s: float
     annotations: Mapping[str, str]
+    key: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    """The identity of the alert, ``(name, frozenset of its labels)``, made once: a pass in a whole-job storm
+    asks for it several times for each of thousands of alerts (a set needs no sorting of the labels)."""
 
-    @property
-    def key(self) -> tuple:
-        """Return the identity of the alert (name and labels)."""
-        return (self.name, tuple(sorted(self.labels.items())))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.name, frozenset(self.labels.items())))
 
     @property
     def group(self) -> tuple:
@@ -74,9 +75,14 @@ class RankReading:
         return self.history.since(alert, self.now, self.still)
 
 
+_SEVERITY = {(name, level): d.severity(level).level for name, d in ALERTS.items()
+             for level in (*(s.level for s in d.severities), *((None,) if len(d.severities) == 1 else ()))}
+"""``(alert, level)`` -> its severity label (level None: an alert's only one), looked up once per alert held."""
+
+
 def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Optional[str] = None) -> ActiveAlert:
     definition = ALERTS[name]
-    labels["severity"] = definition.severity(level).level
+    labels["severity"] = _SEVERITY[name, level]
     return ActiveAlert(name=name, labels=labels, value=value, for_s=definition.for_seconds(t),
                        annotations=AlertTexts(name, labels, value, t, level))
 
@@ -274,12 +280,25 @@ _FACTS = tuple((name, c.fact) for name, c in RUN_CONDITIONS.items() if c.fact is
 _IDLE: Mapping[str, Any] = {name: c.idle for name, c in RUN_CONDITIONS.items()}
 
 
+_UNSPOKEN = tuple(condition for name, condition in RANK_CONDITIONS.items() if name not in SPEAKERS)
+
+
 def rank_alerts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = False) -> list[ActiveAlert]:
     """Return the alerts of one rank that hold at ``now`` (each condition of :data:`RANK_CONDITIONS`).
 
     ``quiet`` (the rank is :meth:`~.history.RankHistory.quiet`): only the conditions without a window are read.
     """
     return _rank_alerts(RankReading(h, now, still=quiet), t)
+
+
+def unspoken_rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAlert]:
+    """Return the alerts of one rank that hold at ``now``, but for those a run-wide alert may speak for
+    (``SPEAKERS``: in a run of several ranks the periodic pass decides them, having read the whole run)."""
+    reading = RankReading(h, now)
+    found: list[ActiveAlert] = []
+    for condition in _UNSPOKEN:
+        found.extend(condition(reading, t))
+    return found
 
 
 def _rank_alerts(reading: RankReading, t: AlertThresholds) -> list[ActiveAlert]:

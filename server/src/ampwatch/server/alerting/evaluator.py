@@ -11,7 +11,7 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
-from .conditions import evaluate_with_facts, rank_alerts
+from .conditions import evaluate_with_facts, rank_alerts, unspoken_rank_alerts
 from .history import HistoryLayout, RankHistory
 from .states import AlertStates
 
@@ -37,10 +37,10 @@ class BuiltinAlerts:
     evaluates everything, including run-wide alerts and silent ranks; it costs
     O(ranks), so it is kept off the ingest path. In a run of several ranks, the
     per-rank alerts a run-wide alert may speak for (``speaks_for``: a streak, a
-    high skip ratio, a collapsed scale) are decided by the pass: once two passes in
+    high skip ratio, a collapsed scale) are decided by the pass, which fires them once two passes in
     a row found one, and ``storm_edge_for_s`` after the run-wide alert last held it
-    back. A whole-job storm is then one alert, not one per rank, from its first
-    batches to its last.
+    back, and resolves them (:meth:`observe` does not read them). A whole-job storm is
+    then one alert, not one per rank, from its first batches to its last.
     """
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
@@ -80,9 +80,12 @@ class BuiltinAlerts:
             group = (snapshot.run, str(snapshot.rank))
             if self._observed_during is not None:
                 self._observed_during.add(group)
-            active = rank_alerts(history, now, self.thresholds)
-            leave = {a.key for a in active if a.name in _FOLDABLE} if self._run_sizes[snapshot.run] > 1 else set()
-            return self._states.advance(active, now, group, leave=leave)
+            if self._run_sizes[snapshot.run] == 1:
+                return self._states.advance(rank_alerts(history, now, self.thresholds), now, group)
+            # In a run of several ranks the pass decides the alerts a run-wide one may speak for (fires and
+            # resolves them): they are not even read here, which in a whole-job storm is most of the work.
+            return self._states.advance(unspoken_rank_alerts(history, now, self.thresholds), now, group,
+                                        leave_names=_FOLDABLE)
 
     def evaluate(self, now: Optional[float] = None) -> list[Alert]:
         """Evaluate every alert of every rank and run; return the transitions.

@@ -34,20 +34,18 @@ class AlertStates:
         self.fired = FiredAlerts()  # every alert that fired, by run: what a finished run's summary lists
 
     def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None,
-                keep: AbstractSet[tuple] = frozenset(), leave: AbstractSet[tuple] = frozenset()) -> list[Alert]:
+                keep: AbstractSet[tuple] = frozenset(), leave_names: AbstractSet[str] = frozenset()) -> list[Alert]:
         """Apply one evaluation and return the alerts that started firing or resolved.
 
         ``group`` is the one evaluation group (``(run, rank)`` or ``(run,)``) that was
         evaluated; alerts of other groups are left as they are. None: all of them, but for
         the groups in ``keep`` (observed anew while a pass ran: the pass's reading is older).
-        ``leave``: alert keys this evaluation does not judge (left as they are, whatever ``active`` says).
+        ``leave_names``: alerts this evaluation of one group does not judge (left as they are; ``active`` holds none).
         """
         changes: list[Alert] = []
         seen = set()
         for a in active:
             key = a.key
-            if key in leave:
-                continue
             seen.add(key)
             firing = self._firing.get(key)
             if firing is not None:
@@ -72,7 +70,7 @@ class AlertStates:
             gone = [k for k, (_, a) in self._pending.items() if k not in seen and a.group not in keep] + \
                    [k for k in self._firing if k not in seen and self._groups[k] not in keep]
         else:
-            gone = [k for k in self._by_group.get(group, ()) if k not in seen and k not in leave]
+            gone = [k for k in self._by_group.get(group, ()) if k not in seen and k[0] not in leave_names]
         for key in gone:
             pending = self._pending.pop(key, None)
             if pending is not None:
