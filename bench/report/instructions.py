@@ -11,9 +11,9 @@ def section(ins: dict) -> list[str]:
            f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the count "
            "does not move with the machine's load, so it can answer a 1% question on a shared machine. The bf16 "
            "rows train without a GradScaler, bare and watched with `watch(None, ...)`, which checks the gradients of "
-           "every optimizer step: on CPU one `sum` per gradient, added on the host (an operator call per gradient "
-           "and step, which this 6-tensor model's short iteration weighs heavily; on a GPU one batched "
-           "`_foreach_norm` per step instead, `python -m bench.gpu`). The DDP rows run one AdamW over a "
+           "every optimizer step: on CPU, for float32 gradients, one call of GradScaler's own kernel "
+           "(`_amp_foreach_non_finite_check_and_unscale_` with an inverse scale of 1, which stores every value back "
+           "unchanged) per optimizer step; on a GPU one batched `_foreach_norm` per step, `python -m bench.gpu`). The DDP rows run one AdamW over a "
            "`DistributedDataParallel` model in a gloo group of one process (world size 1: DDP's reducer still "
            "buckets and all-reduces the gradients), bare and watched with `watch(None, ..., ddp=model)`, which adds "
            "a tensor hook per parameter noting whether its own gradient held inf/NaN before the all-reduce."]
@@ -64,8 +64,8 @@ def _interpretation(rows: list[dict]) -> list[str]:
     def added(picked: list[dict]) -> str:
         return " and ".join(f"+{r['agent_per_iter']:,}" for r in picked)
 
-    text = (f"Without a scaler the agent's work is a fixed cost per optimizer step: a few Python calls and one "
-            f"reduction per gradient, so it grows with the number of gradients, not with the model's compute: "
+    text = (f"Without a scaler the agent's work is a fixed cost per optimizer step: a few Python calls and the "
+            f"kernel's set-up per gradient, so it grows with the number of gradients, not with the model's compute: "
             f"{added(mlp)} instructions per iteration on the mlp (6 gradients; foreach, fused), {share(mlp)} of its "
             f"short iteration, and {added(transformer)} on the transformer block (14 gradients), {share(transformer)} "
             f"of an iteration ten times longer.")
