@@ -15,9 +15,13 @@ import tempfile
 import time
 from typing import Callable, Iterable, Optional
 
-__all__ = ["ROOT", "before_after", "commit", "print_and_store", "source_of", "store"]
+__all__ = ["PATH_FIRST", "ROOT", "before_after", "checked_side", "commit", "print_and_store", "source_of", "store"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PATH_FIRST = "import os, sys; sys.path[:0] = sys.argv[1].split(os.pathsep) if sys.argv[1] else [];"
+"""Code a side's child (``python -c``) starts with: puts :func:`source_of`'s folders (``sys.argv[1]``, empty for
+this tree) first on its ``sys.path``."""
 
 
 def source_of(ref: str, into: str, *folders: str) -> str:
@@ -36,8 +40,21 @@ def source_of(ref: str, into: str, *folders: str) -> str:
 def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:
     """Return ``{"before": side(<ref's server/src>) + {"ref"}, "after": side(None)}``."""
     with tempfile.TemporaryDirectory() as tmp:
-        old = side(source_of(ref, tmp))
-    return {"before": dict(old, ref=ref), "after": side(None)}
+        path = source_of(ref, tmp)
+        old = checked_side(side(path), path)
+    return {"before": dict(old, ref=ref), "after": checked_side(side(None), None)}
+
+
+def checked_side(result: dict, path: Optional[str]) -> dict:
+    """Return a side's ``result`` once its ``server`` (the ``ampwatch.server`` it imported) is the one asked for:
+    from ``path``'s folders, or this tree's when None. Raises if not (the earlier commit silently not run)."""
+    server = result.get("server")
+    if server is not None:
+        ours = os.path.realpath(server).startswith(os.path.realpath(ROOT) + os.sep)
+        if ours != (path is None):
+            raise RuntimeError(f"the {'before' if path else 'after'} side imported the collector from {server}, "
+                               f"not from {path or ROOT}")
+    return result
 
 
 def commit() -> str:

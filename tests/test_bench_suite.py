@@ -218,3 +218,20 @@ def test_a_stored_result_says_the_commit_it_ran_at_and_its_caption_shows_it(tmp_
         document = json.loads(open(os.path.join(BENCH, "experiments", "results", name)).read())
         for key, result in document.items():
             assert not (isinstance(result, dict) and "date" in result) or result.get("commit"), (name, key)
+
+
+def test_a_before_side_runs_the_earlier_commits_collector_and_a_side_that_did_not_is_refused(tmp_path):
+    """The earlier commit's folders go first on the child's path; a side that imported this tree's collector
+    instead (as the ``-c`` children once did: one path entry made of two) raises rather than compare a tree
+    with itself."""
+    import pytest
+
+    from bench._before_after import checked_side, source_of
+    from bench.experiments import ingest_cpu
+
+    path = source_of("HEAD", str(tmp_path))
+    before = ingest_cpu._side(4, 1, path, storm=True)
+    assert before["server"].startswith(str(tmp_path)) and before["ok"] == before["updates"] == 4
+    assert ingest_cpu._side(4, 1, None)["server"].startswith(ROOT)
+    with pytest.raises(RuntimeError, match="the before side imported the collector from"):
+        checked_side({"server": os.path.join(ROOT, "server", "src", "ampwatch", "server", "__init__.py")}, path)

@@ -22,7 +22,7 @@ import sys
 import time
 from array import array
 
-from bench._before_after import ROOT as _ROOT, before_after, print_and_store
+from bench._before_after import PATH_FIRST, ROOT as _ROOT, before_after, print_and_store
 from bench.experiments._job1024 import add_comparison_options
 from bench.experiments._resident import resident_kib
 
@@ -85,7 +85,7 @@ def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
 
 
 def _side(ranks: int, minutes: float, path: str | None) -> dict:
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
+    code = (PATH_FIRST + "import json;"
             "import ampwatch.server; from bench.experiments.alert_memory import measure;"
             "r = measure(int(sys.argv[2]), float(sys.argv[3])); r['server'] = ampwatch.server.__file__;"
             "print(json.dumps(r))")

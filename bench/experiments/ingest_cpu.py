@@ -29,7 +29,7 @@ import tempfile
 import time
 from typing import Optional
 
-from bench._before_after import ROOT, source_of, store
+from bench._before_after import PATH_FIRST, ROOT, checked_side, source_of, store
 from bench.experiments._inprocess import SimulatedRank, collector_app, post
 
 __all__ = ["KEY", "measure", "main"]
@@ -68,13 +68,13 @@ def measure(ranks: int, pushes: int, storm: bool = False) -> dict:
 
 
 def _side(ranks: int, pushes: int, path: Optional[str], storm: bool = False) -> dict:
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
+    code = (PATH_FIRST + "import json;"
             "import ampwatch.server; from bench.experiments.ingest_cpu import measure;"
             "r = measure(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == '1');"
             "r['server'] = ampwatch.server.__file__; print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, path or "", str(ranks), str(pushes), str(int(storm))],
                          cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return checked_side(json.loads(out.strip().splitlines()[-1]), path)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from bench._before_after import ROOT as _ROOT, before_after, print_and_store
+from bench._before_after import PATH_FIRST, ROOT as _ROOT, before_after, print_and_store
 from bench.experiments._job1024 import add_comparison_options
 
 __all__ = ["measure", "main"]
@@ -60,7 +60,7 @@ def measure(ranks: int) -> dict:
 
 
 def _side(ranks: int, path: str | None) -> dict:
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]) if sys.argv[1] else None;"
+    code = (PATH_FIRST + "import json;"
             "import ampwatch.server; from bench.experiments.notify_storm import measure;"
             "r = measure(int(sys.argv[2])); r['server'] = ampwatch.server.__file__; print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, path or "", str(ranks)], cwd=_ROOT, check=True,
