@@ -5,8 +5,9 @@ Without a GradScaler the agent checks the gradients of every optimizer step (``c
 operator call per gradient, which section 1b counted at 2.2-2.6% of the mlp's bf16 iteration, where the
 issue asked for 1.5%; this experiment found GradScaler's own kernel cheaper, and the agent now uses it.
 It counts, per iteration of the models of ``bench._loops`` (the gradients of both optimizers' parameter
-groups, from one real backward), what each way of asking "does any of these hold an inf or a NaN?" costs, each in a process of its own under callgrind (``bench.instructions``' markers:
-imports, set-up and a warm-up of 20 left out):
+groups, from one real backward), what each way of asking "does any of these hold an inf or a NaN?" costs,
+each in a process of its own under callgrind (``bench.instructions``' markers: imports, set-up and a
+warm-up of 20 left out):
 
 - ``agent``: the agent's own check (GradScaler's kernel, below, for these float32 gradients);
 - ``amp_check``: ``torch._amp_foreach_non_finite_check_and_unscale_`` with an inverse scale of 1, what
@@ -41,7 +42,8 @@ from bench.instructions import callgrind_instructions, counting_ends, counting_s
 __all__ = ["WAYS", "main", "run"]
 
 MODELS = ("mlp", "transformer")
-WAYS = ("agent", "amp_check", "sum_each", "sum_each_unread", "cat_sum", "foreach_norm", "foreach_norm_inf", "aten_sum", "dot")
+WAYS = ("agent", "amp_check", "sum_each", "sum_each_unread", "cat_sum", "foreach_norm", "foreach_norm_inf", "aten_sum",
+        "dot")
 WARMUP = 20
 
 

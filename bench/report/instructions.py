@@ -13,7 +13,8 @@ def section(ins: dict) -> list[str]:
            "rows train without a GradScaler, bare and watched with `watch(None, ...)`, which checks the gradients of "
            "every optimizer step: on CPU, for float32 gradients, one call of GradScaler's own kernel "
            "(`_amp_foreach_non_finite_check_and_unscale_` with an inverse scale of 1, which stores every value back "
-           "unchanged) per optimizer step; on a GPU one batched `_foreach_norm` per step, `python -m bench.gpu`). The DDP rows run one AdamW over a "
+           "unchanged) per optimizer step; on a GPU one batched `_foreach_norm` per step, `python -m bench.gpu`). "
+           "The DDP rows run one AdamW over a "
            "`DistributedDataParallel` model in a gloo group of one process (world size 1: DDP's reducer still "
            "buckets and all-reduces the gradients), bare and watched with `watch(None, ..., ddp=model)`, which adds "
            "a tensor hook per parameter noting whether its own gradient held inf/NaN before the all-reduce."]

@@ -28,8 +28,8 @@ from .annotations import AlertTexts
 from .history import Baseline, RankHistory
 
 __all__ = ["ActiveAlert", "RankFacts", "RankReading", "RunCondition", "RANK_CONDITIONS", "RUN_CONDITIONS",
-           "usable_scale", "rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts", "run_alerts_of", "held_back", "evaluate",
-           "evaluate_with_facts"]
+           "usable_scale", "rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts", "run_alerts_of",
+           "held_back", "evaluate", "evaluate_with_facts"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
