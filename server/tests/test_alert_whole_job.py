@@ -140,3 +140,34 @@ def test_in_a_run_of_several_ranks_the_pass_alone_fires_and_resolves_a_ranks_own
     fired, resolved = at_passes[0].starts_at, at_passes[1].ends_at
     assert fired == 12.5  # the pass at 11.5 found it, the one at 12.5 fired it
     assert resolved - (10.0 + t.skip_streak_window_s) in (0.5, 1.5)  # the pass after its window, not a batch
+
+
+def test_a_rank_whose_batches_land_during_every_pass_still_gets_its_own_alert_fired_and_resolved_by_the_pass():
+    """A pass keeps what a batch observed meanwhile decided, as that batch saw newer data; but a batch of a run of
+    several ranks decides nothing about the alerts a run-wide one may speak for, so for those the pass's
+    judgement stands. Rank 1 (of 130: the pass reads them in two slices) sends a batch between the slices of
+    every pass; its streak alert still fires at the second pass and resolves once the window is over."""
+    t = dataclasses.replace(T, skip_streak_window_s=60)
+    transitions: list = []
+    ranks: list = []
+
+    class BusyRankOne(BuiltinAlerts):
+        def _breathe(self) -> None:  # between two slices of a pass: rank 1's batch arrives
+            if ranks:  # (not while healthy_job() sets the job up)
+                ranks[1].iterate()
+                transitions.extend(ranks[1].send(self.now))
+
+    alerts = BusyRankOne(t)
+    ranks += healthy_job(alerts, 130)
+    for _ in range(20):
+        ranks[1].iterate(skipped=True)
+    transitions += ranks[1].send(10.0)
+    now = 10.0
+    while now < 10.0 + t.skip_streak_window_s + 10:
+        now += 1.0
+        alerts.now = now + 0.5
+        transitions += alerts.evaluate(now + 0.5)
+    changes = [(a.status, a.starts_at if a.status == "firing" else a.ends_at) for a in transitions
+               if a.name == "AmpConsecutiveSkippedSteps"]
+    assert [status for status, _ in changes] == ["firing", "resolved"]
+    assert changes[0][1] == 12.5 and changes[1][1] - (10.0 + t.skip_streak_window_s) in (0.5, 1.5)

@@ -96,7 +96,8 @@ class BuiltinAlerts:
         a worker thread. The
         lock is held a slice of ranks at a time (:func:`~.conditions.evaluate`), so :meth:`observe`
         on the event loop waits milliseconds, not the whole pass; a rank observed during the pass
-        keeps what its observation decided (it saw newer data than the pass did).
+        keeps what its observation decided (it saw newer data than the pass did), but for the alerts only
+        the pass judges (:meth:`_pass_decides`).
         """
         now = self._clock() if now is None else now
         with self._lock:
@@ -109,10 +110,15 @@ class BuiltinAlerts:
                 self._observed_during = None
                 found = self._judged_whole(found, held, now)
                 if observed:
-                    found = [a for a in found if a.group not in observed]
-                return self._states.advance(found, now, keep=observed)
+                    found = [a for a in found if a.group not in observed or self._pass_decides(a.name, a.group)]
+                return self._states.advance(found, now, keep=observed, unless=self._pass_decides)
         finally:
             self._observed_during = None  # also when the pass failed
+
+    def _pass_decides(self, name: str, group: tuple) -> bool:
+        """Whether only the pass judges alert ``name`` of evaluation group ``group``: one a run-wide alert may speak
+        for, in a run of several ranks (a batch observed while the pass ran did not judge it: the pass's does)."""
+        return name in _FOLDABLE and self._run_sizes.get(group[0], 0) > 1
 
     def _judged_whole(self, found: list, held: set[tuple], now: float) -> list:
         """Hold back the per-rank alerts a run-wide one may speak for, in a run of several ranks, at the edges of a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import AbstractSet, Iterable, Optional
+from typing import AbstractSet, Callable, Iterable, Optional
 
 from .alert import Alert
 from .conditions import ActiveAlert
@@ -34,12 +34,14 @@ class AlertStates:
         self.fired = FiredAlerts()  # every alert that fired, by run: what a finished run's summary lists
 
     def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None,
-                keep: AbstractSet[tuple] = frozenset(), leave_names: AbstractSet[str] = frozenset()) -> list[Alert]:
+                keep: AbstractSet[tuple] = frozenset(), leave_names: AbstractSet[str] = frozenset(),
+                unless: Callable[[str, tuple], bool] = lambda name, group: False) -> list[Alert]:
         """Apply one evaluation and return the alerts that started firing or resolved.
 
         ``group`` is the one evaluation group (``(run, rank)`` or ``(run,)``) that was
         evaluated; alerts of other groups are left as they are. None: all of them, but for
-        the groups in ``keep`` (observed anew while a pass ran: the pass's reading is older).
+        the groups in ``keep`` (observed anew while a pass ran: the pass's reading is older), except the
+        alerts for which ``unless(name, group)`` is true (judged by this evaluation alone).
         ``leave_names``: alerts this evaluation of one group does not judge (left as they are; ``active`` holds none).
         """
         changes: list[Alert] = []
@@ -67,8 +69,10 @@ class AlertStates:
             else:
                 self._pending[key] = (since, a)
         if group is None:
-            gone = [k for k, (_, a) in self._pending.items() if k not in seen and a.group not in keep] + \
-                   [k for k in self._firing if k not in seen and self._groups[k] not in keep]
+            gone = [k for k, (_, a) in self._pending.items()
+                    if k not in seen and (a.group not in keep or unless(a.name, a.group))] + \
+                   [k for k in self._firing
+                    if k not in seen and (self._groups[k] not in keep or unless(k[0], self._groups[k]))]
         else:
             gone = [k for k in self._by_group.get(group, ()) if k not in seen and k[0] not in leave_names]
         for key in gone:
