@@ -113,6 +113,13 @@ def test_a_storms_edges_never_show_rank_alerts_and_a_rank_still_skipping_after_i
     assert t.storm_edge_for_s - 1 <= rank_7 - storm_over <= t.storm_edge_for_s + 2
 
 
+def _stands_out(rank, at: float) -> list:
+    """``rank`` alone skips 20 iterations in a row; return the transitions of its batch at ``at``."""
+    for _ in range(20):
+        rank.iterate(skipped=True)
+    return rank.send(at)
+
+
 def test_in_a_run_of_several_ranks_the_pass_alone_fires_and_resolves_a_ranks_own_streak_alert():
     """A rank's batch in a run of several ranks leaves the alerts a run-wide one may speak for to the pass (which
     reads the whole run): it neither fires nor resolves them, and does not even read them. One rank that
@@ -121,10 +128,7 @@ def test_in_a_run_of_several_ranks_the_pass_alone_fires_and_resolves_a_ranks_own
     t = dataclasses.replace(T, skip_streak_window_s=60)
     alerts = BuiltinAlerts(t)
     ranks = healthy_job(alerts, 4)
-    at_batches, at_passes = [], []
-    for _ in range(20):
-        ranks[1].iterate(skipped=True)
-    at_batches += ranks[1].send(10.0)
+    at_batches, at_passes = _stands_out(ranks[1], 10.0), []
     now = 10.0
     while now < 10.0 + t.skip_streak_window_s + 10:
         now += 1.0
@@ -159,9 +163,7 @@ def test_a_rank_whose_batches_land_during_every_pass_still_gets_its_own_alert_fi
 
     alerts = BusyRankOne(t)
     ranks += healthy_job(alerts, 130)
-    for _ in range(20):
-        ranks[1].iterate(skipped=True)
-    transitions += ranks[1].send(10.0)
+    transitions += _stands_out(ranks[1], 10.0)
     now = 10.0
     while now < 10.0 + t.skip_streak_window_s + 10:
         now += 1.0
