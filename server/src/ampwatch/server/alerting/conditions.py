@@ -294,16 +294,13 @@ def rank_alerts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = Fa
 def unspoken_rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAlert]:
     """Return the alerts of one rank that hold at ``now``, but for those a run-wide alert may speak for
     (``SPEAKERS``: in a run of several ranks the periodic pass decides them, having read the whole run)."""
-    reading = RankReading(h, now)
-    found: list[ActiveAlert] = []
-    for condition in _UNSPOKEN:
-        found.extend(condition(reading, t))
-    return found
+    return _rank_alerts(RankReading(h, now), t, _UNSPOKEN)
 
 
-def _rank_alerts(reading: RankReading, t: AlertThresholds) -> list[ActiveAlert]:
+def _rank_alerts(reading: RankReading, t: AlertThresholds, conditions: Optional[tuple] = None) -> list[ActiveAlert]:
+    """The alerts that hold of ``conditions`` (default: every rank condition, or a quiet rank's unwindowed ones)."""
     found: list[ActiveAlert] = []
-    for condition in _UNWINDOWED if reading.still else _EVERY:
+    for condition in conditions or (_UNWINDOWED if reading.still else _EVERY):
         found.extend(condition(reading, t))
     return found
 
