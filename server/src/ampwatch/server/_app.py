@@ -88,6 +88,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
             state.adopt(rank)
         state.retire(clock(), config.expire_after, config.run_retention)
         own = SelfMetrics(state, store.size_bytes, VERSION)
+        store.on_events_added = own.events.inc
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         ingest = app.state.ingest = IngestService(config, state, store, own, clock)
         app.state.exposition = Exposition(state, own, config.silent_after, clock, pause_s=RENDER_PAUSE_S,

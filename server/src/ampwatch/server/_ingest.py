@@ -269,7 +269,7 @@ class IngestService:
             # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
             self.own.duplicates.inc()
             if events:
-                self.own.events.inc(await self.store.submit(self.store.insert_events(events)))
+                await self.store.submit(self.store.insert_events(events))
             return 200, _DUPLICATE
         now = self.clock()
         new = next_incarnation(old, batch, now, self.config.max_label_length,
@@ -282,7 +282,7 @@ class IngestService:
         shown = rank.view.shown() if rank is not None else ()
         if rank is not None and old is not None:
             await self._record_conflicts(rank, old, now)
-        added = await self.store.submit(
+        await self.store.submit(
             self.store.write_incarnation(batch.run, batch.rank, new.to_row(_as_stored(body, events)), events))
         if rank is None:
             rank = RankState(batch.run, batch.rank)
@@ -293,7 +293,6 @@ class IngestService:
         if self.on_applied is not None:
             self.on_applied(rank)
         self.own.batches.inc()
-        self.own.events.inc(added)
         return 200, _APPLIED
 
     def _live_incarnation(self, rank: Optional[RankState], batch: Batch, now: float) -> Optional[str]:
@@ -322,8 +321,7 @@ class IngestService:
                     "live_incarnation": live.id, "host": claimant.batch.host, "pid": claimant.batch.pid}
             event = (rank.run, rank.rank, claimant.id, 0, "rank_conflict", now, claimant.batch.state.iteration,
                      None, json.dumps(body))
-            self.own.events.inc(await self.store.submit(
-                self.store.write_incarnation(rank.run, rank.rank, claimant.to_row(), [event])))
+            await self.store.submit(self.store.write_incarnation(rank.run, rank.rank, claimant.to_row(), [event]))
             rank.exclude(claimant)
             log.warning("rank %d of run %r: incarnation %s (host %s, pid %d) claimed it while %s kept sending; "
                         "put out of the rank (rank_conflict)", rank.rank, rank.run, claimant.id,

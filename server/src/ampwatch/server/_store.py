@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import os
 import queue
 import sqlite3
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
-__all__ = ["Store", "StoreClosed", "prepare_database"]
+__all__ = ["Store", "StoreClosed", "Writes", "prepare_database"]
 
 log = logging.getLogger("ampwatch.server")
 
@@ -33,21 +35,45 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run);
 """
 
+_INCARNATION_COLUMNS = ("run", "rank", "incarnation", "first_seen", "last_seen", "last_seq", "max_event_id", "closed",
+                        "batch", "counters")
 _UPSERT = """
-INSERT INTO incarnations (run, rank, incarnation, first_seen, last_seen, last_seq, max_event_id, closed,
-                          batch, counters)
-VALUES (:run, :rank, :incarnation, :first_seen, :last_seen, :last_seq, :max_event_id, :closed, :batch, :counters)
+INSERT INTO incarnations ({columns}) VALUES {rows}
 ON CONFLICT (run, rank, incarnation) DO UPDATE SET
     last_seen = excluded.last_seen, last_seq = excluded.last_seq, max_event_id = excluded.max_event_id,
     closed = excluded.closed, batch = excluded.batch, counters = excluded.counters
 """
+_EVENT_COLUMNS = ("run", "rank", "incarnation", "id", "kind", "time", "iteration", "optimizer", "body")
+_INSERT_EVENTS = "INSERT OR IGNORE INTO events ({columns}) VALUES {rows}"
 
-_INSERT_EVENT = """
-INSERT OR IGNORE INTO events (run, rank, incarnation, id, kind, time, iteration, optimizer, body)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
-"""
+# Rows per statement: sqlite3 lets go of the GIL at every statement it runs, and a thread that lets go of it
+# beside a busy one waits up to the switch interval (5 ms) to get it back. Written a row per statement, a
+# group commit of 200 batches took 3.1 s beside a busy thread instead of 3 ms alone, and every batch in it
+# waited for that (a storm's ingest is such a thread); a statement per table, 31 ms
+# (python -m bench.experiments.store_convoy, on an otherwise idle machine: the waits are longest there).
+_ROWS_PER_STATEMENT = 512
 
-Job = Callable[[sqlite3.Connection], Any]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Writes:
+    """A store job as data: the writer runs the rows of every ``Writes`` of a group commit as one statement per
+    table, rather than a statement per row (:data:`_ROWS_PER_STATEMENT`)."""
+
+    incarnation: Optional[tuple] = None
+    """One ``incarnations`` row to insert or update, in the order of ``_INCARNATION_COLUMNS``."""
+    events: list[tuple] = dataclasses.field(default_factory=list)
+    """``events`` rows (``_EVENT_COLUMNS``) to insert; those already stored are ignored."""
+
+
+Job = Union[Writes, Callable[[sqlite3.Connection], Any]]
+"""What the writer runs in a transaction: rows to write, or a function of the connection (its result is the
+future's)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _statement(template: str, columns: tuple[str, ...], rows: int) -> str:
+    row = "(" + ", ".join("?" * len(columns)) + ")"
+    return template.format(columns=", ".join(columns), rows=", ".join([row] * rows))
 
 
 class StoreClosed(RuntimeError):
@@ -109,6 +135,8 @@ class Store:
     def __init__(self, path: str, max_group: int = 512) -> None:
         self.path = prepare_database(path)
         self.max_group = max_group
+        self.on_events_added: Optional[Callable[[int], object]] = None
+        """Called in the writer thread, after each COMMIT, with how many events it stored (duplicates not)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = _connect(self.path)
         self._writer.executescript(_SCHEMA)
@@ -121,7 +149,8 @@ class Store:
 
     # writes --------------------------------------------------------------------------------------
     def submit(self, job: Job) -> "asyncio.Future[Any]":
-        """Run ``job(conn)`` in the next transaction; the future resolves once it is committed."""
+        """Run ``job`` in the next transaction; the future resolves once it is committed (to None for
+        :class:`Writes`, else to ``job(conn)``)."""
         if self._closed or not self._thread.is_alive():
             raise StoreClosed("the database writer is not running")
         loop = asyncio.get_running_loop()
@@ -129,24 +158,16 @@ class Store:
         self._queue.put((job, loop, future))
         return future
 
-    def write_incarnation(self, run: str, rank: int, row: dict, events: list[tuple]) -> Job:
+    @staticmethod
+    def write_incarnation(run: str, rank: int, row: dict, events: list[tuple]) -> Writes:
         """Return a job that upserts one incarnation row and inserts events (duplicates ignored)."""
         params = dict(row, run=run, rank=rank)
-        insert = self.insert_events(events) if events else None
-
-        def job(conn: sqlite3.Connection) -> int:
-            conn.execute(_UPSERT, params)
-            return insert(conn) if insert else 0
-        return job
+        return Writes(tuple(params[column] for column in _INCARNATION_COLUMNS), events)
 
     @staticmethod
-    def insert_events(events: list[tuple]) -> Job:
-        """Return a job that inserts events, ignoring those already stored; it returns how many were new."""
-        def job(conn: sqlite3.Connection) -> int:
-            before = conn.total_changes
-            conn.executemany(_INSERT_EVENT, events)
-            return conn.total_changes - before
-        return job
+    def insert_events(events: list[tuple]) -> Writes:
+        """Return a job that inserts events, ignoring those already stored."""
+        return Writes(events=events)
 
     def _write_loop(self) -> None:
         conn = self._writer
@@ -183,18 +204,40 @@ class Store:
         conn = self._writer
         conn.execute("BEGIN")
         try:
-            results = [(job(conn), None) for job in jobs]
+            results: list[tuple[Any, Optional[BaseException]]] = []
+            rows: list[Writes] = []  # written together before the next function job, which may read them
+            added = 0
+            for job in jobs:
+                if isinstance(job, Writes):
+                    rows.append(job)
+                    results.append((None, None))
+                    continue
+                added += self._write(rows)
+                rows = []
+                results.append((job(conn), None))
+            added += self._write(rows)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:  # SQLite rolls back by itself on some errors (e.g. disk full)
                 conn.execute("ROLLBACK")
             raise
         self.commits += 1
+        if added and self.on_events_added is not None:
+            self.on_events_added(added)
         if self.failing is not None:
             log.warning("database writes to %s succeed again (the failing batches were not acknowledged; "
                         "agents resend them)", self.path)
             self.failing = None
         return results
+
+    def _write(self, writes: list[Writes]) -> int:
+        """Write the rows of ``writes`` a statement per table and up to :data:`_ROWS_PER_STATEMENT` rows; return how
+        many events were new."""
+        conn = self._writer
+        _execute_rows(conn, _UPSERT, _INCARNATION_COLUMNS, [w.incarnation for w in writes if w.incarnation])
+        before = conn.total_changes
+        _execute_rows(conn, _INSERT_EVENTS, _EVENT_COLUMNS, [e for w in writes for e in w.events])
+        return conn.total_changes - before
 
     def _commit_one(self, job: Job) -> tuple[Any, Optional[BaseException]]:
         try:
@@ -243,6 +286,14 @@ class Store:
             except OSError:
                 pass
         return total
+
+
+def _execute_rows(conn: sqlite3.Connection, template: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+    variables = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)  # 32,766 by default, 999 in old builds
+    per_statement = max(1, min(_ROWS_PER_STATEMENT, variables // len(columns)))
+    for first in range(0, len(rows), per_statement):
+        chunk = rows[first:first + per_statement]
+        conn.execute(_statement(template, columns, len(chunk)), [value for row in chunk for value in row])
 
 
 def _resolve(done: list) -> None:

@@ -1,0 +1,109 @@
+"""The store's writer: a group commit writes its batches' rows a statement per table, exactly as row by row would."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from typing import Any, Callable
+
+import pytest
+
+from ampwatch.server._store import Store, Writes
+
+
+def _row(seq: int, closed: int = 0) -> dict:
+    return {"incarnation": "i", "first_seen": 1.0, "last_seen": float(seq), "last_seq": seq, "max_event_id": seq,
+            "closed": closed, "batch": "{}", "counters": f'{{"seq": {seq}}}'}
+
+
+def _event(rank: int, event_id: int, body: str = "{}") -> tuple:
+    return ("r", rank, "i", event_id, "skip", 1.0, event_id, "gen", body)
+
+
+def _group(store: Store, jobs: list[Any]) -> list[Any]:
+    """Submit ``jobs`` while the writer is held by a job of its own, so that they make one group commit; return
+    each job's outcome (its result, or the exception it raised)."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold(conn: sqlite3.Connection) -> None:
+        started.set()
+        release.wait(10)
+
+    async def run() -> list[Any]:
+        held = store.submit(hold)
+        assert started.wait(10)  # its group is taken: the jobs below make the next one
+        futures = [store.submit(job) for job in jobs]
+        release.set()
+        await held
+        return await asyncio.gather(*futures, return_exceptions=True)
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(str(tmp_path / "store.db"))
+    yield s
+    s.close()
+
+
+def _traced(store: Store) -> list[str]:
+    statements: list[str] = []
+    store._writer.set_trace_callback(statements.append)
+    return statements
+
+
+def _read(store: Store, sql: str) -> list[tuple]:
+    return [tuple(row) for row in sqlite3.connect(store.path).execute(sql).fetchall()]
+
+
+def test_a_group_commit_of_200_batches_writes_each_table_with_one_statement(store):
+    # sqlite3 lets go of the GIL at each statement, and waits up to 5 ms to get it back beside a busy event loop:
+    # 400 statements made one commit of a burst take a second (python -m bench.experiments.store_convoy).
+    statements = _traced(store)
+    _group(store, [Store.write_incarnation("r", rank, _row(1), [_event(rank, 1)]) for rank in range(200)])
+    inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
+    assert len(inserts) == 2, [s[:60] for s in inserts[:5]]
+    assert _read(store, "SELECT count(*) FROM incarnations") == [(200,)]
+    assert _read(store, "SELECT count(*) FROM events") == [(200,)]
+
+
+def test_rows_written_together_land_as_written_one_by_one(store):
+    added: list[int] = []
+    store.on_events_added = added.append
+    _group(store, [Store.write_incarnation("r", 0, _row(1), [_event(0, 1), _event(0, 2)]),
+                   Store.write_incarnation("r", 1, _row(1), [])])
+    # A later batch of rank 0 updates its row; a resent event is ignored, and not counted.
+    assert _group(store, [Store.write_incarnation("r", 0, _row(2, closed=1), [_event(0, 2, '"again"'), _event(0, 3)]),
+                          Store.insert_events([_event(1, 1)])]) == [None, None]
+    assert _read(store, "SELECT rank, last_seq, closed, counters FROM incarnations ORDER BY rank") == \
+        [(0, 2, 1, '{"seq": 2}'), (1, 1, 0, '{"seq": 1}')]
+    assert _read(store, "SELECT rank, id, body FROM events ORDER BY rank, id") == \
+        [(0, 1, "{}"), (0, 2, "{}"), (0, 3, "{}"), (1, 1, "{}")]
+    assert added == [2, 2]
+
+
+def test_a_function_job_sees_the_rows_written_before_it_in_its_group(store):
+    count: Callable[[sqlite3.Connection], int] = lambda conn: conn.execute(  # noqa: E731
+        "SELECT count(*) FROM incarnations").fetchone()[0]
+    outcomes = _group(store, [Store.write_incarnation("r", 0, _row(1), []), count,
+                              Store.write_incarnation("r", 1, _row(1), []), count])
+    assert outcomes == [None, 1, None, 2]
+
+
+def test_a_batch_sqlite_cannot_take_fails_alone_and_the_others_in_its_group_are_stored(store):
+    bad = Store.write_incarnation("r", 1, _row(1), [_event(1, 2 ** 64)])  # over SQLite's 64-bit integers
+    outcomes = _group(store, [Store.write_incarnation("r", 0, _row(1), [_event(0, 1)]), bad,
+                              Store.write_incarnation("r", 2, _row(1), [_event(2, 1)])])
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], OverflowError)
+    assert _read(store, "SELECT rank FROM incarnations ORDER BY rank") == [(0,), (2,)]
+    assert _read(store, "SELECT rank FROM events ORDER BY rank") == [(0,), (2,)]
+
+
+def test_more_rows_than_a_statement_takes_are_split_and_all_stored(store):
+    statements = _traced(store)
+    events = [_event(0, k) for k in range(1, 1301)]
+    assert _group(store, [Writes(events=events)]) == [None]
+    assert len([s for s in statements if s.lstrip().upper().startswith("INSERT")]) == 3  # 512 rows a statement
+    assert _read(store, "SELECT count(*), min(id), max(id) FROM events") == [(1300, 1, 1300)]
