@@ -36,7 +36,7 @@ class _ParkingLock:
 
 def test_a_poisoned_step_observed_during_a_pass_that_read_its_rank_before_is_not_resolved_by_that_pass():
     alerts = BuiltinAlerts()
-    ranks = [FakeRank(alerts, rank=r) for r in range(600)]  # three slices of 256
+    ranks = [FakeRank(alerts, rank=r) for r in range(600)]  # slices of 16
     for r in ranks:
         r.iterate()
         r.send(100.0)

@@ -8,6 +8,7 @@ Time is driven by the tests (passes every second, heartbeats every 15 s), never 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from ampwatch_support.alert_ranks import healthy_job
 
@@ -149,26 +150,34 @@ def test_in_a_run_of_several_ranks_the_pass_alone_fires_and_resolves_a_ranks_own
 def test_a_rank_whose_batches_land_during_every_pass_still_gets_its_own_alert_fired_and_resolved_by_the_pass():
     """A pass keeps what a batch observed meanwhile decided, as that batch saw newer data; but a batch of a run of
     several ranks decides nothing about the alerts a run-wide one may speak for, so for those the pass's
-    judgement stands. Rank 1 (of 130: the pass reads them in two slices) sends a batch between the slices of
+    judgement stands. Rank 1 (of 130: the pass reads them in slices) sends a batch after the first slice of
     every pass; its streak alert still fires at the second pass and resolves once the window is over."""
     t = dataclasses.replace(T, skip_streak_window_s=60)
     transitions: list = []
     ranks: list = []
+    sent_during = [0]
 
-    class BusyRankOne(BuiltinAlerts):
-        def _breathe(self) -> None:  # between two slices of a pass: rank 1's batch arrives
-            if ranks:  # (not while healthy_job() sets the job up)
+    def rank_one_sends() -> Callable[[], None]:  # what the pass calls between two slices, where it pauses
+        first = [True]
+
+        def between() -> None:
+            if first[0] and ranks:  # (not while healthy_job() sets the job up)
+                first[0] = False
+                sent_during[0] += 1
                 ranks[1].iterate()
-                transitions.extend(ranks[1].send(self.now))
+                transitions.extend(ranks[1].send(alerts.now))
+        return between
 
-    alerts = BusyRankOne(t)
+    alerts = BuiltinAlerts(t, pacer=rank_one_sends)
     ranks += healthy_job(alerts, 130)
     transitions += _stands_out(ranks[1], 10.0)
-    now = 10.0
+    now, passes = 10.0, 0
     while now < 10.0 + t.skip_streak_window_s + 10:
         now += 1.0
         alerts.now = now + 0.5
         transitions += alerts.evaluate(now + 0.5)
+        passes += 1
+    assert sent_during[0] == passes  # rank 1's batch came during every pass
     changes = [(a.status, a.starts_at if a.status == "firing" else a.ends_at) for a in transitions
                if a.name == "AmpConsecutiveSkippedSteps"]
     assert [status for status, _ in changes] == ["firing", "resolved"]

@@ -117,28 +117,38 @@ def test_the_status_page_and_its_files_are_served_with_a_strict_content_policy(c
     assert client.get("/static/nope.js").status_code == 404
 
 
-def test_the_periodic_pass_breathes_between_slices_of_ranks_and_finds_what_a_pass_without_breaks_finds():
+def test_the_periodic_pass_pauses_after_each_stretch_of_work_and_finds_what_a_pass_without_pauses_finds(monkeypatch):
+    from ampwatch.server import _pacing
     from ampwatch.server._state import RankSnapshot
     from ampwatch.server.alerting.evaluator import BuiltinAlerts
-    from ampwatch.server.alerting.service import PASS_BREATHER_S, AlertService
+    from ampwatch.server.alerting.service import PASS_BREATHER_S, PASS_WORK_S, AlertService
 
-    assert AlertService().alerts._breather_s == PASS_BREATHER_S > 0
-    sleeps: list[float] = []
-    breathing = BuiltinAlerts(breather_s=0.5)
-    plain = BuiltinAlerts()
-    for alerts in (breathing, plain):
+    paced, plain = AlertService().alerts, BuiltinAlerts()
+    for alerts in (paced, plain):
         for rank in range(300):
             alerts.observe(RankSnapshot(run="r", rank=rank, last_seen=0.0))
-    import ampwatch.server.alerting.evaluator as evaluator
-    real_sleep = evaluator.time.sleep
-    evaluator.time.sleep = sleeps.append  # counted, not slept
-    try:
-        for now in (10_000.0, 20_000.0):  # silent, then silent for longer than the alert's for:
-            breathing.evaluate(now=now)
-            plain.evaluate(now=now)
-    finally:
-        evaluator.time.sleep = real_sleep
-    assert sleeps == [0.5, 0.5] * 2  # 300 ranks: three slices of 128 per pass, a breath between two
-    firing = sorted(a.fingerprint for a in breathing.firing())
+    sleeps: list[float] = []
+    monkeypatch.setattr(_pacing.time, "sleep", sleeps.append)  # counted, not slept
+    clock = [0.0]  # the pacer's clock, moved by hand: a slice of ranks takes what the test says
+    monkeypatch.setattr(_pacing.time, "perf_counter", lambda: clock[0])
+    paced.evaluate(now=10_000.0)  # silent; no time passes: no pause
+    plain.evaluate(now=10_000.0)
+    assert sleeps == []
+
+    def slow_slice() -> None:  # each slice of 16 ranks as long as PASS_WORK_S / 2
+        clock[0] += PASS_WORK_S / 2
+
+    monkeypatch.setattr(_pacing.Pacer, "__call__", _timed(_pacing.Pacer.__call__, slow_slice))
+    paced.evaluate(now=20_000.0)  # silent for longer than the alert's for:
+    plain.evaluate(now=20_000.0)
+    assert sleeps == [PASS_BREATHER_S] * 9  # 300 ranks: 19 slices of 16, a pause after every second one
+    firing = sorted(a.fingerprint for a in paced.firing())
     assert firing == sorted(a.fingerprint for a in plain.firing())
     assert len(firing) == 300  # every rank is silent by then
+
+
+def _timed(call, work):
+    def between(self) -> None:
+        work()
+        call(self)
+    return between

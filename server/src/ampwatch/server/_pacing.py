@@ -14,28 +14,41 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
-__all__ = ["paced"]
+__all__ = ["Pacer", "paced"]
 
 T = TypeVar("T")
 
 
-def paced(items: Sequence[T], work_s: float, pause_s: float, busy: Optional[Callable[[], bool]] = None) \
-        -> Iterator[T]:
-    """Yield ``items``, sleeping ``pause_s`` whenever ``work_s`` has passed since the last pause (never if 0).
-
-    With ``busy``, only when it returns true then (else the work goes on for another ``work_s``).
+class Pacer:
+    """Call it between two pieces of a pass: it sleeps ``pause_s`` whenever ``work_s`` has passed since its last
+    pause (never if ``pause_s`` is 0); with ``busy``, only when it returns true then (else the work goes on for
+    another ``work_s``).
 
     Time, not a count of items: the caller's work per item varies (a rank whose /metrics lines are kept
     costs next to nothing, one formatted again about 40 us), and what the event loop waits for is time.
     """
+
+    __slots__ = ("work_s", "pause_s", "busy", "_due")
+
+    def __init__(self, work_s: float, pause_s: float, busy: Optional[Callable[[], bool]] = None) -> None:
+        self.work_s, self.pause_s, self.busy = work_s, pause_s, busy
+        self._due = time.perf_counter() + work_s
+
+    def __call__(self) -> None:
+        if not self.pause_s or time.perf_counter() < self._due:
+            return
+        if self.busy is None or self.busy():
+            time.sleep(self.pause_s)
+        self._due = time.perf_counter() + self.work_s
+
+
+def paced(items: Sequence[T], work_s: float, pause_s: float, busy: Optional[Callable[[], bool]] = None) \
+        -> Iterator[T]:
+    """Yield ``items``, a :class:`Pacer` called after each."""
     if not pause_s:
         yield from items
         return
-    clock = time.perf_counter
-    due = clock() + work_s
+    pace = Pacer(work_s, pause_s, busy)
     for item in items:
         yield item
-        if clock() >= due:
-            if busy is None or busy():
-                time.sleep(pause_s)
-            due = clock() + work_s
+        pace()

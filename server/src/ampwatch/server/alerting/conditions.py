@@ -354,7 +354,7 @@ def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[
 
 
 def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
-             hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
+             hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 16,
              between: Callable[[], object] = lambda: None, skip_quiet: bool = True) -> list[ActiveAlert]:
     """Return every alert that holds at ``now`` over all ranks and runs; O(ranks), ~20 us a rank, less if quiet.
 
@@ -368,7 +368,7 @@ def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
 
 
 def evaluate_with_facts(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
-                        hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 128,
+                        hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 16,
                         between: Callable[[], object] = lambda: None, skip_quiet: bool = True) \
         -> tuple[list[ActiveAlert], dict[str, list[RankFacts]], set[tuple]]:
     """Return :func:`evaluate`'s alerts (per-rank ones a run-wide alert speaks for held back), each run's facts,

@@ -45,12 +45,13 @@ class BuiltinAlerts:
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
                  resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time,
-                 breather_s: float = 0.0) -> None:
+                 pacer: Optional[Callable[[], Callable[[], object]]] = None) -> None:
         self.thresholds = thresholds
-        # Sleep this long between two slices of a pass: a pass run in a worker thread otherwise holds the GIL
-        # for most of its ~0.3 s at 16,384 ranks, and the event loop's answers wait for it (an I/O-bound
-        # thread beside a CPU-bound one gets the GIL back only every switch interval).
-        self._breather_s = breather_s
+        # Makes what each pass calls between two slices of ranks (a _pacing.Pacer): a pass run in a worker thread
+        # otherwise holds the GIL for all its CPU time (~0.3 s at 16,384 ranks, ~0.15 s in a storm at 1,024), and
+        # the event loop's answers wait for it (an I/O-bound thread beside a CPU-bound one gets the GIL back only
+        # every switch interval). None: no pauses.
+        self._pacer = pacer
         # What each rank's history keeps (counters, rungs, how far back), from the alert definitions.
         self._layout = HistoryLayout(thresholds)
         # A window's baseline may be up to resolution_s older than the window: 5 s is noise against the
@@ -105,7 +106,7 @@ class BuiltinAlerts:
             self._observed_during = observed = set[tuple[str, str]]()
         try:
             found, _, held = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
-                                                 between=self._breathe)
+                                                 between=self._pacer() if self._pacer else lambda: None)
             with self._lock:
                 self._observed_during = None
                 found = self._judged_whole(found, held, now)
@@ -135,10 +136,6 @@ class BuiltinAlerts:
         found = [a for a in found if a.key not in self._spoken and (a.key not in waiting or a.key in self._waiting)]
         self._waiting = waiting
         return found
-
-    def _breathe(self) -> None:
-        if self._breather_s:
-            time.sleep(self._breather_s)
 
     def forget(self, run: str, rank: int, now: Optional[float] = None) -> list[Alert]:
         """Drop an expired rank; its alerts resolve; return the transitions."""

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
+from .._pacing import Pacer
 from .._state import CollectorState, RankState
 from .evaluator import BuiltinAlerts
 from .notifications import Notifier, NotifyConfig, Target
@@ -17,10 +18,15 @@ __all__ = ["AlertService"]
 
 log = logging.getLogger("ampwatch.server.alerts")
 
-# The periodic pass runs in a worker thread and sleeps this long after each slice of 128 ranks (~2 ms of
-# work): at 16,384 ranks it then takes ~0.4 s instead of ~0.3 s, and ingest answers no longer queue behind
-# it for ~200 ms every second (python -m bench.experiments.fleet).
-PASS_BREATHER_S = 0.001
+# The periodic pass runs in a worker thread and sleeps PASS_BREATHER_S after each PASS_WORK_S of work, so that the
+# event loop gets the GIL at once rather than a switch interval (5 ms) later, and about half of it while the
+# pass lasts. In a whole-job storm at 1,024 ranks a pass costs ~0.15 s of CPU; paused every 128 ranks it held
+# the GIL ~20 ms at a time and batches that came meanwhile waited ~200 ms (python -m bench.experiments.storm).
+# Paused by time, not only while ingest requests are in flight: requests the event loop has not read yet are
+# not in flight, and a pass paused only then left the storm's ingest p99 ~40 ms higher (two runs beside each
+# other). A pass costs one pause per 2 ms of its CPU: ~40 ms more at 16,384 quiet ranks.
+PASS_WORK_S = 0.002
+PASS_BREATHER_S = 0.002
 
 
 class AlertService:
@@ -29,7 +35,7 @@ class AlertService:
     def __init__(self, targets: Sequence[Target] = (), thresholds: AlertThresholds = DEFAULT_THRESHOLDS,
                  notify_config: Optional[NotifyConfig] = None, period_s: float = 1.0,
                  clock: Callable[[], float] = time.time) -> None:
-        self.alerts = BuiltinAlerts(thresholds, clock=clock, breather_s=PASS_BREATHER_S)
+        self.alerts = BuiltinAlerts(thresholds, clock=clock, pacer=lambda: Pacer(PASS_WORK_S, PASS_BREATHER_S))
         self.clock = clock
         self.notifier = Notifier(targets, notify_config)
         self.period_s = period_s
