@@ -182,9 +182,13 @@ def test_mutated_batches_are_refused_with_a_message_or_applied_exactly(fuzzer):
     def check(path: tuple, new: Any, delete: bool) -> None:
         seen[0] += 1
         batch = _mutate(RICH, path, new, delete)
-        # A fresh (run, rank, incarnation) per case, unless the mutation aimed at one of them.
+        # A fresh (run, rank, incarnation) per case, unless the mutation aimed at one of them; and a new batch
+        # (the next seq, as an agent sends) unless it aimed at seq: a mutated run may repeat one an earlier case
+        # used (hypothesis draws "0" or "x" more than once), and the same batch again is a duplicate.
         if path[:1] != ("run",):
             batch["run"] = f"fuzz-{seen[0]}"
+        if path[:1] != ("seq",):
+            batch["seq"] = seen[0]
         body = json.dumps(batch, allow_nan=True).encode()  # NaN/Infinity tokens go over the wire as such
         answer = fuzzer.post(body)
         if answer.status_code == 200:
