@@ -4,7 +4,7 @@ sqlite3 lets go of the GIL at every statement it runs; a thread that lets go of 
 up to the switch interval (5 ms) to get it back. A group commit that writes each batch's rows with statements
 of their own (as the store did up to issue 26) then takes one such wait per row while the event loop parses
 a burst of batches, and every batch in the group waits for it. The store's writer now writes a group's rows
-as one statement per table (``ampwatch.server._store.Writes``).
+as one statement per table, 128 rows at most (``ampwatch.server._store.Writes``).
 
 Both ways write the same rows (one incarnation row and one event per batch) in one transaction on a fresh
 WAL database with the collector's settings, first alone, then beside a thread that runs Python code
