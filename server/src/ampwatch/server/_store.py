@@ -296,7 +296,7 @@ def _execute_rows(conn: sqlite3.Connection, template: str, columns: tuple[str, .
     per_statement = _power_of_two_within(min(_ROWS_PER_STATEMENT, variables // len(columns)))
     for first in range(0, len(rows), per_statement):
         chunk = rows[first:first + per_statement]
-        padded = _power_of_two_within(2 * len(chunk) - 1)
+        padded = _power_of_two_within(2 * len(chunk) - 1)  # the smallest power of two >= len(chunk)
         chunk += [chunk[-1]] * (padded - len(chunk))
         conn.execute(_statement(template, columns, padded), [value for row in chunk for value in row])
 
