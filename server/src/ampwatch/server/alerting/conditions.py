@@ -27,9 +27,9 @@ from .._state import RankSnapshot
 from .annotations import AlertTexts
 from .history import Baseline, RankHistory
 
-__all__ = ["ActiveAlert", "RankFacts", "RankReading", "RunCondition", "RANK_CONDITIONS", "RUN_CONDITIONS",
-           "usable_scale", "rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts", "run_alerts_of",
-           "held_back", "evaluate", "evaluate_with_facts"]
+__all__ = ["ActiveAlert", "Finding", "spoken_key", "RankFacts", "RankReading", "RunCondition", "RANK_CONDITIONS",
+           "RUN_CONDITIONS", "usable_scale", "rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts",
+           "run_alerts_of", "held_back", "evaluate", "evaluate_with_facts"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +79,11 @@ _SEVERITY = {(name, level): d.severity(level).level for name, d in ALERTS.items(
              for level in (*(s.level for s in d.severities), *((None,) if len(d.severities) == 1 else ()))}
 """``(alert, level)`` -> its severity label (level None: an alert's only one), looked up once per alert held."""
 
+Finding = tuple[str, Optional[str], Optional[str], float]
+"""An instance of a rank's alert that holds, not built yet: ``(alert name, optimizer (None: an alert of the
+rank), level (None: the alert's only severity), value)``. The periodic pass builds an :class:`ActiveAlert` only for
+those no run-wide alert speaks for: in a whole-job storm, a handful instead of several per rank."""
+
 
 def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Optional[str] = None) -> ActiveAlert:
     definition = ALERTS[name]
@@ -87,12 +92,23 @@ def _alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Opt
                        annotations=AlertTexts(name, labels, value, t, level))
 
 
-def _optimizer_labels(cur: RankSnapshot, optimizer: str) -> dict:
-    return {"run": cur.run, "rank": str(cur.rank), "optimizer": optimizer}
+def _built(cur: RankSnapshot, finding: Finding, t: AlertThresholds) -> ActiveAlert:
+    """The :class:`ActiveAlert` of one of ``cur``'s findings (labels: run, rank, and its optimizer if any)."""
+    name, optimizer, level, value = finding
+    labels = {"run": cur.run, "rank": str(cur.rank)}
+    if optimizer is not None:
+        labels["optimizer"] = optimizer
+    return _alert(name, labels, value, t, level)
 
 
-def _streaks(r: RankReading, t: AlertThresholds) -> Iterable[tuple[str, int, str]]:
-    """Yield ``(optimizer, current streak, severity)`` for each streak alert that holds."""
+def spoken_key(a: ActiveAlert) -> tuple:
+    """The identity of a per-rank alert as the pass holds it back (:func:`evaluate_with_facts`'s keys):
+    ``(name, run, rank, optimizer or None, severity label)``, made without building the alert."""
+    return a.name, a.labels["run"], int(a.labels["rank"]), a.labels.get("optimizer"), a.labels["severity"]
+
+
+def _streak(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+    """Each streak alert that holds: per optimizer and severity, the current streak."""
     cur, base = r.current, r.since("AmpConsecutiveSkippedSteps")
     for opt_name in cur.optimizers:
         streak = cur.consecutive_skipped.get(opt_name, 0)
@@ -100,37 +116,31 @@ def _streaks(r: RankReading, t: AlertThresholds) -> Iterable[tuple[str, int, str
             threshold = getattr(t, severity.threshold)
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
             if base.rose("streaks_reached", opt_name, threshold) or (streak >= threshold and not cur.closed):
-                yield opt_name, streak, severity.level
+                yield "AmpConsecutiveSkippedSteps", opt_name, severity.level, streak
 
 
-def _streak(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
-    for opt_name, streak, level in _streaks(r, t):
-        yield _alert("AmpConsecutiveSkippedSteps", _optimizer_labels(r.current, opt_name), streak, t, level)
-
-
-def _skip_ratio(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+def _skip_ratio(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     cur, base = r.current, r.since("AmpHighSkippedStepRatio")
     for opt_name, opt in cur.optimizers.items():
         skipped = opt.skipped - base.count("skipped", opt_name)
         calls = skipped + opt.steps - base.count("steps", opt_name)
         if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
-            yield _alert("AmpHighSkippedStepRatio", _optimizer_labels(cur, opt_name), skipped / calls, t)
+            yield "AmpHighSkippedStepRatio", opt_name, None, skipped / calls
 
 
-def _rose_per_optimizer(name: str, counter: str) -> Callable[[RankReading, AlertThresholds], Iterable[ActiveAlert]]:
+def _rose_per_optimizer(name: str, counter: str) -> Callable[[RankReading, AlertThresholds], Iterable[Finding]]:
     """The condition of an alert that holds while an optimizer's ``counter`` rose within its window."""
-    def condition(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+    def condition(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
         cur, base = r.current, r.since(name)
         for opt_name, opt in cur.optimizers.items():
             if base.rose(counter, opt_name):
-                yield _alert(name, _optimizer_labels(cur, opt_name), getattr(opt, counter), t)
+                yield name, opt_name, None, getattr(opt, counter)
     return condition
 
 
-def _conflict(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
-    cur = r.current
+def _conflict(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     if r.since("AmpRankConflict").rose("conflicts"):
-        yield _alert("AmpRankConflict", {"run": cur.run, "rank": str(cur.rank)}, cur.conflicts, t)
+        yield "AmpRankConflict", None, None, r.current.conflicts
 
 
 def usable_scale(scale: float, t: AlertThresholds) -> bool:
@@ -143,23 +153,23 @@ def usable_scale(scale: float, t: AlertThresholds) -> bool:
 
 
 # The conditions without a window run for every rank at every pass: plain lists, not generators.
-def _collapsed(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+def _collapsed(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     cur = r.current
     # A rank that closed cleanly is finished: its last scale is not trouble.
     if not cur.closed and cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
-        return [_alert("AmpLossScaleCollapsed", {"run": cur.run, "rank": str(cur.rank)}, cur.loss_scale, t)]
+        return [("AmpLossScaleCollapsed", None, None, cur.loss_scale)]
     return ()
 
 
-def _silent(r: RankReading, t: AlertThresholds) -> Iterable[ActiveAlert]:
+def _silent(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     cur = r.current
     silent_for = r.now - cur.last_seen
     if not cur.closed and silent_for > t.silent_after_s:
-        return [_alert("AmpRankSilent", {"run": cur.run, "rank": str(cur.rank)}, silent_for, t)]
+        return [("AmpRankSilent", None, None, silent_for)]
     return ()
 
 
-RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[ActiveAlert]]] = {
+RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Finding]]] = {
     "AmpConsecutiveSkippedSteps": _streak,
     "AmpLossScaleCollapsed": _collapsed,
     "AmpHighSkippedStepRatio": _skip_ratio,
@@ -168,7 +178,8 @@ RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[
     "AmpPoisonedStep": _rose_per_optimizer("AmpPoisonedStep", "poisoned_steps"),
     "AmpRankConflict": _conflict,
 }
-"""The condition of each alert of one rank (scope ``optimizer`` or ``rank``): the instances that hold now."""
+"""The condition of each alert of one rank (scope ``optimizer`` or ``rank``): the instances that hold now, as
+:data:`Finding` s."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -288,18 +299,20 @@ def rank_alerts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = Fa
 
     ``quiet`` (the rank is :meth:`~.history.RankHistory.quiet`): only the conditions without a window are read.
     """
-    return _rank_alerts(RankReading(h, now, still=quiet), t)
+    reading = RankReading(h, now, still=quiet)
+    return [_built(reading.current, f, t) for f in _findings(reading, t)]
 
 
 def unspoken_rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list[ActiveAlert]:
     """Return the alerts of one rank that hold at ``now``, but for those a run-wide alert may speak for
     (``SPEAKERS``: in a run of several ranks the periodic pass decides them, having read the whole run)."""
-    return _rank_alerts(RankReading(h, now), t, _UNSPOKEN)
+    reading = RankReading(h, now)
+    return [_built(reading.current, f, t) for f in _findings(reading, t, _UNSPOKEN)]
 
 
-def _rank_alerts(reading: RankReading, t: AlertThresholds, conditions: Optional[tuple] = None) -> list[ActiveAlert]:
-    """The alerts that hold of ``conditions`` (default: every rank condition, or a quiet rank's unwindowed ones)."""
-    found: list[ActiveAlert] = []
+def _findings(reading: RankReading, t: AlertThresholds, conditions: Optional[tuple] = None) -> list[Finding]:
+    """What holds of ``conditions`` (default: every rank condition, or a quiet rank's unwindowed ones)."""
+    found: list[Finding] = []
     for condition in conditions or (_UNWINDOWED if reading.still else _EVERY):
         found.extend(condition(reading, t))
     return found
@@ -308,20 +321,20 @@ def _rank_alerts(reading: RankReading, t: AlertThresholds, conditions: Optional[
 def rank_facts(h: RankHistory, now: float, t: AlertThresholds, quiet: bool = False) -> RankFacts:
     """Read from one rank's history what the run-wide conditions need (a quiet rank: at its latest moment)."""
     reading = RankReading(h, now, still=quiet)
-    return _rank_facts(reading, t, _rank_alerts(reading, t))
+    return _rank_facts(reading, t, _findings(reading, t))
 
 
-def _rank_facts(reading: RankReading, t: AlertThresholds, alerts: list[ActiveAlert]) -> RankFacts:
-    """The rank's facts; ``alerts``, its per-rank alerts that hold now, say where those spoken for hold."""
-    if reading.still and not alerts:
+def _rank_facts(reading: RankReading, t: AlertThresholds, findings: list[Finding]) -> RankFacts:
+    """The rank's facts; ``findings``, its per-rank alerts that hold now, say where those spoken for hold."""
+    if reading.still and not findings:
         return RankFacts(reading.current, _IDLE)
     facts = dict(_IDLE)
     if not reading.still:
         facts.update((name, fact(reading, t)) for name, fact in _FACTS)
-    for a in alerts:
-        speaker = SPEAKERS.get(a.name)
+    for name, _, level, _ in findings:
+        speaker = SPEAKERS.get(name)
         if speaker is not None:
-            facts[speaker] = facts.get(speaker, frozenset()) | {a.labels["severity"]}
+            facts[speaker] = facts.get(speaker, frozenset()) | {_SEVERITY[name, level]}
     return RankFacts(reading.current, facts)
 
 
@@ -333,15 +346,18 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThres
     return run_alerts_of(run, [rank_facts(h, now, t) for h in ranks], t)
 
 
+def _speaking(run_alerts: Iterable[ActiveAlert]) -> set[tuple[str, str, str]]:
+    """``(run, per-rank alert, severity)`` that the run-wide alerts which hold speak for (their ``speaks_for``)."""
+    return {(a.labels["run"], ALERTS[a.name].speaks_for, a.labels["severity"])  # type: ignore[misc]
+            for a in run_alerts if ALERTS[a.name].speaks_for}
+
+
 def held_back(rank_alerts: Iterable[ActiveAlert], run_alerts: Iterable[ActiveAlert]) -> set[tuple]:
-    """Return the keys of the per-rank alerts that a run-wide alert which holds speaks for (its ``speaks_for``), at
-    its severity: on the ranks that are in it, where the per-rank alert holds at that severity, which is every
-    instance of it that holds."""
-    speaking = {(a.labels["run"], ALERTS[a.name].speaks_for, a.labels["severity"])
-                for a in run_alerts if ALERTS[a.name].speaks_for}
-    if not speaking:
-        return set()
-    return {a.key for a in rank_alerts if (a.labels["run"], a.name, a.labels["severity"]) in speaking}
+    """Return the :func:`spoken_key` s of the per-rank alerts that a run-wide alert which holds speaks for (its
+    ``speaks_for``), at its severity: on the ranks that are in it, where the per-rank alert holds at that severity,
+    which is every instance of it that holds."""
+    speaking = _speaking(run_alerts)
+    return {spoken_key(a) for a in rank_alerts if (a.labels["run"], a.name, a.labels["severity"]) in speaking}
 
 
 def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[ActiveAlert]:
@@ -372,18 +388,31 @@ def evaluate_with_facts(histories: Sequence[RankHistory], now: float, t: AlertTh
                         between: Callable[[], object] = lambda: None, skip_quiet: bool = True) \
         -> tuple[list[ActiveAlert], dict[str, list[RankFacts]], set[tuple]]:
     """Return :func:`evaluate`'s alerts (per-rank ones a run-wide alert speaks for held back), each run's facts,
-    and the keys of the per-rank alerts held back."""
+    and the :func:`spoken_key` s of the per-rank alerts held back."""
     by_run: dict[str, list[RankFacts]] = {}
-    per_rank: list[ActiveAlert] = []
+    findings: list[tuple[RankSnapshot, list[Finding]]] = []
     for first in range(0, len(histories), slice_size):
         if first:
             between()
         with hold():
             for h in histories[first:first + slice_size]:
                 reading = RankReading(h, now, still=skip_quiet and h.quiet(now))
-                found = _rank_alerts(reading, t)
-                per_rank.extend(found)
+                found = _findings(reading, t)
+                if found:
+                    findings.append((reading.current, found))
                 by_run.setdefault(h.run, []).append(_rank_facts(reading, t, found))
     run_wide = [a for run, ranks in by_run.items() for a in run_alerts_of(run, ranks, t)]
-    held = held_back(per_rank, run_wide)
-    return [a for a in per_rank if a.key not in held] + run_wide, by_run, held
+    # Only now is it known which per-rank alerts a run-wide one speaks for: those are held back without being
+    # built (in a whole-job storm, several per rank), the others built.
+    speaking = _speaking(run_wide)
+    alerts: list[ActiveAlert] = []
+    held: set[tuple] = set()
+    for cur, found in findings:
+        for finding in found:
+            name, optimizer, level, _ = finding
+            severity = _SEVERITY[name, level]
+            if (cur.run, name, severity) in speaking:
+                held.add((name, cur.run, cur.rank, optimizer, severity))  # its spoken_key()
+            else:
+                alerts.append(_built(cur, finding, t))
+    return alerts + run_wide, by_run, held

@@ -11,7 +11,7 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
-from .conditions import evaluate_with_facts, rank_alerts, unspoken_rank_alerts
+from .conditions import evaluate_with_facts, rank_alerts, spoken_key, unspoken_rank_alerts
 from .history import HistoryLayout, RankHistory
 from .states import AlertStates
 
@@ -65,7 +65,8 @@ class BuiltinAlerts:
         self._observed_during: Optional[set[tuple[str, str]]] = None  # rank groups observed while evaluate() runs
         self._run_sizes: dict[str, int] = {}  # run -> ranks watched
         self._waiting: set[tuple] = set()  # per-rank alerts the last pass held for a second look
-        self._spoken: dict[tuple, float] = {}  # per-rank alert -> when a pass last held it back (a run-wide one held)
+        # per-rank alert (its conditions.spoken_key) -> when a pass last held it back (a run-wide one held)
+        self._spoken: dict[tuple, float] = {}
 
     def observe(self, snapshot: RankSnapshot, now: Optional[float] = None) -> list[Alert]:
         """Record a rank's new state and return the transitions of that rank's alerts."""
@@ -133,7 +134,8 @@ class BuiltinAlerts:
         self._spoken = {key: at for key, at in self._spoken.items() if at > edge}
         waiting = {a.key for a in found if a.name in _FOLDABLE and not self._states.is_firing(a.key)
                    and self._run_sizes.get(a.labels["run"], 0) > 1}
-        found = [a for a in found if a.key not in self._spoken and (a.key not in waiting or a.key in self._waiting)]
+        found = [a for a in found if (a.key not in waiting or a.key in self._waiting)
+                 and not (a.name in _FOLDABLE and spoken_key(a) in self._spoken)]
         self._waiting = waiting
         return found
 
