@@ -13,17 +13,21 @@ from typing import Callable, Optional
 __all__ = ["tune_gc", "GC_THRESHOLDS", "FREEZE_EVERY_S", "FULL_COLLECTION_EVERY_S", "MMAP_THRESHOLD",
            "release_free_memory"]
 
-# Young collections every 5,000 allocations instead of 700, and older ones 20x rarer than that: each
-# ingested batch allocates ~100 short-lived containers, and at 1,024 ranks the defaults ran a 60-100 ms
+# Young collections every 1,000 allocations instead of 700, and older ones never between two freezes (below):
+# each ingested batch allocates ~100 short-lived containers, and at 1,024 ranks the defaults ran a 60-100 ms
 # full collection every ~3 s (bench: docs/benchmarks.md, "Ingest tail").
-GC_THRESHOLDS = (5_000, 20, 20)
+GC_THRESHOLDS = (1_000, 1_000, 1_000)
 
 # Nearly everything an applied batch allocates lives until that rank's next batch (its view, totals,
 # history entries), so the collector's young generations fill with live objects that every collection
-# walks again for nothing: at 16,384 ranks on a heartbeat, 30-60 ms young and 100-275 ms middle
-# collections every 1-3 s, the whole of the ingest tail (python -m bench.experiments.fleet). Freezing moves what is
-# tracked now out of the collector's reach (O(1)); a collection then walks only what came since.
-FREEZE_EVERY_S = 2.0
+# walks again for nothing. Freezing moves what is tracked now out of the collector's reach (O(1)); a
+# collection then walks only what came since. Often: CPython counts a young collection's allocations net of
+# the objects freed, and a batch frees the rank's previous state as it makes the new one, so in a whole-job
+# storm the young generation held 30,000-43,000 live objects when its count reached 5,000, and each young
+# collection took 30-70 ms of CPU while batches waited. The collector makes next to no cyclic garbage to find
+# (in a 3-minute storm run at 1,024 ranks, 1,918 collections after start-up found none): what matters is how
+# much live state a collection walks, so it is frozen every half second and collected every 1,000.
+FREEZE_EVERY_S = 0.5
 # Frozen objects are still freed by reference counting; only garbage *cycles* among them would wait. Once
 # an hour everything is thawed and collected in full (one pause of about a second at 16,384 ranks).
 FULL_COLLECTION_EVERY_S = 3600.0
