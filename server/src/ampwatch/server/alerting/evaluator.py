@@ -48,7 +48,7 @@ class BuiltinAlerts:
                  pacer: Optional[Callable[[], Callable[[], object]]] = None) -> None:
         self.thresholds = thresholds
         # Makes what each pass calls between two slices of ranks (a _pacing.Pacer): a pass run in a worker thread
-        # otherwise holds the GIL for all its CPU time (~0.3 s at 16,384 ranks, ~0.15 s in a storm at 1,024), and
+        # otherwise holds the GIL for all its CPU time (~0.3 s at 16,384 ranks, ~0.07 s in a storm at 1,024), and
         # the event loop's answers wait for it (an I/O-bound thread beside a CPU-bound one gets the GIL back only
         # every switch interval). None: no pauses.
         self._pacer = pacer

@@ -20,8 +20,9 @@ log = logging.getLogger("ampwatch.server.alerts")
 
 # The periodic pass runs in a worker thread and sleeps PASS_BREATHER_S after each PASS_WORK_S of work, so that the
 # event loop gets the GIL at once rather than a switch interval (5 ms) later, and about half of it while the
-# pass lasts. In a whole-job storm at 1,024 ranks a pass costs ~0.15 s of CPU; paused every 128 ranks it held
-# the GIL ~20 ms at a time and batches that came meanwhile waited ~200 ms (python -m bench.experiments.storm).
+# pass lasts. In a whole-job storm at 1,024 ranks a pass cost ~0.15 s of CPU (~0.07 s since it builds only the
+# alerts no run-wide one holds back); paused every 128 ranks it held the GIL ~20 ms at a time and batches that
+# came meanwhile waited ~200 ms (python -m bench.experiments.storm).
 # Paused by time, not only while ingest requests are in flight: requests the event loop has not read yet are
 # not in flight, and a pass paused only then left the storm's ingest p99 ~40 ms higher (two runs beside each
 # other). A pass costs one pause per 2 ms of its CPU: ~40 ms more at 16,384 quiet ranks.
