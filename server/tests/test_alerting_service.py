@@ -152,3 +152,33 @@ def _timed(call, work):
         work()
         call(self)
     return between
+
+
+def test_periodic_passes_start_a_period_apart_however_long_a_pass_takes():
+    import asyncio
+
+    from ampwatch.server.alerting.service import AlertService
+
+    service = AlertService(period_s=0.5)
+    starts: list[float] = []
+
+    def slow_tick(state, now=None) -> None:  # a pass as long as the period (at 16,384 ranks: about a second)
+        starts.append(time.monotonic())
+        time.sleep(0.5)
+
+    service.tick = slow_tick  # type: ignore[method-assign]
+
+    async def four_passes() -> None:
+        task = asyncio.create_task(service.run(state=None))  # type: ignore[arg-type]
+        while len(starts) < 4:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    try:
+        asyncio.run(asyncio.wait_for(four_passes(), timeout=60))
+    finally:
+        service.close()
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # A period *between* passes would make each gap the pass plus the period: 1 s. Alerts the pass decides (a
+    # streak fires once two passes in a row found it; a silent rank) would come that much later.
+    assert max(gaps) < 0.9, gaps

@@ -62,10 +62,17 @@ class AlertService:
             self._failed("the periodic alert evaluation")
 
     async def run(self, state: CollectorState) -> None:
-        """Tick every ``period_s`` until cancelled, each tick in a worker thread (O(ranks): ingest goes on)."""
+        """Tick every ``period_s`` until cancelled, each tick in a worker thread (O(ranks): ingest goes on).
+
+        Ticks start ``period_s`` apart (the next one at once if a tick took longer): a second *between* ticks made
+        the cadence a second plus the pass, which at 16,384 ranks lasts about a second too, and the alerts the pass
+        decides (a streak fires once two passes in a row found it; a silent rank) came seconds late.
+        """
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             await asyncio.to_thread(self.tick, state)
-            await asyncio.sleep(self.period_s)
+            await asyncio.sleep(max(0.0, self.period_s - (loop.time() - started)))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Deliver queued notifications within ``timeout_s`` and stop."""
