@@ -147,16 +147,20 @@ def test_a_slow_or_failing_collector_neither_slows_training_nor_grows_the_agents
                 far_end.status = 503
             sender, buffer = trainer.watch._sender, trainer.watch._recorder.events
             held = []
-            for _ in range(6):  # ~3 s, and MISBEHAVING_ITERATIONS at least
-                trainer.run_for(PHASE_S / 3, "down", at_least=MISBEHAVING_ITERATIONS // 6)
+            for stretch in range(6):  # ~3 s, and MISBEHAVING_ITERATIONS at least
+                trainer.run_for(PHASE_S / 3, f"down{stretch}", at_least=MISBEHAVING_ITERATIONS // 6)
                 held.append(len(buffer))
             trainer.run_for(0.01, "up-again")
         finally:
             far_end.delay, far_end.status = 0.0, 200
             trainer.watch.close(timeout=10)
-        ratio = trainer.median("down") / trainer.median("up")
-        print(f"\n{misbehaviour}: median iteration {trainer.median('up') * 1e3:.2f} ms healthy, "
-              f"{trainer.median('down') * 1e3:.2f} ms misbehaving: ratio {ratio:.2f}; events held {held}, "
+        # The quickest of the six stretches: an agent that slowed training while the far end misbehaves slows
+        # every one of them, while another process's burst of work on these 2 cores (pytest runs two workers)
+        # slows a few: one such burst over the whole misbehaving phase once read 2.75x here.
+        stretches = [trainer.median(f"down{stretch}") / trainer.median("up") for stretch in range(6)]
+        ratio = min(stretches)
+        print(f"\n{misbehaviour}: median iteration {trainer.median('up') * 1e3:.2f} ms healthy; misbehaving, by "
+              f"stretch: {', '.join(f'{r:.2f}' for r in stretches)}x; events held {held}, "
               f"dropped {buffer.dropped}, send failures {sender.send_failures}")
         assert max(held) <= 64 and buffer.dropped > 0
         assert len(sender._outbox) <= 1  # one batch in flight at most, whatever the far end does
