@@ -74,7 +74,6 @@ def test_the_collector_process_gives_large_freed_buffers_back_to_the_system():
 
 _STORM = """
 import gc, json, sys
-from ampwatch.server import _gc
 thresholds, freeze_every_s = json.loads(sys.argv[1])
 gc.collect()
 gc.freeze()
@@ -83,9 +82,9 @@ BATCHES_PER_S = 2_000  # a whole-job storm at 1,024 ranks: every rank's news wit
 walked = []
 gc.callbacks.append(lambda phase, info: walked.append(len(gc.get_objects(0)))
                     if phase == "start" and info["generation"] == 0 else None)
-# Each rank's state: 40 tracked objects, replaced whole by its next batch, of which 5 outlive it (as history
-# entries do): CPython counts young allocations net of the objects freed, so 8 in 9 of what a batch makes
-# never moves that count (measured in the collector: 43,409 young objects when its count reached 5,000).
+# Each batch makes 42 tracked objects: the rank's new state (36), which frees its previous one, and 6 that
+# outlive it (as history entries do). CPython counts young allocations net of the objects freed, so only 1 in 7
+# of what a batch makes moves that count (in the collector: 43,409 young objects when it reached 5,000).
 states, history = {}, []
 for batch in range(40_000):
     state = [[batch] for _ in range(35)]
