@@ -138,9 +138,9 @@ def test_the_node_relay_posts_only_to_the_collectors_its_ranks_are_configured_fo
         with RecordingCollector() as elsewhere:
             def hand_over(url: str, run: str) -> bytes:
                 """Hand a batch to the relay as a rank does; return its answer (b"": it hung up)."""
-                with socket.socket(socket.AF_UNIX) as rank:
+                with socket.socket(socket.AF_UNIX) as rank, paths.address() as address:
                     rank.settimeout(30)
-                    rank.connect(paths.socket)
+                    rank.connect(address)
                     rank.sendall(encode_frame(url, json.dumps(make_batch(**_process(run))).encode()))
                     return rank.recv(REPLY_HEAD.size + 4096)
             # A local process naming another URL: dropped, nothing posted anywhere.

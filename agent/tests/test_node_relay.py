@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+from ampwatch.agent._relay import SOCKET_PATH_MAX
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.delivery_harness import make_sender
 from ampwatch_support.exposition import value
@@ -28,8 +32,26 @@ def _requests_and_batches(url: str) -> tuple[float, float]:
             value(text, "ampwatch_collector_batches_applied_total"))
 
 
-def test_two_ranks_in_one_process_share_one_relay_and_every_skip_arrives_once(tmp_path):
-    relay_dir = tmp_path / "relay"
+@pytest.fixture(params=["short", "long"])
+def relay_dir(request, tmp_path):
+    """A relay directory whose socket path fits a Unix socket address, and one whose path is longer than it holds.
+
+    pytest's ``tmp_path`` is of either kind, depending on the test's name and how many runs the machine kept: CI's
+    ``/tmp/pytest-of-root/pytest-100/popen-gw0/test_two_ranks_in_one_process_0/relay`` is the long kind.
+    """
+    if request.param == "long":
+        directory = tmp_path / ("deep-" * 20) / "relay"
+        assert len(os.fsencode(directory)) + 30 > SOCKET_PATH_MAX
+        yield directory
+        return
+    short = tempfile.mkdtemp(prefix="aw", dir="/tmp")
+    try:
+        yield Path(short) / "relay"
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_two_ranks_in_one_process_share_one_relay_and_every_skip_arrives_once(tmp_path, relay_dir):
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         # A 1 s push interval: the relay holds a heartbeat up to 1 s for the other rank's to join. At 50 ms
         # (a 50 ms hold) the two ranks' batches often missed each other on a loaded machine.

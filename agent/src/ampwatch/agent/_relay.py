@@ -13,6 +13,8 @@ for itself.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -45,6 +47,7 @@ FRAME_HEAD = struct.Struct("!HI")  # a rank's hand-over: URL length, body length
 REPLY_HEAD = struct.Struct("!I")   # the relay's answer: length of a JSON {"status", "detail", "retry_after"}
 MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"]
 V1_RECHECK = 300.0  # seconds: how long a collector that refused v2 gets v1 before the relay tries v2 again
+SOCKET_PATH_MAX = 107  # bytes of path a Unix socket address holds (Linux's sun_path is 108, with the NUL)
 
 
 def relay_wait(config: AgentConfig, body: bytes) -> float:
@@ -73,6 +76,26 @@ class RelayPaths:
         self.directory = directory
         self.socket = os.path.join(directory, key + ".sock")
         self.lock = os.path.join(directory, key + ".lock")
+
+    @contextlib.contextmanager
+    def address(self) -> Iterator[str]:
+        """Yield a name for the socket that ``bind()`` and ``connect()`` take, however long the directory's path.
+
+        A Unix socket's address holds at most :data:`SOCKET_PATH_MAX` bytes (a deep ``tmp_path`` or home
+        directory passes it). A longer path is reached through a descriptor of the directory,
+        ``/proc/self/fd/N/<key>.sock`` (Linux), which names the same file; where there is no ``/proc``, OSError says so.
+        """
+        if len(os.fsencode(self.socket)) <= SOCKET_PATH_MAX:
+            yield self.socket
+            return
+        if not os.path.isdir("/proc/self/fd"):
+            raise OSError(errno.ENAMETOOLONG, f"the relay socket's path is longer than a Unix socket address holds "
+                          f"({SOCKET_PATH_MAX} bytes): set AMPWATCH_RELAY_DIR to a shorter directory", self.socket)
+        fd = os.open(self.directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield f"/proc/self/fd/{fd}/{os.path.basename(self.socket)}"
+        finally:
+            os.close(fd)
 
 
 def relay_paths(config: AgentConfig, identity: Identity) -> RelayPaths:
@@ -154,7 +177,8 @@ class NodeRelay:
                 os.unlink(paths.socket)  # left by a relay that died: the lock says nobody serves it
             except FileNotFoundError:
                 pass
-            listener.bind(paths.socket)
+            with paths.address() as address:
+                listener.bind(address)
             os.chmod(paths.socket, 0o600)
             listener.listen(64)
             listener.setblocking(False)

@@ -113,7 +113,8 @@ class NodeChannel:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(1.0)
-            conn.connect(self._paths.socket)
+            with self._paths.address() as address:
+                conn.connect(address)
         except OSError:  # no relay yet, or one that died and left its socket file
             conn.close()
             return None
