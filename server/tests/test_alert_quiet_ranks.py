@@ -10,8 +10,8 @@ from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals
-from ampwatch.server.alerting.conditions import (evaluate, held_back, rank_alerts, rank_facts, run_alerts_of,
-                                                spoken_key)
+from ampwatch.server.alerting.conditions import evaluate, held_back, rank_alerts, rank_facts, run_alerts_of
+from ampwatch.server.alerting.rank_conditions import spoken_key
 from ampwatch.server.alerting.history import HistoryLayout, RankHistory
 
 LAYOUT = HistoryLayout(T)
@@ -177,7 +177,8 @@ def test_a_young_ranks_first_batch_counts_against_its_origin_until_the_window_pa
 
 @pytest.mark.parametrize("seed", range(3))
 def test_each_run_conditions_idle_fact_is_what_its_fact_reads_of_a_quiet_rank(seed):
-    from ampwatch.server.alerting.conditions import RUN_CONDITIONS, RankReading
+    from ampwatch.server.alerting.rank_conditions import RankReading
+    from ampwatch.server.alerting.run_conditions import RUN_CONDITIONS
     rng = random.Random(seed)
     histories = []
     for r in range(12):

@@ -31,7 +31,7 @@ def test_forgetting_an_expired_rank_resolves_its_alerts():
 
 
 def test_evaluating_one_rank_changes_only_its_alerts_and_nothing_stays_indexed_once_all_resolved():
-    from ampwatch.server.alerting.conditions import ActiveAlert
+    from ampwatch.server.alerting.rank_conditions import ActiveAlert
     from ampwatch.server.alerting.states import AlertStates
 
     def active(rank: int, name: str = "AmpConsecutiveSkippedSteps", for_s: float = 0.0) -> ActiveAlert:

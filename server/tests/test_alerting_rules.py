@@ -24,12 +24,12 @@ def _prometheus_alerts() -> dict[str, list[dict]]:
 
 
 def test_the_rules_define_every_alert_and_each_has_a_condition_in_both_evaluators():
-    from ampwatch.server.alerting import conditions
+    from ampwatch.server.alerting import rank_conditions, run_conditions
     # A run-wide alert that speaks for a per-rank one has its condition from that one's, in both evaluators.
     speakers = set(SPEAKERS.values())
     assert list(_prometheus_alerts()) == list(ALERT_NAMES) and set(rules.CONDITIONS) == set(ALERT_NAMES) - speakers
-    assert set(conditions.RANK_CONDITIONS) | set(conditions.RUN_CONDITIONS) == set(ALERT_NAMES)
-    source = open(conditions.__file__).read()
+    assert set(rank_conditions.RANK_CONDITIONS) | set(run_conditions.RUN_CONDITIONS) == set(ALERT_NAMES)
+    source = open(rank_conditions.__file__).read() + open(run_conditions.__file__).read()
     assert all(f'"{name}"' in source for name in set(ALERT_NAMES) - speakers)  # the built-in conditions name each
 
 

@@ -1,7 +1,8 @@
 """Every ampwatch alert, defined once: what both evaluators (Prometheus rules, the collector) share.
 
 An alert's *condition* is code in each evaluator (a PromQL expression in
-``ampwatch.dashboards.rules``, Python in ``ampwatch.server.alerting.conditions``);
+``ampwatch.dashboards.rules``, Python in ``ampwatch.server.alerting.rank_conditions``
+and ``run_conditions``);
 everything else is here: its name, the labels it carries, its severities, its
 ``for:`` window, the thresholds its condition reads, the window it looks back
 over and the counters it compares there (names from :mod:`ampwatch.contract.counters`),

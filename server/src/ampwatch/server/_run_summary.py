@@ -22,7 +22,7 @@ from ampwatch.contract.thresholds import AlertThresholds
 from ._floats import wire_float
 from ._run_scale import lower_median
 from ._state import RankState, RankView
-from .alerting.conditions import usable_scale
+from .alerting.rank_conditions import usable_scale
 from .alerting.evaluator import BuiltinAlerts
 
 __all__ = ["REASONS", "firing_of", "summary_page", "trouble_rows"]

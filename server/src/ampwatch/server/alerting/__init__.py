@@ -1,7 +1,8 @@
 """The collector's built-in alerts, one job per module.
 
-- ``conditions``: when each alert holds, one function per alert, from per-rank snapshots and histories (as the
-  Prometheus rules compute it);
+- ``rank_conditions`` and ``run_conditions``: when each alert holds, one function per alert, of one rank or judged
+  across a run, from per-rank snapshots and histories (as the Prometheus rules compute it);
+- ``conditions``: the pass over both, each rank read once, the per-rank alerts a run-wide one speaks for held back;
 - ``annotations``: each alert's summary, description and runbook link, filled in for one instance;
 - ``states``: the state machine: pending, firing (after ``for``), resolved;
 - ``history``: :class:`~.history.RankHistory`, the counters of one rank's recent past the windows read, laid out

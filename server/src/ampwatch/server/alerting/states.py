@@ -7,7 +7,7 @@ import dataclasses
 from typing import AbstractSet, Callable, Iterable, Optional
 
 from .alert import Alert
-from .conditions import ActiveAlert
+from .rank_conditions import ActiveAlert
 from .fired import FiredAlerts
 
 __all__ = ["AlertStates"]

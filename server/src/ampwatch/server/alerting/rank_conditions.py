@@ -1,0 +1,180 @@
+"""When each alert of one rank holds: one function per alert, in :data:`RANK_CONDITIONS`, as the Prometheus rules say.
+
+Pure: thresholds come in as an ``ampwatch.contract.thresholds.AlertThresholds``
+(the one config the rules are generated from), each alert's name, severities,
+``for:``, texts, window and the counters it reads from ``ampwatch.contract.alerts``;
+times are plain Unix seconds passed in by the caller.
+
+A windowed condition (``increase(x[w])`` in PromQL) compares a rank's current snapshot with its
+counters one window ago, ``r.since(name)``, which answers only for the counters the definition
+declares; which ranks the periodic pass reads in full follows from those declarations
+(:meth:`~.history.RankHistory.quiet`), never from this module. Alerts judged across a run are in
+:mod:`.run_conditions`; the pass over both, in :mod:`.conditions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Mapping, Optional
+
+from ampwatch.contract.alerts import ALERTS
+from ampwatch.contract.thresholds import AlertThresholds
+
+from .._state import RankSnapshot
+from .annotations import AlertTexts
+from .history import Baseline, RankHistory
+
+__all__ = ["ActiveAlert", "Finding", "RankReading", "RANK_CONDITIONS", "SEVERITY", "make_alert", "built", "spoken_key",
+           "usable_scale"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ActiveAlert:
+    """A condition that holds now; the state machine applies its ``for_s`` before it fires."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+    for_s: float
+    annotations: Mapping[str, str]
+    key: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    """The identity of the alert, ``(name, frozenset of its labels)``, made once: a pass in a whole-job storm
+    asks for it several times for each of thousands of alerts (a set needs no sorting of the labels)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.name, frozenset(self.labels.items())))
+
+    @property
+    def group(self) -> tuple:
+        """Return the evaluation group that produced it: ``(run, rank)`` or ``(run,)`` (alerts judged across a run)."""
+        run = self.labels["run"]
+        if "rank" in self.labels and ALERTS[self.name].scope != "host":
+            return (run, self.labels["rank"])
+        return (run,)
+
+
+class RankReading:
+    """One rank as the conditions read it at ``now``: its latest snapshot and, per alert, its baseline one window ago.
+
+    ``still``: the rank is quiet (:meth:`~.history.RankHistory.quiet`), so each window's baseline is its
+    latest moment, read without a search.
+    """
+
+    __slots__ = ("history", "current", "now", "still")
+
+    def __init__(self, history: RankHistory, now: float, still: bool = False) -> None:
+        self.history, self.now, self.still = history, now, still
+        self.current: RankSnapshot = history.current  # type: ignore[assignment]  # a read history has recorded
+
+    def since(self, alert: str) -> Baseline:
+        """Return the rank one window of ``alert`` before now (it answers for the counters ``alert`` declares)."""
+        return self.history.since(alert, self.now, self.still)
+
+
+SEVERITY = {(name, level): d.severity(level).level for name, d in ALERTS.items()
+             for level in (*(s.level for s in d.severities), *((None,) if len(d.severities) == 1 else ()))}
+"""``(alert, level)`` -> its severity label (level None: an alert's only one), looked up once per alert held."""
+
+Finding = tuple[str, Optional[str], Optional[str], float]
+"""An instance of a rank's alert that holds, not built yet: ``(alert name, optimizer (None: an alert of the
+rank), level (None: the alert's only severity), value)``. The periodic pass builds an :class:`ActiveAlert` only for
+those no run-wide alert speaks for: in a whole-job storm, a handful instead of several per rank."""
+
+
+def make_alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Optional[str] = None) -> ActiveAlert:
+    """The :class:`ActiveAlert` ``name`` that holds with ``labels`` (its severity label added: ``level``'s)."""
+    definition = ALERTS[name]
+    labels["severity"] = SEVERITY[name, level]
+    return ActiveAlert(name=name, labels=labels, value=value, for_s=definition.for_seconds(t),
+                       annotations=AlertTexts(name, labels, value, t, level))
+
+
+def built(cur: RankSnapshot, finding: Finding, t: AlertThresholds) -> ActiveAlert:
+    """The :class:`ActiveAlert` of one of ``cur``'s findings (labels: run, rank, and its optimizer if any)."""
+    name, optimizer, level, value = finding
+    labels = {"run": cur.run, "rank": str(cur.rank)}
+    if optimizer is not None:
+        labels["optimizer"] = optimizer
+    return make_alert(name, labels, value, t, level)
+
+
+def spoken_key(a: ActiveAlert) -> tuple:
+    """The identity of a per-rank alert as the pass holds it back (:func:`~.conditions.evaluate_with_facts`'s keys):
+    ``(name, run, rank, optimizer or None, severity label)``, made without building the alert."""
+    return a.name, a.labels["run"], int(a.labels["rank"]), a.labels.get("optimizer"), a.labels["severity"]
+
+
+def _streak(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+    """Each streak alert that holds: per optimizer and severity, the current streak."""
+    cur, base = r.current, r.since("AmpConsecutiveSkippedSteps")
+    for opt_name in cur.optimizers:
+        streak = cur.consecutive_skipped.get(opt_name, 0)
+        for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
+            threshold = getattr(t, severity.threshold)
+            # A streak that reached the threshold and ended between two batches shows only in the ladder.
+            if base.rose("streaks_reached", opt_name, threshold) or (streak >= threshold and not cur.closed):
+                yield "AmpConsecutiveSkippedSteps", opt_name, severity.level, streak
+
+
+def _skip_ratio(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+    cur, base = r.current, r.since("AmpHighSkippedStepRatio")
+    for opt_name, opt in cur.optimizers.items():
+        skipped = opt.skipped - base.count("skipped", opt_name)
+        calls = skipped + opt.steps - base.count("steps", opt_name)
+        if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
+            yield "AmpHighSkippedStepRatio", opt_name, None, skipped / calls
+
+
+def _rose_per_optimizer(name: str, counter: str) -> Callable[[RankReading, AlertThresholds], Iterable[Finding]]:
+    """The condition of an alert that holds while an optimizer's ``counter`` rose within its window."""
+    def condition(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+        cur, base = r.current, r.since(name)
+        for opt_name, opt in cur.optimizers.items():
+            if base.rose(counter, opt_name):
+                yield name, opt_name, None, getattr(opt, counter)
+    return condition
+
+
+def _conflict(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+    if r.since("AmpRankConflict").rose("conflicts"):
+        yield "AmpRankConflict", None, None, r.current.conflicts
+
+
+def usable_scale(scale: float, t: AlertThresholds) -> bool:
+    """Return whether a loss scale still works: finite and at least ``collapsed_loss_scale``.
+
+    Below it (0 included) gradients are no longer scaled up; NaN and +Inf scale every loss to a
+    non-finite one, so every step skips and backoffs cannot bring the scale back.
+    """
+    return t.collapsed_loss_scale <= scale < math.inf
+
+
+# The conditions without a window run for every rank at every pass: plain lists, not generators.
+def _collapsed(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+    cur = r.current
+    # A rank that closed cleanly is finished: its last scale is not trouble.
+    if not cur.closed and cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
+        return [("AmpLossScaleCollapsed", None, None, cur.loss_scale)]
+    return ()
+
+
+def _silent(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+    cur = r.current
+    silent_for = r.now - cur.last_seen
+    if not cur.closed and silent_for > t.silent_after_s:
+        return [("AmpRankSilent", None, None, silent_for)]
+    return ()
+
+
+RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Finding]]] = {
+    "AmpConsecutiveSkippedSteps": _streak,
+    "AmpLossScaleCollapsed": _collapsed,
+    "AmpHighSkippedStepRatio": _skip_ratio,
+    "AmpRankSilent": _silent,
+    "AmpSchedulerStepsOnSkipped": _rose_per_optimizer("AmpSchedulerStepsOnSkipped", "scheduler_steps_after_skip"),
+    "AmpPoisonedStep": _rose_per_optimizer("AmpPoisonedStep", "poisoned_steps"),
+    "AmpRankConflict": _conflict,
+}
+"""The condition of each alert of one rank (scope ``optimizer`` or ``rank``): the instances that hold now, as
+:data:`Finding` s."""
