@@ -169,6 +169,19 @@ def test_a_re_render_keeps_each_hand_written_block_in_its_place(tmp_path):
     anchor_line = lines[anchor]
     lines[anchor + 1:anchor + 1] = _block("after_line", "Kept after the table's first line.") + \
         _block("neighbour", "Kept right after the block before it.")
+    # after_caption: after a result's caption as an earlier run dated it (a re-measured result's caption changes);
+    # after_third: after the third of identical lines in its section (a table's separator row).
+    fleet_heading = next(line for line in lines if line.startswith("## 9. "))
+    fleet = lines.index(fleet_heading)
+    caption = next(k for k in range(fleet, len(lines)) if lines[k].startswith("`python -m bench.experiments.fleet "))
+    caption_line = lines[caption]
+    assert ", 2026-" in caption_line
+    lines[caption] = caption_line.replace(", 2026-", ", 2025-", 1)
+    lines[caption + 1:caption + 1] = _block("after_caption", "Kept after the re-measured result's caption.")
+    separators = [k for k in range(fleet, len(lines)) if lines[k] == "|---|---|---|" and _section_of(lines, k) ==
+                  fleet_heading]
+    assert len(separators) >= 4
+    lines[separators[2] + 1:separators[2] + 1] = _block("after_third", "Kept after the third separator.")
     overhead = lines.index("## 1. Agent overhead per training iteration")
     lines[overhead + 2] += " (edited by hand)"
     lines[overhead + 3:overhead + 3] = ["", *_block("at_end", "Kept at the end of section 1."), ""]
@@ -179,7 +192,12 @@ def test_a_re_render_keeps_each_hand_written_block_in_its_place(tmp_path):
     again = page.read_text()
     new = again.split("\n")
     assert "## 99. A section no render makes" not in new and "(edited by hand)" not in again
-    assert [b.name for b in blocks(again)] == ["at_end", "after_line", "neighbour", "orphan"]
+    assert [b.name for b in blocks(again)] == ["at_end", "after_line", "neighbour", "after_caption", "after_third",
+                                               "orphan"]
+    assert new[new.index("<!-- hand-written: after_caption -->") - 2] == caption_line
+    third = new.index("<!-- hand-written: after_third -->")
+    assert new[third - 2] == "|---|---|---|" and _section_of(new, third) == fleet_heading
+    assert sum(line == "|---|---|---|" for line in new[new.index(fleet_heading):third]) == 3
     start = new.index("<!-- hand-written: after_line -->")
     assert new[start - 2] == anchor_line and new[start + 4] == "<!-- hand-written: neighbour -->"
     assert _section_of(new, start) == "## 3. Scrape cost"
