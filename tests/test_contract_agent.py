@@ -15,7 +15,8 @@ from ampwatch import agent
 from ampwatch.contract.batch import (EVENTS, STAMPED, DeliveryCounters, OptimizerCounters, ParamCount, RankState,
                                      fields, required)
 from ampwatch.contract.protocol import STREAK_LADDER
-from ampwatch.server._schema import Batch, parse_batch
+from ampwatch.server._batch_parse import parse_batch
+from ampwatch.server._schema import Batch
 
 
 def _nan_in_second_then_clip_all(model, scaler, opt_a, opt_b) -> None:

@@ -34,7 +34,7 @@ def _child(ranks: int) -> dict[str, float]:
     from ampwatch.server._app import create_app
     from ampwatch.server._config import ServerConfig
     from ampwatch.server._metrics import Exposition
-    from ampwatch.server._schema import parse_batch
+    from ampwatch.server._batch_parse import parse_batch
     from ampwatch.server._state import RankState, next_incarnation
 
     with tempfile.TemporaryDirectory() as tmp, \

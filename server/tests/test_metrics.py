@@ -131,7 +131,7 @@ def _hold_ranks(state, ranks: int) -> None:
     """Put ``ranks`` ranks of run exp-42 straight into the state (HTTP posts would only slow a test down)."""
     import time
 
-    from ampwatch.server._schema import parse_batch
+    from ampwatch.server._batch_parse import parse_batch
     from ampwatch.server._state import RankState, next_incarnation
     for rank in range(ranks):
         batch = parse_batch(json.dumps(make_batch(
@@ -274,7 +274,7 @@ def test_a_render_after_some_ranks_changed_equals_a_fresh_render_and_shows_their
     import time
 
     from ampwatch.server._metrics import Exposition
-    from ampwatch.server._schema import parse_batch
+    from ampwatch.server._batch_parse import parse_batch
     from ampwatch.server._state import next_incarnation
 
     state, own = client.app.state.collector_state, client.app.state.own

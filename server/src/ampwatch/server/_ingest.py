@@ -21,7 +21,9 @@ from ._config import ServerConfig
 from ._metrics import SelfMetrics
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
-from ._schema import LARGE_BODY_BYTES, Batch, BatchError, parse_batch, parse_large_batch, stored_event
+from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
+from ._schema import Batch
+from ._stored_form import stored_event
 from ._state import CollectorState, Incarnation, LimitExceeded, RankState, next_incarnation
 from ._store import Store, StoreClosed
 

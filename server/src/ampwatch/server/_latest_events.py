@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._rank_ranges import rank_ranges
-from ._schema import event_of_row
+from ._stored_form import event_of_row
 
 __all__ = ["GROUP_FROM", "STORM_KINDS", "collapse"]
 

@@ -13,7 +13,7 @@ from ._latest_events import collapse
 from ._recovery import load_ranks
 from ._run_scale import WINDOWS, run_scale, traces
 from ._run_summary import firing_of, summary_page, trouble_rows
-from ._schema import event_of_row, wire_document
+from ._stored_form import event_of_row, wire_document
 from ._floats import wire_float
 from ._state import RankState
 from ._view_cache import ViewCache

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 import msgspec
 
 from ._scale_trace import ScaleTrace
-from ._schema import Batch, SkipEvent, encode_batch_state, parse_batch
+from ._batch_parse import parse_batch
+from ._schema import Batch, SkipEvent
+from ._stored_form import encode_batch_state
 from ._totals import OptimizerTotals, RankTotals
 
 if TYPE_CHECKING:
