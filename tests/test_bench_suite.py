@@ -253,3 +253,13 @@ def test_a_before_side_runs_the_earlier_commits_collector_and_a_side_that_did_no
     assert ingest_cpu._side(4, 1, None)["server"].startswith(ROOT)
     with pytest.raises(RuntimeError, match="the before side imported the collector from"):
         checked_side({"server": os.path.join(ROOT, "server", "src", "ampwatch", "server", "__init__.py")}, path)
+
+
+def test_the_scrape_summary_says_slower_where_the_collector_is_slower_than_the_pushgateway():
+    from bench.report import scrape
+    levels = [{"target": "ampwatch", "ranks": 1024, "scrape_median_ms": 78.0, "bytes": 2_200_000},
+              {"target": "pushgateway", "ranks": 1024, "scrape_median_ms": 49.8, "bytes": 3_200_000},
+              {"target": "ampwatch", "ranks": 4096, "scrape_median_ms": 103.9, "bytes": 8_700_000},
+              {"target": "pushgateway", "ranks": 4096, "scrape_median_ms": 304.2, "bytes": 13_000_000}]
+    rows = scrape.summary_rows({"levels": levels})
+    assert rows[0].endswith("| 1.6x slower |") and rows[1].endswith("| 2.9x faster |")

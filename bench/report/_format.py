@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-__all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows"]
+__all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows", "speed_beside"]
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -37,6 +37,13 @@ def ratio(a: Optional[float], b: Optional[float], digits: int = 1) -> str:
     if not a or not b:
         return "-"
     return f"{a / b:,.{digits}f}x"
+
+
+def speed_beside(ours: Optional[float], theirs: Optional[float]) -> str:
+    """How our time compares with theirs, as ``2.7x faster`` or ``1.6x slower`` (``-`` when either is missing)."""
+    if not ours or not theirs:
+        return "-"
+    return f"{ratio(theirs, ours)} faster" if ours <= theirs else f"{ratio(ours, theirs)} slower"
 
 
 SIDES = ("before", "after")

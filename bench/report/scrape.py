@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.report._format import beside_pushgateway, find, fmt, ratio
+from bench.report._format import beside_pushgateway, find, fmt, speed_beside
 
 __all__ = ["section", "summary_rows"]
 
@@ -22,7 +22,7 @@ def summary_rows(sc: dict) -> list[str]:
     """The summary's rows: scrape time and size, and memory per rank, each beside the Pushgateway's."""
     out = [f"| /metrics at {ranks:,} ranks x 2 optimizers: ms (MB) | {fmt(a['scrape_median_ms'])} "
            f"({a['bytes'] / 1e6:.1f}) | Pushgateway {fmt(p['scrape_median_ms'])} "
-           f"({p['bytes'] / 1e6:.1f}) | {ratio(p['scrape_median_ms'], a['scrape_median_ms'])} faster |"
+           f"({p['bytes'] / 1e6:.1f}) | {speed_beside(a['scrape_median_ms'], p['scrape_median_ms'])} |"
            for ranks, a, p in beside_pushgateway(sc["levels"])]
     a = find(sc["levels"], target="ampwatch", ranks=4096) or find(sc["levels"], target="ampwatch", ranks=1024)
     if a and a.get("rss_kib_per_rank") is not None:
