@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-__all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows", "speed_beside"]
+__all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows",
+           "speed_beside"]
 
 
 def fmt(value: Any, digits: int = 1) -> str:
