@@ -35,7 +35,8 @@ def _child(ranks: int) -> dict[str, float]:
     from ampwatch.server._config import ServerConfig
     from ampwatch.server._metrics import Exposition
     from ampwatch.server._batch_parse import parse_batch
-    from ampwatch.server._state import RankState, next_incarnation
+    from ampwatch.server._incarnation import next_incarnation
+    from ampwatch.server._state import RankState
 
     with tempfile.TemporaryDirectory() as tmp, \
             TestClient(create_app(ServerConfig(db=f"{tmp}/r.db", allowed_hosts=("testserver",)))) as client:

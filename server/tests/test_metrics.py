@@ -132,7 +132,8 @@ def _hold_ranks(state, ranks: int) -> None:
     import time
 
     from ampwatch.server._batch_parse import parse_batch
-    from ampwatch.server._state import RankState, next_incarnation
+    from ampwatch.server._incarnation import next_incarnation
+    from ampwatch.server._state import RankState
     for rank in range(ranks):
         batch = parse_batch(json.dumps(make_batch(
             rank=rank, world_size=ranks, incarnation=f"{rank:032x}",
@@ -275,7 +276,7 @@ def test_a_render_after_some_ranks_changed_equals_a_fresh_render_and_shows_their
 
     from ampwatch.server._metrics import Exposition
     from ampwatch.server._batch_parse import parse_batch
-    from ampwatch.server._state import next_incarnation
+    from ampwatch.server._incarnation import next_incarnation
 
     state, own = client.app.state.collector_state, client.app.state.own
     _hold_ranks(state, 200)

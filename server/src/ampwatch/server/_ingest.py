@@ -24,7 +24,8 @@ from ._recovery import load_ranks
 from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
 from ._schema import Batch
 from ._stored_form import stored_event
-from ._state import CollectorState, Incarnation, LimitExceeded, RankState, next_incarnation
+from ._incarnation import Incarnation, next_incarnation
+from ._state import CollectorState, LimitExceeded, RankState
 from ._store import Store, StoreClosed
 
 __all__ = ["IngestService"]

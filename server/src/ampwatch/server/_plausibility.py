@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ._state import Incarnation, RankView
+from ._incarnation import Incarnation
+from ._state import RankView
 from ._totals import OptimizerTotals, RankTotals
 
 __all__ = ["implausible_rise", "CLOCK_SKEW_S", "FIRST_BATCH_SPAN_S", "FLOOR_S"]
@@ -41,7 +42,7 @@ def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, r
                      rank: Optional[RankView] = None) -> Optional[str]:
     """Return why ``new.batch`` (the next of process ``old``, or its first) is implausible, else None.
 
-    ``new`` is :func:`~._state.next_incarnation` of ``old`` and the batch, so its counters are the batch's
+    ``new`` is :func:`~._incarnation.next_incarnation` of ``old`` and the batch, so its counters are the batch's
     counted once for both: the batch's own, none lower than ``old``'s. A counter the batch lowered rises
     by 0 here, which the bound (always above 0) never refuses, as it would not refuse a fall.
     ``rank``: the rank's view before the batch, whose totals over every process are bounded too.

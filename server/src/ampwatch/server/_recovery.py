@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ._state import Incarnation, RankState
+from ._incarnation import Incarnation
+from ._state import RankState
 from ._store import Store
 
 __all__ = ["load_ranks", "stored_ranks", "delete_history_job"]

@@ -1,0 +1,115 @@
+"""One agent process's record of a rank (an incarnation): applying a batch to it, and its database row.
+
+Pure: :func:`next_incarnation` builds the record after a batch from the one before it (counters never go
+down, events already applied are skipped); :meth:`Incarnation.to_row` and :meth:`Incarnation.from_row` are the
+row the store keeps and recovery reads back. What a rank shows across its incarnations is in :mod:`._state`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+import msgspec
+
+from ._batch_parse import parse_batch
+from ._schema import Batch, SkipEvent
+from ._stored_form import encode_batch_state
+from ._totals import OptimizerTotals, RankTotals
+
+__all__ = ["Incarnation", "next_incarnation"]
+
+# The database keeps a process's counters as {"": rank counters, optimizer: its counters} (optimizer names are
+# never empty); this is the one place that knows.
+_RANK_KEY = ""
+_NO_OPTIMIZER = OptimizerTotals()
+
+
+@dataclasses.dataclass(slots=True)
+class Incarnation:
+    """The last applied state of one agent process of a rank."""
+
+    id: str
+    first_seen: float
+    last_seen: float
+    last_seq: int
+    max_event_id: int
+    closed: bool
+    batch: Batch  # the last applied batch, for gauges and identity (its events are not used)
+    totals: RankTotals  # cumulative, never lower than a previously applied value (a buggy agent cannot undo)
+    optimizers: dict[str, OptimizerTotals]  # likewise, per optimizer
+    longest: dict[str, int]
+    nonfinite: dict[str, tuple[int, str]]  # optimizer -> (event id, latest offending parameter)
+    displaced: Optional[str] = None
+    """The incarnation that was the rank, live (not closed, seen within --silent-after), when this one appeared:
+    a restart after a crash, or a second process claiming the rank; which one, that process's next batch tells."""
+    conflict_with: Optional[str] = None
+    """Set once the displaced incarnation sent again (two processes claim the rank): this one is then never again
+    the rank's current process, gauges or liveness, and its later batches are refused; what it counted before
+    stays in the totals (exposed counters never go down)."""
+
+    def to_row(self, batch_json: Optional[str] = None) -> dict:
+        """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
+        # Re-serialising the batch was a tenth of the ingest CPU; an event-free body restores to the same model.
+        counters = {_RANK_KEY: self.totals.to_json(), **{name: t.to_json() for name, t in self.optimizers.items()}}
+        return {"incarnation": self.id, "first_seen": self.first_seen, "last_seen": self.last_seen,
+                "last_seq": self.last_seq, "max_event_id": self.max_event_id, "closed": int(self.closed),
+                "batch": batch_json or encode_batch_state(self.batch),
+                "counters": msgspec.json.encode({"counters": counters, "longest": self.longest,
+                                                 "nonfinite": self.nonfinite, **self._claims()}).decode()}
+
+    def _claims(self) -> dict[str, str]:
+        # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
+        return {k: v for k, v in (("displaced", self.displaced), ("conflict_with", self.conflict_with)) if v}
+
+    @classmethod
+    def from_row(cls, row: dict) -> "Incarnation":
+        """Rebuild from :meth:`to_row` output."""
+        extra = json.loads(row["counters"])
+        counters = extra["counters"]
+        return cls(id=row["incarnation"], first_seen=row["first_seen"], last_seen=row["last_seen"],
+                   last_seq=row["last_seq"], max_event_id=row["max_event_id"], closed=bool(row["closed"]),
+                   batch=parse_batch(row["batch"]),
+                   totals=RankTotals.from_json(counters.get(_RANK_KEY, {})),
+                   optimizers={name: OptimizerTotals.from_json(values) for name, values in counters.items()
+                               if name != _RANK_KEY},
+                   longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()},
+                   displaced=extra.get("displaced"), conflict_with=extra.get("conflict_with"))
+
+
+def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int,
+                     displaced: Optional[str] = None) -> Incarnation:
+    """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed).
+
+    ``displaced``: for a new incarnation, the live incarnation it found as the rank (see ``Incarnation``).
+    """
+    state = batch.state
+    totals = RankTotals.of(state)
+    optimizers = {name: OptimizerTotals.of(values) for name, values in state.optimizers.items()}
+    longest = {name: values.longest_streak for name, values in state.optimizers.items()}
+    nonfinite: dict[str, tuple[int, str]] = {}
+    max_event_id = 0
+    closed = batch.closed
+    if old is not None:
+        totals = totals.at_least(old.totals)
+        for name, values in old.optimizers.items():
+            optimizers[name] = optimizers.get(name, _NO_OPTIMIZER).at_least(values)
+        for name, value in old.longest.items():
+            longest[name] = max(longest.get(name, 0), value)
+        nonfinite.update(old.nonfinite)
+        max_event_id = old.max_event_id
+        closed = closed or old.closed
+    newest = max_event_id
+    for event in batch.events:
+        if event.id <= max_event_id:
+            continue  # already applied (a reordered or repeated batch); the store ignores it too
+        newest = event.id
+        if isinstance(event, SkipEvent) and event.params:
+            nonfinite[event.optimizer] = (event.id, event.params[0].name[:max_label_length])
+        elif event.kind == "close":
+            closed = True
+    return Incarnation(id=batch.incarnation, first_seen=old.first_seen if old else now, last_seen=now,
+                       last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch, totals=totals,
+                       optimizers=optimizers, longest=longest, nonfinite=nonfinite,
+                       displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None)
