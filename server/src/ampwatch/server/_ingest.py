@@ -16,17 +16,17 @@ from typing import Any, Callable, Optional
 from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
 
 from ._access import bearer_matches
+from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
 from ._client_budget import ClientBudget
 from ._config import ServerConfig
+from ._incarnation import Incarnation, next_incarnation
 from ._metrics import SelfMetrics
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
-from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
 from ._schema import Batch
-from ._stored_form import stored_event
-from ._incarnation import Incarnation, next_incarnation
 from ._state import CollectorState, LimitExceeded, RankState
 from ._store import Store, StoreClosed
+from ._stored_form import stored_event
 
 __all__ = ["IngestService"]
 

@@ -12,8 +12,8 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 from .._state import RankSnapshot
 from .alert import Alert
 from .conditions import evaluate_with_facts, rank_alerts, unspoken_rank_alerts
-from .rank_conditions import spoken_key
 from .history import HistoryLayout, RankHistory
+from .rank_conditions import spoken_key
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
