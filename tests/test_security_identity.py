@@ -72,11 +72,12 @@ def test_a_forged_close_from_the_host_and_pid_the_read_api_shows_is_a_conflict_a
                                     optimizers={"gen": optimizer(steps=10)})).status_code == 200
     shown = _rank(client, "forged-close")
     assert "process_key" not in str(client.get("/v1/runs/forged-close").json())
-    # Everything the read API shows, and a fresh incarnation: taken for a restart at first.
+    # Everything the read API shows, and a fresh incarnation, but no process key: the rank has shown one, so
+    # the batch is kept as that process's history and never closes the rank (a keyed one: test_rank_ownership.py).
     forged = dict(run="forged-close", rank=3, world_size=8, host=shown["host"], pid=shown["pid"],
                   incarnation=uuid.uuid4().hex)
     assert _post(client, make_batch(**forged, seq=1, closed=True)).json() == {"applied": True}
-    assert _rank(client, "forged-close")["closed"] is True
+    assert _rank(client, "forged-close")["closed"] is False
     # The live process sends again: two processes claim the rank.
     assert _post(client, make_batch(**victim, seq=2, iteration=20,
                                     optimizers={"gen": optimizer(steps=20)})).json() == {"applied": True}

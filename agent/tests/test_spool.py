@@ -101,7 +101,8 @@ def test_a_live_process_spool_is_not_adopted_but_a_dead_ones_is(tmp_path):
     successor = SpoolOutbox(tmp_path, "c" * 32, max_bytes=1 << 20)
     head = successor.head()
     assert head is not None and (head.seq, head.run, head.rank) == (1, "r", 0)
-    assert head.load() == b'{"run": "r", "rank": 0}'
+    # Sent marked: another process's history, never a sign that it lives (docs/protocol.md#who-owns-a-rank).
+    assert head.replayed and head.load() == b'{"replayed":true,"run": "r", "rank": 0}'
     successor.pop()
     successor.close()
     assert list(tmp_path.iterdir()) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-__all__ = ["Pending", "MemoryOutbox"]
+__all__ = ["Pending", "MemoryOutbox", "REPLAYED"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -19,13 +19,22 @@ class Pending:
     body: bytes | None = None
     path: pathlib.Path | None = None
     size: int = 0
+    replayed: bool = False
+    """Another process's batch, adopted from its spool after it died: sent marked ``"replayed": true``, so the
+    collector keeps it as that process's history and never takes it for the process being alive."""
 
     def load(self) -> bytes:
-        """Return the encoded batch (read from the spool when it lives on disk)."""
+        """Return the encoded batch (read from the spool when it lives on disk), marked if ``replayed``."""
         if self.body is not None:
             return self.body
         assert self.path is not None
-        return self.path.read_bytes()
+        body = self.path.read_bytes()
+        # Every batch is a JSON object: the mark goes first, the rest byte for byte (its seq, its key, its events).
+        return REPLAYED + body[1:] if self.replayed and body[:1] == b"{" else body
+
+
+REPLAYED = b'{"replayed":true,'
+"""What a replayed batch's body starts with (docs/protocol.md#who-owns-a-rank)."""
 
 
 class MemoryOutbox:

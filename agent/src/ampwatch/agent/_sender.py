@@ -20,7 +20,7 @@ from ._fork import forget_in_forked_children
 from ._http import IngestClient, Outcome
 from ._identity import Identity
 from ._limits import COLLECTOR_DEFAULTS
-from ._outbox import MemoryOutbox, Pending
+from ._outbox import REPLAYED, MemoryOutbox, Pending
 from ._outcomes import DeliveryOutcomes
 from ._relay_channel import NodeChannel, RelayedClient
 from ._schedule import PushSchedule
@@ -30,7 +30,8 @@ __all__ = ["Sender"]
 
 log = logging.getLogger("ampwatch.agent")
 
-MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"]  # a batch is split to stay under a default collector's limit
+# A batch is split to stay under a default collector's limit, with room for the mark a replay adds (_outbox).
+MAX_BODY_BYTES = COLLECTOR_DEFAULTS["max_body_bytes"] - len(REPLAYED) + 1
 
 
 class Sender:

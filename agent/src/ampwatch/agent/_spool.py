@@ -114,7 +114,7 @@ class SpoolOutbox:
                     body = path.read_bytes()
                     header = json.loads(body)
                     pending = Pending(seq=seq, events=events, run=str(header["run"]),
-                                      rank=int(header["rank"]), path=path, size=len(body))
+                                      rank=int(header["rank"]), path=path, size=len(body), replayed=True)
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     log.warning("ampwatch: skipping unreadable spooled batch %s (%s)", path, exc)
                     continue

@@ -120,6 +120,9 @@ class ServerConfig:
                                                 "second of the agent's clock between two batches of one process "
                                                 "(plus a minute's worth; a first batch: a day's worth); 422 above. "
                                                 "Training loops count at most a few thousand per second (0: off)")
+    require_process_key: bool = _option(False, "refuse (422) batches without a process_key: agents before it, "
+                                               "whose ranks anyone holding the ingest token can speak for "
+                                               "(docs/security.md#what-a-token-holder-can-do-to-another-rank)")
     log_level: str = _option("info", "debug, info, warning or error")
     webhook: tuple[Target, ...] = _option(
         (), "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager webhook payload), "

@@ -41,13 +41,17 @@ class Incarnation:
     optimizers: dict[str, OptimizerTotals]  # likewise, per optimizer
     longest: dict[str, int]
     nonfinite: dict[str, tuple[int, str]]  # optimizer -> (event id, latest offending parameter)
-    displaced: Optional[str] = None
-    """The incarnation that was the rank, live (not closed, seen within --silent-after), when this one appeared:
-    a restart after a crash, or a second process claiming the rank; which one, that process's next batch tells."""
+    displaced: tuple[str, ...] = ()
+    """The live processes of the rank this one appeared beside (:func:`._ownership.beside`): a restart after a
+    crash, or a second process claiming the rank; which one, a displaced process's next batch of its own tells.
+    Kept for the incarnation's life (a claim does not lapse with the claimant's later batches)."""
     conflict_with: Optional[str] = None
-    """Set once the displaced incarnation sent again (two processes claim the rank): this one is then never again
+    """Set once a displaced incarnation sent again (two processes claim the rank): this one is then never again
     the rank's current process, gauges or liveness, and its later batches are refused; what it counted before
     stays in the totals (exposed counters never go down)."""
+    replayed_only: bool = False
+    """Every batch of it so far came from another process replaying a dead one's spool (``replayed``): the
+    rank's history, never its owner while a process that sent for itself is there."""
 
     def to_row(self, batch_json: Optional[str] = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
@@ -59,9 +63,10 @@ class Incarnation:
                 "counters": msgspec.json.encode({"counters": counters, "longest": self.longest,
                                                  "nonfinite": self.nonfinite, **self._claims()}).decode()}
 
-    def _claims(self) -> dict[str, str]:
+    def _claims(self) -> dict:
         # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
-        return {k: v for k, v in (("displaced", self.displaced), ("conflict_with", self.conflict_with)) if v}
+        return {k: v for k, v in (("displaced", list(self.displaced)), ("conflict_with", self.conflict_with),
+                                  ("replayed_only", self.replayed_only)) if v}
 
     @classmethod
     def from_row(cls, row: dict) -> "Incarnation":
@@ -75,14 +80,24 @@ class Incarnation:
                    optimizers={name: OptimizerTotals.from_json(values) for name, values in counters.items()
                                if name != _RANK_KEY},
                    longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()},
-                   displaced=extra.get("displaced"), conflict_with=extra.get("conflict_with"))
+                   displaced=_ids(extra.get("displaced")), conflict_with=extra.get("conflict_with"),
+                   replayed_only=extra.get("replayed_only", False))
+
+
+def _ids(stored: object) -> tuple[str, ...]:
+    """Read ``displaced`` back: a list of ids (a single id, or none, from collectors before the list)."""
+    if not stored:
+        return ()
+    return (stored,) if isinstance(stored, str) else tuple(stored)  # type: ignore[arg-type]
 
 
 def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int,
-                     displaced: Optional[str] = None) -> Incarnation:
+                     displaced: tuple[str, ...] = ()) -> Incarnation:
     """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed).
 
-    ``displaced``: for a new incarnation, the live incarnation it found as the rank (see ``Incarnation``).
+    ``displaced``: for a new incarnation, the live processes it appeared beside (see ``Incarnation``).
+    A ``replayed`` batch (another process sending a dead one's spool) says nothing of its process's life:
+    ``last_seen`` stays (a new incarnation's is the batch's own ``sent_at``, never after it arrived).
     """
     state = batch.state
     totals = RankTotals.of(state)
@@ -109,7 +124,12 @@ def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_l
             nonfinite[event.optimizer] = (event.id, event.params[0].name[:max_label_length])
         elif event.kind == "close":
             closed = True
-    return Incarnation(id=batch.incarnation, first_seen=old.first_seen if old else now, last_seen=now,
+    if not batch.replayed:
+        last_seen = now
+    else:
+        last_seen = old.last_seen if old else min(batch.sent_at, now)
+    return Incarnation(id=batch.incarnation, first_seen=old.first_seen if old else now, last_seen=last_seen,
                        last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch, totals=totals,
                        optimizers=optimizers, longest=longest, nonfinite=nonfinite,
-                       displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None)
+                       displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None,
+                       replayed_only=batch.replayed and (old is None or old.replayed_only))

@@ -21,6 +21,7 @@ from ._client_budget import ClientBudget
 from ._config import ServerConfig
 from ._incarnation import Incarnation, next_incarnation
 from ._metrics import SelfMetrics
+from ._ownership import beside, claimants
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
 from ._schema import Batch
@@ -240,6 +241,10 @@ class IngestService:
         return batch, [stored_event(e) for e in batch.events]
 
     async def _apply(self, batch: Batch, bodies: list[str], body: bytes, client: str) -> tuple[int, bytes]:
+        if batch.process_key is None and self.config.require_process_key:
+            raise _Refused(422, "process_key", f"rank {batch.rank} of run {batch.run!r}: the batch has no "
+                                               "process_key, which this collector requires "
+                                               "(--require-process-key): upgrade the agent")
         rank = self.state.get(batch.run, batch.rank)
         if rank is None and (batch.run, batch.rank) in self.state.stored:  # back after it left memory
             found = await asyncio.to_thread(load_ranks, self.store, run=batch.run, rank=batch.rank)
@@ -275,15 +280,17 @@ class IngestService:
                 await self.store.submit(self.store.insert_events(events))
             return 200, _DUPLICATE
         now = self.clock()
-        new = next_incarnation(old, batch, now, self.config.max_label_length,
-                               displaced=self._live_incarnation(rank, batch, now) if old is None else None)
+        displaced: tuple[str, ...] = ()
+        if old is None and rank is not None and not batch.replayed:
+            displaced = beside(rank.view.incarnations.values(), batch.process_key, now, self.config.silent_after)
+        new = next_incarnation(old, batch, now, self.config.max_label_length, displaced)
         # Judged on new's counters, and on the rank's totals over all its processes.
         implausible = implausible_rise(old, new, now, self.config.max_counter_rate, rank.view if rank else None)
         if implausible is not None:
             raise _Refused(422, "implausible", implausible)
         # What the run view showed of it (a conflict changes it too).
         shown = rank.view.shown() if rank is not None else ()
-        if rank is not None and old is not None:
+        if rank is not None and old is not None and not batch.replayed:
             await self._record_conflicts(rank, old, now)
         await self.store.submit(
             self.store.write_incarnation(batch.run, batch.rank, new.to_row(_as_stored(body, events)), events))
@@ -298,28 +305,16 @@ class IngestService:
         self.own.batches.inc()
         return 200, _APPLIED
 
-    def _live_incarnation(self, rank: Optional[RankState], batch: Batch, now: float) -> Optional[str]:
-        """Return the id of the rank's incarnation if it is live (not closed, seen within --silent-after) and
-        another process's: a second ``watch()`` in one process (a notebook cell run again) is no claim.
-
-        One process is told by its secret process key, never by host and pid, which the read API shows.
-        """
-        live = rank.view.current if rank is not None else None
-        if live is None or live.closed or now - live.last_seen > self.config.silent_after:
-            return None
-        if batch.process_key is not None and batch.process_key == live.batch.process_key:
-            return None
-        return live.id
-
     async def _record_conflicts(self, rank: RankState, live: Incarnation, now: float) -> None:
-        """``live`` sends again: every process that claimed the rank meanwhile is in conflict with it.
+        """``live`` sends again for itself: every process that claimed the rank meanwhile is in conflict with it.
 
         A process restarted after a crash displaces a live-looking incarnation too, but that one never
-        sends again, so only two processes that both keep sending make a conflict. Each conflict is an
-        event (kind ``rank_conflict``, stored under the claimant with id 0: agents number theirs from 1)
-        and puts the claimant out of the rank, which stays ``live``'s; its later batches get a 409.
+        sends again (its spool, replayed by another process, is marked so), so only two processes that both
+        keep sending make a conflict. Each conflict is an event (kind ``rank_conflict``, stored under the
+        claimant with id 0: agents number theirs from 1) and puts the claimant out of the rank, which is
+        ``live``'s again; its later batches get a 409. docs/protocol.md#who-owns-a-rank has the whole table.
         """
-        for claimant in rank.claimants(live):
+        for claimant in claimants(rank.view.incarnations.values(), live):
             body = {"id": 0, "kind": "rank_conflict", "time": now, "iteration": claimant.batch.state.iteration,
                     "live_incarnation": live.id, "host": claimant.batch.host, "pid": claimant.batch.pid}
             event = (rank.run, rank.rank, claimant.id, 0, "rank_conflict", now, claimant.batch.state.iteration,

@@ -42,6 +42,8 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
     return {
         "rank": rank.rank, "host": batch.host, "local_rank": batch.local_rank, "world_size": batch.world_size,
         "pid": batch.pid, "incarnation": view.current.id,
+        # An agent before process_key: its batches cannot be told from a forger's (docs/security.md).
+        "keyless": batch.process_key is None,
         "incarnations": len(view.incarnations) - len(view.conflicting),
         "last_seen": view.last_seen, "closed": view.closed, "in_metrics": in_metrics,
         # Scale values as the protocol writes them: NaN and infinities as strings (JSON has no such numbers).

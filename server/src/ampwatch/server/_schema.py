@@ -225,6 +225,8 @@ class Batch(_Model):
     closed: bool = False
     # Secret, shared by every watch() in one process; never shown (absent from agents before it).
     process_key: Optional[Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")]] = None
+    # Sent by another process than the batch's own, from a dead process's spool: its history, no sign of life.
+    replayed: bool = False
 
     def __post_init__(self) -> None:
         # Raised here, an error names no field: each message starts with the one it is about.

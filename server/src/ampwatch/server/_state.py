@@ -7,6 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from ._incarnation import Incarnation
+from ._ownership import owner
 from ._scale_trace import ScaleTrace
 from ._schema import Batch
 from ._totals import OptimizerTotals, RankTotals
@@ -54,7 +55,7 @@ class RankView:
     run: str
     rank: int
     incarnations: Mapping[str, Incarnation]
-    current: Optional[Incarnation]  # the newest process not in conflict; its gauges are the rank's gauges
+    current: Optional[Incarnation]  # the rank's owner (:func:`._ownership.owner`); its gauges are the rank's gauges
     totals: RankTotals
     optimizer_totals: Mapping[str, OptimizerTotals]  # in the order the optimizers first appeared
     first_seen: float = float("inf")  # when the collector first saw any of the rank's processes
@@ -70,22 +71,19 @@ class RankView:
         incarnations = dict(self.incarnations)
         incarnations[new.id] = new
         current = self.current
-        if new.conflict_with is None and (current is None or current.id == new.id
-                                          or new.first_seen >= current.first_seen):
-            current = new
+        if current is not None and current.id == new.id and current.replayed_only == new.replayed_only:
+            current = new  # the owner's next batch: nearly every batch
+        else:
+            current = owner(incarnations.values())
         return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals,
                         min(self.first_seen, new.first_seen))
 
     def excluded(self, claimant: Incarnation) -> "RankView":
-        """Return the view with ``claimant`` (from :meth:`RankState.claimants`) out of the rank (see
+        """Return the view with ``claimant`` (from :func:`._ownership.claimants`) out of the rank (see
         :meth:`RankState.exclude`); the totals do not move."""
         incarnations = dict(self.incarnations)
         incarnations[claimant.id] = claimant  # the same counters
-        current = self.current
-        if current is not None and current.id == claimant.id:
-            current = max((inc for inc in incarnations.values() if inc.conflict_with is None),
-                          key=lambda inc: inc.first_seen, default=None)
-        return dataclasses.replace(self, incarnations=incarnations, current=current)
+        return dataclasses.replace(self, incarnations=incarnations, current=owner(incarnations.values()))
 
     def _own(self) -> Iterable[Incarnation]:
         """The rank's incarnations, less those in conflict."""
@@ -109,12 +107,12 @@ class RankView:
         return max((inc.longest.get(optimizer, 0) for inc in self._own()), default=0)
 
     def latest_nonfinite(self, optimizer: str) -> Optional[str]:
-        """The latest parameter named on a skip of ``optimizer``, newest incarnation first."""
+        """The latest parameter named on a skip of ``optimizer``, newest incarnation first (a replayed one last)."""
         best = None
         for inc in self._own():
             hit = inc.nonfinite.get(optimizer)
-            if hit is not None and (best is None or (inc.first_seen, hit[0]) > best[0]):
-                best = ((inc.first_seen, hit[0]), hit[1])
+            if hit is not None and (best is None or (not inc.replayed_only, inc.first_seen, hit[0]) > best[0]):
+                best = ((not inc.replayed_only, inc.first_seen, hit[0]), hit[1])
         return best[1] if best else None
 
     def consecutive_skipped(self, optimizer: str) -> int:
@@ -171,15 +169,9 @@ class RankState:
         if self.view.current is new:
             self.scale_trace.record_batch(new.batch, new_process=before is None or before.id != new.id)
 
-    def claimants(self, live: Incarnation) -> list[Incarnation]:
-        """Return the incarnations in conflict with ``live``, which sends again: those that appeared while it was
-        live (``displaced`` it), not yet judged; each returned with ``conflict_with`` set (nothing changes here)."""
-        return [dataclasses.replace(inc, conflict_with=live.id) for inc in self.view.incarnations.values()
-                if inc.displaced == live.id and inc.conflict_with is None and inc.id != live.id]
-
     def exclude(self, claimant: Incarnation) -> None:
-        """Put ``claimant`` (from :meth:`claimants`) out of the rank: it is never again its current process, its
-        gauges, liveness or parameter names; the newest other incarnation is the rank again.
+        """Put ``claimant`` (from :func:`._ownership.claimants`) out of the rank: it is never again its current
+        process, its gauges, liveness or parameter names; the rank's owner is chosen again among the others.
 
         What it counted until now stays in the totals: counters exposed to Prometheus must never go down
         (a drop reads as a reset, and ``increase()`` would count the whole rank again). It counts no more:

@@ -253,12 +253,20 @@ function scalerText(scaler) {
   return "disabled (nothing checked)";
 }
 
+function hostCell(rank) {
+  const cell = el("td", {}, rank.host);
+  // An agent before process_key: anyone holding the ingest token can speak for this rank (docs/security.md).
+  if (rank.keyless) cell.append(" ", el("span", {class: "keyless muted", title: "this rank's agent sends no " +
+    "process key (an agent before it): its batches cannot be told from a forger's. Upgrade the agent"}, "no key"));
+  return cell;
+}
+
 function rankRow(rank) {
   const enabled = rank.scaler && rank.scaler.enabled;
   const unscaled = rank.scaler && rank.scaler.kind === "none";
   return el("tr", {class: "rank", "data-rank": rank.rank},
     el("td", {class: "num"}, rank.rank),
-    el("td", {}, rank.host),
+    hostCell(rank),
     el("td", {class: enabled || unscaled ? "" : "disabled"}, scalerText(rank.scaler)),
     el("td", {class: "num loss-scale"}, enabled ? scaleText(rank.loss_scale) : "-"),
     el("td", {class: "num"}, rank.iteration),
