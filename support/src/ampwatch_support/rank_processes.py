@@ -93,11 +93,12 @@ def spawn_rank(script: str, *args: str, rank: int = 0, world_size: int = 1,
     """Run ``script`` (dedented; ``args`` in its ``sys.argv``) as rank ``rank`` of ``world_size``; output kept.
 
     The script can import ``ampwatch_support``; ``env`` adds to the environment. Retries back off at most 0.3 s, so the
-    rank resumes within a test's patience; no disk spool, whatever the test process has.
+    rank resumes within a test's patience; no disk spool unless ``env`` names one, whatever the test process has.
     """
     environ = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "AMPWATCH_MAX_BACKOFF": "0.3", **(env or {})}
+               "AMPWATCH_MAX_BACKOFF": "0.3"}
     environ.pop("AMPWATCH_SPOOL_DIR", None)
+    environ.update(env or {})
     return RankProcess(textwrap.dedent(script), list(args), environ)
 
 
