@@ -152,7 +152,7 @@ def test_a_restarted_rank_keeps_its_rank_when_a_sibling_replays_the_dead_process
 
             restarted = start("restarted", collector.url, 3, shared_spool=False)
             wait_for(lambda: _rank(client, 3).get("pid") == restarted.pid, START_S, "the restarted rank 3")
-            sibling = start("sibling", collector.url, 4, shared_spool=True)  # adopts the dead one's folder
+            start("sibling", collector.url, 4, shared_spool=True)  # adopts the dead one's folder
             wait_for(lambda: not any(spool.glob("*/*.json")) and _rank(client, 4), START_S,
                      "the dead process's spool to be replayed")
 
