@@ -20,12 +20,13 @@ pytestmark = [pytest.mark.slow, needs_browser]
 
 def _stream() -> list[dict]:
     """The issue 8 scenario: head overflows and skips, clipping spreads its NaN and body steps with it."""
-    clean = make_batch(run=RUN, world_size=2, seq=1, iteration=5,
+    key = {"process_key": "k" * 32}  # rank 0's agent sends a process key; rank 1's is older and sends none
+    clean = make_batch(run=RUN, world_size=2, seq=1, iteration=5, **key,
                        optimizers={"body": optimizer(steps=5), "head": optimizer(steps=5)})
     poisoned = {"id": 2, "kind": "poisoned_step", "time": time.time(), "iteration": 6, "optimizer": "body",
                 "reason": "nonfinite_grad", "params_total": 2,
                 "params": [{"name": HOSTILE, "inf": 0, "nan": 64}, {"name": "body.bias", "inf": 0, "nan": 8}]}
-    after = make_batch(run=RUN, world_size=2, seq=2, iteration=6,
+    after = make_batch(run=RUN, world_size=2, seq=2, iteration=6, **key,
                        optimizers={"body": optimizer(steps=6, poisoned_steps=1),
                                    "head": optimizer(steps=5, skipped=1, consecutive=1, longest=1)},
                        events=[skip_event(1, optimizer="head", iteration=6, params=("head.bias",)), poisoned])
@@ -69,6 +70,10 @@ def test_the_status_page_shows_a_poisoned_optimizer_its_event_parameters_and_ale
             unscaled = page.locator("#ranks tr.rank[data-rank='1'] td")
             assert unscaled.nth(2).text_content() == "none (bf16/fp32: every step checked)"
             assert unscaled.nth(3).text_content() == "-" and "disabled" not in unscaled.nth(2).get_attribute("class")
+
+            # The rank whose agent sends no process key is marked: anyone with the ingest token can speak for it.
+            assert unscaled.nth(1).locator("span.keyless").text_content() == "no key"
+            assert page.locator("#ranks tr.rank[data-rank='0'] span.keyless").count() == 0
 
             alert = page.locator("#firing tr.alert[data-alert=AmpPoisonedStep]")
             assert alert.count() == 1
