@@ -7,7 +7,9 @@ A second client address is a second loopback address (all of 127.0.0.0/8 is loop
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import stat
 import subprocess
 
@@ -61,6 +63,55 @@ def test_a_page_whose_name_is_rebound_to_the_collector_can_neither_write_nor_rea
         assert foreign.status_code == 403 and foreign.json()["error"] == "origin"
         assert client.get("/v1/runs/rebound").status_code == 404
         assert value(client.get("/metrics").text, "ampwatch_collector_refused_requests_total", reason="host") >= 9
+
+
+def _raw(collector, request: bytes) -> tuple[int, dict]:
+    """Send ``request`` as written (an HTTP client would merge repeated headers) and return the status and body;
+    from an address of its own, so that its new runs take no other test's budget."""
+    with socket.create_connection(("127.0.0.1", collector.port), timeout=30, source_address=("127.0.0.8", 0)) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body) if body.startswith(b"{") else {}
+
+
+def _ingest_request(*headers: str, run: str) -> bytes:
+    body = json.dumps(make_batch(run=run)).encode()
+    lines = ["POST /v1/ingest HTTP/1.1", *headers, "Content-Type: application/json", f"Content-Length: {len(body)}",
+             "Connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_a_request_with_two_host_headers_is_refused_whichever_comes_first(collector):
+    # The allow-list read the first Host and the ingest's Origin check the last: a foreign page's write passed.
+    served, foreign = f"127.0.0.1:{collector.port}", f"attacker.example:{collector.port}"
+    for first, second in ((served, foreign), (foreign, served), (served, served)):
+        status, body = _raw(collector, _ingest_request(f"Host: {first}", f"Host: {second}",
+                                                       f"Origin: http://{foreign}", run="two-hosts"))
+        assert status == 400 and body["error"] == "host" and body["retry"] is False, (first, second, body)
+        assert "2 Host headers" in body["message"]
+        status, _ = _raw(collector, f"GET /v1/runs HTTP/1.1\r\nHost: {first}\r\nHost: {second}\r\n"
+                                    "Connection: close\r\n\r\n".encode())
+        assert status == 400, (first, second)
+    with _client(collector) as client:
+        assert client.get("/v1/runs/two-hosts").status_code == 404
+    # One Host, as every client sends it, is served as before.
+    assert _raw(collector, _ingest_request(f"Host: {served}", run="one-host")) == (200, {"applied": True})
+
+
+@pytest.mark.parametrize("host", ["[::1]evil.example", "[::1]evil.example:80", "[localhost]", "[127.0.0.1]",
+                                  "[::1]:", "[::1", "::1", "localhost:80:80", "localhost:8o"])
+def test_a_host_that_is_no_name_or_bracketed_ipv6_address_with_a_port_is_not_served(collector, host):
+    status, body = _raw(collector, _ingest_request(f"Host: {host}", run="bad-host"))
+    assert status == 421 and body["error"] == "host", (host, body)
+
+
+def test_bracketed_ipv6_loopback_in_any_spelling_is_served(collector):
+    for host in ("[::1]", f"[::1]:{collector.port}", "[0:0:0:0:0:0:0:1]", f"[0::1]:{collector.port}"):
+        status, _ = _raw(collector, f"GET /healthz HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        assert status == 200, host
 
 
 def test_forwarded_headers_are_believed_only_from_the_proxies_named(collector):
