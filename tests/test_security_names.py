@@ -127,6 +127,17 @@ def test_forwarded_headers_are_believed_only_from_the_proxies_named(collector):
         assert [a.status_code for a in proxied] == [200] * 5, [a.text for a in proxied]
 
 
+def test_without_forwarded_allow_ips_a_local_client_is_budgeted_as_itself_whatever_it_forwards(tmp_path):
+    # The fixture's collector names a proxy; this one names none, as a collector started with the defaults.
+    with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--client-new-runs", "3"]) as bare, \
+            _client(bare, "127.0.0.1") as local:
+        answers = [local.post("/v1/ingest", json=make_batch(run=f"unproxied-{i}"),
+                              headers={"X-Forwarded-For": f"198.51.100.{i}", "X-Forwarded-Proto": "https"})
+                   for i in range(5)]
+        assert [a.status_code for a in answers] == [200] * 3 + [429] * 2, [a.text for a in answers]
+        assert "127.0.0.1" in answers[-1].json()["message"] and "198.51.100" not in answers[-1].json()["message"]
+
+
 def test_the_collector_makes_its_data_folder_private_and_its_database_files_owner_only(collector):
     with _client(collector) as client:
         assert client.post("/v1/ingest", json=make_batch(run="files")).status_code == 200
@@ -198,3 +209,16 @@ def test_database_files_an_earlier_version_left_readable_by_others_are_made_owne
     assert prepare_database(str(db)) == str(db)
     for suffix in ("", "-wal", "-shm"):
         assert stat.S_IMODE(os.stat(f"{db}{suffix}").st_mode) == 0o600, suffix
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o606, 0o620, 0o602], ids=oct)
+def test_database_files_open_to_their_group_or_to_others_are_made_owner_only(tmp_path, mode):
+    from ampwatch.server._store import prepare_database
+
+    db = tmp_path / "ampwatch.db"
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"ampwatch.db{suffix}").write_bytes(b"")
+        os.chmod(tmp_path / f"ampwatch.db{suffix}", mode)
+    assert prepare_database(str(db)) == str(db)
+    for suffix in ("", "-wal", "-shm"):
+        assert stat.S_IMODE(os.stat(f"{db}{suffix}").st_mode) == 0o600, (oct(mode), suffix)
