@@ -83,3 +83,39 @@ def test_idle_connections_from_one_address_or_many_never_leave_a_new_agent_witho
         finally:
             for sock in idle:
                 sock.close()
+
+
+HEADERS_ONLY = (b"POST /v1/ingest HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n")
+
+
+@pytest.mark.slow
+def test_connections_that_sent_headers_and_no_body_count_among_the_idle_and_never_leave_a_new_agent_without_room(
+        tmp_path):
+    # 256 open files, the defaults otherwise (4,096 connections per address, bodies within 60 s): connections that
+    # sent a request's headers but no body held a file each until the body timeout, so one address took them all.
+    # The second 200 come after a request completed on a kept-alive connection (headers whole in one read).
+    with CollectorProcess(str(tmp_path / "ampwatch.db"), open_files=256) as collector:
+        fresh = [_connect(collector.port, "127.0.0.3", HEADERS_ONLY) for _ in range(200)]
+        reused = []
+        for _ in range(200):  # each a new connection, so each must find room
+            kept = http.client.HTTPConnection("127.0.0.1", collector.port, timeout=60, source_address=("127.0.0.4", 0))
+            try:
+                kept.request("GET", "/healthz")
+                assert kept.getresponse().read() == b'{"status":"ok"}'
+            except OSError:  # no file left for it: reset
+                break
+            kept.sock.sendall(HEADERS_ONLY)
+            reused.append(kept.sock)
+        try:
+            assert len(reused) == 200, f"a new connection found no room after {len(fresh) + len(reused)}"
+            assert _agent_is_served(collector.url)
+            with httpx.Client(base_url=collector.url, timeout=30) as client:
+                text = client.get("/metrics").text
+            evicted = value(text, "ampwatch_collector_refused_requests_total", reason="idle_evicted")
+            assert evicted >= 400 - 128, evicted  # the cap: half the open files wait for headers or a body
+            assert sum(_closed_by_collector(sock) for sock in fresh[:100] + reused[:50]) == 150, \
+                "the oldest waiting for a body are the first closed"
+        finally:
+            for sock in fresh + reused:
+                sock.close()

@@ -7,7 +7,9 @@ A second client address is a second loopback address (all of 127.0.0.0/8 is loop
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import stat
 import subprocess
 
@@ -63,6 +65,55 @@ def test_a_page_whose_name_is_rebound_to_the_collector_can_neither_write_nor_rea
         assert value(client.get("/metrics").text, "ampwatch_collector_refused_requests_total", reason="host") >= 9
 
 
+def _raw(collector, request: bytes) -> tuple[int, dict]:
+    """Send ``request`` as written (an HTTP client would merge repeated headers) and return the status and body;
+    from an address of its own, so that its new runs take no other test's budget."""
+    with socket.create_connection(("127.0.0.1", collector.port), timeout=30, source_address=("127.0.0.8", 0)) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body) if body.startswith(b"{") else {}
+
+
+def _ingest_request(*headers: str, run: str) -> bytes:
+    body = json.dumps(make_batch(run=run)).encode()
+    lines = ["POST /v1/ingest HTTP/1.1", *headers, "Content-Type: application/json", f"Content-Length: {len(body)}",
+             "Connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_a_request_with_two_host_headers_is_refused_whichever_comes_first(collector):
+    # The allow-list read the first Host and the ingest's Origin check the last: a foreign page's write passed.
+    served, foreign = f"127.0.0.1:{collector.port}", f"attacker.example:{collector.port}"
+    for first, second in ((served, foreign), (foreign, served), (served, served)):
+        status, body = _raw(collector, _ingest_request(f"Host: {first}", f"Host: {second}",
+                                                       f"Origin: http://{foreign}", run="two-hosts"))
+        assert status == 400 and body["error"] == "host" and body["retry"] is False, (first, second, body)
+        assert "2 Host headers" in body["message"]
+        status, _ = _raw(collector, f"GET /v1/runs HTTP/1.1\r\nHost: {first}\r\nHost: {second}\r\n"
+                                    "Connection: close\r\n\r\n".encode())
+        assert status == 400, (first, second)
+    with _client(collector) as client:
+        assert client.get("/v1/runs/two-hosts").status_code == 404
+    # One Host, as every client sends it, is served as before.
+    assert _raw(collector, _ingest_request(f"Host: {served}", run="one-host")) == (200, {"applied": True})
+
+
+@pytest.mark.parametrize("host", ["[::1]evil.example", "[::1]evil.example:80", "[localhost]", "[127.0.0.1]",
+                                  "[::1]:", "[::1", "::1", "localhost:80:80", "localhost:8o"])
+def test_a_host_that_is_no_name_or_bracketed_ipv6_address_with_a_port_is_not_served(collector, host):
+    status, body = _raw(collector, _ingest_request(f"Host: {host}", run="bad-host"))
+    assert status == 421 and body["error"] == "host", (host, body)
+
+
+def test_bracketed_ipv6_loopback_in_any_spelling_is_served(collector):
+    for host in ("[::1]", f"[::1]:{collector.port}", "[0:0:0:0:0:0:0:1]", f"[0::1]:{collector.port}"):
+        status, _ = _raw(collector, f"GET /healthz HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        assert status == 200, host
+
+
 def test_forwarded_headers_are_believed_only_from_the_proxies_named(collector):
     # From 127.0.0.1 (uvicorn's default trusted it): a forwarded address per new run would dodge the budget.
     with _client(collector, "127.0.0.1") as local, _client(collector, PROXY) as proxy:
@@ -74,6 +125,17 @@ def test_forwarded_headers_are_believed_only_from_the_proxies_named(collector):
         proxied = [proxy.post("/v1/ingest", json=make_batch(run=f"proxied-{i}"),
                               headers={"X-Forwarded-For": f"198.51.100.{i}"}) for i in range(5)]
         assert [a.status_code for a in proxied] == [200] * 5, [a.text for a in proxied]
+
+
+def test_without_forwarded_allow_ips_a_local_client_is_budgeted_as_itself_whatever_it_forwards(tmp_path):
+    # The fixture's collector names a proxy; this one names none, as a collector started with the defaults.
+    with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--client-new-runs", "3"]) as bare, \
+            _client(bare, "127.0.0.1") as local:
+        answers = [local.post("/v1/ingest", json=make_batch(run=f"unproxied-{i}"),
+                              headers={"X-Forwarded-For": f"198.51.100.{i}", "X-Forwarded-Proto": "https"})
+                   for i in range(5)]
+        assert [a.status_code for a in answers] == [200] * 3 + [429] * 2, [a.text for a in answers]
+        assert "127.0.0.1" in answers[-1].json()["message"] and "198.51.100" not in answers[-1].json()["message"]
 
 
 def test_the_collector_makes_its_data_folder_private_and_its_database_files_owner_only(collector):
@@ -147,3 +209,16 @@ def test_database_files_an_earlier_version_left_readable_by_others_are_made_owne
     assert prepare_database(str(db)) == str(db)
     for suffix in ("", "-wal", "-shm"):
         assert stat.S_IMODE(os.stat(f"{db}{suffix}").st_mode) == 0o600, suffix
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o606, 0o620, 0o602], ids=oct)
+def test_database_files_open_to_their_group_or_to_others_are_made_owner_only(tmp_path, mode):
+    from ampwatch.server._store import prepare_database
+
+    db = tmp_path / "ampwatch.db"
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"ampwatch.db{suffix}").write_bytes(b"")
+        os.chmod(tmp_path / f"ampwatch.db{suffix}", mode)
+    assert prepare_database(str(db)) == str(db)
+    for suffix in ("", "-wal", "-shm"):
+        assert stat.S_IMODE(os.stat(f"{db}{suffix}").st_mode) == 0o600, (oct(mode), suffix)

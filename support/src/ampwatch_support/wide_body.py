@@ -1,15 +1,19 @@
-"""The wide-body attack: one batch whose ``state.optimizers`` holds hundreds of thousands of keys.
+"""The wide-body attack: one batch whose ``state`` holds hundreds of thousands of keys or millions of objects.
 
 A 5.6 MiB body of one object with 500,000 keys, under the default 8 MiB body limit: a collector that
 builds it into Python objects before validating it spends seconds and hundreds of MiB on it while
-every other agent waits. :func:`bodies` are the two forms (keys whose values are no optimizer's
-counters, and valid counters of 90,000 optimizers, as many as fit in 8 MiB); :func:`play` posts each
+every other agent waits. :func:`bodies` are its forms (keys whose values are no optimizer's
+counters; valid counters of 90,000 optimizers, as many as fit in 8 MiB; 2.7 million empty objects in a
+field of the state no protocol version knows), each also with the loss scale written as the bare
+``NaN`` token Python's json module writes (a body msgspec refuses, which the collector once handed to that
+module whole: seconds and hundreds of MiB again); :func:`play` posts each
 to a collector while another agent keeps sending, and reports what it cost.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -21,11 +25,17 @@ _COUNTERS = '{"steps":0,"skipped":0,"consecutive_skipped":0,"longest_streak":0,"
 
 def bodies(batch: dict[str, Any]) -> dict[str, bytes]:
     """The attack's bodies, built on ``batch`` (a valid protocol v1 batch as a dict, without optimizers)."""
-    head, _, tail = json.dumps(dict(batch, state=dict(batch["state"], optimizers={}))).partition('"optimizers": {}')
     wide = ",".join(f'"k{i:06d}":0' for i in range(500_000))
     valid = ",".join(f'"o{i:06d}":{_COUNTERS}' for i in range(90_000))
-    return {"500k_keys": f'{head}"optimizers": {{{wide}}}{tail}'.encode(),
-            "90k_optimizers": f'{head}"optimizers": {{{valid}}}{tail}'.encode()}
+    objects = ",".join(["{}"] * 2_790_000)
+    forms = {}
+    for suffix, scale in (("", batch["state"]["loss_scale"]), ("_nan", math.nan)):  # json.dumps writes NaN bare
+        state = dict(batch["state"], loss_scale=scale, optimizers={})
+        head, _, tail = json.dumps(dict(batch, state=state)).partition('"optimizers": {}')
+        forms[f"500k_keys{suffix}"] = f'{head}"optimizers": {{{wide}}}{tail}'.encode()
+        forms[f"90k_optimizers{suffix}"] = f'{head}"optimizers": {{{valid}}}{tail}'.encode()
+        forms[f"2790k_objects{suffix}"] = f'{head}"optimizers": {{}}, "bulk": [{objects}]{tail}'.encode()
+    return forms
 
 
 def reset_peak(pid: int) -> None:

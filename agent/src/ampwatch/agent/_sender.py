@@ -70,6 +70,7 @@ class Sender:
         self._thread: threading.Thread | None = None
         self._outbox: MemoryOutbox | SpoolOutbox = MemoryOutbox()
         self._lost_by_outboxes = 0  # events dropped by an outbox we had to replace
+        self._refused_spool_files = 0  # entries of the spool another user could have planted, refused unread
         self._clients: dict[str, IngestClient | RelayedClient] = {}
         self._node = NodeChannel(config, identity, self.errors) if config.relay else None  # no I/O until used
         self._built_at = float("-inf")  # monotonic time the last batch was built
@@ -125,6 +126,7 @@ class Sender:
             "send_failures": outcomes.send_failures,
             "rejected_batches": outcomes.rejected_batches,
             "agent_errors": self.errors.count,
+            "refused_spool_files": self._refused_spool_files,
         }
 
     # Read-only views of the answers' counters (tests and tools read them here).
@@ -272,6 +274,7 @@ class Sender:
         try:
             self._outbox = SpoolOutbox(self.config.spool_dir, self.identity.incarnation,
                                        self.config.spool_max_bytes)
+            self._refused_spool_files = self._outbox.refused_files
         except OSError as exc:
             self.errors.report(f"opening the spool in {self.config.spool_dir!r} (sending without it)", exc)
 

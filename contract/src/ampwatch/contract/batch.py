@@ -57,6 +57,9 @@ class DeliveryCounters(TypedDict, total=False):
     send_failures: int
     rejected_batches: int
     agent_errors: int
+    refused_spool_files: int
+    """Entries of the agent's spool (``AMPWATCH_SPOOL_DIR``) it refused unread when it started: owned by another
+    user, not a regular file or folder (a link, a fifo), or a file others may write; none is ever sent."""
 
 
 class _RankStateRequired(TypedDict):

@@ -24,6 +24,7 @@ __all__ = [
     "LOSS_SCALE", "LOSS_SCALE_BACKOFFS", "LOSS_SCALE_GROWTHS", "LOSS_SCALE_MANUAL_SETS", "ITERATION",
     "RANK_LAST_SEEN", "RANK_CLOSED", "RANK_INFO", "RANK_CONFLICTS",
     "AGENT_DROPPED_EVENTS", "AGENT_SEND_FAILURES", "AGENT_REJECTED_BATCHES", "AGENT_ERRORS",
+    "AGENT_REFUSED_SPOOL_FILES",
     "RUN_RANKS_REPORTING", "RUN_RANKS_IN_SKIP_STREAK", "RUN_LOSS_SCALE_MIN", "RUN_LOSS_SCALE_MAX",
     "COLLECTOR_INGEST_REQUESTS", "COLLECTOR_BATCHES_APPLIED", "COLLECTOR_EVENTS_APPLIED",
     "COLLECTOR_DUPLICATE_BATCHES", "COLLECTOR_REJECTED_BATCHES", "COLLECTOR_REFUSED_REQUESTS",
@@ -101,6 +102,9 @@ AGENT_SEND_FAILURES = Metric("ampwatch_agent_send_failures_total", "counter", _R
 AGENT_REJECTED_BATCHES = Metric("ampwatch_agent_rejected_batches_total", "counter", _RANK,
                                 "Batches the collector refused with a 4xx (not retried).")
 AGENT_ERRORS = Metric("ampwatch_agent_errors_total", "counter", _RANK, "Internal agent errors (logged once, survived).")
+AGENT_REFUSED_SPOOL_FILES = Metric("ampwatch_agent_refused_spool_files_total", "counter", _RANK,
+                                   "Entries of the agent's spool refused unread: another user's, not a regular file "
+                                   "or folder, or a file others may write.")
 
 # Per run: one collector's convenience views (rules aggregate the per-rank series instead).
 RUN_RANKS_REPORTING = Metric("ampwatch_run_ranks_reporting", "gauge", _RUN,

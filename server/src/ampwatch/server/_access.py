@@ -70,8 +70,8 @@ class RateLimiter:
 
 
 class AccessGuard:
-    """Refuse a request before routing: for a name this collector does not serve (421), over the client's rate
-    (429), or reading without the read token (401/403)."""
+    """Refuse a request before routing: with more than one ``Host`` (400), for a name this collector does not serve
+    (421), over the client's rate (429), or reading without the read token (401/403)."""
 
     def __init__(self, read_token: Optional[str], rate_limit: float, hosts: Optional[HostAllowList] = None) -> None:
         self._read_token = read_token
@@ -81,8 +81,14 @@ class AccessGuard:
 
     def refusal(self, scope: dict) -> Optional[tuple[int, dict, list[tuple[bytes, bytes]]]]:
         """Return ``(status, body, extra headers)`` when the request must be refused, else None."""
+        authorities = [value for name, value in scope.get("headers") or () if name == b"host"]
+        if len(authorities) > 1:
+            # The allow-list would read one and the ingest's Origin check another (HTTP/1.1: always a 400).
+            self.refused["host"] += 1
+            return 400, {"error": "host", "retry": False,
+                         "message": f"the request has {len(authorities)} Host headers; HTTP allows one"}, []
         if self.hosts is not None:
-            authority = next((value for name, value in scope.get("headers") or () if name == b"host"), None)
+            authority = authorities[0] if authorities else None
             if not self.hosts.allows(authority):
                 self.refused["host"] += 1
                 name = (host_name(authority or b"") or "")[:64]

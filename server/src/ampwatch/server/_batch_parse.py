@@ -1,13 +1,16 @@
 """Read a request body into a :class:`~._schema.Batch`: decoded and validated in one pass, errors said with where.
 
 A refused body's error names the field it is in (a dict's key found again in a small body); a large body is
-bounded before its parts are built into objects (:func:`parse_large_batch`).
+bounded before its parts are built into objects (:func:`parse_large_batch`). The bare ``NaN``/``Infinity``
+tokens Python's json module writes are spelled as the protocol's strings where the decoder stops at them, and
+the body goes on down the same path (no second parser that would build a hostile body whole); a body nested
+deeper than the decoder goes is refused like any other that is not a batch.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Union
+import re
+from typing import Annotated, Any, Callable, TypeVar, Union
 
 import msgspec
 from msgspec import Meta
@@ -16,7 +19,8 @@ from ampwatch.contract.protocol import MAX_BATCH_EVENTS
 
 from ._schema import Batch, Event, WireRankState, decode_hook
 
-__all__ = ["BatchError", "parse_batch", "parse_large_batch", "LARGE_BODY_BYTES", "STATE_BYTES_PER_OPTIMIZER"]
+__all__ = ["BatchError", "parse_batch", "parse_large_batch", "LARGE_BODY_BYTES", "STATE_BYTES_PER_OPTIMIZER",
+           "MAX_BARE_TOKENS"]
 
 
 class BatchError(ValueError):
@@ -28,7 +32,6 @@ class BatchError(ValueError):
 
 
 _DECODER = msgspec.json.Decoder(Batch, dec_hook=decode_hook)
-_BARE_NONFINITE = (b"NaN", b"Infinity")
 _EXPLAINED_UP_TO = 65_536  # bytes: a refused body this small is read twice to name the dict key an error is in
 
 LARGE_BODY_BYTES = 65_536
@@ -38,6 +41,15 @@ LARGE_BODY_BYTES = 65_536
 STATE_BYTES_PER_OPTIMIZER = 2048
 """The most bytes of ``state`` a large body may hold per optimizer its collector allows (an optimizer's
 counters take about 300), checked before the state is built into objects."""
+
+MAX_BARE_TOKENS = 16
+"""Bare ``NaN``/``Infinity``/``-Infinity`` tokens one body may hold (a batch has 4 scale values besides its
+``scale_change`` events'; the protocol writes them as strings). Each costs the decoder one more pass over the
+body, so a body of many would cost many times what any other does."""
+_STOPPED_AT = re.compile(r"\(byte (\d+)\)$")  # where msgspec's DecodeError says it stopped
+_VALUE_BEFORE = frozenset(b":,[")  # what may come before a value in JSON (a "," also before an object's key)
+_NESTED_TOO_DEEP = "nested deeper than this collector reads (about 1,000 levels); a protocol v1 batch nests 5 at most"
+_Decoded = TypeVar("_Decoded")
 
 # The large path's first pass: the batch with its events left as raw JSON, one slice each, and its state as one.
 _PARTS = msgspec.defstruct("_BatchParts", [
@@ -51,15 +63,8 @@ _EVENT_DECODER = msgspec.json.Decoder(Event, dec_hook=decode_hook)
 
 def parse_batch(body: Union[bytes, str]) -> Batch:
     """Parse and validate a raw request body in one pass (raises :class:`BatchError`)."""
-    try:
-        return _DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise BatchError([_located(str(exc), body)], malformed=False) from None
-    except msgspec.DecodeError as exc:
-        raw = body.encode() if isinstance(body, str) else body
-        if any(token in raw for token in _BARE_NONFINITE):
-            return _parse_python_tokens(raw)
-        raise BatchError([str(exc)], malformed=True) from None
+    batch, _ = _decode(_DECODER.decode, body.encode() if isinstance(body, str) else body, "", explain=True)
+    return batch
 
 
 def parse_large_batch(body: bytes, max_optimizers: int) -> Batch:
@@ -68,28 +73,16 @@ def parse_large_batch(body: bytes, max_optimizers: int) -> Batch:
     skipped), so that more events than a batch may hold, or a state too large for ``max_optimizers``
     optimizers, are refused before any of them is built; then each part is decoded on its own. The same
     batches pass or fail as with :func:`parse_batch` but for that bound; run it in a worker thread: a
-    thread switch may come between two parts."""
-    try:
-        parts = _PARTS_DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise BatchError([_located(str(exc))], malformed=False) from None
-    except msgspec.DecodeError:
-        return parse_batch(body)  # not JSON, or Python's NaN tokens: said as parse_batch says it
+    thread switch may come between two parts (and between two passes over a body with bare tokens)."""
+    parts, body = _decode(_PARTS_DECODER.decode, body, "", explain=False)
     limit = 1024 + STATE_BYTES_PER_OPTIMIZER * max_optimizers
     if len(parts.state) > limit:
         raise BatchError([f"state: {len(parts.state)} bytes, more than the {limit} that the counters of "
                           f"{max_optimizers} optimizers (this collector's --max-optimizers-per-rank) take"],
                          malformed=False)
-    try:
-        state = _STATE_DECODER.decode(parts.state)
-    except msgspec.ValidationError as exc:
-        raise BatchError(["state." + _located(str(exc))], malformed=False) from None
-    events = []
-    for i, raw in enumerate(parts.events):
-        try:
-            events.append(_EVENT_DECODER.decode(raw))
-        except msgspec.ValidationError as exc:
-            raise BatchError([f"events[{i}]." + _located(str(exc))], malformed=False) from None
+    state, _ = _decode(_STATE_DECODER.decode, parts.state, "state.", explain=False)
+    events = [_decode(_EVENT_DECODER.decode, raw, f"events[{i}].", explain=False)[0]
+              for i, raw in enumerate(parts.events)]
     fields = {name: getattr(parts, name) for name in parts.__struct_fields__}
     try:
         return Batch(**dict(fields, state=state, events=events))
@@ -97,17 +90,44 @@ def parse_large_batch(body: bytes, max_optimizers: int) -> Batch:
         raise BatchError([f"body: {exc}"], malformed=False) from None
 
 
-def _parse_python_tokens(body: bytes) -> Batch:
-    """A body with the bare NaN/Infinity tokens Python's json module writes (not JSON, but what a Python client
-    sends by default): read by that module, then validated as any other."""
-    try:
-        document = json.loads(body)
-    except ValueError as exc:
-        raise BatchError([str(exc)], malformed=True) from None
-    try:
-        return msgspec.convert(document, Batch, dec_hook=decode_hook)
-    except msgspec.ValidationError as exc:
-        raise BatchError([_located(str(exc), document)], malformed=False) from None
+def _decode(decode: Callable[[Any], _Decoded], body: Any, where: str, *, explain: bool) -> tuple[_Decoded, Any]:
+    """Return what ``decode`` makes of ``body`` (bytes, or a slice of them), and the body it read: with each bare
+    token it stopped at spelled as the protocol's string, at most :data:`MAX_BARE_TOKENS` of them. Raise
+    :class:`BatchError` with ``where`` before the error's path; ``explain``: name a dict's key (small bodies)."""
+    for _ in range(MAX_BARE_TOKENS + 1):
+        try:
+            return decode(body), body
+        except msgspec.ValidationError as exc:
+            raise BatchError([where + _located(str(exc), body if explain else None)], malformed=False) from None
+        except RecursionError:
+            raise BatchError([f"{where.rstrip('.') or 'body'}: {_NESTED_TOO_DEEP}"], malformed=False) from None
+        except msgspec.DecodeError as exc:
+            spelled = _spelled(bytes(body), str(exc))
+            if spelled is None:
+                raise BatchError([str(exc)], malformed=True) from None
+            body = spelled
+    raise BatchError([f"more than {MAX_BARE_TOKENS} bare NaN/Infinity tokens: write non-finite values as the "
+                      'strings "NaN", "Infinity" and "-Infinity", as the protocol does (docs/protocol.md)'],
+                     malformed=True)
+
+
+def _spelled(body: bytes, error: str) -> bytes | None:
+    """Return ``body`` with the bare ``NaN``, ``Infinity`` or ``-Infinity`` value where the decoder stopped
+    (``error`` says the byte) written as the protocol's string; None when it stopped at anything else."""
+    stopped = _STOPPED_AT.search(error)
+    if stopped is None:
+        return None
+    at = int(stopped.group(1))
+    if body.startswith(b"NaN", at) and body[at - 1:at] != b"-":
+        start, end = at, at + 3
+    elif body.startswith(b"Infinity", at):
+        start, end = (at - 1 if body[at - 1:at] == b"-" else at), at + 8
+    else:
+        return None
+    before, after = body[:start].rstrip(), body[end:].lstrip()
+    if (before and before[-1] not in _VALUE_BEFORE) or after.startswith(b":"):
+        return None  # a key, or glued to something else: not a value Python's json module writes
+    return b"%s\"%s\"%s" % (body[:start], body[start:end], body[end:])
 
 
 def _located(message: str, body: Any = None) -> str:
@@ -129,8 +149,8 @@ def _name_keys(body: Any, path: str, message: str) -> str:
     """Replace each ``[...]`` of ``path`` by the key whose entry alone makes the body fail with ``message``."""
     try:
         document = msgspec.json.decode(body) if isinstance(body, (bytes, str)) else body
-    except msgspec.DecodeError:
-        document = json.loads(body)
+    except RecursionError:
+        return path
     head, _, rest = path.partition("[...]")
     node = document
     for part in filter(None, head.split(".")):
@@ -144,6 +164,8 @@ def _name_keys(body: Any, path: str, message: str) -> str:
             node[key] = entries[key]
             try:
                 msgspec.convert(document, Batch, dec_hook=decode_hook)
+            except RecursionError:
+                continue
             except msgspec.ValidationError as exc:
                 if str(exc) == message:
                     return f"{head}.{key}" + rest

@@ -8,9 +8,10 @@ enough of them would leave none for a new agent. Here, on top of the HTTP protoc
   request's first byte, on a kept-alive connection), its body within ``body_timeout`` of the headers;
   the connection is closed otherwise;
 - one client address holds at most ``per_client`` connections at once; more are closed as they open;
-- connections still waiting for a request's headers are at most ``pending_cap``: when one more
-  opens, the oldest of them is closed. Agents send their headers as soon as they connect, so their
-  connections leave that set within a moment, while idle ones can never take every file handle.
+- connections still waiting for a request's headers or body are at most ``pending_cap``: when one
+  more opens, the oldest of them is closed. Agents send a whole request as soon as they connect, so
+  their connections leave that set within a moment, while idle ones (silent, or headers sent and no
+  body) can never take every file handle.
 
 Each closing is counted in ``counts`` (the access guard's, exposed in ``/metrics``). O(1) per
 connection and per request.
@@ -25,7 +26,7 @@ __all__ = ["ConnectionLimits", "bounded_protocol", "pending_cap_for"]
 
 
 def pending_cap_for(open_files: int) -> int:
-    """How many connections may wait for their headers at once: half the process's open-file limit."""
+    """How many connections may wait for a request's headers or body at once: half the open-file limit."""
     return max(64, open_files // 2)
 
 
@@ -37,7 +38,7 @@ class ConnectionLimits:
         self.header_timeout, self.body_timeout = header_timeout, body_timeout
         self.per_client, self.pending_cap = per_client, pending_cap
         self.clients: dict[str, int] = {}  # address -> connections open
-        self.pending: dict[Any, None] = {}  # connections waiting for headers, oldest first
+        self.pending: dict[Any, None] = {}  # connections waiting for a request's headers or body, oldest first
         self.counts = counts
         for reason in ("client_connections", "request_timeout", "idle_evicted"):
             counts.setdefault(reason, 0)
@@ -73,13 +74,16 @@ def bounded_protocol(limits: ConnectionLimits, base: Optional[type] = None) -> t
             cycle = self.cycle
             if cycle is not before:  # a request's headers are complete
                 self._stop()
-                limits.pending.pop(self, None)
                 if cycle.more_body and not self.transport.is_closing():
                     self._timer = self.loop.call_later(limits.body_timeout, limits.close, self, "request_timeout")
+                    self._hold()  # pending until its body is complete (headers whole in one read: from now)
+                else:
+                    limits.pending.pop(self, None)
             elif idle and self._timer is None and not self.transport.is_closing():
                 self._await_headers()  # a new request began on a kept-alive connection
             elif self._timer is not None and cycle is not None and not cycle.more_body and not idle:
                 self._stop()  # the body is complete
+                limits.pending.pop(self, None)
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
             self._stop()
@@ -95,6 +99,10 @@ def bounded_protocol(limits: ConnectionLimits, base: Optional[type] = None) -> t
 
         def _await_headers(self) -> None:
             self._timer = self.loop.call_later(limits.header_timeout, limits.close, self, "request_timeout")
+            self._hold()
+
+        def _hold(self) -> None:
+            """Count this connection as pending (where it was, if it was), closing the oldest past the cap."""
             limits.pending[self] = None
             if len(limits.pending) > limits.pending_cap:
                 oldest = next(iter(limits.pending))

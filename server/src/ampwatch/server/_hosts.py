@@ -39,15 +39,28 @@ def parse_names(text: str) -> tuple[str, ...]:
 
 
 def host_name(authority: bytes) -> Optional[str]:
-    """Return the host name of a ``Host`` value (``name``, ``name:port``, ``[v6]:port``), lowercased, or None."""
+    """Return the host name of a ``Host`` value (``name``, ``name:port``, ``[v6]:port``), lowercased, or None when
+    it is none of those (``[::1]evil.example``, ``[localhost]``, ``::1`` unbracketed, a port not of digits)."""
     text = authority.decode("latin-1").strip().lower()
     if text.startswith("["):
         end = text.find("]")
-        return text[1:end] if end > 0 else None
+        if end < 0 or not _port_or_nothing(text[end + 1:]):
+            return None
+        try:
+            return str(ipaddress.IPv6Address(text[1:end]))
+        except ValueError:
+            return None
     name, colon, port = text.rpartition(":")
-    if colon and port.isdigit():
+    if colon:
+        if ":" in name or not _port_or_nothing(colon + port):
+            return None
         text = name
     return text.rstrip(".") or None
+
+
+def _port_or_nothing(text: str) -> bool:
+    """Tell whether ``text`` (what follows the host in a ``Host`` value) is empty or ``:`` and ASCII digits."""
+    return not text or (text[0] == ":" and text[1:].isascii() and text[1:].isdigit())
 
 
 class HostAllowList:

@@ -61,7 +61,8 @@ _OPTIMIZER_TOTALS = ((m.OPTIMIZER_STEPS, "steps"), (m.OPTIMIZER_SKIPPED_STEPS, "
 _RANK_TOTALS = ((m.LOSS_SCALE_BACKOFFS, "backoffs"), (m.LOSS_SCALE_GROWTHS, "growths"),
                 (m.LOSS_SCALE_MANUAL_SETS, "manual_sets"), (m.AGENT_DROPPED_EVENTS, "dropped_events"),
                 (m.AGENT_SEND_FAILURES, "send_failures"), (m.AGENT_REJECTED_BATCHES, "rejected_batches"),
-                (m.AGENT_ERRORS, "agent_errors"), (m.RANK_ORIGIN_ITERATIONS, "origin_iterations"))
+                (m.AGENT_ERRORS, "agent_errors"), (m.RANK_ORIGIN_ITERATIONS, "origin_iterations"),
+                (m.AGENT_REFUSED_SPOOL_FILES, "refused_spool_files"))
 
 
 def escape_label(value: str) -> str:

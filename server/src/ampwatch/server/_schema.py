@@ -104,6 +104,7 @@ class Delivery(_Model):
     send_failures: Count = 0
     rejected_batches: Count = 0
     agent_errors: Count = 0
+    refused_spool_files: Count = 0
 
 
 class WireRankState(_Model):

@@ -95,13 +95,14 @@ class RankTotals(_Counters):
     agent_errors: int = 0
     origin_iterations: int = 0
     """Skipped iterations where the rank's own gradients held inf/NaN before DDP's all-reduce."""
+    refused_spool_files: int = 0
 
     @classmethod
     def of(cls, state: WireRankState) -> "RankTotals":
         """Return the counters a batch's ``state`` carries."""
         d = state.delivery
         return cls(state.backoffs, state.growths, state.manual_sets, d.dropped_events, d.send_failures,
-                   d.rejected_batches, d.agent_errors, state.origin_iterations or 0)
+                   d.rejected_batches, d.agent_errors, state.origin_iterations or 0, d.refused_spool_files)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
