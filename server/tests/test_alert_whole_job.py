@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import pytest
+
 from ampwatch_support.alert_ranks import healthy_job
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
@@ -182,3 +184,58 @@ def test_a_rank_whose_batches_land_during_every_pass_still_gets_its_own_alert_fi
                if a.name == "AmpConsecutiveSkippedSteps"]
     assert [status for status, _ in changes] == ["firing", "resolved"]
     assert changes[0][1] == 12.5 and changes[1][1] - (10.0 + t.skip_streak_window_s) in (0.5, 1.5)
+
+
+# Closed ranks count in a storm's share (ranks of the run holding the per-rank alert / ranks of the run), as their
+# alerts do within a window; every case here is also a promtool case (run_skip_storm.test.yaml).
+# (case, ranks, who skips 20 in a row at 10 s, who closes when, who keeps skipping) -> storm or per-rank alerts
+STORM_SHARE_CASES = {
+    # Every rank closes mid-storm: the storm stays until the streaks' window is over, and no rank fires its own.
+    "a job that ends in a storm": (4, range(4), {r: 12.0 for r in range(4)}, ()),
+    # Three of four finish mid-streak, the fourth keeps skipping: every rank of the run is still in a streak.
+    "ranks closing mid-streak": (4, range(4), {0: 12.0, 1: 12.0, 2: 12.0}, (3,)),
+    # Two of five in a streak, the three others healthy and finished: 40% of the run is no storm.
+    "healthy ranks that finished": (5, range(2), {2: 5.0, 3: 5.0, 4: 5.0}, ()),
+}
+
+
+@pytest.mark.parametrize("case", STORM_SHARE_CASES)
+def test_a_storms_share_counts_the_ranks_that_closed_as_their_alerts_do(case):
+    size, skipping, closing, still_skipping = STORM_SHARE_CASES[case]
+    t = dataclasses.replace(T, skip_streak_window_s=60)
+    alerts = BuiltinAlerts(t)
+    ranks = healthy_job(alerts, size)
+    transitions, now = [], 0.0
+    while now < 10.0 + t.skip_streak_window_s + t.storm_edge_for_s + 20:
+        now += 1.0
+        for r in ranks:
+            if r.closed:
+                continue
+            if now == 10.0 and r.rank in skipping:
+                for _ in range(20):
+                    r.iterate(skipped=True)
+            elif now % 5 == 0 or now == closing.get(r.rank):
+                for _ in range(1 if r.rank in still_skipping else 5):  # one slow iteration, skipped
+                    r.iterate(skipped=r.rank in still_skipping)
+            else:
+                continue
+            r.closed = now == closing.get(r.rank)
+            transitions += r.send(now)
+        transitions += alerts.evaluate(now + 0.5)
+    assert all(r.closed == (r.rank in closing) for r in ranks)
+    changes = _changes(transitions, "AmpRunSkipStorm", "AmpConsecutiveSkippedSteps")
+    if case == "healthy ranks that finished":
+        assert changes == [("AmpConsecutiveSkippedSteps", "firing", "0", "warning"),
+                           ("AmpConsecutiveSkippedSteps", "firing", "1", "warning"),
+                           ("AmpConsecutiveSkippedSteps", "resolved", "0", "warning"),
+                           ("AmpConsecutiveSkippedSteps", "resolved", "1", "warning")]
+        return
+    # The storm lasts the closed ranks' window (their streaks hold that long), then resolves; a rank still skipping
+    # then stands out, and fires its own once the storm's edge is over. No other rank ever fires its own.
+    assert changes == [("AmpRunSkipStorm", "firing", "", "warning"), ("AmpRunSkipStorm", "resolved", "", "warning"),
+                       *[("AmpConsecutiveSkippedSteps", "firing", str(r), "warning") for r in still_skipping]]
+    storm = [a for a in transitions if a.name == "AmpRunSkipStorm"]
+    assert storm[1].value == 1.0  # its last share: every rank of the run, the closed ones too
+    assert storm[0].starts_at == 10.5 and storm[1].ends_at - 10.0 in (t.skip_streak_window_s + 0.5,
+                                                                       t.skip_streak_window_s + 1.5)
+
