@@ -206,10 +206,10 @@ _LIMITS: Mapping[str, _Limit] = {
 }
 """What each field of :class:`AlertThresholds` may hold: every field has its limit here, checked in one place."""
 
-if set(_LIMITS) != {field.name for field in dataclasses.fields(AlertThresholds)}:
+_FIELDS = {field.name for field in dataclasses.fields(AlertThresholds)}
+if set(_LIMITS) != _FIELDS:
     raise RuntimeError("every field of AlertThresholds needs its limit in _LIMITS (and only those); "
-                       f"missing: {sorted({f.name for f in dataclasses.fields(AlertThresholds)} - set(_LIMITS))}, "
-                       f"extra: {sorted(set(_LIMITS) - {f.name for f in dataclasses.fields(AlertThresholds)})}")
+                       f"missing: {sorted(_FIELDS - set(_LIMITS))}, extra: {sorted(set(_LIMITS) - _FIELDS)}")
 
 
 #: The thresholds the committed rules in ``dashboards/generated/`` are built from.
