@@ -2,16 +2,18 @@
 
 Both read the same thresholds (shortened to seconds): Prometheus gets the rules
 ``render_rules`` generates from them, the collector gets them as its
-``--alert-thresholds`` file. Twelve runs, each scripted to trip one alert (or
+``--alert-thresholds`` file. Runs, each scripted to trip one or a few alerts (or
 none), stream protocol v1 batches into one real collector for about 20 s; then
 the alerts that fired (name, run, rank, optimizer, severity) must be the same on
-both sides, and equal to what each run was scripted to trip. Edge cases ride
-along: a skip ratio exactly at its threshold, loss scales of NaN and 0. Two runs
-skip together on every rank (a short storm, and one whose scale collapses and whose
-skip ratio climbs), so each evaluator fires one run-level alert per trouble there
-(AmpRunSkipStorm, AmpRunLossScaleCollapsed, AmpRunHighSkippedStepRatio) and never
-a per-rank alert they speak for, not even at the storms' edges, where a scrape or a
-pass lands between two ranks' batches; the collector's webhook must never hear
+both sides, and equal to what each run was scripted to trip; every alert the contract
+declares is tripped by some run (``EXPECTED``), or named in ``EXEMPT`` with the reason.
+Edge cases ride along: a skip ratio exactly at its threshold, loss scales of NaN and 0.
+Runs skip together on every rank (a short storm, one whose scale collapses and whose
+skip ratio climbs, one that ends in the storm, one whose ranks close mid-streak but
+one), so each evaluator fires one run-level alert per trouble there (AmpRunSkipStorm,
+AmpRunLossScaleCollapsed, AmpRunHighSkippedStepRatio) and never a per-rank alert
+they speak for, not even at the storms' edges, where a scrape or a pass lands between
+two ranks' batches, nor after ranks closed; the collector's webhook must never hear
 RESOLVED for an alert it was not told fired.
 """
 
@@ -32,12 +34,11 @@ from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 from ampwatch_support.batches import make_batch, optimizer, post_batch
 from ampwatch_support.collector_process import CollectorProcess
 
+from ampwatch.contract.alerts import ALERT_NAMES
 from ampwatch.contract.protocol import NO_SCALER_KIND
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
 from ampwatch.server._floats import wire_float
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 # skip_ratio is exactly p-ratio's share of skipped steps (every other one): both evaluators must fire at the
 # boundary, as the rule's >= says. Its skipped and stepped counters rise alike, so Prometheus's increase()
@@ -47,7 +48,7 @@ THRESHOLDS = AlertThresholds(
     backoff_window_s=6, backoff_min_count=3, backoff_for_s=1, collapsed_for_s=1, desync_for_s=2,
     skip_ratio=0.5, skip_ratio_window_s=10, skip_ratio_for_s=1, skip_ratio_min_steps=20,
     silent_after_s=4, silent_for_s=1, scheduler_window_s=6, poisoned_window_s=6, origin_window_s=6,
-    storm_edge_for_s=3,  # three of Prometheus's 1 s evaluations
+    conflict_window_s=6, storm_edge_for_s=3,  # three of Prometheus's 1 s evaluations
 )
 BATCHES = 40  # one every 0.5 s per rank
 PERIOD_S = 0.5
@@ -60,6 +61,10 @@ EXPECTED = {
     # Both ranks of p-streak skip 6 in a row together: one run alert, not one per rank.
     ("AmpRunSkipStorm", "p-streak", "", "", "warning"),
     ("AmpSustainedLossScaleBackoff", "p-streak", "", "", "warning"),
+    # Rank 1 of three skips the same 6 alone: it stands out, with its own streak alert (once the storm's edge wait
+    # is over), and its scale, backed off 6 times, is apart from the others'.
+    ("AmpConsecutiveSkippedSteps", "p-one", "1", "gen", "warning"),
+    ("AmpLossScaleDesync", "p-one", "", "", "warning"),
     # Every rank of p-job skips every step for JOB_TROUBLE: its streak passes both severities, its scale collapses
     # below 1 (and stays, longer than collapsed_for_s) and its skip ratio climbs, as a whole-job storm does. One
     # run alert for each speaks for every rank's streak, collapse and skip ratio.
@@ -80,7 +85,19 @@ EXPECTED = {
     ("AmpRankSilent", "p-silent", "0", "", "warning"),
     ("AmpSkipOriginRank", "p-origin", "2", "", "warning"),
     ("AmpPoisonedStep", "p-bf16", "1", "gen", "critical"),  # and no scale alert: two of its ranks have no scaler
+    # Every rank of p-end closes in its streak, the moment it reaches the warning (4): closed ranks count in the
+    # storm's share as their streak alerts do, so it stays one run alert, and no rank fires its own. No rank open
+    # ever backed off 3 times: no sustained backoff.
+    ("AmpRunSkipStorm", "p-end", "", "", "warning"),
+    # Ranks 0 and 1 of p-close close the same way; rank 2 skips one batch more, then trains on: one run alert; its
+    # backoffs, the only open rank's, are sustained backoff.
+    ("AmpRunSkipStorm", "p-close", "", "", "warning"),
+    ("AmpSustainedLossScaleBackoff", "p-close", "", "", "warning"),
+    # A second process (its own host, pid and process key) claims p-conflict's rank 0 while the first keeps sending.
+    ("AmpRankConflict", "p-conflict", "0", "", "warning"),
 }
+# Alerts no run here trips, each with the reason it cannot (none today: every declared alert has its run).
+EXEMPT: dict[str, str] = {}
 NO_SCALER = {"enabled": False, "kind": NO_SCALER_KIND, "init_scale": None, "growth_factor": None,
              "backoff_factor": None, "growth_interval": None}
 
@@ -89,17 +106,20 @@ class ScriptedRank:
     """One rank's cumulative counters, advanced batch by batch as a real agent would report them."""
 
     def __init__(self, run: str, rank: int, world_size: int, scale: float | None = 2.0 ** 16,
-                 iteration: int = 0) -> None:
+                 iteration: int = 0, **identity: str | int) -> None:
         self.run, self.rank, self.world_size = run, rank, world_size
+        # The process's identity (incarnation, host, pid, process_key), where not the batches' default.
+        self.identity = {"incarnation": f"parity-{run}-{rank}", **identity}
+        self.closed = False
         self.seq, self.iteration, self.scale = 0, iteration, scale  # scale None: a rank without a GradScaler
         self.backoffs = 0
         self.opts = {name: optimizer() for name in ("gen", "disc")}
         self.origins: int | None = None  # state.origin_iterations, sent when set (an agent watching DDP)
 
-    def close(self) -> dict:
-        """Return the last batch of a rank that closed cleanly."""
-        batch = self.step()
-        batch["closed"] = True
+    def close(self, skip_gen: Iterator[bool] = iter(())) -> dict:
+        """Return the last batch of a rank that closed cleanly (``skip_gen``: as :meth:`step`)."""
+        batch = self.step(skip_gen)
+        batch["closed"] = self.closed = True
         return batch
 
     def step(self, skip_gen: Iterator[bool] = iter(()), **gen_extra: int) -> dict:
@@ -127,7 +147,7 @@ class ScriptedRank:
             self.opts["gen"][key] += value
         self.seq += 1
         batch = make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
-                          seq=self.seq, incarnation=f"parity-{self.run}-{self.rank}", sent_at=time.time(),
+                          seq=self.seq, **self.identity, sent_at=time.time(),
                           iteration=self.iteration, backoffs=self.backoffs,
                           loss_scale=None if self.scale is None else wire_float(self.scale),
                           optimizers={k: dict(v, streaks_reached=dict(v["streaks_reached"]))
@@ -147,6 +167,7 @@ def _stream(url: str) -> None:
     ranks = {
         "p-clean": [ScriptedRank("p-clean", r, 2) for r in (0, 1)],
         "p-streak": [ScriptedRank("p-streak", r, 2) for r in (0, 1)],
+        "p-one": [ScriptedRank("p-one", r, 3) for r in range(3)],
         # Started high: half its updates back off, yet it must not collapse (below 1) within the test.
         "p-ratio": [ScriptedRank("p-ratio", 0, 1, scale=2.0 ** 64)],
         # Joined late with its scale already collapsed (its backoffs happened before the collector saw it).
@@ -167,7 +188,13 @@ def _stream(url: str) -> None:
         "p-bf16": [ScriptedRank("p-bf16", 0, 3, scale=None), ScriptedRank("p-bf16", 1, 3, scale=None),
                    ScriptedRank("p-bf16", 2, 3)],
         "p-job": [ScriptedRank("p-job", r, 3) for r in range(3)],
+        "p-end": [ScriptedRank("p-end", r, 3) for r in range(3)],
+        "p-close": [ScriptedRank("p-close", r, 3) for r in range(3)],
+        "p-conflict": [ScriptedRank("p-conflict", 0, 1, process_key="parity-conflict-key-of-the-first")],
     }
+    claimant = ScriptedRank("p-conflict", 0, 1, iteration=2 * ITERATIONS_PER_BATCH * TROUBLE.start,
+                            incarnation="parity-p-conflict-0-claimant", host="node-b", pid=5151,
+                            process_key="parity-conflict-key-of-the-second")
     for rank in ranks["p-origin"]:
         rank.origins = 0
     for batch in range(BATCHES):
@@ -180,6 +207,19 @@ def _stream(url: str) -> None:
             _post(url, rank.step())
         for rank in ranks["p-streak"]:  # 6 skips in a row: a streak over the warning threshold (4), 6 backoffs
             _post(url, rank.step(iter([trouble] * ITERATIONS_PER_BATCH)))
+        for rank in ranks["p-one"]:
+            _post(url, rank.step(iter([trouble and rank.rank == 1] * ITERATIONS_PER_BATCH)))
+        # p-end and p-close skip from TROUBLE's first batch; at its second, each rank's streak reaches 4 and every
+        # rank of p-end, and ranks 0 and 1 of p-close, close; p-close's rank 2 skips one batch more.
+        for rank in ranks["p-end"] + ranks["p-close"]:
+            if rank.closed:
+                continue
+            skipping = iter([batch in TROUBLE] * ITERATIONS_PER_BATCH)
+            closing = batch == TROUBLE.start + 1 and (rank.run == "p-end" or rank.rank < 2)
+            _post(url, rank.close(skipping) if closing else rank.step(skipping))
+        _post(url, ranks["p-conflict"][0].step())
+        if batch == TROUBLE.start:  # the claimant's one batch: the first process sends again at the next
+            _post(url, claimant.step())
         for rank in ranks["p-job"]:
             if batch == JOB_TROUBLE.stop:
                 rank.scale = 2.0 ** 16  # restored from a checkpoint
@@ -196,7 +236,7 @@ def _stream(url: str) -> None:
         time.sleep(max(0.0, PERIOD_S - (time.monotonic() - started)))
     for run, run_ranks in ranks.items():
         for rank in run_ranks:
-            if run != "p-silent":  # the others close cleanly, so that only p-silent counts as silent
+            if run != "p-silent" and not rank.closed:  # the others close cleanly: only p-silent is silent
                 _post(url, rank.close())
 
 
@@ -212,6 +252,18 @@ def _fired_built_in(collector: str) -> set[tuple]:
              a["labels"].get("severity", "")) for a in alerts["firing"] + alerts["resolved"]}
 
 
+def test_every_alert_the_contract_declares_has_a_parity_run_or_a_named_exemption():
+    tripped = {name for name, *_ in EXPECTED}
+    missing = set(ALERT_NAMES) - tripped - set(EXEMPT)
+    extra = (tripped | set(EXEMPT)) - set(ALERT_NAMES)
+    assert not missing and not extra, (f"missing: {sorted(missing)} (add a run that trips each, or name it in EXEMPT "
+                                       f"with the reason); extra: {sorted(extra)} (no such alert in the contract)")
+    assert not tripped & set(EXEMPT), f"exempt, yet tripped here: {sorted(tripped & set(EXEMPT))}"
+    assert all(EXEMPT.values()), "each exemption says why"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_run_rank_and_optimizer(
         tmp_path: Path):
     (tmp_path / "thresholds.json").write_text(json.dumps(dataclasses.asdict(THRESHOLDS)))
@@ -241,7 +293,8 @@ def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_
                    30, lambda: "both evaluators to resolve the storms")
         in_prometheus = _fired_in_prometheus(prometheus, start)
         built_in = _fired_built_in(collector.url)
-        hook = receiver.wait_for(lambda reqs: _announced(reqs, "AmpRunSkipStorm", "resolved") >= 3, 30)
+        run_storms = sum(1 for name, *_ in EXPECTED if name == "AmpRunSkipStorm")
+        hook = receiver.wait_for(lambda reqs: _announced(reqs, "AmpRunSkipStorm", "resolved") >= run_storms, 30)
     finally:
         processes.stop_all()
         collector.kill()

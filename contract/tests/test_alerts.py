@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
-from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS
+from ampwatch.contract.alerts import (ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS, Severity,
+                                     speakers_of)
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, DEMO_THRESHOLDS, AlertThresholds
 
 FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3",
@@ -63,3 +65,45 @@ def test_each_whole_job_trouble_has_one_run_wide_alert_with_the_per_rank_ones_se
     for wrong in (dict(scope="rank"), dict(window="skip_streak_window_s", rises=("streaks_reached",))):
         with pytest.raises(ValueError, match="speaks for a per-rank one is of scope run and reads no counters"):
             dataclasses.replace(ALERTS["AmpRunSkipStorm"], **wrong)
+
+
+def _with(*changed) -> dict:
+    """The alert definitions with ``changed`` ones swapped in (by name)."""
+    return {**ALERTS, **{d.name: d for d in changed}}
+
+
+_STORM, _STREAK = ALERTS["AmpRunSkipStorm"], ALERTS["AmpConsecutiveSkippedSteps"]
+
+
+def test_the_declared_run_wide_alerts_and_those_they_speak_for_pass_the_check():
+    assert speakers_of(ALERTS) == SPEAKERS
+
+
+@pytest.mark.parametrize("definitions, says", [
+    # The run-wide alert's severities are not the per-rank one's: a level missing, another added, or a threshold
+    # another than the one the ranks' alert holds at.
+    (_with(dataclasses.replace(_STORM, severities=(Severity("critical", "skip_streak_critical"),))),
+     "AmpRunSkipStorm speaks for AmpConsecutiveSkippedSteps, whose severities (warning at skip_streak_warning, "
+     "critical at skip_streak_critical) are not its own (critical at skip_streak_critical)"),
+    (_with(dataclasses.replace(_STREAK, severities=(Severity("warning", "skip_streak_warning"),))),
+     "AmpRunSkipStorm speaks for AmpConsecutiveSkippedSteps, whose severities (warning at skip_streak_warning) are "
+     "not its own"),
+    (_with(dataclasses.replace(_STORM, severities=(Severity("warning", "skip_streak_critical"),
+                                                   Severity("critical", "skip_streak_critical")))),
+     "AmpRunSkipStorm speaks for AmpConsecutiveSkippedSteps, whose severities .* are not its own"),
+    (_with(dataclasses.replace(ALERTS["AmpRunLossScaleCollapsed"], severities=(Severity("warning"),))),
+     "AmpRunLossScaleCollapsed speaks for AmpLossScaleCollapsed, whose severities (critical) are not its own "
+     "(warning)"),
+    # What it speaks for is no per-rank alert, or no alert at all, or has a speaker already.
+    (_with(dataclasses.replace(_STORM, speaks_for="AmpLossScaleDesync")),
+     "AmpRunSkipStorm speaks for AmpLossScaleDesync, of scope run: it must be an alert of scope rank or optimizer"),
+    (_with(dataclasses.replace(_STORM, speaks_for="AmpSkipStreak")),
+     "AmpRunSkipStorm speaks for AmpSkipStreak, which is no alert"),
+    (_with(dataclasses.replace(ALERTS["AmpRunHighSkippedStepRatio"], speaks_for="AmpConsecutiveSkippedSteps",
+                               severities=_STREAK.severities)),
+     "AmpRunHighSkippedStepRatio speaks for AmpConsecutiveSkippedSteps, as AmpRunSkipStorm does"),
+], ids=["speaker-lacks-a-level", "spoken-lacks-a-level", "another-threshold", "another-level", "run-scope",
+        "no-such-alert", "two-speakers"])
+def test_a_run_wide_alert_that_cannot_speak_for_its_per_rank_alert_is_refused_naming_both(definitions, says):
+    with pytest.raises(ValueError, match=re.escape(says).replace(re.escape(".*"), ".*")):
+        speakers_of(definitions)

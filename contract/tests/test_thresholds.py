@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -43,6 +45,70 @@ def test_a_critical_streak_not_above_the_warning_raises():
 def test_an_invalid_value_raises_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         AlertThresholds(**{field: value})
+
+
+NAN, INF = float("nan"), float("inf")
+
+# Values each field must refuse, written out here for every field (not read from the contract's table of limits),
+# so that a limit dropped or loosened there fails a case: shares outside (0, 1], windows of no time, waits below 0,
+# counts below 1, streak lengths off the ladder, scales and ratios that are not finite, and non-whole numbers
+# where a whole one is meant.
+REFUSED = {
+    "calibration_iterations": (-1, 2.5),
+    "skip_streak_warning": (0, 12, 16.0),
+    "skip_streak_critical": (0, 100, 64.0, 2048),
+    "storm_rank_share": (0, 0.0, -0.5, 1.01, 2, NAN, INF),
+    "storm_edge_for_s": (-1, 1.5),
+    "skip_streak_window_s": (0, -60, 1.5),
+    "backoff_window_s": (0, -1, 900.5),
+    "backoff_min_count": (0, -3, 2.5),
+    "backoff_rank_share": (0, 1.5, -0.1, NAN),
+    "backoff_for_s": (-1, 0.5),
+    "collapsed_loss_scale": (0, -1.0, NAN, INF),
+    "collapsed_for_s": (-30, 2.5),
+    "desync_scale_ratio": (1, 0.5, NAN, INF),
+    "desync_for_s": (-1, 0.1),
+    "skip_ratio": (0, 1.1, -0.1, NAN),
+    "skip_ratio_window_s": (0, -1, 0.5),
+    "skip_ratio_min_steps": (-1, 10.5),
+    "skip_ratio_for_s": (-1, 1.5),
+    "silent_after_s": (0, -120, 120.5),
+    "silent_for_s": (-60, 1.5),
+    "scheduler_window_s": (0, -1, 1.5),
+    "poisoned_window_s": (0, -1, 1.5),
+    "origin_window_s": (0, -1, 1.5),
+    "conflict_window_s": (0, -1, 1.5),
+    "origin_min_count": (0, -1, 1.5),
+    "origin_rank_share": (0, 1.01, NAN),
+}
+# The edges each field accepts (the streak lengths with a valid partner).
+ACCEPTED = [("storm_rank_share", 1), ("storm_rank_share", 0.01), ("backoff_rank_share", 1.0), ("skip_ratio", 1),
+            ("origin_rank_share", 1), ("storm_edge_for_s", 0), ("backoff_for_s", 0), ("silent_for_s", 0),
+            ("calibration_iterations", 0), ("skip_ratio_min_steps", 0), ("backoff_min_count", 1),
+            ("origin_min_count", 1), ("skip_streak_window_s", 1), ("collapsed_loss_scale", 2.0 ** -24),
+            ("desync_scale_ratio", 1.01)]
+
+
+def test_every_field_has_values_it_must_refuse_here():
+    assert set(REFUSED) == {f.name for f in dataclasses.fields(AlertThresholds)}, "add the new field to REFUSED"
+
+
+@pytest.mark.parametrize("field, value", [(field, value) for field, values in REFUSED.items()
+                                          for value in (*values, True, "5", None)])
+def test_a_value_outside_a_fields_limits_is_refused_with_a_message_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}={re.escape(repr(value))} (must be|is not on) "):
+        AlertThresholds(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", ACCEPTED)
+def test_a_value_at_the_edge_of_a_fields_limits_is_accepted(field, value):
+    assert getattr(AlertThresholds(**{field: value}), field) == value
+
+
+def test_a_storm_share_outside_0_to_1_says_the_range():
+    for value in (0, 1.5):
+        with pytest.raises(ValueError, match=rf"^storm_rank_share={value} must be in \(0, 1\]$"):
+            AlertThresholds(storm_rank_share=value)
 
 
 def test_thresholds_are_frozen():

@@ -192,6 +192,19 @@ def test_the_unit_tests_catch_rules_that_show_a_storms_edges_rank_by_rank(tmp_pa
     assert "a storm whose edges straddle a scrape shows no per-rank alert" in result.stdout + result.stderr
 
 
+def test_the_unit_tests_catch_rules_that_count_only_open_ranks_in_a_storms_share(tmp_path, run_tool):
+    # The share over the run's open ranks instead of all its ranks: a job that ends in a storm would lose it (no
+    # open rank left) and a few ranks in a streak beside finished ones would make one.
+    r = RecordedSeries(DEFAULT_THRESHOLDS)
+    open_only = render_rules().replace(f"group_left {r.ranks}\n", f"group_left {r.ranks_open}\n")
+    assert open_only.count(r.ranks_open) == render_rules().count(r.ranks_open) + 3  # one share per speaker
+    result = _run_tests_against(run_tool, tmp_path, open_only, RULE_TESTS / "run_skip_storm.test.yaml")
+    assert result.returncode != 0
+    for case in ("a job that ends in a storm stays one run alert after its ranks closed",
+                 "healthy ranks that closed count in the share and two of five in a streak keep their own alerts"):
+        assert case in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/alerts.md"])
 def test_the_alert_tables_of_the_readme_and_the_runbooks_list_every_alert_in_order(page):
     text = (REPO / page).read_text()

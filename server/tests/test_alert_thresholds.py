@@ -10,6 +10,7 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.ports import free_port
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server import create_app
@@ -62,6 +63,27 @@ def test_the_command_line_refuses_a_missing_thresholds_file_before_serving(tmp_p
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "no such file" in result.stderr and "default, demo" in result.stderr
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"storm_rank_share": 0}', "storm_rank_share=0 must be in (0, 1]"),
+    ('{"storm_rank_share": 1.5}', "storm_rank_share=1.5 must be in (0, 1]"),
+    ('{"backoff_rank_share": 0.0}', "backoff_rank_share=0.0 must be in (0, 1]"),
+    ('{"collapsed_loss_scale": NaN}', "collapsed_loss_scale=nan must be > 0 and finite"),  # JSON as Python reads it
+    ('{"skip_streak_warning": 16.0}', "skip_streak_warning=16.0 must be a whole number"),
+    ('{"origin_window_s": -1}', "origin_window_s=-1 must be > 0 seconds"),
+])
+def test_a_collector_started_with_a_threshold_outside_its_limits_exits_naming_the_field(tmp_path, content, message):
+    path = tmp_path / "thresholds.json"
+    path.write_text(content)
+    # (A port of its own: a collector that took the file would serve there until the timeout.)
+    result = subprocess.run([sys.executable, "-m", "ampwatch.server", "--db", str(tmp_path / "a.db"),
+                             "--port", str(free_port()), "--alert-thresholds", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    # One line, before serving: the option, the file, the field and what it must be.
+    assert result.stderr == f"ampwatch-server: --alert-thresholds / AMPWATCH_SERVER_ALERT_THRESHOLDS={str(path)!r}: " \
+                            f"{message}\n"
 
 
 def test_the_demo_profile_fires_the_streak_alert_at_four_skips_where_the_default_needs_sixteen(config_for):

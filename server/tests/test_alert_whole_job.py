@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import pytest
+
 from ampwatch_support.alert_ranks import healthy_job
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
@@ -147,29 +149,37 @@ def test_in_a_run_of_several_ranks_the_pass_alone_fires_and_resolves_a_ranks_own
     assert resolved - (10.0 + t.skip_streak_window_s) in (0.5, 1.5)  # the pass after its window, not a batch
 
 
-def test_a_rank_whose_batches_land_during_every_pass_still_gets_its_own_alert_fired_and_resolved_by_the_pass():
-    """A pass keeps what a batch observed meanwhile decided, as that batch saw newer data; but a batch of a run of
-    several ranks decides nothing about the alerts a run-wide one may speak for, so for those the pass's
-    judgement stands. Rank 1 (of 130: the pass reads them in slices) sends a batch after the first slice of
-    every pass; its streak alert still fires at the second pass and resolves once the window is over."""
-    t = dataclasses.replace(T, skip_streak_window_s=60)
+def _sending_during_every_pass(t, size: int, sender: int) -> tuple[BuiltinAlerts, list, list, list[int]]:
+    """A job of ``size`` ranks whose rank ``sender`` sends a batch during every pass (after its first slice of
+    ranks, where the pass pauses); return the evaluator, the ranks, the transitions those batches made, and how
+    many it sent (a list of one count). Each batch is sent at ``alerts.now``, which the test sets."""
     transitions: list = []
     ranks: list = []
     sent_during = [0]
 
-    def rank_one_sends() -> Callable[[], None]:  # what the pass calls between two slices, where it pauses
+    def sends() -> Callable[[], None]:  # what the pass calls between two slices, where it pauses
         first = [True]
 
         def between() -> None:
             if first[0] and ranks:  # (not while healthy_job() sets the job up)
                 first[0] = False
                 sent_during[0] += 1
-                ranks[1].iterate()
-                transitions.extend(ranks[1].send(alerts.now))
+                ranks[sender].iterate()
+                transitions.extend(ranks[sender].send(alerts.now))
         return between
 
-    alerts = BuiltinAlerts(t, pacer=rank_one_sends)
-    ranks += healthy_job(alerts, 130)
+    alerts = BuiltinAlerts(t, pacer=sends)
+    ranks += healthy_job(alerts, size)
+    return alerts, ranks, transitions, sent_during
+
+
+def test_a_rank_whose_batches_land_during_every_pass_still_gets_its_own_alert_fired_and_resolved_by_the_pass():
+    """A pass keeps what a batch observed meanwhile decided, as that batch saw newer data; but a batch of a run of
+    several ranks decides nothing about the alerts a run-wide one may speak for, so for those the pass's
+    judgement stands. Rank 1 (of 130: the pass reads them in slices) sends a batch after the first slice of
+    every pass; its streak alert still fires at the second pass and resolves once the window is over."""
+    t = dataclasses.replace(T, skip_streak_window_s=60)
+    alerts, ranks, transitions, sent_during = _sending_during_every_pass(t, 130, sender=1)
     transitions += _stands_out(ranks[1], 10.0)
     now, passes = 10.0, 0
     while now < 10.0 + t.skip_streak_window_s + 10:
@@ -182,3 +192,110 @@ def test_a_rank_whose_batches_land_during_every_pass_still_gets_its_own_alert_fi
                if a.name == "AmpConsecutiveSkippedSteps"]
     assert [status for status, _ in changes] == ["firing", "resolved"]
     assert changes[0][1] == 12.5 and changes[1][1] - (10.0 + t.skip_streak_window_s) in (0.5, 1.5)
+
+
+def test_a_pending_alert_whose_rank_sends_during_every_pass_ends_when_the_pass_no_longer_finds_it():
+    """The pass alone judges the alerts a run-wide one may speak for, also on a rank observed while it ran: one
+    that goes pending and stops holding is no longer pending, so a second short collapse waits its whole ``for``
+    again. Rank 1 (of 130: the pass reads them in slices) sends during every pass; its scale collapses twice
+    for 10 s, 40 s apart, each shorter than ``collapsed_for_s``: no alert."""
+    alerts, ranks, transitions, sent_during = _sending_during_every_pass(T, 130, sender=1)
+    collapsed = ((10.0, 20.0), (10.0 + T.collapsed_for_s + 10, 20.0 + T.collapsed_for_s + 10))
+    now = 0.0
+    while now < 100.0:
+        now += 1.0
+        ranks[1].scale = 0.5 if any(start <= now < end for start, end in collapsed) else 2.0 ** 20
+        alerts.now = now + 0.5
+        transitions += alerts.evaluate(now + 0.5)
+    assert sent_during[0] == 100  # rank 1's batch came during every pass
+    assert _changes(transitions) == []
+    # Held long enough, the same collapse fires: the alert is judged, and pending, at all.
+    ranks[1].scale = 0.5
+    while now < 100.0 + T.collapsed_for_s + 5:
+        now += 1.0
+        alerts.now = now + 0.5
+        transitions += alerts.evaluate(now + 0.5)
+    assert _changes(transitions) == [("AmpLossScaleCollapsed", "firing", "1", "critical")]
+
+
+def test_a_pending_alert_a_storm_held_back_on_a_rank_sending_during_every_pass_waits_its_whole_for_after_it():
+    """Rank 1's scale collapses alone (its alert goes pending), then the whole job's does (the run-wide alert speaks
+    for it: the pass no longer finds rank 1's own), then the job recovers but rank 1 does not. Rank 1 sends during
+    every pass. Its own alert fires once the storm's edge is over and it held for its whole ``collapsed_for_s``
+    again, not at once on the strength of its pending from before the storm."""
+    alerts, ranks, transitions, sent_during = _sending_during_every_pass(T, 130, sender=1)
+    ranks[1].scale = 0.5
+    now = 0.0
+    while now < 200.0:
+        now += 1.0
+        if now % 5 == 0:
+            for r in ranks:
+                if r.rank != 1:  # the job's scale collapses at 20 s, and is restored at 60 s
+                    r.scale = 0.5 if 20.0 <= now < 60.0 else 2.0 ** 20
+                    r.iterate()
+                    transitions += r.send(now)
+        alerts.now = now + 0.5
+        transitions += alerts.evaluate(now + 0.5)
+    assert sent_during[0] == 200  # rank 1's batch came during every pass
+    assert _changes(transitions) == [("AmpRunLossScaleCollapsed", "firing", "", "critical"),
+                                     ("AmpRunLossScaleCollapsed", "resolved", "", "critical"),
+                                     ("AmpLossScaleCollapsed", "firing", "1", "critical")]
+    _, storm_over, rank_1 = transitions
+    held_last = storm_over.ends_at - 1.0  # the pass before the storm resolved (passes are a second apart)
+    assert T.storm_edge_for_s + T.collapsed_for_s <= rank_1.starts_at - held_last <= \
+        T.storm_edge_for_s + T.collapsed_for_s + 2  # its edge, a second look, then its whole for
+
+
+# Closed ranks count in a storm's share (ranks of the run holding the per-rank alert / ranks of the run), as their
+# alerts do within a window; every case here is also a promtool case (run_skip_storm.test.yaml).
+# (case, ranks, who skips 20 in a row at 10 s, who closes when, who keeps skipping) -> storm or per-rank alerts
+STORM_SHARE_CASES = {
+    # Every rank closes mid-storm: the storm stays until the streaks' window is over, and no rank fires its own.
+    "a job that ends in a storm": (4, range(4), {r: 12.0 for r in range(4)}, ()),
+    # Three of four finish mid-streak, the fourth keeps skipping: every rank of the run is still in a streak.
+    "ranks closing mid-streak": (4, range(4), {0: 12.0, 1: 12.0, 2: 12.0}, (3,)),
+    # Two of five in a streak, the three others healthy and finished: 40% of the run is no storm.
+    "healthy ranks that finished": (5, range(2), {2: 5.0, 3: 5.0, 4: 5.0}, ()),
+}
+
+
+@pytest.mark.parametrize("case", STORM_SHARE_CASES)
+def test_a_storms_share_counts_the_ranks_that_closed_as_their_alerts_do(case):
+    size, skipping, closing, still_skipping = STORM_SHARE_CASES[case]
+    t = dataclasses.replace(T, skip_streak_window_s=60)
+    alerts = BuiltinAlerts(t)
+    ranks = healthy_job(alerts, size)
+    transitions, now = [], 0.0
+    while now < 10.0 + t.skip_streak_window_s + t.storm_edge_for_s + 20:
+        now += 1.0
+        for r in ranks:
+            if r.closed:
+                continue
+            if now == 10.0 and r.rank in skipping:
+                for _ in range(20):
+                    r.iterate(skipped=True)
+            elif now % 5 == 0 or now == closing.get(r.rank):
+                for _ in range(1 if r.rank in still_skipping else 5):  # one slow iteration, skipped
+                    r.iterate(skipped=r.rank in still_skipping)
+            else:
+                continue
+            r.closed = now == closing.get(r.rank)
+            transitions += r.send(now)
+        transitions += alerts.evaluate(now + 0.5)
+    assert all(r.closed == (r.rank in closing) for r in ranks)
+    changes = _changes(transitions, "AmpRunSkipStorm", "AmpConsecutiveSkippedSteps")
+    if case == "healthy ranks that finished":
+        assert changes == [("AmpConsecutiveSkippedSteps", "firing", "0", "warning"),
+                           ("AmpConsecutiveSkippedSteps", "firing", "1", "warning"),
+                           ("AmpConsecutiveSkippedSteps", "resolved", "0", "warning"),
+                           ("AmpConsecutiveSkippedSteps", "resolved", "1", "warning")]
+        return
+    # The storm lasts the closed ranks' window (their streaks hold that long), then resolves; a rank still skipping
+    # then stands out, and fires its own once the storm's edge is over. No other rank ever fires its own.
+    assert changes == [("AmpRunSkipStorm", "firing", "", "warning"), ("AmpRunSkipStorm", "resolved", "", "warning"),
+                       *[("AmpConsecutiveSkippedSteps", "firing", str(r), "warning") for r in still_skipping]]
+    storm = [a for a in transitions if a.name == "AmpRunSkipStorm"]
+    assert storm[1].value == 1.0  # its last share: every rank of the run, the closed ones too
+    assert storm[0].starts_at == 10.5 and storm[1].ends_at - 10.0 in (t.skip_streak_window_s + 0.5,
+                                                                       t.skip_streak_window_s + 1.5)
+

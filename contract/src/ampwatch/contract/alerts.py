@@ -34,7 +34,8 @@ from typing import Any, Mapping, Optional
 from .counters import COUNTERS, GAUGES
 from .thresholds import AlertThresholds, promql_duration
 
-__all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "SPEAKERS", "AlertDefinition", "Severity"]
+__all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "SPEAKERS", "AlertDefinition", "Severity",
+           "speakers_of"]
 
 DEFAULT_RUNBOOK_BASE_URL = "https://github.com/ampwatch/ampwatch/blob/main/docs/alerts.md"
 """Where ``runbook_url`` points; each alert appends ``#<its runbook anchor>``."""
@@ -282,20 +283,38 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
 
 ALERT_NAMES: tuple[str, ...] = tuple(ALERTS)
 
-SPEAKERS: Mapping[str, str] = {d.speaks_for: d.name for d in ALERTS.values() if d.speaks_for}
-"""Each per-rank alert that a run-wide one speaks for -> that run-wide alert (its ``speaks_for``)."""
 
+def speakers_of(alerts: Mapping[str, AlertDefinition]) -> Mapping[str, str]:
+    """Return each per-rank alert of ``alerts`` that a run-wide one speaks for -> that run-wide alert.
 
-def _check_speakers() -> None:
-    for d in ALERTS.values():
+    Raise a ValueError naming both alerts unless each ``speaks_for`` names an alert of ``alerts`` of scope rank or
+    optimizer with the same severities (each level, with the same threshold: the run-wide alert holds at a severity
+    when enough ranks hold the per-rank one at it, and holds back their instances of it), spoken for by no other.
+    """
+    speakers: dict[str, str] = {}
+    for d in alerts.values():
         if not d.speaks_for:
             continue
-        spoken = ALERTS.get(d.speaks_for)
-        if spoken is None or spoken.scope not in ("rank", "optimizer") or spoken.severities != d.severities:
-            raise ValueError(f"alert {d.name}: it speaks for {d.speaks_for!r}, which must be an alert of scope rank or "
-                             "optimizer with the same severities")
-    if len(SPEAKERS) != sum(1 for d in ALERTS.values() if d.speaks_for):
-        raise ValueError("each per-rank alert has at most one run-wide alert that speaks for it")
+        where = f"alert {d.name} speaks for {d.speaks_for}"
+        spoken = alerts.get(d.speaks_for)
+        if spoken is None:
+            raise ValueError(f"{where}, which is no alert")
+        if spoken.scope not in ("rank", "optimizer"):
+            raise ValueError(f"{where}, of scope {spoken.scope}: it must be an alert of scope rank or optimizer")
+        if spoken.severities != d.severities:
+            raise ValueError(f"{where}, whose severities {_levels(spoken)} are not its own {_levels(d)}: they must be "
+                             "the same, each with the same threshold")
+        if d.speaks_for in speakers:
+            raise ValueError(f"{where}, as {speakers[d.speaks_for]} does: each per-rank alert has at most one "
+                             "run-wide alert that speaks for it")
+        speakers[d.speaks_for] = d.name
+    return speakers
 
 
-_check_speakers()
+def _levels(d: AlertDefinition) -> str:
+    """Its severities as an error names them: ``(warning at skip_streak_warning, critical at ...)``."""
+    return "(" + ", ".join(s.level + (f" at {s.threshold}" if s.threshold else "") for s in d.severities) + ")"
+
+
+SPEAKERS: Mapping[str, str] = speakers_of(ALERTS)
+"""Each per-rank alert that a run-wide one speaks for -> that run-wide alert (its ``speaks_for``)."""

@@ -17,8 +17,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .protocol import HEARTBEAT_INTERVAL_S, STREAK_LADDER
 
@@ -27,7 +28,7 @@ __all__ = ["AlertThresholds", "DEFAULT_THRESHOLDS", "DEMO_THRESHOLDS", "PROFILES
 
 @dataclass(frozen=True)
 class AlertThresholds:
-    """Hold the thresholds and windows of the ampwatch alerts (validated on creation)."""
+    """Hold the thresholds and windows of the ampwatch alerts (each field checked against its limits on creation)."""
 
     calibration_iterations: int = 100
     """Iterations at the start of a rank during which loss-scale backoffs are the
@@ -146,51 +147,69 @@ class AlertThresholds:
     learning rate), not a GPU or a host."""
 
     def __post_init__(self) -> None:
-        for name in ("skip_streak_warning", "skip_streak_critical"):
-            value = getattr(self, name)
-            if value not in STREAK_LADDER:
-                raise ValueError(
-                    f"{name}={value!r} is not on the collector's streak ladder; "
-                    f"use one of {', '.join(map(str, STREAK_LADDER))} (powers of two up to 1024)"
-                )
+        for field in dataclasses.fields(self):
+            _LIMITS[field.name].check(field.name, getattr(self, field.name))
         if self.skip_streak_critical <= self.skip_streak_warning:
             raise ValueError(
                 f"skip_streak_critical={self.skip_streak_critical} must be above "
                 f"skip_streak_warning={self.skip_streak_warning}"
             )
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{field.name}={value!r} must be a number")
-            if field.name.endswith("_s") and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{field.name}={value!r} must be a whole number of seconds >= 0")
-        for name in ("skip_streak_window_s", "backoff_window_s", "skip_ratio_window_s",
-                     "scheduler_window_s", "poisoned_window_s", "silent_after_s", "origin_window_s",
-                     "conflict_window_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
-        for name in ("calibration_iterations", "skip_ratio_min_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a whole number >= 0")
-        # At least one: a rank that backed off (or started a skip) 0 times is no news, and every windowed alert
-        # then needs a counter to rise, which lets the collector skip the windows of ranks where none did.
-        for name in ("backoff_min_count", "origin_min_count"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
-        if not 0 < self.backoff_rank_share <= 1:
-            raise ValueError(f"backoff_rank_share={self.backoff_rank_share!r} must be in (0, 1]")
-        if not 0 < self.storm_rank_share <= 1:
-            raise ValueError(f"storm_rank_share={self.storm_rank_share!r} must be in (0, 1]")
-        if not 0 < self.origin_rank_share <= 1:
-            raise ValueError(f"origin_rank_share={self.origin_rank_share!r} must be in (0, 1]")
-        if not 0 < self.skip_ratio <= 1:
-            raise ValueError(f"skip_ratio={self.skip_ratio!r} must be in (0, 1]")
-        if self.collapsed_loss_scale <= 0:
-            raise ValueError(f"collapsed_loss_scale={self.collapsed_loss_scale!r} must be > 0")
-        if self.desync_scale_ratio <= 1:
-            raise ValueError(f"desync_scale_ratio={self.desync_scale_ratio!r} must be > 1")
+
+
+@dataclass(frozen=True)
+class _Limit:
+    """What one kind of threshold may hold: a number (whole or not), and within which range."""
+
+    whole: str
+    """What a value that is not a whole number is told it must be ("": any number will do)."""
+    holds: Callable[[float], bool]
+    """Whether a number is in the range (False for NaN and, where the range is open, infinities)."""
+    outside: str
+    """What a value out of the range is told."""
+
+    def check(self, name: str, value: object) -> None:
+        """Raise a ValueError naming the field ``name`` unless ``value`` is within this limit."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}={value!r} must be a number")
+        if self.whole and not isinstance(value, int):
+            raise ValueError(f"{name}={value!r} must be {self.whole}")
+        if not self.holds(value):
+            raise ValueError(f"{name}={value!r} {self.outside}")
+
+
+_RUNG = _Limit("a whole number", lambda v: v in STREAK_LADDER,
+               f"is not on the collector's streak ladder; use one of {', '.join(map(str, STREAK_LADDER))} "
+               "(powers of two up to 1024)")
+_WINDOW = _Limit("a whole number of seconds", lambda v: v > 0, "must be > 0 seconds")
+_WAIT = _Limit("a whole number of seconds >= 0", lambda v: v >= 0, "must be a whole number of seconds >= 0")
+# At least one: a rank that backed off (or started a skip) 0 times is no news, and every windowed alert then needs
+# a counter to rise, which lets the collector skip the windows of ranks where none did.
+_COUNT = _Limit("a whole number >= 1", lambda v: v >= 1, "must be a whole number >= 1")
+_ITERATIONS = _Limit("a whole number >= 0", lambda v: v >= 0, "must be a whole number >= 0")
+_SHARE = _Limit("", lambda v: 0 < v <= 1, "must be in (0, 1]")
+_SCALE = _Limit("", lambda v: 0 < v < math.inf, "must be > 0 and finite")
+_APART = _Limit("", lambda v: 1 < v < math.inf, "must be > 1 and finite")
+
+_LIMITS: Mapping[str, _Limit] = {
+    "calibration_iterations": _ITERATIONS,
+    "skip_streak_warning": _RUNG, "skip_streak_critical": _RUNG,
+    "storm_rank_share": _SHARE, "storm_edge_for_s": _WAIT,
+    "skip_streak_window_s": _WINDOW,
+    "backoff_window_s": _WINDOW, "backoff_min_count": _COUNT, "backoff_rank_share": _SHARE, "backoff_for_s": _WAIT,
+    "collapsed_loss_scale": _SCALE, "collapsed_for_s": _WAIT,
+    "desync_scale_ratio": _APART, "desync_for_s": _WAIT,
+    "skip_ratio": _SHARE, "skip_ratio_window_s": _WINDOW, "skip_ratio_min_steps": _ITERATIONS,
+    "skip_ratio_for_s": _WAIT,
+    "silent_after_s": _WINDOW, "silent_for_s": _WAIT,
+    "scheduler_window_s": _WINDOW, "poisoned_window_s": _WINDOW, "conflict_window_s": _WINDOW,
+    "origin_window_s": _WINDOW, "origin_min_count": _COUNT, "origin_rank_share": _SHARE,
+}
+"""What each field of :class:`AlertThresholds` may hold: every field has its limit here, checked in one place."""
+
+_FIELDS = {field.name for field in dataclasses.fields(AlertThresholds)}
+if set(_LIMITS) != _FIELDS:
+    raise RuntimeError("every field of AlertThresholds needs its limit in _LIMITS (and only those); "
+                       f"missing: {sorted(_FIELDS - set(_LIMITS))}, extra: {sorted(set(_LIMITS) - _FIELDS)}")
 
 
 #: The thresholds the committed rules in ``dashboards/generated/`` are built from.

@@ -41,7 +41,8 @@ class AlertStates:
         ``group`` is the one evaluation group (``(run, rank)`` or ``(run,)``) that was
         evaluated; alerts of other groups are left as they are. None: all of them, but for
         the groups in ``keep`` (observed anew while a pass ran: the pass's reading is older), except the
-        alerts for which ``unless(name, group)`` is true (judged by this evaluation alone).
+        alerts, pending or firing, for which ``unless(name, group)`` is true (judged by this evaluation alone: one
+        it no longer finds ends, as a pending one must, or it would fire later on its first finding's time).
         ``leave_names``: alerts this evaluation of one group does not judge (left as they are; ``active`` holds none).
         """
         changes: list[Alert] = []
