@@ -1,4 +1,4 @@
-"""A skip names its offending parameters with inf/NaN counts (claim 12 of /work/shared/GRADSCALER.md), rate-limited."""
+"""A skip names its offending parameters with inf/NaN counts (docs/gradscaler.md, claim 12), rate-limited."""
 
 from __future__ import annotations
 

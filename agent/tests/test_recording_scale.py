@@ -1,4 +1,4 @@
-"""Loss-scale transitions, the disabled scaler and LR schedulers (GRADSCALER.md claims 3, 8, 9, 10, 11)."""
+"""Loss-scale transitions, the disabled scaler and LR schedulers (docs/gradscaler.md, claims 3, 8, 9, 10, 11)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Skips per optimizer, checked against the ground truth: did the parameters' bits change?
 
-Claims refer to /work/shared/GRADSCALER.md (claims 1, 2, 4, 5, 6, 7).
+Claims refer to docs/gradscaler.md (claims 1, 2, 4, 5, 6, 7).
 """
 
 from __future__ import annotations
