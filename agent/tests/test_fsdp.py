@@ -131,7 +131,7 @@ def plain_first(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("layout", mixed.LAYOUTS)
-@pytest.mark.parametrize("watched", ["none"], ids=["watch(None)"])
+@pytest.mark.parametrize("watched", ["none", "disabled"], ids=["watch(None)", "disabled-scaler"])
 def test_a_plain_gradient_before_the_dtensor_ones_is_checked_by_its_own_type(plain_first, layout, watched):
     """A step poisoned in a plain gradient and one poisoned in a DTensor shard are each reported, no error."""
     for rank, result in enumerate(plain_first):
