@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ._arguments import peel
+from ._compiled import outside_graphs
 from ._record import OptimizerRecord
 from ._recorder import Recorder
 
@@ -302,7 +303,7 @@ class OptimizerHooks:
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
-        return hook
+        return outside_graphs(hook)  # a compiled step (torch.compile) must not trace it or compile what it calls
 
     def _wrap_scheduler_step(self, original: Callable[..., Any], record: OptimizerRecord,
                              label: str) -> Callable[..., Any]:
@@ -329,4 +330,4 @@ def _post_hook(recorder: Recorder, record: OptimizerRecord) -> Callable[..., Non
         except Exception as error:  # noqa: BLE001
             recorder.internal_error("optimizer step post-hook", error)
 
-    return hook
+    return outside_graphs(hook)  # as the pre-hook
