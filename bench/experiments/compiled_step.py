@@ -14,7 +14,7 @@ The eager step (not compiled) of the same job, watched and not, is measured besi
 
     python -m bench.experiments.compiled_step [--model mlp] [--rounds N] [--block N] [--out FILE]
 
-About a minute on a quiet 2-core machine (inductor compiles C++ once per job).
+About 15 seconds on a 2-core machine (inductor compiles C++ once per job; faster once its cache holds them).
 """
 
 from __future__ import annotations
