@@ -48,11 +48,14 @@ def outside_graphs(body: Callable[..., None]) -> Callable[..., None]:
     """Return a hook that calls ``body``, with Dynamo off for it and all it calls while torch.compile is at work.
 
     Costs about 0.1 us per call in eager mode (this test and one more call). Makes the wrapper with
-    ``torch.compiler.disable`` at once, which imports Dynamo (about 0.4 s) unless it is imported already:
-    torch's own optimizers import it at their first ``step()`` or ``zero_grad()``. Neither function holds
-    the other's caller: no reference cycle.
+    ``torch.compiler.disable`` at once, which imports Dynamo unless it is imported already (torch's own
+    optimizers import it when they are made). Where that fails (a torch without Dynamo), ``body`` itself
+    is the hook: nothing can compile the step. Neither function holds the other: no reference cycle.
     """
-    disabled = torch.compiler.disable(body, recursive=True)
+    try:
+        disabled = torch.compiler.disable(body, recursive=True)
+    except Exception:  # noqa: BLE001 - watch() must not fail because torch.compile cannot run here
+        return body
 
     def hook(*args: Any) -> None:
         if compiling():
