@@ -116,3 +116,26 @@ def test_a_compiled_step_under_a_scaler_reports_every_skip_and_trains_as_the_unw
     assert counters["scheduler_steps_after_skip"] == (len(POISONED) if how == "scaled-whole" else 0)
     assert watched["watch"].snapshot()["state"]["delivery"]["agent_errors"] == 0
     assert _same_bits(watched, unwatched)
+
+
+def test_a_torch_whose_dynamo_cannot_load_still_gets_every_step_checked(watching, events, monkeypatch):
+    """A torch built without Dynamo cannot run here: ``torch.compiler.disable`` raising stands in for it."""
+    def no_dynamo(*args, **kwargs):
+        raise ImportError("torch._dynamo is not available on this build")
+
+    monkeypatch.setattr(torch.compiler, "disable", no_dynamo)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = watching(None, {"net": opt}, model=model)  # does not fail: nothing could compile the step anyway
+    truth = []
+    for i in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        if i == 1:
+            model.bias.grad[0] = float("inf")
+        if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+            truth.append(i)
+        opt.step()
+    assert truth == [1, 2]  # the inf went into the weights: the next gradients are non-finite too
+    assert [e["iteration"] for e in events(w) if e["kind"] == "poisoned_step"] == truth
