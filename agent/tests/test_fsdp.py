@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ddp_harness import run_ranks  # noqa: E402
+import fsdp_plain_first_worker as mixed  # noqa: E402
 from fsdp_worker import FED, PLANTED, SAVE_AFTER, STEPS, UNSCALED_PLANTED, UNSCALED_SAVE_AFTER  # noqa: E402
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -119,3 +120,28 @@ def test_a_scaler_less_run_checkpointed_while_watched_holds_nothing_of_ours_and_
             assert first["params"] == [{"name": f"2.weight shard [{rows(rank, len(ranks))}, 0:16]", "inf": 1, "nan": 0}]
         assert resumed["scaler"]["kind"] == "none" and resumed["state"]["loss_scale"] is None
         assert resumed["state"]["delivery"]["agent_errors"] == 0
+
+
+@pytest.fixture(scope="module")
+def plain_first(tmp_path_factory) -> list[dict]:
+    """Run the worker whose first layer keeps plain gradients before the DTensor ones (2 ranks)."""
+    out = tmp_path_factory.mktemp("fsdp-plain-first")
+    return run_ranks(Path(mixed.__file__), out, mixed.WORLD_SIZE, timeout=600,
+                     what="2-rank FSDP2 with a plain gradient first")
+
+
+@pytest.mark.parametrize("layout", mixed.LAYOUTS)
+@pytest.mark.parametrize("watched", ["none", "disabled"], ids=["watch(None)", "disabled-scaler"])
+def test_a_plain_gradient_before_the_dtensor_ones_is_checked_by_its_own_type(plain_first, layout, watched):
+    """A step poisoned in a plain gradient and one poisoned in a DTensor shard are each reported, no error."""
+    for rank, result in enumerate(plain_first):
+        run, unwatched = result[f"{layout}/{watched}"], result[f"{layout}/plain"]
+        assert run["grad_types"][:2] == ["Tensor", "Tensor"] and set(run["grad_types"][2:]) == {"DTensor"}
+        (step, (_, name)), = [(s, p) for s, p in mixed.PLANTED.items() if p[0] == rank]
+        assert run["poisoned"] == unwatched["poisoned"] == [step]  # ground truth: this rank's own planted step
+        assert run["state"]["delivery"]["agent_errors"] == 0
+        assert run["state"]["optimizers"]["net"]["poisoned_steps"] == len(run["poisoned"])
+        (event,) = kinds(run, "poisoned_step")
+        named = name if rank == 0 else f"{name} shard [{rows(rank, mixed.WORLD_SIZE)}, 0:16]"
+        assert (event["iteration"], event["params"]) == (step, [{"name": named, "inf": 1, "nan": 0}])
+        assert run["bits"] == unwatched["bits"]  # bit-identical to the unwatched twin

@@ -96,7 +96,8 @@ def test_manual_update_new_scale_is_a_manual_transition_not_a_backoff(amp, watch
 
 
 def test_disabled_scaler_is_reported_as_disabled_and_never_as_skipped(amp, watching, events):
-    """Claim 10: enabled=False checks nothing; every step is a step, get_scale() is 1.0."""
+    """Claim 10: enabled=False checks nothing; every step is a step, get_scale() is 1.0. The watch checks each
+    step instead, as without a scaler (test_disabled_scaler.py): the inf is a poisoned step, not a skip."""
     model, opt_a, _ = model_and_two_optimizers()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     w = watching(scaler, opt_a)
@@ -109,7 +110,8 @@ def test_disabled_scaler_is_reported_as_disabled_and_never_as_skipped(amp, watch
     assert snap["scaler"]["enabled"] is False
     assert snap["state"]["loss_scale"] is None and snap["state"]["optimizers"]["SGD"]["skipped"] == 0
     assert snap["state"]["iteration"] == 1
-    assert [e["kind"] for e in events(w)] == ["scaler_disabled"]
+    assert [e["kind"] for e in events(w)] == ["scaler_disabled", "poisoned_step"]
+    assert snap["state"]["optimizers"]["SGD"]["poisoned_steps"] == 1
 
 
 def test_calibration_skips_at_the_start_are_a_short_streak_then_steps_resume(amp, watching, events):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ._arguments import peel
-from ._poison import PoisonCheck
+from ._compiled import outside_graphs
 from ._record import OptimizerRecord
 from ._recorder import Recorder
 
@@ -177,11 +177,13 @@ class ScalerPatch:
                 return original(optimizer, *args, **kwargs)
             record = None
             try:
-                record = record_of(by_id, optimizer)
-                if record is None:
-                    recorder.on_unknown_optimizer(optimizer)
-                else:
-                    recorder.before_step(record)
+                # A disabled scaler steps straight on, and the optimizer's pre-hook checks the step (unscaled).
+                if recorder.unscaled is None:
+                    record = record_of(by_id, optimizer)
+                    if record is None:
+                        recorder.on_unknown_optimizer(optimizer)
+                    else:
+                        recorder.before_step(record)
             except Exception as error:  # noqa: BLE001 - the agent must never break the loop
                 recorder.internal_error("scaler.step (before)", error)
                 record = None
@@ -241,8 +243,9 @@ class ScalerPatch:
 class OptimizerHooks:
     """Step pre-hooks on the watched optimizers and wrappers on their per-step LR schedulers.
 
-    Without a scaler, the pre-hooks go straight to the :class:`~._poison.PoisonCheck`, and an optimizer
-    whose step is given a closure (which computes its gradients inside) gets a step post-hook too.
+    Without a scaler, or with a disabled one (``Recorder.unscaled``: looked up at each step, since
+    ``Watch.rebind`` may change it), the pre-hooks go straight to the :class:`~._poison.PoisonCheck`, and
+    an optimizer whose step is given a closure (which computes its gradients inside) gets a step post-hook too.
 
     Holds no reference to the scaler.
     """
@@ -277,45 +280,30 @@ class OptimizerHooks:
         self._handles.clear()
 
     def _pre_hook(self, record: OptimizerRecord) -> Callable[..., None]:
-        recorder = self.recorder
+        # Holds nothing that holds the optimizer (``self`` holds the schedulers, which do): no reference cycle.
+        recorder, handles = self.recorder, self._handles
+        post_hook: list[Any] = []  # its handle, once registered
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             try:
-                recorder.on_optimizer_step(record, in_watched_step=id(optimizer) in _in_watched_step)
-            except Exception as error:  # noqa: BLE001
-                recorder.internal_error("optimizer step pre-hook", error)
-
-        unscaled = recorder.unscaled
-        if unscaled is None:
-            return hook
-        post_hook: list[Any] = []  # its handle, once registered
-
-        def unscaled_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            try:  # without a scaler, whether the step was given a closure decides when its gradients are read
-                # (torch passes the hook step()'s own arguments, the optimizer first: a closure is the second)
+                unscaled = recorder.unscaled
+                if unscaled is None:
+                    recorder.on_optimizer_step(record, in_watched_step=id(optimizer) in _in_watched_step)
+                    return
+                # Unscaled, whether the step was given a closure decides when its gradients are read (torch
+                # passes the hook step()'s own arguments, the optimizer first: a closure is the second).
                 closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
                 if closure is not None and not post_hook:
                     # A step with a closure makes its gradients inside: read them in a post-hook, registered at
                     # the first such step (torch runs it after this very step), so that other jobs' steps pay
                     # for no second hook.
-                    post_hook.append(optimizer.register_step_post_hook(self._post_hook(record, unscaled)))
-                    self._handles.append(post_hook[0])
+                    post_hook.append(optimizer.register_step_post_hook(_post_hook(recorder, record)))
+                    handles.append(post_hook[0])
                 unscaled.on_step(recorder, record, closure is not None)  # straight on: the recorder adds nothing
             except Exception as error:  # noqa: BLE001
                 recorder.internal_error("optimizer step pre-hook", error)
 
-        return unscaled_hook
-
-    def _post_hook(self, record: OptimizerRecord, unscaled: PoisonCheck) -> Callable[..., None]:
-        recorder = self.recorder
-
-        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            try:
-                unscaled.after_step(recorder, record)
-            except Exception as error:  # noqa: BLE001
-                recorder.internal_error("optimizer step post-hook", error)
-
-        return hook
+        return outside_graphs(hook)  # a compiled step (torch.compile) must not trace it or compile what it calls
 
     def _wrap_scheduler_step(self, original: Callable[..., Any], record: OptimizerRecord,
                              label: str) -> Callable[..., Any]:
@@ -330,3 +318,16 @@ class OptimizerHooks:
             return original(*args, **kwargs)
 
         return step
+
+
+def _post_hook(recorder: Recorder, record: OptimizerRecord) -> Callable[..., None]:
+    """Return the step post-hook that checks the gradients a step given a closure made (unscaled)."""
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            unscaled = recorder.unscaled
+            if unscaled is not None:
+                unscaled.after_step(recorder, record)
+        except Exception as error:  # noqa: BLE001
+            recorder.internal_error("optimizer step post-hook", error)
+
+    return outside_graphs(hook)  # as the pre-hook

@@ -29,7 +29,7 @@ from ampwatch.contract.protocol import is_rung
 
 from . import _device
 from ._params import MAX_NAMED_PARAMS, NonfiniteReport, scan_optimizers
-from ._shards import is_sharded, local
+from ._shards import local
 
 if TYPE_CHECKING:  # the recorder imports this module
     from ._inspection import SkipInspection
@@ -45,15 +45,23 @@ _MAX_PENDING = 64  # checks in flight before we wait for the oldest (only if the
 
 
 def gradients(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Return the gradients ``optimizer`` is about to apply (a sharded one: this rank's shard), and their params."""
+    """Return the gradients ``optimizer`` is about to apply (a sharded one: this rank's shard), and their params.
+
+    Each gradient is judged by its own type: under FSDP2 a parameter left out of the sharding
+    (``ignored_params``, a module never passed to ``fully_shard``) keeps a plain gradient beside the
+    ``DTensor`` ones, in any order.
+    """
     grads, params = [], []
+    plain, subclassed = torch.Tensor, False
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad  # read once: on a Parameter each read is a Python-level attribute lookup
             if grad is not None:
                 grads.append(grad)
                 params.append(param)
-    if grads and type(grads[0]) is not torch.Tensor and is_sharded(grads[0]):  # a plain tensor: no call
+                if type(grad) is not plain:
+                    subclassed = True
+    if subclassed:  # only then a call per gradient: a plain one stays as it is
         with torch.no_grad():
             grads = [local(g) for g in grads]
     return grads, params

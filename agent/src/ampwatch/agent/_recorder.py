@@ -57,7 +57,10 @@ class Recorder:
         self.attached = False  # the wrappers and hooks pass straight through while False
         self.active: OptimizerRecord | None = None  # the record inside scaler.step right now
         self.scale = LossScale(events)
-        self.unscaled: PoisonCheck | None = None  # a job without a GradScaler: every step is checked instead
+        # Without a GradScaler, or with a disabled one (enabled=False: nothing is scaled, nothing skips), every
+        # step is checked instead: the optimizers' pre-hooks go to this check, and the scaler's step() and
+        # update() count nothing.
+        self.unscaled: PoisonCheck | None = None
         if scaler is None:
             self._scaler: Any = _no_scaler
             self.scale.unscaled()
@@ -65,7 +68,9 @@ class Recorder:
         else:
             self._scaler = weakref.ref(scaler)  # weak: a watch must not keep a dropped scaler alive
             self.scale.bind(scaler, self.iteration)
-        self.open_iteration = False  # without a scaler: some optimizer stepped in the current iteration
+            if not self.scale.enabled:
+                self.unscaled = PoisonCheck(self.inspection)
+        self.open_iteration = False  # unscaled: some optimizer stepped in the current iteration
         self._skipped_this_iteration = False
         self._warned: set[int] = set()
         self._warned_outside = False
@@ -87,15 +92,31 @@ class Recorder:
     def inspect_interval(self, seconds: float) -> None:
         self.inspection.interval = seconds
 
-    @property
-    def enabled(self) -> bool:
-        """Whether the watched scaler scales at all (``enabled=False`` checks and skips nothing)."""
-        return self.scale.enabled
-
     def rebind(self, scaler: Any) -> None:
-        """Follow ``scaler`` from now on; its settings and scale replace the old one's (``restored``)."""
+        """Follow ``scaler`` from now on; its settings and scale replace the old one's (``restored``).
+
+        From a disabled scaler to an enabled one, the steps stop being checked one by one: the iteration in
+        progress ends, with the checks still on their way; from an enabled one to a disabled one, they start.
+        """
         self._scaler = weakref.ref(scaler)
         self.scale.bind(scaler, self.iteration)
+        if self.scale.enabled and self.unscaled is not None:
+            self.unscaled.close(self.poisoned_origin)
+            self.unscaled = None
+            self._end_unscaled_iteration()
+        elif not self.scale.enabled and self.unscaled is None:
+            for record in self.records:
+                if record.pending:  # fused outcomes of the old scaler count before the first checked step
+                    self._resolve_oldest(record, all_of_them=True)
+            self.unscaled = PoisonCheck(self.inspection)
+
+    def _end_unscaled_iteration(self) -> None:
+        # Unscaled, ``iteration`` is the one in progress (once some optimizer stepped in it); with a scaler it
+        # counts the update()s done.
+        self.iteration += self.open_iteration
+        self.open_iteration = False
+        for record in self.records:
+            record.stepped_this_iteration = False
 
     def restored(self, state_dict: Any) -> None:
         """Account for ``scaler.load_state_dict(state_dict)``: a ``restored`` transition, not a backoff or growth."""
@@ -160,9 +181,6 @@ class Recorder:
         self.active = None
         if record.pending:
             self._resolve_ready(record)
-        if not self.enabled:
-            self._outcome(record, True, self.iteration)
-            return
         found_inf = record.found_inf
         record.found_inf = None
         if found_inf is None and record.hook_fired and _device.steps_with_amp_scaling(record.optimizer):
@@ -182,7 +200,12 @@ class Recorder:
             self._resolve_oldest(record)
 
     def after_update(self, manual: bool) -> None:
-        """Account for one ``scaler.update()``: scale transition, poisoned-step check, next iteration."""
+        """Account for one ``scaler.update()``: scale transition, poisoned-step check, next iteration.
+
+        A disabled scaler's update() does nothing, and counts nothing: its steps are checked as without a scaler.
+        """
+        if self.unscaled is not None:
+            return
         iteration = self.iteration
         for record in self.records:
             if record.pending:  # fused outcomes that have landed count toward the iteration they belong to
@@ -238,8 +261,7 @@ class Recorder:
                 self._resolve_oldest(record, all_of_them=True)
         if self.unscaled is not None:
             self.unscaled.close(self.poisoned_origin)
-            self.iteration += self.open_iteration
-            self.open_iteration = False
+            self._end_unscaled_iteration()
         self.scale.close()
         if self.origin is not None:
             self.origin.close()

@@ -79,6 +79,7 @@ class LossScale:
         self.settings = self._settings_of(scaler)
         self._source = self._device = None
         if not self.enabled:
+            self._end_backoff_run()  # the old scaler's run of backoffs, if one was going on, is over
             self.value = None
             if not was_disabled:
                 disabled: ScalerDisabledEvent = {"kind": "scaler_disabled", "iteration": iteration}

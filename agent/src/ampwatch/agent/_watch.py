@@ -146,7 +146,10 @@ class Watch:
         Counters, streaks and the connection to the collector carry on; the new
         scaler's settings are reported, and its scale, if it differs, as a
         ``restored`` transition (never a backoff or growth). Reads the new
-        scale once (one device sync on a GPU).
+        scale once (one device sync on a GPU). A disabled scaler
+        (``enabled=False``) is watched as a job without one: from an enabled
+        scaler to a disabled one every step is checked from now on, and the
+        other way round the scaler's skips are reported instead.
         """
         if self.closed:
             raise RuntimeError("this watch is closed; call ampwatch.agent.watch() with the new scaler instead")
@@ -184,6 +187,9 @@ class Watch:
         state = self._recorder.snapshot()["state"]
         if self._patch is None:
             lines = [f"iteration {state['iteration']}, no GradScaler: nothing skips, every step is checked"]
+        elif self._recorder.unscaled is not None:
+            lines = [f"iteration {state['iteration']}, GradScaler disabled (enabled=False): nothing skips, every "
+                     "step is checked"]
         else:
             lines = [f"iteration {state['iteration']}, loss scale {state['loss_scale']}, backoffs "
                      f"{state['backoffs']}, growths {state['growths']}, manual sets {state['manual_sets']}"]
@@ -277,6 +283,7 @@ def watch(scaler: torch.amp.GradScaler | None,
 
     ``scaler=None`` watches a job without a GradScaler (bf16, float32): nothing skips, so every
     ``optimizer.step()`` is checked for gradients holding inf/NaN, a poisoned step (docs/agent.md).
+    A disabled scaler (``GradScaler(enabled=False)``, the usual bf16 recipe) is watched the same way.
 
     ``optimizers``: one optimizer, a list, or ``{"name": optimizer}``. ``model``
     or ``named_parameters`` only name parameters in reports. ``schedulers``:

@@ -250,7 +250,8 @@ function scalerText(scaler) {
   if (scaler && scaler.enabled) return scaler.kind || "enabled";
   // kind "none": a job without a GradScaler (bf16, float32); every step is checked for inf/NaN gradients.
   if (scaler && scaler.kind === "none") return "none (bf16/fp32: every step checked)";
-  return "disabled (nothing checked)";
+  // enabled=False (the usual bf16 recipe): it scales and skips nothing; the agent checks every step instead.
+  return "disabled (every step checked)";
 }
 
 function hostCell(rank) {
@@ -424,7 +425,7 @@ function eventDetails(e) {
     case "streak_end": cell.append(`streak of ${e.length} from iteration ${e.start_iteration} ended`); break;
     case "scheduler_after_skip": cell.append(`scheduler ${e.scheduler} stepped after a skip`); break;
     case "warning": cell.append(`${e.code}: ${e.message}`); break;
-    case "scaler_disabled": cell.append("GradScaler(enabled=False): nothing is checked"); break;
+    case "scaler_disabled": cell.append("GradScaler(enabled=False): nothing skips; every step is checked"); break;
     case "close": cell.append("closed cleanly"); break;
     default: cell.append("");
   }
