@@ -154,7 +154,7 @@ POISON_AT = 1
 
 
 def _clip_whole_model(i: int, model, scaler, optimizers) -> None:
-    """The unsafe recipe (docs/gradscaler.md, claim 13): NaN in one optimizer's gradients, unscale both, clip all at once."""
+    """The unsafe recipe (docs/gradscaler.md 13): NaN in one optimizer's gradients, unscale both, clip all at once."""
     if i == POISON_AT:
         model.b.bias.grad.view(-1)[0] = NAN
     for opt in optimizers.values():
