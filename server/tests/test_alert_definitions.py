@@ -11,6 +11,7 @@ scenario fails the first test.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import pytest
@@ -194,3 +195,28 @@ def test_a_definition_that_names_an_unknown_counter_or_a_window_without_counters
         dataclasses.replace(streak, rises=())
     with pytest.raises(ValueError, match="not all context"):
         dataclasses.replace(streak, context=("streaks_reached",))
+
+
+def test_the_start_up_check_names_each_condition_missing_extra_in_both_registries_or_in_the_other_one():
+    from ampwatch.server.alerting import rank_conditions, run_conditions
+    from ampwatch.server.alerting.conditions import check_conditions
+
+    rank, run = dict(rank_conditions.RANK_CONDITIONS), dict(run_conditions.RUN_CONDITIONS)
+    written = {*rank_conditions.HAND_WRITTEN, *run_conditions.HAND_WRITTEN}
+    check_conditions(rank, run, written)  # as the collector loads them: nothing to say
+    silent, desync = rank["AmpRankSilent"], run["AmpLossScaleDesync"]
+    cases = [
+        (({**rank, "AmpNoSuchAlert": silent}, run, written), "missing: [], extra (no such alert): ['AmpNoSuchAlert']"),
+        (({k: v for k, v in rank.items() if k != "AmpPoisonedStep"}, run, written),
+         "missing: ['AmpPoisonedStep'], extra (no such alert): []"),
+        (({**rank, "AmpLossScaleDesync": desync}, run, written), "in both: ['AmpLossScaleDesync']"),
+        (({**rank, "AmpLossScaleDesync": desync}, {k: v for k, v in run.items() if k != "AmpLossScaleDesync"},
+          written), "in both: [], in the other's registry: ['AmpLossScaleDesync']"),
+        # A condition written by hand for an alert that declares its own, or for no alert at all.
+        ((rank, run, written | {"AmpPoisonedStep"}),
+         "missing: [], extra: [AmpPoisonedStep (its condition is declared)]"),
+        ((rank, run, written | {"AmpNoSuchAlert"}), "missing: [], extra: [AmpNoSuchAlert (no such alert)]"),
+    ]
+    for args, says in cases:
+        with pytest.raises(RuntimeError, match=re.escape(says)):
+            check_conditions(*args)
