@@ -307,8 +307,8 @@ class RankHistory:
         self._index[optimizer] = len(self._index)
         zeros = [0] * width
         old, rows = self._rows, array(self._rows.typecode)
-        for i in range(0, len(old), stride):
-            rows.extend(old[i:i + stride])
+        for i in range(len(self._times)):  # one row per kept time (a row may be empty: a layout without rank counts)
+            rows.extend(old[i * stride:(i + 1) * stride])
             rows.extend(zeros)
         self._rows = rows
         if self._origin is not None:
