@@ -117,4 +117,3 @@ def record(name: str, expr: str, labels: Optional[dict[str, str]] = None) -> dic
 def num(value: float) -> str:
     """Render a threshold as PromQL reads it: 1.0 -> "1", 0.1 -> "0.1" (the short form humans read)."""
     return f"{value:g}"
-

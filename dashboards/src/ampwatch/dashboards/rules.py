@@ -5,14 +5,18 @@ rank)``, ``count by (run)``) and never reads a collector's ``ampwatch_run_*``
 convenience series, so the rules stay right when the ranks of one run report
 to several collectors.
 
+A common alert's condition, declared in the contract, is compiled by :mod:`.forms`
+(with the recordings it reads); the bespoke alerts' are written here (:data:`CONDITIONS`).
+
 What an evaluation costs grows with the series each selector reads (at 1,024
 ranks x 2 optimizers, 2,048 per selector), so each per-rank series that is
-nearly always 0 (closed, a current streak, scheduler steps after skips,
-poisoned steps) is read once per evaluation, by a recording rule that keeps
-only its non-zero series, and the alerts read those few; a counter rose within
-a window when it differs from its value one window ago (``offset``: two
-instant reads, no range read), which the streak rungs' recording rule works
-out once for both streak alerts. ``python -m bench.experiments.rule_eval`` measures it.
+nearly always 0 (closed, a current streak, the counters whose rise an alert
+asks about: scheduler steps after skips, poisoned steps, conflicts) is read
+once per evaluation, by a recording rule that keeps only its non-zero series,
+and the alerts read those few; a counter rose within a window when it differs
+from its value one window ago (``offset``: two instant reads, no range read),
+which the streak rungs' recording rule works out once for both streak alerts.
+``python -m bench.experiments.rule_eval`` measures it.
 
 Example::
 
