@@ -11,12 +11,15 @@ scenario fails the first test.
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import pytest
-from ampwatch_support.alert_ranks import FakeRank
+from ampwatch_support.alert_ranks import KEPT_IN, FakeRank
 
-from ampwatch.contract.alerts import ALERT_NAMES, ALERTS
+from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, AlertDefinition
+from ampwatch.contract.conditions import Outside, Rose, RoseBy, Share
+from ampwatch.contract.counters import COUNTERS, GAUGES
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
@@ -116,7 +119,32 @@ def _conflict(ranks: list[FakeRank], now: float) -> list:
     return r.send(now)
 
 
-# alert -> (how many ranks the run has, the trip, the ranks that stop sending at the trip)
+def _form_trip(definition: AlertDefinition) -> Callable[[list[FakeRank], float], list]:
+    """The trip of an alert that declares its condition, from its form: rank 0's counter rises by what the form
+    asks (a share: its part, until it is that share of all the rank's calls), or its gauge falls below the floor."""
+    c = definition.condition
+
+    def trip(ranks: list[FakeRank], now: float) -> list:
+        r = ranks[0]
+        if isinstance(c, Rose):
+            r.move(c.counter, 1)
+        elif isinstance(c, RoseBy):
+            r.move(c.counter, getattr(T, c.at_least))
+        elif isinstance(c, Share):
+            rest = getattr(r, KEPT_IN[c.rest])  # all of its rest: at least what rose within the window
+            part = max(getattr(T, c.min_count), 1)
+            while part / (part + rest) < getattr(T, c.at_least):
+                part += max(rest, 1)
+            r.move(c.part, part)
+        elif isinstance(c, Outside):
+            r.set(c.gauge, getattr(T, c.low) / 2)
+        r.iterate()
+        return r.send(now)
+    return trip
+
+
+# alert -> (how many ranks the run has, the trip, the ranks that stop sending at the trip); an alert that declares
+# its condition runs its form's trip too (DERIVED).
 SCENARIOS: dict[str, tuple[int, Callable[[list[FakeRank], float], list]]] = {
     "AmpConsecutiveSkippedSteps": (1, _streak),
     "AmpRunSkipStorm": (4, _storm),
@@ -132,11 +160,20 @@ SCENARIOS: dict[str, tuple[int, Callable[[list[FakeRank], float], list]]] = {
     "AmpSkipOriginRank": (4, _origin),
     "AmpRankConflict": (1, _conflict),
 }
+DERIVED = {f"{d.name}, its form's trip": (d.name, (1, _form_trip(d))) for d in ALERTS.values() if d.condition}
 STOPS = {"AmpRankSilent": {0}}
+CASES = {**{name: (name, scenario) for name, scenario in SCENARIOS.items()}, **DERIVED}
 
 
 def test_every_declared_alert_has_a_scenario():
-    assert set(SCENARIOS) == set(ALERT_NAMES), "give each alert of ampwatch.contract.alerts a scenario here"
+    declared = {name for name, _ in DERIVED.values()}
+    assert set(SCENARIOS) | declared == set(ALERT_NAMES), \
+        "give each alert of ampwatch.contract.alerts that declares no condition a scenario here"
+    assert set(SCENARIOS) <= set(ALERT_NAMES), "a scenario here for an alert the contract lacks"
+
+
+def test_a_fake_rank_keeps_every_counter_and_gauge_a_condition_form_may_read():
+    assert set(KEPT_IN) == {n for n, c in COUNTERS.items() if not c.ladder} | set(GAUGES)
 
 
 def _quiet_ranks(alerts: BuiltinAlerts, n: int) -> tuple[list[FakeRank], float]:
@@ -160,10 +197,10 @@ def _hold_s(name: str) -> float:
     return definition.for_seconds(T) + min(window / 2, 120) + (T.silent_after_s if name == "AmpRankSilent" else 0)
 
 
-@pytest.mark.parametrize("name", ALERT_NAMES)
-def test_each_alert_fires_and_neither_the_event_path_nor_the_periodic_pass_drops_it_while_it_holds(name):
+@pytest.mark.parametrize("case", CASES)
+def test_each_alert_fires_and_neither_the_event_path_nor_the_periodic_pass_drops_it_while_it_holds(case):
+    name, (n, trip) = CASES[case]
     alerts = BuiltinAlerts(T, resolution_s=5.0)
-    n, trip = SCENARIOS[name]
     ranks, now = _quiet_ranks(alerts, n)
     at_ingest = [a for a in trip(ranks, now) if a.name == name]
     definition = ALERTS[name]
@@ -182,6 +219,10 @@ def test_each_alert_fires_and_neither_the_event_path_nor_the_periodic_pass_drops
     assert "firing" in [a.status for a in changes], f"{name} never fired"
     assert [a for a in changes if a.status == "resolved"] == [], f"{name} was dropped while it held"
     assert name in {a.name for a in alerts.firing()}
+    for alert in changes:  # labelled and described as its definition says, naming its run
+        assert alert.labels["severity"] in {s.level for s in definition.severities}
+        assert set(alert.annotations) == {"summary", "description", "runbook_url"}
+        assert alert.labels["run"] in alert.annotations["description"], alert.annotations["description"]
 
 
 def test_a_definition_that_names_an_unknown_counter_or_a_window_without_counters_is_refused():
@@ -194,3 +235,28 @@ def test_a_definition_that_names_an_unknown_counter_or_a_window_without_counters
         dataclasses.replace(streak, rises=())
     with pytest.raises(ValueError, match="not all context"):
         dataclasses.replace(streak, context=("streaks_reached",))
+
+
+def test_the_start_up_check_names_each_condition_missing_extra_in_both_registries_or_in_the_other_one():
+    from ampwatch.server.alerting import rank_conditions, run_conditions
+    from ampwatch.server.alerting.conditions import check_conditions
+
+    rank, run = dict(rank_conditions.RANK_CONDITIONS), dict(run_conditions.RUN_CONDITIONS)
+    written = {*rank_conditions.HAND_WRITTEN, *run_conditions.HAND_WRITTEN}
+    check_conditions(rank, run, written)  # as the collector loads them: nothing to say
+    silent, desync = rank["AmpRankSilent"], run["AmpLossScaleDesync"]
+    cases = [
+        (({**rank, "AmpNoSuchAlert": silent}, run, written), "missing: [], extra (no such alert): ['AmpNoSuchAlert']"),
+        (({k: v for k, v in rank.items() if k != "AmpPoisonedStep"}, run, written),
+         "missing: ['AmpPoisonedStep'], extra (no such alert): []"),
+        (({**rank, "AmpLossScaleDesync": desync}, run, written), "in both: ['AmpLossScaleDesync']"),
+        (({**rank, "AmpLossScaleDesync": desync}, {k: v for k, v in run.items() if k != "AmpLossScaleDesync"},
+          written), "in both: [], in the other's registry: ['AmpLossScaleDesync']"),
+        # A condition written by hand for an alert that declares its own, or for no alert at all.
+        ((rank, run, written | {"AmpPoisonedStep"}),
+         "missing: [], extra: [AmpPoisonedStep (its condition is declared)]"),
+        ((rank, run, written | {"AmpNoSuchAlert"}), "missing: [], extra: [AmpNoSuchAlert (no such alert)]"),
+    ]
+    for args, says in cases:
+        with pytest.raises(RuntimeError, match=re.escape(says)):
+            check_conditions(*args)

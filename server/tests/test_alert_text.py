@@ -51,13 +51,13 @@ def test_a_firing_alerts_text_follows_its_value_and_is_rendered_only_when_read(m
     r = FakeRank(alerts)
     for _ in range(T.skip_streak_warning):
         r.iterate(skipped=True)
-    (fired,) = r.send(1000.0)
+    (fired,) = [a for a in r.send(1000.0) if a.name == "AmpConsecutiveSkippedSteps"]  # (its skips back off too)
     assert rendered == []  # judged on every batch, rendered only when someone reads it
     assert f"current streak: {T.skip_streak_warning} skipped" in fired.annotations["description"]
     for t in range(3):  # the streak goes on: the firing alert's value and text follow it
         r.iterate(skipped=True)
-        assert r.send(1001.0 + t) == []
-    (firing,) = alerts.firing()
+        assert [a for a in r.send(1001.0 + t) if a.name == "AmpConsecutiveSkippedSteps"] == []
+    (firing,) = [a for a in alerts.firing() if a.name == "AmpConsecutiveSkippedSteps"]
     assert firing.value == T.skip_streak_warning + 3
     assert f"current streak: {T.skip_streak_warning + 3} skipped" in firing.annotations["description"]
     assert firing.annotations == real("AmpConsecutiveSkippedSteps", firing.labels, firing.value, T, "warning")

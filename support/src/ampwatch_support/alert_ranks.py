@@ -11,7 +11,13 @@ from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals, ladder
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
-__all__ = ["FakeRank", "firing_names", "healthy_job", "names"]
+__all__ = ["FakeRank", "KEPT_IN", "firing_names", "healthy_job", "names"]
+
+KEPT_IN = {"iteration": "iteration", "backoffs": "backoffs", "growths": "growths", "origin_iterations": "origins",
+           "conflicts": "conflicts", "steps": "steps", "skipped": "skipped", "scheduler_steps_after_skip": "scheduler",
+           "poisoned_steps": "poisoned", "consecutive_skipped": "streak", "loss_scale": "scale"}
+"""Each counter and gauge of ``ampwatch.contract.counters`` (but the streak ladder) -> the FakeRank attribute
+that holds it (for :meth:`FakeRank.move` and :meth:`FakeRank.set`)."""
 
 
 class FakeRank:
@@ -42,6 +48,14 @@ class FakeRank:
             self.steps += 1
             self.streak = 0
 
+    def move(self, name: str, by: int) -> None:
+        """Raise the counter ``name`` of the contract by ``by``, and nothing else (what a condition form reads)."""
+        setattr(self, KEPT_IN[name], getattr(self, KEPT_IN[name]) + by)
+
+    def set(self, name: str, value: float) -> None:
+        """Set the gauge ``name`` of the contract, and nothing else."""
+        setattr(self, KEPT_IN[name], value)
+
     def snapshot(self, now: float) -> RankSnapshot:
         opt = OptimizerTotals(steps=self.steps, skipped=self.skipped, streaks_reached=ladder(self.reached),
                               scheduler_steps_after_skip=self.scheduler, poisoned_steps=self.poisoned)
@@ -67,9 +81,13 @@ def healthy_job(alerts: BuiltinAlerts, size: int, run: str = "exp") -> list[Fake
     return ranks
 
 
-def names(alerts) -> list[tuple[str, str, str]]:
-    """Each alert as (name, status, severity), sorted: what a test compares."""
-    return sorted((a.name, a.status, a.labels.get("severity", "")) for a in alerts)
+def names(alerts, *about: str) -> list[tuple[str, str, str]]:
+    """Each alert as (name, status, severity), sorted: what a test compares.
+
+    ``about``: only the alerts named, those a test is about; the others its ranks trip on the way (a streak's
+    skips back the scale off too) are left out, so that an alert added to the contract breaks no test of another.
+    """
+    return sorted((a.name, a.status, a.labels.get("severity", "")) for a in alerts if not about or a.name in about)
 
 
 def firing_names(alerts: BuiltinAlerts) -> set[str]:

@@ -1,9 +1,14 @@
 """Every ampwatch alert, defined once: what both evaluators (Prometheus rules, the collector) share.
 
-An alert's *condition* is code in each evaluator (a PromQL expression in
-``ampwatch.dashboards.rules``, Python in ``ampwatch.server.alerting.rank_conditions``
-and ``run_conditions``);
-everything else is here: its name, the labels it carries, its severities, its
+A common alert declares its *condition* here too, in one of the forms of
+:mod:`ampwatch.contract.conditions` (a counter rose within a window, rose by at least a threshold, a
+share over a minimum count, a gauge outside a range), which each evaluator compiles
+(``ampwatch.dashboards.forms`` to PromQL, ``ampwatch.server.alerting.forms`` to Python). A run-wide
+alert that speaks for a per-rank one (``speaks_for``) has its condition from that one's. Only a
+bespoke alert's condition is code in each evaluator (a PromQL expression in
+``ampwatch.dashboards.rules.CONDITIONS``, Python in ``ampwatch.server.alerting.rank_conditions``
+and ``run_conditions``: :func:`hand_written` names them).
+Everything else is here: its name, the labels it carries, its severities, its
 ``for:`` window, the thresholds its condition reads, the window it looks back
 over and the counters it compares there (names from :mod:`ampwatch.contract.counters`),
 its summary and description, and the anchor of its runbook section in docs/alerts.md.
@@ -29,13 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
+from . import conditions
+from .conditions import Condition, Outside, Rose, Share
 from .counters import COUNTERS, GAUGES
 from .thresholds import AlertThresholds, promql_duration
 
 __all__ = ["ALERTS", "ALERT_NAMES", "DEFAULT_RUNBOOK_BASE_URL", "SPEAKERS", "AlertDefinition", "Severity",
-           "speakers_of"]
+           "check_hand_written", "hand_written", "speakers_of"]
 
 DEFAULT_RUNBOOK_BASE_URL = "https://github.com/ampwatch/ampwatch/blob/main/docs/alerts.md"
 """Where ``runbook_url`` points; each alert appends ``#<its runbook anchor>``."""
@@ -56,7 +63,7 @@ class Severity:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class AlertDefinition:
-    """What an alert is, apart from its condition."""
+    """What an alert is, and its condition if it takes a common form (``condition``)."""
 
     name: str
     """Prometheus's ``alertname``, e.g. ``AmpConsecutiveSkippedSteps``."""
@@ -67,11 +74,15 @@ class AlertDefinition:
     """One rule per severity (the streak alert has a warning and a critical one)."""
     for_field: Optional[str]
     """The AlertThresholds field holding its ``for:`` window; None: it fires at the first evaluation."""
-    parameters: tuple[str, ...]
-    """The AlertThresholds fields its condition reads (besides its window and its severities' thresholds); for one
-    that speaks for a per-rank alert (``speaks_for``), also how long that alert waits at its edges."""
     summary: str
     description: str
+    condition: Optional[Condition] = None
+    """Its condition, in a form both evaluators compile (:mod:`ampwatch.contract.conditions`); its window, counts,
+    rises, context and parameters follow from it (declare none of them). None: a bespoke alert, whose condition is
+    written in each evaluator, or one that speaks for a per-rank alert (``speaks_for``)."""
+    parameters: tuple[str, ...] = ()
+    """The AlertThresholds fields its condition reads (besides its window and its severities' thresholds); for one
+    that speaks for a per-rank alert (``speaks_for``), also how long that alert waits at its edges."""
     window: Optional[str] = None
     """The AlertThresholds field of the window its condition looks back over (``increase(x[w])``); None: it reads
     the latest state of its ranks only."""
@@ -95,6 +106,8 @@ class AlertDefinition:
 
     def __post_init__(self) -> None:
         where = f"alert {self.name}"
+        if self.condition is not None:
+            self._derive(where, self.condition)
         if bool(self.window) != bool(self.counts or self.rises):
             raise ValueError(f"{where}: a window needs counters to compare over it (counts, rises), and they a window")
         for name in (*self.counts, *self.rises):
@@ -114,6 +127,25 @@ class AlertDefinition:
         for field in (self.window, self.for_field, *self.parameters, *(s.threshold for s in self.severities)):
             if field is not None and field not in fields:
                 raise ValueError(f"{where}: {field!r} is not a field of AlertThresholds")
+
+    def _derive(self, where: str, condition: Condition) -> None:
+        """Take window, counts, rises, context and parameters from ``condition`` (each as declared, if declared)."""
+        conditions.check(condition, where)
+        if self.speaks_for or self.gauges:
+            raise ValueError(f"{where}: an alert with a condition neither speaks for another nor names gauges")
+        if condition.per != self.scope:
+            raise ValueError(f"{where}: its condition reads values of each {condition.per}, so its scope is "
+                             f"{condition.per}, not {self.scope}")
+        if len(self.severities) != 1 or self.severities[0].threshold:
+            raise ValueError(f"{where}: an alert with a condition has one severity, without a threshold of its own")
+        derived = {"window": condition.window, "counts": condition.counts, "rises": condition.rises,
+                   "context": condition.context, "parameters": condition.parameters}
+        for field, value in derived.items():
+            declared = getattr(self, field)
+            if declared and declared != value:
+                raise ValueError(f"{where}: leave {field} out, it follows from its condition ({value!r}); it "
+                                 f"declares {declared!r}")
+            object.__setattr__(self, field, value)
 
     @property
     def thresholds_read(self) -> tuple[str, ...]:
@@ -188,7 +220,7 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
     AlertDefinition(
         name="AmpConsecutiveSkippedSteps", scope="optimizer",
         severities=(Severity("warning", "skip_streak_warning"), Severity("critical", "skip_streak_critical")),
-        for_field=None, parameters=(), window="skip_streak_window_s", rises=("streaks_reached",),
+        for_field=None, window="skip_streak_window_s", rises=("streaks_reached",),
         gauges=("consecutive_skipped",),
         summary="An optimizer skipped {threshold} or more steps in a row",
         description=f"The {_WHERE} skipped at least {{threshold}} consecutive steps within the last "
@@ -213,7 +245,7 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "overflowing."),
     AlertDefinition(
         name="AmpLossScaleCollapsed", scope="rank", severities=_CRITICAL, for_field="collapsed_for_s",
-        parameters=("collapsed_loss_scale",),
+        condition=Outside("loss_scale", low="collapsed_loss_scale"),
         summary="The loss scale collapsed below {collapsed_loss_scale}, or is NaN or infinite",
         description=f"The loss scale of {_ON_RANK} is {{value}}, not a finite value of at least "
                     "{collapsed_loss_scale}: backoffs keep halving it because gradients are non-finite at any "
@@ -233,8 +265,8 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "ranks no longer see the same gradients or scaler state."),
     AlertDefinition(
         name="AmpHighSkippedStepRatio", scope="optimizer", severities=_WARNING, for_field="skip_ratio_for_s",
-        parameters=("skip_ratio", "skip_ratio_min_steps"), window="skip_ratio_window_s",
-        counts=("skipped", "steps"), context=("steps",),
+        condition=Share(part="skipped", rest="steps", whole="step_calls", window="skip_ratio_window_s",
+                        at_least="skip_ratio", min_count="skip_ratio_min_steps"),
         summary="An optimizer skips a large share of its steps",
         description=f"The {_WHERE} skipped {{percent}} of its steps over the last {{skip_ratio_window_s}}."),
     AlertDefinition(
@@ -252,13 +284,13 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "cannot reach the collector."),
     AlertDefinition(
         name="AmpSchedulerStepsOnSkipped", scope="optimizer", severities=_WARNING, for_field=None,
-        parameters=(), window="scheduler_window_s", rises=("scheduler_steps_after_skip",),
+        condition=Rose("scheduler_steps_after_skip", window="scheduler_window_s"),
         summary="An LR scheduler stepped after a skipped optimizer step",
         description=f"The LR scheduler of {_WHERE} stepped right after skipped steps (so far: {{value}}): the "
                     "schedule runs ahead of the real updates."),
     AlertDefinition(
         name="AmpPoisonedStep", scope="optimizer", severities=_CRITICAL, for_field=None,
-        parameters=(), window="poisoned_window_s", rises=("poisoned_steps",),
+        condition=Rose("poisoned_steps", window="poisoned_window_s"),
         summary="An optimizer updated its parameters with non-finite gradients",
         description=f"The {_WHERE} stepped although its gradients were non-finite, or its parameters became "
                     "non-finite (poisoned steps so far: {value}): the weights are likely NaN for good."),
@@ -272,8 +304,8 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "{origin_window_s}, while at most {origin_rank_share} of the run's ranks did: suspect that "
                     "GPU, its host or its data shard."),
     AlertDefinition(
-        name="AmpRankConflict", scope="rank", severities=_WARNING, for_field=None, parameters=(),
-        window="conflict_window_s", rises=("conflicts",),
+        name="AmpRankConflict", scope="rank", severities=_WARNING, for_field=None,
+        condition=Rose("conflicts", window="conflict_window_s"),
         summary="Two processes claim one run and rank",
         description=f"A second process claimed {_ON_RANK} while the first one kept sending (conflicts so far: "
                     "{value}): two jobs share a run id, or something else writes into the collector. The first "
@@ -309,6 +341,27 @@ def speakers_of(alerts: Mapping[str, AlertDefinition]) -> Mapping[str, str]:
                              "run-wide alert that speaks for it")
         speakers[d.speaks_for] = d.name
     return speakers
+
+
+def hand_written(alerts: Mapping[str, AlertDefinition]) -> frozenset[str]:
+    """Return the alerts of ``alerts`` whose condition each evaluator writes by hand: the bespoke ones, which declare
+    no ``condition`` and speak for no other alert."""
+    return frozenset(d.name for d in alerts.values() if d.condition is None and not d.speaks_for)
+
+
+def check_hand_written(where: str, written: Iterable[str], alerts: Mapping[str, AlertDefinition]) -> None:
+    """Raise a RuntimeError unless ``written`` (the conditions ``where`` holds) names exactly the bespoke alerts of
+    ``alerts`` (:func:`hand_written`), naming those missing and those extra, and why each extra one is."""
+    written = set(written)
+    bespoke = hand_written(alerts)
+    missing, extra = sorted(bespoke - written), sorted(written - bespoke)
+    if missing or extra:
+        why = {name: "no such alert" if name not in alerts else
+               "its condition is declared" if alerts[name].condition else "it speaks for another" for name in extra}
+        raise RuntimeError(
+            f"{where} must hold a hand-written condition for each bespoke alert of ampwatch.contract.alerts (no "
+            f"condition declared, speaking for no other) and for no other; missing: {missing}, extra: "
+            + ("[" + ", ".join(f"{name} ({why[name]})" for name in extra) + "]"))
 
 
 def _levels(d: AlertDefinition) -> str:

@@ -1,20 +1,25 @@
 """The values of a rank that alerts read, by name: cumulative counters, and the gauges of its latest state.
 
 Each name is what a batch's ``state`` calls it (``state.backoffs``, ``state.optimizers[o].skipped``),
-except ``conflicts``, which the collector counts itself (``ampwatch_rank_conflicts_total``). An alert
-definition (:mod:`ampwatch.contract.alerts`) names the counters its condition compares over a window
-and the gauges that can make it hold on their own; the collector's alert history keeps exactly those.
+except ``conflicts``, which the collector counts itself (``ampwatch_rank_conflicts_total``); each value
+names the series the collector exposes it as, which the Prometheus rules read. An alert definition
+(:mod:`ampwatch.contract.alerts`) names the counters its condition compares over a window and the
+gauges that can make it hold on their own; the collector's alert history keeps exactly those.
 
 Example::
 
     from ampwatch.contract.counters import COUNTERS
     COUNTERS["skipped"].per  # "optimizer"
+    str(COUNTERS["skipped"].metric)  # "ampwatch_optimizer_skipped_steps_total"
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Mapping
+
+from . import metrics as m
+from .metrics import Metric
 
 __all__ = ["RankValue", "COUNTERS", "GAUGES"]
 
@@ -28,25 +33,37 @@ class RankValue:
     per: str
     """``rank`` or ``optimizer``: one value per rank, or one per optimizer of the rank."""
     meaning: str
+    metric: Metric
+    """The series the collector exposes it as (labelled by run, rank and, per optimizer, optimizer)."""
     ladder: bool = False
     """One count per rung of ``protocol.STREAK_LADDER`` (streaks that reached at least that length)."""
 
 
 COUNTERS: Mapping[str, RankValue] = {c.name: c for c in (
-    RankValue("iteration", "rank", "the rank's training iteration (never lower than one it reported before)"),
-    RankValue("backoffs", "rank", "loss-scale backoffs"),
-    RankValue("growths", "rank", "loss-scale growths"),
-    RankValue("origin_iterations", "rank", "skipped iterations whose inf/NaN started in this rank's own gradients"),
-    RankValue("conflicts", "rank", "processes that claimed the rank while it was live (counted by the collector)"),
-    RankValue("steps", "optimizer", "scaler.step() calls that updated the parameters"),
-    RankValue("skipped", "optimizer", "scaler.step() calls that skipped"),
-    RankValue("scheduler_steps_after_skip", "optimizer", "LR scheduler steps right after a skipped step"),
-    RankValue("poisoned_steps", "optimizer", "updates with non-finite gradients or parameters"),
-    RankValue("streaks_reached", "optimizer", "skip streaks that reached each rung's length", ladder=True),
+    RankValue("iteration", "rank", "the rank's training iteration (never lower than one it reported before)",
+              m.ITERATION),
+    RankValue("backoffs", "rank", "loss-scale backoffs", m.LOSS_SCALE_BACKOFFS),
+    RankValue("growths", "rank", "loss-scale growths", m.LOSS_SCALE_GROWTHS),
+    RankValue("origin_iterations", "rank", "skipped iterations whose inf/NaN started in this rank's own gradients",
+              m.RANK_ORIGIN_ITERATIONS),
+    RankValue("conflicts", "rank", "processes that claimed the rank while it was live (counted by the collector)",
+              m.RANK_CONFLICTS),
+    RankValue("steps", "optimizer", "scaler.step() calls that updated the parameters", m.OPTIMIZER_STEPS),
+    RankValue("skipped", "optimizer", "scaler.step() calls that skipped", m.OPTIMIZER_SKIPPED_STEPS),
+    RankValue("scheduler_steps_after_skip", "optimizer", "LR scheduler steps right after a skipped step",
+              m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP),
+    RankValue("poisoned_steps", "optimizer", "updates with non-finite gradients or parameters",
+              m.OPTIMIZER_POISONED_STEPS),
+    RankValue("streaks_reached", "optimizer", "skip streaks that reached each rung's length", m.OPTIMIZER_SKIP_STREAKS,
+              ladder=True),
 )}
 """The cumulative counters alert conditions may compare over a window, by name."""
 
 GAUGES: Mapping[str, RankValue] = {g.name: g for g in (
-    RankValue("consecutive_skipped", "optimizer", "the current skip streak (0 when the last step updated)"),
+    RankValue("consecutive_skipped", "optimizer", "the current skip streak (0 when the last step updated)",
+              m.OPTIMIZER_CONSECUTIVE_SKIPPED),
+    RankValue("loss_scale", "rank", "the loss scale (none without an enabled GradScaler)", m.LOSS_SCALE),
 )}
-"""Values of a rank's latest state that can make a windowed alert hold while its counters stand still."""
+"""Values of a rank's latest state that alert conditions read: a windowed definition's ``gauges`` (a current streak)
+can make it hold while its counters stand still; an ``Outside`` condition (:mod:`ampwatch.contract.conditions`)
+judges one."""

@@ -5,14 +5,18 @@ rank)``, ``count by (run)``) and never reads a collector's ``ampwatch_run_*``
 convenience series, so the rules stay right when the ranks of one run report
 to several collectors.
 
+A common alert's condition, declared in the contract, is compiled by :mod:`.forms`
+(with the recordings it reads); the bespoke alerts' are written here (:data:`CONDITIONS`).
+
 What an evaluation costs grows with the series each selector reads (at 1,024
 ranks x 2 optimizers, 2,048 per selector), so each per-rank series that is
-nearly always 0 (closed, a current streak, scheduler steps after skips,
-poisoned steps) is read once per evaluation, by a recording rule that keeps
-only its non-zero series, and the alerts read those few; a counter rose within
-a window when it differs from its value one window ago (``offset``: two
-instant reads, no range read), which the streak rungs' recording rule works
-out once for both streak alerts. ``python -m bench.experiments.rule_eval`` measures it.
+nearly always 0 (closed, a current streak, the counters whose rise an alert
+asks about: scheduler steps after skips, poisoned steps, conflicts) is read
+once per evaluation, by a recording rule that keeps only its non-zero series,
+and the alerts read those few; a counter rose within a window when it differs
+from its value one window ago (``offset``: two instant reads, no range read),
+which the streak rungs' recording rule works out once for both streak alerts.
+``python -m bench.experiments.rule_eval`` measures it.
 
 Example::
 
@@ -27,10 +31,14 @@ import re
 from typing import Any, Callable
 
 from ampwatch.contract import metrics as m
-from ampwatch.contract.alerts import ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS, AlertDefinition, Severity
+from ampwatch.contract.alerts import (ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS, AlertDefinition, Severity,
+                                     check_hand_written)
+from ampwatch.contract.conditions import Rose, Share
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds, promql_duration as dur
 
+from . import forms
 from ._yaml import dump_yaml
+from .forms import counter_rose, nonzero_name, num as _num, record as _record
 
 __all__ = [
     "CONDITIONS",
@@ -47,7 +55,6 @@ _HEADER = (
     "# Do not edit by hand: change the thresholds (or the generator) and regenerate.\n"
 )
 
-_LARGEST_FLOAT = "1.7976931348623157e+308"
 _OPEN = f"{m.RANK_CLOSED} == 0"  # a rank that has not closed cleanly (reads every rank: see RecordedSeries.closed)
 
 
@@ -55,11 +62,9 @@ class RecordedSeries:
     """Name the recording rules for one set of thresholds (``level:metric:operation``)."""
 
     def __init__(self, t: AlertThresholds) -> None:
-        backoff_w, ratio_w = dur(t.backoff_window_s), dur(t.skip_ratio_window_s)
+        backoff_w = dur(t.backoff_window_s)
         self.backoffs = f"run_rank:ampwatch_loss_scale_backoffs:increase{backoff_w}"
         self.growths = f"run_rank:ampwatch_loss_scale_growths:increase{backoff_w}"
-        self.step_calls = f"run_rank_optimizer:ampwatch_optimizer_step_calls:increase{ratio_w}"
-        self.skip_ratio = f"run_rank_optimizer:ampwatch_optimizer_skipped_steps:ratio{ratio_w}"
         self.ranks_open = "run:ampwatch_ranks_open:count"
         self.ranks = "run:ampwatch_ranks:count"
         self.ranks_backing_off = f"run:ampwatch_ranks_sustained_backoff:count{backoff_w}"
@@ -69,13 +74,10 @@ class RecordedSeries:
         origin_w = dur(t.origin_window_s)
         self.origins = f"run_rank:ampwatch_rank_origin_iterations:increase{origin_w}"
         self.ranks_origin = f"run:ampwatch_ranks_origin:count{origin_w}"
-        self.skipped = f"run_rank_optimizer:ampwatch_optimizer_skipped_steps:increase{ratio_w}"
         # The non-zero series of metrics that are 0 on nearly every rank, each read once per evaluation.
-        self.closed = _nonzero_name(m.RANK_CLOSED)
-        self.in_streak = _nonzero_name(m.OPTIMIZER_CONSECUTIVE_SKIPPED)
+        self.closed = nonzero_name(m.RANK_CLOSED)
+        self.in_streak = nonzero_name(m.OPTIMIZER_CONSECUTIVE_SKIPPED)
         self.streaks_rose = f"run_rank_optimizer:ampwatch_optimizer_skip_streaks:rose{dur(t.skip_streak_window_s)}"
-        self.scheduler_steps = _nonzero_name(m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP)
-        self.poisoned = _nonzero_name(m.OPTIMIZER_POISONED_STEPS)
 
     @staticmethod
     def holding(alert: str) -> tuple[str, str, str]:
@@ -88,7 +90,7 @@ class RecordedSeries:
 def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, Any]]:
     """Return the recording rules the alerts build on."""
     r = RecordedSeries(t)
-    backoff_w, ratio_w = dur(t.backoff_window_s), dur(t.skip_ratio_window_s)
+    backoff_w = dur(t.backoff_window_s)
     ladder = "|".join(str(n) for n in sorted({t.skip_streak_warning, t.skip_streak_critical}))
     rungs = f'{m.OPTIMIZER_SKIP_STREAKS}{{min_length=~"{ladder}"}}'
     return [
@@ -96,16 +98,13 @@ def recording_rules(t: AlertThresholds = DEFAULT_THRESHOLDS) -> list[dict[str, A
         _record(r.closed, f"{m.RANK_CLOSED} > 0"),
         _record(r.in_streak, f"{m.OPTIMIZER_CONSECUTIVE_SKIPPED} > 0"),
         # The streak counters of the alerts' rungs that rose within the window (a streak reached the rung).
-        _record(r.streaks_rose, _counter_rose(f"{rungs} > 0", rungs, t.skip_streak_window_s, current=rungs)),
-        _record(r.scheduler_steps, f"{m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP} > 0"),
-        _record(r.poisoned, f"{m.OPTIMIZER_POISONED_STEPS} > 0"),
+        _record(r.streaks_rose, counter_rose(f"{rungs} > 0", rungs, t.skip_streak_window_s, current=rungs)),
+        # The non-zero series of the counters whose rise a declared condition asks about (``Rose``).
+        *forms.recordings(ALERTS.values(), t, Rose),
         _record(r.backoffs, f"sum by (run, rank) (increase({m.LOSS_SCALE_BACKOFFS}[{backoff_w}]))"),
         _record(r.growths, f"sum by (run, rank) (increase({m.LOSS_SCALE_GROWTHS}[{backoff_w}]))"),
-        _record(r.skipped, f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_SKIPPED_STEPS}[{ratio_w}]))"),
-        # steps_total counts updates only; a scaler.step() call either updates or skips.
-        _record(r.step_calls, f"sum by (run, rank, optimizer) (increase({m.OPTIMIZER_STEPS}[{ratio_w}]))\n"
-                              f"+ {r.skipped}"),
-        _record(r.skip_ratio, f"{r.skipped} / {r.step_calls}"),
+        # Each declared share's part and whole over its window, and their ratio (``Share``).
+        *forms.recordings(ALERTS.values(), t, Share),
         _record(r.ranks_open, f"count by (run) ({_OPEN})"),
         _record(r.ranks, f"count by (run) ({m.RANK_CLOSED})"),
         # Backoffs while a rank calibrates its scale (its first iterations) are normal,
@@ -178,35 +177,19 @@ def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
             f"* on (run, rank) group_left (host, local_rank) {m.RANK_INFO}")
 
 
-def _collapsed(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
-    # A scale that cannot work: below the threshold (0 included), NaN or +Inf. Clamping into
-    # [threshold, largest float] leaves exactly the finite scales at or above the threshold unchanged,
-    # and x != x holds for NaN: one comparison, two reads of the scale.
-    return (f"{m.LOSS_SCALE} != clamp({m.LOSS_SCALE}, {_num(t.collapsed_loss_scale)}, {_LARGEST_FLOAT})\n"
-            f"unless on (run, rank) {r.closed}")
-
-
-#: The condition of each alert as a PromQL expression, from the thresholds, the recorded series and the
-#: severity's threshold (the streak length; None for the others). Every alert of ampwatch.contract.alerts has one,
-#: but those that speak for a per-rank one (``speaks_for``), whose condition follows from it.
+#: The condition of each bespoke alert as a PromQL expression, from the thresholds, the recorded series and the
+#: severity's threshold (the streak length; None for the others): every alert of ampwatch.contract.alerts that
+#: neither declares its condition (``condition``, compiled by :mod:`.forms`) nor speaks for a per-rank one
+#: (``speaks_for``, whose condition follows from that one's). Checked when this module loads.
 CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
     "AmpConsecutiveSkippedSteps": _streak,
     "AmpSustainedLossScaleBackoff": lambda t, r, _: f"{r.ranks_backing_off} / {r.ranks_open} >= {t.backoff_rank_share}",
-    "AmpLossScaleCollapsed": _collapsed,
     "AmpLossScaleDesync": lambda t, r, _: f"{r.scale_spread} >= {_num(t.desync_scale_ratio)}",
-    "AmpHighSkippedStepRatio": lambda t, r, _: (f"{r.skip_ratio} >= {_num(t.skip_ratio)}\n"
-                                                f"and on (run, rank, optimizer) {r.step_calls} >= "
-                                                f"{t.skip_ratio_min_steps}"),
     "AmpRankSilent": lambda t, r, _: (f"(time() - {m.RANK_LAST_SEEN} > {t.silent_after_s})\n"
                                       f"unless on (run, rank) {r.closed}"),
-    "AmpSchedulerStepsOnSkipped": lambda t, r, _: _counter_rose(r.scheduler_steps,
-                                                                m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP,
-                                                                t.scheduler_window_s),
-    "AmpPoisonedStep": lambda t, r, _: _counter_rose(r.poisoned, m.OPTIMIZER_POISONED_STEPS, t.poisoned_window_s),
     "AmpSkipOriginRank": _origin,
-    "AmpRankConflict": lambda t, r, _: _counter_rose(f"{m.RANK_CONFLICTS} > 0", m.RANK_CONFLICTS,
-                                                     t.conflict_window_s),
 }
+check_hand_written("ampwatch.dashboards.rules.CONDITIONS", CONDITIONS, ALERTS)
 
 # Prometheus fills an alert's texts with Go templates over the instance's labels and value.
 _TEMPLATES = {**{label: f"{{{{ $labels.{label} }}}}" for label in ("run", "rank", "optimizer", "host", "local_rank")},
@@ -229,6 +212,8 @@ def alerting_rules(
 def _condition(t: AlertThresholds, r: RecordedSeries, definition: AlertDefinition, severity: Severity) -> str:
     if definition.speaks_for:
         return _most_ranks(t, r, definition, severity.level)
+    if definition.condition is not None:
+        return forms.expression(definition, t)
     return CONDITIONS[definition.name](t, r, getattr(t, severity.threshold) if severity.threshold else None)
 
 
@@ -264,25 +249,6 @@ def render_rules(
     return _HEADER + dump_yaml(rule_groups(t, runbook_base_url))
 
 
-def _counter_rose(nonzero: str, counter: Any, window_s: int, current: str = "") -> str:
-    # The counters ``nonzero`` selects (those above 0) that rose within the window: their value now (``current``,
-    # default ``nonzero`` itself, a recording) differs from their value one window ago, or they had none then (a
-    # series born already above 0, its first scrape after the event). Two instant reads instead of increase()'s
-    # range read; it may fire up to one scrape interval longer (the last sample before the window counts), and a
-    # counter reset that came back to the very value it had one window ago is the one rise it misses.
-    return f"{nonzero}\nunless\n{current or nonzero} == {counter} offset {dur(window_s)}"
-
-
-def _nonzero_name(metric: m.Metric) -> str:
-    """Name the recorded non-zero series of a collector metric (``_total`` dropped, as for every recording)."""
-    level = "_".join(label for label in metric.labels if label in ("run", "rank", "optimizer"))
-    return f"{level}:{metric.name.removesuffix('_total')}:nonzero"
-
-
-def _record(name: str, expr: str, labels: Any = None) -> dict[str, Any]:
-    return {"record": name, "expr": expr, **({"labels": labels} if labels else {})}
-
-
 def _alert(definition: AlertDefinition, level: str, expr: str, t: AlertThresholds,
            runbook_base_url: str) -> dict[str, Any]:
     for_s = definition.for_seconds(t)
@@ -301,8 +267,3 @@ def _alert(definition: AlertDefinition, level: str, expr: str, t: AlertThreshold
 
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
-
-
-def _num(value: float) -> str:
-    # 1.0 -> "1", 0.1 -> "0.1": PromQL accepts both, humans read the short form.
-    return f"{value:g}"

@@ -112,7 +112,7 @@ class _RankLines:
                 for labels, reached in zip(self.labels(view).values(), ladders)
                 for length, count in zip(STREAK_LADDER, reached) if count)
             # A rung appears once a streak reached it (48% of all samples at 1,024 ranks were zero rungs): the
-            # rules' "new and non-zero" term (dashboards/rules.py, _counter_rose) catches its first count.
+            # rules' "new and non-zero" term (dashboards/forms.py, counter_rose) catches its first count.
             self.ladder_from = ladders
         return self.ladder
 

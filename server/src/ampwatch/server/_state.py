@@ -31,6 +31,7 @@ class RankSnapshot:
     """Unix time the collector received the rank's latest batch."""
     iteration: int = 0
     loss_scale: Optional[float] = None
+    """The loss scale as ``/metrics`` exposes it (``ampwatch_loss_scale``): None without an enabled GradScaler."""
     scaler_enabled: bool = True
     closed: bool = False
     totals: RankTotals = _NO_RANK
@@ -140,7 +141,8 @@ class RankView:
         """Return this rank, for the alert evaluator (shares the immutable totals: no copy)."""
         batch = self.current.batch  # type: ignore[union-attr]
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=self.last_seen, iteration=batch.state.iteration,
-                            loss_scale=batch.state.loss_scale, scaler_enabled=batch.scaler.enabled,
+                            loss_scale=batch.state.loss_scale if batch.scaler.enabled else None,
+                            scaler_enabled=batch.scaler.enabled,
                             closed=self.closed, totals=self.totals, optimizers=self.optimizer_totals,
                             consecutive_skipped={name: values.consecutive_skipped
                                                  for name, values in batch.state.optimizers.items()},

@@ -1,8 +1,9 @@
 """Evaluate every ampwatch alert condition over ranks' histories, as the Prometheus rules do, without Prometheus.
 
 Each alert's condition is one function: in :data:`~.rank_conditions.RANK_CONDITIONS` (alerts of one rank,
-:mod:`.rank_conditions`) or :data:`~.run_conditions.RUN_CONDITIONS` (judged across a run,
-:mod:`.run_conditions`). This module is the pass over both: it reads each rank once (a quiet one,
+:mod:`.rank_conditions`, those of a common alert compiled from its declared condition by :mod:`.forms`) or
+:data:`~.run_conditions.RUN_CONDITIONS` (judged across a run, :mod:`.run_conditions`); :func:`check_conditions`
+refuses to load otherwise. This module is the pass over both: it reads each rank once (a quiet one,
 :meth:`~.history.RankHistory.quiet`, at its latest moment), judges the run-wide alerts from what it
 read, and builds only the per-rank alerts no run-wide one speaks for. Pure, as the conditions are.
 """
@@ -12,24 +13,39 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence
 
-from ampwatch.contract.alerts import ALERTS, SPEAKERS
+from ampwatch.contract.alerts import ALERTS, SPEAKERS, AlertDefinition, check_hand_written
 from ampwatch.contract.thresholds import AlertThresholds
 
 from .._state import RankSnapshot
 from .history import RankHistory
-from .rank_conditions import RANK_CONDITIONS, SEVERITY, ActiveAlert, Finding, RankReading, built, spoken_key
-from .run_conditions import RUN_CONDITIONS, RankFacts
+from .rank_conditions import HAND_WRITTEN as RANK_WRITTEN, RANK_CONDITIONS, SEVERITY, ActiveAlert, Finding, \
+    RankReading, built, spoken_key
+from .run_conditions import HAND_WRITTEN as RUN_WRITTEN, RUN_CONDITIONS, RankFacts
 
-__all__ = ["rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts", "run_alerts_of", "held_back",
-           "evaluate", "evaluate_with_facts"]
+__all__ = ["check_conditions", "rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts", "run_alerts_of",
+           "held_back", "evaluate", "evaluate_with_facts"]
 
-if set(RANK_CONDITIONS) | set(RUN_CONDITIONS) != set(ALERTS) or any(
-        ALERTS[name].scope in ("run", "host") for name in RANK_CONDITIONS) or any(
-        ALERTS[name].scope not in ("run", "host") for name in RUN_CONDITIONS):
-    raise RuntimeError("every alert of ampwatch.contract.alerts needs exactly one built-in condition: in "
-                       "rank_conditions.RANK_CONDITIONS for scope optimizer or rank, run_conditions.RUN_CONDITIONS "
-                       "for run or host; missing: "
-                       f"{sorted(set(ALERTS) - set(RANK_CONDITIONS) - set(RUN_CONDITIONS))}")
+
+def check_conditions(rank: Mapping[str, Any], run: Mapping[str, Any], hand_written: Iterable[str],
+                     alerts: Mapping[str, AlertDefinition] = ALERTS) -> None:
+    """Raise a RuntimeError unless each alert of ``alerts`` has exactly one built-in condition, in the registry of its
+    scope (``rank``: optimizer or rank, ``run``: run or host), and ``hand_written`` names exactly the bespoke ones;
+    the error names each alert missing, each entry extra, and why."""
+    check_hand_written("rank_conditions.HAND_WRITTEN and run_conditions.HAND_WRITTEN", hand_written, alerts)
+    missing = sorted(set(alerts) - set(rank) - set(run))
+    extra = sorted((set(rank) | set(run)) - set(alerts))
+    twice = sorted(set(rank) & set(run))
+    misplaced = sorted(name for name in set(alerts) & (set(rank) ^ set(run))
+                       if (name in run) != (alerts[name].scope in ("run", "host")))
+    if missing or extra or twice or misplaced:
+        raise RuntimeError(
+            "every alert of ampwatch.contract.alerts needs exactly one built-in condition: in "
+            "rank_conditions.RANK_CONDITIONS for scope optimizer or rank, run_conditions.RUN_CONDITIONS for run or "
+            f"host; missing: {missing}, extra (no such alert): {extra}, in both: {twice}, in the other's registry: "
+            f"{misplaced}")
+
+
+check_conditions(RANK_CONDITIONS, RUN_CONDITIONS, {*RANK_WRITTEN, *RUN_WRITTEN})
 
 # A quiet rank's windowed conditions cannot hold (none of their triggers moved, none of their gauges is above 0):
 # only those without a window are read. Derived once from the definitions.

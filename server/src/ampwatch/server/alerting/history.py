@@ -30,7 +30,7 @@ from ampwatch.contract.thresholds import AlertThresholds
 from .._state import RankSnapshot
 from .._totals import OptimizerTotals
 
-__all__ = ["RankHistory", "Baseline", "HistoryLayout"]
+__all__ = ["RankHistory", "Baseline", "HistoryLayout", "rank_reader"]
 
 _NONE = OptimizerTotals()
 _NEVER = -math.inf
@@ -40,8 +40,9 @@ def _unique(values: Iterable[Any]) -> tuple:
     return tuple(dict.fromkeys(values))
 
 
-def _rank_reader(name: str) -> Callable[[RankSnapshot], int]:
-    """Read a rank-level counter off a snapshot: its own field (iteration, conflicts) or its totals'."""
+def rank_reader(name: str) -> Callable[[RankSnapshot], Any]:
+    """Read a rank's counter or gauge off a snapshot: its own field (iteration, conflicts, loss_scale) or its
+    totals'."""
     return attrgetter(name if name in RankSnapshot.__dataclass_fields__ else f"totals.{name}")
 
 
@@ -69,13 +70,13 @@ class HistoryLayout:
         self.optimizer_rises = tuple(r for r in rises if COUNTERS[r[0]].per == "optimizer")
         self.rungs = {(c, rung) for c, rung in rises if rung is not None}
         triggers = _unique(c for d in windowed for c in (*d.counts, *d.rises) if c not in d.context)
-        self.rank_triggers = tuple(map(_rank_reader, (c for c in triggers if COUNTERS[c].per == "rank")))
+        self.rank_triggers = tuple(map(rank_reader, (c for c in triggers if COUNTERS[c].per == "rank")))
         self.optimizer_triggers = tuple(attrgetter(c) for c in triggers if COUNTERS[c].per == "optimizer")
         gauges = _unique(g for d in windowed for g in d.gauges)
         self._optimizer_gauges = tuple(attrgetter(g) for g in gauges if GAUGES[g].per == "optimizer")
         self._rank_gauges = tuple(attrgetter(g) for g in gauges if GAUGES[g].per == "rank")
-        self._rank_count_readers = tuple(map(_rank_reader, self.rank_counts))
-        self._rank_rise_readers = tuple(_rank_reader(c) for c, _ in self.rank_rises)
+        self._rank_count_readers = tuple(map(rank_reader, self.rank_counts))
+        self._rank_rise_readers = tuple(rank_reader(c) for c, _ in self.rank_rises)
         self.count_head, self.count_width = len(self.rank_counts), len(self.optimizer_counts)
         self.rise_head, self.rise_width = len(self.rank_rises), len(self.optimizer_rises)
         self.rank_count_slot = {c: i for i, c in enumerate(self.rank_counts)}
@@ -306,8 +307,8 @@ class RankHistory:
         self._index[optimizer] = len(self._index)
         zeros = [0] * width
         old, rows = self._rows, array(self._rows.typecode)
-        for i in range(0, len(old), stride):
-            rows.extend(old[i:i + stride])
+        for i in range(len(self._times)):  # one row per kept time (a row may be empty: a layout without rank counts)
+            rows.extend(old[i * stride:(i + 1) * stride])
             rows.extend(zeros)
         self._rows = rows
         if self._origin is not None:

@@ -1,9 +1,10 @@
 """When each alert of one rank holds: one function per alert, in :data:`RANK_CONDITIONS`, as the Prometheus rules say.
 
-Pure: thresholds come in as an ``ampwatch.contract.thresholds.AlertThresholds``
-(the one config the rules are generated from), each alert's name, severities,
-``for:``, texts, window and the counters it reads from ``ampwatch.contract.alerts``;
-times are plain Unix seconds passed in by the caller.
+A common alert's function is compiled from the condition its definition declares (:mod:`.forms`); the
+bespoke alerts' are written here (:data:`HAND_WRITTEN`). Pure: thresholds come in as an
+``ampwatch.contract.thresholds.AlertThresholds`` (the one config the rules are generated from), each
+alert's name, severities, ``for:``, texts, window and the counters it reads from
+``ampwatch.contract.alerts``; times are plain Unix seconds passed in by the caller.
 
 A windowed condition (``increase(x[w])`` in PromQL) compares a rank's current snapshot with its
 counters one window ago, ``r.since(name)``, which answers only for the counters the definition
@@ -23,10 +24,11 @@ from ampwatch.contract.thresholds import AlertThresholds
 
 from .._state import RankSnapshot
 from .annotations import AlertTexts
+from .forms import compiled
 from .history import Baseline, RankHistory
 
-__all__ = ["ActiveAlert", "Finding", "RankReading", "RANK_CONDITIONS", "SEVERITY", "make_alert", "built", "spoken_key",
-           "usable_scale"]
+__all__ = ["ActiveAlert", "Finding", "HAND_WRITTEN", "RankReading", "RANK_CONDITIONS", "SEVERITY", "make_alert",
+           "built", "spoken_key", "usable_scale"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,30 +119,6 @@ def _streak(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
                 yield "AmpConsecutiveSkippedSteps", opt_name, severity.level, streak
 
 
-def _skip_ratio(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
-    cur, base = r.current, r.since("AmpHighSkippedStepRatio")
-    for opt_name, opt in cur.optimizers.items():
-        skipped = opt.skipped - base.count("skipped", opt_name)
-        calls = skipped + opt.steps - base.count("steps", opt_name)
-        if calls >= max(t.skip_ratio_min_steps, 1) and skipped / calls >= t.skip_ratio:
-            yield "AmpHighSkippedStepRatio", opt_name, None, skipped / calls
-
-
-def _rose_per_optimizer(name: str, counter: str) -> Callable[[RankReading, AlertThresholds], Iterable[Finding]]:
-    """The condition of an alert that holds while an optimizer's ``counter`` rose within its window."""
-    def condition(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
-        cur, base = r.current, r.since(name)
-        for opt_name, opt in cur.optimizers.items():
-            if base.rose(counter, opt_name):
-                yield name, opt_name, None, getattr(opt, counter)
-    return condition
-
-
-def _conflict(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
-    if r.since("AmpRankConflict").rose("conflicts"):
-        yield "AmpRankConflict", None, None, r.current.conflicts
-
-
 def usable_scale(scale: float, t: AlertThresholds) -> bool:
     """Return whether a loss scale still works: finite and at least ``collapsed_loss_scale``.
 
@@ -150,15 +128,7 @@ def usable_scale(scale: float, t: AlertThresholds) -> bool:
     return t.collapsed_loss_scale <= scale < math.inf
 
 
-# The conditions without a window run for every rank at every pass: plain lists, not generators.
-def _collapsed(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
-    cur = r.current
-    # A rank that closed cleanly is finished: its last scale is not trouble.
-    if not cur.closed and cur.scaler_enabled and cur.loss_scale is not None and not usable_scale(cur.loss_scale, t):
-        return [("AmpLossScaleCollapsed", None, None, cur.loss_scale)]
-    return ()
-
-
+# Without a window: read for every rank at every pass, so a plain list, not a generator.
 def _silent(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     cur = r.current
     silent_for = r.now - cur.last_seen
@@ -167,14 +137,13 @@ def _silent(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     return ()
 
 
-RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Finding]]] = {
+HAND_WRITTEN: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Finding]]] = {
     "AmpConsecutiveSkippedSteps": _streak,
-    "AmpLossScaleCollapsed": _collapsed,
-    "AmpHighSkippedStepRatio": _skip_ratio,
     "AmpRankSilent": _silent,
-    "AmpSchedulerStepsOnSkipped": _rose_per_optimizer("AmpSchedulerStepsOnSkipped", "scheduler_steps_after_skip"),
-    "AmpPoisonedStep": _rose_per_optimizer("AmpPoisonedStep", "poisoned_steps"),
-    "AmpRankConflict": _conflict,
 }
+"""The condition of each bespoke alert of one rank (one that declares no ``condition``)."""
+
+RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Finding]]] = {
+    **{name: compiled(d) for name, d in ALERTS.items() if d.condition is not None}, **HAND_WRITTEN}
 """The condition of each alert of one rank (scope ``optimizer`` or ``rank``): the instances that hold now, as
-:data:`Finding` s."""
+:data:`Finding` s. Compiled from each declared ``condition``, hand-written for the bespoke ones."""

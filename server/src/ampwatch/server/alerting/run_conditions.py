@@ -18,7 +18,7 @@ from .._floats import promql_divide, promql_max, promql_min
 from .._state import RankSnapshot
 from .rank_conditions import ActiveAlert, RankReading, make_alert
 
-__all__ = ["RankFacts", "RunCondition", "RUN_CONDITIONS"]
+__all__ = ["HAND_WRITTEN", "RankFacts", "RunCondition", "RUN_CONDITIONS"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,10 +107,16 @@ def _most_ranks(name: str) -> Callable[[str, list[RankFacts], list[RankFacts], A
     return judge
 
 
-RUN_CONDITIONS: Mapping[str, RunCondition] = {
-    **{speaker: RunCondition(_most_ranks(speaker), idle=frozenset()) for speaker in SPEAKERS.values()},
+HAND_WRITTEN: Mapping[str, RunCondition] = {
     "AmpSustainedLossScaleBackoff": RunCondition(_sustained_backoff, _backing_off, idle=False),
     "AmpLossScaleDesync": RunCondition(_desync),
     "AmpSkipOriginRank": RunCondition(_origin, _origin_started, idle=0),
 }
-"""The condition of each alert judged across a run (scope ``run``, or ``host``: a rank judged beside its run)."""
+"""The condition of each bespoke alert judged across a run."""
+
+RUN_CONDITIONS: Mapping[str, RunCondition] = {
+    **{speaker: RunCondition(_most_ranks(speaker), idle=frozenset()) for speaker in SPEAKERS.values()},
+    **HAND_WRITTEN,
+}
+"""The condition of each alert judged across a run (scope ``run``, or ``host``: a rank judged beside its run): those
+that speak for a per-rank alert follow from it, the bespoke ones are hand-written."""
