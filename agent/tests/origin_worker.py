@@ -10,7 +10,8 @@ Scenarios (each builds its DDP model from one seed on every rank, as a real job 
 
 - ``unfrozen``: DDP built with every parameter trainable (``find_unused_parameters=True``, as freezing one
   needs); ``extra`` frozen before ``watch()`` and unfrozen at the very iteration whose inf is in its own
-  gradient on rank 0; later an inf in it on rank 1. ``unfrozen_unscaled``: the same without a scaler.
+  gradient on rank 0; later an inf in it on rank 1; ``head.bias`` frozen from before ``watch()`` to the end.
+  ``unfrozen_unscaled``: the same without a scaler.
 - ``frozen_later``: every parameter trainable at ``watch()``; ``extra`` frozen later (an inf in the body's
   input on rank 1 meanwhile), then unfrozen again (an inf in its own gradient on rank 0).
 - ``micro_sync`` / ``micro_no_sync``: several backwards per step, more than any iteration before, with the
@@ -91,9 +92,10 @@ def unfrozen(rank: int, watched: bool, scaled: bool = True) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaled else None
     net.extra.requires_grad_(False)
+    net.head.bias.requires_grad_(False)  # frozen to the end: the watch's forward pre-hook stays until close()
     watch = agent.watch(scaler, opt, collector=(), run="origin", ddp=model) if watched else None
     planted = {3: 0, 5: 1} if scaled else {3: 0}  # without a scaler the inf stays in the weights: one
-    digests = []
+    digests, pre_hooks = [], [len(model._forward_pre_hooks)]
     for i in range(max(planted) + 1):
         if i == 3:
             net.extra.requires_grad_(True)  # the fine-tuning schedule unfreezes it, before this forward
@@ -105,7 +107,10 @@ def unfrozen(rank: int, watched: bool, scaled: bool = True) -> dict:
             loss = model(x, z).float().sum()  # linear: z's inf reaches extra.weight's gradient only
         _step(model, opt, scaler, loss)
         digests.append(_digest(net.parameters()))
-    return _result(watch, planted, digests)
+    result = _result(watch, planted, digests)
+    result["pre_hooks"] = [*pre_hooks, len(model._forward_pre_hooks)]  # at watch(), after close()
+    result["hooks_left"] = sum(len(p._backward_hooks or {}) for p in net.parameters())
+    return result
 
 
 def frozen_later(rank: int, watched: bool) -> dict:

@@ -65,6 +65,14 @@ def test_a_parameter_frozen_at_watch_and_unfrozen_later_names_the_rank_whose_own
                 assert origins[i][1:] == (["extra.weight"], 1)
 
 
+def test_the_forward_pre_hook_that_waits_for_frozen_parameters_comes_off_at_close_with_every_other(ranks):
+    """head.bias stays frozen to the end, so the pre-hook is still waiting for it when the watch closes."""
+    for rank in ranks:
+        watched = rank["unfrozen"]["watched"]
+        assert watched["pre_hooks"] == [1, 0] and watched["hooks_left"] == 0
+        assert rank["unfrozen"]["twin"]["pre_hooks"] == [0, 0]
+
+
 def test_a_parameter_trainable_at_watch_and_frozen_later_breaks_nothing_and_is_noted_again_once_unfrozen(ranks):
     origin_ranks = _origin_ranks(ranks, "frozen_later")
     assert origin_ranks == {3: [1], 5: [0]}

@@ -1,11 +1,13 @@
 """Which rank's own gradients held inf/NaN before DDP reduced them: observed, never re-implemented.
 
 DDP averages every rank's gradients, so one rank's inf or NaN reaches every rank and every rank skips.
-:class:`LocalGradients` puts one tensor hook on each parameter that DDP reduces. Autograd calls it with the
-gradient this backward computed for that parameter on this rank, before that gradient is accumulated into
-``.grad`` and before DDP's reducer (a hook that runs after the accumulation) takes it into a bucket. The
-hook returns nothing, so the gradient goes on unchanged, to whatever reduces it: DDP's built-in C++
-reduction with its own divisor (``join()``, bucket views, static graphs, unused parameters), a
+:class:`LocalGradients` puts one tensor hook on each parameter that DDP does not ignore (one frozen at
+``watch()``: at the first forward after it is unfrozen, :func:`observe_ddp`). Autograd calls it with the
+gradient this backward computed for that parameter on this rank, as the hooks registered on the parameter
+before it leave it (those registered after it are not seen: docs/agent.md), before that gradient is
+accumulated into ``.grad`` and before DDP's reducer (a hook that runs after the accumulation) takes it into
+a bucket. The hook returns nothing, so the gradient goes on unchanged, to whatever reduces it: DDP's
+built-in C++ reduction with its own divisor (``join()``, bucket views, static graphs, unused parameters), a
 communication hook the job registered itself, or ``torch.compile``'s reducers. ampwatch registers no
 communication hook and changes nothing of the reduction; its hooks come off at :meth:`LocalGradients.close`.
 
