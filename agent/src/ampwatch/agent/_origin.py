@@ -302,8 +302,8 @@ def observe_ddp(model: Any, names: Any, errors: Any) -> LocalGradients:
     Whatever ``requires_grad`` says now: DDP reduces the parameters that took gradients when it was built, so
     one frozen since and unfrozen later (a fine-tuning schedule) is hooked at the first forward it takes a
     gradient in (:meth:`LocalGradients.attach`). One frozen when DDP was built and unfrozen later is hooked
-    too: DDP leaves it out of its reduction, so its gradient is this rank's alone, and an inf in it makes
-    this rank (alone) skip. Parameters are named by ``names`` (a :class:`._params.ParameterNames`) when it
+    too: DDP leaves it out of its reduction, so its gradient never leaves this rank, and an inf in it is this
+    rank's own. Parameters are named by ``names`` (a :class:`._params.ParameterNames`) when it
     knows them, else by their name in ``model.module``. Raises TypeError, attaching nothing, when ``model`` is
     not a DDP model.
     """
