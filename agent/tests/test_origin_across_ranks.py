@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ampwatch.contract.protocol import MAX_PARAMS
+
 sys.path.insert(0, str(Path(__file__).parent))
 from ddp_harness import run_ranks  # noqa: E402
 from origin_worker import SCENARIOS, WORLD_SIZE  # noqa: E402
@@ -91,13 +93,13 @@ def test_an_inf_in_the_first_micro_batch_stays_this_rank_s_when_later_ones_outnu
 
 def test_more_than_16_parameters_holding_the_inf_name_16_and_count_them_all(ranks):
     (origin, params, total), = _origins(ranks, "many")[0].values()
-    assert origin and len(params) == 16 and total == ranks[0]["many"]["watched"]["nonfinite_grads"] == 20
+    assert origin and len(params) == MAX_PARAMS and total == ranks[0]["many"]["watched"]["nonfinite_grads"] == 20
     assert _origins(ranks, "many")[1][1] == (False, [], 0)
 
 
 def test_origin_parameters_carry_the_names_the_watch_was_given_not_ddp_s_or_the_module_s(ranks):
     (_, params, _), = _origins(ranks, "many")[0].values()
-    assert params == ranks[0]["many"]["watched"]["given"][:16]  # encoder.0.weight, ...: in model order
+    assert params == ranks[0]["many"]["watched"]["given"][:MAX_PARAMS]  # encoder.0.weight, ...: in model order
 
 
 def test_the_origin_describes_the_gradient_after_the_job_s_hooks_registered_before_the_watch_only(ranks):
