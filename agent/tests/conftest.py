@@ -127,3 +127,36 @@ def optimizer_counters(watch_handle, name: str) -> dict:
 def counters() -> Callable:
     """Return a function that reads one optimizer's counters from a watch's snapshot."""
     return optimizer_counters
+
+
+class HeldRead:
+    """A read that has not landed until the test sets ``landed`` (as a GPU's copy lands some time after its step)."""
+
+    def __init__(self, read) -> None:
+        self.read, self.landed = read, False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self):
+        return self.read.wait()
+
+
+@pytest.fixture
+def late_checks(monkeypatch: pytest.MonkeyPatch) -> list[HeldRead]:
+    """Make every scaler-less check land late, as a GPU's does; return their reads, in step order.
+
+    No GPU here: ``check_nonfinite``'s device branch runs on the CPU tensors, and its read of the one bool is
+    held back until the test sets ``landed`` (the rest is real).
+    """
+    from ampwatch.agent import _device, _poison
+
+    held: list[HeldRead] = []
+
+    def landing_late(tensors, flag):
+        values = _device.max_abs(tensors)
+        held.append(HeldRead(_device.read_later(~torch.isfinite(values).all())))
+        return _poison.NonfiniteCheck(read=held[-1], max_abs=values)
+
+    monkeypatch.setattr(_poison, "check_nonfinite", landing_late)
+    return held

@@ -392,30 +392,11 @@ def test_without_a_scaler_a_poisoned_step_says_whether_this_rank_s_own_gradients
     assert _hooks_on(net) == 1  # the job's own hook: ampwatch's came off
 
 
-def test_without_a_scaler_a_check_landing_late_gets_the_origin_of_its_own_iteration(group, monkeypatch):
+def test_without_a_scaler_a_check_landing_late_gets_the_origin_of_its_own_iteration(group, late_checks):
     """A GPU's check lands after its step (held back by hand here, the rest real): the DDP notes of its iteration
     are kept on the device until then, apart from the next iteration's. Iteration 0: an own inf. Iteration 1: an
     inf put into the reduced gradient only. Both land at iteration 2's step."""
-    from ampwatch.agent import _device, _poison
-
-    held = []
-
-    class Held:
-        def __init__(self, read):
-            self.read, self.landed = read, False
-
-        def done(self):
-            return self.landed
-
-        def wait(self):
-            return self.read.wait()
-
-    def landing_late(tensors, flag):
-        values = _device.max_abs(tensors)
-        held.append(Held(_device.read_later(~torch.isfinite(values).all())))
-        return _poison.NonfiniteCheck(read=held[-1], max_abs=values)
-
-    monkeypatch.setattr(_poison, "check_nonfinite", landing_late)
+    held = late_checks
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model = DistributedDataParallel(net)

@@ -162,18 +162,9 @@ def test_checking_each_step_reads_no_device_value_with_item(amp, watching):
 
 
 def test_a_check_still_on_its_way_is_reported_late_by_presence_under_its_own_iteration(amp, watching, events,
-                                                                                      monkeypatch):
+                                                                                      late_checks):
     """A GPU's check lands after its step; no GPU here, so the read is held back by hand (the rest is real)."""
-    from ampwatch.agent import _device, _poison
-
-    held: list[_HeldRead] = []
-
-    def landing_late(tensors, flag):  # the device branch of check_nonfinite, run on CPU tensors
-        values = _device.max_abs(tensors)
-        held.append(_HeldRead(_device.read_later(~torch.isfinite(values).all())))
-        return _poison.NonfiniteCheck(read=held[-1], max_abs=values)
-
-    monkeypatch.setattr(_poison, "check_nonfinite", landing_late)
+    held = late_checks
     model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     w = watching(None, {"net": opt}, model=model)
@@ -192,19 +183,6 @@ def test_a_check_still_on_its_way_is_reported_late_by_presence_under_its_own_ite
     assert event["params"] == [{"name": "a.weight", "inf": 1, "nan": 0}, {"name": "b.bias", "inf": 0, "nan": 1}]
     w.close()  # what is still in flight is read at close
     assert w.snapshot()["state"]["optimizers"]["net"]["poisoned_steps"] == 1
-
-
-class _HeldRead:
-    """A read that has not landed until the test says so (as a GPU's copy lands some time after its step)."""
-
-    def __init__(self, read) -> None:
-        self.read, self.landed = read, False
-
-    def done(self) -> bool:
-        return self.landed
-
-    def wait(self):
-        return self.read.wait()
 
 
 @pytest.mark.parametrize("tensors, found", [

@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "PendingRead",
+    "ddp_ignored_names",
     "fused_found_inf",
     "found_inf_from_scaler",
     "growth_tracker",
@@ -60,6 +61,19 @@ def found_inf_from_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> torc
     if not tensors:
         return None
     return torch.stack([t.to(tensors[0].device).reshape(()) for t in tensors]).sum()
+
+
+def ddp_ignored_names(model: Any) -> frozenset[str]:
+    """Return the names (in ``model.module``) of the parameters the DDP ``model`` leaves out of its reduction.
+
+    DDP's ``parameters_to_ignore`` (set at construction from what
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` put on the module); falls back to
+    that module attribute itself, then to none. No device read.
+    """
+    ignored = getattr(model, "parameters_to_ignore", None)
+    if ignored is None:
+        ignored = getattr(getattr(model, "module", None), "_ddp_params_and_buffers_to_ignore", None)
+    return frozenset(name for name in ignored or () if isinstance(name, str))
 
 
 def scale_tensor(scaler: Any) -> torch.Tensor | None:

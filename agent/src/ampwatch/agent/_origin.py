@@ -1,11 +1,13 @@
 """Which rank's own gradients held inf/NaN before DDP reduced them: observed, never re-implemented.
 
 DDP averages every rank's gradients, so one rank's inf or NaN reaches every rank and every rank skips.
-:class:`LocalGradients` puts one tensor hook on each parameter that DDP reduces. Autograd calls it with the
-gradient this backward computed for that parameter on this rank, before that gradient is accumulated into
-``.grad`` and before DDP's reducer (a hook that runs after the accumulation) takes it into a bucket. The
-hook returns nothing, so the gradient goes on unchanged, to whatever reduces it: DDP's built-in C++
-reduction with its own divisor (``join()``, bucket views, static graphs, unused parameters), a
+:class:`LocalGradients` puts one tensor hook on each parameter that DDP does not ignore (one frozen at
+``watch()``: at the first forward after it is unfrozen, :func:`observe_ddp`). Autograd calls it with the
+gradient this backward computed for that parameter on this rank, as the hooks registered on the parameter
+before it leave it (those registered after it are not seen: docs/agent.md), before that gradient is
+accumulated into ``.grad`` and before DDP's reducer (a hook that runs after the accumulation) takes it into
+a bucket. The hook returns nothing, so the gradient goes on unchanged, to whatever reduces it: DDP's
+built-in C++ reduction with its own divisor (``join()``, bucket views, static graphs, unused parameters), a
 communication hook the job registered itself, or ``torch.compile``'s reducers. ampwatch registers no
 communication hook and changes nothing of the reduction; its hooks come off at :meth:`LocalGradients.close`.
 
@@ -88,19 +90,52 @@ class LocalGradients:
         self._zeros = [0] * len(self._params)
         self._extras: list[tuple[int, torch.Tensor]] = []  # notes of a gradient unlike its parameter's storage
         self._handles: list[Any] = []
+        self._hooked = [False] * len(self._params)  # a slot without a hook never writes a note
+        self._frozen: list[int] = []  # slots frozen at attach(), hooked once they take a gradient
+        self._forward_hook: Any = None
         self._kept: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self._reports: dict[int, OriginReport] = {}
         self.enabled = True
 
-    def attach(self) -> None:
-        """Put one hook on each parameter (a parameter that takes no gradient gets none); all or none."""
+    def attach(self, forward_of: torch.nn.Module | None = None) -> None:
+        """Put one hook on each parameter that takes a gradient; all or none.
+
+        A parameter frozen now (``requires_grad`` False: torch takes no hook on it) gets its hook at the
+        first forward of ``forward_of`` after it was unfrozen (a forward pre-hook, there only while some
+        parameter is still frozen, so a job that freezes nothing pays for none); without ``forward_of``, never.
+        """
         try:
             for slot, param in enumerate(self._params):
                 if param.requires_grad:
-                    self._handles.append(param.register_hook(self._hook(slot)))
+                    self._put_hook(slot)
+                else:
+                    self._frozen.append(slot)
+            if self._frozen and forward_of is not None:
+                self._forward_hook = forward_of.register_forward_pre_hook(self._hook_unfrozen)
         except BaseException:
             self.close()
             raise
+
+    def _put_hook(self, slot: int) -> None:
+        self._handles.append(self._params[slot].register_hook(self._hook(slot)))
+        self._hooked[slot] = True
+
+    def _hook_unfrozen(self, module: Any, args: Any) -> None:
+        """Hook the parameters frozen at :meth:`attach` that take a gradient now (a forward pre-hook; Python,
+        one ``requires_grad`` read per parameter still frozen). The last one hooked takes this pre-hook off."""
+        try:
+            params = self._params
+            unfrozen = [slot for slot in self._frozen if params[slot].requires_grad]
+            if not unfrozen:
+                return
+            for slot in unfrozen:
+                self._put_hook(slot)
+                self._frozen.remove(slot)
+            if not self._frozen:
+                self._forward_hook.remove()
+                self._forward_hook = None
+        except Exception as error:  # noqa: BLE001 - never fail the forward
+            self.errors.report("DDP gradient note", error)
 
     def _hook(self, slot: int):
         counts, outs, slow = self._counts, self._outs[slot], self._note_slowly
@@ -166,12 +201,12 @@ class LocalGradients:
         """
         slots: list[int] = []
         flags: list[torch.Tensor] = []
-        counts = self._counts
+        counts, hooked = self._counts, self._hooked
         for group in self._groups:
             extremes = group.extremes
             rows = extremes.shape[0]
             for column, slot in enumerate(group.slots):
-                if counts[slot] < rows:
+                if counts[slot] < rows and hooked[slot]:  # one never hooked holds zeros
                     extremes[counts[slot]:, column].zero_()
             slots += group.slots
             flags.append(torch.isfinite(group.extremes).all(dim=2).all(dim=0).logical_not_())
@@ -220,6 +255,9 @@ class LocalGradients:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self._kept, self._reports, self._extras = {}, {}, []
 
     def report(self, iteration: int, current: bool) -> tuple[OriginReport | None, bool]:
@@ -259,19 +297,24 @@ def _real_dtype(param: torch.Tensor) -> torch.dtype:
 
 
 def observe_ddp(model: Any, names: Any, errors: Any) -> LocalGradients:
-    """Watch the own gradients of every parameter the DistributedDataParallel ``model`` reduces.
+    """Watch the own gradients of every parameter the DistributedDataParallel ``model`` does not ignore.
 
-    Parameters are named by ``names`` (a :class:`._params.ParameterNames`) when it knows them, else by their
-    name in ``model.module``. Raises TypeError, attaching nothing, when ``model`` is not a DDP model.
+    Whatever ``requires_grad`` says now: DDP reduces the parameters that took gradients when it was built, so
+    one frozen since and unfrozen later (a fine-tuning schedule) is hooked at the first forward it takes a
+    gradient in (:meth:`LocalGradients.attach`). One frozen when DDP was built and unfrozen later is hooked
+    too: DDP leaves it out of its reduction, so its gradient never leaves this rank, and an inf in it is this
+    rank's own. Parameters are named by ``names`` (a :class:`._params.ParameterNames`) when it
+    knows them, else by their name in ``model.module``. Raises TypeError, attaching nothing, when ``model`` is
+    not a DDP model.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"ddp must be the torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(model).__name__}")
-    ignored = getattr(model, "parameters_to_ignore", ()) or ()
+    ignored = _device.ddp_ignored_names(model)
     params = [(names.known(param) or name, param) for name, param in model.module.named_parameters()
-              if param.requires_grad and name not in ignored]
+              if name not in ignored]
     local = LocalGradients(params, errors)
-    local.attach()
+    local.attach(forward_of=model)
     return local
