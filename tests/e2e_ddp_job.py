@@ -12,6 +12,7 @@ reported as the origin.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -65,6 +66,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
         # Pace the job so that Prometheus scrapes it while it runs, and its streaks while they last.
         time.sleep(args.overflow_sleep if iteration in overflow else args.sleep)
     watch.close()
+    gc.collect()  # DDP/FSDP objects in reference cycles freed now: at interpreter exit, gloo aborts
     dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ each planted step is a poisoned step of its own.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -101,6 +102,7 @@ def main(rank: int, out_dir: str, port: int) -> None:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:
+        gc.collect()  # DDP/FSDP objects in reference cycles freed now: at interpreter exit, gloo aborts
         dist.destroy_process_group()
 
 

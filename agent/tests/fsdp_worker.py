@@ -17,6 +17,7 @@ All scenarios share one process group. Used by test_fsdp.py, which owns the time
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -203,6 +204,7 @@ def main(rank: int, out_dir: str, port: int, world_size: int) -> None:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:
+        gc.collect()  # DDP/FSDP objects in reference cycles freed now: at interpreter exit, gloo aborts
         dist.destroy_process_group()
 
 
