@@ -1,0 +1,55 @@
+"""Every relative link of the README and the docs/ pages reaches a file of the repository, and its ``#anchor`` a
+heading of that page: text moved from one page to another keeps its links."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _prose(page: Path) -> str:
+    """The page without its fenced code blocks (a ``#`` line there is no heading, a ``[x](y)`` no link)."""
+    kept, fenced = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    return {anchor(h) for h in re.findall(r"^#+ (.+)$", _prose(page), flags=re.M)}
+
+
+def _links(page: Path) -> list[str]:
+    found = re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`\n]*`", "", _prose(page)))
+    return [link for link in found if not re.match(r"[a-z]+:", link)]
+
+
+def test_anchors_are_spelled_as_github_spells_them():
+    assert anchor("9. A 16,384-rank job on one collector") == "9-a-16384-rank-job-on-one-collector"
+    assert anchor("Clipping after `unscale_`, and more") == "clipping-after-unscale_-and-more"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_reaches_a_file_and_a_heading(page):
+    broken = []
+    for link in _links(page):
+        path, _, fragment = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif fragment and target.suffix == ".md" and fragment not in _anchors(target):
+            broken.append(f"{link}: no such heading")
+    assert not broken, f"{page.relative_to(ROOT)}: {broken}"
