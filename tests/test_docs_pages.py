@@ -1,5 +1,6 @@
-"""Every relative link of the README and the docs/ pages reaches a file of the repository, and its ``#anchor`` a
-heading of that page: text moved from one page to another keeps its links."""
+"""The README and the docs/ pages: every relative link reaches a file of the repository, and its ``#anchor`` a
+heading of that page (text moved from one page to another keeps its links); a default the contract names is
+given as the contract gives it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from ampwatch.contract.protocol import COLLECTOR_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -53,3 +55,19 @@ def test_every_relative_link_reaches_a_file_and_a_heading(page):
         elif fragment and target.suffix == ".md" and fragment not in _anchors(target):
             broken.append(f"{link}: no such heading")
     assert not broken, f"{page.relative_to(ROOT)}: {broken}"
+
+
+def _size(cell: str) -> int:
+    """``16384``, ``16,384`` or ``8 MiB`` as a number."""
+    number, _, unit = cell.strip().partition(" ")
+    return int(number.replace(",", "")) * {"": 1, "MiB": 1024 * 1024}[unit]
+
+
+def test_the_collector_page_gives_each_default_limit_as_the_contract_does():
+    text = (ROOT / "docs" / "collector.md").read_text()
+    for name, value in COLLECTOR_DEFAULTS.items():
+        option = "--" + name.replace("_", "-")
+        (row,) = re.findall(rf"^\| `{option}` \| `AMPWATCH_SERVER_\w+` \| ([^|]+) \|", text, flags=re.M)
+        assert _size(row) == value, f"the options table gives {option} a default of {row}, the contract {value}"
+        (limit,) = re.findall(rf"^\| [^|]+ \| `{option}` \(([^)]+)\) \|", text, flags=re.M)
+        assert _size(limit) == value, f"the limits table gives {option} a default of {limit}, the contract {value}"
