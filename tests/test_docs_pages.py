@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from ampwatch.contract.protocol import COLLECTOR_DEFAULTS
+from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, KEEP_ALIVE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -58,12 +58,12 @@ def test_every_relative_link_reaches_a_file_and_a_heading(page):
 
 
 def _size(cell: str) -> int:
-    """``16384``, ``16,384`` or ``8 MiB`` as a number."""
+    """``16384``, ``16,384``, ``8 MiB`` or ```65` s`` as a number (of bytes, of seconds)."""
     number, _, unit = cell.strip().partition(" ")
-    return int(number.replace(",", "")) * {"": 1, "MiB": 1024 * 1024}[unit]
+    return int(number.strip("`").replace(",", "")) * {"": 1, "MiB": 1024 * 1024, "s": 1}[unit]
 
 
-def test_the_collector_page_gives_each_default_limit_as_the_contract_does():
+def test_the_collector_page_gives_each_default_the_contract_names_as_the_contract_does():
     text = (ROOT / "docs" / "collector.md").read_text()
     for name, value in COLLECTOR_DEFAULTS.items():
         option = "--" + name.replace("_", "-")
@@ -71,3 +71,5 @@ def test_the_collector_page_gives_each_default_limit_as_the_contract_does():
         assert _size(row) == value, f"the options table gives {option} a default of {row}, the contract {value}"
         (limit,) = re.findall(rf"^\| [^|]+ \| `{option}` \(([^)]+)\) \|", text, flags=re.M)
         assert _size(limit) == value, f"the limits table gives {option} a default of {limit}, the contract {value}"
+    (keep_alive,) = re.findall(r"^\| `--keep-alive` \| `AMPWATCH_SERVER_KEEP_ALIVE` \| ([^|]+) \|", text, flags=re.M)
+    assert _size(keep_alive) == KEEP_ALIVE_S
