@@ -73,3 +73,8 @@ def test_the_collector_page_gives_each_default_the_contract_names_as_the_contrac
         assert _size(limit) == value, f"the limits table gives {option} a default of {limit}, the contract {value}"
     (keep_alive,) = re.findall(r"^\| `--keep-alive` \| `AMPWATCH_SERVER_KEEP_ALIVE` \| ([^|]+) \|", text, flags=re.M)
     assert _size(keep_alive) == KEEP_ALIVE_S
+
+
+def test_the_readme_stays_a_page_a_newcomer_reads_in_five_minutes():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 200, f"README.md has {len(lines)} lines: move the manual's part into docs/ and link it"
