@@ -263,3 +263,50 @@ def test_the_scrape_summary_says_slower_where_the_collector_is_slower_than_the_p
               {"target": "pushgateway", "ranks": 4096, "scrape_median_ms": 304.2, "bytes": 13_000_000}]
     rows = scrape.summary_rows({"levels": levels})
     assert rows[0].endswith("| 1.6x slower |") and rows[1].endswith("| 2.9x faster |")
+
+
+def _rendered(tmp_path) -> list[str]:
+    import shutil
+
+    json_path = tmp_path / "benchmarks.json"
+    shutil.copy(os.path.join(ROOT, "docs", "benchmarks.json"), json_path)
+    assert bench_main.main(["--render", str(json_path)]) == 0
+    return (tmp_path / "benchmarks.md").read_text().split("\n")
+
+
+def test_each_measured_section_opens_with_its_table_and_says_how_after_it(tmp_path):
+    # A reader after a figure finds a table first: at most a one-line lead-in before it (the stamp of a
+    # re-measured section aside), and the method's paragraphs after it.
+    lines = _rendered(tmp_path)
+    headings = [k for k, line in enumerate(lines) if line.startswith("## ") and line[3].isdigit()]
+    assert len(headings) >= 10
+    for k in headings:
+        table = next(j for j in range(k + 1, len(lines)) if lines[j].startswith("|"))
+        lead = [line for line in lines[k + 1:table] if line.strip() and not line.startswith("Re-measured by ")]
+        assert len(lead) <= 1 and all(len(line) <= 300 for line in lead), (lines[k], lead)
+        assert not any(line.startswith("## ") for line in lines[k + 1:table]), lines[k]
+
+
+def test_the_by_job_size_table_takes_each_row_from_the_section_it_links_and_orders_rows_by_ranks():
+    from bench.report import by_scale
+
+    res = {"ingest": {"paced": [
+        {"target": "ampwatch", "ranks": 4096, "updates_per_s": 2748.4, "offered_per_s": 4096.0, "p99_ms": 1308.6},
+        {"target": "pushgateway", "ranks": 1024, "updates_per_s": 51.0, "offered_per_s": 1024.0, "p99_ms": 14245.0},
+        {"target": "ampwatch", "ranks": 1024, "updates_per_s": 1024.0, "offered_per_s": 1024.0, "p99_ms": 8.5}]},
+        "scrape": {"levels": [{"target": "ampwatch", "ranks": 1024, "scrape_median_ms": 78.02,
+                               "rss_kib_per_rank": 14.4}]}}
+    fleet = {"fleet_16384": {"settings": {"heartbeat_s": 30.0, "storm_share": 0.1, "lockstep": False}, "after": {
+        "ranks": 16384, "healthy": {"requests_per_s": 546.1, "latency": {"p99_ms": 308.3},
+                                    "collector_kib_per_rank": 22.0},
+        "storm": {"latency": {"p99_ms": 1552.7}}}}}
+    links = {"ingest": "[section 2](#2)", "scrape": "[section 3](#3)", "job1024": "[section 7](#7)",
+             "fleet": "[section 9](#9)"}
+    lines = by_scale.section(res, None, fleet, links)
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert [row[0] for row in rows] == ["| 1,024", "| 4,096", "| 16,384"]  # the Pushgateway's row is not ours
+    assert rows[0][2:7] == ["1,024.0", "8.5", "-", "78.0", "14.4"]
+    assert rows[0][7] == "[section 2](#2), [section 3](#3) |"
+    assert rows[1][2] == "2,748.4 of 4,096 asked" and rows[1][5] == "-" and rows[1][7] == "[section 2](#2) |"
+    assert rows[2][2:7] == ["546.1", "308.3", "1,552.7", "-", "22.0"] and rows[2][7] == "[section 9](#9) |"
+    assert by_scale.section({}, None, None, links) == []

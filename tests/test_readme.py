@@ -1,4 +1,10 @@
-"""The README's agent snippets run as written (on CPU) and report what they claim, one through a real collector."""
+"""The snippets of the README and of docs/recipes.md run as written (on CPU) and report what they claim, one through
+a real collector.
+
+Each snippet is found by the page and the heading of its section (``SNIPPETS``): a snippet moved from one page to
+another keeps its test by moving its entry, and a snippet no test runs fails
+``test_every_python_snippet_of_the_readme_and_the_recipes_is_run_by_a_test``.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,23 @@ from ampwatch_support.rank_processes import wait_for
 
 from ampwatch_support.framework_truth import reset_accelerate_state
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README, RECIPES = "README.md", "docs/recipes.md"
+
+PLAIN_LOOP = (README, "## Attach the agent to your training loop")
+BF16 = (README, "## bf16 and float32, without a GradScaler")
+FRAMEWORKS = (README, "## Attach to your framework")
+COLLECTOR = (README, "## Run the collector for real")
+TWO_OPTIMIZERS = (RECIPES, "## Several optimizers, clipping after `unscale_`, and a scheduler gated on real updates")
+ACCUMULATION = (RECIPES, "## Gradient accumulation")
+FUSED = (RECIPES, "## Fused optimizers")
+FSDP2 = (RECIPES, "## FSDP2")
+CHECKPOINTS = (RECIPES, "## Checkpoints and resumes")
+
+SNIPPETS = {PLAIN_LOOP: 1, BF16: 1, FRAMEWORKS: 3, TWO_OPTIMIZERS: 1, ACCUMULATION: 1, FUSED: 1, FSDP2: 1,
+            CHECKPOINTS: 1}
+"""Every Python snippet of the README and docs/recipes.md: (page, heading of its section) -> how many the section
+holds, each run by a test below."""
 
 # What the snippets take as given; batch 2 holds an inf, so exactly one optimizer step skips.
 PREAMBLE = '''
@@ -47,34 +69,49 @@ accumulation = 2
 '''
 
 
-def _snippets(heading: str = "## Attach the agent", language: str = "python") -> list[str]:
-    """The ``language`` snippets of the README section that starts with ``heading`` (up to the next section)."""
-    text = README.read_text()
-    start = text.index(heading)
-    end = text.find("\n## ", start + len(heading))
-    section = text[start:end if end != -1 else len(text)]
-    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+def _snippets(where: tuple[str, str], language: str = "python") -> list[str]:
+    """The ``language`` snippets of the section of page ``where[0]`` whose heading line is ``where[1]``, up to the
+    next heading of its level or above (a ``#`` line inside a code block is no heading)."""
+    page, heading = where
+    lines = (ROOT / page).read_text().splitlines(keepends=True)
+    assert heading + "\n" in lines, f"{page} has no heading {heading!r}: update this test"
+    level, section, fenced = len(heading.split(" ", 1)[0]), [], False
+    for line in lines[lines.index(heading + "\n") + 1:]:
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(rf"#{{1,{level}}} ", line):
+            break
+        section.append(line)
+    return re.findall(rf"```{language}\n(.*?)```", "".join(section), flags=re.S)
 
 
-def _run(snippet: str, monkeypatch) -> dict:
+def _snippet(where: tuple[str, str]) -> str:
+    (snippet,) = _snippets(where)
+    return snippet
+
+
+def _run(snippet: str, monkeypatch, page: str = README) -> dict:
     monkeypatch.delenv("AMPWATCH_URL", raising=False)
     monkeypatch.setenv("AMPWATCH_RUN", "readme")
     # This machine has no GPU: the same code on CPU, with CPU autocast's half type.
     code = snippet.replace('"cuda"', '"cpu"').replace("torch.float16", "torch.bfloat16")
     namespace: dict = {}
-    exec(compile(PREAMBLE + code, "README.md", "exec"), namespace)
+    exec(compile(PREAMBLE + code, page, "exec"), namespace)
     namespace["watch"].close()
     return namespace
 
 
-def test_the_readme_shows_seven_agent_snippets():
-    assert len(_snippets()) == 7
+def test_every_python_snippet_of_the_readme_and_the_recipes_is_run_by_a_test():
+    for page in (README, RECIPES):
+        held = {heading: count for (on, heading), count in SNIPPETS.items() if on == page}
+        assert {heading: len(_snippets((page, heading))) for heading in held} == held, page
+        every = re.findall(r"^```python$", (ROOT / page).read_text(), flags=re.M)
+        assert len(every) == sum(held.values()), f"{page} holds a Python snippet that no test runs"
 
 
 @pytest.mark.timeout(120)
 def test_the_plain_loop_snippet_reports_its_skip_to_a_real_collector(tmp_path, monkeypatch):
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
-        snippet = _snippets()[0].replace("http://127.0.0.1:9457", collector.url)
+        snippet = _snippet(PLAIN_LOOP).replace("http://127.0.0.1:9457", collector.url)
         _run(snippet, monkeypatch)
         with urllib.request.urlopen(collector.url + "/v1/runs/exp-42", timeout=5) as answer:
             (rank,) = json.loads(answer.read())["ranks"]
@@ -84,7 +121,7 @@ def test_the_plain_loop_snippet_reports_its_skip_to_a_real_collector(tmp_path, m
 
 
 def test_the_two_optimizer_snippet_gates_the_scheduler_on_real_updates(monkeypatch):
-    ns = _run(_snippets()[1], monkeypatch)
+    ns = _run(_snippet(TWO_OPTIMIZERS), monkeypatch, RECIPES)
     summary = ns["watch"].summary()
     assert "gen: 5 stepped, 1 skipped" in summary and "disc: 5 stepped, 1 skipped" in summary, summary
     # The schedule advanced once per real update of gen, not once per iteration.
@@ -93,7 +130,7 @@ def test_the_two_optimizer_snippet_gates_the_scheduler_on_real_updates(monkeypat
 
 
 def test_the_accumulation_snippet_counts_one_step_per_accumulated_batch(monkeypatch):
-    summary = _run(_snippets()[2], monkeypatch)["watch"].summary()
+    summary = _run(_snippet(ACCUMULATION), monkeypatch, RECIPES)["watch"].summary()
     assert summary.startswith("iteration 3,") and ": 2 stepped, 1 skipped" in summary, summary
 
 
@@ -107,13 +144,13 @@ for x, y in loader:
     scaler.step(opt)
     scaler.update()
 '''
-    ns = _run(_snippets()[3] + loop, monkeypatch)
+    ns = _run(_snippet(FUSED) + loop, monkeypatch, RECIPES)
     assert ns["opt"].defaults["fused"] is True
     assert "AdamW: 5 stepped, 1 skipped" in ns["watch"].summary(), ns["watch"].summary()
 
 
 def test_the_bf16_snippet_watches_without_a_scaler_and_counts_each_poisoned_step(monkeypatch):
-    ns = _run(_snippets()[4], monkeypatch)
+    ns = _run(_snippet(BF16), monkeypatch)
     state = ns["watch"].snapshot()
     # Batch 2's inf went into the weights: its step and every later one applied NaN gradients.
     assert state["scaler"]["kind"] == "none" and state["state"]["loss_scale"] is None
@@ -126,10 +163,10 @@ def test_the_fsdp2_snippet_watches_a_fully_sharded_model(monkeypatch):
     import torch.distributed as dist
     from ampwatch_support.ports import free_port
 
-    loop = _snippets()[4].split("\n", 3)[3]  # the bf16 snippet's loop, after its watch() line
+    loop = _snippet(BF16).split("\n", 3)[3]  # the README's bf16 snippet's loop, after its watch() line
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        ns = _run(_snippets()[5] + loop, monkeypatch)
+        ns = _run(_snippet(FSDP2) + loop, monkeypatch, RECIPES)
     finally:
         dist.destroy_process_group()
     assert type(ns["model"].generator.weight).__name__ == "DTensor"  # sharded (one rank here: the whole)
@@ -139,7 +176,7 @@ def test_the_fsdp2_snippet_watches_a_fully_sharded_model(monkeypatch):
 
 def test_the_checkpoint_snippet_saves_resumes_and_rebinds_without_a_false_transition(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    ns = _run(_snippets()[6], monkeypatch)
+    ns = _run(_snippet(CHECKPOINTS), monkeypatch, RECIPES)
     state = ns["watch"].snapshot()["state"]
     assert state["backoffs"] == 1 and state["growths"] == 0, "the restore was booked as a transition"
     assert state["optimizers"]["SGD"]["skipped"] == 1 and state["optimizers"]["SGD"]["steps"] == 5
@@ -147,9 +184,6 @@ def test_the_checkpoint_snippet_saves_resumes_and_rebinds_without_a_false_transi
 
 
 # ----- "Attach to your framework": the same snippets on CPU, fp16 set up as each framework sets it up on a GPU ----
-
-FRAMEWORKS = "## Attach to your framework"
-
 
 def _framework_snippet(index: int, replacements: dict[str, str]) -> str:
     snippet = _snippets(FRAMEWORKS)[index]
@@ -165,12 +199,8 @@ def _run_framework(preamble: str, snippet: str, monkeypatch, tmp_path) -> dict:
     monkeypatch.setenv("AMPWATCH_RUN", "readme")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(preamble + snippet, "README.md", "exec"), namespace)
+    exec(compile(preamble + snippet, README, "exec"), namespace)
     return namespace
-
-
-def test_the_readme_shows_one_snippet_per_framework():
-    assert len(_snippets(FRAMEWORKS)) == 3
 
 
 @pytest.mark.filterwarnings("ignore")  # Lightning's advice on dataloader workers
@@ -252,7 +282,7 @@ watch.close()
 
 @pytest.mark.slow
 def test_the_collector_setup_runs_as_written_in_a_fresh_root(tmp_path):
-    (block,) = _snippets("## Run the collector for real", "bash")
+    (block,) = _snippets(COLLECTOR, "bash")
     install = "pip install ./contract ./server"
     assert block.startswith(install), "the block no longer starts by installing: update this test"
     root, port = tmp_path / "root", free_port()

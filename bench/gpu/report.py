@@ -12,25 +12,34 @@ COMMAND = "PYTHONPATH=agent/src:contract/src:support/src python -m bench.gpu --o
 _NOT_RUN = [
     "**Not yet run on a GPU.** Every figure above is from CPU, and the agent's CUDA path (fused optimizers' "
     "`found_inf` and the scale copied without blocking into pinned memory with an event, inspection on the "
-    "device) has not been exercised. `python -m bench.gpu` checks it; it needs only torch and the source "
-    "of the agent and its contract (no venv, no collector), takes under 5 minutes on one GPU and exits "
-    "non-zero on any truth or sync mismatch. From the repository root of a machine with a GPU:",
+    "device) has not been exercised.",
+    "",
+    "| what `python -m bench.gpu` checks | how |",
+    "|---|---|",
+    "| truth against bit-level ground truth | three optimizers, real float16 overflow, injected inf/NaN, a manual "
+    "scale; asking `stepped()` every step, never asking, and a `torch.compile`d model; the poisoned-step scenario "
+    "and parameter names |",
+    "| zero extra syncs | fused loop under `torch.cuda.set_sync_debug_mode(\"error\")`, foreach warnings counted, "
+    "every stream/event/device synchronisation traced |",
+    "| overhead | a host-bound and a device-bound model |",
+    "| inspection | an inspected skip over 10,000 tensors |",
+    "| DDP | a 2-rank NCCL job when two GPUs are present |",
+    "| sharded training, on the available ranks | FSDP2 `fully_shard` with a `GradScaler` and in bf16 without one, "
+    "FSDP1 with `ShardedGradScaler`, each rank against its own shards; Lightning's `FSDPStrategy` and Accelerate's "
+    "FSDP plugin, FSDP1 and 2, with the integrations, when installed (these need a GPU) |",
+    "",
+    "It needs only torch and the source of the agent and its contract (no venv, no collector), takes under 5 "
+    "minutes on one GPU and exits non-zero on any truth or sync mismatch. From the repository root of a machine "
+    "with a GPU:",
     "",
     f"    {COMMAND}",
     "",
-    "then copy `$OUT/gpu.json` to `docs/benchmarks-gpu.json` and run `python -m bench --render "
-    "docs/benchmarks.json`, which rewrites this page with the GPU section filled in. What it checks: "
-    "truth against bit-level ground truth (three optimizers, real float16 overflow, injected inf/NaN, a "
-    "manual scale; asking `stepped()` every step, never asking, and a `torch.compile`d model; the "
-    "poisoned-step scenario and parameter names), zero extra syncs (fused loop under "
-    "`torch.cuda.set_sync_debug_mode(\"error\")`, foreach warnings counted, every stream/event/device "
-    "synchronisation traced), overhead on a host-bound and a device-bound model, an inspected skip over "
-    "10,000 tensors, a 2-rank NCCL job when two GPUs are present, and sharded training on the available ranks "
-    "(FSDP2 `fully_shard` with a `GradScaler` and in bf16 without one, FSDP1 with `ShardedGradScaler`, each rank "
-    "against its own shards; Lightning's `FSDPStrategy` and Accelerate's FSDP plugin, FSDP1 and 2, with the "
-    "integrations, when installed: these need a GPU). `make bench-gpu` runs the same; "
-    "`make bench-gpu ARGS=\"--device cpu --quick\"` is its CPU smoke run (part of `make test`), which "
-    "proves nothing about CUDA.",
+    "It writes `$OUT/gpu.json`. This section is rendered from `docs/benchmarks-gpu.json`, a file that appears "
+    "only after such a run: copy `$OUT/gpu.json` there and run `python -m bench --render docs/benchmarks.json`, "
+    "which rewrites this page with the GPU section filled in.",
+    "",
+    "`make bench-gpu` runs the same; `make bench-gpu ARGS=\"--device cpu --quick\"` is its CPU smoke run (part of "
+    "`make test`), which proves nothing about CUDA.",
 ]
 
 

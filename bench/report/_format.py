@@ -3,9 +3,10 @@ and the rows of a before/after table, so every such table names and orders its s
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-__all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "measured_by", "phase_rows", "ratio", "side_rows",
+__all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "link", "measured_by", "phase_rows", "ratio", "side_rows",
            "speed_beside"]
 
 
@@ -18,6 +19,12 @@ def fmt(value: Any, digits: int = 1) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def link(title: str) -> str:
+    """A Markdown link to the section ``title`` of the same page, by the anchor GitHub gives its heading."""
+    anchor = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+    return f"[section {title.split(' ', 1)[0].rstrip('.')}](#{anchor})"
 
 
 def find(rows: list[dict], **match: Any) -> Optional[dict]:

@@ -107,18 +107,19 @@ def section(delivery: Optional[dict]) -> list[str]:
         return []
     main = delivery["fleet_16384"]
     settings = main["settings"]
-    lines = [f"A simulated job of {fmt(main['after']['ranks'])} ranks (2,048 nodes x 8) against one collector with "
+    lines = ["Issue 18's targets against the *after* side:", "", "| target | measured | |", "|---|---|---|",
+             *(f"| {target} | {figure} | {'met' if ok else '**not met**'} |" for target, figure, ok in
+               _targets(main["after"])), "", *table(main), "",
+             f"A simulated job of {fmt(main['after']['ranks'])} ranks (2,048 nodes x 8) against one collector with "
              "default settings, real HTTP on loopback, the agent's own delivery schedule: every rank starts, "
              f"trains healthily (a batch on news, a heartbeat every {fmt(settings['heartbeat_s'])} s), then "
              f"{fmt(settings['storm_share'] * 100)}% of the ranks run skip streaks, `/metrics` scraped every "
              f"{fmt(settings['scrape_every_s'])} s as Prometheus does, one rank killed without `close()`. The "
              "*before* side is the delivery that came before (full state every second). `bench/experiments/fleet.py` "
-             "says how each figure is taken.", "",
-             "Issue 18's targets against the *after* side:", "", "| target | measured | |", "|---|---|---|",
-             *(f"| {target} | {figure} | {'met' if ok else '**not met**'} |" for target, figure, ok in
-               _targets(main["after"])), "", *table(main), "", f"{measured_by(main)}."]
-    if main.get("note"):
-        lines += ["", main["note"]]
+             "says how each figure is taken.", "", f"{measured_by(main)}."]
+    for paragraph in (main.get("note") or "").split("\n\n"):
+        if paragraph:
+            lines += ["", paragraph]
     for key, other in delivery.items():
         if key != "fleet_16384" and key.startswith("fleet_"):
             lines += ["", f"`{key}`:", "", *table(other), "", f"{measured_by(other)}."

@@ -7,12 +7,12 @@ __all__ = ["section", "summary_rows"]
 
 def section(fp: dict) -> list[str]:
     s, l_ = fp["short"], fp["long"]
-    return [f"Two fresh collectors, {s['ranks']} ranks at one batch per second for {s['seconds']} s and "
-            f"{l_['seconds']} s, a skip and a backoff event every {fp['skip_every']} batches (on purpose many, to "
-            "measure them); database size after a WAL checkpoint.", "",
-            "| run | batches | events | incarnation rows | database bytes |", "|---|---|---|---|---|",
+    return ["| run | batches | events | incarnation rows | database bytes |", "|---|---|---|---|---|",
             f"| short | {s['answered']:,} | {s['events']:,} | {s['incarnations']} | {s['file_bytes']:,} |",
             f"| long | {l_['answered']:,} | {l_['events']:,} | {l_['incarnations']} | {l_['file_bytes']:,} |", "",
+            f"Two fresh collectors, {s['ranks']} ranks at one batch per second for {s['seconds']} s and "
+            f"{l_['seconds']} s, a skip and a backoff event every {fp['skip_every']} batches (on purpose many, to "
+            "measure them); database size after a WAL checkpoint.", "",
             f"- **{fp['bytes_per_event_on_disk']:.0f} bytes per stored event** (skip with one offending parameter, "
             f"or scale change); an event-free batch adds nothing: it rewrites its rank's row "
             f"(~{fp['bytes_per_incarnation_row']:.0f} bytes, one per rank and process).",

@@ -6,27 +6,26 @@ __all__ = ["section", "summary_rows"]
 
 
 def section(ins: dict) -> list[str]:
-    out = ["Instructions executed by the training process over the measured iterations, counted by valgrind's "
-           "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
-           f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the count "
-           "does not move with the machine's load, so it can answer a 1% question on a shared machine. The bf16 "
-           "rows train without a GradScaler, bare and watched with `watch(None, ...)`, which checks the gradients of "
-           "every optimizer step: on CPU, for float32 gradients, one call of GradScaler's own kernel "
-           "(`_amp_foreach_non_finite_check_and_unscale_` with an inverse scale of 1, which stores every value back "
-           "unchanged) per optimizer step; on a GPU one batched `_foreach_norm` per step, `python -m bench.gpu`). "
-           "The DDP rows run one AdamW over a "
-           "`DistributedDataParallel` model in a gloo group of one process (world size 1: DDP's reducer still "
-           "buckets and all-reduces the gradients), bare and watched with `watch(None, ..., ddp=model)`, which adds "
-           "a tensor hook per parameter noting whether its own gradient held inf/NaN before the all-reduce."]
-    out += _interpretation(ins["rows"])
-    out += ["",
-           "| model | optimizer | precision | iterations | bare instructions/iter | watched instructions/iter | agent "
+    out = ["| model | optimizer | precision | iterations | bare instructions/iter | watched instructions/iter | agent "
            "| ratio |",
            "|---|---|---|---|---|---|---|---|"]
     for r in ins["rows"]:
         out.append(f"| {_model(r)} | {r['optimizer']} | {_precision(r)} | {r['iterations']} | "
                    f"{r['bare_per_iter']:,} | {r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | "
                    f"{r['ratio']:.4f} |")
+    out += _interpretation(ins["rows"])
+    out += ["", "Instructions executed by the training process over the measured iterations, counted by valgrind's "
+                "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
+                f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the "
+                "count does not move with the machine's load, so it can answer a 1% question on a shared machine.",
+            "", "The bf16 rows train without a GradScaler, bare and watched with `watch(None, ...)`, which checks the "
+                "gradients of every optimizer step: on CPU, for float32 gradients, one call of GradScaler's own "
+                "kernel (`_amp_foreach_non_finite_check_and_unscale_` with an inverse scale of 1, which stores every "
+                "value back unchanged) per optimizer step; on a GPU one batched `_foreach_norm` per step, `python -m "
+                "bench.gpu`). The DDP rows run one AdamW over a `DistributedDataParallel` model in a gloo group of "
+                "one process (world size 1: DDP's reducer still buckets and all-reduces the gradients), bare and "
+                "watched with `watch(None, ..., ddp=model)`, which adds a tensor hook per parameter noting whether "
+                "its own gradient held inf/NaN before the all-reduce."]
     return out
 
 

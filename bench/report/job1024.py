@@ -16,37 +16,38 @@ __all__ = ["section"]
 
 
 def _alert_memory(memory: dict) -> list[str]:
-    return ["Built-in alerts' memory after a full 30-minute alert window (simulated clock: 1,024 ranks report "
-            "every 2 s for 31 minutes, the last one a whole-job skip storm; resident memory of a fresh "
-            "process after minus before, per rank, alert states of the storm included):", "",
+    return ["Built-in alerts' memory after a full 30-minute alert window:", "",
             "| | KiB per rank | MiB at 1,024 ranks | of which history arrays, KiB per rank | CPU s | firing |",
             "|---|---|---|---|---|---|",
             *side_rows(memory, lambda name, r: f"| {name} | {fmt(r['kib_per_rank'])} | {fmt(r['rss_kib'] / 1024)} | "
                                                f"{fmt(r.get('history_array_kib_per_rank'))} | {fmt(r['cpu_s'])} | "
                                                f"{fmt(r['firing'])} |"),
+            "", "A simulated clock: 1,024 ranks report every 2 s for 31 minutes, the last one a whole-job skip storm; "
+            "resident memory of a fresh process after minus before, per rank, alert states of the storm included.",
             "", f"{measured_by(memory)}.", ""]
 
 
 def _notify_storm(storm: dict) -> list[str]:
     return ["Built-in webhook notifications when 3,072 alerts (1,024 ranks x 3 alerts) fire at once, then "
-            "resolve, default settings, a real HTTP receiver on loopback:", "",
+            "resolve:", "",
             "| | phase | POSTs | MB | seconds | alerts dropped (cumulative) |", "|---|---|---|---|---|---|",
             *phase_rows(storm, ("firing", "resolved"),
                         lambda name, phase, r: f"| {name} | {phase} | {fmt(r['posts'])} | {fmt(r['bytes'] / 1e6, 2)} | "
                                                f"{fmt(r['seconds'])} | {fmt(r['dropped_so_far'])} |"),
-            "", f"{measured_by(storm)}. Grouped by alert and run, the resolved phase goes out one "
-            "`--notify-group-interval` (60 s) after the firing one.", ""]
+            "", "Default settings, a real HTTP receiver on loopback. Grouped by alert and run, the resolved phase "
+            "goes out one `--notify-group-interval` (60 s) after the firing one.", "", f"{measured_by(storm)}.", ""]
 
 
 def _metrics_size(size: dict) -> list[str]:
-    return ["`/metrics` of a collector filled with 1,024 ranks x 2 optimizers (three batches each), scraped "
-            "plain and as Prometheus asks for it (`Accept-Encoding: gzip`), median of 5:", "",
+    return ["`/metrics` of a collector filled with 1,024 ranks x 2 optimizers, plain and gzipped:", "",
             "| | samples | bytes plain | bytes when gzip is asked | scrape ms plain | scrape ms gzip asked |",
             "|---|---|---|---|---|---|",
             *side_rows(size, lambda name, r: f"| {name} | {fmt(r['samples'])} | {fmt(r['bytes'])} | "
                                              f"{fmt(r['gzip_bytes'])} | {fmt(r['scrape_median_ms'])} | "
                                              f"{fmt(r['gzip_scrape_median_ms'])} |"),
-            "", f"{measured_by(size)}. Fewer samples: a streak-ladder rung is exposed once a streak reached it.", ""]
+            "", "Three batches each, scraped plain and as Prometheus asks for it (`Accept-Encoding: gzip`), median of "
+            "5. Fewer samples: a streak-ladder rung is exposed once a streak reached it.", "", f"{measured_by(size)}.",
+            ""]
 
 
 _PARTS = (("alert_memory", _alert_memory), ("notify_storm", _notify_storm), ("metrics_size", _metrics_size))
@@ -105,9 +106,10 @@ def _targets(doc: dict) -> list[str]:
 
 def section(doc: dict) -> list[str]:
     """The section's lines for ``doc`` (the whole JSON file), each part that was measured in its order."""
-    lines = ["What issues 14 and 26 asked of one collector at 1,024 ranks x 2 optimizers, each figure beside the "
+    lines = [*_targets(doc),
+             "What issues 14 and 26 asked of one collector at 1,024 ranks x 2 optimizers, each figure beside the "
              "commit before the change, both measured in one run (command and date under each table).", "",
-             *_targets(doc), *lockstep.section(doc.get("lockstep_storm"))]
+             *lockstep.section(doc.get("lockstep_storm"))]
     for key, part in _PARTS:
         if doc.get(key):
             lines += part(doc[key])

@@ -8,10 +8,7 @@ __all__ = ["section", "summary_rows"]
 
 
 def section(ov: dict) -> list[str]:
-    out = [f"Per-iteration process CPU time (the agent's sender thread included), median of {ov['rounds']} "
-           f"rotating rounds of {ov['block']} iterations per variant; ratio = median of per-round ratios to the "
-           f"bare block of the same round [p25-p75]. Collector: {ov['collector']}.", ""]
-    out += ["| model | optimizer | variant | CPU us/iter | ratio [p25-p75] | wall ratio | syncs/clean iter | "
+    out = ["| model | optimizer | variant | CPU us/iter | ratio [p25-p75] | wall ratio | syncs/clean iter | "
             "syncs/storm iter | update() per iter | storm: skipped iterations seen | storm: per-optimizer right | "
             "clean: false alarms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in ov["measurements"] + ([ov["storm_fused"]] if "storm_fused" in ov else []):
@@ -22,6 +19,9 @@ def section(ov: dict) -> list[str]:
                        f"{v['syncs_per_clean_iter']:g} | {v['syncs_per_storm_iter']:g} | {v['updates_per_iter']:g} | "
                        + (f"{v['storm_flagged']}/{n} | {v['storm_per_optimizer_right']}/{n} | "
                           f"{v['clean_false_alarms']}/{n} |" if n else "- | - | - |"))
+    out += ["", f"Per-iteration process CPU time (the agent's sender thread included), median of {ov['rounds']} "
+                f"rotating rounds of {ov['block']} iterations per variant; ratio = median of per-round ratios to the "
+                f"bare block of the same round [p25-p75]. Collector: {ov['collector']}."]
     h = ov.get("host_cost")
     if h:
         out += ["", f"Agent host CPU per iteration (watched minus bare on a 4-wide, 2-optimizer model whose bare "
@@ -37,11 +37,7 @@ def section(ov: dict) -> list[str]:
 def _ddp_origin(d: Optional[dict]) -> list[str]:
     if not d or "measurements" not in d:
         return []
-    out = ["", f"Naming the origin rank (`watch(..., ddp=model)`, `bench/ddp_origin.py`): a {d['world_size']}-process "
-               f"{d['backend']} DDP loop (AdamW, one GradScaler), rank 0's process CPU per iteration, median of "
-               f"{d['rounds']} rotating rounds of {d['block']} iterations; ratio to `plain` (the agent watching "
-               "without `ddp=`, DDP's built-in all-reduce). `python_hook` registers DDP's own `allreduce_hook` "
-               "and nothing else (what any Python comm hook costs); `origin` is `ddp=model`.", "",
+    out = ["", "Naming the origin rank (`watch(..., ddp=model)`, `bench/ddp_origin.py`):", "",
            "| model | variant | CPU us/iter | ratio [p25-p75] | extra us/iter | wall ratio | syncs/clean iter |",
            "|---|---|---|---|---|---|---|"]
     for m in d["measurements"]:
@@ -49,6 +45,10 @@ def _ddp_origin(d: Optional[dict]) -> list[str]:
             out.append(f"| {m['model']} | {name} | {v['cpu_us_per_iter']} | {v['ratio']:.3f} "
                        f"[{v['ratio_p25']:.3f}-{v['ratio_p75']:.3f}] | {v['extra_us_per_iter']} | "
                        f"{v['wall_ratio']:.3f} | {v['syncs_per_clean_iter']:g} |")
+    out += ["", f"A {d['world_size']}-process {d['backend']} DDP loop (AdamW, one GradScaler), rank 0's process CPU "
+                f"per iteration, median of {d['rounds']} rotating rounds of {d['block']} iterations; ratio to `plain` "
+                "(the agent watching without `ddp=`, DDP's built-in all-reduce). `python_hook` registers DDP's own "
+                "`allreduce_hook` and nothing else (what any Python comm hook costs); `origin` is `ddp=model`."]
     calls = "calls_per_iter" if all("calls_per_iter" in m for m in d["measurements"]) else "buckets_per_iter"
     replaced = any(m.get("hook_calls", {}).get("origin", {}).get("replaces_reduction", calls != "calls_per_iter")
                    for m in d["measurements"])

@@ -13,19 +13,20 @@ def section(r: Optional[dict]) -> list[str]:
     """The part's lines, or none when ``bench.experiments.rule_eval`` has not stored a result."""
     if not r:
         return []
-    lines = [f"Prometheus rule evaluation at {fmt(r['ranks'])} ranks x {r['optimizers']} optimizers "
-             f"({fmt(r['series'])} series) every {r['interval_s']} s over full 30-minute windows ("
-             f"{fmt(r['samples_per_series_in_30m'])} samples per series in 30m), the real Prometheus, the earlier "
-             "commit's rules and these side by side on the same data, a whole-job storm's streak alerts firing "
-             f"({fmt(r['after']['firing'].get('AmpConsecutiveSkippedSteps (warning)', 0))} instances). Wall-clock "
-             f"times over {r['after']['evaluations']} evaluations each, as `/api/v1/rules` reports them (they stretch "
-             "when other jobs share this machine's 2 cores: the caption gives the load), and the CPU each Prometheus "
-             "used per interval (evaluation, scrape, the bench's reads):", "",
+    lines = [f"Prometheus rule evaluation at {fmt(r['ranks'])} ranks x {r['optimizers']} optimizers, the earlier "
+             "commit's rules beside these:", "",
              "| | rules | group median ms | % of interval | group max ms | % of interval | CPU s per interval |",
              "|---|---|---|---|---|---|---|"]
     lines += side_rows(r, lambda name, x: f"| {name} | {x['rules']} | {fmt(x['group_median_s'] * 1000)} | "
                                           f"{fmt(x['median_percent_of_interval'])}% | {fmt(x['group_max_s'] * 1000)} | "
                                           f"{fmt(x['max_percent_of_interval'])}% | {fmt(x['cpu_s_per_interval'], 2)} |")
+    lines += ["", f"{fmt(r['series'])} series evaluated every {r['interval_s']} s over full 30-minute windows "
+              f"({fmt(r['samples_per_series_in_30m'])} samples per series in 30m), the real Prometheus, both rule "
+              "sets side by side on the same data, a whole-job storm's streak alerts firing "
+              f"({fmt(r['after']['firing'].get('AmpConsecutiveSkippedSteps (warning)', 0))} instances). Wall-clock "
+              f"times over {r['after']['evaluations']} evaluations each, as `/api/v1/rules` reports them (they "
+              "stretch when other jobs share this machine's 2 cores: the caption gives the load), and the CPU each "
+              "Prometheus used per interval (evaluation, scrape, the bench's reads)."]
     keys = list(r["before"]["per_rule_ms"])[:6]
     lines += ["", "The heaviest rules before, median ms (after: the same rule; the recording rules it now reads are "
               "in the JSON):", "", "| rule | before | after |", "|---|---|---|"]

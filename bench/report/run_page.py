@@ -32,14 +32,15 @@ def section(page: Optional[dict]) -> list[str]:
     """The part's lines, or none when ``bench.experiments.run_page`` has not stored a before/after result."""
     if not page or "before" not in page:
         return []
-    lines = [f"The run page in issue 14's job at {fmt(page['ranks'])} ranks x 2 optimizers (collapse on 40-43, "
-             "1 skip in 8 on 777, a poisoned step on 512, scheduler-after-skip on 900, rank 1000 killed, "
-             "then every rank skipping), live (a batch per rank every 2 s), in headless Chromium. First paint: "
-             "navigation start to the first ranks-in-trouble row; bytes: every API answer during the watch "
-             "over the refreshes it saw; endpoint ms: median of 7 GETs a second apart (first GET in brackets):",
+    lines = [f"The run page at {fmt(page['ranks'])} ranks x 2 optimizers, in a real browser:",
              "", "| side | phase | first paint ms | bytes per refresh | summary ms | summary bytes | scale ms | "
              "scale bytes | full run ms | full run bytes | collector CPU % |", "|" + "---|" * 11,
-             *phase_rows(page, ("trouble", "storm"), _row)]
+             *phase_rows(page, ("trouble", "storm"), _row),
+             "", "Issue 14's job (collapse on 40-43, 1 skip in 8 on 777, a poisoned step on 512, scheduler-after-skip "
+             "on 900, rank 1000 killed, then every rank skipping), live (a batch per rank every 2 s), in headless "
+             "Chromium. First paint: navigation start to the first ranks-in-trouble row; bytes: every API answer "
+             "during the watch over the refreshes it saw; endpoint ms: median of 7 GETs a second apart (first GET in "
+             "brackets)."]
     quiet = [f"`{name}` {side} {fmt(r['min_ms'])} ms fastest, {fmt(r['median_ms'])} median"
              for name in ("summary", "scale") for side in SIDES
              if "quiet" in page[side] and not (r := page[side]["quiet"]["endpoints"][name]).get("missing")]

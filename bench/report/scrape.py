@@ -8,14 +8,14 @@ __all__ = ["section", "summary_rows"]
 
 
 def section(sc: dict) -> list[str]:
-    return [f"Median of {sc['scrapes']} uncompressed scrapes after one warm-up. The Pushgateway holds exactly the "
-            f"series the collector exposed, pushed in groups of {sc['pushgateway_group_size']} ranks (it adds its "
-            "`job`/`group` labels and `push_time_seconds` per group).", "",
-            "| server | ranks | scrape ms (median) | min | max | bytes | samples | RSS after fill MiB | "
+    return ["| server | ranks | scrape ms (median) | min | max | bytes | samples | RSS after fill MiB | "
             "RSS per rank KiB |", "|---|---|---|---|---|---|---|---|---|",
             *(f"| {r['target']} | {r['ranks']:,} | {r['scrape_median_ms']} | {r['scrape_min_ms']} | "
               f"{r['scrape_max_ms']} | {r['bytes']:,} | {r['samples']:,} | {r['rss_kib_after'] / 1024:.0f} | "
-              f"{fmt(r['rss_kib_per_rank'])} |" for r in sc["levels"])]
+              f"{fmt(r['rss_kib_per_rank'])} |" for r in sc["levels"]),
+            "", f"Median of {sc['scrapes']} uncompressed scrapes after one warm-up. The Pushgateway holds exactly the "
+            f"series the collector exposed, pushed in groups of {sc['pushgateway_group_size']} ranks (it adds its "
+            "`job`/`group` labels and `push_time_seconds` per group)."]
 
 
 def summary_rows(sc: dict) -> list[str]:

@@ -104,17 +104,7 @@ def section(doc: Optional[dict]) -> list[str]:
         return []
     a: dict[str, Any] = doc["after"]
     phases = a["phases_s"]
-    return [f"A DDP job of {fmt(a['ranks'])} ranks x 2 optimizers whose ranks iterate together (an iteration "
-            f"every {fmt(a['iteration_s'])} s) and send as the agent's own schedule says (a heartbeat, news at "
-            f"the iteration it happens), real HTTP on loopback, one kept-alive connection per rank "
-            f"(`bench.experiments._fleet_ranks --lockstep`): healthy for {fmt(phases['healthy'])} s, then every rank "
-            f"skips every iteration for {fmt(phases['storm'])} s (each rank's news at the storm's first skip and at "
-            "each rung comes in the same second), then the checkpoint taken before the storm is restored on every "
-            f"rank at the same iteration (*recovery*, {fmt(phases['recovery'])} s), then the job trains on "
-            f"(*hold*) until {fmt(a['minutes'])} minutes after its start, when the collector's resident memory "
-            "is read. `/metrics` is scraped every 7.5 s, plain and gzipped one right after the other. Each side "
-            "on a fresh collector with default settings, one after the other.", "",
-            "Issue 26's targets (the verdict is the *after* side's):", "", *target_rows(doc), "",
+    return ["Issue 26's targets (the verdict is the *after* side's):", "", *target_rows(doc), "",
             *_phase_table(doc), "",
             "| side | first skip -> its batch answered p50 / p99 / max s (within 2 s) | RSS empty / after the storm / "
             "end / peak MiB | event rows per storm-minute | event MB per storm-minute | database MB per storm-minute "
@@ -129,6 +119,16 @@ def section(doc: Optional[dict]) -> list[str]:
                 f"{fmt(r['event_mb_per_storm_minute'], 2)} | {fmt(r['db_mb_per_storm_minute'], 2)} | "
                 f"{fmt(sum(r['refused'].values()))} / {fmt(r['timeouts'])} / {fmt(r['missed_updates'])} |"),
                        sides=[s for s in ("before", "after") if doc.get(s)]),
+            "", f"A DDP job of {fmt(a['ranks'])} ranks x 2 optimizers whose ranks iterate together (an iteration "
+            f"every {fmt(a['iteration_s'])} s) and send as the agent's own schedule says (a heartbeat, news at "
+            f"the iteration it happens), real HTTP on loopback, one kept-alive connection per rank "
+            f"(`bench.experiments._fleet_ranks --lockstep`): healthy for {fmt(phases['healthy'])} s, then every rank "
+            f"skips every iteration for {fmt(phases['storm'])} s (each rank's news at the storm's first skip and at "
+            "each rung comes in the same second), then the checkpoint taken before the storm is restored on every "
+            f"rank at the same iteration (*recovery*, {fmt(phases['recovery'])} s), then the job trains on "
+            f"(*hold*) until {fmt(a['minutes'])} minutes after its start, when the collector's resident memory "
+            "is read.", "", "`/metrics` is scraped every 7.5 s, plain and gzipped one right after the other. Each "
+            "side on a fresh collector with default settings, one after the other.",
             "", f"{measured_by(doc)}; load average (1 / 5 / 15 min) at the end of each side: "
             + ", ".join(f"{name} {' / '.join(map(str, r['loadavg']))}" for name, r in _sides(doc))
             + (f". {doc['note']}" if doc.get("note") else "."), ""]

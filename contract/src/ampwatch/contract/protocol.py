@@ -96,7 +96,7 @@ KEEP_ALIVE_S = 65
 the longest wait between one rank's batches at any default heartbeat (1.5 heartbeats: 22.5 s at 15 s, 45 s
 at :data:`MAX_HEARTBEAT_INTERVAL_S`) and at a push interval of 40 s, so every batch of a running rank
 reuses its connection. Below it, each heartbeat opened a new connection (a TCP handshake, with TLS a TLS
-one too): at 16,384 ranks that was a quarter of the collector's CPU."""
+one too): at ``COLLECTOR_DEFAULTS["max_ranks_per_run"]`` ranks that was a quarter of the collector's CPU."""
 
 DELIVERY_COUNTERS: tuple[str, ...] = fields(DeliveryCounters)
 """Keys of ``state.delivery``: the agent's own health counters."""

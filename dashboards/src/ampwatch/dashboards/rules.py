@@ -1,4 +1,4 @@
-"""Generate the Prometheus recording and alerting rules of ampwatch from the thresholds.
+"""Generate the Prometheus recording and alerting rules of ampwatch from the contract's alerts and thresholds.
 
 Every rule aggregates the collector's per-rank series in PromQL (``by (run,
 rank)``, ``count by (run)``) and never reads a collector's ``ampwatch_run_*``

@@ -152,8 +152,8 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
              summary="Prometheus exposition (text format 0.0.4)")
     async def metrics(request: Request) -> Response:
         """Render every series from the current state; gzip it when the scraper accepts it (Prometheus does)."""
-        # Rendered in a worker thread (about 1 s at 16,384 ranks): the event loop goes on applying batches
-        # meanwhile, and the render reads each rank's immutable view, so it never sees half a batch.
+        # Rendered in a worker thread (about 1 s at the default max_ranks_per_run): the event loop goes on applying
+        # batches meanwhile, and the render reads each rank's immutable view, so it never sees half a batch.
         render = request.app.state.exposition.render
         if not accepts_gzip(request.headers.get("accept-encoding", "")):
             body = await run_in_threadpool(lambda: render().encode())

@@ -29,7 +29,8 @@ GC_THRESHOLDS = (1_000, 1_000, 1_000)
 # much live state a collection walks, so it is frozen every half second and collected every 1,000.
 FREEZE_EVERY_S = 0.5
 # Frozen objects are still freed by reference counting; only garbage *cycles* among them would wait. Once
-# an hour everything is thawed and collected in full (one pause of about a second at 16,384 ranks).
+# an hour everything is thawed and collected in full (one pause of about a second at the default
+# max_ranks_per_run, ampwatch.contract.protocol.COLLECTOR_DEFAULTS).
 FULL_COLLECTION_EVERY_S = 3600.0
 
 

@@ -1,8 +1,8 @@
-"""The /metrics exposition: metric names defined once, rendered fresh from the in-memory state at each scrape.
+"""The /metrics exposition: the contract's series, rendered from the ranks' views at each scrape.
 
 Why a hand renderer for the per-rank series: 1,024 ranks x 2 optimizers is ~50,000 samples, and
 prometheus_client's ``generate_latest`` formats them an order of magnitude slower than formatting lines
-from label strings cached per rank (figures: docs/benchmarks.md). The collector's own metrics (a few
+from label strings cached per rank (figures: docs/collector.md#speed). The collector's own metrics (a few
 dozen series) use prometheus_client objects on the app's own registry, with a custom Collector for the
 values read at scrape time.
 """
@@ -169,17 +169,17 @@ RENDER_WORK_S = 0.005
 the render waits for the GIL up to that long while the event loop is busy (a storm's ingest): a millisecond
 of work between pauses made a render in a storm several times slower than its CPU time."""
 KEEP_LINES_FROM = 4096
-"""Ranks held from which each rank's lines are kept between scrapes: at 16,384 ranks x 2 optimizers a render
-with half the ranks changed then takes about 0.75 s of CPU instead of 1.8 s
-(``python -m bench.experiments.metrics_render``) for about 4 KiB a rank; below, a render takes a tenth of a
-second or less and the memory is not worth it."""
+"""Ranks held from which each rank's lines are kept between scrapes: at the contract's default
+``max_ranks_per_run`` (``COLLECTOR_DEFAULTS``) ranks x 2 optimizers a render with half the ranks changed then
+takes about 0.75 s of CPU instead of 1.8 s (``python -m bench.experiments.metrics_render``) for about 4 KiB a
+rank; below, a render takes a tenth of a second or less and the memory is not worth it."""
 RENDER_PAUSE_S = 0.001  # what the app's worker-thread render sleeps between them
 
 
 class Exposition:
     """Render ``/metrics`` from the state at each scrape; keeps each rank's label strings between scrapes.
 
-    Costs about 50 ms at 1,024 ranks x 2 optimizers, about 0.7 s of CPU at 16,384
+    Costs about 50 ms at 1,024 ranks x 2 optimizers, about 0.7 s of CPU at the default ``max_ranks_per_run``
     (``bench.experiments.metrics_render``), nearly all of it formatting lines. Safe to run in a worker thread
     while the event loop applies batches: it reads one :class:`RankView` per rank (all of one batch, never
     half), and one render runs at a time. The cache is rebuilt from the ranks held at each scrape, so a rank

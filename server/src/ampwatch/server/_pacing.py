@@ -1,6 +1,6 @@
 """Long passes in worker threads that leave the GIL to the event loop now and then.
 
-A worker thread doing pure-Python work for a second (``/metrics`` at 16,384 ranks) holds the GIL
+A worker thread doing pure-Python work for a second (``/metrics`` at the default ``max_ranks_per_run``) holds the GIL
 for all of it, bar the interpreter's forced switches: the event loop, which gives the GIL up at
 every poll for I/O, gets it back only a switch interval (5 ms) later each time, so ingest answers
 queue behind the pass. Sleeping a millisecond after every few milliseconds of work hands the GIL over at

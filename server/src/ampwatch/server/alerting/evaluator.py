@@ -49,9 +49,9 @@ class BuiltinAlerts:
                  pacer: Optional[Callable[[], Callable[[], object]]] = None) -> None:
         self.thresholds = thresholds
         # Makes what each pass calls between two slices of ranks (a _pacing.Pacer): a pass run in a worker thread
-        # otherwise holds the GIL for all its CPU time (~0.3 s at 16,384 ranks, ~0.07 s in a storm at 1,024), and
-        # the event loop's answers wait for it (an I/O-bound thread beside a CPU-bound one gets the GIL back only
-        # every switch interval). None: no pauses.
+        # otherwise holds the GIL for all its CPU time (~0.3 s at the default max_ranks_per_run, ~0.07 s in a storm
+        # at 1,024 ranks), and the event loop's answers wait for it (an I/O-bound thread beside a CPU-bound one gets
+        # the GIL back only every switch interval). None: no pauses.
         self._pacer = pacer
         # What each rank's history keeps (counters, rungs, how far back), from the alert definitions.
         self._layout = HistoryLayout(thresholds)
@@ -93,14 +93,13 @@ class BuiltinAlerts:
     def evaluate(self, now: Optional[float] = None) -> list[Alert]:
         """Evaluate every alert of every rank and run; return the transitions.
 
-        O(ranks): about 0.2-0.3 s at 16,384 ranks, 0.04 s once they are quiet (nothing a window alert reads
-        moved within the longest window: :meth:`~.history.RankHistory.quiet`, a healthy job's ranks half an
-        hour after their calibration skips; ``python -m bench.experiments.alert_pass``), so the collector calls it from
-        a worker thread. The
-        lock is held a slice of ranks at a time (:func:`~.conditions.evaluate`), so :meth:`observe`
-        on the event loop waits milliseconds, not the whole pass; a rank observed during the pass
-        keeps what its observation decided (it saw newer data than the pass did), but for the alerts only
-        the pass judges (:meth:`_pass_decides`).
+        O(ranks): about 0.2-0.3 s at the default ``max_ranks_per_run``, 0.04 s once they are quiet (nothing a
+        window alert reads moved within the longest window: :meth:`~.history.RankHistory.quiet`, a healthy job's
+        ranks half an hour after their calibration skips; ``python -m bench.experiments.alert_pass``), so the
+        collector calls it from a worker thread. The lock is held a slice of ranks at a time
+        (:func:`~.conditions.evaluate`), so :meth:`observe` on the event loop waits milliseconds, not the whole
+        pass; a rank observed during the pass keeps what its observation decided (it saw newer data than the pass
+        did), but for the alerts only the pass judges (:meth:`_pass_decides`).
         """
         now = self._clock() if now is None else now
         with self._lock:

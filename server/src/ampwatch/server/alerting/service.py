@@ -25,7 +25,7 @@ log = logging.getLogger("ampwatch.server.alerts")
 # came meanwhile waited ~200 ms (python -m bench.experiments.storm).
 # Paused by time, not only while ingest requests are in flight: requests the event loop has not read yet are
 # not in flight, and a pass paused only then left the storm's ingest p99 ~40 ms higher (two runs beside each
-# other). A pass costs one pause per 2 ms of its CPU: ~40 ms more at 16,384 quiet ranks.
+# other). A pass costs one pause per 2 ms of its CPU: ~40 ms more at the default max_ranks_per_run, all quiet.
 PASS_WORK_S = 0.002
 PASS_BREATHER_S = 0.002
 
@@ -65,8 +65,9 @@ class AlertService:
         """Tick every ``period_s`` until cancelled, each tick in a worker thread (O(ranks): ingest goes on).
 
         Ticks start ``period_s`` apart (the next one at once if a tick took longer): a second *between* ticks made
-        the cadence a second plus the pass, which at 16,384 ranks lasts about a second too, and the alerts the pass
-        decides (a streak fires once two passes in a row found it; a silent rank) came seconds late.
+        the cadence a second plus the pass, which at the default ``max_ranks_per_run`` lasts about a second too,
+        and the alerts the pass decides (a streak fires once two passes in a row found it; a silent rank) came
+        seconds late.
         """
         loop = asyncio.get_running_loop()
         while True:
