@@ -1,7 +1,7 @@
 # ampwatch: one entry point for newcomers and CI.
 #   make test   lint (ruff, mypy), then the whole test suite (creates .venv on first use)
 #   make test-fast  lint, then the tests not marked slow (the edit loop)
-#   make lint   ruff over the tree, mypy over the contract and the agent
+#   make lint   ruff over the tree, mypy over the four product packages (contract, agent, server, dashboards)
 #   make demo   collector + 2-rank DDP job with an overflow, live (ARGS=--once exits at the end; ARGS=--help)
 #   make bench  run the benchmarks (ARGS=--quick for a short run; ARGS=--list says what each measures)
 #   make bench-gpu  check the agent on a GPU: truth, syncs, overhead (ARGS="--device cpu --quick": CPU smoke run)

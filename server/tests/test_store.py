@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import glob
+import os
+import pathlib
+import re
+import shutil
 import sqlite3
+import subprocess
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 
+from ampwatch.server import _store
 from ampwatch.server._store import Store, Writes
+
+SERVER = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _row(seq: int, closed: int = 0) -> dict:
@@ -126,3 +135,40 @@ def test_groups_of_every_size_use_a_few_statements_that_sqlite3_keeps_prepared(s
     assert sum(added) == sum(range(1, 131))  # the padding's copies of a row are not counted, nor stored twice
     assert _read(store, "SELECT count(*) FROM events") == [(sum(range(1, 131)),)]
     assert _read(store, "SELECT count(*), max(last_seq) FROM incarnations") == [(130, 130)]
+
+
+def _oldest_python() -> Optional[str]:
+    """An interpreter of the oldest Python the collector declares (``requires-python``), on PATH or pyenv's."""
+    version = re.search(r'requires-python = ">=(\d+\.\d+)"', (SERVER / "pyproject.toml").read_text()).group(1)
+    found = [shutil.which(f"python{version}")]
+    found += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python")))
+    return next((path for path in found if path and subprocess.run([path, "-c", ""], capture_output=True,
+                                                                    timeout=60).returncode == 0), None)
+
+
+_WRITE_ALONE = """
+import asyncio, importlib.util, sqlite3, sys
+spec = importlib.util.spec_from_file_location("store", sys.argv[1])  # stdlib only: no package to install
+store = sys.modules["store"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(store)
+
+async def write():
+    s = store.Store(sys.argv[2])
+    try:
+        await s.submit(store.Writes(events=[("r", 0, "i", k, "skip", 1.0, k, "gen", "{}") for k in range(1, 1301)]))
+    finally:
+        s.close()
+asyncio.run(write())
+print(sqlite3.connect(sys.argv[2]).execute("SELECT count(*), min(id), max(id) FROM events").fetchone())
+"""
+
+
+def test_the_store_writes_on_the_oldest_python_the_collector_declares(tmp_path):
+    # sqlite3's Connection.getlimit is new in Python 3.11: the store must not need it on 3.10.
+    python = _oldest_python()
+    if python is None:
+        pytest.skip("no interpreter of the oldest Python the collector declares on this machine")
+    done = subprocess.run([python, "-c", _WRITE_ALONE, _store.__file__, str(tmp_path / "store.db")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["(1300,", "1,", "1300)"]

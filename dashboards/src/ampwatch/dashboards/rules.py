@@ -161,7 +161,7 @@ def _streak(t: AlertThresholds, r: RecordedSeries, threshold: int) -> str:
 def _most_ranks(t: AlertThresholds, r: RecordedSeries, speaker: AlertDefinition, level: str) -> str:
     # The condition of a run-wide alert that speaks for a per-rank one: most of a run's ranks, and two at least,
     # hold that alert at this severity.
-    _, ranks, share = r.holding(speaker.speaks_for)  # type: ignore[arg-type]
+    _, ranks, share = r.holding(speaker.speaks_for)  # type: ignore[arg-type]  # a speaker speaks for one
     return (f'{share}{{severity="{level}"}} >= {_num(t.storm_rank_share)}\n'
             f'and on (run, severity) {ranks} >= 2')
 

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
@@ -60,7 +61,7 @@ async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
 class _CollectorApp(FastAPI):
     """FastAPI, except that ingest goes straight to its handler (no routing or dependency solving per batch)."""
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (refusal := self.state.guard.refusal(scope)) is not None:
             await self.state.guard.refuse(send, *refusal)
             return

@@ -56,7 +56,8 @@ _PARTS = msgspec.defstruct("_BatchParts", [
     (f.name, {"state": msgspec.Raw, "events": Annotated[list[msgspec.Raw], Meta(max_length=MAX_BATCH_EVENTS)]}.get(
         f.name, f.type), msgspec.field(default=f.default) if f.default_factory is msgspec.NODEFAULT else
      msgspec.field(default_factory=f.default_factory)) for f in msgspec.structs.fields(Batch)], frozen=True)
-_PARTS_DECODER = msgspec.json.Decoder(_PARTS, dec_hook=decode_hook)
+# Any: a struct made at run time has no fields to a type checker.
+_PARTS_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_PARTS, dec_hook=decode_hook)
 _STATE_DECODER = msgspec.json.Decoder(WireRankState, dec_hook=decode_hook)
 _EVENT_DECODER = msgspec.json.Decoder(Event, dec_hook=decode_hook)
 

@@ -36,6 +36,8 @@ def _boolean(text: str) -> bool:
     raise ValueError(f"{text!r} is not a yes/no value (1/true/yes/on or 0/false/no/off)")
 
 
+_PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _boolean}  # by the default's type
+
 def _option(default: Any, help: str, *, parse: Optional[Callable[[str], Any]] = None, shown: Optional[str] = None,
             secret: bool = False) -> Any:
     """Declare a field: its default, its ``--help`` text, the parser of its text form, how --help shows the default.
@@ -43,7 +45,7 @@ def _option(default: Any, help: str, *, parse: Optional[Callable[[str], Any]] = 
     Without ``parse``, text is converted to the default's type (int, float) or kept (str; an empty
     value of a field that defaults to None means "not set").
     """
-    parse = parse or {int: int, float: float, bool: _boolean}.get(type(default))
+    parse = parse or _PARSERS.get(type(default))
     metadata = {"help": help, "parse": parse, "shown": shown if shown is not None else default}
     # repr=False: a secret never lands in a log.
     return dataclasses.field(default=default, repr=not secret, metadata=metadata)

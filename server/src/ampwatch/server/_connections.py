@@ -54,11 +54,11 @@ def bounded_protocol(limits: ConnectionLimits, base: Optional[type] = None) -> t
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
         base = AutoHTTPProtocol
 
-    class BoundedProtocol(base):  # type: ignore[misc, valid-type]
+    class BoundedProtocol(base):  # type: ignore[misc, valid-type]  # a base chosen at run time (httptools or h11)
         _timer: Optional[asyncio.TimerHandle] = None
         _address: Optional[str] = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._address = address = self.client[0] if self.client else ""
             open_now = limits.clients[address] = limits.clients.get(address, 0) + 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
+from typing import Optional, Union
 
 import msgspec
 
@@ -84,11 +84,11 @@ class Incarnation:
                    replayed_only=extra.get("replayed_only", False))
 
 
-def _ids(stored: object) -> tuple[str, ...]:
+def _ids(stored: Union[str, list[str], None]) -> tuple[str, ...]:
     """Read ``displaced`` back: a list of ids (a single id, or none, from collectors before the list)."""
     if not stored:
         return ()
-    return (stored,) if isinstance(stored, str) else tuple(stored)  # type: ignore[arg-type]
+    return (stored,) if isinstance(stored, str) else tuple(stored)
 
 
 def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int,

@@ -11,7 +11,7 @@ import json
 import logging
 import sqlite3
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
 
@@ -94,6 +94,7 @@ class IngestService:
 
     async def _answer(self, scope: dict, receive: Callable, send: Callable) -> None:
         retry_after = None
+        body: Union[bytes, dict]  # bytes ready to send, or an error to write as JSON
         # Every refusal says "retry": true (the very same batch may pass later: send it again) or false (it
         # never will: drop it); agents act on that rather than on the status alone (docs/protocol.md).
         try:

@@ -125,7 +125,7 @@ def _loss_scale(view: RankView) -> Optional[float]:
 
 
 def _info_labels(view: RankView, labels: str) -> str:
-    batch = view.current.batch  # type: ignore[union-attr]
+    batch = view.owner.batch
     return (f'{labels},host="{escape_label(batch.host)}",local_rank="{batch.local_rank}",'
             f'world_size="{batch.world_size}",scaler_enabled="{str(batch.scaler.enabled).lower()}",'
             f'scaler_kind="{escape_label(batch.scaler.kind)}",agent_version="{escape_label(batch.agent.version)}"')

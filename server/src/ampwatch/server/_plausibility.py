@@ -99,7 +99,7 @@ def _over(optimizer: Optional[str], new: RankTotals | OptimizerTotals, old: Rank
           ) -> Optional[tuple[str, int, int]]:
     if new is old:
         return None
-    for field, a, b, t in zip(new.__dataclass_fields__, new._values(), old._values(),  # type: ignore[attr-defined]
+    for field, a, b, t in zip(new.__dataclass_fields__, new._values(), old._values(),
                               total._values()):
         if a is b or a == b:
             continue

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import sqlite3
+from typing import Callable, Optional
 
 from ._incarnation import Incarnation
 from ._state import RankState
@@ -14,7 +15,8 @@ __all__ = ["load_ranks", "stored_ranks", "delete_history_job"]
 def load_ranks(store: Store, *, seen_after: Optional[float] = None, run: Optional[str] = None,
                rank: Optional[int] = None) -> list[RankState]:
     """Return ranks rebuilt from their stored incarnations (blocking: call it from a worker thread)."""
-    where, params = [], []
+    where: list[str] = []
+    params: list[object] = []
     if run is not None:
         where.append("run = ?")
         params.append(run)
@@ -42,9 +44,9 @@ def stored_ranks(store: Store) -> set[tuple[str, int]]:
     return {(row["run"], row["rank"]) for row in store.query("SELECT DISTINCT run, rank FROM incarnations")}
 
 
-def delete_history_job(cutoff: float):
-    """Return a store job deleting every run last seen before ``cutoff`` (Unix seconds)."""
-    def job(conn) -> int:
+def delete_history_job(cutoff: float) -> Callable[[sqlite3.Connection], list[str]]:
+    """Return a store job deleting every run last seen before ``cutoff`` (Unix seconds); it returns their names."""
+    def job(conn: sqlite3.Connection) -> list[str]:
         old = [r[0] for r in conn.execute(
             "SELECT run FROM incarnations GROUP BY run HAVING max(last_seen) < ?", (cutoff,)).fetchall()]
         for run in old:  # the history of a run goes as a whole

@@ -133,9 +133,10 @@ def run_scale(run: str, traced: dict[int, ScaleTrace], window: Optional[int], bu
     for rank_id in sorted(wanted):
         trace = traced[rank_id]
         last = min(trace.last_iteration, end)
-        points = [[i, wire_float(s)] for i, s in trace.points(start, last)]
-        if points and points[-1][0] < last:
-            points.append([last, points[-1][1]])
+        held = list(trace.points(start, last))
+        if held and held[-1][0] < last:
+            held.append((last, held[-1][1]))
+        points = [[i, wire_float(s)] for i, s in held]
         shown.append({"rank": rank_id, "asked": rank_id in set(asked), "deviation": wire_float(distance[rank_id]),
                       "loss_scale": wire_float(trace.scale_at(last)), "iteration": trace.last_iteration,
                       "points": points})

@@ -38,7 +38,7 @@ Firing = tuple[dict[int, tuple[str, ...]], tuple[str, ...]]
 
 def _scale(rank: RankView) -> Optional[float]:
     """The rank's loss scale; None when it has none (no GradScaler, a disabled one, or not read yet)."""
-    batch = rank.current.batch  # type: ignore[union-attr]
+    batch = rank.owner.batch
     return batch.state.loss_scale if batch.scaler.enabled else None
 
 
@@ -76,14 +76,15 @@ def _progress(rank: RankView) -> tuple[int, int, int]:
 def _row(rank: RankView, now: float, silent_after: float, t: AlertThresholds, recent: Optional[tuple[int, int]],
          median: Optional[float], names: Iterable[str], finished: bool) -> dict[str, Any]:
     # The hot loop of a summary (once per rank per build): each view property is read once.
-    current = rank.current
-    batch = current.batch  # type: ignore[union-attr]
+    current = rank.owner
+    batch = current.batch
     last_seen, closed = rank.last_seen, rank.closed
     streak = max((o.consecutive_skipped for o in batch.state.optimizers.values()), default=0)
     longest = max(current.longest.values(), default=0) if len(rank.incarnations) == 1 else \
-        max((rank.longest_streak(name) for name in rank.optimizers()), default=0)  # type: ignore[union-attr]
+        max((rank.longest_streak(name) for name in rank.optimizers()), default=0)
     skipped, calls, poisoned = _progress(rank)
-    ratio = recent[0] / recent[1] if recent and recent[1] else None
+    skipped_recently, calls_recently = recent or (0, 0)
+    ratio = skipped_recently / calls_recently if calls_recently else None
     scale = _scale(rank)
     live = not closed and not finished
     judged = live or finished  # a closed rank of a live run: only what it did for good
@@ -100,7 +101,7 @@ def _row(rank: RankView, now: float, silent_after: float, t: AlertThresholds, re
     if finished and longest >= t.skip_streak_warning:
         reasons.append("long_streak")
     if _high_lifetime_ratio(skipped, calls, t) if finished else \
-            (ratio is not None and recent[1] >= t.skip_ratio_min_steps and ratio >= t.skip_ratio):  # type: ignore[index]
+            (ratio is not None and calls_recently >= t.skip_ratio_min_steps and ratio >= t.skip_ratio):
         reasons.append("high_skip_ratio")
     if names:
         reasons.append("alert")

@@ -9,7 +9,7 @@ parser and a validator after it cost, and a wide or deep body is refused at abou
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Optional, Union
 
 from msgspec import Meta, Struct
 
@@ -29,13 +29,22 @@ MAX_INT = 2 ** 63 - 1
 Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Positive = Annotated[int, Meta(ge=1, le=MAX_INT)]
 Label = Annotated[str, Meta(min_length=1, max_length=TEXT_LIMITS["label"])]
-LadderKey = Literal[LADDER_KEYS]  # type: ignore[valid-type]
 # Every float but a scale must be finite: JSON can still spell an infinity (1e999).
 Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
-
-
-def _text(limit: str) -> Any:
-    return Annotated[str, Meta(max_length=TEXT_LIMITS[limit])]
+# Free text, each as long as the contract allows.
+VersionText = Annotated[str, Meta(max_length=TEXT_LIMITS["version"])]
+ScalerKind = Annotated[str, Meta(max_length=TEXT_LIMITS["scaler_kind"])]
+ParamName = Annotated[str, Meta(max_length=TEXT_LIMITS["param_name"])]
+SchedulerName = Annotated[str, Meta(max_length=TEXT_LIMITS["scheduler"])]
+WarningCode = Annotated[str, Meta(max_length=TEXT_LIMITS["warning_code"])]
+WarningMessage = Annotated[str, Meta(max_length=TEXT_LIMITS["warning_message"])]
+HostName = Annotated[str, Meta(max_length=TEXT_LIMITS["host"])]
+if TYPE_CHECKING:  # a Literal built from the contract's tuples at run time is no type to mypy: plain text to it
+    LadderKey = str
+    ScaleCause = str
+else:  # msgspec refuses any other value
+    LadderKey = Literal[LADDER_KEYS]
+    ScaleCause = Literal[SCALE_CAUSES]
 
 
 class ScaleValue(float):
@@ -69,24 +78,27 @@ def encode_hook(value: Any) -> Any:
 
 
 class _Model(Struct, frozen=True):
-    """Unknown fields from a newer agent are ignored (never built into objects)."""
+    """Unknown fields from a newer agent are ignored (never built into objects).
+
+    Each model says ``frozen=True`` again: msgspec hands it down, but a type checker reads it per class.
+    """
 
 
-class AgentInfo(_Model):
-    version: _text("version")  # type: ignore[valid-type]
-    torch: Optional[_text("version")] = None  # type: ignore[valid-type]
+class AgentInfo(_Model, frozen=True):
+    version: VersionText
+    torch: Optional[VersionText] = None
 
 
-class ScalerInfo(_Model):
+class ScalerInfo(_Model, frozen=True):
     enabled: bool
-    kind: _text("scaler_kind")  # type: ignore[valid-type]
+    kind: ScalerKind
     init_scale: Optional[ScaleValue] = None
     growth_factor: Optional[ScaleValue] = None
     backoff_factor: Optional[ScaleValue] = None
     growth_interval: Optional[int] = None
 
 
-class WireOptimizerCounters(_Model):
+class WireOptimizerCounters(_Model, frozen=True):
     """``state.optimizers[name]``: one optimizer's cumulative counters and current streak, as sent."""
 
     steps: Count
@@ -99,7 +111,7 @@ class WireOptimizerCounters(_Model):
     poisoned_steps: Count = 0
 
 
-class Delivery(_Model):
+class Delivery(_Model, frozen=True):
     dropped_events: Count = 0
     send_failures: Count = 0
     rejected_batches: Count = 0
@@ -107,7 +119,7 @@ class Delivery(_Model):
     refused_spool_files: Count = 0
 
 
-class WireRankState(_Model):
+class WireRankState(_Model, frozen=True):
     """``state``: the rank's cumulative counters and gauges, as sent."""
 
     iteration: Count
@@ -120,20 +132,20 @@ class WireRankState(_Model):
     delivery: Delivery = Delivery()
 
 
-class ParamDetail(_Model):
-    name: _text("param_name")  # type: ignore[valid-type]
+class ParamDetail(_Model, frozen=True):
+    name: ParamName
     inf: Count = 0
     nan: Count = 0
 
 
-class _EventBase(_Model, tag_field="kind"):
+class _EventBase(_Model, tag_field="kind", frozen=True):
     kind: ClassVar[str]
     id: Positive
     time: Finite
     iteration: Count
 
 
-class SkipEvent(_EventBase, tag="skip"):
+class SkipEvent(_EventBase, tag="skip", frozen=True):
     kind: ClassVar[str] = "skip"
     optimizer: Label
     streak: Positive
@@ -143,33 +155,33 @@ class SkipEvent(_EventBase, tag="skip"):
     # With ddp=: whether this rank's own gradients held inf/NaN before the all-reduce (absent: not watched).
     origin: Optional[bool] = None
     origin_buckets: Annotated[list[Count], Meta(max_length=MAX_PARAMS)] = []
-    origin_params: Annotated[list[_text("param_name")], Meta(max_length=MAX_PARAMS)] = []  # type: ignore
+    origin_params: Annotated[list[ParamName], Meta(max_length=MAX_PARAMS)] = []
     origin_params_total: Optional[Count] = None
 
 
-class StreakEndEvent(_EventBase, tag="streak_end"):
+class StreakEndEvent(_EventBase, tag="streak_end", frozen=True):
     kind: ClassVar[str] = "streak_end"
     optimizer: Label
     start_iteration: Count
     length: Positive
 
 
-class ScaleChangeEvent(_EventBase, tag="scale_change"):
+class ScaleChangeEvent(_EventBase, tag="scale_change", frozen=True):
     kind: ClassVar[str] = "scale_change"
-    cause: Literal[SCALE_CAUSES]  # type: ignore[valid-type]
+    cause: ScaleCause
     before: Optional[ScaleValue]
     after: Optional[ScaleValue]
     # Backoffs in consecutive iterations this event stands for (the agent folds a storm's backoffs); 1 otherwise.
     count: Positive = 1
 
 
-class SchedulerAfterSkipEvent(_EventBase, tag="scheduler_after_skip"):
+class SchedulerAfterSkipEvent(_EventBase, tag="scheduler_after_skip", frozen=True):
     kind: ClassVar[str] = "scheduler_after_skip"
     optimizer: Label
-    scheduler: _text("scheduler")  # type: ignore[valid-type]
+    scheduler: SchedulerName
 
 
-class PoisonedStepEvent(_EventBase, tag="poisoned_step"):
+class PoisonedStepEvent(_EventBase, tag="poisoned_step", frozen=True):
     kind: ClassVar[str] = "poisoned_step"
     optimizer: Label
     reason: Literal["nonfinite_grad", "nonfinite_param"]
@@ -181,22 +193,22 @@ class PoisonedStepEvent(_EventBase, tag="poisoned_step"):
     params_total: Optional[Count] = None
     # Without a scaler, with ddp=: whether this rank's own gradients held inf/NaN before the all-reduce.
     origin: Optional[bool] = None
-    origin_params: Annotated[list[_text("param_name")], Meta(max_length=MAX_PARAMS)] = []  # type: ignore
+    origin_params: Annotated[list[ParamName], Meta(max_length=MAX_PARAMS)] = []
     origin_params_total: Optional[Count] = None
 
 
-class WarningEvent(_EventBase, tag="warning"):
+class WarningEvent(_EventBase, tag="warning", frozen=True):
     kind: ClassVar[str] = "warning"
-    code: _text("warning_code")  # type: ignore[valid-type]
-    message: _text("warning_message")  # type: ignore[valid-type]
+    code: WarningCode
+    message: WarningMessage
     optimizer: Optional[Label] = None
 
 
-class ScalerDisabledEvent(_EventBase, tag="scaler_disabled"):
+class ScalerDisabledEvent(_EventBase, tag="scaler_disabled", frozen=True):
     kind: ClassVar[str] = "scaler_disabled"
 
 
-class CloseEvent(_EventBase, tag="close"):
+class CloseEvent(_EventBase, tag="close", frozen=True):
     kind: ClassVar[str] = "close"
 
 
@@ -206,7 +218,7 @@ Event = Union[SkipEvent, StreakEndEvent, ScaleChangeEvent, SchedulerAfterSkipEve
               WarningEvent, ScalerDisabledEvent, CloseEvent]
 
 
-class Batch(_Model):
+class Batch(_Model, frozen=True):
     """One POST /v1/ingest body (docs/protocol.md)."""
 
     protocol: int
@@ -215,7 +227,7 @@ class Batch(_Model):
     rank: Count
     world_size: Positive
     local_rank: Count
-    host: _text("host")  # type: ignore[valid-type]
+    host: HostName
     pid: Count
     incarnation: Annotated[str, Meta(min_length=8, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")]
     seq: Positive

@@ -96,6 +96,14 @@ class RankView:
         return [inc for inc in self.incarnations.values() if inc.conflict_with is not None]
 
     @property
+    def owner(self) -> Incarnation:
+        """``current``, of a rank that applied a batch: such a rank has one for good (the process that sends again
+        is never put out of it), and readers are handed no other."""
+        if self.current is None:
+            raise LookupError(f"rank {self.rank} of run {self.run!r} has applied no batch")
+        return self.current
+
+    @property
     def last_seen(self) -> float:
         return max((inc.last_seen for inc in self._own()), default=0.0)
 
@@ -139,7 +147,7 @@ class RankView:
 
     def snapshot(self) -> RankSnapshot:
         """Return this rank, for the alert evaluator (shares the immutable totals: no copy)."""
-        batch = self.current.batch  # type: ignore[union-attr]
+        batch = self.owner.batch
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=self.last_seen, iteration=batch.state.iteration,
                             loss_scale=batch.state.loss_scale if batch.scaler.enabled else None,
                             scaler_enabled=batch.scaler.enabled,
@@ -284,7 +292,7 @@ class CollectorState:
 
     def retire(self, now: float, expire_after: float, run_retention: float) -> list[tuple[str, int]]:
         """Drop ranks silent past ``expire_after`` and runs closed for ``run_retention``; return what left."""
-        gone = []
+        gone: list[tuple[str, int]] = []
         for run, ranks in list(self.runs.items()):
             if ranks and all(r.view.closed for r in ranks.values()) and \
                     max(r.view.last_seen for r in ranks.values()) + run_retention <= now:

@@ -9,6 +9,7 @@ import logging
 import os
 import queue
 import sqlite3
+import sys
 import threading
 from typing import Any, Callable, Optional, Union
 
@@ -292,13 +293,20 @@ class Store:
 
 
 def _execute_rows(conn: sqlite3.Connection, template: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
-    variables = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)  # 32,766 by default, 999 in old builds
-    per_statement = _power_of_two_within(min(_ROWS_PER_STATEMENT, variables // len(columns)))
+    per_statement = _power_of_two_within(min(_ROWS_PER_STATEMENT, _variable_limit(conn) // len(columns)))
     for first in range(0, len(rows), per_statement):
         chunk = rows[first:first + per_statement]
         padded = _power_of_two_within(2 * len(chunk) - 1)  # the smallest power of two >= len(chunk)
         chunk += [chunk[-1]] * (padded - len(chunk))
         conn.execute(_statement(template, columns, padded), [value for row in chunk for value in row])
+
+
+def _variable_limit(conn: sqlite3.Connection) -> int:
+    """The most ``?`` one statement may hold: 32,766 by default, 999 in old builds. Python 3.10 cannot ask
+    (``Connection.getlimit`` is new in 3.11): there, 999, which every build takes."""
+    if sys.version_info >= (3, 11):
+        return conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    return 999
 
 
 def _power_of_two_within(n: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from operator import attrgetter
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 from ampwatch.contract.protocol import STREAK_LADDER
 
@@ -37,6 +37,7 @@ class _Counters:
     __slots__ = ()
 
     _fields: Callable[[Any], tuple]  # every field's value in order: an attrgetter set below each class (one C call)
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # each kind is a dataclass
 
     def _values(self) -> tuple:
         return self._fields(self)
@@ -51,7 +52,7 @@ class _Counters:
 
     def to_json(self) -> dict[str, int]:
         """Return the counters by name, a ladder's rungs as ``reached_<L>`` (the database's form)."""
-        values = dict(zip(self.__dataclass_fields__, self._values()))  # type: ignore[attr-defined]
+        values = dict(zip(self.__dataclass_fields__, self._values()))
         ladder = values.pop("streaks_reached", NO_STREAKS)
         if ladder is not NO_STREAKS:
             values.update((key, count) for key, count in zip(_REACHED_KEYS, ladder) if count)
@@ -61,7 +62,7 @@ class _Counters:
     def from_json(cls: type[T], values: Mapping[str, int]) -> T:
         """Rebuild from :meth:`to_json` (names left out count 0)."""
         args = []
-        for name, field in cls.__dataclass_fields__.items():  # type: ignore[attr-defined]
+        for name, field in cls.__dataclass_fields__.items():
             if field.default is NO_STREAKS:
                 reached = tuple(values.get(key, 0) for key in _REACHED_KEYS)
                 args.append(reached if any(reached) else NO_STREAKS)
@@ -130,4 +131,4 @@ class OptimizerTotals(_Counters):
 
 
 for _kind in (RankTotals, OptimizerTotals):
-    _kind._fields = attrgetter(*_kind.__dataclass_fields__)  # type: ignore[misc]
+    _kind._fields = attrgetter(*_kind.__dataclass_fields__)

@@ -112,8 +112,8 @@ def run_alerts(run: str, ranks: Iterable[RankHistory], now: float, t: AlertThres
 
 def _speaking(run_alerts: Iterable[ActiveAlert]) -> set[tuple[str, str, str]]:
     """``(run, per-rank alert, severity)`` that the run-wide alerts which hold speak for (their ``speaks_for``)."""
-    return {(a.labels["run"], ALERTS[a.name].speaks_for, a.labels["severity"])  # type: ignore[misc]
-            for a in run_alerts if ALERTS[a.name].speaks_for}
+    return {(a.labels["run"], speaks_for, a.labels["severity"])
+            for a in run_alerts if (speaks_for := ALERTS[a.name].speaks_for)}
 
 
 def held_back(rank_alerts: Iterable[ActiveAlert], run_alerts: Iterable[ActiveAlert]) -> set[tuple]:

@@ -59,7 +59,8 @@ class HistoryLayout:
 
     def __init__(self, t: AlertThresholds, alerts: Mapping[str, AlertDefinition] = ALERTS) -> None:
         windowed = [d for d in alerts.values() if d.window]
-        self.windows: dict[str, float] = {d.name: getattr(t, d.window) for d in windowed}  # type: ignore[arg-type]
+        self.windows: dict[str, float] = {d.name: getattr(t, d.window)  # type: ignore[arg-type]  # each has one
+                                          for d in windowed}
         self.horizon_s = max(self.windows.values(), default=0.0)
         self.reads: dict[str, frozenset[str]] = {d.name: frozenset((*d.counts, *d.rises)) for d in windowed}
         counts = _unique(c for d in windowed for c in d.counts)
@@ -243,7 +244,7 @@ class RankHistory:
         # Pruning always keeps a sample at or before the horizon, so i < 0 means the rank was first seen
         # inside the window: every rise since the origin counts.
         if i < 0:
-            return Baseline(self._origin, _NEVER, self, reads)  # type: ignore[arg-type]
+            return Baseline(self._origin, _NEVER, self, reads)  # type: ignore[arg-type]  # set by record()
         stride = self._stride()
         return Baseline(self._rows[i * stride:(i + 1) * stride], self._times[i], self, reads)
 

@@ -25,7 +25,7 @@ def _listed(alerts: Iterable[Alert], collapse_from: Optional[int]) -> list[dict[
     groups: dict[tuple[str, str, str], list[Alert]] = {}
     for alert in alerts:
         groups.setdefault(_group_key(alert), []).append(alert)
-    out = []
+    out: list[dict[str, Any]] = []
     for (name, run, severity), members in groups.items():
         if collapse_from is None or len(members) < collapse_from:
             out.extend(a.to_json() for a in members)

@@ -209,8 +209,9 @@ class _Worker(threading.Thread):
                     if self._stop_at is not None or (due is not None and due <= now):
                         break
                     self._cond.wait(None if due is None else due - now)
-                stopping = self._stop_at is not None
-                if stopping and now >= self._stop_at:  # type: ignore[operator]
+                stop_at = self._stop_at
+                stopping = stop_at is not None
+                if stop_at is not None and now >= stop_at:
                     left = sum(len(n) for n in groups.take_due(now, everything=True))
                     if left:
                         self.counts.add(self.target.name, "dropped", left)

@@ -91,7 +91,7 @@ def alertmanager_body(alerts: Iterable[Alert], now: float, valid_for_s: float, e
 def rank_ranges(ranks: Iterable[str]) -> str:
     """Return ranks as short ranges: ``0-39, 44, 512``; names that are not numbers follow as they are."""
     numbers = sorted({int(r) for r in ranks if r.isdigit()})
-    parts: list[str] = []
+    parts: list[list[int]] = []  # [first, last] of each run of consecutive ranks
     for n in numbers:
         if parts and parts[-1][1] == n - 1:
             parts[-1][1] = n

@@ -113,7 +113,7 @@ def _streak(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     for opt_name in cur.optimizers:
         streak = cur.consecutive_skipped.get(opt_name, 0)
         for severity in ALERTS["AmpConsecutiveSkippedSteps"].severities:
-            threshold = getattr(t, severity.threshold)
+            threshold = getattr(t, severity.threshold)  # type: ignore[arg-type]  # each names a length
             # A streak that reached the threshold and ended between two batches shows only in the ladder.
             if base.rose("streaks_reached", opt_name, threshold) or (streak >= threshold and not cur.closed):
                 yield "AmpConsecutiveSkippedSteps", opt_name, severity.level, streak

@@ -85,7 +85,8 @@ class AlertStates:
             self._unindex(key, self._groups.pop(key))
             self._resolved.append(alert)
             changes.append(alert)
-        while self._resolved and self._resolved[0].ends_at < now - self._retention_s:  # type: ignore[operator]
+        while self._resolved and \
+                self._resolved[0].ends_at < now - self._retention_s:  # type: ignore[operator]  # resolved: it ended
             self._resolved.popleft()
         return changes
 
