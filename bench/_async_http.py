@@ -10,7 +10,8 @@ too); what they share of that is here.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine, TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 __all__ = ["INGEST_HEAD", "read_answer", "request", "run_loop"]
 

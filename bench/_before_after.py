@@ -13,7 +13,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 __all__ = ["PATH_FIRST", "ROOT", "before_after", "checked_side", "commit", "print_and_store", "source_of", "store"]
 
@@ -37,7 +37,7 @@ def source_of(ref: str, into: str, *folders: str) -> str:
     return os.pathsep.join(os.path.join(into, *folder.split("/")) for folder in folders)
 
 
-def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:
+def before_after(ref: str, side: Callable[[str | None], dict]) -> dict:
     """Return ``{"before": side(<ref's server/src>) + {"ref"}, "after": side(None)}``."""
     with tempfile.TemporaryDirectory() as tmp:
         path = source_of(ref, tmp)
@@ -45,7 +45,7 @@ def before_after(ref: str, side: Callable[[Optional[str]], dict]) -> dict:
     return {"before": dict(old, ref=ref), "after": checked_side(side(None), None)}
 
 
-def checked_side(result: dict, path: Optional[str]) -> dict:
+def checked_side(result: dict, path: str | None) -> dict:
     """Return a side's ``result`` once its ``server`` (the ``ampwatch.server`` it imported) is the one asked for:
     from ``path``'s folders, or this tree's when None. Raises if not (the earlier commit silently not run)."""
     server = result.get("server")
@@ -67,7 +67,7 @@ def commit() -> str:
     return head.stdout.strip() + (" +uncommitted changes" if dirty else "")
 
 
-def store(path: str, key: str, result: dict, argv: list[str], module: Optional[str] = None) -> None:
+def store(path: str, key: str, result: dict, argv: list[str], module: str | None = None) -> None:
     """Put ``result`` under ``key`` in the JSON file at ``path`` (created if missing), with its command, date,
     the commit it ran at and the machine's load average (1, 5, 15 min) as it ended, which says how far its
     absolute figures can be trusted. The command is ``python -m`` the module running as ``__main__`` (else
@@ -86,8 +86,8 @@ def store(path: str, key: str, result: dict, argv: list[str], module: Optional[s
         f.write("\n")
 
 
-def print_and_store(result: dict, key: str, out: Optional[str], line: Callable[[str, dict], str],
-                    rows: Optional[Iterable[tuple[str, dict]]] = None, module: Optional[str] = None) -> dict:
+def print_and_store(result: dict, key: str, out: str | None, line: Callable[[str, dict], str],
+                    rows: Iterable[tuple[str, dict]] | None = None, module: str | None = None) -> dict:
     """End a bench's ``main()``: print ``line(side, result[side])`` for before then after, and with ``out`` (its
     ``--out``) ``store`` the result under ``key`` there with this command; return the result.
 

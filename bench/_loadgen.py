@@ -25,7 +25,6 @@ import asyncio
 import json
 import sys
 import time
-from typing import Optional
 
 from bench._async_http import run_loop
 from bench._loadgen_bodies import PER_NODE, SKIP_EVERY
@@ -43,7 +42,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _run(load: Load, port: int, seconds: int, saturate: int, grace: float,
-               interval: float = 1.0, storm: Optional[tuple[float, float]] = None, pattern: str = "streaks") -> dict:
+               interval: float = 1.0, storm: tuple[float, float] | None = None, pattern: str = "streaks") -> dict:
     tally = Tally()
     window = None
     target, ranks = load.target, load.ranks
@@ -87,7 +86,7 @@ async def _run(load: Load, port: int, seconds: int, saturate: int, grace: float,
 
 
 def run(target: str, port: int, ranks: int, seconds: int, saturate: int = 0, grace: float = 5.0,
-        interval: float = 1.0, storm: Optional[tuple[float, float]] = None, pattern: str = "streaks",
+        interval: float = 1.0, storm: tuple[float, float] | None = None, pattern: str = "streaks",
         every: int = SKIP_EVERY, per_node: int = PER_NODE) -> dict:
     """Drive ``target`` on ``port`` (in this process); return throughput, latency and the generator's own cost.
 

@@ -10,12 +10,11 @@ encodes what does not change once, so the generator stays cheap.
 from __future__ import annotations
 
 import time
-from typing import Callable
-
-from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, batch_body, open_identity, optimizer
-from bench._storm import StormRank
+from collections.abc import Callable
 
 from ampwatch.contract.node_batch import encode_node_batch
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, batch_body, open_identity, optimizer
+from bench._storm import StormRank
 
 __all__ = ["PER_NODE", "SKIP_EVERY", "ampwatch_body", "ampwatch_node_template", "ampwatch_template",
            "pushgateway_body", "pushgateway_template", "storm_template"]

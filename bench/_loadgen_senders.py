@@ -11,11 +11,17 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from bench._async_http import INGEST_HEAD, read_answer, request
-from bench._loadgen_bodies import PER_NODE, SKIP_EVERY, ampwatch_node_template, ampwatch_template, \
-    pushgateway_template, storm_template
+from bench._loadgen_bodies import (
+    PER_NODE,
+    SKIP_EVERY,
+    ampwatch_node_template,
+    ampwatch_template,
+    pushgateway_template,
+    storm_template,
+)
 
 __all__ = ["AGENT_TIMEOUT_S", "TARGETS", "Load", "Tally", "paced_sender", "saturating_connection"]
 
@@ -95,7 +101,7 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, 
 
 
 async def paced_sender(load: Load, port: int, rank: int, start: float, seconds: int, grace: float, tally: Tally,
-                       interval: float = 1.0, storm: Optional[tuple[float, float]] = None,
+                       interval: float = 1.0, storm: tuple[float, float] | None = None,
                        pattern: str = "streaks") -> None:
     """Send sender ``rank``'s update once per ``interval`` from ``start`` for ``seconds``, spread over the interval.
 

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 # The collector process and free ports: one copy for tests, benchmarks and the demo.
 from ampwatch_support.collector_process import CollectorProcess
@@ -48,13 +48,13 @@ class ProcessStats:
 class Server:
     """A started server: its base URL, its target kind for the load generator, and its process."""
 
-    def __init__(self, kind: str, url: str, port: int, proc: subprocess.Popen, db: Optional[str] = None) -> None:
+    def __init__(self, kind: str, url: str, port: int, proc: subprocess.Popen, db: str | None = None) -> None:
         self.kind, self.url, self.port, self.proc, self.db = kind, url, port, proc, db
         self.stats = ProcessStats(proc.pid)
 
 
 @contextlib.contextmanager
-def collector(args: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> Iterator[Server]:
+def collector(args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[Server]:
     """A real ampwatch collector on a fresh database (killed on exit)."""
     with tempfile.TemporaryDirectory() as tmp, \
             CollectorProcess(os.path.join(tmp, "bench.db"), args=args, env=env) as c:
@@ -94,7 +94,7 @@ def server(kind: str) -> contextlib.AbstractContextManager[Server]:
 
 
 def load(srv: Server, ranks: int, seconds: int, saturate: int = 0, skip_every: int = 50,
-         target: Optional[str] = None, per_node: int = 8, interval: float = 1.0) -> dict:
+         target: str | None = None, per_node: int = 8, interval: float = 1.0) -> dict:
     """Run the load generator in its own process against ``srv``; add the server's CPU and memory.
 
     ``target`` is the generator's (default: the server's kind; ``ampwatch-node``: one v2 node batch of

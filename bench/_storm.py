@@ -24,9 +24,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, OptimizerRun
-
 from ampwatch.contract.protocol import is_rung as _rung
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, OptimizerRun
 
 __all__ = ["PATTERNS", "StormRank"]
 

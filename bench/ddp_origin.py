@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench._loops import MODELS, compare, rotate
 from ampwatch_support.syncs import SyncCounter
+from bench._loops import MODELS, compare, rotate
 
 __all__ = ["DdpBf16Setup", "DdpSetup", "one_process_group", "run", "main"]
 
@@ -81,14 +81,14 @@ class HookClock:
                 calls.append(clock() - start - timer_s)
         return timed
 
-    def on_watch(self, ddp: DistributedDataParallel, watch) -> "HookClock":  # type: ignore[no-untyped-def]
+    def on_watch(self, ddp: DistributedDataParallel, watch) -> HookClock:  # type: ignore[no-untyped-def]
         """Time what ``watch(..., ddp=ddp)`` put on the model, whichever revision of the agent made it."""
         local = getattr(watch._recorder, "origin", None)
         if hasattr(local, "_handles"):
             return self.on_local(local)
         return self.on_origin(ddp)
 
-    def on_local(self, local) -> "HookClock":  # type: ignore[no-untyped-def]
+    def on_local(self, local) -> HookClock:  # type: ignore[no-untyped-def]
         """Put the agent's tensor hooks on again, each timed, and time its ``end_iteration`` (benchmarks only)."""
         for handle in local._handles:
             handle.remove()
@@ -100,7 +100,7 @@ class HookClock:
         _time_method(type(local), "end_iteration", "ends")
         return self
 
-    def on_origin(self, ddp: DistributedDataParallel) -> "HookClock":
+    def on_origin(self, ddp: DistributedDataParallel) -> HookClock:
         """Time the earlier revisions' comm hook registered on ``ddp`` (its whole call) and its flags' end."""
         hook = ddp._comm_hooks[0][0]
         hook.bench_clock = hook.flags.bench_clock = self

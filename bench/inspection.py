@@ -27,7 +27,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ def _before_plain(grad: torch.Tensor) -> torch.Tensor:
     return grad.coalesce()._values() if grad.is_sparse else grad
 
 
-def _before_nonfinite_counts(tensors: Sequence[Optional[torch.Tensor]]) -> list[tuple[int, int]]:
+def _before_nonfinite_counts(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, int]]:
     counts: list[tuple[int, int]] = [(0, 0)] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -77,11 +77,11 @@ def _before_report(named: list[tuple[str, tuple[int, int]]]) -> NonfiniteReport:
 
 
 def before_scan(optimizers: Sequence[torch.optim.Optimizer], names: ParameterNames, *,
-                grads: bool = True, weights: bool = False) -> list[tuple[Optional[NonfiniteReport],
-                                                                          Optional[NonfiniteReport]]]:
+                grads: bool = True, weights: bool = False) -> list[tuple[NonfiniteReport | None,
+                                                                          NonfiniteReport | None]]:
     """The agent's scan before this change (baseline only)."""
     labels: list[str] = []
-    tensors: list[Optional[torch.Tensor]] = []
+    tensors: list[torch.Tensor | None] = []
     spans: list[tuple[int, int]] = []
     for optimizer in optimizers:
         start = len(labels)
@@ -170,7 +170,7 @@ class _Storm:
     agent's worst case.
     """
 
-    def __init__(self, kind: str, watched: bool, collector: Optional[str], tensors: int = 10_000) -> None:
+    def __init__(self, kind: str, watched: bool, collector: str | None, tensors: int = 10_000) -> None:
         torch.manual_seed(0)
         self.kind = kind
         if kind == "tiny-tensors":
@@ -234,7 +234,7 @@ class _Storm:
                 "agent_errors": counters["delivery"]["agent_errors"]}
 
 
-def storm(kind: str, rounds: int, block: int, collector: Optional[str], tensors: int = 10_000) -> dict:
+def storm(kind: str, rounds: int, block: int, collector: str | None, tensors: int = 10_000) -> dict:
     """Time a skip storm on ``kind`` watched and unwatched, in alternating blocks of ``block`` iterations."""
     bare, watched = _Storm(kind, False, None, tensors), _Storm(kind, True, collector, tensors)
     try:

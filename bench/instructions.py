@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from bench._loops import Loop
@@ -87,7 +87,7 @@ def counting_ends() -> None:
     os.getpgrp()
 
 
-def callgrind_instructions(module_args: list[str], out: str, env: Optional[dict] = None) -> int:
+def callgrind_instructions(module_args: list[str], out: str, env: dict | None = None) -> int:
     """Run ``python -m <module_args>`` under callgrind; return the instructions between its two markers.
 
     The child calls :func:`counting_starts` where counting starts and :func:`counting_ends` where it ends;

@@ -27,13 +27,13 @@ import json
 import statistics
 import sys
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
+from ampwatch_support.syncs import SyncCounter
 from bench import ddp_origin
 from bench._loops import MODELS, ModelBuilder, compare, pct, rotate
-from ampwatch_support.syncs import SyncCounter
 
 __all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "agent_host_cost_us", "agent_hot_path_us", "measure",
            "main"]
@@ -55,7 +55,7 @@ class Setup:
     bfloat16, on a GPU to float16; the scaler is ``GradScaler(<device type>)`` either way.
     """
 
-    def __init__(self, variant: str, model: str | ModelBuilder, fused: bool, collector: Optional[str] | tuple,
+    def __init__(self, variant: str, model: str | ModelBuilder, fused: bool, collector: str | None | tuple,
                  device: str | torch.device = "cpu") -> None:
         torch.manual_seed(0)
         self.variant = variant
@@ -188,7 +188,7 @@ def _answers(setup: Setup, n: int) -> dict:
     return out
 
 
-def measure(model: str, fused: bool, rounds: int, block: int, collector: Optional[str]) -> dict:
+def measure(model: str, fused: bool, rounds: int, block: int, collector: str | None) -> dict:
     """Time every variant on ``model`` in rotating blocks; count syncs; check answers in a skip storm."""
     setups = {v: Setup(v, model, fused, collector) for v in VARIANTS}
     try:
@@ -215,7 +215,7 @@ def measure(model: str, fused: bool, rounds: int, block: int, collector: Optiona
             s.close()
 
 
-def agent_host_cost_us(rounds: int, block: int, collector: Optional[str]) -> dict:
+def agent_host_cost_us(rounds: int, block: int, collector: str | None) -> dict:
     """The agent's own host CPU per iteration: watched minus bare on a 4-wide MLP, where compute is tiny."""
     bare, watched = Setup("bare", "tiny", False, collector), Setup("ampwatch", "tiny", False, collector)
     try:

@@ -9,12 +9,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from typing import Any, Union
+from typing import Any
 
 __all__ = ["CollectorView", "scale_text"]
 
 
-def scale_text(scale: Union[float, str, None]) -> str:
+def scale_text(scale: float | str | None) -> str:
     """Render a loss scale: powers of two as ``2^k`` (as the status page does), else ``%g``."""
     if scale is None:
         return "-"

@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+from _demo_report import CollectorView
+
 # A collector in a child process, started and stopped the way the tests do it.
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.ports import free_port
-
-from _demo_report import CollectorView
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,21 +28,27 @@ import functools
 import json
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-from ampwatch_support.prometheus_stack import (Processes, get, query_range, start_prometheus, wait_for_scrapes,
-                                               wait_until)
-from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
-from ampwatch_support.batches import make_batch, optimizer, post_batch
-from ampwatch_support.collector_process import CollectorProcess
 
 from ampwatch.contract.alerts import ALERT_NAMES, ALERTS
 from ampwatch.contract.protocol import NO_SCALER_KIND
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
 from ampwatch.server._floats import wire_float
+from ampwatch_support.batches import make_batch, optimizer, post_batch
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.prometheus_stack import (
+    Processes,
+    get,
+    query_range,
+    start_prometheus,
+    wait_for_scrapes,
+    wait_until,
+)
+from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 # skip_ratio is exactly p-ratio's share of skipped steps (every other one): both evaluators must fire at the
 # boundary, as the rule's >= says. Its skipped and stepped counters rise alike, so Prometheus's increase()

@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 import torch
-from ampwatch_support.exposition import value
 
+from ampwatch_support.exposition import value
 from bench import _servers, scrape
 from bench.overhead import Setup, _answers, _syncs
 

@@ -16,10 +16,10 @@ import time
 import urllib.request
 
 import pytest
+
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 from ampwatch_support.patience import START_S, wait_until
-
 
 JOB = pathlib.Path(__file__).with_name("e2e_ddp_job.py")
 ITERATIONS = 80

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import typing
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pytest
 import yaml
@@ -57,13 +57,13 @@ NAN, INF = math.nan, math.inf
 class Row(NamedTuple):
     case: str
     alert: AlertDefinition
-    values: dict[str, list[Optional[float]]]
+    values: dict[str, list[float | None]]
     """A counter's or gauge's name (or ``closed``) -> its value at each minute (None: no sample)."""
-    finds: dict[int, Optional[float]]
+    finds: dict[int, float | None]
     """Minute -> the value of the one instance found then (None: nothing holds)."""
 
 
-def _rises(*steps: int, n: int = 20) -> list[Optional[float]]:
+def _rises(*steps: int, n: int = 20) -> list[float | None]:
     """A counter that takes ``steps`` values, then keeps the last for ``n`` minutes in all."""
     return [*steps, *[steps[-1]] * (n - len(steps))]
 
@@ -99,7 +99,7 @@ ROWS = [
 ]
 
 
-def _snapshot(values: dict[str, list[Optional[float]]], minute: int) -> Optional[RankSnapshot]:
+def _snapshot(values: dict[str, list[float | None]], minute: int) -> RankSnapshot | None:
     """The rank at ``minute`` as the collector hands it to the evaluator (None: nothing was sent then)."""
     now = {name: series[minute] for name, series in values.items() if series[minute] is not None}
     if not now:
@@ -118,10 +118,10 @@ def _snapshot(values: dict[str, list[Optional[float]]], minute: int) -> Optional
                         optimizers={"a": OptimizerTotals(**optimizer)} if optimizer else {}, **fields)
 
 
-def _python_finds(row: Row) -> dict[int, Optional[float]]:
+def _python_finds(row: Row) -> dict[int, float | None]:
     condition = python.compiled(row.alert)
     history = RankHistory("r", 0, HistoryLayout(T, {row.alert.name: row.alert}))
-    found: dict[int, Optional[float]] = {}
+    found: dict[int, float | None] = {}
     for minute in range(max(map(len, row.values.values()))):
         snapshot = _snapshot(row.values, minute)
         if snapshot is not None:
@@ -147,7 +147,7 @@ def _metric(name: str) -> m.Metric:
     return m.RANK_CLOSED if name == "closed" else (COUNTERS.get(name) or GAUGES[name]).metric
 
 
-def _sample(value: Optional[float]) -> str:
+def _sample(value: float | None) -> str:
     if value is None:
         return "_"
     if math.isnan(value):

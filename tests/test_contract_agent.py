@@ -7,16 +7,24 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from ampwatch_support.ports import free_port
-from ampwatch_support.recording_collector import RecordingCollector
 from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
-from ampwatch.contract.batch import (EVENTS, STAMPED, DeliveryCounters, OptimizerCounters, ParamCount, RankState,
-                                     fields, required)
+from ampwatch.contract.batch import (
+    EVENTS,
+    STAMPED,
+    DeliveryCounters,
+    OptimizerCounters,
+    ParamCount,
+    RankState,
+    fields,
+    required,
+)
 from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.server._batch_parse import parse_batch
 from ampwatch.server._schema import Batch
+from ampwatch_support.ports import free_port
+from ampwatch_support.recording_collector import RecordingCollector
 
 
 def _nan_in_second_then_clip_all(model, scaler, opt_a, opt_b) -> None:
@@ -150,8 +158,9 @@ def test_the_contract_check_reports_what_a_typo_would_send():
 def test_poisoned_steps_of_a_bf16_ddp_job_without_a_scaler_validate_with_their_origin():
     # watch(None, ..., ddp=model) in a one-rank gloo group: poisoned_step events carry streak, exact and origin.
     import torch.distributed as dist
-    from ampwatch_support.ports import free_port
     from torch.nn.parallel import DistributedDataParallel
+
+    from ampwatch_support.ports import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -200,8 +209,17 @@ def test_the_agent_and_the_collectors_schema_and_defaults_keep_to_the_one_contra
     from ampwatch.agent import _batch, _limits
     from ampwatch.contract import protocol
     from ampwatch.server import ServerConfig
-    from ampwatch.server._schema import (AgentInfo, Batch, Event, ParamDetail, PoisonedStepEvent, ScalerInfo,
-                                         SchedulerAfterSkipEvent, SkipEvent, WarningEvent)
+    from ampwatch.server._schema import (
+        AgentInfo,
+        Batch,
+        Event,
+        ParamDetail,
+        PoisonedStepEvent,
+        ScalerInfo,
+        SchedulerAfterSkipEvent,
+        SkipEvent,
+        WarningEvent,
+    )
 
     enforced = {
         "label": _max_length(Batch, "run"),

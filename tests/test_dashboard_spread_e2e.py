@@ -15,15 +15,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from ampwatch.contract.protocol import NO_SCALER_KIND
+from ampwatch.dashboards.dashboard import dashboard_json
+from ampwatch.dashboards.rules import render_rules
 from ampwatch_support.batches import make_batch, optimizer, post_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.patience import SETTLE_S
 from ampwatch_support.prometheus_stack import Processes, query_range, start_prometheus, wait_for_scrapes, wait_until
 from ampwatch_support.webhook_receiver import free_port
-
-from ampwatch.contract.protocol import NO_SCALER_KIND
-from ampwatch.dashboards.dashboard import dashboard_json
-from ampwatch.dashboards.rules import render_rules
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -13,12 +13,12 @@ import urllib.request
 
 import pytest
 import torch
-from ampwatch_support.collector_process import CollectorProcess
-from ampwatch_support.exposition import value
-from ampwatch_support.patience import wait_until
 
 from ampwatch import agent
 from ampwatch.agent._limits import CUT_MARK, TEXT_LIMITS
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
+from ampwatch_support.patience import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -12,12 +12,12 @@ import urllib.request
 
 import pytest
 import torch
+
+from ampwatch import agent
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import samples, scrape, value
 from ampwatch_support.headless_browser import needs_browser, open_page
 from ampwatch_support.patience import wait_until
-
-from ampwatch import agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, KEEP_ALIVE_S
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,11 +14,11 @@ import subprocess
 
 import httpx
 import pytest
-from ampwatch_support.fault_training import Trainer
+
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
-
+from ampwatch_support.fault_training import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -17,11 +17,11 @@ import urllib.request
 
 import httpx
 import pytest
-from ampwatch_support.fault_training import POISON_EVERY, Trainer
-from ampwatch_support.recording_collector import RecordingCollector
+
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
-
+from ampwatch_support.fault_training import POISON_EVERY, Trainer
+from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -13,11 +13,11 @@ import time
 
 import httpx
 import pytest
+
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import scrape, value
 from ampwatch_support.patience import SETTLE_S, START_S
 from ampwatch_support.rank_processes import check_rank_truth, spawn_rank, wait_for
-
 
 pytestmark = pytest.mark.slow
 

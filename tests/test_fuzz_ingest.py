@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import pytest
@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
+
+from ampwatch.server import ServerConfig, create_app  # noqa: E402
 from ampwatch_support.batches import make_batch, optimizer, skip_event  # noqa: E402
 from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
 from ampwatch_support.exposition import assert_promtool_accepts, samples, value  # noqa: E402
-
-from ampwatch.server import ServerConfig, create_app  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,7 +63,7 @@ def _footprint(client: TestClient, body: bytes) -> tuple:
     return series, runs, detail, rows, events
 
 
-def _run_named_in(body: bytes) -> Optional[str]:
+def _run_named_in(body: bytes) -> str | None:
     """The run id a body names, if it is JSON with one (a refused body may name a run that exists)."""
     try:
         run = json.loads(body).get("run")

@@ -12,13 +12,13 @@ import json
 
 import httpx
 import pytest
-from ampwatch_support.batches import make_batch
-from ampwatch_support.collector_process import CollectorProcess
-from ampwatch_support.exposition import value
 
 from ampwatch.contract.node_batch import encode_node_batch
 from ampwatch.server._batch_parse import LARGE_BODY_BYTES, MAX_BARE_TOKENS, STATE_BYTES_PER_OPTIMIZER
 from ampwatch.server._config import ServerConfig
+from ampwatch_support.batches import make_batch
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
 
 pytestmark = pytest.mark.timeout(120)
 

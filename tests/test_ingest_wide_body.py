@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from ampwatch_support import wide_body
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess

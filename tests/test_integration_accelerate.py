@@ -24,9 +24,19 @@ from accelerate import Accelerator  # noqa: E402
 
 from ampwatch.agent import accelerate as ampwatch  # noqa: E402
 from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
-from ampwatch_support.framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
-                             INF, Truth, bits, counts_at, gpu_like_fp16, params_of, rank_at,  # noqa: E402
-                             reset_accelerate_state, same_bits, watch_counts)
+from ampwatch_support.framework_truth import (  # noqa: E402, F401 (fresh_state: a fixture)
+    INF,
+    Truth,
+    bits,
+    counts_at,
+    fresh_state,
+    gpu_like_fp16,
+    params_of,
+    rank_at,
+    reset_accelerate_state,
+    same_bits,
+    watch_counts,
+)
 
 ACCUMULATION = 2
 SYNC_STEPS = 12

@@ -21,9 +21,17 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from ampwatch.agent.transformers import AmpWatchCallback  # noqa: E402
 from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
-from ampwatch_support.framework_truth import (fresh_state,  # noqa: E402, F401 (fresh_state: a fixture)
-                             Truth, bits, counts_at, params_of, rank_at, reset_accelerate_state,  # noqa: E402
-                             same_bits, watch_counts)
+from ampwatch_support.framework_truth import (  # noqa: E402, F401 (fresh_state: a fixture)
+    Truth,  # noqa: E402
+    bits,
+    counts_at,
+    fresh_state,
+    params_of,
+    rank_at,
+    reset_accelerate_state,
+    same_bits,
+    watch_counts,
+)
 from ampwatch_support.hf_job import CpuFp16Trainer, Examples, Tiny  # noqa: E402
 
 EXAMPLES = 48

@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ampwatch_support.batches import make_batch, optimizer
-from ampwatch_support.collector_process import CollectorProcess
-
 from ampwatch.dashboards.dashboard import DATASOURCE_UID
 from ampwatch.dashboards.generate import DASHBOARD_FILE, RULES_FILE, stale_names
 from ampwatch.dashboards.kubernetes import KUBERNETES_DIR, kubernetes_files
 from ampwatch.dashboards.rules import rule_groups
+from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.collector_process import CollectorProcess
 
 REPO = Path(__file__).resolve().parents[1]
 KUSTOMIZATION = REPO / "deploy" / "kubernetes"

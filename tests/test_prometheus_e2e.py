@@ -25,15 +25,21 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ampwatch_support.prometheus_stack import (Processes, binary, get, query_range, start_prometheus,
-                                               wait_for_scrapes, wait_until)
-from ampwatch_support.patience import SETTLE_S
-from ampwatch_support.webhook_receiver import free_port
-
 from ampwatch.contract.metrics import METRICS
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.dashboard import dashboard_json, panel_queries
 from ampwatch.dashboards.rules import render_rules
+from ampwatch_support.patience import SETTLE_S
+from ampwatch_support.prometheus_stack import (
+    Processes,
+    binary,
+    get,
+    query_range,
+    start_prometheus,
+    wait_for_scrapes,
+    wait_until,
+)
+from ampwatch_support.webhook_receiver import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

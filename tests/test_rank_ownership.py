@@ -13,10 +13,11 @@ import json
 import signal
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
@@ -33,11 +34,11 @@ class Process:
 
     def __init__(self, run: str, *, rank: int = 3, host: str = "node-a", pid: int = 111, keyed: bool = True) -> None:
         self.run, self.rank, self.host, self.pid = run, rank, host, pid
-        self.key: Optional[str] = uuid.uuid4().hex if keyed else None
+        self.key: str | None = uuid.uuid4().hex if keyed else None
         self.incarnation = uuid.uuid4().hex
         self.seq = 0
 
-    def watch_again(self) -> "Process":
+    def watch_again(self) -> Process:
         """A second ``watch()`` in this process: a new incarnation, the same key."""
         again = Process(self.run, rank=self.rank, host=self.host, pid=self.pid)
         again.key = self.key

@@ -19,12 +19,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.framework_truth import reset_accelerate_state
 from ampwatch_support.ports import free_port
 from ampwatch_support.rank_processes import wait_for
-
-from ampwatch_support.framework_truth import reset_accelerate_state
 
 ROOT = Path(__file__).resolve().parents[1]
 README, RECIPES = "README.md", "docs/recipes.md"
@@ -161,6 +161,7 @@ def test_the_bf16_snippet_watches_without_a_scaler_and_counts_each_poisoned_step
 @pytest.mark.timeout(120)
 def test_the_fsdp2_snippet_watches_a_fully_sharded_model(monkeypatch):
     import torch.distributed as dist
+
     from ampwatch_support.ports import free_port
 
     loop = _snippet(BF16).split("\n", 3)[3]  # the README's bf16 snippet's loop, after its watch() line

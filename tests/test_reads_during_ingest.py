@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import assert_promtool_accepts, samples

@@ -18,6 +18,7 @@ from collections.abc import Callable, Container, Iterator
 
 import httpx
 import pytest
+
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import scrape, value
 from ampwatch_support.patience import SETTLE_S, START_S

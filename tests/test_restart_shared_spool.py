@@ -19,9 +19,10 @@ import threading
 
 import httpx
 import pytest
+
 from ampwatch_support.collector_process import CollectorProcess
-from ampwatch_support.ports import free_port
 from ampwatch_support.patience import SETTLE_S, START_S
+from ampwatch_support.ports import free_port
 from ampwatch_support.rank_processes import spawn_rank, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -60,7 +61,7 @@ class NetworkHop:
         host, port = target.rsplit("//", 1)[1].rsplit(":", 1)
         self._target = (host, int(port))
         self._listener = socket.create_server(("127.0.0.1", free_port()))
-        self.url = "http://127.0.0.1:%d" % self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()

@@ -18,10 +18,10 @@ import sys
 import urllib.request
 
 import pytest
+
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 from ampwatch_support.patience import wait_until
-
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

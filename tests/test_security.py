@@ -22,14 +22,14 @@ import pytest
 
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
-from ampwatch_support.delivery_harness import make_sender  # noqa: E402
-from ampwatch_support.batches import make_batch, optimizer  # noqa: E402
-from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
-from ampwatch_support.exposition import value  # noqa: E402
 
 from ampwatch.agent._config import AgentConfig  # noqa: E402
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
 from ampwatch.server._access import RateLimiter  # noqa: E402
+from ampwatch_support.batches import make_batch, optimizer  # noqa: E402
+from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
+from ampwatch_support.delivery_harness import make_sender  # noqa: E402
+from ampwatch_support.exposition import value  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,6 +11,7 @@ import socket
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value

@@ -15,12 +15,12 @@ import pytest
 
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
 from fastapi.testclient import TestClient  # noqa: E402
-from ampwatch_support.batches import make_batch, optimizer  # noqa: E402
-from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
 
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
 from ampwatch.server.__main__ import build_parser  # noqa: E402
 from ampwatch.server._config import config_from_args  # noqa: E402
+from ampwatch_support.batches import make_batch, optimizer  # noqa: E402
+from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 

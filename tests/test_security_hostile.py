@@ -11,10 +11,10 @@ import urllib.parse
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import samples, value
-
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -18,14 +18,14 @@ import uuid
 
 import httpx
 import pytest
-from ampwatch_support.batches import make_batch, optimizer
-from ampwatch_support.collector_process import CollectorProcess
-from ampwatch_support.exposition import value
 from fastapi.testclient import TestClient
-from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch.server import ServerConfig, create_app
 from ampwatch.server._client_budget import ClientBudget
+from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.exposition import value
+from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value

@@ -10,11 +10,10 @@ import urllib.parse
 
 import httpx
 import pytest
-from ampwatch_support.collector_process import CollectorProcess
-
-from ampwatch_support.headless_browser import needs_browser, open_page
 
 from ampwatch.contract.alerts import ALERTS, SPEAKERS
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.headless_browser import needs_browser, open_page
 
 JOB = pathlib.Path(__file__).with_name("e2e_ddp_job.py")
 ARTIFACTS = pathlib.Path(__file__).resolve().parents[1] / "artifacts"

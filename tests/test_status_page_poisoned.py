@@ -6,9 +6,9 @@ import time
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
-
 from ampwatch_support.headless_browser import needs_browser, open_page
 
 RUN = "poisoned-run"

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess
-
 from ampwatch_support.headless_browser import needs_browser, open_page
 
 pytestmark = [pytest.mark.slow, needs_browser, pytest.mark.timeout(180)]

@@ -6,9 +6,9 @@ import time
 
 import httpx
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer
 from ampwatch_support.collector_process import CollectorProcess
-
 from ampwatch_support.headless_browser import needs_browser, open_page, wait_until
 
 RUN = "broken-scales"

@@ -7,16 +7,16 @@ import pathlib
 import re
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.headless_browser import needs_browser, open_page, wait_until
 from ampwatch_support.patience import START_S
 from ampwatch_support.patience import wait_until as wait_until_true
 from ampwatch_support.staged_job import COLLAPSED, KILLED, POISONED, SCHEDULER, SKIPPY, StagedJob
-
-from ampwatch_support.headless_browser import needs_browser, open_page, wait_until
 
 RUN = "job-1024"
 RANKS = 1024

@@ -12,8 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ def run_ranks(worker: Path, out: Path, world_size: int, args: Sequence[str] = ()
     environment, so a developer's ``AMPWATCH_URL`` cannot make it send.
     """
     import pytest  # here, not above: the workers import this module outside pytest
+
     from ampwatch_support.ports import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}

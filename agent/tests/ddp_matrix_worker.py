@@ -10,8 +10,8 @@ test_ddp_bit_identity.py owns the time limit, the cleanup and the judging.
 
 from __future__ import annotations
 
-import gc
 import contextlib
+import gc
 import hashlib
 import itertools
 import json

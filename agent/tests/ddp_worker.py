@@ -16,11 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ddp_harness import scaled_backward
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
-
-from ddp_harness import scaled_backward
 
 ITERATIONS = 4
 INJECT_AT = 2  # iteration at which rank 1 feeds an inf into its input

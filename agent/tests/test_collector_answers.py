@@ -14,10 +14,10 @@ import time
 import tracemalloc
 
 import pytest
-from ampwatch_support.ports import LoopbackServer
 
 from ampwatch.agent._http import ANSWER_BYTES, RESULT_BYTES, IngestClient, Outcome, answer_limit
 from ampwatch.contract.node_batch import encode_node_batch
+from ampwatch_support.ports import LoopbackServer
 
 HUGE = 400 << 20
 CHUNK = 1 << 16
@@ -33,7 +33,7 @@ class HugeAnswers(LoopbackServer):
         self.sent: list[int] = []  # bytes of body each answer got out before the client went away
         self.done = threading.Condition()
 
-    def start(self) -> "HugeAnswers":
+    def start(self) -> HugeAnswers:
         self._serve(_handler_for(self))
         return self
 

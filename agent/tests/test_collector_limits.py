@@ -6,11 +6,11 @@ import logging
 
 import pytest
 import torch
-from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import build_batch, encode_batch
 from ampwatch.agent._identity import resolve_identity
 from ampwatch.agent._limits import CUT_MARK, MAX_PARAMS, TEXT_LIMITS, cut
+from ampwatch_support.recording_collector import RecordingCollector
 
 
 def _optimizers(count: int) -> tuple[torch.nn.Module, dict[str, torch.optim.Optimizer]]:

@@ -6,9 +6,9 @@ import hashlib
 import re
 
 import pytest
-from ampwatch_support.delivery_harness import make_sender
 
 from ampwatch.agent._config import AgentConfig
+from ampwatch_support.delivery_harness import make_sender
 
 
 def test_every_variable_is_read_from_the_environment():

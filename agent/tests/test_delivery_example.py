@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from ampwatch_support.batches import CLEAN_DELIVERY
 from ampwatch_support.recording_collector import RecordingCollector
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+
 from ampwatch_support.patience import START_S
 from ampwatch_support.recording_collector import RecordingCollector
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ddp_harness import run_ranks  # noqa: E402
 import fsdp_plain_first_worker as mixed  # noqa: E402
+from ddp_harness import run_ranks  # noqa: E402
 from fsdp_worker import FED, PLANTED, SAVE_AFTER, STEPS, UNSCALED_PLANTED, UNSCALED_SAVE_AFTER  # noqa: E402
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")

@@ -15,10 +15,10 @@ import weakref
 
 import pytest
 import torch
-from ampwatch_support.patience import START_S, wait_until
-from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch import agent
+from ampwatch_support.patience import START_S, wait_until
+from ampwatch_support.recording_collector import RecordingCollector
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+
 from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from ampwatch.agent._relay import SOCKET_PATH_MAX
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.delivery_harness import make_sender

@@ -233,10 +233,10 @@ def test_a_sharded_gradient_is_scanned_in_this_rank_s_shard_without_an_internal_
     the local shard (never a DTensor reduction, a collective, nor .tolist(), which DTensor refuses) and names
     the parameter; here the one rank holds the whole of it, so no slice is added (test_fsdp.py: 2 and 4 ranks)."""
     import torch.distributed as dist
-    from ampwatch_support.ports import free_port
     from torch.distributed.fsdp import fully_shard
 
     from ampwatch.agent._shards import is_sharded
+    from ampwatch_support.ports import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -13,12 +13,12 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-from ampwatch_support.ports import free_port
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
+from ampwatch_support.ports import free_port
 from ampwatch_support.syncs import SyncCounter  # the counter test_recording_cost.py uses
 
 

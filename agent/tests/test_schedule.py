@@ -8,8 +8,15 @@ import random
 import pytest
 
 from ampwatch.agent import _schedule
-from ampwatch.agent._schedule import (NEWS_GAP, NEWS_HOLD, NEWS_SPREAD, RANKS_PER_SECOND, PushSchedule,
-                                      default_heartbeat, is_news)
+from ampwatch.agent._schedule import (
+    NEWS_GAP,
+    NEWS_HOLD,
+    NEWS_SPREAD,
+    RANKS_PER_SECOND,
+    PushSchedule,
+    default_heartbeat,
+    is_news,
+)
 from ampwatch.contract.protocol import EVENT_KINDS, HEARTBEAT_INTERVAL_S, KEEP_ALIVE_S, MAX_HEARTBEAT_INTERVAL_S
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 

@@ -7,14 +7,14 @@ import threading
 import time
 
 import pytest
-from ampwatch_support.delivery_harness import make_sender
-from ampwatch_support.patience import SETTLE_S, wait_until
-from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
 from ampwatch.agent._config import AgentConfig
 from ampwatch.agent._schedule import NEWS_GAP
 from ampwatch.agent._sender import MAX_BODY_BYTES
+from ampwatch_support.delivery_harness import make_sender
+from ampwatch_support.patience import SETTLE_S, wait_until
+from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = pytest.mark.timeout(60)
 

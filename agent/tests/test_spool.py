@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from ampwatch_support.delivery_harness import make_sender
-from ampwatch_support.patience import SETTLE_S, wait_until
-from ampwatch_support.recording_collector import RecordingCollector
 
 from ampwatch.agent._outbox import Pending
 from ampwatch.agent._spool import SpoolOutbox
+from ampwatch_support.delivery_harness import make_sender
+from ampwatch_support.patience import SETTLE_S, wait_until
+from ampwatch_support.recording_collector import RecordingCollector
 
 pytestmark = pytest.mark.timeout(60)
 

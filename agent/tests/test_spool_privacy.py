@@ -20,6 +20,9 @@ import uuid
 
 import httpx
 import pytest
+
+from ampwatch.agent._outbox import Pending
+from ampwatch.agent._spool import SpoolOutbox
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.delivery_harness import make_sender
@@ -27,9 +30,6 @@ from ampwatch_support.exposition import value
 from ampwatch_support.patience import SETTLE_S, wait_until
 from ampwatch_support.ports import free_port
 from ampwatch_support.recording_collector import RecordingCollector
-
-from ampwatch.agent._outbox import Pending
-from ampwatch.agent._spool import SpoolOutbox
 
 pytestmark = pytest.mark.timeout(120)
 

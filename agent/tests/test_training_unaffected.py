@@ -7,6 +7,7 @@ import random
 import threading
 
 import torch
+
 from ampwatch_support.patience import wait_until
 from ampwatch_support.recording_collector import free_port
 

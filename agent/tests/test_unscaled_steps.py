@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ampwatch_support.syncs import SyncCounter  # the counter test_recording_cost.py uses
 
 INF = float("inf")

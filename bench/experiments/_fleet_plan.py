@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Callable, Optional
-
-from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, optimizer
-from bench._storm import StormRank
+from collections.abc import Callable
 
 from ampwatch.agent._schedule import NEWS_GAP, NEWS_HOLD, NEWS_SPREAD, is_news
 from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
+from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, optimizer
+from bench._storm import StormRank
 
 __all__ = ["DELIVERIES", "Delivery", "JobTimeline", "LockstepPlan", "Plan", "storm_streaks"]
 
@@ -152,7 +151,7 @@ class LockstepPlan:
         """Return a batch's ``state`` after ``iteration``."""
         return self.timeline.state(iteration)
 
-    def storm_starts(self) -> tuple[list[tuple[float, int]], Optional[float]]:
+    def storm_starts(self) -> tuple[list[tuple[float, int]], float | None]:
         """(time of the storm's first skip, ``gen``'s skips counted with it) and when its 16th skip happened."""
         first = self.timeline.storm_from
         if not self.timeline.storm_iterations:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Optional
-
-from bench.experiments._fleet_plan import Delivery, LockstepPlan, Plan
-from bench.experiments._fleet_transports import Answer, KeptAlive
-from bench._rank_batch import SCALER, batch_body, open_identity
 
 from ampwatch.agent._schedule import PushSchedule
+from bench._rank_batch import SCALER, batch_body, open_identity
+from bench.experiments._fleet_plan import Delivery, LockstepPlan, Plan
+from bench.experiments._fleet_transports import Answer, KeptAlive
 
 __all__ = ["AGENT_TIMEOUT_S", "Tally", "run_rank"]
 
@@ -38,9 +36,9 @@ class Tally:
         self.timeouts = 0
         self.missed = 0  # batches sent a whole heartbeat or more after they were due
         self.storm: dict[int, dict] = {}  # per storm rank: streak starts, rung-16 time, answers
-        self.killed_last_ack: Optional[float] = None  # when the killed rank's last batch was answered
+        self.killed_last_ack: float | None = None  # when the killed rank's last batch was answered
 
-    def phase(self, t: float) -> Optional[str]:
+    def phase(self, t: float) -> str | None:
         for name, (a, b) in self.phases.items():
             if a <= t < b:
                 return name
@@ -48,7 +46,7 @@ class Tally:
 
 
 async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, transport: KeptAlive, run: str, world: int,
-                   end: float, kill_at: Optional[float], tally: Tally) -> None:
+                   end: float, kill_at: float | None, tally: Tally) -> None:
     """Send ``rank``'s batches of ``plan`` through ``transport`` until ``end`` (or ``kill_at``: no close)."""
     schedule = PushSchedule(delivery.heartbeat, delivery.news_gap, delivery.news_hold,
                             ranks=world if delivery.spread else 1, news_spread=delivery.news_spread,

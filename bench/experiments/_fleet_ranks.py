@@ -43,10 +43,10 @@ import sys
 import time
 
 from bench._async_http import run_loop
+from bench._rank_batch import RANKS_PER_NODE
 from bench.experiments._fleet_plan import DELIVERIES, JobTimeline, LockstepPlan, Plan, storm_streaks
 from bench.experiments._fleet_rank import Tally, run_rank
 from bench.experiments._fleet_transports import TRANSPORTS
-from bench._rank_batch import RANKS_PER_NODE
 
 __all__ = ["DELIVERIES", "LOCKSTEP_DRIFT_S", "TRANSPORTS", "main"]
 

@@ -13,12 +13,11 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Callable, Optional
-
-from bench._async_http import INGEST_HEAD, read_answer, request
+from collections.abc import Callable
 
 from ampwatch.contract.node_batch import encode_node_batch
 from ampwatch.contract.protocol import KEEP_ALIVE_S
+from bench._async_http import INGEST_HEAD, read_answer, request
 
 __all__ = ["Answer", "KeptAlive", "NodeRelayTransport", "PerRankTransport", "TRANSPORTS", "node_address"]
 
@@ -30,7 +29,7 @@ IDLE_CLOSE_S = KEEP_ALIVE_S - 1.0
 class Answer:
     """One attempt's outcome: HTTP status (None: no answer in time) and bytes both ways."""
 
-    status: Optional[int]
+    status: int | None
     sent_bytes: int
     received_bytes: int
 
@@ -59,7 +58,7 @@ class KeptAlive:
         """Deliver ``body``, ``rank``'s batch; return what became of it."""
         raise NotImplementedError
 
-    async def _exchange(self, key: int, body: bytes) -> tuple[Optional[int], int, int, bytes]:
+    async def _exchange(self, key: int, body: bytes) -> tuple[int | None, int, int, bytes]:
         """POST ``body`` on connection ``key``: (status or None, bytes sent, bytes received, answer body).
 
         Reconnects (once) if the collector closed an idle kept-alive connection.
@@ -128,7 +127,7 @@ class NodeRelayTransport(KeptAlive):
         self._members: set[int] = set()  # ranks that have posted through this relay (connected)
         self._waiting: dict[int, tuple[bytes, float, asyncio.Future]] = {}  # rank -> (body, due, answer)
         self._arrived = asyncio.Event()
-        self._pump: Optional[asyncio.Task] = None
+        self._pump: asyncio.Task | None = None
 
     async def post(self, rank: int, body: bytes) -> Answer:
         """Hand ``body`` to the relay; return this rank's part of the node request's answer."""
@@ -171,7 +170,7 @@ class NodeRelayTransport(KeptAlive):
         super().close()
 
 
-def _node_results(status: Optional[int], text: bytes, count: int) -> list[Optional[int]]:
+def _node_results(status: int | None, text: bytes, count: int) -> list[int | None]:
     """Each rank's status from a v2 answer (the whole request's status when it has no per-rank results)."""
     if status == 200:
         try:

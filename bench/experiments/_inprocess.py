@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, AsyncIterator, Callable, Optional
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from bench._rank_batch import CLEAN_DELIVERY, OFFENDING_PARAM, SCALER, identity, optimizer
 
@@ -81,7 +82,7 @@ async def post(ingest: Callable, body: bytes) -> int:
 
 
 @contextlib.asynccontextmanager
-async def collector_app(db: str, clock: Optional[Callable[[], float]] = None,
+async def collector_app(db: str, clock: Callable[[], float] | None = None,
                         args: tuple[str, ...] = ()) -> AsyncIterator[Any]:
     """Yield a started collector app on database ``db`` (``clock``: passed to ``create_app`` when given)."""
     from ampwatch.server.__main__ import build_parser

@@ -18,12 +18,12 @@ join into one series per rank.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
-
-from bench._rank_batch import OptimizerRun
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ampwatch.contract import metrics as m
 from ampwatch.contract.protocol import STREAK_LADDER
+from bench._rank_batch import OptimizerRun
 
 __all__ = ["Job"]
 
@@ -104,7 +104,7 @@ class Job:
         if storm not in ("short", "after", "during"):
             raise ValueError(f"storm={storm!r}: give 'short', 'after' or 'during'")
         self._lead_s = STORM_LEAD_S.get(storm)
-        self._storm: Optional[int] = self.iteration_at(end - 2 * 60) if storm == "short" else None
+        self._storm: int | None = self.iteration_at(end - 2 * 60) if storm == "short" else None
         self._storm_length = STORM_LENGTH.get(storm, STORM)
         self._restore = storm == "after"
         never = 10 ** 12  # the silent rank's trouble is its last_seen, frozen from silent_from on

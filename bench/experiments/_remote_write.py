@@ -13,7 +13,7 @@ import concurrent.futures
 import re
 import struct
 import urllib.request
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["RemoteWriter"]
 

@@ -22,7 +22,8 @@ import sys
 import time
 from array import array
 
-from bench._before_after import PATH_FIRST, ROOT as _ROOT, before_after, print_and_store
+from bench._before_after import PATH_FIRST, before_after, print_and_store
+from bench._before_after import ROOT as _ROOT
 from bench.experiments._job1024 import add_comparison_options
 from bench.experiments._resident import resident_kib
 
@@ -33,10 +34,10 @@ KEY = "alert_memory"
 
 def measure(ranks: int, minutes: float, push_s: float = 2.0) -> dict:
     """Run the simulated job against ``ampwatch.server``'s alerts in this process; return memory and time."""
-    from ampwatch.server.alerting.evaluator import BuiltinAlerts
+    from ampwatch.contract.protocol import STREAK_LADDER
     from ampwatch.server._state import RankSnapshot
     from ampwatch.server._totals import NO_STREAKS, OptimizerTotals, RankTotals
-    from ampwatch.contract.protocol import STREAK_LADDER
+    from ampwatch.server.alerting.evaluator import BuiltinAlerts
 
     gc.collect()
     before = resident_kib()

@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Optional
 
 import httpx
 
@@ -143,7 +142,7 @@ def _still_open(sockets: list[socket.socket]) -> int:
     return count
 
 
-def _idle_connections(env: Optional[dict], tmp: str, open_files: int = 4096) -> dict:
+def _idle_connections(env: dict | None, tmp: str, open_files: int = 4096) -> dict:
     result: dict = {"open_files": open_files}
     for label, addresses in (("from_one_address", 1), ("from_eight_addresses", 8)):
         with _servers.CollectorProcess(os.path.join(tmp, f"idle-{addresses}.db"), env=env,
@@ -189,7 +188,7 @@ def _events_applied(client: httpx.Client) -> float:
     return value(client.get("/metrics").text, "ampwatch_collector_events_applied_total") or 0
 
 
-def _side(path: Optional[str]) -> dict:
+def _side(path: str | None) -> dict:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)} if path else None
     with tempfile.TemporaryDirectory() as tmp:
         db = os.path.join(tmp, "attacks.db")

@@ -23,7 +23,6 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Optional
 
 import torch
 import torch._dynamo
@@ -39,7 +38,7 @@ BACKENDS = ("eager", "aot_eager", "inductor")
 class Job:
     """One model, one AdamW over all its parameters, a bf16 loop; ``backend`` None: the step is not compiled."""
 
-    def __init__(self, model: str, backend: Optional[str], watched: bool) -> None:
+    def __init__(self, model: str, backend: str | None, watched: bool) -> None:
         from ampwatch import agent
 
         torch.manual_seed(0)
@@ -67,7 +66,7 @@ class Job:
             self.watch.close()
 
 
-def _measure(model: str, backend: Optional[str], rounds: int, block: int) -> dict:
+def _measure(model: str, backend: str | None, rounds: int, block: int) -> dict:
     jobs = {"bare": Job(model, backend, False), "watched": Job(model, backend, True)}
     try:
         for job in jobs.values():

@@ -40,11 +40,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Optional
 
 from ampwatch.agent._schedule import RANKS_PER_SECOND, default_heartbeat
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
-
 from bench import _servers
 from bench._before_after import ROOT, source_of, store
 from bench.report._format import measured_by
@@ -102,7 +100,7 @@ def _scrape(url: str) -> dict:
     return {"start": started, "end": ended, "counts": counts, "bytes": len(text)}
 
 
-def _alerts(url: str) -> Optional[list[dict]]:
+def _alerts(url: str) -> list[dict] | None:
     """Return the built-in alerts firing now, or None when the collector does not answer within 30 s."""
     try:
         return json.loads(_get(url + "/v1/alerts", timeout=30.0))["firing"]
@@ -114,7 +112,7 @@ def _sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.time()))
 
 
-def _pct(values: list[float], q: float) -> Optional[float]:
+def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -138,12 +136,12 @@ def seconds_summary(values: list[float]) -> dict:
             "within_2s": sum(v <= VISIBLE_WITHIN_S for v in values)}
 
 
-def _round(v: Optional[float]) -> Optional[float]:
+def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
 
 def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
-          heartbeat: Optional[float] = None, lockstep: bool = False, server: Optional[str] = None) -> dict:
+          heartbeat: float | None = None, lockstep: bool = False, server: str | None = None) -> dict:
     """Run one side on a fresh collector (``server``: the ``server/src`` it runs, default this tree's); return
     its figures."""
     (healthy, storm), warm = phases, warm_seconds(ranks, delivery)
@@ -197,8 +195,8 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
                     raised_limit=ranks > limit, quiet=quiet)
 
 
-def _silent_fired_at(url: str, rank: str, last_ack: Optional[float], firing: Optional[list[dict]],
-                     quiet: dict[str, int]) -> Optional[float]:
+def _silent_fired_at(url: str, rank: str, last_ack: float | None, firing: list[dict] | None,
+                     quiet: dict[str, int]) -> float | None:
     """Wait (bounded) for AmpRankSilent on the killed ``rank``; return when it started firing."""
     deadline = (last_ack or time.time()) + quiet["silent_after_s"] + quiet["silent_for_s"] + 10
     while True:
@@ -227,7 +225,7 @@ def first_skip_delays(storm: dict) -> tuple[list[float], int]:
 
 
 def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[dict], firing: list[dict],
-             silent_at: Optional[float], cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
+             silent_at: float | None, cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
              raised_limit: bool, quiet: dict[str, int]) -> dict:
     healthy_s = timeline["storm_at"] - timeline["warm_end"]
     storm_s = timeline["end"] - timeline["storm_at"]
@@ -311,7 +309,7 @@ def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list
 
 
 def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-rank",
-        heartbeat: Optional[float] = None, lockstep: bool = False, before: Optional[str] = None) -> dict:
+        heartbeat: float | None = None, lockstep: bool = False, before: str | None = None) -> dict:
     """Run each side in turn; return ``{side: figures}`` with the run's settings.
 
     ``before``: a commit whose collector runs the *after* delivery first, as side ``previous`` (its

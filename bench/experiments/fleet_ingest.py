@@ -21,7 +21,6 @@ import statistics
 import threading
 import time
 import urllib.request
-from typing import Optional
 
 from bench import _servers
 from bench._before_after import before_after, print_and_store
@@ -53,7 +52,7 @@ class _Scraper(threading.Thread):
                 self.failures += 1
 
 
-def measure(ranks: int, interval: float, seconds: int, scrape_every: float, pythonpath: Optional[str]) -> dict:
+def measure(ranks: int, interval: float, seconds: int, scrape_every: float, pythonpath: str | None) -> dict:
     """Run one side: a fresh collector (``pythonpath`` first on its path when given) under paced load and scrapes."""
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
     with _servers.collector(args=("--max-ranks-per-run", str(ranks)), env=env) as srv:
@@ -79,7 +78,7 @@ def _line(side: str, r: dict) -> str:
             f"{r['loadavg_1m']:>5.2f}")
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     """Run both sides and print them side by side; ``--out`` also stores them under ``fleet_ingest``."""
     parser = argparse.ArgumentParser(prog="python -m bench.experiments.fleet_ingest",
                                      description=__doc__.split("\n")[0])

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 from bench._before_after import PATH_FIRST, ROOT, checked_side, source_of, store
 from bench.experiments._inprocess import SimulatedRank, collector_app, post
@@ -67,7 +66,7 @@ def measure(ranks: int, pushes: int, storm: bool = False) -> dict:
         return asyncio.run(_run(ranks, pushes, os.path.join(tmp, "cpu.db"), storm))
 
 
-def _side(ranks: int, pushes: int, path: Optional[str], storm: bool = False) -> dict:
+def _side(ranks: int, pushes: int, path: str | None, storm: bool = False) -> dict:
     code = (PATH_FIRST + "import json;"
             "import ampwatch.server; from bench.experiments.ingest_cpu import measure;"
             "r = measure(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == '1');"
@@ -77,7 +76,7 @@ def _side(ranks: int, pushes: int, path: Optional[str], storm: bool = False) -> 
     return checked_side(json.loads(out.strip().splitlines()[-1]), path)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     """Alternate both sides ``--rounds`` times; print and return each side's rounds and median."""
     parser = argparse.ArgumentParser(prog="python -m bench.experiments.ingest_cpu", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=1024)

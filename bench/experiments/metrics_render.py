@@ -28,15 +28,15 @@ PHASES = ("every rank new", "half changed", "none changed")
 
 
 def _child(ranks: int) -> dict[str, float]:
-    from ampwatch_support.batches import make_batch, optimizer
     from fastapi.testclient import TestClient
 
     from ampwatch.server._app import create_app
-    from ampwatch.server._config import ServerConfig
-    from ampwatch.server._metrics import Exposition
     from ampwatch.server._batch_parse import parse_batch
+    from ampwatch.server._config import ServerConfig
     from ampwatch.server._incarnation import next_incarnation
+    from ampwatch.server._metrics import Exposition
     from ampwatch.server._state import RankState
+    from ampwatch_support.batches import make_batch, optimizer
 
     with tempfile.TemporaryDirectory() as tmp, \
             TestClient(create_app(ServerConfig(db=f"{tmp}/r.db", allowed_hosts=("testserver",)))) as client:

@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 
-from bench._before_after import ROOT as _ROOT, before_after, print_and_store
+from bench._before_after import ROOT as _ROOT
+from bench._before_after import before_after, print_and_store
 
 __all__ = ["main"]
 

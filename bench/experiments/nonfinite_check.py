@@ -33,8 +33,8 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
 
 from bench._before_after import ROOT, store
 from bench.instructions import callgrind_instructions, counting_ends, counting_starts
@@ -139,7 +139,7 @@ def run(checks: int = 100, ways: tuple[str, ...] = WAYS) -> dict:
     return result
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.experiments.nonfinite_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--checks", type=int, default=100, help="iterations of checks counted under callgrind")

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 
-from bench._before_after import PATH_FIRST, ROOT as _ROOT, before_after, print_and_store
+from bench._before_after import PATH_FIRST, before_after, print_and_store
+from bench._before_after import ROOT as _ROOT
 from bench.experiments._job1024 import add_comparison_options
 
 __all__ = ["measure", "main"]
@@ -29,10 +30,9 @@ _NAMES = ("AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio", "AmpScheduler
 
 def measure(ranks: int) -> dict:
     """Send the storm through ``ampwatch.server``'s notifier to a real receiver; return what arrived."""
-    from ampwatch_support.webhook_receiver import WebhookReceiver
-
     from ampwatch.server.alerting.alert import Alert
     from ampwatch.server.alerting.notifications import Notifier, Target
+    from ampwatch_support.webhook_receiver import WebhookReceiver
 
     alerts = [Alert(name=name, labels={"run": "storm", "rank": str(rank), "severity": "warning"},
                     annotations={"summary": f"{name} on rank {rank}", "description": "every rank skips"},

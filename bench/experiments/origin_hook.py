@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
 
 from bench._before_after import ROOT, source_of, store
 from bench.instructions import callgrind_instructions, counting_ends, counting_starts
@@ -103,11 +102,11 @@ def _time_child(model: str, rounds: int, block: int) -> dict:
             s.close()
 
 
-def _env(agent_src: Optional[str]) -> dict:
+def _env(agent_src: str | None) -> dict:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [agent_src, ROOT]))}
 
 
-def _timed(agent_src: Optional[str], model: str, rounds: int, block: int) -> dict:
+def _timed(agent_src: str | None, model: str, rounds: int, block: int) -> dict:
     env = dict({k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}, OMP_NUM_THREADS="1",
                **_env(agent_src))
     done = subprocess.run([sys.executable, "-m", "bench.experiments.origin_hook", "--child-time", model, str(rounds),
@@ -116,7 +115,7 @@ def _timed(agent_src: Optional[str], model: str, rounds: int, block: int) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(before: Optional[str], iterations: int = 50, rounds: int = 20, block: int = 50) -> dict:
+def run(before: str | None, iterations: int = 50, rounds: int = 20, block: int = 50) -> dict:
     """Count instructions of each variant on each model, then time the agent's own work (before and after,
     alternating)."""
     with tempfile.TemporaryDirectory(prefix="ampwatch-origin-hook-") as workdir:
@@ -166,7 +165,7 @@ def median_run(runs: list[dict]) -> dict:
                 python_hook_calls_us_per_iter=calls["python_hook"]["call_us_per_iter"])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run and print the results as JSON (``--store``: also keep them in the JSON file)."""
     parser = argparse.ArgumentParser(prog="python -m bench.experiments.origin_hook", description=__doc__.split("\n")[0])
     parser.add_argument("--before", metavar="REF", help="the earlier revision whose agent/src is measured beside")

@@ -45,14 +45,13 @@ import time
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any
 
 from ampwatch.contract.alerts import SPEAKERS
-
 from bench._before_after import ROOT, print_and_store, source_of
+from bench._servers import free_port
 from bench.experiments._job_history import Job
 from bench.experiments._remote_write import RemoteWriter
-from bench._servers import free_port
 
 __all__ = ["main", "measure"]
 
@@ -67,7 +66,7 @@ HISTORY_S = 33 * 60  # the longest rule window (30m) plus room for the first eva
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 
-def _generated(pythonpath: Optional[str]) -> dict:
+def _generated(pythonpath: str | None) -> dict:
     """Return the rule file and the dashboard's ``[title, query, instant]`` triples, from this tree or from the
     sources on ``pythonpath`` (an earlier commit's), in a child process so that the two never mix."""
     env = dict(os.environ)
@@ -111,7 +110,7 @@ class _Exporter:
     """Serve the job's live ``/metrics`` on a loopback port, at the wall-clock time of each scrape."""
 
     def __init__(self) -> None:
-        self.job: Optional[Job] = None
+        self.job: Job | None = None
         lock, exporter = threading.Lock(), self
 
         class Handler(BaseHTTPRequestHandler):

@@ -35,7 +35,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Optional
 
 from bench import _servers
 from bench._before_after import before_after, print_and_store
@@ -73,7 +72,7 @@ _PARTS = """(() => {
 })()"""
 
 
-def _get(url: str, times: int = 7, gap_s: float = 1.0) -> Optional[dict]:
+def _get(url: str, times: int = 7, gap_s: float = 1.0) -> dict | None:
     """Median ms and bytes of ``times`` GETs ``gap_s`` apart (the first one's ms too); None where it is a 404."""
     spent, size = [], 0
     for i in range(times):
@@ -136,7 +135,7 @@ def _page(url: str, run: str, watch_s: float) -> dict:
             "console_problems": problems[:5]}
 
 
-def _side(ranks: int, watch_s: float, path: Optional[str]) -> dict:
+def _side(ranks: int, watch_s: float, path: str | None) -> dict:
     from ampwatch_support.staged_job import KILLED, StagedJob
 
     env = {"PYTHONPATH": path} if path else None

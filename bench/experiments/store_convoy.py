@@ -23,10 +23,17 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from ampwatch.server._store import _EVENT_COLUMNS, _INCARNATION_COLUMNS, _INSERT_EVENTS, _UPSERT, Store, Writes, \
-    _statement
+from ampwatch.server._store import (
+    _EVENT_COLUMNS,
+    _INCARNATION_COLUMNS,
+    _INSERT_EVENTS,
+    _UPSERT,
+    Store,
+    Writes,
+    _statement,
+)
 
 __all__ = ["main"]
 

@@ -37,12 +37,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Optional
-
-from bench._before_after import ROOT, print_and_store, source_of
-from bench.experiments.fleet import first_skip_delays, seconds_summary, ms_summary, warm_seconds
 
 from ampwatch.agent._schedule import NEWS_SPREAD
+from bench._before_after import ROOT, print_and_store, source_of
+from bench.experiments.fleet import first_skip_delays, ms_summary, seconds_summary, warm_seconds
 
 __all__ = ["KEY", "PHASES", "measure", "main"]
 
@@ -71,7 +69,7 @@ def _scrape(url: str, gzipped: bool) -> dict:
     return {"t": started, "gzip": gzipped, "ms": round(1000 * (time.time() - started), 1), "bytes": size}
 
 
-def _phase_of(t: float, bounds: dict[str, tuple[float, float]]) -> Optional[str]:
+def _phase_of(t: float, bounds: dict[str, tuple[float, float]]) -> str | None:
     return next((name for name, (a, b) in bounds.items() if a <= t < b), None)
 
 
@@ -177,7 +175,7 @@ def _summary(ranks: int, iteration_s: float, bounds: dict, job: dict, scrapes: l
     }
 
 
-def _side(args: argparse.Namespace, path: Optional[str]) -> dict:
+def _side(args: argparse.Namespace, path: str | None) -> dict:
     # Only the collector runs the earlier commit's code (with its contract); the job and the measuring are this tree's.
     code = ("import sys, json; from bench.experiments.storm import measure;"
             "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5]), sys.argv[5], float(sys.argv[6]));"

@@ -19,7 +19,6 @@ import os
 import sys
 import tempfile
 import time
-from typing import Optional
 
 import httpx
 
@@ -44,7 +43,7 @@ def _bodies() -> dict[str, bytes]:
     return bodies
 
 
-def _side(path: Optional[str]) -> dict:
+def _side(path: str | None) -> dict:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)} if path else None
     bodies = _bodies()
     wide_body._CACHE.clear()

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from bench.gpu._amp import changed, snapshot_bits
-from bench.gpu._truth import Plan, Run, compare, drain_events
 from bench.gpu._fsdp_model import FED_AT, STEPS, micro_batch, sequential, shards
+from bench.gpu._truth import Plan, Run, compare, drain_events
 
 __all__ = ["ok", "rank"]
 

@@ -8,11 +8,13 @@ import os
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from ampwatch_support.ports import free_port
 
 __all__ = ["rank_process", "spawn_ranks"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import warnings
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -59,7 +59,7 @@ def count_syncs(cuda: bool, work: Callable[[], object]) -> int:
 class SyncTrace:
     """Count every stream, event and device synchronisation through torch's GPU trace hooks (CUDA only)."""
 
-    _instance: "SyncTrace | None" = None
+    _instance: SyncTrace | None = None
 
     def __init__(self) -> None:
         from torch.cuda import _gpu_trace
@@ -84,7 +84,7 @@ class SyncTrace:
         return None
 
     @classmethod
-    def get(cls) -> "SyncTrace":
+    def get(cls) -> SyncTrace:
         """Return the one trace of this process, switching the hooks on the first time."""
         if cls._instance is None:
             cls._instance = cls()

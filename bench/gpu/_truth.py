@@ -10,13 +10,13 @@ backoff after any optimizer found inf/NaN, growth after ``growth_interval`` clea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ampwatch.contract.protocol import is_rung
-
 from bench.gpu._amp import Amp, inject, overflowing_input, step_all
 
 __all__ = ["Plan", "Run", "compare", "drain_events", "expected", "run_plan"]

@@ -32,8 +32,9 @@ def _plan(rank: int) -> Plan:
 
 def _rank(rank: int, backend: str, out_dir: str, port: int) -> None:
     """One rank: run its plan under DDP with the agent attached; write what it saw to ``rank{rank}.json``."""
-    from ampwatch import agent
     from torch.nn.parallel import DistributedDataParallel
+
+    from ampwatch import agent
 
     with rank_process(rank, WORLD, "cuda" if backend == "nccl" else "cpu", out_dir, port) as (result, device):
         amp = Amp(device)

@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import importlib.util
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from bench.gpu._amp import Amp, changed, params_of, snapshot_bits
-from bench.gpu._fsdp_model import FED_AT, STEPS, local, micro_batch, sequential, shards
 from bench.gpu._checks import check, verdict
-from bench.gpu._truth import Plan, Run, compare, drain_events
+from bench.gpu._fsdp_model import FED_AT, STEPS, local, micro_batch, sequential, shards
 from bench.gpu._ranks import rank_process, spawn_ranks
+from bench.gpu._truth import Plan, Run, compare, drain_events
 
 __all__ = ["run"]
 

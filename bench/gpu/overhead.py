@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from bench._loops import compare, rotate
 from bench.gpu._amp import Amp
 from bench.gpu._checks import check
-from bench._loops import compare, rotate
 from bench.overhead import Setup
 
 __all__ = ["run", "transformer_builder"]

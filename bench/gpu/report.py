@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["COMMAND", "section"]
 
@@ -53,7 +53,7 @@ def _environment(env: dict[str, Any]) -> str:
     return f"CPU only: {env['cpu']}, {env['cores']} cores; torch {env['torch']}"
 
 
-def section(results: Optional[dict[str, Any]], heading: str = "## GPU") -> list[str]:
+def section(results: dict[str, Any] | None, heading: str = "## GPU") -> list[str]:
     """Return the section's lines for ``results`` (the JSON ``python -m bench.gpu`` writes), or for None."""
     if results is None:
         return [heading, "", *_NOT_RUN, ""]

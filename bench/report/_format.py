@@ -4,7 +4,8 @@ and the rows of a before/after table, so every such table names and orders its s
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 __all__ = ["SIDES", "beside_pushgateway", "find", "fmt", "link", "measured_by", "phase_rows", "ratio", "side_rows",
            "speed_beside"]
@@ -27,7 +28,7 @@ def link(title: str) -> str:
     return f"[section {title.split(' ', 1)[0].rstrip('.')}](#{anchor})"
 
 
-def find(rows: list[dict], **match: Any) -> Optional[dict]:
+def find(rows: list[dict], **match: Any) -> dict | None:
     """The first row whose fields equal ``match`` (a server at a level, say), or None when it was not measured."""
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
 
@@ -40,14 +41,14 @@ def beside_pushgateway(rows: list[dict]) -> Iterator[tuple[int, dict, dict]]:
             yield ranks, a, p
 
 
-def ratio(a: Optional[float], b: Optional[float], digits: int = 1) -> str:
+def ratio(a: float | None, b: float | None, digits: int = 1) -> str:
     """``a / b`` as ``1.5x``, or ``-`` when either side is missing or zero."""
     if not a or not b:
         return "-"
     return f"{a / b:,.{digits}f}x"
 
 
-def speed_beside(ours: Optional[float], theirs: Optional[float]) -> str:
+def speed_beside(ours: float | None, theirs: float | None) -> str:
     """How our time compares with theirs, as ``2.7x faster`` or ``1.6x slower`` (``-`` when either is missing)."""
     if not ours or not theirs:
         return "-"
@@ -66,11 +67,11 @@ def measured_by(doc: dict) -> str:
             + (f", load average {' / '.join(map(str, load))} (1 / 5 / 15 min)" if load else ""))
 
 
-def _side_name(doc: dict, side: str, ref: Optional[str]) -> str:
+def _side_name(doc: dict, side: str, ref: str | None) -> str:
     return f"before ({doc[side]['ref'] if ref is None else ref})" if side == "before" else "after"
 
 
-def side_rows(doc: dict, row: Callable[[str, dict], str], ref: Optional[str] = None,
+def side_rows(doc: dict, row: Callable[[str, dict], str], ref: str | None = None,
               sides: Iterable[str] = SIDES) -> list[str]:
     """One row per side of a before/after result: ``row(name, doc[side])``, named ``before (<ref>)`` or ``after``.
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Iterator, NamedTuple, Optional
+from collections.abc import Iterator
+from typing import NamedTuple
 
 __all__ = ["Block", "blocks", "carry_over", "anchor_key"]
 
@@ -41,16 +42,16 @@ class Block(NamedTuple):
 
     name: str
     lines: list[str]
-    after: Optional[str]
+    after: str | None
     nth: int
-    section: Optional[str]
+    section: str | None
 
 
-def _walk(lines: list[str]) -> Iterator[tuple[int, Optional[int], Optional[str], Counter]]:
+def _walk(lines: list[str]) -> Iterator[tuple[int, int | None, str | None, Counter]]:
     """Each non-blank line outside the blocks, and each block: ``(index, end index of the block or None, section
     heading, keys of the section's non-blank lines so far, that line's included)``; ValueError names a block left
     open."""
-    section: Optional[str] = None
+    section: str | None = None
     seen: Counter = Counter()
     i = 0
     while i < len(lines):
@@ -79,7 +80,7 @@ def blocks(page: str) -> list[Block]:
     """The hand-written blocks of ``page`` in order; ValueError names a block left open or named twice."""
     found: list[Block] = []
     lines = page.split("\n")
-    before: Optional[str] = None
+    before: str | None = None
     for i, end, section, seen in _walk(lines):
         if end is None:
             before = lines[i]
@@ -93,7 +94,7 @@ def blocks(page: str) -> list[Block]:
     return found
 
 
-def _section_span(lines: list[str], heading: Optional[str]) -> Optional[tuple[int, int]]:
+def _section_span(lines: list[str], heading: str | None) -> tuple[int, int] | None:
     """``(first, end)``: the lines of the section under ``heading`` (its heading first), or None if none has it."""
     if heading is None:
         first = 0
@@ -124,7 +125,7 @@ def _place(lines: list[str], block: Block) -> int:
     return lines.index(_LAST) if _LAST in lines else len(lines)
 
 
-def carry_over(new_page: str, earlier_page: Optional[str]) -> str:
+def carry_over(new_page: str, earlier_page: str | None) -> str:
     """``new_page`` with every hand-written block of ``earlier_page`` put back in its place."""
     if not earlier_page:
         return new_page

@@ -7,7 +7,7 @@ finds the rows first and the why in the section.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from bench.report._format import find, fmt
 
@@ -35,7 +35,7 @@ def _paced(res: dict, links: Mapping[str, str]) -> list[str]:
     return rows
 
 
-def _lockstep_job(job: Optional[dict], link: str) -> list[str]:
+def _lockstep_job(job: dict | None, link: str) -> list[str]:
     """Section 7's DDP job: its healthy phase, its whole-job storm, and memory after 15 minutes with the storm."""
     a = ((job or {}).get("lockstep_storm") or {}).get("after")
     if not a:
@@ -48,7 +48,7 @@ def _lockstep_job(job: Optional[dict], link: str) -> list[str]:
             f"(after {fmt(a['minutes'])} min) | {link} |"]
 
 
-def _fleet(fleet: Optional[dict], link: str) -> list[str]:
+def _fleet(fleet: dict | None, link: str) -> list[str]:
     """Section 9's jobs on one collector: a share of the ranks in skip streaks, and the whole job in lockstep."""
     rows = []
     for key in ("fleet_16384", "fleet_16384_lockstep"):
@@ -65,7 +65,7 @@ def _fleet(fleet: Optional[dict], link: str) -> list[str]:
     return rows
 
 
-def section(res: dict, job: Optional[dict], fleet: Optional[dict], links: Mapping[str, str]) -> list[str]:
+def section(res: dict, job: dict | None, fleet: dict | None, links: Mapping[str, str]) -> list[str]:
     """The table's lines (none where nothing was measured); ``links``: the Markdown link of each section a row cites,
     under ``ingest``, ``scrape``, ``job1024`` and ``fleet``."""
     rows = sorted([*_paced(res, links), *_lockstep_job(job, links["job1024"]), *_fleet(fleet, links["fleet"])],

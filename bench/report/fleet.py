@@ -9,7 +9,7 @@ close the gap.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from bench.report._format import fmt, measured_by
 
@@ -24,7 +24,7 @@ def _first_skips(r: dict) -> str:
     return f"{fmt(seen['within_2s'])} of {fmt(seen['n'] + r['storm']['first_skips_not_visible_by_end'])}"
 
 
-def _spread(figures: Optional[dict], unit: str) -> str:
+def _spread(figures: dict | None, unit: str) -> str:
     if not figures or figures.get("p50" + unit) is None:
         return "-"
     return " / ".join(fmt(figures[q + unit]) for q in ("p50", "p99", "max"))
@@ -100,7 +100,7 @@ def _targets(r: dict) -> list[tuple[str, str, bool]]:
     ]
 
 
-def section(delivery: Optional[dict]) -> list[str]:
+def section(delivery: dict | None) -> list[str]:
     """The section's lines from ``bench/experiments/results/fleet_delivery.json``, or none before a 16,384-rank run
     was stored."""
     if not delivery or "fleet_16384" not in delivery:

@@ -6,8 +6,6 @@ benchmark's name), rendered when it is there: a table with a row per side, then 
 
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.report import rule_eval, run_page
 from bench.report import storm as lockstep
 from bench.report._format import fmt, measured_by, phase_rows, side_rows
@@ -58,7 +56,7 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
-def _memory(alerts: dict, collector: Optional[dict]) -> list[tuple[str, str, bool]]:
+def _memory(alerts: dict, collector: dict | None) -> list[tuple[str, str, bool]]:
     """The memory target's row: the built-in alerts' share, and the whole collector's where it was measured."""
     figure = f"built-in alerts {fmt(alerts['kib_per_rank'])} KiB"
     worst = alerts["kib_per_rank"]

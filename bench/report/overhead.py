@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 __all__ = ["section", "summary_rows"]
 
 
@@ -34,7 +32,7 @@ def section(ov: dict) -> list[str]:
     return out
 
 
-def _ddp_origin(d: Optional[dict]) -> list[str]:
+def _ddp_origin(d: dict | None) -> list[str]:
     if not d or "measurements" not in d:
         return []
     out = ["", "Naming the origin rank (`watch(..., ddp=model)`, `bench/ddp_origin.py`):", "",

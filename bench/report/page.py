@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 from bench.gpu import report as gpu_report
-from bench.report import (by_scale, fleet, footprint, ingest, inspection, instructions, job1024, origin_hook, overhead,
-                          scrape, tail)
+from bench.report import (
+    by_scale,
+    fleet,
+    footprint,
+    ingest,
+    inspection,
+    instructions,
+    job1024,
+    origin_hook,
+    overhead,
+    scrape,
+    tail,
+)
 from bench.report._format import link
 
 __all__ = ["BEFORE_AFTER", "FLEET", "GPU_RESULTS", "JOB_1024", "ORIGIN_HOOK", "render"]
@@ -45,7 +55,7 @@ TAIL, JOB, HOOK, FLEET_TITLE = ("5. The ingest tail at 1,024 ranks", "7. A 1,024
 """The titles of the sections rendered from the results of hand-run benchmarks."""
 
 
-def _committed(path: str) -> Optional[dict]:
+def _committed(path: str) -> dict | None:
     """The document a hand-run benchmark committed at ``path``, or None where there is none."""
     if not os.path.exists(path):
         return None

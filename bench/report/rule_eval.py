@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.report._format import SIDES, fmt, measured_by, side_rows
 
 __all__ = ["section"]
 
 
-def section(r: Optional[dict]) -> list[str]:
+def section(r: dict | None) -> list[str]:
     """The part's lines, or none when ``bench.experiments.rule_eval`` has not stored a result."""
     if not r:
         return []

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.report._format import SIDES, fmt, measured_by, phase_rows
 
 __all__ = ["section"]
@@ -28,7 +26,7 @@ def _row(name: str, phase: str, r: dict) -> str:
             f"{fmt(r['collector_cpu_pct'])} |")
 
 
-def section(page: Optional[dict]) -> list[str]:
+def section(page: dict | None) -> list[str]:
     """The part's lines, or none when ``bench.experiments.run_page`` has not stored a before/after result."""
     if not page or "before" not in page:
         return []

@@ -9,7 +9,8 @@ absolute figures are the machine's as much as the collector's, the ratios betwee
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from bench.report._format import fmt, measured_by, side_rows
 
@@ -23,11 +24,11 @@ def _latency(r: dict, phase: str) -> str:
     return f"p99 {fmt(x.get('p99_ms'))} ms, max {fmt(x.get('max_ms'))} ms, {fmt(x.get('over_1s'))} over 1 s"
 
 
-def _scrape(r: dict, phase: str, kind: str, q: str = "p50_ms") -> Optional[float]:
+def _scrape(r: dict, phase: str, kind: str, q: str = "p50_ms") -> float | None:
     return ((r["metrics_ms"].get(phase) or {}).get(kind) or {}).get(q)
 
 
-def _gzip_ratio(r: dict, phase: str) -> Optional[float]:
+def _gzip_ratio(r: dict, phase: str) -> float | None:
     plain, gz = _scrape(r, phase, "plain"), _scrape(r, phase, "gzip")
     return round(gz / plain, 2) if plain and gz else None
 
@@ -86,7 +87,7 @@ def _phase_table(doc: dict) -> list[str]:
     return out
 
 
-def _cpu_per_batch(r: dict, phase: str) -> Optional[int]:
+def _cpu_per_batch(r: dict, phase: str) -> int | None:
     """The collector's CPU per answered batch in ``phase`` (scrapes and the alert pass included): less swayed by
     other jobs on the machine than latency is."""
     cores, rate = r["collector_cpu_cores"].get(phase), r["requests_per_s"].get(phase)
@@ -98,7 +99,7 @@ def _sides(doc: dict) -> list[tuple[str, dict]]:
             for side in ("before", "after") if doc.get(side)]
 
 
-def section(doc: Optional[dict]) -> list[str]:
+def section(doc: dict | None) -> list[str]:
     """The lockstep storm's lines, or none where it was not measured."""
     if not doc or not doc.get("after"):
         return []

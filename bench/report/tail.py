@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from bench.report._format import fmt
 
 __all__ = ["section"]
 
 
-def section(tail: list[dict], before_after: Optional[dict]) -> list[str]:
+def section(tail: list[dict], before_after: dict | None) -> list[str]:
     out = ["| GC | updates/s | p50 ms | p99 ms | GC CPU ms (gen0/1/2) | longest GC pause ms | loop lag max ms | "
            "lags > 50 ms | commit max ms | mean group | alert tick ms | load avg |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]

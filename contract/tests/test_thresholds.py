@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds, promql_duration
 

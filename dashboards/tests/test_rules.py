@@ -75,7 +75,7 @@ def test_descriptions_name_the_run_rank_optimizer_and_value_the_alert_carries():
         description, name = alert["annotations"]["description"], alert["alert"]
         assert "{{ $labels.run }}" in description and "$value" in description, name
         for label in ("rank", "optimizer"):  # the description names what the alert is about, no more
-            assert ("{{ $labels.%s }}" % label in description) == (label in ALERTS[name].labels), name
+            assert ("{{ $labels." + label + " }}" in description) == (label in ALERTS[name].labels), name
 
 
 def _changed(field: str) -> AlertThresholds:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testcli
 from fastapi.testclient import TestClient  # noqa: E402
 
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
+
 
 @pytest.fixture
 def config_for(tmp_path) -> Callable[..., ServerConfig]:

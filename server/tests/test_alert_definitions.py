@@ -12,16 +12,16 @@ scenario fails the first test.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
-from ampwatch_support.alert_ranks import KEPT_IN, FakeRank
 
 from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, AlertDefinition
 from ampwatch.contract.conditions import Outside, Rose, RoseBy, Share
 from ampwatch.contract.counters import COUNTERS, GAUGES
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
+from ampwatch_support.alert_ranks import KEPT_IN, FakeRank
 
 HEARTBEAT_S = 15.0
 

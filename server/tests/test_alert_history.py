@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from ampwatch_support.alert_ranks import FakeRank
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals, ladder
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
 from ampwatch.server.alerting.history import HistoryLayout, RankHistory
+from ampwatch_support.alert_ranks import FakeRank
 
 # Streak alerts at 8 and 64 (rungs the history keeps), every window 600 s.
 LAYOUT = HistoryLayout(dataclasses.replace(

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from ampwatch_support.alert_ranks import FakeRank
-
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
+from ampwatch_support.alert_ranks import FakeRank
 
 
 class _ParkingLock:

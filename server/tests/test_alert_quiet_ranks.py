@@ -11,8 +11,8 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals
 from ampwatch.server.alerting.conditions import evaluate, held_back, rank_alerts, rank_facts, run_alerts_of
-from ampwatch.server.alerting.rank_conditions import spoken_key
 from ampwatch.server.alerting.history import HistoryLayout, RankHistory
+from ampwatch.server.alerting.rank_conditions import spoken_key
 
 LAYOUT = HistoryLayout(T)
 HORIZON = LAYOUT.horizon_s

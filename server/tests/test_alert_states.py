@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from ampwatch_support.alert_ranks import FakeRank, firing_names, names
-
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
+from ampwatch_support.alert_ranks import FakeRank, firing_names, names
 
 
 def test_an_unchanged_firing_alert_is_announced_once():

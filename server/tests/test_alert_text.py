@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from ampwatch_support.alert_ranks import FakeRank
 
 from ampwatch.contract.alerts import ALERT_NAMES
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 from ampwatch.dashboards.rules import alerting_rules
 from ampwatch.server.alerting.annotations import annotations_for
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
+from ampwatch_support.alert_ranks import FakeRank
 
 T = DEFAULT_THRESHOLDS
 

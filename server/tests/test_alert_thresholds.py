@@ -9,12 +9,12 @@ import sys
 
 import pytest
 from fastapi.testclient import TestClient
-from ampwatch_support.batches import make_batch, optimizer
-from ampwatch_support.ports import free_port
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server import create_app
 from ampwatch.server.alerting.thresholds import load_thresholds
+from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.ports import free_port
 
 
 def _streak_of(length: int) -> dict:

@@ -8,14 +8,13 @@ Time is driven by the tests (passes every second, heartbeats every 15 s), never 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
-from ampwatch_support.alert_ranks import healthy_job
-
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
+from ampwatch_support.alert_ranks import healthy_job
 
 HEARTBEAT_S = 15
 

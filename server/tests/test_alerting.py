@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from ampwatch_support.alert_ranks import FakeRank, healthy_job, names
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
 from ampwatch.server.alerting.evaluator import BuiltinAlerts
+from ampwatch_support.alert_ranks import FakeRank, healthy_job, names
 
 # What a test of one alert compares: its own instances, not what its ranks trip besides (a streak backs off too).
 STREAK, RATIO = "AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio"

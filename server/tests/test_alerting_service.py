@@ -9,15 +9,15 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from ampwatch_support.patience import wait_until
-from ampwatch_support.webhook_receiver import WebhookReceiver
-from ampwatch_support.batches import make_batch, optimizer
-from ampwatch_support.exposition import value
 
 from ampwatch.server import ServerConfig, create_app
 from ampwatch.server.__main__ import build_parser
 from ampwatch.server._config import config_from_args
 from ampwatch.server.alerting.notifications import parse_targets
+from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.exposition import value
+from ampwatch_support.patience import wait_until
+from ampwatch_support.webhook_receiver import WebhookReceiver
 
 
 @pytest.fixture

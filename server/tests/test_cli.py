@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
-from ampwatch.server._config import config_from_args
 from ampwatch.server.__main__ import build_parser
+from ampwatch.server._config import config_from_args
 
 
 def test_help_names_every_option_with_its_environment_variable():

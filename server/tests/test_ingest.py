@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from fastapi.testclient import TestClient
-from ampwatch_support.batches import make_batch, optimizer, skip_event
-from ampwatch_support.exposition import value
 
 from ampwatch.server import create_app
+from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.exposition import value
 
 INC_A = "a" * 32
 INC_B = "b" * 32

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 
+from ampwatch.contract.node_batch import encode_node_batch, split_node_batch
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.exposition import value
-
-from ampwatch.contract.node_batch import encode_node_batch, split_node_batch
 
 JSON = {"content-type": "application/json"}
 
@@ -77,6 +76,7 @@ def test_a_node_batch_laid_out_otherwise_is_refused_as_a_whole_with_what_to_do(c
 
 def test_a_node_batch_needs_the_token_like_any_batch(config_for):
     from fastapi.testclient import TestClient
+
     from ampwatch.server import create_app
     with TestClient(create_app(config_for(token="s3cret"))) as client:
         answer = _post_node(client, make_batch(rank=0), make_batch(rank=1))

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 from fastapi.testclient import TestClient
+
+from ampwatch.server import create_app
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.exposition import value
 from ampwatch_support.patience import wait_until
-
-from ampwatch.server import create_app
 
 
 class Clock:

@@ -10,14 +10,13 @@ import re
 import shutil
 import subprocess
 import urllib.request
-from typing import Optional
 
 import pytest
+
+from ampwatch.contract.metrics import METRICS, OPTIMIZER_SKIPPED_STEPS, OPTIMIZER_STEPS
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
-
-from ampwatch.contract.metrics import METRICS, OPTIMIZER_SKIPPED_STEPS, OPTIMIZER_STEPS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -235,7 +234,7 @@ def test_the_apps_render_sees_the_loop_busy_while_an_ingest_request_is_in_flight
     assert during and not after and status == 422  # "{}" is no batch: answered, and no longer in flight
 
 
-def _scrape(url: str, accept_encoding: Optional[str]) -> tuple[dict, bytes]:
+def _scrape(url: str, accept_encoding: str | None) -> tuple[dict, bytes]:
     headers = {"Accept-Encoding": accept_encoding} if accept_encoding is not None else {}
     with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=30) as answer:
         return dict(answer.headers.items()), answer.read()
@@ -274,9 +273,9 @@ def test_a_render_after_some_ranks_changed_equals_a_fresh_render_and_shows_their
     its old lines, a rank that left must not linger."""
     import time
 
-    from ampwatch.server._metrics import Exposition
     from ampwatch.server._batch_parse import parse_batch
     from ampwatch.server._incarnation import next_incarnation
+    from ampwatch.server._metrics import Exposition
 
     state, own = client.app.state.collector_state, client.app.state.own
     _hold_ranks(state, 200)

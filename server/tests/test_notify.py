@@ -6,12 +6,12 @@ import json
 import time
 
 import pytest
-from ampwatch_support.patience import SETTLE_S, wait_until
-from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 from ampwatch.server.alerting.alert import Alert
 from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target, parse_targets
 from ampwatch.server.alerting.payloads import ZERO_TIME, rfc3339
+from ampwatch_support.patience import SETTLE_S, wait_until
+from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 # No grouping delay: a notification goes out as soon as the worker sees it (alerts queued meanwhile share it).
 FAST = NotifyConfig(backoff_initial_s=0.05, backoff_max_s=0.2, timeout_s=2.0, give_up_after_s=20.0, group_wait_s=0,

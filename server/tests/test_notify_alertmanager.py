@@ -8,11 +8,11 @@ import time
 import urllib.request
 
 import pytest
-from ampwatch_support.patience import START_S, wait_until
-from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 from ampwatch.server.alerting.alert import Alert
 from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target
+from ampwatch_support.patience import START_S, wait_until
+from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 

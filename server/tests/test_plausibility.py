@@ -11,10 +11,10 @@ import time
 import uuid
 
 from fastapi.testclient import TestClient
-from ampwatch_support.batches import make_batch, optimizer
 
 from ampwatch.server import create_app
 from ampwatch.server._plausibility import FIRST_BATCH_SPAN_S
+from ampwatch_support.batches import make_batch, optimizer
 
 DAY = 86400.0
 RATE = 10_000  # --max-counter-rate's default, per second

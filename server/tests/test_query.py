@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import msgspec
-from ampwatch_support.batches import make_batch, optimizer, skip_event
 from fastapi.testclient import TestClient
 
 from ampwatch.server._app import create_app
 from ampwatch.server._schema import SkipEvent
+from ampwatch_support.batches import make_batch, optimizer, skip_event
 
 
 def _events(n: int, start: int = 1) -> list[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import urllib.parse
 
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 
 

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value

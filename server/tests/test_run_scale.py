@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ampwatch_support.batches import make_batch, optimizer, skip_event
-
 from ampwatch.server._scale_trace import CAPACITY, ScaleTrace
+from ampwatch_support.batches import make_batch, optimizer, skip_event
 
 RANKS = 8
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator, Union
+from collections.abc import Iterator
 
 import pytest
-from ampwatch_support.batches import make_batch, optimizer
 from fastapi.testclient import TestClient
 
 from ampwatch.server import create_app
 from ampwatch.server._view_cache import ViewCache
+from ampwatch_support.batches import make_batch, optimizer
 
 
 def _post(client, rank: int, *, host: str = "node-a", scale: float = 65536.0, iteration: int = 100, seq: int = 1,
@@ -107,7 +107,7 @@ def clocked(config_for) -> Iterator[tuple[TestClient, list[float]]]:
         yield c, now
 
 
-def _send(client, rank: int, *, seq: int = 1, scale: Union[float, str, None] = 65536.0, closed: bool = False,
+def _send(client, rank: int, *, seq: int = 1, scale: float | str | None = 65536.0, closed: bool = False,
           run: str = "edges", iteration: int = 100, enabled: bool = True, **counters) -> None:
     batch = make_batch(run=run, rank=rank, incarnation=f"{rank + 1:032x}", seq=seq, iteration=iteration,
                        loss_scale=scale, world_size=32, closed=closed,

@@ -14,10 +14,10 @@ import subprocess
 
 import pytest
 from fastapi.testclient import TestClient
-from ampwatch_support.batches import make_batch
-from ampwatch_support.exposition import value
 
 from ampwatch.server import create_app
+from ampwatch_support.batches import make_batch
+from ampwatch_support.exposition import value
 
 SUBNORMAL = 2.0 ** -149  # the smallest float32 above 0, as torch reads it back as a Python float
 # (name, what the agent sends, the value it stands for, how /metrics writes it, how the JSON API gives it back)

@@ -11,7 +11,8 @@ import shutil
 import sqlite3
 import subprocess
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -137,7 +138,7 @@ def test_groups_of_every_size_use_a_few_statements_that_sqlite3_keeps_prepared(s
     assert _read(store, "SELECT count(*), max(last_seq) FROM incarnations") == [(130, 130)]
 
 
-def _oldest_python() -> Optional[str]:
+def _oldest_python() -> str | None:
     """An interpreter of the oldest Python the collector declares (``requires-python``), on PATH or pyenv's."""
     version = re.search(r'requires-python = ">=(\d+\.\d+)"', (SERVER / "pyproject.toml").read_text()).group(1)
     found = [shutil.which(f"python{version}")]

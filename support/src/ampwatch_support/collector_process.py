@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ampwatch_support.patience import START_S
 from ampwatch_support.ports import free_port
@@ -27,20 +27,20 @@ class CollectorProcess:
     ...     urllib.request.urlopen(c.url + "/metrics")
     """
 
-    def __init__(self, db: str, *, port: Optional[int] = None, args: Sequence[str] = (),
-                 env: Optional[dict[str, str]] = None, log_path: Optional[str] = None,
-                 open_files: Optional[int] = None) -> None:
+    def __init__(self, db: str, *, port: int | None = None, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, log_path: str | None = None,
+                 open_files: int | None = None) -> None:
         """``open_files``: the process's open-file limit, soft and hard (default: this process's)."""
         self.db, self.port, self.args, self.open_files = db, port or free_port(), list(args), open_files
         self.env = dict(os.environ, **(env or {}))
         self.log_path = log_path or db + ".log"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = START_S) -> "CollectorProcess":
+    def start(self, timeout: float = START_S) -> CollectorProcess:
         """Start the process and wait until /readyz answers 200 (a hang after ``timeout`` seconds)."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
@@ -75,7 +75,7 @@ class CollectorProcess:
                 self.proc.kill()
                 self.proc.wait(5)
 
-    def __enter__(self) -> "CollectorProcess":
+    def __enter__(self) -> CollectorProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import shutil
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
 from ampwatch_support.patience import SETTLE_S
 
 __all__ = ["CHROMIUM", "needs_browser", "open_page", "wait_until"]
@@ -18,7 +20,7 @@ _ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def _missing() -> Optional[str]:
+def _missing() -> str | None:
     if importlib.util.find_spec("playwright") is None:
         return "pip install playwright (requirements-dev.txt)"
     if CHROMIUM is None:

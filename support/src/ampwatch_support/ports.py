@@ -6,7 +6,6 @@ import http.server
 import socket
 import threading
 import time
-from typing import Optional
 
 from ampwatch_support.patience import SETTLE_S
 
@@ -24,10 +23,10 @@ class LoopbackServer:
     """A threading HTTP server on ``127.0.0.1:port``; subclasses define ``start``/``stop`` around
     :meth:`_serve` and :meth:`_shut_down`, which may alternate, so a double can go down and come back."""
 
-    def __init__(self, port: Optional[int] = None) -> None:
+    def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
-        self._server: Optional[http.server.ThreadingHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:

@@ -10,11 +10,13 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import pytest
 import yaml
+
 from ampwatch_support.patience import START_S
 
 __all__ = ["Processes", "binary", "get", "query_range", "start_prometheus", "wait_for_scrapes", "wait_until"]
@@ -79,7 +81,7 @@ class Processes:
 
 
 def start_prometheus(processes: Processes, folder: Path, port: int, rules: str, targets: Sequence[str],
-                     alertmanager: Optional[str] = None, interval: str = "1s") -> str:
+                     alertmanager: str | None = None, interval: str = "1s") -> str:
     """Start Prometheus scraping ``targets`` every ``interval`` with the rule file ``rules``; return its URL."""
     (folder / "rules.yaml").write_text(rules)
     config: dict[str, Any] = {
@@ -96,7 +98,7 @@ def start_prometheus(processes: Processes, folder: Path, port: int, rules: str, 
     return f"http://127.0.0.1:{port}"
 
 
-def query_range(prometheus: str, expr: str, start: float, end: Optional[float] = None) -> list[dict]:
+def query_range(prometheus: str, expr: str, start: float, end: float | None = None) -> list[dict]:
     """Return the series of a range query at a 1 s step from ``start`` to ``end`` (default: now)."""
     params = urllib.parse.urlencode({"query": expr, "start": start, "end": end or time.time(), "step": "1"})
     answer = json.loads(get(f"{prometheus}/api/v1/query_range?{params}"))

@@ -19,8 +19,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ampwatch_support.exposition import value
 from ampwatch_support.patience import SETTLE_S, wait_until
@@ -47,21 +48,21 @@ class RankProcess:
         self.pid = self._process.pid
 
     @property
-    def returncode(self) -> Optional[int]:
+    def returncode(self) -> int | None:
         """The exit status once the rank ended (minus the signal that killed it), else None."""
         return self._process.exitcode
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return self.returncode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         """Wait for the rank to end; :class:`subprocess.TimeoutExpired` after ``timeout`` seconds."""
         self._process.join(timeout)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0)
         return self.returncode
 
-    def communicate(self, timeout: Optional[float] = None) -> tuple[str, None]:
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         """Wait for the rank to end and return its output (and None, as Popen does for stderr)."""
         self.wait(timeout)
         return Path(self._log.name).read_text(errors="replace"), None
@@ -89,7 +90,7 @@ def _run_rank(script: str, argv: list[str], environ: dict[str, str], log: str) -
 
 
 def spawn_rank(script: str, *args: str, rank: int = 0, world_size: int = 1,
-               env: Optional[dict[str, str]] = None) -> RankProcess:
+               env: dict[str, str] | None = None) -> RankProcess:
     """Run ``script`` (dedented; ``args`` in its ``sys.argv``) as rank ``rank`` of ``world_size``; output kept.
 
     The script can import ``ampwatch_support``; ``env`` adds to the environment. Retries back off at most 0.3 s, so the

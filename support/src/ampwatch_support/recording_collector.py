@@ -51,7 +51,7 @@ class RecordingCollector(LoopbackServer):
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
 
-    def start(self) -> "RecordingCollector":
+    def start(self) -> RecordingCollector:
         """Listen on ``self.port`` (again)."""
         self._stopping.clear()
         self._serve(_handler_for(self))

@@ -23,7 +23,8 @@ import json
 import threading
 import time
 import urllib.parse
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from ampwatch_support.batches import OptimizerRun, make_batch
 
@@ -177,7 +178,7 @@ class StagedJob:
         # Many ranks at once, as a job's agents send: the collector commits them in groups.
         await asyncio.gather(*(sender() for _ in range(connections)))
 
-    async def _ticks(self, count: Optional[int], period_s: float, stop: Optional[threading.Event]) -> None:
+    async def _ticks(self, count: int | None, period_s: float, stop: threading.Event | None) -> None:
         sent = 0
         while (count is None or sent < count) and not (stop is not None and stop.is_set()):
             self._between.clear()  # before the look at _held: between_ticks() then waits for this tick

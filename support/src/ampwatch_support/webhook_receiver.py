@@ -6,7 +6,8 @@ import http.server
 import json
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ampwatch_support.patience import SETTLE_S
 from ampwatch_support.ports import LoopbackServer, free_port
@@ -21,7 +22,7 @@ class WebhookReceiver(LoopbackServer):
     ...     post(r.url + "/hook", {...}); r.wait_for(lambda reqs: len(reqs) == 1)
     """
 
-    def __init__(self, port: Optional[int] = None) -> None:
+    def __init__(self, port: int | None = None) -> None:
         super().__init__(port)
         self.requests: list[dict[str, Any]] = []
         self.attempts: list[float] = []  # every POST, answered or not
@@ -32,7 +33,7 @@ class WebhookReceiver(LoopbackServer):
         self.arrived = threading.Event()
         self._cond = threading.Condition()
 
-    def start(self) -> "WebhookReceiver":
+    def start(self) -> WebhookReceiver:
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):

@@ -16,7 +16,8 @@ import json
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["bodies", "play", "reset_peak", "peak_kib"]
 

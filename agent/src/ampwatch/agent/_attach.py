@@ -13,7 +13,8 @@ cyclic garbage collector, however much memory it holds.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

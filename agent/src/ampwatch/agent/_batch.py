@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ampwatch.contract.protocol import DELIVERY_COUNTERS, PROTOCOL_VERSION
 

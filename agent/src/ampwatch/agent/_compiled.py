@@ -13,7 +13,8 @@ own graphs, which torch's optimizers break around anyway (``torch._dynamo.graph_
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

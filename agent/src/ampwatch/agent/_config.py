@@ -7,7 +7,8 @@ import hashlib
 import math
 import os
 import urllib.parse
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ._schedule import default_heartbeat
 
@@ -82,7 +83,7 @@ class AgentConfig:
         if self.max_events < 1:
             raise ValueError(f"AMPWATCH_MAX_EVENTS must be a positive integer, got {self.max_events!r}")
 
-    def for_job(self, world_size: int) -> "AgentConfig":
+    def for_job(self, world_size: int) -> AgentConfig:
         """Return this config with its push interval resolved for a job of ``world_size`` ranks.
 
         An explicit ``AMPWATCH_PUSH_INTERVAL`` (or ``push_interval=``) is kept as it is; the default
@@ -123,7 +124,7 @@ class AgentConfig:
     def from_env(cls, *, collector: str | Sequence[str] | None = None, run: str | None = None,
                  token: str | None = None, push_interval: float | None = None,
                  spool_dir: str | None = None, environ: Mapping[str, str] | None = None,
-                 **overrides: Any) -> "AgentConfig":
+                 **overrides: Any) -> AgentConfig:
         """Merge explicit arguments (and ``overrides`` of other fields) over ``AMPWATCH_*`` variables."""
         env = os.environ if environ is None else environ
         raw = collector if collector is not None else env.get("AMPWATCH_URL", "")

@@ -7,7 +7,8 @@ device sync at rare moments) instead of breaking.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

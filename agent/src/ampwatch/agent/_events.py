@@ -74,7 +74,7 @@ class EventBuffer:
         return len(self._queue)
 
 
-_live: "weakref.WeakSet[EventBuffer]" = weakref.WeakSet()
+_live: weakref.WeakSet[EventBuffer] = weakref.WeakSet()
 
 
 def _fresh_locks_in_child() -> None:

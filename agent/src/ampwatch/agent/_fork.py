@@ -22,7 +22,7 @@ class ForkAware(Protocol):
         """Drop, in a forked child, what the parent's threads own; take no lock (one may have been held at fork)."""
 
 
-_live: "weakref.WeakSet[ForkAware]" = weakref.WeakSet()
+_live: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 
 
 def forget_in_forked_children(obj: ForkAware) -> None:

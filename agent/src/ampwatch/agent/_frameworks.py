@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 

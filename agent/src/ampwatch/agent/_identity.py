@@ -8,7 +8,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Mapping
+from collections.abc import Mapping
 
 from ._config import _number
 

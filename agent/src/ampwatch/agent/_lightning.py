@@ -6,7 +6,8 @@ Imports neither: :mod:`ampwatch.agent.lightning` and
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ._frameworks import attach, check_options, say_unscaled
 from ._watch import DisabledWatch, Watch

@@ -21,7 +21,8 @@ makes them one on-device flag for any other reader.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterable, Literal, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 

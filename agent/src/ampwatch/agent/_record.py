@@ -46,7 +46,7 @@ class OptimizerRecord:
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
 
     @classmethod
-    def of(cls, name: str, optimizer: torch.optim.Optimizer) -> "OptimizerRecord":
+    def of(cls, name: str, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         """Return a fresh record of ``optimizer`` named ``name``."""
         return cls(name=name, optimizer_ref=weakref.ref(optimizer))
 

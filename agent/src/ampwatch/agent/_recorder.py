@@ -9,8 +9,14 @@ from typing import Any
 
 import torch
 
-from ampwatch.contract.batch import (CloseEvent, RankState, SchedulerAfterSkipEvent, SkipEvent,
-                                     StreakEndEvent, WarningEvent)
+from ampwatch.contract.batch import (
+    CloseEvent,
+    RankState,
+    SchedulerAfterSkipEvent,
+    SkipEvent,
+    StreakEndEvent,
+    WarningEvent,
+)
 from ampwatch.contract.protocol import STREAK_LADDER, is_rung  # streaks_reached lengths: 1, 2, 4, ..., 1024
 
 from . import _device

@@ -27,7 +27,8 @@ import struct
 import tempfile
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ampwatch.contract.node_batch import MAX_NODE_BATCHES, encode_node_batch
 
@@ -163,7 +164,7 @@ class NodeRelay:
         forget_in_forked_children(self)
 
     @classmethod
-    def claim(cls, config: AgentConfig, paths: RelayPaths, errors: AgentErrors) -> "NodeRelay | None":
+    def claim(cls, config: AgentConfig, paths: RelayPaths, errors: AgentErrors) -> NodeRelay | None:
         """Become the host's relay if no live process is (non-blocking); return it started, else ``None``."""
         fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

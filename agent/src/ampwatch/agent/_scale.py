@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -8,7 +8,8 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ampwatch.contract.batch import Event
 
@@ -328,7 +329,7 @@ class Sender:
         self._clients.clear()
 
 
-_live: "weakref.WeakSet[Sender]" = weakref.WeakSet()
+_live: weakref.WeakSet[Sender] = weakref.WeakSet()
 
 
 def close_all_senders() -> None:

@@ -6,7 +6,8 @@ import atexit
 import logging
 import threading
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ log = logging.getLogger("ampwatch.agent")
 
 _watched: set[int] = set()  # ids of scalers with an open Watch
 _watched_lock = threading.Lock()
-_open: "weakref.WeakSet[_Session]" = weakref.WeakSet()  # for the exit flush; holds no watch alive
+_open: weakref.WeakSet[_Session] = weakref.WeakSet()  # for the exit flush; holds no watch alive
 
 
 class _Session:
@@ -215,7 +216,7 @@ class Watch:
                 self._patch.detach()
         self._session.close(timeout)
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> Watch:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -265,7 +266,7 @@ class DisabledWatch:
     def close(self, timeout: float | None = None) -> None:
         """Do nothing."""
 
-    def __enter__(self) -> "DisabledWatch":
+    def __enter__(self) -> DisabledWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:

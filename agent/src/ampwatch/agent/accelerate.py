@@ -10,7 +10,8 @@ accumulation, ``load_state()`` resumes and schedulers: docs/integrations.md.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ._frameworks import attach, check_options, require, say_unscaled
 from ._watch import DisabledWatch, Watch

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from . import conditions
 from .conditions import Condition, Outside, Rose, Share
@@ -57,7 +58,7 @@ class Severity:
 
     level: str
     """``warning`` or ``critical``."""
-    threshold: Optional[str] = None
+    threshold: str | None = None
     """The AlertThresholds field that sets this level apart (the streak alert's lengths); None for most alerts."""
 
 
@@ -72,18 +73,18 @@ class AlertDefinition:
     labelled with its host and local rank too (what a hardware ticket needs), judged across its run."""
     severities: tuple[Severity, ...]
     """One rule per severity (the streak alert has a warning and a critical one)."""
-    for_field: Optional[str]
+    for_field: str | None
     """The AlertThresholds field holding its ``for:`` window; None: it fires at the first evaluation."""
     summary: str
     description: str
-    condition: Optional[Condition] = None
+    condition: Condition | None = None
     """Its condition, in a form both evaluators compile (:mod:`ampwatch.contract.conditions`); its window, counts,
     rises, context and parameters follow from it (declare none of them). None: a bespoke alert, whose condition is
     written in each evaluator, or one that speaks for a per-rank alert (``speaks_for``)."""
     parameters: tuple[str, ...] = ()
     """The AlertThresholds fields its condition reads (besides its window and its severities' thresholds); for one
     that speaks for a per-rank alert (``speaks_for``), also how long that alert waits at its edges."""
-    window: Optional[str] = None
+    window: str | None = None
     """The AlertThresholds field of the window its condition looks back over (``increase(x[w])``); None: it reads
     the latest state of its ranks only."""
     counts: tuple[str, ...] = ()
@@ -97,7 +98,7 @@ class AlertDefinition:
     gauges: tuple[str, ...] = ()
     """Gauges (:data:`~ampwatch.contract.counters.GAUGES`) that can make it hold on their own while its counters stand
     still (a current streak): while one is above 0 the rank is read in full."""
-    speaks_for: Optional[str] = None
+    speaks_for: str | None = None
     """A run-wide alert that speaks for a per-rank one (scope ``rank`` or ``optimizer``, the same severities): it
     holds at a severity when at least ``storm_rank_share`` of the run's ranks, and two at least, hold that alert at
     that severity (ranks that closed count, as their alerts do within a window). While it holds, those ranks'
@@ -171,13 +172,13 @@ class AlertDefinition:
         """Return how long its condition must hold before it fires, in seconds."""
         return getattr(t, self.for_field) if self.for_field else 0
 
-    def severity(self, level: Optional[str] = None) -> Severity:
+    def severity(self, level: str | None = None) -> Severity:
         """Return the severity of that level (None: the only one)."""
         if level is None and len(self.severities) == 1:
             return self.severities[0]
         return next(s for s in self.severities if s.level == level)
 
-    def annotations(self, t: AlertThresholds, fields: Mapping[str, str], level: Optional[str] = None,
+    def annotations(self, t: AlertThresholds, fields: Mapping[str, str], level: str | None = None,
                     base_url: str = DEFAULT_RUNBOOK_BASE_URL) -> dict[str, str]:
         """Return summary, description and runbook_url, filled in from ``t`` and the evaluator's ``fields``.
 

@@ -14,7 +14,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, List, Literal, Mapping, Optional, Tuple, TypedDict, Union
+from collections.abc import Mapping
+from typing import Literal, TypedDict
 
 __all__ = ["OptimizerCounters", "DeliveryCounters", "RankState", "ParamCount", "ScaleCause", "PoisonReason", "Event",
            "SkipEvent", "StreakEndEvent", "ScaleChangeEvent", "SchedulerAfterSkipEvent", "PoisonedStepEvent",
@@ -37,7 +38,7 @@ class _OptimizerCountersRequired(TypedDict):
 class OptimizerCounters(_OptimizerCountersRequired, total=False):
     """``state.optimizers[name]``: one optimizer's cumulative counters and its current streak."""
 
-    streaks_reached: Dict[str, int]
+    streaks_reached: dict[str, int]
     """Streaks that reached each rung of ``protocol.STREAK_LADDER`` (keys ``"1"``, ``"2"``, ...; rungs not
     reached left out)."""
     scheduler_steps_after_skip: int
@@ -45,7 +46,7 @@ class OptimizerCounters(_OptimizerCountersRequired, total=False):
     """Updates with non-finite gradients or parameters."""
 
 
-OPTIMIZER_GAUGES: Tuple[str, ...] = ("consecutive_skipped", "longest_streak")
+OPTIMIZER_GAUGES: tuple[str, ...] = ("consecutive_skipped", "longest_streak")
 """Values of :class:`OptimizerCounters` that are not cumulative counts: the collector keeps a process's own (the
 rest it sums over a rank's processes, as it does the rank's counters)."""
 
@@ -64,11 +65,11 @@ class DeliveryCounters(TypedDict, total=False):
 
 class _RankStateRequired(TypedDict):
     iteration: int
-    loss_scale: Optional[float]
+    loss_scale: float | None
     """Any value the scaler holds (NaN and infinities as the strings "NaN", "Infinity"); null when disabled."""
     backoffs: int
     growths: int
-    optimizers: Dict[str, OptimizerCounters]
+    optimizers: dict[str, OptimizerCounters]
 
 
 class RankState(_RankStateRequired, total=False):
@@ -81,7 +82,7 @@ class RankState(_RankStateRequired, total=False):
     delivery: DeliveryCounters
 
 
-RANK_GAUGES: Tuple[str, ...] = ("iteration", "loss_scale")
+RANK_GAUGES: tuple[str, ...] = ("iteration", "loss_scale")
 """Values of :class:`RankState` that are not cumulative counts (``optimizers`` and ``delivery`` hold counters)."""
 
 
@@ -110,7 +111,7 @@ class _Event(_EventRequired, total=False):
     time: float
 
 
-STAMPED: Tuple[str, ...] = ("id", "time")
+STAMPED: tuple[str, ...] = ("id", "time")
 """Fields every event has that the agent's event buffer sets as it queues the event (the collector requires
 them; the code that records an event leaves them out)."""
 
@@ -122,14 +123,14 @@ class _SkipRequired(_Event):
 
 
 class SkipEvent(_SkipRequired, total=False):
-    params: List[ParamCount]
-    params_total: Optional[int]
+    params: list[ParamCount]
+    params_total: int | None
     inspected: bool
-    origin: Optional[bool]
+    origin: bool | None
     """With ``ddp=``: whether this rank's own gradients held inf/NaN before the all-reduce."""
-    origin_buckets: List[int]
-    origin_params: List[str]
-    origin_params_total: Optional[int]
+    origin_buckets: list[int]
+    origin_params: list[str]
+    origin_params_total: int | None
 
 
 class StreakEndEvent(_Event):
@@ -142,8 +143,8 @@ class StreakEndEvent(_Event):
 class _ScaleChangeRequired(_Event):
     kind: Literal["scale_change"]
     cause: ScaleCause
-    before: Optional[float]
-    after: Optional[float]
+    before: float | None
+    after: float | None
 
 
 class ScaleChangeEvent(_ScaleChangeRequired, total=False):
@@ -168,17 +169,17 @@ class _PoisonedStepRequired(_Event):
 
 
 class PoisonedStepEvent(_PoisonedStepRequired, total=False):
-    params: List[ParamCount]
-    params_total: Optional[int]
+    params: list[ParamCount]
+    params_total: int | None
     streak: int
     """Without a scaler: the step's position in the optimizer's run of consecutive poisoned steps."""
     exact: bool
     """Without a scaler (absent: true): false when ``inf``/``nan`` are 1 or 0, whether a gradient held any, not
     counts (the check was read on a GPU after the gradients moved on)."""
-    origin: Optional[bool]
+    origin: bool | None
     """Without a scaler, with ``ddp=``: whether this rank's own gradients held inf/NaN before the all-reduce."""
-    origin_params: List[str]
-    origin_params_total: Optional[int]
+    origin_params: list[str]
+    origin_params_total: int | None
 
 
 class _WarningRequired(_Event):
@@ -206,16 +207,16 @@ EVENTS: Mapping[str, type] = {
 }
 """Each event kind an agent sends, and what its events hold."""
 
-Event = Union[SkipEvent, StreakEndEvent, ScaleChangeEvent, SchedulerAfterSkipEvent, PoisonedStepEvent, WarningEvent,
-              ScalerDisabledEvent, CloseEvent]
+Event = (SkipEvent | StreakEndEvent | ScaleChangeEvent | SchedulerAfterSkipEvent | PoisonedStepEvent | WarningEvent
+         | ScalerDisabledEvent | CloseEvent)
 """Any event an agent sends."""
 
 
-def fields(part: type) -> Tuple[str, ...]:
+def fields(part: type) -> tuple[str, ...]:
     """Return every field ``part`` (one of this module's TypedDicts) declares, in order."""
     return tuple(part.__annotations__)
 
 
-def required(part: type) -> FrozenSet[str]:
+def required(part: type) -> frozenset[str]:
     """Return the fields of ``part`` an agent must set (a collector also requires an event's :data:`STAMPED`)."""
     return frozenset(part.__required_keys__)  # type: ignore[attr-defined]

@@ -39,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
 
 from .counters import COUNTERS, GAUGES
 
@@ -155,7 +154,7 @@ class Outside:
     gauge: str
     low: str
     """The AlertThresholds field of the lowest value inside."""
-    high: Optional[str] = None
+    high: str | None = None
     """The AlertThresholds field of the highest value inside; None: any finite value at or above ``low``."""
 
     window = None
@@ -182,7 +181,7 @@ class Outside:
         return GAUGES[self.gauge].per
 
 
-Condition = Union[Rose, RoseBy, Share, Outside]
+Condition = Rose | RoseBy | Share | Outside
 """A condition of one of the forms both evaluators compile."""
 
 

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 from . import metrics as m
 from .metrics import Metric

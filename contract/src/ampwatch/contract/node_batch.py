@@ -15,7 +15,7 @@ benchmarks' load generator all use these two functions.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["NODE_PROTOCOL_VERSION", "MAX_NODE_BATCHES", "encode_node_batch", "split_node_batch", "is_node_batch"]
 

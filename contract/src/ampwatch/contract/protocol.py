@@ -8,7 +8,8 @@ entries. ``tests/test_contract_agent.py`` checks both sides against this module.
 
 from __future__ import annotations
 
-from typing import Mapping, get_args
+from collections.abc import Mapping
+from typing import get_args
 
 from .batch import EVENTS, DeliveryCounters, ScaleCause, fields
 

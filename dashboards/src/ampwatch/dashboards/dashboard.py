@@ -18,7 +18,16 @@ from typing import Any
 
 from grafanalib._gen import DashboardEncoder
 from grafanalib.core import (
-    Dashboard, GridPos, RowPanel, Stat, Table, Target, Template, Templating, Time, TimeSeries,
+    Dashboard,
+    GridPos,
+    RowPanel,
+    Stat,
+    Table,
+    Target,
+    Template,
+    Templating,
+    Time,
+    TimeSeries,
 )
 
 from ampwatch.contract import metrics as m
@@ -207,9 +216,10 @@ def panel_queries(model: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _spread(expr: str, by: str) -> list[tuple[str, str]]:
     """Lowest, median and highest value of ``expr`` across ranks, one line each per ``by``."""
-    return [(f"min by ({by}) ({expr})", "lowest {{%s}}" % by),
-            (f"quantile by ({by}) (0.5, {expr})", "median {{%s}}" % by),
-            (f"max by ({by}) ({expr})", "highest {{%s}}" % by)]
+    legend = "{{" + by + "}}"  # Grafana's {{label}}
+    return [(f"min by ({by}) ({expr})", f"lowest {legend}"),
+            (f"quantile by ({by}) (0.5, {expr})", f"median {legend}"),
+            (f"max by ({by}) ({expr})", f"highest {legend}")]
 
 
 def _skip_ratio() -> str:

@@ -21,13 +21,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from ampwatch.contract import metrics as m
 from ampwatch.contract.alerts import AlertDefinition
 from ampwatch.contract.conditions import Outside, Rose, RoseBy, Share
 from ampwatch.contract.counters import COUNTERS, GAUGES
-from ampwatch.contract.thresholds import AlertThresholds, promql_duration as dur
+from ampwatch.contract.thresholds import AlertThresholds
+from ampwatch.contract.thresholds import promql_duration as dur
 
 __all__ = ["counter_rose", "expression", "nonzero_name", "num", "record", "recordings"]
 
@@ -109,7 +111,7 @@ def _level(metric: m.Metric) -> str:
     return "_".join(_identity(metric))
 
 
-def record(name: str, expr: str, labels: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def record(name: str, expr: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
     """Return a recording rule."""
     return {"record": name, "expr": expr, **({"labels": labels} if labels else {})}
 

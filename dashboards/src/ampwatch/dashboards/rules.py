@@ -28,17 +28,27 @@ Example::
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ampwatch.contract import metrics as m
-from ampwatch.contract.alerts import (ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS, AlertDefinition, Severity,
-                                     check_hand_written)
+from ampwatch.contract.alerts import (
+    ALERTS,
+    DEFAULT_RUNBOOK_BASE_URL,
+    SPEAKERS,
+    AlertDefinition,
+    Severity,
+    check_hand_written,
+)
 from ampwatch.contract.conditions import Rose, Share
-from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds, promql_duration as dur
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
+from ampwatch.contract.thresholds import promql_duration as dur
 
 from . import forms
 from ._yaml import dump_yaml
-from .forms import counter_rose, nonzero_name, num as _num, record as _record
+from .forms import counter_rose, nonzero_name
+from .forms import num as _num
+from .forms import record as _record
 
 __all__ = [
     "CONDITIONS",

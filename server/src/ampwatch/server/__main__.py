@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -85,7 +85,7 @@ def _allow_open_connections() -> int:
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"serve": serve}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch to a subcommand; without one, ``serve``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:

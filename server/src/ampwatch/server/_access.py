@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ampwatch.contract.metrics import COLLECTOR_REFUSED_REQUESTS
 
@@ -19,7 +19,7 @@ READ_PREFIXES = ("/metrics", "/v1/")
 _INGEST = "/v1/ingest"
 
 
-def bearer_matches(given: Optional[bytes], token: str) -> bool:
+def bearer_matches(given: bytes | None, token: str) -> bool:
     """Tell whether an ``Authorization`` header carries ``token`` as a bearer token (constant-time).
 
     The scheme is case-insensitive, as HTTP says: ``bearer``, ``Bearer`` and ``BEARER`` all work.
@@ -37,7 +37,7 @@ class RateLimiter:
     """
 
     def __init__(self, rate: float, max_clients: int = 10_000, clock: Callable[[], float] = time.monotonic,
-                 burst: Optional[float] = None) -> None:
+                 burst: float | None = None) -> None:
         self.rate, self.max_clients, self.clock = rate, max_clients, clock
         self.burst = 2.0 * rate if burst is None else burst
         self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, time of last refill)
@@ -73,13 +73,13 @@ class AccessGuard:
     """Refuse a request before routing: with more than one ``Host`` (400), for a name this collector does not serve
     (421), over the client's rate (429), or reading without the read token (401/403)."""
 
-    def __init__(self, read_token: Optional[str], rate_limit: float, hosts: Optional[HostAllowList] = None) -> None:
+    def __init__(self, read_token: str | None, rate_limit: float, hosts: HostAllowList | None = None) -> None:
         self._read_token = read_token
         self.hosts = hosts
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.refused: dict[str, int] = {"host": 0, "rate": 0, "read_auth": 0}  # exposed in /metrics
 
-    def refusal(self, scope: dict) -> Optional[tuple[int, dict, list[tuple[bytes, bytes]]]]:
+    def refusal(self, scope: dict) -> tuple[int, dict, list[tuple[bytes, bytes]]] | None:
         """Return ``(status, body, extra headers)`` when the request must be refused, else None."""
         authorities = [value for name, value in scope.get("headers") or () if name == b"host"]
         if len(authorities) > 1:

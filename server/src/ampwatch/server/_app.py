@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -19,8 +19,15 @@ from ._config import ServerConfig
 from ._gc import release_free_memory
 from ._hosts import HostAllowList
 from ._ingest import IngestService
-from ._metrics import (CONTENT_TYPE, RENDER_PAUSE_S, Exposition, NotificationMetrics, SelfMetrics, accepts_gzip,
-                       gzip_exposition)
+from ._metrics import (
+    CONTENT_TYPE,
+    RENDER_PAUSE_S,
+    Exposition,
+    NotificationMetrics,
+    SelfMetrics,
+    accepts_gzip,
+    gzip_exposition,
+)
 from ._query import router as query_router
 from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState

@@ -10,7 +10,8 @@ deeper than the decoder goes is refused like any other that is not a batch.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Callable, TypeVar, Union
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -62,7 +63,7 @@ _STATE_DECODER = msgspec.json.Decoder(WireRankState, dec_hook=decode_hook)
 _EVENT_DECODER = msgspec.json.Decoder(Event, dec_hook=decode_hook)
 
 
-def parse_batch(body: Union[bytes, str]) -> Batch:
+def parse_batch(body: bytes | str) -> Batch:
     """Parse and validate a raw request body in one pass (raises :class:`BatchError`)."""
     batch, _ = _decode(_DECODER.decode, body.encode() if isinstance(body, str) else body, "", explain=True)
     return batch

@@ -8,7 +8,7 @@ token buckets give each client address its own share, sized so that no real job 
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ampwatch.contract.protocol import MAX_BATCH_EVENTS
 
@@ -30,7 +30,7 @@ class ClientBudget:
         self._events = (RateLimiter(event_rate, burst=max(EVENT_BURST_SECONDS * event_rate, MAX_BATCH_EVENTS),
                                     clock=clock) if event_rate > 0 else None)
 
-    def refusal(self, client: str, new_run: bool, events: int) -> Optional[tuple[str, str, int]]:
+    def refusal(self, client: str, new_run: bool, events: int) -> tuple[str, str, int] | None:
         """Return ``(reason, message, retry_after_s)`` when the batch is over a budget of ``client``, else None."""
         if events and self._events is not None and not self._events.allow(client, events):
             wait = self._events.retry_after(client, events)

@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 import ipaddress
 import os
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, KEEP_ALIVE_S, TEXT_LIMITS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
@@ -38,7 +39,7 @@ def _boolean(text: str) -> bool:
 
 _PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _boolean}  # by the default's type
 
-def _option(default: Any, help: str, *, parse: Optional[Callable[[str], Any]] = None, shown: Optional[str] = None,
+def _option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, shown: str | None = None,
             secret: bool = False) -> Any:
     """Declare a field: its default, its ``--help`` text, the parser of its text form, how --help shows the default.
 
@@ -59,13 +60,13 @@ class ServerConfig:
                                      "needs --token or --token-file, or --insecure)")
     port: int = _option(9457, "TCP port (9457; not 9400, which NVIDIA dcgm-exporter uses)")
     db: str = _option("ampwatch.db", "SQLite database file, created if missing (WAL mode)")
-    token: Optional[str] = _option(None, "bearer token agents must send to /v1/ingest (default: none, ingest open; "
+    token: str | None = _option(None, "bearer token agents must send to /v1/ingest (default: none, ingest open; "
                                          "prefer --token-file: a command line shows in ps)", secret=True)
-    token_file: Optional[str] = _option(None, "file holding the ingest token (read once at start; surrounding "
+    token_file: str | None = _option(None, "file holding the ingest token (read once at start; surrounding "
                                               "white space ignored)")
-    read_token: Optional[str] = _option(None, "bearer token readers (Prometheus, scripts, the status page) must send "
+    read_token: str | None = _option(None, "bearer token readers (Prometheus, scripts, the status page) must send "
                                               "to /metrics and /v1/* (default: none, reading open)", secret=True)
-    read_token_file: Optional[str] = _option(None, "file holding the read token")
+    read_token_file: str | None = _option(None, "file holding the read token")
     insecure: bool = _option(False, "listen on a non-loopback address without an ingest token (anyone who reaches "
                                     "the port can then write into the collector)")
     allowed_hosts: tuple[str, ...] = _option(
@@ -94,8 +95,8 @@ class ServerConfig:
     max_client_connections: int = _option(4096, "connections one client address may hold open at once; more are "
                                                 "closed as they open (0: no limit). Raise it behind a NAT or proxy "
                                                 "that fronts more ranks than this")
-    ssl_certfile: Optional[str] = _option(None, "PEM certificate to serve HTTPS (with --ssl-keyfile)")
-    ssl_keyfile: Optional[str] = _option(None, "PEM private key for --ssl-certfile")
+    ssl_certfile: str | None = _option(None, "PEM certificate to serve HTTPS (with --ssl-keyfile)")
+    ssl_keyfile: str | None = _option(None, "PEM private key for --ssl-certfile")
     silent_after: float = _option(  # None until __post_init__: then the silence alert's threshold
         None, "seconds without a batch before a rank stops counting as reporting (default: the AmpRankSilent "
               "threshold silent_after_s of --alert-thresholds, 120 s: 8 heartbeats of the agents' default "
@@ -129,7 +130,7 @@ class ServerConfig:
     webhook: tuple[Target, ...] = _option(
         (), "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager webhook payload), "
             "alertmanager (its base URL; v2 API) or slack (incoming webhook)", parse=parse_targets, shown="none")
-    webhook_file: Optional[str] = _option(None, "file holding --webhook's text (webhook URLs often carry secrets)")
+    webhook_file: str | None = _option(None, "file holding --webhook's text (webhook URLs often carry secrets)")
     notify_group_wait: float = _option(5.0, "seconds a new webhook/Slack notification group (one alert name in one "
                                             "run) waits for the rest of its ranks (Alertmanager's group_wait)")
     notify_group_interval: float = _option(60.0, "at most one webhook/Slack notification per group this often, "
@@ -220,7 +221,7 @@ def _is_loopback(host: str) -> bool:
         return False  # a host name, or 0.0.0.0 / :: (every interface)
 
 
-def add_arguments(parser: argparse.ArgumentParser, environ: Optional[Mapping[str, str]] = None) -> None:
+def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """Add one ``--option`` per config field, defaulting to its ``AMPWATCH_SERVER_*`` variable."""
     env = os.environ if environ is None else environ
     for field in dataclasses.fields(ServerConfig):

@@ -20,7 +20,8 @@ connection and per request.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, MutableMapping, Optional
+from collections.abc import MutableMapping
+from typing import Any
 
 __all__ = ["ConnectionLimits", "bounded_protocol", "pending_cap_for"]
 
@@ -48,15 +49,15 @@ class ConnectionLimits:
         protocol.transport.close()
 
 
-def bounded_protocol(limits: ConnectionLimits, base: Optional[type] = None) -> type:
+def bounded_protocol(limits: ConnectionLimits, base: type | None = None) -> type:
     """Return uvicorn's HTTP protocol class (httptools, else h11; or ``base``) held to ``limits``."""
     if base is None:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
         base = AutoHTTPProtocol
 
     class BoundedProtocol(base):  # type: ignore[misc, valid-type]  # a base chosen at run time (httptools or h11)
-        _timer: Optional[asyncio.TimerHandle] = None
-        _address: Optional[str] = None
+        _timer: asyncio.TimerHandle | None = None
+        _address: str | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -85,7 +86,7 @@ def bounded_protocol(limits: ConnectionLimits, base: Optional[type] = None) -> t
                 self._stop()  # the body is complete
                 limits.pending.pop(self, None)
 
-        def connection_lost(self, exc: Optional[Exception]) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             self._stop()
             limits.pending.pop(self, None)
             if self._address is not None:

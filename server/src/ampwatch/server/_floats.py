@@ -10,7 +10,7 @@ series use these helpers so that they agree with the Prometheus rules.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 __all__ = ["NONFINITE_STRINGS", "wire_float", "exposition_float", "promql_min", "promql_max", "promql_divide"]
 
@@ -18,7 +18,7 @@ NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.i
 """How the protocol writes non-finite floats in JSON (as Protocol Buffers' JSON mapping does)."""
 
 
-def wire_float(value: Optional[float]) -> Union[float, str, None]:
+def wire_float(value: float | None) -> float | str | None:
     """Return ``value`` as the protocol writes it in JSON: NaN and infinities as strings, else unchanged."""
     if value is None or math.isfinite(value):
         return value

@@ -8,7 +8,7 @@ import ctypes.util
 import gc
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 __all__ = ["tune_gc", "GC_THRESHOLDS", "FREEZE_EVERY_S", "FULL_COLLECTION_EVERY_S", "MMAP_THRESHOLD",
            "release_free_memory"]
@@ -42,7 +42,7 @@ carved from the heap, which kept the pages; with the threshold fixed, a scrape's
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
 
-def _libc() -> Optional[ctypes.CDLL]:
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
@@ -73,7 +73,7 @@ def tune_gc() -> None:
 
 
 def _keep_frozen(sleep: Callable[[float], object] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                 rounds: Optional[int] = None) -> None:
+                 rounds: int | None = None) -> None:
     """Freeze every :data:`FREEZE_EVERY_S`; thaw and collect in full every :data:`FULL_COLLECTION_EVERY_S`."""
     last_full = clock()
     while rounds is None or rounds > 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 __all__ = ["HostAllowList", "parse_names", "host_name"]
 
@@ -38,7 +38,7 @@ def parse_names(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def host_name(authority: bytes) -> Optional[str]:
+def host_name(authority: bytes) -> str | None:
     """Return the host name of a ``Host`` value (``name``, ``name:port``, ``[v6]:port``), lowercased, or None when
     it is none of those (``[::1]evil.example``, ``[localhost]``, ``::1`` unbracketed, a port not of digits)."""
     text = authority.decode("latin-1").strip().lower()
@@ -83,10 +83,10 @@ class HostAllowList:
         self._judged: dict[bytes, bool] = {}
 
     @classmethod
-    def of(cls, config) -> "HostAllowList":  # noqa: ANN001 - a ServerConfig (no import cycle)
+    def of(cls, config) -> HostAllowList:  # noqa: ANN001 - a ServerConfig (no import cycle)
         return cls(config.host, config.allowed_hosts)
 
-    def allows(self, authority: Optional[bytes]) -> bool:
+    def allows(self, authority: bytes | None) -> bool:
         """Tell whether a request whose ``Host`` header is ``authority`` is for this collector.
 
         A request without ``Host`` (HTTP/1.0 from a script) passes: browsers always send one.

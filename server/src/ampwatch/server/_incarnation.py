@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional, Union
 
 import msgspec
 
@@ -45,7 +44,7 @@ class Incarnation:
     """The live processes of the rank this one appeared beside (:func:`._ownership.beside`): a restart after a
     crash, or a second process claiming the rank; which one, a displaced process's next batch of its own tells.
     Kept for the incarnation's life (a claim does not lapse with the claimant's later batches)."""
-    conflict_with: Optional[str] = None
+    conflict_with: str | None = None
     """Set once a displaced incarnation sent again (two processes claim the rank): this one is then never again
     the rank's current process, gauges or liveness, and its later batches are refused; what it counted before
     stays in the totals (exposed counters never go down)."""
@@ -53,7 +52,7 @@ class Incarnation:
     """Every batch of it so far came from another process replaying a dead one's spool (``replayed``): the
     rank's history, never its owner while a process that sent for itself is there."""
 
-    def to_row(self, batch_json: Optional[str] = None) -> dict:
+    def to_row(self, batch_json: str | None = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
         # Re-serialising the batch was a tenth of the ingest CPU; an event-free body restores to the same model.
         counters = {_RANK_KEY: self.totals.to_json(), **{name: t.to_json() for name, t in self.optimizers.items()}}
@@ -69,7 +68,7 @@ class Incarnation:
                                   ("replayed_only", self.replayed_only)) if v}
 
     @classmethod
-    def from_row(cls, row: dict) -> "Incarnation":
+    def from_row(cls, row: dict) -> Incarnation:
         """Rebuild from :meth:`to_row` output."""
         extra = json.loads(row["counters"])
         counters = extra["counters"]
@@ -84,14 +83,14 @@ class Incarnation:
                    replayed_only=extra.get("replayed_only", False))
 
 
-def _ids(stored: Union[str, list[str], None]) -> tuple[str, ...]:
+def _ids(stored: str | list[str] | None) -> tuple[str, ...]:
     """Read ``displaced`` back: a list of ids (a single id, or none, from collectors before the list)."""
     if not stored:
         return ()
     return (stored,) if isinstance(stored, str) else tuple(stored)
 
 
-def next_incarnation(old: Optional[Incarnation], batch: Batch, now: float, max_label_length: int,
+def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_label_length: int,
                      displaced: tuple[str, ...] = ()) -> Incarnation:
     """Return the incarnation after applying ``batch`` on ``old`` (pure: ``old`` is not changed).
 

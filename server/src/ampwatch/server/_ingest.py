@@ -11,7 +11,8 @@ import json
 import logging
 import sqlite3
 import time
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
 
@@ -42,8 +43,8 @@ _MAX_STORED_RAW = 16_384  # bytes; a batch of 16 optimizers without events is ~6
 class _Refused(Exception):
     """A refusal: its status, reason label, message, and whether the very same batch may pass later."""
 
-    def __init__(self, status: int, reason: str, message: str, detail: Optional[list[str]] = None, *,
-                 retry: bool = False, retry_after: Optional[int] = None) -> None:
+    def __init__(self, status: int, reason: str, message: str, detail: list[str] | None = None, *,
+                 retry: bool = False, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.reason, self.message, self.detail = status, reason, message, detail
         self.retry, self.retry_after = retry, retry_after
@@ -77,7 +78,7 @@ class IngestService:
         self.config, self.state, self.store, self.own, self.clock = config, state, store, own, clock
         self.budget = ClientBudget(config.client_new_runs, config.client_event_rate)
         self._busy: dict[tuple[str, int], asyncio.Future] = {}  # ranks with a batch being applied
-        self.on_applied: Optional[Callable[[RankState], None]] = None  # built-in alerts; must not raise or block
+        self.on_applied: Callable[[RankState], None] | None = None  # built-in alerts; must not raise or block
         self._requests_by_status: dict[int, Any] = {}  # counter children, looked up once per status
         self.in_flight = 0
         """Ingest requests begun and not yet answered (the event loop has work: ``/metrics`` pauses for it)."""
@@ -94,7 +95,7 @@ class IngestService:
 
     async def _answer(self, scope: dict, receive: Callable, send: Callable) -> None:
         retry_after = None
-        body: Union[bytes, dict]  # bytes ready to send, or an error to write as JSON
+        body: bytes | dict  # bytes ready to send, or an error to write as JSON
         # Every refusal says "retry": true (the very same batch may pass later: send it again) or false (it
         # never will: drop it); agents act on that rather than on the status alone (docs/protocol.md).
         try:
@@ -115,7 +116,7 @@ class IngestService:
             counter = self._requests_by_status[status] = self.own.requests.labels(str(status))
         counter.inc()
 
-    def _failure(self, exc: Exception) -> tuple[int, dict, Optional[int]]:
+    def _failure(self, exc: Exception) -> tuple[int, dict, int | None]:
         """Return the status, error body and Retry-After for a request (v1) or one rank's batch (v2) that failed."""
         if isinstance(exc, _Refused):
             self.own.rejected.labels(exc.reason).inc()
@@ -187,7 +188,7 @@ class IngestService:
             del self._busy[key]
             done.set_result(None)
 
-    def _authenticate(self, given: Optional[bytes]) -> None:
+    def _authenticate(self, given: bytes | None) -> None:
         if self.config.token is None:
             return
         if not given:
@@ -197,7 +198,7 @@ class IngestService:
             raise _Refused(403, "auth", "the token is wrong: AMPWATCH_TOKEN on the agent must equal the "
                                         "collector's --token / AMPWATCH_SERVER_TOKEN")
 
-    async def _read_body(self, declared: Optional[bytes], receive: Callable) -> bytes:
+    async def _read_body(self, declared: bytes | None, receive: Callable) -> bytes:
         limit = self.config.max_body_bytes
         too_large = _Refused(413, "too_large", f"the batch is larger than this collector's limit of {limit} "
                                                f"bytes: send fewer events per batch or raise --max-body-bytes")
@@ -327,7 +328,7 @@ class IngestService:
                         claimant.batch.host, claimant.batch.pid, live.id)
 
 
-def _as_stored(body: bytes, events: list) -> Optional[str]:
+def _as_stored(body: bytes, events: list) -> str | None:
     """Return the body to store as the incarnation's batch when that is safe (no events, no bulk), else None."""
     # A small event-free body restores to the same model (unknown fields are ignored on reading), so it
     # needs no re-serialising; a large one might carry bulk that the schema drops, so it is re-serialised.

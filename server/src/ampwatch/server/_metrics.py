@@ -12,7 +12,7 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -81,7 +81,7 @@ class _RankLines:
         self.optimizers: dict[str, str] = {}
         self.ladder_from: list[tuple[int, ...]] = []
         self.ladder = ""
-        self.view: Optional[RankView] = None  # the view ``lines`` were formatted from
+        self.view: RankView | None = None  # the view ``lines`` were formatted from
         self.lines: tuple[str, ...] = ()
 
     def block(self, view: RankView, keep: bool) -> tuple[str, ...]:
@@ -117,7 +117,7 @@ class _RankLines:
         return self.ladder
 
 
-def _loss_scale(view: RankView) -> Optional[float]:
+def _loss_scale(view: RankView) -> float | None:
     batch = view.current.batch if view.current else None
     if batch is None or not batch.scaler.enabled:
         return None
@@ -144,7 +144,7 @@ _FAMILIES = (*(metric for metric, _ in _OPTIMIZER_TOTALS), *(metric for metric, 
 _NUMBERED_FAMILIES = tuple(enumerate(_FAMILIES))
 
 
-def _format_rank(v: RankView, lines: "_RankLines") -> tuple[str, ...]:
+def _format_rank(v: RankView, lines: _RankLines) -> tuple[str, ...]:
     """Return one rank's lines of each of :data:`_FAMILIES`, in that order (a family it has no sample of: "")."""
     labels = lines.labels(v)
     totals = v.optimizer_totals
@@ -186,9 +186,9 @@ class Exposition:
     that left memory leaves it too.
     """
 
-    def __init__(self, state: CollectorState, own: "SelfMetrics", silent_after: float,
+    def __init__(self, state: CollectorState, own: SelfMetrics, silent_after: float,
                  clock: Callable[[], float] = time.time, pause_s: float = 0.0,
-                 busy: Optional[Callable[[], bool]] = None, keep_lines_from: int = KEEP_LINES_FROM) -> None:
+                 busy: Callable[[], bool] | None = None, keep_lines_from: int = KEEP_LINES_FROM) -> None:
         self.state, self.own, self.silent_after, self.clock = state, own, silent_after, clock
         self.pause_s = pause_s
         """Sleep this long after each :data:`RENDER_WORK_S` of formatting: the app renders in a worker thread
@@ -200,7 +200,7 @@ class Exposition:
         self._lines: dict[RankState, _RankLines] = {}
         self._rendering = threading.Lock()  # the label cache is one render's at a time
 
-    def render(self, now: Optional[float] = None) -> str:
+    def render(self, now: float | None = None) -> str:
         """Return the full /metrics body: every rank's series, then the collector's own."""
         return self.render_ranks(self.clock() if now is None else now) + self.own.render()
 

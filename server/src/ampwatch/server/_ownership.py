@@ -18,19 +18,19 @@ Pure functions of incarnations; :mod:`._ingest` applies them, :class:`._state.Ra
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from ._incarnation import Incarnation
 
 __all__ = ["same_process", "owner", "beside", "claimants"]
 
 
-def same_process(key: Optional[str], other: Optional[str]) -> bool:
+def same_process(key: str | None, other: str | None) -> bool:
     """Whether two process keys name one process: a missing key (an agent before ``process_key``) names none."""
     return key is not None and key == other
 
 
-def owner(incarnations: Iterable[Incarnation]) -> Optional[Incarnation]:
+def owner(incarnations: Iterable[Incarnation]) -> Incarnation | None:
     """Return the incarnation whose gauges, liveness and close the rank shows (None: every one was put out).
 
     O(incarnations). Ranked by: having spoken for itself (not only replayed by another process), having a key
@@ -42,7 +42,7 @@ def owner(incarnations: Iterable[Incarnation]) -> Optional[Incarnation]:
                                      inc.first_seen), default=None)
 
 
-def beside(incarnations: Iterable[Incarnation], key: Optional[str], now: float, silent_after: float
+def beside(incarnations: Iterable[Incarnation], key: str | None, now: float, silent_after: float
            ) -> tuple[str, ...]:
     """Return the ids of the live processes a new incarnation of process ``key`` appears beside: not put out,
     not closed, not only replayed, seen within ``silent_after``, and of another process.

@@ -12,7 +12,8 @@ while the loop idles (a healthy job's batches come a few milliseconds in every h
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional, Sequence, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 __all__ = ["Pacer", "paced"]
 
@@ -30,7 +31,7 @@ class Pacer:
 
     __slots__ = ("work_s", "pause_s", "busy", "_due")
 
-    def __init__(self, work_s: float, pause_s: float, busy: Optional[Callable[[], bool]] = None) -> None:
+    def __init__(self, work_s: float, pause_s: float, busy: Callable[[], bool] | None = None) -> None:
         self.work_s, self.pause_s, self.busy = work_s, pause_s, busy
         self._due = time.perf_counter() + work_s
 
@@ -42,7 +43,7 @@ class Pacer:
         self._due = time.perf_counter() + self.work_s
 
 
-def paced(items: Sequence[T], work_s: float, pause_s: float, busy: Optional[Callable[[], bool]] = None) \
+def paced(items: Sequence[T], work_s: float, pause_s: float, busy: Callable[[], bool] | None = None) \
         -> Iterator[T]:
     """Yield ``items``, a :class:`Pacer` called after each."""
     if not pause_s:

@@ -19,8 +19,6 @@ incarnation id costs nothing) would bring another day's worth.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ._incarnation import Incarnation
 from ._state import RankView
 from ._totals import OptimizerTotals, RankTotals
@@ -38,8 +36,8 @@ _NONE = OptimizerTotals()
 _NO_RANK = RankTotals()
 
 
-def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, rate: float,
-                     rank: Optional[RankView] = None) -> Optional[str]:
+def implausible_rise(old: Incarnation | None, new: Incarnation, now: float, rate: float,
+                     rank: RankView | None = None) -> str | None:
     """Return why ``new.batch`` (the next of process ``old``, or its first) is implausible, else None.
 
     ``new`` is :func:`~._incarnation.next_incarnation` of ``old`` and the batch, so its counters are the batch's
@@ -76,8 +74,8 @@ def implausible_rise(old: Optional[Incarnation], new: Incarnation, now: float, r
             "training job counts that fast; if yours does, raise --max-counter-rate")
 
 
-def _first_over(old: Optional[Incarnation], new: Incarnation, rank: Optional[RankView], allowed: float,
-                allowed_total: float) -> Optional[tuple[str, int, int]]:
+def _first_over(old: Incarnation | None, new: Incarnation, rank: RankView | None, allowed: float,
+                allowed_total: float) -> tuple[str, int, int] | None:
     """Return (counter name, rise since ``old``, the rank's total after the rise) of the first counter of the
     batch past either bound, else None; names are formatted only for that one (this runs for every batch)."""
     rise = new.batch.state.iteration - (old.batch.state.iteration if old else 0)
@@ -94,9 +92,9 @@ def _first_over(old: Optional[Incarnation], new: Incarnation, rank: Optional[Ran
     return found
 
 
-def _over(optimizer: Optional[str], new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals,
+def _over(optimizer: str | None, new: RankTotals | OptimizerTotals, old: RankTotals | OptimizerTotals,
           total: RankTotals | OptimizerTotals, allowed: float, allowed_total: float
-          ) -> Optional[tuple[str, int, int]]:
+          ) -> tuple[str, int, int] | None:
     if new is old:
         return None
     for field, a, b, t in zip(new.__dataclass_fields__, new._values(), old._values(),

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from ampwatch.contract.protocol import COLLECTOR_EVENT_KINDS, DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
+from ._floats import wire_float
 from ._latest_events import collapse
 from ._recovery import load_ranks
 from ._run_scale import WINDOWS, run_scale, traces
 from ._run_summary import firing_of, summary_page, trouble_rows
-from ._stored_form import event_of_row, wire_document
-from ._floats import wire_float
 from ._state import RankState
+from ._stored_form import event_of_row, wire_document
 from ._view_cache import ViewCache
 
 __all__ = ["router", "rank_summary"]
@@ -75,7 +75,7 @@ def origin_ranks(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @router.get("/runs", summary="List runs, most recently seen first, paginated")
 async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000),
-                    after: Optional[str] = Query(None, max_length=1024,
+                    after: str | None = Query(None, max_length=1024,
                                                  description="the 'next' cursor of the previous page")
                     ) -> dict[str, Any]:
     """Return a page of the runs in the database (rank count, first/last seen) and the next page's cursor."""
@@ -105,10 +105,10 @@ async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000),
 @router.get("/runs/{run:path}/events", summary="A run's events, oldest (or newest) first, paginated")
 async def list_events(
     request: Request, run: str,
-    kind: Optional[EventKind] = Query(None, description="only this event kind"),
-    rank: Optional[int] = Query(None, ge=0, description="only this rank"),
-    optimizer: Optional[str] = Query(None, description="only events of this optimizer"),
-    since: Optional[float] = Query(None, description="only events at or after this Unix time"),
+    kind: EventKind | None = Query(None, description="only this event kind"),
+    rank: int | None = Query(None, ge=0, description="only this rank"),
+    optimizer: str | None = Query(None, description="only events of this optimizer"),
+    since: float | None = Query(None, description="only events at or after this Unix time"),
     after: int = Query(0, ge=0, description="the 'next' cursor of the previous page"),
     limit: int = Query(100, ge=1, le=1000),
     newest_first: bool = Query(False, description="newest first: the first page is the latest events, 'next' "

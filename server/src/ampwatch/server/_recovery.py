@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ._incarnation import Incarnation
 from ._state import RankState
@@ -12,8 +12,8 @@ from ._store import Store
 __all__ = ["load_ranks", "stored_ranks", "delete_history_job"]
 
 
-def load_ranks(store: Store, *, seen_after: Optional[float] = None, run: Optional[str] = None,
-               rank: Optional[int] = None) -> list[RankState]:
+def load_ranks(store: Store, *, seen_after: float | None = None, run: str | None = None,
+               rank: int | None = None) -> list[RankState]:
     """Return ranks rebuilt from their stored incarnations (blocking: call it from a worker thread)."""
     where: list[str] = []
     params: list[object] = []

@@ -12,7 +12,8 @@ answer is a few hundred numbers plus the outliers' points, whatever the rank cou
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from ._floats import wire_float
 from ._scale_trace import ScaleTrace
@@ -30,7 +31,7 @@ def _key(scale: float) -> Any:
     return scale if math.isfinite(scale) and scale > 0 else _OFF
 
 
-def lower_median(counts: Iterable[tuple[float, int]]) -> Optional[float]:
+def lower_median(counts: Iterable[tuple[float, int]]) -> float | None:
     """The lower median of scales given as ``(scale, how many ranks)`` (NaN left out): with an even number of
     ranks the lower of the two middle ones, a scale some rank holds, never an average of two. O(distinct scales)."""
     ordered = sorted((s, n) for s, n in counts if n > 0 and not math.isnan(s))
@@ -42,7 +43,7 @@ def lower_median(counts: Iterable[tuple[float, int]]) -> Optional[float]:
     return None  # nothing counted
 
 
-def _distance(low: float, high: float, floor: Optional[float], ceiling: Optional[float]) -> float:
+def _distance(low: float, high: float, floor: float | None, ceiling: float | None) -> float:
     """Powers of two by which [low, high] leaves [floor, ceiling]; infinite for a scale off the log axis."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return math.inf
@@ -56,7 +57,7 @@ def traces(ranks: Iterable[RankState]) -> dict[int, ScaleTrace]:
     return {r.rank: r.scale_trace.copy() for r in ranks if len(r.scale_trace)}
 
 
-def run_scale(run: str, traced: dict[int, ScaleTrace], window: Optional[int], buckets: int = 200,
+def run_scale(run: str, traced: dict[int, ScaleTrace], window: int | None, buckets: int = 200,
               outliers: int = 6, asked: Iterable[int] = ()) -> dict[str, Any]:
     """Return the spread of the run's loss scale over the last ``window`` iterations (None: all) and its outliers.
 
@@ -104,9 +105,9 @@ def run_scale(run: str, traced: dict[int, ScaleTrace], window: Optional[int], bu
         extremes[rank] = (low, high)
 
     histogram: dict[Any, int] = {}
-    lows: list[Optional[float]] = []
-    medians: list[Optional[float]] = []
-    highs: list[Optional[float]] = []
+    lows: list[float | None] = []
+    medians: list[float | None] = []
+    highs: list[float | None] = []
     reporting: list[int] = []
     for slice_ in range(count):
         in_force = [s for s, n in histogram.items() if s is not _OFF and n > 0]

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from ampwatch.contract.thresholds import AlertThresholds
 
 from ._floats import wire_float
 from ._run_scale import lower_median
 from ._state import RankState, RankView
-from .alerting.rank_conditions import usable_scale
 from .alerting.evaluator import BuiltinAlerts
+from .alerting.rank_conditions import usable_scale
 
 __all__ = ["REASONS", "firing_of", "summary_page", "trouble_rows"]
 
@@ -36,13 +37,13 @@ _RANKED = {reason: i for i, reason in enumerate(REASONS)}
 Firing = tuple[dict[int, tuple[str, ...]], tuple[str, ...]]
 
 
-def _scale(rank: RankView) -> Optional[float]:
+def _scale(rank: RankView) -> float | None:
     """The rank's loss scale; None when it has none (no GradScaler, a disabled one, or not read yet)."""
     batch = rank.owner.batch
     return batch.state.loss_scale if batch.scaler.enabled else None
 
 
-def _band(scales: Iterable[Optional[float]], t: AlertThresholds) -> tuple[dict[str, Any], Optional[float]]:
+def _band(scales: Iterable[float | None], t: AlertThresholds) -> tuple[dict[str, Any], float | None]:
     """Return min, lower median and max of ``scales`` (collapsed ones too: 0, subnormal, infinite) with counts, and
     the median as a float.
 
@@ -73,8 +74,8 @@ def _progress(rank: RankView) -> tuple[int, int, int]:
     return skipped, calls, poisoned
 
 
-def _row(rank: RankView, now: float, silent_after: float, t: AlertThresholds, recent: Optional[tuple[int, int]],
-         median: Optional[float], names: Iterable[str], finished: bool) -> dict[str, Any]:
+def _row(rank: RankView, now: float, silent_after: float, t: AlertThresholds, recent: tuple[int, int] | None,
+         median: float | None, names: Iterable[str], finished: bool) -> dict[str, Any]:
     # The hot loop of a summary (once per rank per build): each view property is read once.
     current = rank.owner
     batch = current.batch
@@ -129,7 +130,7 @@ def firing_of(run: str, alerts: BuiltinAlerts) -> Firing:
     return {rank: tuple(sorted(names)) for rank, names in sorted(by_rank.items())}, tuple(sorted(run_alerts))
 
 
-def _whole_job(rows: list[dict[str, Any]], live: int, t: AlertThresholds) -> Optional[dict[str, Any]]:
+def _whole_job(rows: list[dict[str, Any]], live: int, t: AlertThresholds) -> dict[str, Any] | None:
     """The run-wide skip, when at least ``backoff_rank_share`` of its live ranks are in a streak together: how
     many, and the iteration most of their streaks began at (the first skipped one: DDP ranks skip in lockstep)."""
     starts = [row["iteration"] - row["streak"] for row in rows if "in_streak" in row["reasons"]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_right
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from ._schema import Batch, ScaleChangeEvent
 
@@ -46,7 +46,7 @@ class ScaleTrace:
     def __len__(self) -> int:
         return len(self.iterations)
 
-    def copy(self) -> "ScaleTrace":
+    def copy(self) -> ScaleTrace:
         """An independent copy (two array copies: microseconds), to read while the original keeps changing."""
         twin = ScaleTrace()
         twin.iterations, twin.scales, twin.last_iteration = array("q", self.iterations), array("d", self.scales), \
@@ -92,7 +92,7 @@ class ScaleTrace:
                 self.record(event.iteration, event.after)
         self.record(state.iteration, state.loss_scale)
 
-    def scale_at(self, iteration: int) -> Optional[float]:
+    def scale_at(self, iteration: int) -> float | None:
         """The scale in force at ``iteration``; None before the first point. O(log points)."""
         i = bisect_right(self.iterations, iteration)
         return self.scales[i - 1] if i else None

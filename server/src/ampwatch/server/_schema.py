@@ -9,12 +9,18 @@ parser and a validator after it cost, and a wide or deep body is refused at abou
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
-from ampwatch.contract.protocol import (MAX_BATCH_EVENTS, MAX_PARAMS, PROTOCOL_VERSION, SCALE_CAUSES, STREAK_LADDER,
-                                        TEXT_LIMITS)
+from ampwatch.contract.protocol import (
+    MAX_BATCH_EVENTS,
+    MAX_PARAMS,
+    PROTOCOL_VERSION,
+    SCALE_CAUSES,
+    STREAK_LADDER,
+    TEXT_LIMITS,
+)
 
 from ._floats import NONFINITE_STRINGS, wire_float
 
@@ -86,16 +92,16 @@ class _Model(Struct, frozen=True):
 
 class AgentInfo(_Model, frozen=True):
     version: VersionText
-    torch: Optional[VersionText] = None
+    torch: VersionText | None = None
 
 
 class ScalerInfo(_Model, frozen=True):
     enabled: bool
     kind: ScalerKind
-    init_scale: Optional[ScaleValue] = None
-    growth_factor: Optional[ScaleValue] = None
-    backoff_factor: Optional[ScaleValue] = None
-    growth_interval: Optional[int] = None
+    init_scale: ScaleValue | None = None
+    growth_factor: ScaleValue | None = None
+    backoff_factor: ScaleValue | None = None
+    growth_interval: int | None = None
 
 
 class WireOptimizerCounters(_Model, frozen=True):
@@ -123,12 +129,12 @@ class WireRankState(_Model, frozen=True):
     """``state``: the rank's cumulative counters and gauges, as sent."""
 
     iteration: Count
-    loss_scale: Optional[ScaleValue]  # any value the scaler holds: 0, subnormal, negative, NaN, infinite
+    loss_scale: ScaleValue | None  # any value the scaler holds: 0, subnormal, negative, NaN, infinite
     backoffs: Count
     growths: Count
     optimizers: dict[Label, WireOptimizerCounters]
     manual_sets: Count = 0
-    origin_iterations: Optional[Count] = None  # absent: the rank does not watch DDP's all-reduce (ddp=)
+    origin_iterations: Count | None = None  # absent: the rank does not watch DDP's all-reduce (ddp=)
     delivery: Delivery = Delivery()
 
 
@@ -150,13 +156,13 @@ class SkipEvent(_EventBase, tag="skip", frozen=True):
     optimizer: Label
     streak: Positive
     params: Annotated[list[ParamDetail], Meta(max_length=MAX_PARAMS)] = []
-    params_total: Optional[Count] = None
+    params_total: Count | None = None
     inspected: bool = True
     # With ddp=: whether this rank's own gradients held inf/NaN before the all-reduce (absent: not watched).
-    origin: Optional[bool] = None
+    origin: bool | None = None
     origin_buckets: Annotated[list[Count], Meta(max_length=MAX_PARAMS)] = []
     origin_params: Annotated[list[ParamName], Meta(max_length=MAX_PARAMS)] = []
-    origin_params_total: Optional[Count] = None
+    origin_params_total: Count | None = None
 
 
 class StreakEndEvent(_EventBase, tag="streak_end", frozen=True):
@@ -169,8 +175,8 @@ class StreakEndEvent(_EventBase, tag="streak_end", frozen=True):
 class ScaleChangeEvent(_EventBase, tag="scale_change", frozen=True):
     kind: ClassVar[str] = "scale_change"
     cause: ScaleCause
-    before: Optional[ScaleValue]
-    after: Optional[ScaleValue]
+    before: ScaleValue | None
+    after: ScaleValue | None
     # Backoffs in consecutive iterations this event stands for (the agent folds a storm's backoffs); 1 otherwise.
     count: Positive = 1
 
@@ -187,21 +193,21 @@ class PoisonedStepEvent(_EventBase, tag="poisoned_step", frozen=True):
     reason: Literal["nonfinite_grad", "nonfinite_param"]
     # From a rank without a GradScaler: the position in its run of consecutive poisoned steps (sent at 1, 2, 4,
     # ... as skips are), and exact false when inf/nan only say whether a gradient held any (read on a GPU late).
-    streak: Optional[Positive] = None
+    streak: Positive | None = None
     exact: bool = True
     params: Annotated[list[ParamDetail], Meta(max_length=MAX_PARAMS)] = []
-    params_total: Optional[Count] = None
+    params_total: Count | None = None
     # Without a scaler, with ddp=: whether this rank's own gradients held inf/NaN before the all-reduce.
-    origin: Optional[bool] = None
+    origin: bool | None = None
     origin_params: Annotated[list[ParamName], Meta(max_length=MAX_PARAMS)] = []
-    origin_params_total: Optional[Count] = None
+    origin_params_total: Count | None = None
 
 
 class WarningEvent(_EventBase, tag="warning", frozen=True):
     kind: ClassVar[str] = "warning"
     code: WarningCode
     message: WarningMessage
-    optimizer: Optional[Label] = None
+    optimizer: Label | None = None
 
 
 class ScalerDisabledEvent(_EventBase, tag="scaler_disabled", frozen=True):
@@ -214,8 +220,8 @@ class CloseEvent(_EventBase, tag="close", frozen=True):
 
 EVENT_MODELS = (SkipEvent, StreakEndEvent, ScaleChangeEvent, SchedulerAfterSkipEvent, PoisonedStepEvent,
                  WarningEvent, ScalerDisabledEvent, CloseEvent)
-Event = Union[SkipEvent, StreakEndEvent, ScaleChangeEvent, SchedulerAfterSkipEvent, PoisonedStepEvent,
-              WarningEvent, ScalerDisabledEvent, CloseEvent]
+Event = (SkipEvent | StreakEndEvent | ScaleChangeEvent | SchedulerAfterSkipEvent | PoisonedStepEvent | WarningEvent
+         | ScalerDisabledEvent | CloseEvent)
 
 
 class Batch(_Model, frozen=True):
@@ -237,7 +243,7 @@ class Batch(_Model, frozen=True):
     events: Annotated[list[Event], Meta(max_length=MAX_BATCH_EVENTS)] = []
     closed: bool = False
     # Secret, shared by every watch() in one process; never shown (absent from agents before it).
-    process_key: Optional[Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")]] = None
+    process_key: Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")] | None = None
     # Sent by another process than the batch's own, from a dead process's spool: its history, no sign of life.
     replayed: bool = False
 

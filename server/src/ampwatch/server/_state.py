@@ -4,7 +4,8 @@ expiry, and the limits a new rank or run must fit."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from ._incarnation import Incarnation
 from ._ownership import owner
@@ -30,7 +31,7 @@ class RankSnapshot:
     last_seen: float
     """Unix time the collector received the rank's latest batch."""
     iteration: int = 0
-    loss_scale: Optional[float] = None
+    loss_scale: float | None = None
     """The loss scale as ``/metrics`` exposes it (``ampwatch_loss_scale``): None without an enabled GradScaler."""
     scaler_enabled: bool = True
     closed: bool = False
@@ -56,12 +57,12 @@ class RankView:
     run: str
     rank: int
     incarnations: Mapping[str, Incarnation]
-    current: Optional[Incarnation]  # the rank's owner (:func:`._ownership.owner`); its gauges are the rank's gauges
+    current: Incarnation | None  # the rank's owner (:func:`._ownership.owner`); its gauges are the rank's gauges
     totals: RankTotals
     optimizer_totals: Mapping[str, OptimizerTotals]  # in the order the optimizers first appeared
     first_seen: float = float("inf")  # when the collector first saw any of the rank's processes
 
-    def installed(self, new: Incarnation) -> "RankView":
+    def installed(self, new: Incarnation) -> RankView:
         """Return the view after ``new`` became the applied state of its incarnation (totals move by the difference)."""
         old = self.incarnations.get(new.id)
         totals = self.totals.moved_by(new.totals, old.totals if old else _NO_RANK)
@@ -79,7 +80,7 @@ class RankView:
         return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals,
                         min(self.first_seen, new.first_seen))
 
-    def excluded(self, claimant: Incarnation) -> "RankView":
+    def excluded(self, claimant: Incarnation) -> RankView:
         """Return the view with ``claimant`` (from :func:`._ownership.claimants`) out of the rank (see
         :meth:`RankState.exclude`); the totals do not move."""
         incarnations = dict(self.incarnations)
@@ -115,7 +116,7 @@ class RankView:
         """Longest skip streak of ``optimizer`` over every incarnation."""
         return max((inc.longest.get(optimizer, 0) for inc in self._own()), default=0)
 
-    def latest_nonfinite(self, optimizer: str) -> Optional[str]:
+    def latest_nonfinite(self, optimizer: str) -> str | None:
         """The latest parameter named on a skip of ``optimizer``, newest incarnation first (a replayed one last)."""
         best = None
         for inc in self._own():
@@ -199,7 +200,7 @@ class LimitExceeded(Exception):
     (finished runs retire and free room).
     """
 
-    def __init__(self, message: str, *, retry: bool, retry_after: Optional[int] = None) -> None:
+    def __init__(self, message: str, *, retry: bool, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message, self.retry, self.retry_after = message, retry, retry_after
 
@@ -233,7 +234,7 @@ class CollectorState:
         """The run's change generation: equal values mean the run view would show the same ranks."""
         return self.generations.get(run, 0)
 
-    def get(self, run: str, rank: int) -> Optional[RankState]:
+    def get(self, run: str, rank: int) -> RankState | None:
         ranks = self.runs.get(run)
         return ranks.get(rank) if ranks else None
 
@@ -257,7 +258,7 @@ class CollectorState:
                     out.append((rank, view))
         return out
 
-    def check_limits(self, batch: Batch, known: Optional[RankState]) -> None:
+    def check_limits(self, batch: Batch, known: RankState | None) -> None:
         """Raise :class:`LimitExceeded` when ``batch`` would grow the state past a limit."""
         lim = self.config
         too_long = [name for name in (batch.run, *batch.state.optimizers) if len(name) > lim.max_label_length]

@@ -45,7 +45,7 @@ class _File:
     etag: str
 
     @classmethod
-    def of(cls, body: bytes, suffix: str) -> "_File":
+    def of(cls, body: bytes, suffix: str) -> _File:
         return cls(body, _MEDIA_TYPES.get(suffix, "application/octet-stream"),
                    '"' + hashlib.sha256(body).hexdigest()[:20] + '"')
 

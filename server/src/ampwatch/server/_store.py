@@ -11,7 +11,8 @@ import queue
 import sqlite3
 import sys
 import threading
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Store", "StoreClosed", "Writes", "prepare_database"]
 
@@ -63,13 +64,13 @@ class Writes:
     """A store job as data: the writer runs the rows of every ``Writes`` of a group commit as one statement per
     table (up to :data:`_ROWS_PER_STATEMENT` rows), rather than a statement per row."""
 
-    incarnation: Optional[tuple] = None
+    incarnation: tuple | None = None
     """One ``incarnations`` row to insert or update, in the order of ``_INCARNATION_COLUMNS``."""
     events: list[tuple] = dataclasses.field(default_factory=list)
     """``events`` rows (``_EVENT_COLUMNS``) to insert; those already stored are ignored."""
 
 
-Job = Union[Writes, Callable[[sqlite3.Connection], Any]]
+Job = Writes | Callable[[sqlite3.Connection], Any]
 """What the writer runs in a transaction: rows to write, or a function of the connection (its result is the
 future's)."""
 
@@ -139,7 +140,7 @@ class Store:
     def __init__(self, path: str, max_group: int = 512) -> None:
         self.path = prepare_database(path)
         self.max_group = max_group
-        self.on_events_added: Optional[Callable[[int], object]] = None
+        self.on_events_added: Callable[[int], object] | None = None
         """Called in the writer thread, after each COMMIT, with how many events it stored (duplicates not)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = _connect(self.path)
@@ -147,12 +148,12 @@ class Store:
         self._local = threading.local()
         self._closed = False
         self.commits = 0  # transactions committed (a group commit counts once)
-        self.failing: Optional[str] = None  # the last write error, until a write succeeds again
+        self.failing: str | None = None  # the last write error, until a write succeeds again
         self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
         self._thread.start()
 
     # writes --------------------------------------------------------------------------------------
-    def submit(self, job: Job) -> "asyncio.Future[Any]":
+    def submit(self, job: Job) -> asyncio.Future[Any]:
         """Run ``job`` in the next transaction; the future resolves once it is committed (to None for
         :class:`Writes`, else to ``job(conn)``)."""
         if self._closed or not self._thread.is_alive():
@@ -204,11 +205,11 @@ class Store:
                     pass  # the loop closed while we committed; nobody waits any more
         conn.close()
 
-    def _commit(self, jobs: list[Job]) -> list[tuple[Any, Optional[BaseException]]]:
+    def _commit(self, jobs: list[Job]) -> list[tuple[Any, BaseException | None]]:
         conn = self._writer
         conn.execute("BEGIN")
         try:
-            results: list[tuple[Any, Optional[BaseException]]] = []
+            results: list[tuple[Any, BaseException | None]] = []
             rows: list[Writes] = []  # written together before the next function job, which may read them
             added = 0
             for job in jobs:
@@ -243,7 +244,7 @@ class Store:
         _execute_rows(conn, _INSERT_EVENTS, _EVENT_COLUMNS, [e for w in writes for e in w.events])
         return conn.total_changes - before
 
-    def _commit_one(self, job: Job) -> tuple[Any, Optional[BaseException]]:
+    def _commit_one(self, job: Job) -> tuple[Any, BaseException | None]:
         try:
             return self._commit([job])[0]
         except Exception as exc:

@@ -9,8 +9,9 @@ exposition format its 11 lines per optimizer only when one of them changed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from operator import attrgetter
-from typing import Any, Callable, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ampwatch.contract.protocol import STREAK_LADDER
 
@@ -99,7 +100,7 @@ class RankTotals(_Counters):
     refused_spool_files: int = 0
 
     @classmethod
-    def of(cls, state: WireRankState) -> "RankTotals":
+    def of(cls, state: WireRankState) -> RankTotals:
         """Return the counters a batch's ``state`` carries."""
         d = state.delivery
         return cls(state.backoffs, state.growths, state.manual_sets, d.dropped_events, d.send_failures,
@@ -119,7 +120,7 @@ class OptimizerTotals(_Counters):
     """Skip streaks that reached at least L consecutive skips, one count per rung L of STREAK_LADDER."""
 
     @classmethod
-    def of(cls, wire: WireOptimizerCounters) -> "OptimizerTotals":
+    def of(cls, wire: WireOptimizerCounters) -> OptimizerTotals:
         """Return the counters a batch carries for one optimizer."""
         reached = wire.streaks_reached
         return cls(wire.steps, wire.skipped, wire.streaks, wire.scheduler_steps_after_skip, wire.poisoned_steps,

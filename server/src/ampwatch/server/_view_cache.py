@@ -12,7 +12,8 @@ most ``size`` bodies are held, the oldest dropped first.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 __all__ = ["ViewCache"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from .._floats import wire_float
 
@@ -38,9 +38,9 @@ class Alert:
     """Human text: summary, description, runbook_url."""
     starts_at: float
     """Unix time the alert started firing."""
-    ends_at: Optional[float] = None
+    ends_at: float | None = None
     """Unix time it resolved; None while firing."""
-    value: Optional[float] = None
+    value: float | None = None
     """The value that made the condition true (as Prometheus's ``$value``)."""
     fingerprint: str = ""
     """Stable id of name + labels; computed when left empty."""
@@ -56,7 +56,7 @@ class Alert:
         """Return ``"firing"`` or ``"resolved"``."""
         return "firing" if self.ends_at is None else "resolved"
 
-    def resolved(self, at: float) -> "Alert":
+    def resolved(self, at: float) -> Alert:
         """Return this alert resolved at time ``at``."""
         return dataclasses.replace(self, ends_at=at)
 

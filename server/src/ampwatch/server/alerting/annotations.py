@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
@@ -12,7 +13,7 @@ __all__ = ["annotations_for", "AlertTexts"]
 
 
 def annotations_for(name: str, labels: Mapping[str, Any], value: float, thresholds: AlertThresholds,
-                    level: Optional[str] = None) -> dict[str, str]:
+                    level: str | None = None) -> dict[str, str]:
     """Return the summary, description and runbook_url of one instance of alert ``name``.
 
     The texts are those of the Prometheus rules (one definition, ``ampwatch.contract.alerts``), with
@@ -36,8 +37,8 @@ class AlertTexts(Mapping[str, str]):
     __slots__ = ("_args", "_texts")
 
     def __init__(self, name: str, labels: Mapping[str, Any], value: float, thresholds: AlertThresholds,
-                 level: Optional[str] = None) -> None:
-        self._args: Optional[tuple] = (name, labels, value, thresholds, level)
+                 level: str | None = None) -> None:
+        self._args: tuple | None = (name, labels, value, thresholds, level)
         self._texts: dict[str, str] = {}
 
     def _rendered(self) -> dict[str, str]:

@@ -11,16 +11,19 @@ read, and builds only the per-rank alerts no run-wide one speaks for. Pure, as t
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 from ampwatch.contract.alerts import ALERTS, SPEAKERS, AlertDefinition, check_hand_written
 from ampwatch.contract.thresholds import AlertThresholds
 
 from .._state import RankSnapshot
 from .history import RankHistory
-from .rank_conditions import HAND_WRITTEN as RANK_WRITTEN, RANK_CONDITIONS, SEVERITY, ActiveAlert, Finding, \
-    RankReading, built, spoken_key
-from .run_conditions import HAND_WRITTEN as RUN_WRITTEN, RUN_CONDITIONS, RankFacts
+from .rank_conditions import HAND_WRITTEN as RANK_WRITTEN
+from .rank_conditions import RANK_CONDITIONS, SEVERITY, ActiveAlert, Finding, RankReading, built, spoken_key
+from .run_conditions import HAND_WRITTEN as RUN_WRITTEN
+from .run_conditions import RUN_CONDITIONS, RankFacts
 
 __all__ = ["check_conditions", "rank_alerts", "unspoken_rank_alerts", "rank_facts", "run_alerts", "run_alerts_of",
            "held_back", "evaluate", "evaluate_with_facts"]
@@ -74,7 +77,7 @@ def unspoken_rank_alerts(h: RankHistory, now: float, t: AlertThresholds) -> list
     return [built(reading.current, f, t) for f in _findings(reading, t, _UNSPOKEN)]
 
 
-def _findings(reading: RankReading, t: AlertThresholds, conditions: Optional[tuple] = None) -> list[Finding]:
+def _findings(reading: RankReading, t: AlertThresholds, conditions: tuple | None = None) -> list[Finding]:
     """What holds of ``conditions`` (default: every rank condition, or a quiet rank's unwindowed ones)."""
     found: list[Finding] = []
     for condition in conditions or (_UNWINDOWED if reading.still else _EVERY):
@@ -134,7 +137,7 @@ def run_alerts_of(run: str, ranks: list[RankFacts], t: AlertThresholds) -> list[
 
 
 def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
-             hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 16,
+             hold: Callable[[], AbstractContextManager] = contextlib.nullcontext, slice_size: int = 16,
              between: Callable[[], object] = lambda: None, skip_quiet: bool = True) -> list[ActiveAlert]:
     """Return every alert that holds at ``now`` over all ranks and runs; O(ranks), ~20 us a rank, less if quiet.
 
@@ -148,7 +151,7 @@ def evaluate(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
 
 
 def evaluate_with_facts(histories: Sequence[RankHistory], now: float, t: AlertThresholds,
-                        hold: Callable[[], ContextManager] = contextlib.nullcontext, slice_size: int = 16,
+                        hold: Callable[[], AbstractContextManager] = contextlib.nullcontext, slice_size: int = 16,
                         between: Callable[[], object] = lambda: None, skip_quiet: bool = True) \
         -> tuple[list[ActiveAlert], dict[str, list[RankFacts]], set[tuple]]:
     """Return :func:`evaluate`'s alerts (per-rank ones a run-wide alert speaks for held back), each run's facts,

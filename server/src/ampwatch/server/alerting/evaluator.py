@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Collection, Iterable, Optional
+from collections.abc import Callable, Collection, Iterable
 
 from ampwatch.contract.alerts import SPEAKERS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
@@ -45,8 +45,8 @@ class BuiltinAlerts:
     """
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
-                 resolution_s: Optional[float] = None, clock: Callable[[], float] = time.time,
-                 pacer: Optional[Callable[[], Callable[[], object]]] = None) -> None:
+                 resolution_s: float | None = None, clock: Callable[[], float] = time.time,
+                 pacer: Callable[[], Callable[[], object]] | None = None) -> None:
         self.thresholds = thresholds
         # Makes what each pass calls between two slices of ranks (a _pacing.Pacer): a pass run in a worker thread
         # otherwise holds the GIL for all its CPU time (~0.3 s at the default max_ranks_per_run, ~0.07 s in a storm
@@ -63,13 +63,13 @@ class BuiltinAlerts:
         self._ranks: dict[tuple[str, int], RankHistory] = {}
         self._states = AlertStates(resolved_retention_s)
         self._lock = threading.Lock()
-        self._observed_during: Optional[set[tuple[str, str]]] = None  # rank groups observed while evaluate() runs
+        self._observed_during: set[tuple[str, str]] | None = None  # rank groups observed while evaluate() runs
         self._run_sizes: dict[str, int] = {}  # run -> ranks watched
         self._waiting: set[tuple] = set()  # per-rank alerts the last pass held for a second look
         # per-rank alert (its conditions.spoken_key) -> when a pass last held it back (a run-wide one held)
         self._spoken: dict[tuple, float] = {}
 
-    def observe(self, snapshot: RankSnapshot, now: Optional[float] = None) -> list[Alert]:
+    def observe(self, snapshot: RankSnapshot, now: float | None = None) -> list[Alert]:
         """Record a rank's new state and return the transitions of that rank's alerts."""
         now = snapshot.last_seen if now is None else now
         key = (snapshot.run, snapshot.rank)
@@ -90,7 +90,7 @@ class BuiltinAlerts:
             return self._states.advance(unspoken_rank_alerts(history, now, self.thresholds), now, group,
                                         leave_names=_FOLDABLE)
 
-    def evaluate(self, now: Optional[float] = None) -> list[Alert]:
+    def evaluate(self, now: float | None = None) -> list[Alert]:
         """Evaluate every alert of every rank and run; return the transitions.
 
         O(ranks): about 0.2-0.3 s at the default ``max_ranks_per_run``, 0.04 s once they are quiet (nothing a
@@ -139,7 +139,7 @@ class BuiltinAlerts:
         self._waiting = waiting
         return found
 
-    def forget(self, run: str, rank: int, now: Optional[float] = None) -> list[Alert]:
+    def forget(self, run: str, rank: int, now: float | None = None) -> list[Alert]:
         """Drop an expired rank; its alerts resolve; return the transitions."""
         now = self._clock() if now is None else now
         with self._lock:
@@ -150,7 +150,7 @@ class BuiltinAlerts:
             group = (run, str(rank))
             return self._states.advance((), now, group)
 
-    def recent_skips(self, run: str, ranks: Iterable[int], window_s: float, now: Optional[float] = None) \
+    def recent_skips(self, run: str, ranks: Iterable[int], window_s: float, now: float | None = None) \
             -> dict[int, tuple[int, int]]:
         """Return ``{rank: (skipped, step calls)}`` of the ranks' optimizers over the last ``window_s`` (ranks not
         watched left out).

@@ -11,7 +11,8 @@ Memory only: a restarted collector starts afresh.
 from __future__ import annotations
 
 import collections
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 from .alert import Alert
 

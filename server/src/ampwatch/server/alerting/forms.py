@@ -18,8 +18,9 @@ only for the counters the definition declares (here: derived from its condition)
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 from ampwatch.contract.alerts import AlertDefinition
 from ampwatch.contract.conditions import Outside, Rose, RoseBy, Share
@@ -50,7 +51,7 @@ def compiled(d: AlertDefinition) -> RankCondition:
     raise TypeError(f"alert {d.name} declares no condition of a known form: {c!r}")
 
 
-def _instances(cur: RankSnapshot, per: str) -> Iterable[tuple[Optional[str], Any]]:
+def _instances(cur: RankSnapshot, per: str) -> Iterable[tuple[str | None, Any]]:
     """Each instance of an alert of ``per`` on the rank: ``(optimizer, its totals)``, or ``(None, the rank)``."""
     return cur.optimizers.items() if per == "optimizer" else ((None, cur),)
 

@@ -30,7 +30,6 @@ each call costs O(groups) plus the alerts it returns.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from .alert import Alert
 
@@ -47,11 +46,11 @@ class _Group:
     alerts: dict[str, Alert] = dataclasses.field(default_factory=dict)  # fingerprint -> latest state
     announced: set[str] = dataclasses.field(default_factory=set)  # sent firing, not yet sent resolved
     changed: set[str] = dataclasses.field(default_factory=set)  # new since the last notification
-    due: Optional[float] = None  # when the next notification goes out; None: nothing new to send
-    sent_at: Optional[float] = None
-    repeat_at: Optional[float] = None  # with nothing new: when the group, still firing, is sent again
+    due: float | None = None  # when the next notification goes out; None: nothing new to send
+    sent_at: float | None = None
+    repeat_at: float | None = None  # with nothing new: when the group, still firing, is sent again
 
-    def next_at(self) -> Optional[float]:
+    def next_at(self) -> float | None:
         return self.due if self.due is not None else self.repeat_at
 
 
@@ -90,7 +89,7 @@ class AlertGroups:
         if group.due is None:
             group.due = now + self.wait_s if group.sent_at is None else max(now, group.sent_at + self.interval_s)
 
-    def next_due(self) -> Optional[float]:
+    def next_due(self) -> float | None:
         """Return when the next notification is due (None: nothing to send)."""
         return min((at for g in self._groups.values() if (at := g.next_at()) is not None), default=None)
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import bisect
 import math
 from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import attrgetter
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
 from ampwatch.contract.alerts import ALERTS, AlertDefinition
 from ampwatch.contract.counters import COUNTERS, GAUGES
@@ -105,7 +106,7 @@ class HistoryLayout:
         return [read(s) for read in self._rank_rise_readers]
 
 
-def _rungs(d: AlertDefinition, counter: str, t: AlertThresholds) -> tuple[Optional[int], ...]:
+def _rungs(d: AlertDefinition, counter: str, t: AlertThresholds) -> tuple[int | None, ...]:
     """The rungs of a ladder counter a definition asks about: its severities' lengths; (None,) for a plain one."""
     if not COUNTERS[counter].ladder:
         return (None,)
@@ -121,11 +122,11 @@ class Baseline:
 
     __slots__ = ("_row", "_at", "_history", "_reads")
 
-    def __init__(self, row: Sequence[int], at: float, history: "RankHistory",
-                 reads: Optional[frozenset[str]] = None) -> None:
+    def __init__(self, row: Sequence[int], at: float, history: RankHistory,
+                 reads: frozenset[str] | None = None) -> None:
         self._row, self._at, self._history, self._reads = row, at, history, reads
 
-    def count(self, counter: str, optimizer: Optional[str] = None) -> int:
+    def count(self, counter: str, optimizer: str | None = None) -> int:
         """Return a counter's value at this moment (an optimizer's, for a per-optimizer counter; 0 if unseen)."""
         if self._reads is not None and counter not in self._reads:
             raise _undeclared(counter)
@@ -137,7 +138,7 @@ class Baseline:
             return 0
         return self._row[layout.count_head + layout.count_width * j + layout.optimizer_count_slot[counter]]
 
-    def rose(self, counter: str, optimizer: Optional[str] = None, rung: Optional[int] = None) -> bool:
+    def rose(self, counter: str, optimizer: str | None = None, rung: int | None = None) -> bool:
         """Return whether a counter (an optimizer's; a ladder counter's ``rung``) rose after this moment."""
         if self._reads is not None and counter not in self._reads:
             raise _undeclared(counter)
@@ -169,14 +170,14 @@ class RankHistory:
 
     def __init__(self, run: str, rank: int, layout: HistoryLayout, resolution_s: float = 5.0) -> None:
         self.run, self.rank, self.layout = run, rank, layout
-        self.current: Optional[RankSnapshot] = None
+        self.current: RankSnapshot | None = None
         self._times = array("d")
         self._rows = array("i")  # one row per kept time; widened to 64 bits when a counter passes 2**31
         self._latest = array("i")  # the current snapshot's row
         self._rose = array("d", [_NEVER] * len(layout.rank_rises))  # when each rise counter last rose
         self._index: dict[str, int] = {}  # optimizer -> its number, in the order first seen
         self._resolution_s = resolution_s
-        self._origin: Optional[array] = None
+        self._origin: array | None = None
         self._moved_at = _NEVER  # when a trigger last moved, or a declared gauge was last above 0
         self._found_at = math.nan  # baselines searched at that time, by window (one reading)
         self._found: dict[float, Baseline] = {}
@@ -239,7 +240,7 @@ class RankHistory:
             found = self._found[window_s] = self._baseline(now, window_s, None)
         return Baseline(found._row, found._at, self, reads)
 
-    def _baseline(self, now: float, window_s: float, reads: Optional[frozenset[str]]) -> Baseline:
+    def _baseline(self, now: float, window_s: float, reads: frozenset[str] | None) -> Baseline:
         i = bisect.bisect_right(self._times, now - window_s) - 1
         # Pruning always keeps a sample at or before the horizon, so i < 0 means the rank was first seen
         # inside the window: every rise since the origin counts.

@@ -8,7 +8,8 @@ group's members (``alertname=`` and ``run=``) only while the reader has it open.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from .._rank_ranges import rank_ranges
 from .alert import Alert
@@ -20,7 +21,7 @@ def _group_key(alert: Alert) -> tuple[str, str, str]:
     return alert.name, str(alert.labels.get("run", "")), str(alert.labels.get("severity", ""))
 
 
-def _listed(alerts: Iterable[Alert], collapse_from: Optional[int]) -> list[dict[str, Any]]:
+def _listed(alerts: Iterable[Alert], collapse_from: int | None) -> list[dict[str, Any]]:
     alerts = list(alerts)
     groups: dict[tuple[str, str, str], list[Alert]] = {}
     for alert in alerts:
@@ -40,8 +41,8 @@ def _listed(alerts: Iterable[Alert], collapse_from: Optional[int]) -> list[dict[
     return out
 
 
-def alert_list(firing: Iterable[Alert], resolved: Iterable[Alert], *, collapse_from: Optional[int] = None,
-               alertname: Optional[str] = None, run: Optional[str] = None) -> dict[str, list[dict[str, Any]]]:
+def alert_list(firing: Iterable[Alert], resolved: Iterable[Alert], *, collapse_from: int | None = None,
+               alertname: str | None = None, run: str | None = None) -> dict[str, list[dict[str, Any]]]:
     """Return ``{"firing": [...], "resolved": [...]}``: the alerts matching ``alertname`` and ``run`` (when given),
     those of one alert, run and severity collapsed into one entry from ``collapse_from`` alerts (when given)."""
     def wanted(alert: Alert) -> bool:

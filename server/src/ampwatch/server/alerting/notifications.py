@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
 
 from .alert import Alert
 from .grouping import REPEAT_INTERVAL_S, AlertGroups
@@ -75,7 +75,7 @@ class Target:
         return self.url
 
 
-def parse_targets(spec: Union[str, Iterable[str], None]) -> tuple[Target, ...]:
+def parse_targets(spec: str | Iterable[str] | None) -> tuple[Target, ...]:
     """Parse ``kind:url`` entries, comma-separated and/or repeated; a bare URL is a generic webhook."""
     entries = [spec] if isinstance(spec, str) else list(spec or ())
     targets = []
@@ -154,7 +154,7 @@ class _Worker(threading.Thread):
         self.target, self.config, self.counts, self.clock = target, config, counts, clock
         self._queue: collections.deque[tuple[float, Alert]] = collections.deque()
         self._cond = threading.Condition()
-        self._stop_at: Optional[float] = None  # monotonic deadline once close() was called
+        self._stop_at: float | None = None  # monotonic deadline once close() was called
         self._firing: dict[str, Alert] = {}  # alertmanager only: re-posted every resend interval
         self._next_resend = time.monotonic() + config.resend_interval_s
         self._down = False
@@ -309,7 +309,7 @@ class Notifier:
     state (same fingerprint, status and start) is ignored.
     """
 
-    def __init__(self, targets: Iterable[Target], config: Optional[NotifyConfig] = None, *,
+    def __init__(self, targets: Iterable[Target], config: NotifyConfig | None = None, *,
                  clock: Callable[[], float] = time.time, remember: int = 10_000) -> None:
         self.config = config or NotifyConfig()
         self._counts = _Counts()
@@ -364,7 +364,7 @@ class Notifier:
             if worker.is_alive():
                 log.warning("notification thread for %s did not stop in time", worker.target.name)
 
-    def __enter__(self) -> "Notifier":
+    def __enter__(self) -> Notifier:
         return self
 
     def __exit__(self, *exc: object) -> None:

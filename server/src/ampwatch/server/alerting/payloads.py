@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 from .alert import Alert
 from .grouping import GROUP_BY
@@ -129,7 +129,7 @@ def slack_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
         summary = a.annotations.get("summary", "")
         lines.append(f"{head}: {summary}" if summary else head)
         detail = a.annotations.get("description", "")
-        runbook: Optional[str] = a.annotations.get("runbook_url")
+        runbook: str | None = a.annotations.get("runbook_url")
         text = f"*{_escape(head)}*\n{_escape(summary)}"
         if detail:
             text += f"\n{_escape(detail)}"

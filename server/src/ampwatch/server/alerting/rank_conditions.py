@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Mapping, Optional
+from collections.abc import Callable, Iterable, Mapping
 
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
@@ -78,13 +78,13 @@ SEVERITY = {(name, level): d.severity(level).level for name, d in ALERTS.items()
              for level in (*(s.level for s in d.severities), *((None,) if len(d.severities) == 1 else ()))}
 """``(alert, level)`` -> its severity label (level None: an alert's only one), looked up once per alert held."""
 
-Finding = tuple[str, Optional[str], Optional[str], float]
+Finding = tuple[str, str | None, str | None, float]
 """An instance of a rank's alert that holds, not built yet: ``(alert name, optimizer (None: an alert of the
 rank), level (None: the alert's only severity), value)``. The periodic pass builds an :class:`ActiveAlert` only for
 those no run-wide alert speaks for: in a whole-job storm, a handful instead of several per rank."""
 
 
-def make_alert(name: str, labels: dict, value: float, t: AlertThresholds, level: Optional[str] = None) -> ActiveAlert:
+def make_alert(name: str, labels: dict, value: float, t: AlertThresholds, level: str | None = None) -> ActiveAlert:
     """The :class:`ActiveAlert` ``name`` that holds with ``labels`` (its severity label added: ``level``'s)."""
     definition = ALERTS[name]
     labels["severity"] = SEVERITY[name, level]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
@@ -17,13 +17,13 @@ router = APIRouter(prefix="/v1", tags=["alerts"])
 @router.get("/alerts", summary="Built-in alerts: firing now and recently resolved")
 async def list_alerts(
     request: Request,
-    collapse: Optional[int] = Query(None, ge=2, description="alerts of one alert name, run and severity from which "
+    collapse: int | None = Query(None, ge=2, description="alerts of one alert name, run and severity from which "
                                                             "they are one entry (count, ranks) instead of one each"),
-    alertname: Optional[str] = Query(None, max_length=200, description="only alerts of this name"),
-    run: Optional[str] = Query(None, max_length=1000, description="only alerts of this run"),
+    alertname: str | None = Query(None, max_length=200, description="only alerts of this name"),
+    run: str | None = Query(None, max_length=1000, description="only alerts of this run"),
 ) -> dict[str, Any]:
     """Return ``{"firing": [...], "resolved": [...]}``, each alert with name, labels, annotations and times."""
-    service: Optional[AlertService] = getattr(request.app.state, "alert_service", None)
+    service: AlertService | None = getattr(request.app.state, "alert_service", None)
     if service is None:
         return {"firing": [], "resolved": []}
     if collapse is None and alertname is None and run is None:

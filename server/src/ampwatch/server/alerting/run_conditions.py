@@ -9,7 +9,8 @@ rank's window), then judges the run from those facts. An alert that *speaks for*
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from ampwatch.contract.alerts import ALERTS, SPEAKERS
 from ampwatch.contract.thresholds import AlertThresholds
@@ -37,7 +38,7 @@ class RunCondition:
 
     judge: Callable[[str, list[RankFacts], list[RankFacts], AlertThresholds], Iterable[ActiveAlert]]
     """``(run, its ranks' facts, those of its open ranks (not closed; maybe none), t)`` -> the instances that hold."""
-    fact: Optional[Callable[[RankReading, AlertThresholds], Any]] = None
+    fact: Callable[[RankReading, AlertThresholds], Any] | None = None
     """What it needs of one rank's window (None: its snapshot alone)."""
     idle: Any = None
     """The fact of a quiet rank (none of the alert's triggers moved within its window), which the periodic pass

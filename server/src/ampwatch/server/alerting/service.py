@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
@@ -34,7 +34,7 @@ class AlertService:
     """Own the evaluator and the notifier of one collector; nothing here ever raises into ingest."""
 
     def __init__(self, targets: Sequence[Target] = (), thresholds: AlertThresholds = DEFAULT_THRESHOLDS,
-                 notify_config: Optional[NotifyConfig] = None, period_s: float = 1.0,
+                 notify_config: NotifyConfig | None = None, period_s: float = 1.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.alerts = BuiltinAlerts(thresholds, clock=clock, pacer=lambda: Pacer(PASS_WORK_S, PASS_BREATHER_S))
         self.clock = clock
@@ -49,7 +49,7 @@ class AlertService:
         except Exception:
             self._failed("evaluating the alerts of a batch")
 
-    def tick(self, state: CollectorState, now: Optional[float] = None) -> None:
+    def tick(self, state: CollectorState, now: float | None = None) -> None:
         """Evaluate everything (run-wide alerts, silent ranks, for: durations); forget ranks that left."""
         now = self.clock() if now is None else now
         try:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import AbstractSet, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable, Set
 
 from .alert import Alert
-from .rank_conditions import ActiveAlert
 from .fired import FiredAlerts
+from .rank_conditions import ActiveAlert
 
 __all__ = ["AlertStates"]
 
@@ -33,8 +33,8 @@ class AlertStates:
         self._retention_s = resolved_retention_s
         self.fired = FiredAlerts()  # every alert that fired, by run: what a finished run's summary lists
 
-    def advance(self, active: Iterable[ActiveAlert], now: float, group: Optional[tuple] = None,
-                keep: AbstractSet[tuple] = frozenset(), leave_names: AbstractSet[str] = frozenset(),
+    def advance(self, active: Iterable[ActiveAlert], now: float, group: tuple | None = None,
+                keep: Set[tuple] = frozenset(), leave_names: Set[str] = frozenset(),
                 unless: Callable[[str, tuple], bool] = lambda name, group: False) -> list[Alert]:
         """Apply one evaluation and return the alerts that started firing or resolved.
 
@@ -109,6 +109,6 @@ class AlertStates:
         return list(reversed(self._resolved))
 
 
-def _same(old: Optional[float], new: float) -> bool:
+def _same(old: float | None, new: float) -> bool:
     """Return whether an alert's value did not change (NaN stays NaN)."""
     return old == new or (old != old and new != new)

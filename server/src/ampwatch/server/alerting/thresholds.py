@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds
 
 __all__ = ["load_thresholds"]
 
 
-def load_thresholds(spec: Optional[str]) -> AlertThresholds:
+def load_thresholds(spec: str | None) -> AlertThresholds:
     """Return the thresholds named by ``spec``: None or a profile name, else a JSON file of field overrides.
 
     The file holds one object, ``{"skip_streak_warning": 8, ...}``; fields left out keep
