@@ -82,8 +82,8 @@ def compare(cpu: dict[str, list[float]], wall: dict[str, list[float]], base: str
     """Per variant: median per-iteration times and the median [p25-p75] of per-round ratios to ``base``."""
     out = {}
     for v in cpu:
-        ratios = [t / b for t, b in zip(cpu[v], cpu[base])]
-        wall_ratios = [t / b for t, b in zip(wall[v], wall[base])]
+        ratios = [t / b for t, b in zip(cpu[v], cpu[base], strict=True)]
+        wall_ratios = [t / b for t, b in zip(wall[v], wall[base], strict=True)]
         out[v] = {"cpu_us_per_iter": round(statistics.median(cpu[v]) * 1e6, 1),
                   "wall_us_per_iter": round(statistics.median(wall[v]) * 1e6, 1),
                   "wall_ratio": round(statistics.median(wall_ratios), 4),

@@ -59,13 +59,13 @@ def _before_nonfinite_counts(tensors: Sequence[torch.Tensor | None]) -> list[tup
         if t is not None and t.numel() and (t.is_floating_point() or t.is_complex()):
             by_device.setdefault(t.device, []).append(i)
     with torch.no_grad():
-        for device, indices in by_device.items():
+        for indices in by_device.values():
             parts = []
             for i in indices:
                 t = _before_plain(tensors[i].detach())
                 parts.append(torch.stack([torch.isinf(t).sum(), torch.isnan(t).sum()]))
             rows = torch.stack(parts).cpu().tolist()
-            for i, (n_inf, n_nan) in zip(indices, rows):
+            for i, (n_inf, n_nan) in zip(indices, rows, strict=True):
                 counts[i] = (int(n_inf), int(n_nan))
     return counts
 
@@ -150,7 +150,7 @@ def skip_cost(n: int, numel: int, rounds: int, before: bool = True) -> dict:
         base = times["gradscaler"]
         rows = {}
         for name, ts in times.items():
-            ratios = [t / b for t, b in zip(ts, base)]
+            ratios = [t / b for t, b in zip(ts, base, strict=True)]
             rows[name] = {"ms": round(statistics.median(ts) * 1e3, 2), "ratio": round(statistics.median(ratios), 2),
                           "ratio_p25": round(pct(ratios, .25), 2), "ratio_p75": round(pct(ratios, .75), 2)}
         out["scenarios"][scenario] = {"offending": len(offending), "variants": rows}
@@ -248,8 +248,8 @@ def storm(kind: str, rounds: int, block: int, collector: str | None, tensors: in
                 s.iterate(block)
                 cpu[s is watched].append((time.process_time() - c) / block)
                 wall[s is watched].append((time.perf_counter() - w) / block)
-        ratios = [w / b for w, b in zip(cpu[True], cpu[False])]
-        wall_ratios = [w / b for w, b in zip(wall[True], wall[False])]
+        ratios = [w / b for w, b in zip(cpu[True], cpu[False], strict=True)]
+        wall_ratios = [w / b for w, b in zip(wall[True], wall[False], strict=True)]
         out = {"model": kind, "tensors": sum(1 for _ in bare.model.parameters()), "optimizers": len(bare.opts),
                "rounds": rounds, "block": block,
                "bare_ms_per_iter": round(statistics.median(cpu[False]) * 1e3, 1),

@@ -143,7 +143,7 @@ def run(iterations: int = 200) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ampwatch-callgrind-") as workdir, ThreadPoolExecutor(2) as pool:
         for model, fused, bare_variant, watched_variant in CASES:
-            bare, watched = pool.map(lambda v: _count(v, model, fused, iterations, workdir),
+            bare, watched = pool.map(lambda v, model=model, fused=fused: _count(v, model, fused, iterations, workdir),
                                      (bare_variant, watched_variant))
             rows.append({"model": model, "optimizer": "AdamW(fused=True)" if fused else "AdamW(foreach=True)",
                          "precision": "GradScaler" if bare_variant == "bare" else "bf16, no scaler",

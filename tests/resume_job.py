@@ -91,7 +91,8 @@ def main() -> None:
             params = [p for g in opt.param_groups for p in g["params"]]
             before = bits(params)
             scaler.step(opt)
-            stepped[name] = any(not torch.equal(b, p.detach().view(torch.int32)) for b, p in zip(before, params))
+            stepped[name] = any(not torch.equal(b, p.detach().view(torch.int32))
+                                for b, p in zip(before, params, strict=True))
         scale_before = scaler.get_scale()
         scaler.update()
         for sched in scheds.values():

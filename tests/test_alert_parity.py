@@ -63,6 +63,7 @@ THRESHOLDS = AlertThresholds(
 BATCHES = 40  # one every 0.5 s per rank
 PERIOD_S = 0.5
 ITERATIONS_PER_BATCH = 2
+_NO_SKIPS: Iterator[bool] = iter(())  # the default schedule of skips: none
 TROUBLE = range(10, 13)  # the batches in which scripted trouble happens
 JOB_TROUBLE = range(10, 24)  # p-job skips on every rank, then its scale is restored from a checkpoint
 
@@ -129,13 +130,13 @@ class ScriptedRank:
         self.opts = {name: optimizer() for name in ("gen", "disc")}
         self.origins: int | None = None  # state.origin_iterations, sent when set (an agent watching DDP)
 
-    def close(self, skip_gen: Iterator[bool] = iter(())) -> dict:
+    def close(self, skip_gen: Iterator[bool] = _NO_SKIPS) -> dict:
         """Return the last batch of a rank that closed cleanly (``skip_gen``: as :meth:`step`)."""
         batch = self.step(skip_gen)
         batch["closed"] = self.closed = True
         return batch
 
-    def step(self, skip_gen: Iterator[bool] = iter(()), **gen_extra: int) -> dict:
+    def step(self, skip_gen: Iterator[bool] = _NO_SKIPS, **gen_extra: int) -> dict:
         """Advance ITERATIONS_PER_BATCH iterations (``skip_gen`` says which skip ``gen``) and return the batch."""
         for _ in range(ITERATIONS_PER_BATCH):
             self.iteration += 1

@@ -29,7 +29,8 @@ def _real_agent_storm(init_scale: float, storm: int, after: int, restore: bool) 
     from ampwatch import agent
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    optimizers = {name: torch.optim.SGD(part.parameters(), lr=0.01) for name, part in zip(OPTIMIZERS, model)}
+    optimizers = {name: torch.optim.SGD(part.parameters(), lr=0.01)
+                  for name, part in zip(OPTIMIZERS, model, strict=True)}
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2000)
     watch = agent.watch(scaler, optimizers, model=model, collector=(), run="storm-truth")
     checkpoint = None

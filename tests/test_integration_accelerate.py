@@ -96,14 +96,14 @@ def train(accelerator, model, optimizers, schedulers, truth: Truth, first_sync_s
             syncing = accelerator.sync_gradients
             if syncing and POISON.get(sync_step):
                 getattr(accelerator.unwrap_model(model), POISON[sync_step]).weight.grad.view(-1)[0] = INF
-            for name, opt in zip("ab", optimizers):
+            for name, opt in zip("ab", optimizers, strict=True):
                 if syncing:
                     truth.step(name, params_of(opt), scaler, opt.step)
                 else:  # Accelerate does nothing here: no step, no skip, no update
                     before = bits(params_of(opt))
                     opt.step()
                     assert same_bits(before, bits(params_of(opt)))
-            for name, sched in zip("ab", schedulers):
+            for name, sched in zip("ab", schedulers, strict=True):
                 before = sched.scheduler.last_epoch
                 sched.step()
                 for _ in range(sched.scheduler.last_epoch - before):

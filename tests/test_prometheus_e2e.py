@@ -117,7 +117,8 @@ def stack(tmp_path_factory):
                                       [f"127.0.0.1:{collector_port}", f"127.0.0.1:{second_port}"],
                                       alertmanager=f"127.0.0.1:{am_port}")
         for url, name in ((collector, "collector"), (second, "collector-2")):
-            wait_until(lambda: get(url + "/readyz"), 30, lambda: f"{name} ready\n" + processes.log(name))
+            wait_until(lambda url=url: get(url + "/readyz"), 30,
+                       lambda name=name: f"{name} ready\n" + processes.log(name))
         wait_until(lambda: get(f"http://127.0.0.1:{am_port}/-/ready"), 30,
                     lambda: "alertmanager ready\n" + processes.log("alertmanager"))
         # Start the jobs only once it scrapes both collectors, so a short streak cannot come and go before that.

@@ -42,7 +42,7 @@ class AmpLoop:
     @staticmethod
     def changed(before: list[torch.Tensor], params) -> bool:
         """Tell whether any parameter's bits differ from ``before``."""
-        return any(not torch.equal(b, p.detach().view(torch.int32)) for b, p in zip(before, params))
+        return any(not torch.equal(b, p.detach().view(torch.int32)) for b, p in zip(before, params, strict=True))
 
     @staticmethod
     def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

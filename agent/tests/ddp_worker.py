@@ -45,7 +45,7 @@ def scenario(rank: int, kind: str) -> dict:
             before = bits(net.parameters())
             scaler.step(opt)
             truth.append(any(not torch.equal(b, p.detach().view(torch.int32))
-                             for b, p in zip(before, net.parameters())))
+                             for b, p in zip(before, net.parameters(), strict=True)))
             reported.append(w.stepped(opt))
             scaler.update()
         snapshot = w.snapshot()

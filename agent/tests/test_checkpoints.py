@@ -88,7 +88,7 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a):

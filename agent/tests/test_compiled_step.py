@@ -74,7 +74,7 @@ def compiled_job(watching, backend: str, how: str, *, watched: bool = True) -> d
         before = [p.detach().clone() for p in model.parameters()]
         finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
         step()
-        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         if (scaled and not changed) or (not scaled and not finite):
             truth.append(i)
         _repair(model, opt)
@@ -84,7 +84,7 @@ def compiled_job(watching, backend: str, how: str, *, watched: bool = True) -> d
 
 
 def _same_bits(a: dict, b: dict) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a["bits"], b["bits"]))
+    return all(torch.equal(x, y) for x, y in zip(a["bits"], b["bits"], strict=True))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -83,7 +83,7 @@ def test_a_disabled_scaler_reports_every_poisoned_bf16_step_exactly_as_a_watch_w
     assert "GradScaler disabled" in w.summary() and "every step is checked" in w.summary()
     # Training is bit-identical to the unwatched twin.
     for watched in (disabled, unscaled):
-        assert all(torch.equal(a, b) for a, b in zip(watched["bits"], unwatched["bits"]))
+        assert all(torch.equal(a, b) for a, b in zip(watched["bits"], unwatched["bits"], strict=True))
 
 
 def test_the_disabled_scaler_is_said_once_and_its_update_ends_no_iteration_of_its_own(watching, events):

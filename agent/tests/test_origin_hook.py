@@ -288,7 +288,7 @@ def test_a_gradient_inside_the_autograd_graph_and_a_failing_note_never_fail_the_
         twin(x).sum().backward()
         assert errors.count == 4  # counted, once per parameter
         assert "internal error in DDP gradient note" in caplog.text
-        for mine, theirs in zip(net.parameters(), twin.parameters()):
+        for mine, theirs in zip(net.parameters(), twin.parameters(), strict=True):
             assert torch.equal(mine.grad, theirs.grad)
     finally:
         local.close()

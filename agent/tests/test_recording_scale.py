@@ -44,7 +44,7 @@ def test_a_backoff_alone_does_not_say_which_optimizer_skipped(amp, watching):
     for poisoned, other in ((model[0], opt_b), (model[2], opt_a)):
         before = scaler.get_scale()
         truth = amp.iteration(model, scaler, [opt_a, opt_b], torch.randn(4, 8),
-                              after_backward=lambda: amp.poison_grad(poisoned.bias))
+                              after_backward=lambda poisoned=poisoned: amp.poison_grad(poisoned.bias))
         assert scaler.get_scale() < before  # same signal either way...
         assert w.stepped(other) is truth[id(other)] is True  # ...but the agent knows who stepped
 
@@ -187,7 +187,7 @@ def test_a_per_epoch_scheduler_stepped_after_the_epochs_last_iteration_skipped_i
     scaler = torch.amp.GradScaler("cpu")
     w = watching(scaler, opt_a, schedulers=[{"scheduler": per_epoch, "interval": "epoch"},
                                              {"scheduler": per_step, "interval": "step"}])
-    for epoch in range(2):
+    for _epoch in range(2):
         for i in range(3):
             last = i == 2
             amp.iteration(model, scaler, [opt_a], torch.randn(4, 8),

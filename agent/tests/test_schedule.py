@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_batches_never_come_closer_than_the_gap_nor_further_apart_than_one_and_a
         if now >= schedule.due():
             schedule.built(now)
             built.append(now)
-    gaps = [b - a for a, b in zip(built, built[1:])]
+    gaps = [b - a for a, b in pairwise(built)]
     assert min(gaps) >= NEWS_GAP - 1e-9 and max(gaps) <= 1.5 * 15.0 + 0.01
     assert 600 / 15.0 <= len(built) <= 600 / NEWS_GAP
 
@@ -166,4 +167,4 @@ def test_the_longest_default_heartbeat_keeps_a_healthy_rank_far_from_silent_and_
             schedule.built(now)
             built.append(now)
         now += 0.05
-    assert max(b - a for a, b in zip(built, built[1:])) <= longest_gap + 0.05
+    assert max(b - a for a, b in pairwise(built)) <= longest_gap + 0.05

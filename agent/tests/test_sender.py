@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -143,11 +144,11 @@ def test_retries_wait_out_a_backoff_that_doubles_up_to_the_cap(collector, sender
     sender, _ = make_sender(collector.url, push_interval=0.05, max_backoff=0.4)
     senders.append(sender)
     assert collector.wait_for(lambda s: len(s.arrivals) >= 7)
-    gaps = [later - earlier for earlier, later in zip(collector.arrivals, collector.arrivals[1:7])]
+    gaps = [later - earlier for earlier, later in pairwise(collector.arrivals[:7])]
     # Each retry waits at least half its backoff (0.05, 0.1, 0.2, then 0.4 capped, jittered 50-100%);
     # a loaded machine only waits longer. How long each wait is exactly: test_delivery_outcomes.py.
     least = [0.5 * min(0.4, 0.05 * 2 ** k) for k in range(6)]
-    assert all(gap >= low for gap, low in zip(gaps, least)), [round(g, 3) for g in gaps]
+    assert all(gap >= low for gap, low in zip(gaps, least, strict=True)), [round(g, 3) for g in gaps]
 
 
 def test_a_short_outage_then_recovery_loses_no_event(collector, senders):

@@ -31,7 +31,7 @@ def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):
                 handle.close()
         return amp.bits(model.parameters()) + [torch.tensor(scaler.get_scale()).view(torch.int32)]
 
-    assert all(torch.equal(x, y) for x, y in zip(train(False), train(True)))
+    assert all(torch.equal(x, y) for x, y in zip(train(False), train(True), strict=True))
 
 
 def test_a_failure_inside_the_agent_never_reaches_the_training_loop(amp, watching, monkeypatch, caplog):

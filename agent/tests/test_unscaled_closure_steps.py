@@ -25,7 +25,7 @@ def test_every_closure_step_is_checked_through_one_post_hook_registered_once(amp
         return loss
 
     for step in range(STEPS):
-        opt.step(lambda: closure(poison=step == POISONED_AT))
+        opt.step(lambda step=step: closure(poison=step == POISONED_AT))
         post_hooks.append(len(opt._optimizer_step_post_hooks))
         with torch.no_grad():  # the weights put right, as a job reloading its last good checkpoint would
             for p in model.parameters():

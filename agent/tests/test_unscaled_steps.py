@@ -141,7 +141,7 @@ def test_watching_without_a_scaler_leaves_training_bit_identical(amp, no_collect
         moments = [opt_a.state[p][key] for p in model.a.parameters() for key in ("exp_avg", "exp_avg_sq")]
         return amp.bits([*model.parameters(), *moments])
 
-    assert all(torch.equal(x, y) for x, y in zip(train(False), train(True)))
+    assert all(torch.equal(x, y) for x, y in zip(train(False), train(True), strict=True))
 
 
 def test_checking_each_step_reads_no_device_value_with_item(amp, watching):
@@ -240,7 +240,7 @@ def test_the_cpu_kernel_check_stores_every_gradient_back_bit_for_bit(dtype, view
     grads = [special, nan_payloads, torch.randn(1000, dtype=dtype)[::3], graph_grad]  # and a strided view
     before, versions = [_bits(g) for g in grads], [g._version for g in grads]
     assert check_nonfinite(grads, KernelFlag()).any() is True
-    assert len(kernel_calls) == 1 and all(a is b for a, b in zip(kernel_calls[0], grads))
+    assert len(kernel_calls) == 1 and all(a is b for a, b in zip(kernel_calls[0], grads, strict=True))
     assert [_bits(g) for g in grads] == before
     assert [g._version for g in grads] == versions and graph_grad.grad_fn is node
 
@@ -278,7 +278,7 @@ def test_a_step_given_a_closure_is_checked_on_the_gradients_its_closure_made(amp
         return loss
 
     for i in range(3):
-        opt.step(lambda: closure(poison=i == 1))
+        opt.step(lambda i=i: closure(poison=i == 1))
         repair(model)
     (event,) = poisoned_events(events, w)
     assert event["iteration"] == 1 and event["params"] == [{"name": "b.weight", "inf": 1, "nan": 0}]

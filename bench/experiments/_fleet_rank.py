@@ -63,7 +63,7 @@ async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, tra
         now = time.time()
         if now >= end or (kill_at is not None and now >= kill_at):
             return  # the end of the bench, or SIGKILL: no close
-        pending = [t for t, it in zip(news_times, news_iterations) if it > sent_it]
+        pending = [t for t, it in zip(news_times, news_iterations, strict=True) if it > sent_it]
         if pending and pending[0] <= now:
             schedule.news(pending[0])  # the agent notes news when the recorder appends it
         due = schedule.due()

@@ -160,7 +160,7 @@ class NodeRelayTransport(KeptAlive):
             batch = [self._waiting.pop(r) for r in ranks]
             status, sent, received, text = await self._exchange(0, encode_node_batch([b for b, _, _ in batch]))
             results = _node_results(status, text, len(batch))
-            for (_, _, answer), result in zip(batch, results):
+            for (_, _, answer), result in zip(batch, results, strict=True):
                 if not answer.done():
                     answer.set_result(Answer(result, sent // len(batch), received // len(batch)))
 

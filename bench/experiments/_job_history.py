@@ -64,7 +64,7 @@ class _Scaler:
             it = self.iteration = self.iteration + 1
             self.overflows += self.scale >= OVERFLOW_SCALE
             skip_gen, skip_disc = self._skips(it)
-            for name, skipped in zip(OPTIMIZERS, (skip_gen, skip_disc)):
+            for name, skipped in zip(OPTIMIZERS, (skip_gen, skip_disc), strict=True):
                 if skipped:
                     self.optimizers[name].skip(it)
                 else:
@@ -140,11 +140,11 @@ class Job:
                 labels = f'{base},optimizer="{name}"'
                 for field, metric in zip(_COUNTERS, (m.OPTIMIZER_STEPS, m.OPTIMIZER_SKIPPED_STEPS,
                                                      m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP,
-                                                     m.OPTIMIZER_POISONED_STEPS)):
+                                                     m.OPTIMIZER_POISONED_STEPS), strict=True):
                     yield f"{metric.name}{{{labels}}}", getattr(o, field)
                 yield f"{m.OPTIMIZER_CONSECUTIVE_SKIPPED.name}{{{labels}}}", o.consecutive
                 yield f"{m.OPTIMIZER_LONGEST_SKIP_STREAK.name}{{{labels}}}", o.longest
-                for length, count in zip(STREAK_LADDER, o.reached):
+                for length, count in zip(STREAK_LADDER, o.reached, strict=True):
                     if count:  # a rung is exposed once a streak reached it, as the collector does
                         yield f'{m.OPTIMIZER_SKIP_STREAKS.name}{{{labels},min_length="{length}"}}', count
                 if o.skipped:

@@ -106,7 +106,7 @@ def _forged_close(client: httpx.Client) -> dict:
 
 def _many_incarnations(client: httpx.Client) -> dict:
     started, codes, day = time.perf_counter(), {}, 86_400.0
-    for i in range(625):
+    for _ in range(625):
         now, process = time.time(), dict(run="incarnations", rank=0, incarnation=uuid.uuid4().hex)
         for seq, (sent_at, skipped) in enumerate(((now - day, 800_000_000), (now, 1_600_000_000)), 1):
             code = client.post("/v1/ingest", json=make_batch(**process, seq=seq, sent_at=sent_at,

@@ -82,7 +82,7 @@ def _measure(model: str, backend: str | None, rounds: int, block: int) -> dict:
                 steps[self.name].append(statistics.fmean(jobs[self.name].step_times))
 
         cpu, wall = rotate({name: _Timed(name) for name in jobs}, rounds, block)
-        step_ratios = [w / b for w, b in zip(steps["watched"], steps["bare"])]
+        step_ratios = [w / b for w, b in zip(steps["watched"], steps["bare"], strict=True)]
         state = jobs["watched"].watch.snapshot()["state"]
         return {"backend": backend or "not compiled",
                 "step_us": {name: round(statistics.median(t) * 1e6, 1) for name, t in steps.items()},

@@ -124,7 +124,7 @@ def run(checks: int = 100, ways: tuple[str, ...] = WAYS) -> dict:
             return callgrind_instructions(["bench.experiments.nonfinite_check", "--child", way, model, str(checks)],
                                           os.path.join(workdir, f"{model}-{way}.cg"), {"PYTHONPATH": ROOT})
         with ThreadPoolExecutor(2) as pool:
-            counts = dict(zip(jobs, pool.map(count, jobs)))
+            counts = dict(zip(jobs, pool.map(count, jobs), strict=True))
     import torch
 
     from bench._loops import MODELS as BUILDERS

@@ -87,10 +87,10 @@ def _time_child(model: str, rounds: int, block: int) -> dict:
         return {"agent": agent.__file__, "plain_cpu_us_per_iter": round(plain_us, 1),
                 "python_hook_cpu_us_per_iter": round(cpu_us["python_hook"], 1),
                 "origin_cpu_us_per_iter": round(cpu_us["origin"], 1),
-                "origin_iter_ratio_to_plain": round(statistics.median(o / p for o, p in zip(cpu["origin"],
-                                                                                            cpu["plain"])), 4),
+                "origin_iter_ratio_to_plain": round(statistics.median(
+                    o / p for o, p in zip(cpu["origin"], cpu["plain"], strict=True)), 4),
                 "python_hook_iter_ratio_to_plain": round(statistics.median(
-                    h / p for h, p in zip(cpu["python_hook"], cpu["plain"])), 4),
+                    h / p for h, p in zip(cpu["python_hook"], cpu["plain"], strict=True)), 4),
                 "hook_calls": timed,
                 "hook_own_us_per_iter": own["own_us_per_iter"],
                 "hook_own_us_per_iter_median_call": own["own_us_per_iter_median_call"],
@@ -131,7 +131,7 @@ def run(before: str | None, iterations: int = 50, rounds: int = 20, block: int =
                                            str(iterations)],
                                           os.path.join(workdir, f"{model}-{name}.cg"), _env(sources[name]))
         with ThreadPoolExecutor(2) as pool:
-            counts = dict(zip(jobs, pool.map(count, jobs)))
+            counts = dict(zip(jobs, pool.map(count, jobs), strict=True))
         instructions = {}
         for model in MODELS:
             per_iter = {name: round(counts[model, name] / iterations) for name in sources}

@@ -256,9 +256,9 @@ def _wait_ready(servers: list[_Prometheus]) -> None:
             try:
                 with urllib.request.urlopen(p.url + "/-/ready", timeout=5):
                     break
-            except OSError:
+            except OSError as error:
                 if time.monotonic() > deadline or p.proc.poll() is not None:
-                    raise RuntimeError(f"prometheus at {p.url} did not start")
+                    raise RuntimeError(f"prometheus at {p.url} did not start") from error
                 time.sleep(0.5)
 
 
@@ -301,7 +301,7 @@ def measure(ranks: int, evaluations: int, before: str, storm: str = "short") -> 
                       "series": int(float(servers[1].query("count({__name__=~'ampwatch_.*'})")[0]["value"][1])),
                       "samples_per_series_in_30m": float(window[0]["value"][1]) if window else None,
                       "history_samples": samples, "history_write_s": round(history_s, 1)}
-            for side, p in zip(("before", "after"), servers):
+            for side, p in zip(("before", "after"), servers, strict=True):
                 result[side] = _summary(p, rules[side])
             for side in ("before", "after"):  # both dashboards on the same server, once both CPU figures are in
                 result[side]["dashboard"] = _panel_cost(servers[1].url, generated[side]["panels"])

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or SECTIONS:
         print(f"bench.gpu: {name} ...", flush=True)
         t = time.perf_counter()
-        found = guarded(name, "section", lambda: _run_section(name, amp, args.quick))
+        found = guarded(name, "section", lambda name=name: _run_section(name, amp, args.quick))
         for c in found:
             print(line(c), flush=True)
         checks += found

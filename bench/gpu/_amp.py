@@ -120,7 +120,7 @@ def snapshot_bits(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def changed(before: list[torch.Tensor], params: Iterable[torch.Tensor]) -> torch.Tensor:
     """Return a device bool tensor: did any parameter's bits change since ``before``? (no sync)"""
-    return torch.stack([(b != p.detach().view(torch.int32)).any() for b, p in zip(before, params)]).any()
+    return torch.stack([(b != p.detach().view(torch.int32)).any() for b, p in zip(before, params, strict=True)]).any()
 
 
 def inject(model: nn.Module, target: str, value: float, count: int = 1) -> None:

@@ -74,14 +74,14 @@ def run_plan(amp: Amp, model: nn.Module, forward: Callable[[torch.Tensor], torch
         asked: dict[str, Any] = {}
         if ask:
             flags.append(step_all(scaler, optimizers,
-                                  after_each=lambda n: asked.__setitem__(n, watch.stepped(optimizers[n]))))
+                                  after_each=lambda n, asked=asked: asked.__setitem__(n, watch.stepped(optimizers[n]))))
         else:
             flags.append(step_all(scaler, optimizers))
         scaler.update(plan.manual[i]) if i in plan.manual else scaler.update()
         answers.append(asked)
     order = list(optimizers)
     rows = torch.stack([torch.stack([f[n] for n in order]) for f in flags]).tolist()  # the one sync
-    truth = [dict(zip(order, row)) for row in rows]
+    truth = [dict(zip(order, row, strict=True)) for row in rows]
     nonfinite = {i: {t: tuple(v.tolist()) for t, v in c.items()} for i, c in counts.items()}
     return Run(truth=truth, answers=answers, nonfinite=nonfinite, final_scale=float(scaler.get_scale()))
 

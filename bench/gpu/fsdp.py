@@ -87,7 +87,8 @@ def _scaled(amp: Amp, rank: int, world: int, net: nn.Module, scaler: Any,
         for step in range(STEPS):
             opt.zero_grad()
             fed = last and step == FED_AT
-            backward(net, lambda micro: micro_batch(rank, step, micro, amp.device, fed and micro == 0))
+            backward(net, lambda micro, step=step, fed=fed:
+                     micro_batch(rank, step, micro, amp.device, fed and micro == 0))
             if last and step == PLANTED_AT:
                 _plant(opt)
             before = snapshot_bits(shards(opt))
@@ -122,7 +123,7 @@ def _unscaled(device: torch.device, rank: int, world: int) -> dict[str, Any]:
     with agent.watch(None, {"net": opt}, model=net, collector=(), run="bench-gpu-fsdp-bf16") as watch:
         for step in range(STEPS):
             opt.zero_grad()
-            _micro_batches(net, lambda micro: micro_batch(rank, step, micro, device, False),
+            _micro_batches(net, lambda micro, step=step: micro_batch(rank, step, micro, device, False),
                            lambda: torch.autocast(device.type, dtype=torch.bfloat16), None)
             if rank == world - 1 and step == UNSCALED_PLANTED_AT:
                 _plant(opt)

@@ -34,7 +34,7 @@ class ManyTensors:
         self.params = [nn.Parameter(torch.randn(64, generator=gen).to(amp.device)) for _ in range(n)]
         self.names = [(f"blocks.{i}.weight", p) for i, p in enumerate(self.params)]
         self.grads = [torch.randn(64, generator=gen).to(amp.device) for _ in range(n)]
-        for p, g in zip(self.params, self.grads):
+        for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g.clone()
         self.poison = {17: float("inf"), n // 2: float("nan"), n - 1: float("inf")}
         self.optimizer = torch.optim.SGD(self.params, lr=1e-3, foreach=True)

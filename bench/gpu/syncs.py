@@ -75,7 +75,7 @@ def _counted(amp: Amp, kind: str, iterations: int, note: str = "") -> dict:
         loop = CleanLoop(amp, kind, watched)
         loop.run(WARMUP)
         amp.sync()
-        counts[watched] = count_syncs(amp.cuda, lambda: loop.run(iterations))
+        counts[watched] = count_syncs(amp.cuda, lambda loop=loop: loop.run(iterations))
         amp.sync()
         state = loop.close() or state
     problems = []
@@ -96,7 +96,7 @@ def run(amp: Amp, quick: bool) -> list[dict]:
     iterations = 10 if quick else 50
     checks = guarded("syncs", "fused-error-mode", lambda: [_error_mode(amp, iterations)]) if amp.cuda else []
     for kind in ("fused", "foreach"):
-        checks += guarded("syncs", f"{kind}-counted", lambda: [_counted(amp, kind, iterations)])
+        checks += guarded("syncs", f"{kind}-counted", lambda kind=kind: [_counted(amp, kind, iterations)])
     return checks
 
 

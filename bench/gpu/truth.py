@@ -235,8 +235,8 @@ def _fused_sgd_momentum(amp: Amp) -> dict:
             if i == 0:
                 buffers[flavour] = sum("momentum_buffer" in opt.state[p] for p in layer.parameters())
         weights[flavour] = [p.detach().clone() for p in layer.parameters()]
-    same = all(torch.equal(a, b) for a, b in zip(weights["fused"], weights["foreach"]))
-    diff = max(float((a - b).abs().max()) for a, b in zip(weights["fused"], weights["foreach"]))
+    same = all(torch.equal(a, b) for a, b in zip(weights["fused"], weights["foreach"], strict=True))
+    diff = max(float((a - b).abs().max()) for a, b in zip(weights["fused"], weights["foreach"], strict=True))
     return check("truth", "torch-fused-sgd-momentum", "info",
                  f"torch itself, not ampwatch: after a skipped first step, SGD(momentum=0.9, fused=True) holds "
                  f"{buffers['fused']} momentum buffers (foreach: {buffers['foreach']}); after two real steps its "
@@ -259,4 +259,4 @@ CHECKS = (
 
 def run(amp: Amp, quick: bool) -> list[dict]:
     """Run every truth check (one that crashes becomes an error check; the others still run)."""
-    return [c for name, fn in CHECKS for c in guarded("truth", name, lambda: [fn(amp, quick)])]
+    return [c for name, fn in CHECKS for c in guarded("truth", name, lambda fn=fn: [fn(amp, quick)])]

@@ -43,7 +43,7 @@ def section(r: dict | None) -> list[str]:
         lines += ["", "The dashboard's queries over its last 30 minutes at 15 s steps, as Grafana sends them (tables: "
                   "instant):", "", "| | panels | most series in one panel | panels over 100 series | MB in all |",
                   "|---|---|---|---|---|"]
-        for side, d in zip(SIDES, dash):
+        for side, d in zip(SIDES, dash, strict=True):
             lines.append(f"| {side} | {d['panels']} | {fmt(d['max_series'])} | {d['panels_over_100_series']} | "
                          f"{fmt(d['bytes'] / 1e6, 1)} |")
         big = [title for title, cost in dash[1]["per_panel"].items() if cost["series"] > 100]

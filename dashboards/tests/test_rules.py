@@ -125,7 +125,7 @@ def test_consecutive_skips_have_a_warning_and_a_critical_rule_on_the_streak_ladd
     assert [a["labels"]["severity"] for a in streak] == ["warning", "critical"]
     recorded = RecordedSeries(DEFAULT_THRESHOLDS)
     for alert, threshold in zip(streak, (DEFAULT_THRESHOLDS.skip_streak_warning,
-                                         DEFAULT_THRESHOLDS.skip_streak_critical)):
+                                         DEFAULT_THRESHOLDS.skip_streak_critical), strict=True):
         assert f'{recorded.streaks_rose}{{min_length="{threshold}"}}' in alert["expr"]
         assert f"{recorded.in_streak} >= {threshold}" in alert["expr"]
 

@@ -79,7 +79,7 @@ def test_passes_in_a_thread_and_batches_on_another_end_in_the_same_alerts_as_one
     evaluating.start()
     try:
         for second in range(100, 150):
-            for rank, twin in zip(ranks, twins):
+            for rank, twin in zip(ranks, twins, strict=True):
                 skip = rank.rank % 10 == 0 and second >= 120  # a tenth of the ranks start a long streak
                 for r in (rank, twin):
                     r.iterate(skipped=skip)

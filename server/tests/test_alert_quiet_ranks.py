@@ -99,7 +99,7 @@ def test_a_pass_that_skips_quiet_ranks_finds_what_reading_every_window_finds(see
     skipped_reads = 0
     for step in range(1, 1100):  # 10 s apart, over three hours: every window fills and rolls past calibration
         t = step * 10.0
-        for r, h in zip(ranks, histories):
+        for r, h in zip(ranks, histories, strict=True):
             if t >= stops.get(r.rank, float("inf")):
                 continue
             snapshot = r.step(t, calibrating=step <= 3, stalled=t >= stalls.get(r.rank, float("inf")))

@@ -17,7 +17,7 @@ STREAK, RATIO = "AmpConsecutiveSkippedSteps", "AmpHighSkippedStepRatio"
 def test_consecutive_skip_warning_fires_at_the_ingest_where_the_streak_reaches_the_threshold():
     alerts = BuiltinAlerts(T)
     r = FakeRank(alerts)
-    for i in range(200):
+    for _ in range(200):
         r.iterate()
     assert r.send(1000.0) == []
     for _ in range(T.skip_streak_warning - 1):
@@ -38,7 +38,7 @@ def test_consecutive_skip_warning_fires_at_the_ingest_where_the_streak_reaches_t
 def test_critical_streak_fires_beside_the_warning_and_both_resolve_after_the_window():
     alerts = BuiltinAlerts(T)
     r = FakeRank(alerts, scale=2.0 ** 80)
-    for i in range(200):
+    for _ in range(200):
         r.iterate()
     r.send(0.0)
     for _ in range(T.skip_streak_critical):
@@ -57,7 +57,7 @@ def test_critical_streak_fires_beside_the_warning_and_both_resolve_after_the_win
 def test_a_streak_that_began_and_ended_between_two_batches_still_fires():
     alerts = BuiltinAlerts(T)
     r = FakeRank(alerts)
-    for i in range(200):
+    for _ in range(200):
         r.iterate()
     r.send(0.0)
     for _ in range(T.skip_streak_warning + 2):

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import threading
 import time
+from itertools import pairwise
 
 import pytest
 from fastapi.testclient import TestClient
@@ -178,7 +179,7 @@ def test_periodic_passes_start_a_period_apart_however_long_a_pass_takes():
         asyncio.run(asyncio.wait_for(four_passes(), timeout=60))
     finally:
         service.close()
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in pairwise(starts)]
     # A period *between* passes would make each gap the pass plus the period: 1 s. Alerts the pass decides (a
     # streak fires once two passes in a row found it; a silent rank) would come that much later.
     assert max(gaps) < 0.9, gaps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -101,7 +102,7 @@ def test_a_failing_target_is_retried_with_growing_backoff_until_it_accepts(recei
         counts = wait_count(notifier, target, "sent", 1)
     assert counts[(target.name, "failed")] == 4 and counts[(target.name, "sent")] == 1
     assert counts[(target.name, "dropped")] == 0
-    gaps = [b - a for a, b in zip(receiver.attempts, receiver.attempts[1:])]
+    gaps = [b - a for a, b in pairwise(receiver.attempts)]
     # Delay n is in [0.5, 1] x min(0.05 x 2^n, 0.2): each gap is at least its delay's least (a lower bound: a
     # loaded machine only stretches gaps), so a backoff that did not grow fails from the third gap on (0.1 s).
     assert len(gaps) == 4

@@ -43,7 +43,7 @@ def _promtool_check(text: str) -> None:
 
 
 def test_every_value_a_scaler_can_hold_is_applied_exposed_and_given_back_as_sent(client):
-    for name, sent, _, exposed, _ in SCALES:
+    for name, sent, _, _, _ in SCALES:
         batch = make_batch(run=f"scale-{name}", loss_scale=sent, events=[
             {"id": 1, "kind": "scale_change", "time": 1.0, "iteration": 7, "cause": "backoff",
              "before": 1.0, "after": sent}])

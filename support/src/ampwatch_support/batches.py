@@ -90,7 +90,7 @@ class OptimizerRun:
         """Return the counters as a batch's ``state.optimizers[name]`` holds them."""
         return {"steps": self.steps, "skipped": self.skipped, "consecutive_skipped": self.consecutive,
                 "longest_streak": self.longest, "streaks": self.streaks,
-                "streaks_reached": {str(n): c for n, c in zip(STREAK_LADDER, self.reached) if c},
+                "streaks_reached": {str(n): c for n, c in zip(STREAK_LADDER, self.reached, strict=True) if c},
                 "scheduler_steps_after_skip": self.scheduler_steps_after_skip, "poisoned_steps": self.poisoned_steps}
 
 

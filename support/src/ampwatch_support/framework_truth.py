@@ -38,7 +38,7 @@ def bits(params) -> list[torch.Tensor]:
 
 
 def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 class Truth:

@@ -63,7 +63,7 @@ class TwoOptimizers(pl.LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         number = self.current_epoch * self.trainer.num_training_batches + batch_idx
         optimizers = self.optimizers()
-        for name, opt in zip("ab", optimizers):
+        for name, opt in zip("ab", optimizers, strict=True):
             for each in optimizers:
                 each.zero_grad()
             self.manual_backward(self(x).float().pow(2).mean())

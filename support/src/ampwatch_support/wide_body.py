@@ -59,7 +59,7 @@ def play(post: Callable[[bytes], int], pid: int, other: Callable[[], int]) -> di
     for name, body in bodies_cache().items():
         stop, slowest = threading.Event(), [0.0]
 
-        def agent() -> None:
+        def agent(stop: threading.Event = stop, slowest: list[float] = slowest) -> None:
             while not stop.is_set():
                 started = time.perf_counter()
                 other()

@@ -39,7 +39,8 @@ def named_optimizers(optimizers: Any) -> dict[str, tuple[torch.optim.Optimizer, 
                      for i, o in enumerate(items)]
         classes = [type(o).__name__ for o, _ in unwrapped]
         unique = len(set(classes)) == len(classes)
-        named = {(c if unique else f"optimizer{i}"): pair for i, (c, pair) in enumerate(zip(classes, unwrapped))}
+        named = {(c if unique else f"optimizer{i}"): pair
+                 for i, (c, pair) in enumerate(zip(classes, unwrapped, strict=True))}
     else:
         raise TypeError("optimizers must be a torch.optim.Optimizer, a list of them, or a dict "
                         f"{{name: optimizer}}, got {type(optimizers).__name__}")

@@ -289,7 +289,7 @@ def nonfinite_indices(tensors: Sequence[torch.Tensor | None]) -> list[int]:
         for order, parts in per_device.values():
             # The one copy for this device: a bool per tensor, read with tolist (no scalar reads).
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist()
-            flagged.extend(position for position, bad in zip(order, host) if bad)
+            flagged.extend(position for position, bad in zip(order, host, strict=True) if bad)
     flagged.sort()
     return flagged
 
@@ -313,7 +313,7 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, 
                                       torch.count_nonzero(torch.isnan(values))]))
         for positions, parts in by_device.values():
             rows = torch.stack(parts).cpu().tolist()  # one device-to-host copy for this device
-            for position, (n_inf, n_nan) in zip(positions, rows):
+            for position, (n_inf, n_nan) in zip(positions, rows, strict=True):
                 counts[position] = (int(n_inf), int(n_nan))
     return counts
 

@@ -81,7 +81,7 @@ def attach(scaler: torch.amp.GradScaler | None, optimizers: Sequence[Any] | Mapp
         if chosen is not None and len(chosen) != len(items):
             raise ValueError(f"names: got {len(chosen)} names for {len(items)} optimizers; "
                              "give one name per optimizer, in the order the framework holds them")
-        by_name = dict(zip(chosen or default, items))
+        by_name = dict(zip(chosen or default, items, strict=True))
         if len(by_name) != len(items):
             raise ValueError(f"names: each optimizer needs its own name, got {list(chosen or ())}")
     aliases = {id(alias): name for name, (opt, wrappers) in named_optimizers(by_name).items()

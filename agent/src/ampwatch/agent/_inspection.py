@@ -100,7 +100,7 @@ class SkipInspection:
                 self.report_poisoned(record, iteration, grads, "nonfinite_grad")
             elif weights.total:
                 self.report_poisoned(record, iteration, weights, "nonfinite_param")
-        for record, weights in zip(started, reports[2 * len(stepped):]):
+        for record, weights in zip(started, reports[2 * len(stepped):], strict=True):
             if weights.total and record.last_step_iteration is not None:
                 self.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 

@@ -284,7 +284,7 @@ class LocalGradients:
         else:
             for f in flags:
                 values += _device.read_later(f).wait()
-        bad = sorted({slot for slot, flag in zip(slots, values) if flag})
+        bad = sorted({slot for slot, flag in zip(slots, values, strict=True) if flag})
         report = OriginReport(origin=bool(bad), params=[self.names[s] for s in bad[:MAX_NAMED_PARAMS]],
                               params_total=len(bad))
         self._reports[iteration] = report

@@ -89,9 +89,9 @@ def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
         lo, hi = bisect.bisect_left(flagged, start), bisect.bisect_left(flagged, start + len(params))
         per_target.append(flagged[lo:hi])
     named = [position for positions in per_target for position in positions[:MAX_NAMED_PARAMS]]
-    counts = dict(zip(named, nonfinite_counts([tensors[p] for p in named])))
+    counts = dict(zip(named, nonfinite_counts([tensors[p] for p in named]), strict=True))
     reports = []
-    for (start, params, group_starts), positions in zip(spans, per_target):
+    for (start, params, group_starts), positions in zip(spans, per_target, strict=True):
         entries: list[ParamCount] = []
         for position in positions[:MAX_NAMED_PARAMS]:
             index = position - start

@@ -65,7 +65,7 @@ class OptimizerRecord:
             "consecutive_skipped": self.consecutive,
             "longest_streak": self.longest,
             "streaks": self.streaks,
-            "streaks_reached": {str(n): c for n, c in zip(STREAK_LADDER, reached) if c},
+            "streaks_reached": {str(n): c for n, c in zip(STREAK_LADDER, reached, strict=True) if c},
             "scheduler_steps_after_skip": self.scheduler_steps_after_skip,
             "poisoned_steps": self.poisoned,
         }

@@ -289,7 +289,7 @@ class NodeRelay:
         for url, peers in by_url.items():
             for chunk in _chunks(peers):
                 answers = self._post(url, [p.body for p in chunk])  # type: ignore[misc]
-                for peer, answer in zip(chunk, answers):
+                for peer, answer in zip(chunk, answers, strict=True):
                     peer.url = peer.body = None
                     try:
                         peer.sock.settimeout(1.0)  # a reply is small and its rank is reading: never long

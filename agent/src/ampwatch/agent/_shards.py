@@ -56,4 +56,4 @@ def shard_text(tensor: Any) -> str | None:
         return None
     if tuple(sizes) == tuple(tensor.shape):
         return None  # the whole parameter: nothing to say
-    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes, strict=True)) + "]"

@@ -314,7 +314,7 @@ def watch(scaler: torch.amp.GradScaler | None,
         model = getattr(ddp, "module", None)
     names = ParameterNames(named_params(model, named_parameters))
     records = [OptimizerRecord.of(n, o) for n, (o, _) in named.items()]
-    by_id = {id(alias): record for record, (_, aliases) in zip(records, named.values())
+    by_id = {id(alias): record for record, (_, aliases) in zip(records, named.values(), strict=True)
              for alias in (record.optimizer, *aliases)}
     scheduler_list = per_step_schedulers(schedulers, {r.name: r for r in records})
     with _watched_lock:

@@ -261,7 +261,7 @@ class IngestService:
             reason, message, wait = over
             raise _Refused(429, reason, message, retry=True, retry_after=wait)
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
-                   getattr(e, "optimizer", None), stored) for e, stored in zip(batch.events, bodies)]
+                   getattr(e, "optimizer", None), stored) for e, stored in zip(batch.events, bodies, strict=True)]
         old = rank.view.incarnations.get(batch.incarnation) if rank else None
         if old is not None and batch.process_key != old.batch.process_key:
             # The incarnation id is shown by the read API; the process key is not: a stranger's batch (counted,

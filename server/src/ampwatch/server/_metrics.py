@@ -105,12 +105,13 @@ class _RankLines:
         """Return the streak-ladder lines of the rungs reached, formatted again only when a ladder moved."""
         ladders = [totals.streaks_reached for totals in view.optimizer_totals.values()]
         # Totals hand an unmoved ladder on as the same tuple; a held reference keeps its id from being reused.
-        if len(ladders) != len(self.ladder_from) or any(a is not b for a, b in zip(ladders, self.ladder_from)):
+        if len(ladders) != len(self.ladder_from) or \
+                any(a is not b for a, b in zip(ladders, self.ladder_from, strict=True)):
             name = m.OPTIMIZER_SKIP_STREAKS.name
             self.ladder = "".join(
                 f'{name}{{{labels},min_length="{length}"}} {count}\n'
-                for labels, reached in zip(self.labels(view).values(), ladders)
-                for length, count in zip(STREAK_LADDER, reached) if count)
+                for labels, reached in zip(self.labels(view).values(), ladders, strict=True)
+                for length, count in zip(STREAK_LADDER, reached, strict=True) if count)
             # A rung appears once a streak reached it (48% of all samples at 1,024 ranks were zero rungs): the
             # rules' "new and non-zero" term (dashboards/forms.py, counter_rose) catches its first count.
             self.ladder_from = ladders

@@ -98,11 +98,12 @@ def _over(optimizer: str | None, new: RankTotals | OptimizerTotals, old: RankTot
     if new is old:
         return None
     for field, a, b, t in zip(new.__dataclass_fields__, new._values(), old._values(),
-                              total._values()):
+                              total._values(), strict=True):
         if a is b or a == b:
             continue
         if isinstance(a, tuple):
-            rise, after = max(x - y for x, y in zip(a, b)), max(z + x - y for x, y, z in zip(a, b, t))
+            rise = max(x - y for x, y in zip(a, b, strict=True))
+            after = max(z + x - y for x, y, z in zip(a, b, t, strict=True))
         else:
             rise, after = a - b, t + a - b
         if rise > allowed or (rise > 0 and after > allowed_total):

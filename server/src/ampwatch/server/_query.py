@@ -40,7 +40,8 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         optimizers[name] = {
             "steps": t.steps, "skipped": t.skipped, "consecutive_skipped": view.consecutive_skipped(name),
             "longest_streak": view.longest_streak(name), "streaks": t.streaks,
-            "streaks_reached": {str(length): count for length, count in zip(STREAK_LADDER, t.streaks_reached)},
+            "streaks_reached": {str(length): count
+                                for length, count in zip(STREAK_LADDER, t.streaks_reached, strict=True)},
             "scheduler_steps_after_skip": t.scheduler_steps_after_skip, "poisoned_steps": t.poisoned_steps,
             "latest_nonfinite_parameter": view.latest_nonfinite(name),
         }

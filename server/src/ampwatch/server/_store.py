@@ -196,7 +196,7 @@ class Store:
                 # Something in the group failed: run each job alone so one bad job cannot sink the others.
                 results = [self._commit_one(job) for job, _, _ in group]
             by_loop: dict[Any, list] = {}
-            for (_, loop, future), result in zip(group, results):
+            for (_, loop, future), result in zip(group, results, strict=True):
                 by_loop.setdefault(loop, []).append((future, result))
             for loop, done in by_loop.items():
                 try:

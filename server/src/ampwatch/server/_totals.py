@@ -53,10 +53,10 @@ class _Counters:
 
     def to_json(self) -> dict[str, int]:
         """Return the counters by name, a ladder's rungs as ``reached_<L>`` (the database's form)."""
-        values = dict(zip(self.__dataclass_fields__, self._values()))
+        values = dict(zip(self.__dataclass_fields__, self._values(), strict=True))
         ladder = values.pop("streaks_reached", NO_STREAKS)
         if ladder is not NO_STREAKS:
-            values.update((key, count) for key, count in zip(_REACHED_KEYS, ladder) if count)
+            values.update((key, count) for key, count in zip(_REACHED_KEYS, ladder, strict=True) if count)
         return values
 
     @classmethod
@@ -80,7 +80,7 @@ def _larger(a: Any, b: Any) -> Any:
 
 def _moved(total: Any, new: Any, old: Any) -> Any:
     if isinstance(total, tuple):
-        return total if new == old else tuple(t + n - o for t, n, o in zip(total, new, old))
+        return total if new == old else tuple(t + n - o for t, n, o in zip(total, new, old, strict=True))
     return total + new - old
 
 

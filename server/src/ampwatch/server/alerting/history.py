@@ -270,7 +270,7 @@ class RankHistory:
 
     def _note_rises(self, before: RankSnapshot, now: RankSnapshot) -> None:
         rose, at, layout = self._rose, now.last_seen, self.layout
-        for i, (old, new) in enumerate(zip(layout.rank_rise_values(before), layout.rank_rise_values(now))):
+        for i, (old, new) in enumerate(zip(layout.rank_rise_values(before), layout.rank_rise_values(now), strict=True)):
             if new > old:
                 rose[i] = at
         per, head = len(layout.optimizer_rises), len(layout.rank_rises)

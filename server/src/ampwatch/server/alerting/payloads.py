@@ -62,7 +62,7 @@ def webhook_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
                 "generatorURL": external_url,
                 "fingerprint": a.fingerprint,
             }
-            for a, lab in zip(alerts, labels)
+            for a, lab in zip(alerts, labels, strict=True)
         ],
     }
 
