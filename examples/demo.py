@@ -28,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from _demo_report import CollectorView
-
-# A collector in a child process, started and stopped the way the tests do it.
+# A collector in a child process, started and stopped the way the tests do it; what the demo prints.
 from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.demo_report import CollectorView
 from ampwatch_support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -133,8 +133,7 @@ def test_bench_examples_and_tests_import_what_they_share_normally():
             tree = ast.parse(open(path).read())
             for node in ast.walk(tree):
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and node.func.attr in ("insert", "append") and ast.unparse(node.func.value) == "sys.path"
-                        and "helpers" in ast.unparse(node)):
+                        and node.func.attr in ("insert", "append") and ast.unparse(node.func.value) == "sys.path"):
                     hacks.append(os.path.relpath(path, ROOT))
                 if (folder.endswith("tests") and isinstance(node, ast.ImportFrom) and node.module
                         and node.module.startswith("bench") and not os.path.basename(path).startswith("test_bench")):

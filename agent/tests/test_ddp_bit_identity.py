@@ -1,7 +1,7 @@
 """watch(..., ddp=model) never changes training: every DDP configuration, watched and unwatched, bit for bit.
 
-Four gloo processes; the matrix of ``ddp_matrix_worker.py`` runs over a process group of 2, of 3 and of all
-4 of them, one group per world size: ``gradient_as_bucket_view`` x ``static_graph`` x
+Four gloo processes; the matrix of ``ampwatch_support.ddp_matrix_worker`` runs over a process group of 2, of 3
+and of all 4 of them, one group per world size: ``gradient_as_bucket_view`` x ``static_graph`` x
 ``find_unused_parameters`` x ``join()`` (none, and ``divide_by_initial_world_size`` both ways, the last rank
 out of inputs early) x the job's own comm hook (none, ``allreduce_hook``, ``fp16_compress_hook``,
 ``bf16_compress_hook``, PowerSGD), each watched until its watch closes mid-run and trained on after, beside
@@ -13,16 +13,12 @@ whose input held the inf. Configurations torch itself cannot train are listed in
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ddp_harness import run_ranks  # noqa: E402
-from ddp_matrix_worker import CLOSE_AT, COMPILED_AT, WORLD_SIZES, eager_configurations  # noqa: E402
+from ampwatch_support.ddp_harness import run_ranks
+from ampwatch_support.ddp_matrix_worker import CLOSE_AT, COMPILED_AT, WORLD_SIZES, eager_configurations
 
-WORKER = Path(__file__).with_name("ddp_matrix_worker.py")
+WORKER = "ampwatch_support.ddp_matrix_worker"
 
 # The matrix runs once, in the first test's set-up: its own deadline (run_ranks) bounds it, not the default 300 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1300)]

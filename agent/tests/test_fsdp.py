@@ -1,22 +1,18 @@
 """Real FSDP2 (``fully_shard``) over gloo with 2 and 4 processes, with a GradScaler and without one.
 
-One worker run per world size holds every scenario (fsdp_worker.py); each rank's ground truth is its own
-shards' bits and gradients.
+One worker run per world size holds every scenario (``ampwatch_support.fsdp_worker``); each rank's ground truth
+is its own shards' bits and gradients.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fsdp_plain_first_worker as mixed  # noqa: E402
-from ddp_harness import run_ranks  # noqa: E402
-from fsdp_worker import FED, PLANTED, SAVE_AFTER, STEPS, UNSCALED_PLANTED, UNSCALED_SAVE_AFTER  # noqa: E402
+from ampwatch_support import fsdp_plain_first_worker as mixed
+from ampwatch_support.ddp_harness import run_ranks
+from ampwatch_support.fsdp_worker import FED, PLANTED, SAVE_AFTER, STEPS, UNSCALED_PLANTED, UNSCALED_SAVE_AFTER
 
-WORKER = Path(__file__).with_name("fsdp_worker.py")
+WORKER = "ampwatch_support.fsdp_worker"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]  # the 4-rank run: about a minute, far more when loaded
 
@@ -126,7 +122,7 @@ def test_a_scaler_less_run_checkpointed_while_watched_holds_nothing_of_ours_and_
 def plain_first(tmp_path_factory) -> list[dict]:
     """Run the worker whose first layer keeps plain gradients before the DTensor ones (2 ranks)."""
     out = tmp_path_factory.mktemp("fsdp-plain-first")
-    return run_ranks(Path(mixed.__file__), out, mixed.WORLD_SIZE, timeout=600,
+    return run_ranks(mixed.__name__, out, mixed.WORLD_SIZE, timeout=600,
                      what="2-rank FSDP2 with a plain gradient first")
 
 

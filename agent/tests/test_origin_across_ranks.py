@@ -1,24 +1,19 @@
 """watch(..., ddp=model) over two real gloo ranks: the origin rank in recipes that used to hide it.
 
-The scenarios are ``origin_worker.py``'s (its docstring says each); every one also runs unwatched, and the
+The scenarios are ``ampwatch_support.origin_worker``'s (its docstring says each); every one also runs unwatched, and the
 weights after every iteration must be that twin's bit for bit. The truth is where the inf was planted: an
 iteration skips on every rank, and only the rank whose own gradient held it is its origin.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from ampwatch.contract.protocol import MAX_PARAMS
+from ampwatch_support.ddp_harness import run_ranks
+from ampwatch_support.origin_worker import SCENARIOS, WORLD_SIZE
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ddp_harness import run_ranks  # noqa: E402
-from origin_worker import SCENARIOS, WORLD_SIZE  # noqa: E402
-
-WORKER = Path(__file__).with_name("origin_worker.py")
+WORKER = "ampwatch_support.origin_worker"
 
 pytestmark = pytest.mark.slow
 

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ddp_harness import run_ranks  # noqa: E402
+from ampwatch_support.ddp_harness import run_ranks
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
+WORKER = "ampwatch_support.ddp_worker"
 INJECT_AT = 2
 
 

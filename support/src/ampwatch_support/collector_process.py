@@ -1,7 +1,7 @@
 """A real collector (``python -m ampwatch.server``) in a child process on a free loopback port.
 
-For tests, benchmarks (bench/_servers.py) and the demo (examples/demo.py), which put this
-folder on ``sys.path``; pytest does (pytest.ini's ``pythonpath``).
+For tests, benchmarks (bench/_servers.py) and the demo (examples/demo.py), which import it as installed
+(``make venv`` installs ``support/`` editable).
 """
 
 from __future__ import annotations

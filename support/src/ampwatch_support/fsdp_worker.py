@@ -1,8 +1,8 @@
 """Real FSDP2 (``fully_shard``) over gloo with N ranks: the agent with a GradScaler and without one.
 
-Run as a script (``python fsdp_worker.py OUT_DIR PORT WORLD_SIZE``); each rank writes ``OUT_DIR/rank{r}.json``
+Run as ``python -m ampwatch_support.fsdp_worker OUT_DIR PORT WORLD_SIZE``; each rank writes ``OUT_DIR/rank{r}.json``
 with, per scenario, the ground truth, what the agent reported and the bits of this rank's shards at the end.
-All scenarios share one process group. Used by test_fsdp.py, which owns the time limit and the cleanup.
+All scenarios share one process group. Used by agent/tests/test_fsdp.py, which owns the time limit and the cleanup.
 
 - ``scaled``/``scaled_plain``: a GradScaler, two micro-batches per step (the first without gradient
   sync), an inf fed into the last rank's first micro-batch at one step and planted into rank 1's shard of

@@ -1,11 +1,11 @@
 """Real DDP over gloo: every configuration trained watched (``ddp=model``) and unwatched, compared bit for bit.
 
-Run as a script (``python ddp_matrix_worker.py OUT_DIR PORT WORLD_SIZE [--compiled]``): one process group
+Run as ``python -m ampwatch_support.ddp_matrix_worker OUT_DIR PORT``: one process group
 for the whole matrix. Each configuration builds its DDP model twice from the same seed, trains it on the
 same data, first watched then as the twin without ampwatch, and records each run's weights (a digest of
 their bits, after the iteration where the watched run closes its watch, and at the end) and, watched,
 the origin of every skip before the close. ``OUT_DIR/rank{r}.json`` holds ``{configuration: result}``;
-test_ddp_bit_identity.py owns the time limit, the cleanup and the judging.
+agent/tests/test_ddp_bit_identity.py owns the time limit, the cleanup and the judging.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Two real ranks over gloo: which rank's own gradients started a skip, in the recipes that hide it.
 
-Run as a script (``python origin_worker.py OUT_DIR PORT``); each rank writes ``OUT_DIR/rank{r}.json`` with,
+Run as ``python -m ampwatch_support.origin_worker OUT_DIR PORT``; each rank writes ``OUT_DIR/rank{r}.json`` with,
 per scenario, every skip's (or poisoned step's) origin as the watched run reported it, the iterations and
 ranks the inf was planted at (the truth), and the digests of the weights after every iteration of the
 watched run and of its unwatched twin (the same job, the same data, never watched). Used by
-test_origin_across_ranks.py, which owns the time limit, the cleanup and the judging.
+agent/tests/test_origin_across_ranks.py, which owns the time limit, the cleanup and the judging.
 
 Scenarios (each builds its DDP model from one seed on every rank, as a real job does):
 

@@ -1,8 +1,8 @@
-"""What the real-DDP worker scripts and their tests share: a rank's scaled backward, and running a worker once.
+"""What the real-DDP and FSDP2 workers and their tests share: a rank's scaled backward, and running a worker once.
 
-The workers (``ddp_worker.py``, ``ddp_matrix_worker.py``) run as scripts, one process per rank,
-outside pytest: :func:`run_ranks` imports its pytest-side helpers (``ampwatch_support``) when it runs,
-so that every rank can import this module cheaply.
+The workers (``ampwatch_support.ddp_worker``, ``ddp_matrix_worker``, ``origin_worker``, ``fsdp_worker``,
+``fsdp_plain_first_worker``) run as ``python -m`` modules, one process per rank, outside pytest:
+:func:`run_ranks` imports pytest when it runs, so that every rank can import this module cheaply.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from ampwatch_support.ports import free_port
 
 __all__ = ["run_ranks", "scaled_backward"]
 
@@ -38,9 +40,10 @@ def scaled_backward(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.
     scaler.scale(loss).backward()
 
 
-def run_ranks(worker: Path, out: Path, world_size: int, args: Sequence[str] = (), *,
+def run_ranks(worker: str, out: Path, world_size: int, args: Sequence[str] = (), *,
               timeout: int, what: str) -> list[dict]:
-    """Run ``worker OUT PORT [args]`` once and return each rank's ``OUT/rank{r}.json``.
+    """Run ``python -m worker OUT PORT [args]`` once (``worker``: a module name) and return each rank's
+    ``OUT/rank{r}.json``.
 
     Bounded in time: past ``timeout`` seconds its whole process group is killed and the
     test fails, naming the worker as ``what``. The agent's settings are kept out of its
@@ -48,10 +51,8 @@ def run_ranks(worker: Path, out: Path, world_size: int, args: Sequence[str] = ()
     """
     import pytest  # here, not above: the workers import this module outside pytest
 
-    from ampwatch_support.ports import free_port
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPWATCH_")}
-    proc = subprocess.Popen([sys.executable, str(worker), str(out), str(free_port()), *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", worker, str(out), str(free_port()), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)

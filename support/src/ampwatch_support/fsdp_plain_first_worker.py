@@ -1,9 +1,9 @@
 """Real FSDP2 over gloo with a plain gradient before the ``DTensor`` ones: a scaler-less bf16 job, two ranks.
 
-Run as a script (``python fsdp_plain_first_worker.py OUT_DIR PORT``); each rank writes ``OUT_DIR/rank{r}.json``
-with, per scenario, the ground truth (the steps whose gradients on this rank held inf/NaN), what the agent
-reported and the bits of this rank's parameters at the end. Used by test_fsdp.py, which owns the time limit and
-the cleanup.
+Run as ``python -m ampwatch_support.fsdp_plain_first_worker OUT_DIR PORT``; each rank writes
+``OUT_DIR/rank{r}.json`` with, per scenario, the ground truth (the steps whose gradients on this rank held
+inf/NaN), what the agent reported and the bits of this rank's parameters at the end. Used by
+agent/tests/test_fsdp.py, which owns the time limit and the cleanup.
 
 The first layer's parameters stay plain tensors and come first in the optimizer, the others are sharded:
 
@@ -31,8 +31,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(__file__))
-from fsdp_worker import _result, grads_finite, local, shard_bits  # noqa: E402
+from ampwatch_support.fsdp_worker import _result, grads_finite, local, shard_bits
 
 STEPS = 6
 PLANTED = {1: (0, "0.weight"), 4: (1, "2.weight")}  # step -> (rank, the parameter whose gradient gets an inf)

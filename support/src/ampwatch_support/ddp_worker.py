@@ -1,9 +1,9 @@
 """Two real ranks over gloo: run the agent under DDP, independent models and ShardedGradScaler.
 
-Run as a script (``python ddp_worker.py OUT_DIR PORT``); each rank writes
+Run as ``python -m ampwatch_support.ddp_worker OUT_DIR PORT``; each rank writes
 ``OUT_DIR/rank{r}.json`` with, per scenario and iteration, the ground truth
 (did this rank's parameters change?) and what the agent reported. Used by
-test_recording_ddp.py, which owns the time limit and the cleanup.
+agent/tests/test_recording_ddp.py, which owns the time limit and the cleanup.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ddp_harness import scaled_backward
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
+
+from ampwatch_support.ddp_harness import scaled_backward
 
 ITERATIONS = 4
 INJECT_AT = 2  # iteration at which rank 1 feeds an inf into its input
