@@ -26,7 +26,7 @@ $(STAMP): contract/pyproject.toml agent/pyproject.toml server/pyproject.toml das
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
+	$(PY) -m mypy
 
 # Two pytest-xdist workers: most tests wait on processes, servers, Prometheus and a browser, so on 2 cores the
 # suite takes about 11 minutes this way against 17 one test at a time. TEST_WORKERS=0: one process (debugging).
