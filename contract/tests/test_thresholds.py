@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from ampwatch.contract import thresholds
 from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, PROFILES, AlertThresholds, promql_duration
 
@@ -50,38 +51,22 @@ def test_an_invalid_value_raises_naming_the_field(field, value, message):
 
 NAN, INF = float("nan"), float("inf")
 
-# Values each field must refuse, written out here for every field (not read from the contract's table of limits),
-# so that a limit dropped or loosened there fails a case: shares outside (0, 1], windows of no time, waits below 0,
-# counts below 1, streak lengths off the ladder, scales and ratios that are not finite, and non-whole numbers
-# where a whole one is meant.
-REFUSED = {
-    "calibration_iterations": (-1, 2.5),
-    "skip_streak_warning": (0, 12, 16.0),
-    "skip_streak_critical": (0, 100, 64.0, 2048),
-    "storm_rank_share": (0, 0.0, -0.5, 1.01, 2, NAN, INF),
-    "storm_edge_for_s": (-1, 1.5),
-    "skip_streak_window_s": (0, -60, 1.5),
-    "backoff_window_s": (0, -1, 900.5),
-    "backoff_min_count": (0, -3, 2.5),
-    "backoff_rank_share": (0, 1.5, -0.1, NAN),
-    "backoff_for_s": (-1, 0.5),
-    "collapsed_loss_scale": (0, -1.0, NAN, INF),
-    "collapsed_for_s": (-30, 2.5),
-    "desync_scale_ratio": (1, 0.5, NAN, INF),
-    "desync_for_s": (-1, 0.1),
-    "skip_ratio": (0, 1.1, -0.1, NAN),
-    "skip_ratio_window_s": (0, -1, 0.5),
-    "skip_ratio_min_steps": (-1, 10.5),
-    "skip_ratio_for_s": (-1, 1.5),
-    "silent_after_s": (0, -120, 120.5),
-    "silent_for_s": (-60, 1.5),
-    "scheduler_window_s": (0, -1, 1.5),
-    "poisoned_window_s": (0, -1, 1.5),
-    "origin_window_s": (0, -1, 1.5),
-    "conflict_window_s": (0, -1, 1.5),
-    "origin_min_count": (0, -1, 1.5),
-    "origin_rank_share": (0, 1.01, NAN),
+# Values each kind of limit must refuse, written out here (not read from the contract's limits), so that a kind
+# loosened there fails every field of that kind: shares outside (0, 1], windows of no time, waits below 0, counts
+# below 1, streak lengths off the ladder, scales and ratios that are not finite, and non-whole numbers where a whole
+# one is meant. A field takes the values of its kind: a new threshold of a known kind needs no line here; a field
+# given a limit of its own (no kind below) fails test_every_fields_limit_is_a_kind_this_test_refuses_values_of.
+REFUSED_BY_KIND = {
+    thresholds._ITERATIONS: (-1, 2.5),
+    thresholds._RUNG: (0, 12, 16.0, 100, 2048),
+    thresholds._SHARE: (0, 0.0, -0.5, 1.01, 2, NAN, INF),
+    thresholds._WAIT: (-1, 1.5),
+    thresholds._WINDOW: (0, -60, 1.5),
+    thresholds._COUNT: (0, -3, 2.5),
+    thresholds._SCALE: (0, -1.0, NAN, INF),
+    thresholds._APART: (1, 0.5, NAN, INF),
 }
+REFUSED = {field: REFUSED_BY_KIND.get(limit, ()) for field, limit in thresholds._LIMITS.items()}
 # The edges each field accepts (the streak lengths with a valid partner).
 ACCEPTED = [("storm_rank_share", 1), ("storm_rank_share", 0.01), ("backoff_rank_share", 1.0), ("skip_ratio", 1),
             ("origin_rank_share", 1), ("storm_edge_for_s", 0), ("backoff_for_s", 0), ("silent_for_s", 0),
@@ -90,8 +75,10 @@ ACCEPTED = [("storm_rank_share", 1), ("storm_rank_share", 0.01), ("backoff_rank_
             ("desync_scale_ratio", 1.01)]
 
 
-def test_every_field_has_values_it_must_refuse_here():
-    assert set(REFUSED) == {f.name for f in dataclasses.fields(AlertThresholds)}, "add the new field to REFUSED"
+def test_every_fields_limit_is_a_kind_this_test_refuses_values_of():
+    assert set(REFUSED) == {f.name for f in dataclasses.fields(AlertThresholds)}
+    assert [field for field, values in REFUSED.items() if not values] == [], \
+        "give the field a kind of limit listed in REFUSED_BY_KIND, or list the values its own limit must refuse"
 
 
 @pytest.mark.parametrize("field, value", [(field, value) for field, values in REFUSED.items()
