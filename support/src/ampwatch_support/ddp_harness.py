@@ -1,4 +1,5 @@
-"""What the real-DDP and FSDP2 workers and their tests share: a rank's scaled backward, and running a worker once.
+"""What the real-DDP and FSDP2 workers and their tests share: a rank's scaled backward, its process group and
+results, and running a worker once.
 
 The workers (``ampwatch_support.ddp_worker``, ``ddp_matrix_worker``, ``origin_worker``, ``fsdp_worker``,
 ``fsdp_plain_first_worker``) run as ``python -m`` modules, one process per rank, outside pytest:
@@ -7,20 +8,24 @@ The workers (``ampwatch_support.ddp_worker``, ``ddp_matrix_worker``, ``origin_wo
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ampwatch_support.ports import free_port
 
-__all__ = ["run_ranks", "scaled_backward"]
+__all__ = ["rank_results", "run_ranks", "scaled_backward"]
 
 
 def scaled_backward(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, *,
@@ -38,6 +43,31 @@ def scaled_backward(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x).float().pow(2).mean()
     scaler.scale(loss).backward()
+
+
+@contextlib.contextmanager
+def rank_results(rank: int, world_size: int, out_dir: str, port: int, **environ: str) -> Iterator[dict]:
+    """Be rank ``rank`` of a gloo process group on ``port`` for the block; yield the dict of its results.
+
+    The agent is kept from sending (no ``AMPWATCH_URL``); ``environ`` adds to the environment. Whatever
+    happens, the results go to ``out_dir/rank{rank}.json`` (with the traceback under ``"error"`` when the block
+    raised, which then fails the process), reference cycles are collected and the group is destroyed, in that
+    order: a DDP or FSDP model freed while the interpreter shuts down, after the group, makes gloo abort.
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **environ)
+    os.environ.pop("AMPWATCH_URL", None)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results: dict = {}
+    try:
+        yield results
+    except BaseException:
+        results["error"] = traceback.format_exc()[-4000:]
+        raise
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def run_ranks(worker: str, out: Path, world_size: int, args: Sequence[str] = (), *,

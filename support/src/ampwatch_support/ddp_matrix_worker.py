@@ -11,13 +11,9 @@ agent/tests/test_ddp_bit_identity.py owns the time limit, the cleanup and the ju
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import itertools
-import json
-import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -25,6 +21,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
+
+from ampwatch_support.ddp_harness import rank_results
 
 WORLD_SIZES = (2, 3, 4)  # one process per rank of the largest; the others run over a group of the first ranks
 COMPILED_AT = 2  # torch.compile's configurations run at this world size only (compiling is what costs)
@@ -156,25 +154,13 @@ def _compiled_autograd(compiled: str):
 
 
 def main(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop("AMPWATCH_URL", None)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=max(WORLD_SIZES))
-    results: dict = {}
-    try:
+    with rank_results(rank, max(WORLD_SIZES), out_dir, port) as results:
         for world_size in WORLD_SIZES:  # each over a process group of its own: the first world_size ranks
             group = None if world_size == max(WORLD_SIZES) else dist.new_group(list(range(world_size)))
             if rank < world_size:
                 results[world_size] = _matrix(rank, world_size, group, compiled=world_size == COMPILED_AT)
             dist.barrier()
-    except Exception:  # noqa: BLE001 - written for the test to show, then the process fails
-        results["error"] = traceback.format_exc()[-4000:]
-        raise
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        gc.collect()  # DDP/FSDP objects in reference cycles freed now: at interpreter exit, gloo aborts
-        dist.destroy_process_group()
 
 
 def _matrix(rank: int, world_size: int, group, compiled: bool) -> dict:

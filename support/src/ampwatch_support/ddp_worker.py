@@ -8,19 +8,15 @@ agent/tests/test_recording_ddp.py, which owns the time limit and the cleanup.
 
 from __future__ import annotations
 
-import gc
-import json
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
-from ampwatch_support.ddp_harness import scaled_backward
+from ampwatch_support.ddp_harness import rank_results, scaled_backward
 
 ITERATIONS = 4
 INJECT_AT = 2  # iteration at which rank 1 feeds an inf into its input
@@ -83,17 +79,9 @@ def unscaled(rank: int, watched: bool) -> dict:
 
 
 def main(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AMPWATCH_RUN="ddp-test")
-    os.environ.pop("AMPWATCH_URL", None)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = {kind: scenario(rank, kind) for kind in ("ddp", "independent", "sharded")}
+    with rank_results(rank, WORLD_SIZE, out_dir, port, AMPWATCH_RUN="ddp-test") as results:
+        results.update({kind: scenario(rank, kind) for kind in ("ddp", "independent", "sharded")})
         results["unscaled"], results["unscaled_plain"] = unscaled(rank, True), unscaled(rank, False)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        gc.collect()  # DDP/FSDP objects in reference cycles freed now: at interpreter exit, gloo aborts
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

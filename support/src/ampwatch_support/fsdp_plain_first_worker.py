@@ -20,17 +20,14 @@ each planted step is a poisoned step of its own.
 
 from __future__ import annotations
 
-import gc
-import json
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from ampwatch_support.ddp_harness import rank_results
 from ampwatch_support.fsdp_worker import _result, grads_finite, local, shard_bits
 
 STEPS = 6
@@ -92,17 +89,9 @@ def run(rank: int, layout: str, watched: str | None) -> dict:
 
 
 def main(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop("AMPWATCH_URL", None)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = {f"{layout}/{watched}": run(rank, layout, None if watched == "plain" else watched)
-                   for layout in LAYOUTS for watched in ("none", "disabled", "plain")}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        gc.collect()  # DDP/FSDP objects in reference cycles freed now: at interpreter exit, gloo aborts
-        dist.destroy_process_group()
+    with rank_results(rank, WORLD_SIZE, out_dir, port) as results:
+        results.update({f"{layout}/{watched}": run(rank, layout, None if watched == "plain" else watched)
+                        for layout in LAYOUTS for watched in ("none", "disabled", "plain")})
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ All scenarios share one process group. Used by agent/tests/test_fsdp.py, which o
 
 from __future__ import annotations
 
-import gc
-import json
 import os
 import sys
 
@@ -29,6 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+
+from ampwatch_support.ddp_harness import rank_results
 
 STEPS = 8
 SAVE_AFTER = 4  # steps done when the checkpoint is saved
@@ -185,27 +185,19 @@ def _result(w) -> dict:
 
 
 def main(rank: int, out_dir: str, port: int, world_size: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop("AMPWATCH_URL", None)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with rank_results(rank, world_size, out_dir, port) as results:
         checkpoints = {name: os.path.join(out_dir, f"checkpoint-{name}")
                        for name in ("watched", "plain", "unscaled-watched", "unscaled-plain")}
-        results = {
+        results.update({
             "scaled": scaled(rank, world_size, True, checkpoints["watched"]),
             "scaled_plain": scaled(rank, world_size, False, checkpoints["plain"]),
             "unscaled": unscaled(rank, world_size, True, checkpoints["unscaled-watched"]),
             "unscaled_plain": unscaled(rank, world_size, False, checkpoints["unscaled-plain"]),
-        }
+        })
         dist.barrier()
         results["restored"] = restored(rank, world_size, checkpoints["watched"])
         results["unscaled_restored"] = unscaled(rank, world_size, True, checkpoints["unscaled-watched"], resume=True)
         results["checkpoint_keys"] = {name: checkpoint_keys(path) for name, path in checkpoints.items()}
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        gc.collect()  # DDP/FSDP objects in reference cycles freed now: at interpreter exit, gloo aborts
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

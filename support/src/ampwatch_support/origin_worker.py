@@ -25,18 +25,15 @@ Scenarios (each builds its DDP model from one seed on every rank, as a real job 
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
-import json
-import os
 import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ampwatch_support.ddp_harness import rank_results
 
 WORLD_SIZE = 2
 INF = float("inf")
@@ -261,22 +258,10 @@ SCENARIOS = {
 
 
 def main(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop("AMPWATCH_URL", None)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    results: dict = {}
-    try:
+    with rank_results(rank, WORLD_SIZE, out_dir, port) as results:
         for name, scenario in SCENARIOS.items():
             results[name] = {"watched": scenario(rank, True), "twin": scenario(rank, False)}
-    except Exception:  # noqa: BLE001 - written for the test to show, then the process fails
-        results["error"] = traceback.format_exc()[-4000:]
-        raise
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        gc.collect()  # DDP models left in reference cycles: freed now, not while the interpreter shuts down
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
