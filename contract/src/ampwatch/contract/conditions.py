@@ -45,8 +45,34 @@ from .counters import COUNTERS, GAUGES
 __all__ = ["Condition", "Outside", "Rose", "RoseBy", "Share"]
 
 
+class _Form:
+    """What every form says of the state it reads; each form overrides what it reads (none reads nothing)."""
+
+    __slots__ = ()
+
+    @property
+    def counts(self) -> tuple[str, ...]:
+        """Counters whose rise over the window it compares."""
+        return ()
+
+    @property
+    def rises(self) -> tuple[str, ...]:
+        """Counters whose rising at all over the window it asks."""
+        return ()
+
+    @property
+    def context(self) -> tuple[str, ...]:
+        """Counters it reads whose rise alone cannot make it hold."""
+        return ()
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """The AlertThresholds fields it compares with."""
+        return ()
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class Rose:
+class Rose(_Form):
     """Holds while ``counter`` rose within the window (its value now differs from its value one window ago)."""
 
     counter: str
@@ -54,20 +80,8 @@ class Rose:
     """The AlertThresholds field of the window, in seconds."""
 
     @property
-    def counts(self) -> tuple[str, ...]:
-        return ()
-
-    @property
     def rises(self) -> tuple[str, ...]:
         return (self.counter,)
-
-    @property
-    def context(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return ()
 
     @property
     def per(self) -> str:
@@ -75,7 +89,7 @@ class Rose:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RoseBy:
+class RoseBy(_Form):
     """Holds while ``counter`` rose by ``at_least`` or more within the window; its value is the rise."""
 
     counter: str
@@ -88,14 +102,6 @@ class RoseBy:
         return (self.counter,)
 
     @property
-    def rises(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def context(self) -> tuple[str, ...]:
-        return ()
-
-    @property
     def parameters(self) -> tuple[str, ...]:
         return (self.at_least,)
 
@@ -105,7 +111,7 @@ class RoseBy:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Share:
+class Share(_Form):
     """Holds while ``part``'s rise is a share of ``at_least`` or more of the rise of ``part + rest`` (the whole),
     judged once the whole rose by ``min_count`` (and 1) or more; its value is the share.
 
@@ -129,10 +135,6 @@ class Share:
         return (self.part, self.rest)
 
     @property
-    def rises(self) -> tuple[str, ...]:
-        return ()
-
-    @property
     def context(self) -> tuple[str, ...]:
         return (self.rest,)
 
@@ -146,7 +148,7 @@ class Share:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Outside:
+class Outside(_Form):
     """Holds while ``gauge`` (one of a rank's) of a rank that has not closed is not a finite value in
     ``[low, high]``; its value is the gauge. NaN and the infinities are always outside; a rank without a value
     (no series) holds nothing."""
@@ -159,18 +161,6 @@ class Outside:
 
     window = None
     """It reads the latest state only."""
-
-    @property
-    def counts(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def rises(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def context(self) -> tuple[str, ...]:
-        return ()
 
     @property
     def parameters(self) -> tuple[str, ...]:
