@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterable, Sequence
 
+from .._rank_ranges import rank_ranges as numbered_ranges
 from .alert import Alert
 from .grouping import GROUP_BY
 
@@ -89,16 +90,10 @@ def alertmanager_body(alerts: Iterable[Alert], now: float, valid_for_s: float, e
 
 
 def rank_ranges(ranks: Iterable[str]) -> str:
-    """Return ranks as short ranges: ``0-39, 44, 512``; names that are not numbers follow as they are."""
-    numbers = sorted({int(r) for r in ranks if r.isdigit()})
-    parts: list[list[int]] = []  # [first, last] of each run of consecutive ranks
-    for n in numbers:
-        if parts and parts[-1][1] == n - 1:
-            parts[-1][1] = n
-        else:
-            parts.append([n, n])
-    text = [str(a) if a == b else f"{a}-{b}" for a, b in parts]
-    return ", ".join(text + sorted({r for r in ranks if not r.isdigit()}))
+    """Return rank labels as short ranges: ``0-39, 44, 512``; names that are not numbers follow as they are."""
+    labels = list(ranks)
+    numbered = numbered_ranges(int(r) for r in labels if r.isdigit())
+    return ", ".join(filter(None, [numbered, *sorted({r for r in labels if not r.isdigit()})]))
 
 
 def group_summary(alerts: Sequence[Alert]) -> str:
