@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # Two pytest-xdist workers: most tests wait on processes, servers, Prometheus and a browser, so on 2 cores the
-# suite takes about 11 minutes this way against 17 one test at a time. TEST_WORKERS=0: one process (debugging).
+# suite takes less time this way than one test at a time (figures: docs/testing.md). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: lint
