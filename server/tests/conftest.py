@@ -13,6 +13,7 @@ warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testcli
 from fastapi.testclient import TestClient  # noqa: E402
 
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
+from ampwatch_support.webhook_receiver import WebhookReceiver  # noqa: E402
 
 
 @pytest.fixture
@@ -28,3 +29,10 @@ def client(config_for) -> Iterator[TestClient]:
     """A collector app on a fresh database, lifespan running."""
     with TestClient(create_app(config_for())) as c:
         yield c
+
+
+@pytest.fixture
+def receiver() -> Iterator[WebhookReceiver]:
+    """A real HTTP receiver on loopback that records each request (notification tests)."""
+    with WebhookReceiver() as r:
+        yield r

@@ -18,13 +18,6 @@ from ampwatch.server.alerting.notifications import parse_targets
 from ampwatch_support.batches import make_batch, optimizer
 from ampwatch_support.exposition import value
 from ampwatch_support.patience import wait_until
-from ampwatch_support.webhook_receiver import WebhookReceiver
-
-
-@pytest.fixture
-def receiver():
-    with WebhookReceiver() as r:
-        yield r
 
 
 def test_a_skip_streak_alert_is_listed_and_sent_at_the_ingest_that_crosses_the_threshold(config_for, receiver):
