@@ -6,6 +6,7 @@ a child process's ``sys.path``, so both sides run on the same machine, minutes a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,7 +16,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["PATH_FIRST", "ROOT", "before_after", "checked_side", "commit", "print_and_store", "source_of", "store"]
+__all__ = ["PATH_FIRST", "ROOT", "before_after", "before_after_main", "checked_side", "commit", "print_and_store",
+           "source_of", "store"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +45,22 @@ def before_after(ref: str, side: Callable[[str | None], dict]) -> dict:
         path = source_of(ref, tmp)
         old = checked_side(side(path), path)
     return {"before": dict(old, ref=ref), "after": checked_side(side(None), None)}
+
+
+def before_after_main(argv: list[str] | None, description: str, before: str, before_is: str, key: str,
+                      side: Callable[[str | None], dict], module: str | None = None) -> dict:
+    """The ``main()`` of a bench that runs ``side`` at ``--before`` (default ``before``, which ``before_is`` says
+    in --help) and at this tree: print the result as JSON, store it under ``--key`` in ``--out``; return it."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--before", default=before, help=f"the commit to compare with (default: {before_is})")
+    parser.add_argument("--key", default=key, help="the name to store the result under (default: %(default)s)")
+    parser.add_argument("--out", help="also store the result under --key in this JSON file")
+    args = parser.parse_args(argv)
+    result = before_after(args.before, side)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        store(args.out, args.key, result, sys.argv, module=module or key)
+    return result
 
 
 def checked_side(result: dict, path: str | None) -> dict:

@@ -29,12 +29,10 @@ About two and a half minutes per side on a loaded 2-core machine.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import sqlite3
-import sys
 import tempfile
 import time
 import uuid
@@ -45,7 +43,7 @@ from ampwatch_support import wide_body
 from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.exposition import value
 from bench import _servers
-from bench._before_after import before_after, store
+from bench._before_after import before_after_main
 
 __all__ = ["main"]
 
@@ -231,17 +229,8 @@ def _side(path: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="23f3925^", help="the commit to compare with (default: the one before "
-                                                              "issue 15's first slice)")
-    parser.add_argument("--key", default=KEY, help="the name to store the result under (default: %(default)s)")
-    parser.add_argument("--out", help="also store the result under --key in this JSON file")
-    args = parser.parse_args(argv)
-    result = before_after(args.before, _side)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        store(args.out, args.key, result, sys.argv, module=KEY)
-    return result
+    return before_after_main(argv, __doc__.splitlines()[0], "23f3925^", "the one before issue 15's first slice",
+                             KEY, _side)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,8 @@ About 30 s per side.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -25,7 +23,7 @@ import httpx
 from ampwatch_support import wide_body
 from ampwatch_support.batches import make_batch
 from bench import _servers
-from bench._before_after import before_after, store
+from bench._before_after import before_after_main
 
 __all__ = ["main"]
 
@@ -61,17 +59,8 @@ def _side(path: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="efc5a5c", help="the commit to compare with (default: the one before "
-                                                             "issue 37's collector slice)")
-    parser.add_argument("--key", default=KEY, help="the name to store the result under (default: %(default)s)")
-    parser.add_argument("--out", help="also store the result under --key in this JSON file")
-    args = parser.parse_args(argv)
-    result = before_after(args.before, _side)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        store(args.out, args.key, result, sys.argv, module="experiments.wide_body")
-    return result
+    return before_after_main(argv, __doc__.splitlines()[0], "efc5a5c", "the one before issue 37's collector slice",
+                             KEY, _side, module="experiments.wide_body")
 
 
 if __name__ == "__main__":
