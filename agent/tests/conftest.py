@@ -55,6 +55,19 @@ class AmpLoop:
         """Put one non-finite value into ``param.grad``."""
         param.grad.view(-1)[0] = value
 
+    def closure(self, model: nn.Module, opt: torch.optim.Optimizer, poison: torch.Tensor | None = None
+                ) -> Callable[[], torch.Tensor]:
+        """Return a closure for ``opt.step(closure)``: forward and backward in bfloat16 (an inf put into
+        ``poison``'s gradient, if given), as Lightning and LBFGS step."""
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = self.forward(model, torch.randn(4, 8))
+            loss.backward()
+            if poison is not None:
+                self.poison_grad(poison)
+            return loss
+        return closure
+
     def iteration(self, model: nn.Module, scaler: torch.amp.GradScaler, optimizers: list,
                   x: torch.Tensor, *, after_backward: Callable[[], None] | None = None,
                   new_scale: float | None = None) -> dict[int, bool]:

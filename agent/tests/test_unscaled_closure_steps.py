@@ -14,18 +14,8 @@ def test_every_closure_step_is_checked_through_one_post_hook_registered_once(amp
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     w = watching(None, opt, model=model)
     post_hooks = []
-
-    def closure(poison: bool):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(torch.randn(4, 8)).float().pow(2).mean()
-        loss.backward()
-        if poison:
-            amp.poison_grad(model.b.weight)
-        return loss
-
     for step in range(STEPS):
-        opt.step(lambda step=step: closure(poison=step == POISONED_AT))
+        opt.step(amp.closure(model, opt, poison=model.b.weight if step == POISONED_AT else None))
         post_hooks.append(len(opt._optimizer_step_post_hooks))
         with torch.no_grad():  # the weights put right, as a job reloading its last good checkpoint would
             for p in model.parameters():

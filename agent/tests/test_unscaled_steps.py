@@ -267,18 +267,8 @@ def test_a_step_given_a_closure_is_checked_on_the_gradients_its_closure_made(amp
     model = amp.TwoPart()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     w = watching(None, opt, model=model)
-
-    def closure(poison: bool):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(torch.randn(4, 8)).float().pow(2).mean()
-        loss.backward()
-        if poison:
-            amp.poison_grad(model.b.weight)
-        return loss
-
     for i in range(3):
-        opt.step(lambda i=i: closure(poison=i == 1))
+        opt.step(amp.closure(model, opt, poison=model.b.weight if i == 1 else None))
         repair(model)
     (event,) = poisoned_events(events, w)
     assert event["iteration"] == 1 and event["params"] == [{"name": "b.weight", "inf": 1, "nan": 0}]
