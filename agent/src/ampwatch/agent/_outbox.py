@@ -29,8 +29,10 @@ class Pending:
             return self.body
         assert self.path is not None
         body = self.path.read_bytes()
-        # Every batch is a JSON object: the mark goes first, the rest byte for byte (its seq, its key, its events).
-        return REPLAYED + body[1:] if self.replayed and body[:1] == b"{" else body
+        if not self.replayed:
+            return body
+        # A batch is a JSON object (adoption read it as one): the mark goes first, the rest byte for byte.
+        return REPLAYED + body.lstrip()[1:]
 
 
 REPLAYED = b'{"replayed":true,'
