@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import time
 import uuid
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.batches import make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 
@@ -357,3 +358,61 @@ def test_ownership_outlives_a_collector_restart(tmp_path):
         assert _owner(client, run, 0)[:3] == (live.incarnation, 111, False)
         assert _owner(client, run, 1) == (successor.incarnation, 222, False, 4, [])
         assert json.loads(json.dumps(_rank(client, run, 0)["conflicts"]))  # still listed
+
+
+# Row 21: nobody is left to contradict a newcomer; the old process's later batches are its history.
+def test_a_newcomer_after_the_ranks_process_closed_or_fell_silent_claims_nothing(client, tmp_path):
+    run = _run()
+    closed = Process(run)
+    _applied(client, closed.batch(skipped=1, iteration=10, closed=True))
+    newcomer = Process(run, pid=222)
+    _applied(client, newcomer.batch(skipped=1, iteration=1))
+    _applied(client, closed.batch(skipped=2, iteration=11))  # a batch it built after close(), arriving late
+    assert _owner(client, run) == (newcomer.incarnation, 222, False, 2 + 1, [])
+    # Silent past --silent-after (1 s on this collector): no longer live when the newcomer appears.
+    with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--silent-after", "1"]) as quick, \
+            httpx.Client(base_url=quick.url, timeout=30) as other:
+        silent = Process(run)
+        _applied(other, silent.batch(skipped=1, iteration=10))
+        last_seen = _rank(other, run)["last_seen"]
+        time.sleep(max(0.0, last_seen + 1.5 - time.time()))  # only its batch's age matters, not this machine's pace
+        newcomer = Process(run, pid=222)
+        _applied(other, newcomer.batch(skipped=1, iteration=1))
+        _applied(other, silent.batch(skipped=2, iteration=20))  # it wakes up: two processes, but no claim was made
+        assert _owner(other, run) == (newcomer.incarnation, 222, False, 2 + 1, [])
+
+
+# Row 9, what a replay shows: not the rank's latest offending parameter, not a later sign of life.
+def test_a_replay_neither_names_the_latest_parameter_nor_dates_the_rank_ahead(client):
+    run = _run()
+    successor = Process(run, pid=222)
+    _applied(client, successor.batch(skipped=1, iteration=1,
+                                     events=[skip_event(1, iteration=1, params=("successor.weight",))]))
+    dead = Process(run, pid=111)
+    spooled = dead.batch(skipped=1, iteration=5, events=[skip_event(1, iteration=5, params=("dead.weight",))])
+    spooled["sent_at"] = time.time() + 3600  # a clock an hour ahead, or a forger's
+    _applied(client, replayed(spooled))
+    rank = _rank(client, run)
+    assert rank["optimizers"]["gen"]["latest_nonfinite_parameter"] == "successor.weight"
+    assert rank["optimizers"]["gen"]["skipped"] == 2 and rank["last_seen"] <= time.time()
+
+
+# Row 20, across an upgrade: a collector before the list of displaced processes stored one id as a string.
+def test_a_claim_stored_by_an_earlier_collector_is_judged_after_an_upgrade(tmp_path):
+    db, run = str(tmp_path / "ampwatch.db"), _run()
+    live, claimant = Process(run), Process(run, host="attacker", pid=666)
+    with CollectorProcess(db, args=ARGS) as collector, httpx.Client(base_url=collector.url, timeout=30) as client:
+        _applied(client, live.batch(skipped=1, iteration=10))
+        _applied(client, claimant.batch(skipped=1, iteration=1))
+        collector.kill(signal.SIGTERM)
+    with sqlite3.connect(db) as conn:  # the claim as an earlier collector wrote it
+        (stored,) = conn.execute("SELECT counters FROM incarnations WHERE incarnation = ?",
+                                 (claimant.incarnation,)).fetchone()
+        counters = json.loads(stored)
+        assert counters["displaced"] == [live.incarnation]
+        counters["displaced"] = live.incarnation
+        conn.execute("UPDATE incarnations SET counters = ? WHERE incarnation = ?",
+                     (json.dumps(counters), claimant.incarnation))
+    with CollectorProcess(db, args=ARGS) as collector, httpx.Client(base_url=collector.url, timeout=30) as client:
+        _applied(client, live.batch(skipped=2, iteration=20))
+        assert _owner(client, run) == (live.incarnation, 111, False, 2 + 1, [claimant.incarnation])

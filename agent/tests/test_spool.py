@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from ampwatch.agent._outbox import Pending
+from ampwatch.agent._batch import encode_batch
+from ampwatch.agent._outbox import REPLAYED, Pending
+from ampwatch.agent._sender import MAX_BODY_BYTES
 from ampwatch.agent._spool import SpoolOutbox
+from ampwatch_support.batches import make_batch
+from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.delivery_harness import make_sender
 from ampwatch_support.patience import SETTLE_S, wait_until
 from ampwatch_support.recording_collector import RecordingCollector
@@ -117,3 +122,32 @@ def test_an_unusable_spool_dir_is_counted_and_delivery_goes_on_from_memory(tmp_p
         sender.close(SETTLE_S)
         assert server.event_ids() == [1]
         assert server.acked[-1]["state"]["delivery"]["agent_errors"] == 1
+
+
+def test_the_largest_batch_the_sender_builds_still_fits_a_default_collector_once_marked_as_a_replay(tmp_path):
+    # The sender splits a batch to stay within MAX_BODY_BYTES; a replay adds its mark in front. A body of exactly
+    # that size, spooled by a process that died, must not be refused as too large (413, for good) by a collector
+    # with default limits when another process replays it.
+    batch = make_batch(run="largest", events=[])
+    event = {"kind": "warning", "time": 1.0, "iteration": 0, "code": "c", "message": "m" * 2000}
+    events, size = [], len(encode_batch(batch))
+    while size < MAX_BODY_BYTES - 3000:  # then the last message takes what is left: 900-3,000 characters
+        events.append({"id": len(events) + 1, **event})
+        size += len(encode_batch(events[-1])) + 1  # and its comma
+    events.append({"id": len(events) + 1, **event, "message": ""})
+    events[-1]["message"] = "m" * (MAX_BODY_BYTES - len(encode_batch({**batch, "events": events})))
+    body = encode_batch({**batch, "events": events})
+    assert len(body) == MAX_BODY_BYTES
+    dead = SpoolOutbox(tmp_path, "d" * 32, max_bytes=1 << 24)
+    dead.put(Pending(seq=1, events=len(events), run="largest", rank=0, body=body))
+    dead.close()  # undelivered: left for the next process
+    successor = SpoolOutbox(tmp_path, "e" * 32, max_bytes=1 << 24)
+    try:
+        replay = successor.head().load()
+        assert replay.startswith(REPLAYED)
+        with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+            answer = httpx.post(collector.url + "/v1/ingest", content=replay,
+                                headers={"Content-Type": "application/json"}, timeout=60)
+        assert answer.json() == {"applied": True}, answer.text[:300]
+    finally:
+        successor.close()

@@ -10,7 +10,7 @@ import pytest
 
 from ampwatch.server.alerting.alert import Alert
 from ampwatch.server.alerting.notifications import Notifier, NotifyConfig, Target, parse_targets
-from ampwatch.server.alerting.payloads import ZERO_TIME, rfc3339
+from ampwatch.server.alerting.payloads import ZERO_TIME, rank_ranges, rfc3339
 from ampwatch_support.patience import SETTLE_S, wait_until
 from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
@@ -260,3 +260,8 @@ def test_counts_list_every_target_and_outcome_even_before_anything_was_sent():
     with notifier_for(target) as notifier:
         assert notifier.counts() == {(target.name, o): 0 for o in ("sent", "failed", "dropped")}
     assert json.dumps(sorted(notifier.counts()))  # plain, serialisable keys for the metrics renderer
+
+
+def test_a_notification_lists_numbered_ranks_as_ranges_and_other_rank_labels_after_them():
+    assert rank_ranges(["3", "1", "2", "7", "node-b", "node-a", "2"]) == "1-3, 7, node-a, node-b"
+    assert rank_ranges(["node-a"]) == "node-a" and rank_ranges([]) == ""
