@@ -212,14 +212,20 @@ def test_the_agent_and_the_collectors_schema_and_defaults_keep_to_the_one_contra
     from ampwatch.server._schema import (
         AgentInfo,
         Batch,
+        Began,
+        DeviceInfo,
         Event,
         ParamDetail,
         PoisonedStepEvent,
+        SampleId,
+        Samples,
         ScalerInfo,
         SchedulerAfterSkipEvent,
         SkipEvent,
         WarningEvent,
     )
+
+    sample_text = next(arg for arg in typing.get_args(SampleId) if typing.get_args(arg)[0] is str)
 
     enforced = {
         "label": _max_length(Batch, "run"),
@@ -230,7 +236,14 @@ def test_the_agent_and_the_collectors_schema_and_defaults_keep_to_the_one_contra
         "host": _max_length(Batch, "host"),
         "version": _max_length(AgentInfo, "version"),
         "scaler_kind": _max_length(ScalerInfo, "kind"),
+        "sample_id": typing.get_args(sample_text)[1].max_length,
+        "module": _max_length(Began, "module"),
+        "module_type": _max_length(Began, "module_type"),
+        "device_text": _max_length(DeviceInfo, "type"),
     }
+    assert {_max_length(DeviceInfo, name) for name in ("uuid", "pci_bus_id")} == {protocol.TEXT_LIMITS["device_text"]}
+    assert protocol.MAX_SAMPLE_IDS == _max_length(Samples, "ids")
+    assert protocol.MAX_SAMPLES_BEFORE == _max_length(SkipEvent, "samples_before")
     assert enforced == protocol.TEXT_LIMITS and _max_length(AgentInfo, "torch") == protocol.TEXT_LIMITS["version"]
     assert protocol.MAX_PARAMS == _max_length(SkipEvent, "params") == _max_length(PoisonedStepEvent, "params")
     assert protocol.MAX_BATCH_EVENTS == _max_length(Batch, "events")

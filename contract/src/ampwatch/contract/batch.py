@@ -14,10 +14,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
 from typing import Literal, TypedDict
 
 __all__ = ["OptimizerCounters", "DeliveryCounters", "RankState", "ParamCount", "ScaleCause", "PoisonReason", "Event",
+           "Began", "BeganStage", "ForwardProbe", "Samples", "IterationSamples", "DeviceInfo", "samples_digest",
            "SkipEvent", "StreakEndEvent", "ScaleChangeEvent", "SchedulerAfterSkipEvent", "PoisonedStepEvent",
            "WarningEvent", "ScalerDisabledEvent", "CloseEvent", "EVENTS", "STAMPED", "OPTIMIZER_GAUGES",
            "RANK_GAUGES", "fields", "required"]
@@ -102,6 +105,83 @@ ScaleCause = Literal["backoff", "growth", "manual", "restored"]
 outside ``update()`` (``load_state_dict()`` on resume, a new scaler bound with ``watch.rebind()``)."""
 
 
+BeganStage = Literal["forward", "backward"]
+"""Where a skipped or poisoned iteration's inf/NaN began: ``backward``, the loss was finite and a gradient went
+non-finite; ``forward``, the loss itself was not finite."""
+
+ForwardProbe = Literal["armed", "found", "unavailable"]
+"""The forward probes of a ``forward`` start: ``armed``, put on now, to name the module at the next occurrence
+(this event names none); ``found``, they named the module at this occurrence; ``unavailable``, this model
+cannot take them (no model given, a compiled one): no module will be named."""
+
+
+class Began(TypedDict, total=False):
+    """``began`` of a skip or poisoned step: where this rank's inf/NaN began (docs/agent.md#where-it-began)."""
+
+    loss_finite: bool | None
+    """Whether every loss the iteration passed through ``scaler.scale()`` (or ``watch.loss()``) was finite;
+    null when the agent saw no loss."""
+    stage: BeganStage
+    param: str
+    """``backward``: the first parameter, in the order backward produced the gradients, whose gradient held
+    inf/NaN on this rank."""
+    module: str
+    """The module's path in the model (``""`` for the model itself): ``backward``, the module that owns
+    ``param``; ``forward``, the first module, in forward order, whose output held inf/NaN."""
+    module_type: str
+    """The class name of ``module``."""
+    probe: ForwardProbe
+    """``forward`` only: what the forward probes did (:data:`ForwardProbe`)."""
+
+
+class Samples(TypedDict):
+    """``samples`` of a skip or poisoned step: the sample ids this rank trained on in the iteration (every
+    micro-batch of it), as ``watch.batch()`` or ``watch(loader=)`` recorded them."""
+
+    ids: list[int | str]
+    """The first ``protocol.MAX_SAMPLE_IDS`` ids, in the order they were trained on."""
+    count: int
+    """How many ids the iteration had (named or not)."""
+    digest: str
+    """:func:`samples_digest` of all of them: the same samples in any order give the same digest."""
+
+
+class IterationSamples(TypedDict):
+    """One entry of ``samples_before``: an earlier iteration's samples."""
+
+    iteration: int
+    samples: Samples
+
+
+class DeviceInfo(TypedDict, total=False):
+    """A batch's top-level ``device``: the accelerator this rank trains on, sent until a batch carrying it is
+    accepted (with the batch's ``host`` and ``local_rank``, it names the device across runs)."""
+
+    type: str
+    """``cuda``, ``cpu``, ``xpu``, ``mps``, ...: the device type of the watched parameters."""
+    index: int
+    """The device index in this process (a GPU's ordinal)."""
+    uuid: str
+    """A GPU's UUID (``GPU-...``), where torch reads it: the same across processes, hosts and runs."""
+    pci_bus_id: str
+    """A GPU's PCI bus id (``0000:3b:00.0``), where torch reads it."""
+
+
+def samples_digest(ids: Iterable[int | str]) -> str:
+    """Return the digest of a set of sample ids: 16 hex digits, the same for the same ids in any order.
+
+    >>> samples_digest([3, "a", 1]) == samples_digest(["a", 1, 3])
+    True
+    >>> samples_digest([1]) == samples_digest(["1"])  # an int and a string are different ids
+    False
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for encoded in sorted(json.dumps(i) for i in ids):
+        digest.update(encoded.encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
 class _EventRequired(TypedDict):
     iteration: int
 
@@ -131,6 +211,16 @@ class SkipEvent(_SkipRequired, total=False):
     origin_buckets: list[int]
     origin_params: list[str]
     origin_params_total: int | None
+    began: Began
+    """Where this rank's inf/NaN began in the skipped iteration."""
+    samples: Samples
+    """The sample ids this rank trained on in the iteration (with ``watch.batch()`` or ``watch(loader=)``)."""
+    samples_before: list[IterationSamples]
+    """The first skip of a streak: the samples of up to ``protocol.MAX_SAMPLES_BEFORE`` iterations before it."""
+    calibration: bool
+    """True when the skip is the scaler settling, not evidence of a fault: no step of this optimizer has gone
+    through since the watch began (a fresh scale finding its level), or the skip is the first after a growth
+    (the grown scale tried and backed off)."""
 
 
 class StreakEndEvent(_Event):
@@ -180,6 +270,9 @@ class PoisonedStepEvent(_PoisonedStepRequired, total=False):
     """Without a scaler, with ``ddp=``: whether this rank's own gradients held inf/NaN before the all-reduce."""
     origin_params: list[str]
     origin_params_total: int | None
+    began: Began
+    samples: Samples
+    samples_before: list[IterationSamples]
 
 
 class _WarningRequired(_Event):

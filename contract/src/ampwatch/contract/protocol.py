@@ -14,7 +14,8 @@ from typing import get_args
 from .batch import EVENTS, DeliveryCounters, ScaleCause, fields
 
 __all__ = [
-    "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_BATCH_EVENTS", "EVENT_KINDS",
+    "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_SAMPLE_IDS", "MAX_SAMPLES_BEFORE",
+    "MAX_BATCH_EVENTS", "EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
     "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung", "HEARTBEAT_INTERVAL_S",
     "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "NO_SCALER_KIND",
@@ -51,11 +52,21 @@ TEXT_LIMITS: Mapping[str, int] = {
     "host": 255,
     "version": 64,            # agent.version, agent.torch
     "scaler_kind": 128,       # scaler.kind
+    "sample_id": 128,         # samples.ids[] (a string id), of skip and poisoned_step events
+    "module": 512,            # began.module
+    "module_type": 128,       # began.module_type
+    "device_text": 64,        # device.type, device.uuid, device.pci_bus_id
 }
 """Longest string the protocol accepts per field, in characters."""
 
 MAX_PARAMS = 16
 """Entries in one event's ``params`` list (the rest are counted in ``params_total``)."""
+
+MAX_SAMPLE_IDS = 64
+"""Ids in one ``samples.ids`` list (``samples.count`` counts them all, ``samples.digest`` covers them all)."""
+
+MAX_SAMPLES_BEFORE = 4
+"""Entries of ``samples_before``: the iterations before a streak's first skip whose samples it carries."""
 
 MAX_BATCH_EVENTS = 10_000
 """Events in one batch."""

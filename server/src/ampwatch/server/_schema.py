@@ -16,6 +16,8 @@ from msgspec import Meta, Struct
 from ampwatch.contract.protocol import (
     MAX_BATCH_EVENTS,
     MAX_PARAMS,
+    MAX_SAMPLE_IDS,
+    MAX_SAMPLES_BEFORE,
     PROTOCOL_VERSION,
     SCALE_CAUSES,
     STREAK_LADDER,
@@ -45,6 +47,11 @@ SchedulerName = Annotated[str, Meta(max_length=TEXT_LIMITS["scheduler"])]
 WarningCode = Annotated[str, Meta(max_length=TEXT_LIMITS["warning_code"])]
 WarningMessage = Annotated[str, Meta(max_length=TEXT_LIMITS["warning_message"])]
 HostName = Annotated[str, Meta(max_length=TEXT_LIMITS["host"])]
+ModulePath = Annotated[str, Meta(max_length=TEXT_LIMITS["module"])]
+ModuleType = Annotated[str, Meta(max_length=TEXT_LIMITS["module_type"])]
+DeviceText = Annotated[str, Meta(max_length=TEXT_LIMITS["device_text"])]
+# A sample id: an int (any SQLite integer) or a short string.
+SampleId = Annotated[int, Meta(ge=-MAX_INT - 1, le=MAX_INT)] | Annotated[str, Meta(max_length=TEXT_LIMITS["sample_id"])]
 if TYPE_CHECKING:  # a Literal built from the contract's tuples at run time is no type to mypy: plain text to it
     LadderKey = str
     ScaleCause = str
@@ -144,6 +151,42 @@ class ParamDetail(_Model, frozen=True):
     nan: Count = 0
 
 
+class Began(_Model, frozen=True):
+    """``began`` of a skip or poisoned step: where this rank's inf/NaN began (docs/protocol.md#events)."""
+
+    loss_finite: bool | None = None
+    stage: Literal["forward", "backward"] | None = None
+    param: ParamName | None = None
+    module: ModulePath | None = None
+    module_type: ModuleType | None = None
+    probe: Literal["armed", "found", "unavailable"] | None = None
+
+
+class Samples(_Model, frozen=True):
+    """The sample ids of one iteration: the first ones, how many, and a digest of all."""
+
+    ids: Annotated[list[SampleId], Meta(max_length=MAX_SAMPLE_IDS)]
+    count: Count
+    digest: Annotated[str, Meta(pattern=r"^[0-9a-f]{16}$")]
+
+
+class IterationSamples(_Model, frozen=True):
+    iteration: Count
+    samples: Samples
+
+
+SamplesBefore = Annotated[list[IterationSamples], Meta(max_length=MAX_SAMPLES_BEFORE)]
+
+
+class DeviceInfo(_Model, frozen=True):
+    """A batch's ``device``: the accelerator the rank trains on."""
+
+    type: DeviceText
+    index: Count | None = None
+    uuid: DeviceText | None = None
+    pci_bus_id: DeviceText | None = None
+
+
 class _EventBase(_Model, tag_field="kind", frozen=True):
     kind: ClassVar[str]
     id: Positive
@@ -163,6 +206,10 @@ class SkipEvent(_EventBase, tag="skip", frozen=True):
     origin_buckets: Annotated[list[Count], Meta(max_length=MAX_PARAMS)] = []
     origin_params: Annotated[list[ParamName], Meta(max_length=MAX_PARAMS)] = []
     origin_params_total: Count | None = None
+    began: Began | None = None
+    samples: Samples | None = None
+    samples_before: SamplesBefore = []
+    calibration: bool = False
 
 
 class StreakEndEvent(_EventBase, tag="streak_end", frozen=True):
@@ -201,6 +248,9 @@ class PoisonedStepEvent(_EventBase, tag="poisoned_step", frozen=True):
     origin: bool | None = None
     origin_params: Annotated[list[ParamName], Meta(max_length=MAX_PARAMS)] = []
     origin_params_total: Count | None = None
+    began: Began | None = None
+    samples: Samples | None = None
+    samples_before: SamplesBefore = []
 
 
 class WarningEvent(_EventBase, tag="warning", frozen=True):
@@ -246,6 +296,8 @@ class Batch(_Model, frozen=True):
     process_key: Annotated[str, Meta(min_length=16, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$")] | None = None
     # Sent by another process than the batch's own, from a dead process's spool: its history, no sign of life.
     replayed: bool = False
+    # The accelerator the rank trains on, sent until a batch with it is accepted (absent: an older agent, or sent).
+    device: DeviceInfo | None = None
 
     def __post_init__(self) -> None:
         # Raised here, an error names no field: each message starts with the one it is about.
