@@ -1,0 +1,126 @@
+"""Why it skipped, end to end: real gloo DDP jobs over a real DataLoader, the real agent, a real collector.
+
+Three runs into one collector: one where a sample's input holds an inf (bad data, drawn by a different rank each
+epoch), two where one rank corrupts its own gradients at random iterations whatever the data (a faulty device).
+Every skip names its samples and where it began; ``GET /v1/suspects`` lists that sample and that device, and
+nothing else; the status page shows the three answers (the README's screenshot). A run where the scale settles
+from 2**140 and the whole job overflows at once accuses nothing. The truth comes from what the ranks drew
+(``tests/diagnosis_job.py`` writes it).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import subprocess
+import sys
+import urllib.parse
+
+import httpx
+import pytest
+
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.patience import wait_until
+
+JOB = pathlib.Path(__file__).with_name("diagnosis_job.py")
+sys.path.insert(0, str(JOB.parent))
+from diagnosis_job import BAD_SAMPLE  # noqa: E402 - the job's own constant, beside it
+
+RANKS = 3
+FAULTY = 1
+HOST = socket.gethostname()
+
+
+def _run(url: str, run: str, scenario: str, out: pathlib.Path, *extra: str) -> list[dict]:
+    out.mkdir()
+    job = subprocess.run([sys.executable, str(JOB), "--collector", url, "--run", run, "--out", str(out),
+                          "--scenario", scenario, "--ranks", str(RANKS), *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
+    assert job.returncode == 0, job.stdout.decode()[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+def _get(url: str, path: str) -> dict:
+    answer = httpx.get(url + path, timeout=30)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def _closed(url: str, run: str) -> bool:
+    try:
+        ranks = _get(url, f"/v1/runs/{urllib.parse.quote(run)}")["ranks"]
+    except httpx.HTTPError:
+        return False
+    return len(ranks) == RANKS and all(r["closed"] for r in ranks)
+
+
+def _skips(url: str, run: str) -> list[dict]:
+    return _get(url, f"/v1/runs/{urllib.parse.quote(run)}/events?kind=skip&limit=1000")["events"]
+
+
+def _starts(iterations: list[int]) -> list[int]:
+    """The first iteration of each run of consecutive ones: a streak's first skip."""
+    return [it for it in sorted(iterations) if it - 1 not in iterations]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bad_data_and_a_faulty_device_are_told_apart_by_their_evidence(tmp_path):
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        url = collector.url
+        # Bad data: seed 0 deals sample 13 to ranks 0, 1, 0, 2 in epochs 0-3.
+        data = _run(url, "data", "data", tmp_path / "data", "--epochs", "4", "--seed", "0")
+        drew = {(r, it) for r, rank in enumerate(data) for it, ids in enumerate(rank["drawn"]) if BAD_SAMPLE in ids}
+        assert len({r for r, _ in drew}) >= 2  # it landed on different ranks
+        # A faulty device: rank 1 (host, local rank 1) in two runs, its gradients corrupted whatever the data.
+        faulty = {run: _run(url, run, "device", tmp_path / run, "--epochs", "5", "--faulty-rank", str(FAULTY))
+                  for run in ("device-a", "device-b")}
+        assert wait_until(lambda: all(_closed(url, run) for run in ("data", "device-a", "device-b")))
+
+        skips = _skips(url, "data")
+        origins = [e for e in skips if e["origin"]]
+        assert {(e["rank"], e["iteration"]) for e in origins if e["streak"] == 1} == drew
+        for event in origins:
+            ids = data[event["rank"]]["drawn"][event["iteration"]]
+            assert event["samples"]["ids"] == ids and event["samples"]["count"] == len(ids)
+            assert event["began"]["loss_finite"] is False and event["began"]["stage"] == "forward"
+        probes = [e["began"]["probe"] for e in sorted(origins, key=lambda e: e["iteration"])]
+        assert probes[0] == "armed" and "found" in probes[1:], probes
+        found = [e["began"] for e in origins if e["began"].get("probe") == "found"]
+        assert {(b["module"], b["module_type"]) for b in found} == {("embed", "Linear")}, found
+
+        starts = 0
+        for run, ranks in faulty.items():
+            glitched = ranks[FAULTY]["glitched"]
+            skips = _skips(url, run)
+            assert {e["iteration"] for e in skips if e["origin"]} >= set(_starts(glitched))
+            assert {e["rank"] for e in skips if e["origin"]} == {FAULTY}
+            for event in (e for e in skips if e["origin"]):
+                assert event["samples"]["ids"] == ranks[FAULTY]["drawn"][event["iteration"]]
+                began = event["began"]
+                assert (began["loss_finite"], began["stage"], began["module"]) == (True, "backward", "embed"), began
+                assert began["param"] in ("embed.weight", "embed.bias")
+            starts += len(_starts(glitched))
+        assert starts >= 3, "the seeded faults must make at least K=3 events for the test to mean anything"
+
+        suspects = _get(url, "/v1/suspects")
+        assert [(s["id"], len(s["devices"]) >= 2) for s in suspects["samples"]] == [(BAD_SAMPLE, True)]
+        assert [(d["host"], d["local_rank"]) for d in suspects["devices"]] == [(HOST, FAULTY)], suspects["devices"]
+        device = suspects["devices"][0]
+        assert device["runs"] == ["device-a", "device-b"] and device["events"] >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_settling_scale_and_a_whole_job_overflow_accuse_no_device_and_no_sample(tmp_path):
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
+        url = collector.url
+        _run(url, "settling", "calibration", tmp_path / "settling", "--epochs", "8", "--whole-job-at", "26")
+        assert wait_until(lambda: _closed(url, "settling"))
+        skips = _skips(url, "settling")
+        assert any(e["calibration"] for e in skips)  # the scale came down from 2**140 on every rank
+        whole = [e for e in skips if e["iteration"] == 26]
+        assert len(whole) == RANKS and all(e["origin"] for e in whole) and not any(e["calibration"] for e in whole)
+        suspects = _get(url, "/v1/suspects")
+        assert (suspects["devices"], suspects["samples"]) == ([], []), suspects
