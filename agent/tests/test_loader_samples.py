@@ -14,8 +14,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torch.utils.data import dataloader as torch_dataloader
 
-from ampwatch import agent
-
 BAD = 13
 _ORIGINAL = {name: torch_dataloader._BaseDataLoaderIter.__dict__[name] for name in ("__next__", "_next_index")}
 
@@ -64,7 +62,7 @@ def _train(kind: str, watching, *, follow: bool, epochs: int = 3):
     scaler = torch.amp.GradScaler("cpu")
     loader = _loader(kind)
     w = watching(scaler, opt, model=model, loader=loader if follow else None)
-    yielded, skips = [], []
+    yielded = []
     for epoch in range(epochs):
         if isinstance(loader.sampler, DistributedSampler):
             loader.sampler.set_epoch(epoch)
