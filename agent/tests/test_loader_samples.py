@@ -55,7 +55,10 @@ def _loader(kind: str) -> DataLoader:
 
 
 def _train(kind: str, watching, *, follow: bool, epochs: int = 3):
-    """Train on the loader for ``epochs``; return what it yielded, the weights, the RNG state and the events."""
+    """Train on the loader for ``epochs``; return what it yielded, the weights, the RNG state and the events.
+
+    The first epoch is cut short after 5 batches (``break``): the indices its workers had drawn ahead are
+    never yielded, and must not be taken for the next epoch's."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -66,7 +69,9 @@ def _train(kind: str, watching, *, follow: bool, epochs: int = 3):
     for epoch in range(epochs):
         if isinstance(loader.sampler, DistributedSampler):
             loader.sampler.set_epoch(epoch)
-        for x, index in loader:
+        for k, (x, index) in enumerate(loader):
+            if epoch == 0 and k == 5:
+                break
             yielded.append((x, index))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(x + torch.randn_like(x) * 1e-3).float().pow(2).mean()  # draws from the global RNG
@@ -91,7 +96,7 @@ def test_a_followed_loader_yields_the_same_batches_and_each_skip_names_its_batch
     assert torch.equal(rng, plain_rng)  # the same random draws
     skips = {e["iteration"]: e["samples"]["ids"] for e in events if e["kind"] == "skip"}
     truth = {i: index.tolist() for i, (_, index) in enumerate(yielded) if BAD in index.tolist()}
-    assert skips == truth and len(truth) == 3  # every epoch's batch holding the inf sample, named by its indices
+    assert skips == truth and len(truth) >= 2  # every batch holding the inf sample, named by its indices
 
 
 def test_a_batch_of_an_iterable_dataset_is_named_by_rank_epoch_and_position(watching):
