@@ -82,22 +82,29 @@ class _Session:
         self.recorder.attached = False
         self.recorder.orphaned = True
         _watched.discard(self.scaler_id)
-        self.sender.close(wait=False, finish=self._finish_collected)
+        # The taps close on the sender thread, not in this finalizer: closing one takes a lock the collected
+        # scaler's thread may hold. What the sender holds until then is the recorder and the taps, never the
+        # session (its hooks hold the job's optimizers: they go with the trial, at once).
+        taps, recorder, self.taps = self.taps, self.recorder, []
 
-    def _finish_collected(self) -> None:
-        # On the sender thread, not in the finalizer: closing a tap takes a lock the collected scaler's
-        # thread may hold.
-        self.close_taps()
-        self.recorder.close()
+        def finish() -> None:
+            _close_taps(taps, recorder)
+            recorder.close()
+
+        self.sender.close(wait=False, finish=finish)
 
     def close_taps(self) -> None:
         """Stop following every loader (each tap once; a failure is counted, the others still close)."""
         taps, self.taps = self.taps, []
-        for tap in taps:
-            try:
-                tap.close()
-            except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
-                self.recorder.internal_error("closing a loader's follower", error)
+        _close_taps(taps, self.recorder)
+
+
+def _close_taps(taps: list[LoaderTap], recorder: Recorder) -> None:
+    for tap in taps:
+        try:
+            tap.close()
+        except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
+            recorder.internal_error("closing a loader's follower", error)
 
 
 def _close_open_watches() -> None:
