@@ -140,7 +140,7 @@ def as_ids(ids: Any) -> Sequence[int | str]:
         raise TypeError(f"watch.batch() takes sample ids: an int, a string, a list, tuple or range of them, or a "
                         f"CPU tensor of integers; got a {kind.__name__}")
     tolist = getattr(ids, "tolist", None)  # a NumPy array
-    if callable(tolist) and getattr(getattr(ids, "dtype", None), "kind", "i") not in "iu":
+    if callable(tolist) and getattr(getattr(ids, "dtype", None), "kind", "i") not in "iuUO":  # ints, text, objects
         raise TypeError(f"watch.batch() takes integer or string ids; got an array of {ids.dtype}")  # type: ignore[attr-defined]
     values = tolist() if callable(tolist) else list(ids)
     values = values if isinstance(values, list) else [values]
@@ -165,9 +165,5 @@ def _tensor_ids(ids: torch.Tensor) -> list[int]:
                          "or a list")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype is torch.bool:
         raise TypeError(f"watch.batch() takes a tensor of integer ids; got {ids.dtype}")
-    values = ids.tolist()
-    if not isinstance(values, list):
-        return [values]
-    if ids.dim() > 1:
-        return ids.reshape(-1).tolist()
+    values = (ids if ids.dim() == 1 else ids.reshape(-1)).tolist()  # on the host: no sync
     return values
