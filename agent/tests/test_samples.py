@@ -182,3 +182,16 @@ def test_sample_ids_reach_the_collector_within_its_limits_long_string_ids_cut(am
                                                                                        long_ids, strict=True))
     assert skip["samples"]["digest"] == samples_digest(long_ids)  # of the whole ids, not the cut ones
     assert [e["samples"]["ids"] for e in skip["samples_before"]] == [[0], [1]]
+
+
+def test_ids_recorded_in_a_loop_that_never_steps_are_bounded_and_the_latest_kept(amp, watching, events):
+    model = amp.TwoPart()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    w = watching(scaler, opt, model=model)
+    for k in range(10_000):  # an evaluation loop that records ids and never steps
+        w.batch([k])
+    assert len(w._recorder.samples._pending) <= 4096
+    _step(amp, model, scaler, opt, poisoned=True)
+    (skip,) = _skips(events(w))
+    assert 2048 <= skip["samples"]["count"] <= 4096 and skip["samples"]["ids"][0] > 10_000 - 4096  # the latest

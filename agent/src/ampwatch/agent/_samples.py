@@ -24,6 +24,7 @@ from ampwatch.contract.protocol import MAX_SAMPLE_IDS, MAX_SAMPLES_BEFORE
 __all__ = ["SampleLog", "as_ids", "sample_id"]
 
 _KEPT = MAX_SAMPLES_BEFORE + 4  # ended iterations kept: samples_before, and a skip read a few iterations late
+_MAX_MICRO_BATCHES = 4096  # micro-batches waiting for an iteration to take them (batch() in a loop that never steps)
 _INT_MIN, _INT_MAX = -(2 ** 63), 2 ** 63 - 1  # what the collector stores as an integer id (SQLite's)
 _ID_TYPES = frozenset({int, str})
 
@@ -49,8 +50,15 @@ class SampleLog:
         self._ring: collections.deque[tuple[int, list[Sequence[Any]]]] = collections.deque(maxlen=_KEPT)
 
     def add(self, ids: Sequence[Any]) -> None:
-        """Record one micro-batch's ids (a list, tuple or range, kept as it is: do not change it afterwards)."""
-        self._pending.append(ids)
+        """Record one micro-batch's ids (a list, tuple or range, kept as it is: do not change it afterwards).
+
+        Bounded: past :data:`_MAX_MICRO_BATCHES` waiting for an iteration (ids recorded in a loop that never
+        steps, an evaluation), the older half is dropped.
+        """
+        pending = self._pending
+        pending.append(ids)
+        if len(pending) > _MAX_MICRO_BATCHES:
+            del pending[:_MAX_MICRO_BATCHES // 2]
 
     def assign(self, iteration: int) -> None:
         """Say that ``iteration`` is in progress: the ids recorded since the last call are its."""
