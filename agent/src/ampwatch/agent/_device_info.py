@@ -10,11 +10,21 @@ import torch
 
 from ampwatch.contract.batch import DeviceInfo
 
+from ._errors import AgentErrors
 from ._limits import TEXT_LIMITS, cut
 
-__all__ = ["device_info", "trained_device"]
+__all__ = ["device_info", "trained_device", "watched_device"]
 
 log = logging.getLogger("ampwatch.agent")
+
+
+def watched_device(records: Iterable[Any], errors: AgentErrors) -> DeviceInfo | None:
+    """Return the device of ``records``' optimizers' parameters as the batch's ``device``; None if unreadable."""
+    try:
+        return device_info(trained_device(r.optimizer for r in records))
+    except Exception as error:  # noqa: BLE001 - the watch goes on without naming its device
+        errors.report("reading the device", error)
+        return None
 
 
 def trained_device(optimizers: Iterable[torch.optim.Optimizer]) -> torch.device | None:

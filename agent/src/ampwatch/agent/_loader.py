@@ -29,7 +29,7 @@ from torch.utils.data import dataloader as _dataloader
 from ._errors import AgentErrors
 from ._samples import SampleLog
 
-__all__ = ["LoaderTap", "followed_loader"]
+__all__ = ["LoaderTap", "close_taps", "followed_loader"]
 
 _Iterator = _dataloader._BaseDataLoaderIter
 _taps: dict[int, LoaderTap] = {}  # id(a followed loader's index sampler) -> its tap; a tap holds the sampler
@@ -134,6 +134,15 @@ class LoaderTap:
             index = drawn.popleft()
             self._base += 1
             self.log.add(index if isinstance(index, (list, tuple, range)) else (index,))
+
+
+def close_taps(taps: list[LoaderTap], errors: AgentErrors) -> None:
+    """Close each of ``taps``; a failure is counted in ``errors`` and the others still close."""
+    for tap in taps:
+        try:
+            tap.close()
+        except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
+            errors.report("closing a loader's follower", error)
 
 
 def _tap_of(iterator: Any) -> LoaderTap | None:

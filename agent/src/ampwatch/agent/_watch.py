@@ -14,12 +14,12 @@ import torch
 from ._arguments import check_scaler, named_optimizers, named_params, per_step_schedulers
 from ._attach import OptimizerHooks, ScalerPatch, record_of
 from ._config import AgentConfig
-from ._device_info import device_info, trained_device
+from ._device_info import watched_device
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
-from ._loader import LoaderTap
+from ._loader import LoaderTap, close_taps
 from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._record import OptimizerRecord
@@ -88,7 +88,7 @@ class _Session:
         taps, recorder, self.taps = self.taps, self.recorder, []
 
         def finish() -> None:
-            _close_taps(taps, recorder)
+            close_taps(taps, recorder.errors)
             recorder.close()
 
         self.sender.close(wait=False, finish=finish)
@@ -96,15 +96,7 @@ class _Session:
     def close_taps(self) -> None:
         """Stop following every loader (each tap once; a failure is counted, the others still close)."""
         taps, self.taps = self.taps, []
-        _close_taps(taps, self.recorder)
-
-
-def _close_taps(taps: list[LoaderTap], recorder: Recorder) -> None:
-    for tap in taps:
-        try:
-            tap.close()
-        except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
-            recorder.internal_error("closing a loader's follower", error)
+        close_taps(taps, self.recorder.errors)
 
 
 def _close_open_watches() -> None:
@@ -403,7 +395,7 @@ def watch(scaler: torch.amp.GradScaler | None,
             recorder.origin = observe_ddp(ddp, names, errors)
         if loader is not None:
             taps.append(LoaderTap(loader, recorder.sample_log(), identity.rank, errors).start())
-        sender.device = _device_of(records, errors)
+        sender.device = watched_device(records, errors)
         recorder.attached = True
     except BaseException:
         for tap in taps:
@@ -420,12 +412,3 @@ def watch(scaler: torch.amp.GradScaler | None,
     sender.start()
     _register_exit_flush()
     return handle
-
-
-def _device_of(records: list[OptimizerRecord], errors: AgentErrors) -> Any:
-    """Return the watched parameters' device as the batch's ``device`` names it; None if it cannot be read."""
-    try:
-        return device_info(trained_device(r.optimizer for r in records))
-    except Exception as error:  # noqa: BLE001 - the watch goes on without naming its device
-        errors.report("reading the device", error)
-        return None
