@@ -14,7 +14,8 @@ variant's cost is the median of its per-block ratios to the bare block of the sa
 
 Also: host-device syncs (``aten._local_scalar_dense``) per iteration on clean and on skipping iterations,
 and whether each method's answer matches the truth in a skip storm, for foreach and fused AdamW; the
-agent's whole host CPU per iteration on a tiny model, and its recorder's calls alone (best of 5).
+agent's whole host CPU per iteration on a tiny model, and its recorder's calls alone (best of 5); what recording
+sample ids adds (``watch.batch()``, a followed loader: ``bench/_samples_cost.py``).
 
     python -m bench.overhead [--quick]
 """
@@ -34,6 +35,7 @@ import torch
 from ampwatch_support.syncs import SyncCounter
 from bench import ddp_origin
 from bench._loops import MODELS, ModelBuilder, compare, pct, rotate
+from bench._samples_cost import sample_recording_us
 
 __all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "agent_host_cost_us", "agent_hot_path_us", "measure",
            "main"]
@@ -280,6 +282,8 @@ def run(quick: bool) -> dict:
         results["storm_fused"] = measure("mlp", True, max(4, rounds // 4), block, url)
         results["host_cost"] = agent_host_cost_us(rounds * 2, block * 4, url)
     results["host_cost"]["hot_path_us_per_iter"] = agent_hot_path_us()  # the recorder's calls alone, best of 5
+    # watch.batch() per iteration and a followed loader per batch, each beside its baseline in this process
+    results["host_cost"]["samples"] = sample_recording_us(*((5, 500, 50) if quick else (15, 2000, 200)))
     results["ddp_origin"] = ddp_origin.run(quick)  # watch(..., ddp=model): the origin hook on a 2-rank DDP loop
     return results
 

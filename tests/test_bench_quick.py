@@ -201,3 +201,16 @@ def test_fleet_node_relay_transport_posts_one_request_per_node_and_answers_every
     for rank, storm in result["storm"].items():
         assert value(text, "ampwatch_optimizer_skipped_steps_total", run="fleet", rank=rank,
                      optimizer="gen") == storm["answers"][-1][1], rank
+
+
+def test_the_sample_recording_timer_runs_batch_and_a_followed_loader_beside_their_baselines():
+    from torch.utils.data import dataloader
+
+    from bench._samples_cost import sample_recording_us
+
+    shipped = dataloader._BaseDataLoaderIter.__dict__["__next__"]
+    result = sample_recording_us(rounds=2, n=20, batches=5)
+    assert set(result["batch"]) == {"iteration", "batch(list of 32)", "batch(tensor of 32)"}
+    assert set(result["loader"]) == {"plain", "another loader followed", "followed"}
+    assert all(v["us"] > 0 for part in ("batch", "loader") for v in result[part].values())
+    assert dataloader._BaseDataLoaderIter.__dict__["__next__"] is shipped  # the watch closed: nothing left

@@ -59,6 +59,7 @@ def _agent_bodies() -> list[bytes]:
         watch = agent.watch(scaler, {"first": opt_a, "second": opt_b}, model=model, schedulers={"first": schedule},
                             ddp=ddp, collector=server.url, run="contract", push_interval=0.05)
         for iteration in range(14):
+            watch.batch([iteration, f"sample-{iteration}"])  # samples and samples_before on skips and poisoned steps
             x = torch.randn(8, 4)
             if iteration in (4, 5):
                 x[0, 0] = float("inf")  # non-finite gradients: both optimizers skip, the scale backs off
@@ -89,6 +90,9 @@ def test_batches_from_the_real_agent_validate_against_the_collector_schema(agent
     kinds = {event.kind for b in batches for event in b.events}
     assert kinds == set(EVENTS), "the run must show every event kind the contract declares"
     assert any(event.origin for b in batches for event in b.events if event.kind == "skip")
+    assert any(event.samples_before for b in batches for event in b.events if event.kind == "skip")
+    assert any(event.samples for b in batches for event in b.events if event.kind == "poisoned_step")
+    assert any(b.device is not None for b in batches)
     last = [b for b in batches if b.run == "contract"][-1]
     assert last.closed
     first, second = last.state.optimizers["first"], last.state.optimizers["second"]

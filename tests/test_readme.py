@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ampwatch.contract.batch import samples_digest
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.framework_truth import reset_accelerate_state
@@ -35,12 +36,13 @@ FRAMEWORKS = (README, "## Attach to your framework")
 COLLECTOR = (README, "## Run the collector for real")
 TWO_OPTIMIZERS = (RECIPES, "## Several optimizers, clipping after `unscale_`, and a scheduler gated on real updates")
 ACCUMULATION = (RECIPES, "## Gradient accumulation")
+SAMPLES = (RECIPES, "## Which samples a skip trained on")
 FUSED = (RECIPES, "## Fused optimizers")
 FSDP2 = (RECIPES, "## FSDP2")
 CHECKPOINTS = (RECIPES, "## Checkpoints and resumes")
 
-SNIPPETS = {PLAIN_LOOP: 1, BF16: 1, FRAMEWORKS: 3, TWO_OPTIMIZERS: 1, ACCUMULATION: 1, FUSED: 1, FSDP2: 1,
-            CHECKPOINTS: 1}
+SNIPPETS = {PLAIN_LOOP: 1, BF16: 1, FRAMEWORKS: 3, TWO_OPTIMIZERS: 1, ACCUMULATION: 1, SAMPLES: 1, FUSED: 1,
+            FSDP2: 1, CHECKPOINTS: 1}
 """Every Python snippet of the README and docs/recipes.md: (page, heading of its section) -> how many the section
 holds, each run by a test below."""
 
@@ -59,6 +61,7 @@ class GAN(nn.Module):
 model = GAN()
 loader = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(6)]
 loader[2][0][0, 0] = float("inf")
+indexed_loader = [(torch.arange(4 * k, 4 * k + 4), x, y) for k, (x, y) in enumerate(loader)]  # each sample's id
 loss_fn = lambda out, y: nn.functional.mse_loss(out.float(), y)
 opt_g = torch.optim.AdamW(model.generator.parameters(), lr=1e-3)
 opt_d = torch.optim.SGD(model.critic.parameters(), lr=1e-2)
@@ -132,6 +135,15 @@ def test_the_two_optimizer_snippet_gates_the_scheduler_on_real_updates(monkeypat
 def test_the_accumulation_snippet_counts_one_step_per_accumulated_batch(monkeypatch):
     summary = _run(_snippet(ACCUMULATION), monkeypatch, RECIPES)["watch"].summary()
     assert summary.startswith("iteration 3,") and ": 2 stepped, 1 skipped" in summary, summary
+
+
+def test_the_samples_snippet_names_every_micro_batch_of_the_skipped_iteration(monkeypatch):
+    ns = _run(_snippet(SAMPLES), monkeypatch, RECIPES)
+    (skip,) = [e for e in ns["watch"]._recorder.events.drain() if e["kind"] == "skip"]
+    assert skip["iteration"] == 1  # micro-batch 2 holds the inf: the second accumulated step
+    assert skip["samples"]["ids"] == list(range(8, 16)) and skip["samples"]["count"] == 8
+    assert skip["samples_before"] == [{"iteration": 0, "samples": {"ids": list(range(8)), "count": 8,
+                                                                  "digest": samples_digest(range(8))}}]
 
 
 def test_the_fused_snippet_attaches_to_a_fused_optimizer_and_reports_its_skip(monkeypatch):

@@ -52,7 +52,8 @@ def environment(amp) -> dict:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             env["gpus"].append({"name": p.name, "capability": f"{p.major}.{p.minor}",
-                                "memory_gib": round(p.total_memory / 2 ** 30, 1)})
+                                "memory_gib": round(p.total_memory / 2 ** 30, 1),
+                                "ampwatch_device": _reported_device(i)})
         env["driver"] = (_command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
                          .splitlines() or ["unknown (no nvidia-smi)"])[0]
         env["cudnn"] = torch.backends.cudnn.version()
@@ -62,6 +63,18 @@ def environment(amp) -> dict:
         except Exception:  # noqa: BLE001 - informative only
             env["nccl"] = "unavailable"
     return env
+
+
+def _reported_device(index: int) -> dict | str:
+    """What the agent sends as this GPU's ``device`` (type, index, UUID, PCI bus id), or why it could not say."""
+    import torch
+
+    try:
+        from ampwatch.agent._device_info import device_info
+
+        return dict(device_info(torch.device("cuda", index)) or {})
+    except Exception as error:  # noqa: BLE001 - informative: the run goes on
+        return f"unreadable: {error}"
 
 
 def _run_section(name: str, amp, quick: bool) -> list[dict]:

@@ -28,7 +28,23 @@ def section(ov: dict) -> list[str]:
                     f"{h['agent_host_us_p75']}). The recorder's own calls per iteration alone "
                     f"(`agent_hot_path_us` in `bench/overhead.py`, best of 5): "
                     f"**{h.get('hot_path_us_per_iter', '-')} us**."]
+        out += _samples(h.get("samples"))
     out += _ddp_origin(ov.get("ddp_origin"))
+    return out
+
+
+def _samples(s: dict | None) -> list[str]:
+    if not s:
+        return []
+    out = ["", "Recording sample ids (`watch.batch()`, `watch(loader=)`; `bench/_samples_cost.py`):", "",
+           "| what | per | CPU us | extra us [p25-p75] |", "|---|---|---|---|"]
+    for part, per in (("batch", "iteration (recorder calls, 2 optimizers)"), ("loader", "batch (32 ints, 0 workers)")):
+        for name, v in s[part].items():
+            out.append(f"| {name} | {per} | {v['us']} | {v['extra_us']} [{v['extra_us_p25']}-{v['extra_us_p75']}] |")
+    out += ["", f"Process CPU per unit, median of {s['rounds']} rotating rounds ({s['iterations']} iterations, "
+                f"{s['loader_batches']} batches each); extra = median of the per-round differences to the first row of "
+                "its part, timed in the same process. `another loader followed`: a loader no watch follows while "
+                "another one is (torch's iterator class wrapped, passing through)."]
     return out
 
 
@@ -79,6 +95,12 @@ def summary_rows(ov: dict) -> list[str]:
                    f"hot path {h.get('hot_path_us_per_iter', '-')} us; "
                    f"whole agent {h['agent_host_us_per_iter']} us [{h['agent_host_us_p25']}-"
                    f"{h['agent_host_us_p75']}] | - | on a {h['tiny_bare_cpu_us_per_iter']} us iteration |")
+        s = h.get("samples")
+        if s:
+            out.append(f"| recording sample ids (host CPU) | `watch.batch(32 ids)` "
+                       f"{s['batch']['batch(list of 32)']['extra_us']} us per iteration; followed loader "
+                       f"{s['loader']['followed']['extra_us']} us per batch | - | "
+                       f"another loader meanwhile {s['loader']['another loader followed']['extra_us']} us per batch |")
     fused = ov.get("storm_fused", {}).get("variants")
     if fused:
         out.append(f"| skip storm, fused AdamW: iterations whose skip was reported | "

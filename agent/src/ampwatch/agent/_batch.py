@@ -17,8 +17,10 @@ __all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_b
 
 
 def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], delivery: Mapping[str, int],
-                events: Sequence[Mapping[str, Any]], closed: bool = False) -> dict[str, Any]:
-    """Return the batch for ``seq``: identity, ``snapshot()`` with delivery counters, and events.
+                events: Sequence[Mapping[str, Any]], closed: bool = False,
+                device: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Return the batch for ``seq``: identity, ``snapshot()`` with delivery counters, and events (and ``device``,
+    the accelerator the rank trains on, when given: the sender gives it until a batch carrying it is accepted).
 
     Strings are cut to the protocol's limits here (ending in ``…``), so the collector
     never refuses a batch for a long name; the cost is a length check per string.
@@ -28,7 +30,7 @@ def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], de
     scaler = dict(snapshot.get("scaler") or {})
     if isinstance(scaler.get("kind"), str):
         scaler["kind"] = cut(scaler["kind"], TEXT_LIMITS["scaler_kind"])
-    return {
+    batch = {
         "protocol": PROTOCOL_VERSION,
         "agent": _agent_versions(),
         "run": identity.run,
@@ -46,6 +48,9 @@ def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], de
         "events": [fit_event(event) for event in events],
         "closed": closed,
     }
+    if device:
+        batch["device"] = dict(device)  # cut to the protocol's limits where it is read (_device_info)
+    return batch
 
 
 def fit_event(event: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -62,12 +67,35 @@ def fit_event(event: Mapping[str, Any]) -> Mapping[str, Any]:
         origin_params = event.get("origin_params") or []
         if any(len(name) > limit for name in origin_params):
             event = dict(event, origin_params=[cut(name, limit) for name in origin_params])
+        if "samples" in event or "samples_before" in event:
+            event = _fit_samples(event)
         return event
     elif kind == "scheduler_after_skip":
         return _cut_fields(event, scheduler=TEXT_LIMITS["scheduler"])
     elif kind == "warning":
         return _cut_fields(event, code=TEXT_LIMITS["warning_code"], message=TEXT_LIMITS["warning_message"])
     return event
+
+
+def _fit_samples(event: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Return ``event`` with each string sample id (``samples``, ``samples_before``) cut to its limit.
+
+    Cut here, when the batch is built, not when the ids are recorded: the digest covers the whole ids.
+    """
+    limit = TEXT_LIMITS["sample_id"]
+
+    def fit(samples: Mapping[str, Any]) -> Mapping[str, Any]:
+        ids = samples["ids"]
+        if not any(type(i) is str and len(i) > limit for i in ids):
+            return samples
+        return dict(samples, ids=[cut(i, limit) if type(i) is str else i for i in ids])
+
+    fitted = dict(event)
+    if "samples" in event:
+        fitted["samples"] = fit(event["samples"])
+    if "samples_before" in event:
+        fitted["samples_before"] = [dict(e, samples=fit(e["samples"])) for e in event["samples_before"]]
+    return fitted
 
 
 def _cut_fields(event: Mapping[str, Any], **limits: int) -> Mapping[str, Any]:

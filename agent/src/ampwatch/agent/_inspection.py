@@ -19,6 +19,7 @@ from ampwatch.contract.protocol import is_rung
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
+from ._samples import SampleLog
 
 if TYPE_CHECKING:  # the recorder imports this module
     from ._record import OptimizerRecord
@@ -41,6 +42,7 @@ class SkipInspection:
         self.events = events
         self.errors = errors
         self.interval = interval  # seconds between naming scans at streak starts, per optimizer
+        self.samples: SampleLog | None = None  # the recorder's, once the job records sample ids
 
     def name_offenders(self, record: OptimizerRecord, position: int, event: SkipEvent,
                        check_weights: bool) -> tuple[NonfiniteReport | None, bool]:
@@ -113,9 +115,13 @@ class SkipInspection:
         """
         if record.poison_reported_for == iteration:
             return
+        # The first of a run: an unscaled run's first step (streak 1), else not the step right after the last one.
+        first = fields["streak"] == 1 if "streak" in fields else record.poison_reported_for != iteration - 1
         record.poison_reported_for = iteration
         record.poisoned += 1
         event: PoisonedStepEvent = {"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
                                     "params": report.params, "params_total": report.total, "reason": reason,
                                     **fields}  # type: ignore[typeddict-item]
+        if self.samples is not None:
+            self.samples.describe(event, iteration, current=False, first=first)  # the ids were assigned already
         self.events.append(event)

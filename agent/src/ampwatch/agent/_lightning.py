@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ._framework_samples import BatchPositions
 from ._frameworks import attach, check_options, say_unscaled
 from ._watch import DisabledWatch, Watch
 
@@ -38,6 +39,7 @@ class LightningWatch:
         self._options = check_options(options, "AmpWatchCallback()")
         self._said_no_scaler = False
         self._batches = 0
+        self._positions = BatchPositions("Lightning")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Attach to the precision plugin's scaler, every optimizer and the LR schedulers with their interval.
@@ -56,6 +58,14 @@ class LightningWatch:
         self._batches = 0
         self.watch = attach(scaler, list(trainer.optimizers), names=self.names, module=pl_module,
                             schedulers=list(trainer.lr_scheduler_configs), **self._options)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Follow the epoch's training DataLoader (Lightning may have made it anew), for each batch's sample ids."""
+        self._positions.follow(self.watch, trainer.train_dataloader)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Record the sample ids of the batch about to be trained on: the ``batch_idx``-th of the epoch."""
+        self._positions.trained(self.watch, batch_idx, trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """With ``log_metrics``: log the loss scale and skipped steps beside the loss curve."""
@@ -86,6 +96,7 @@ class LightningWatch:
             self._detach()
 
     def _detach(self) -> None:
+        self._positions.close()
         if self.watch is not None:
             self.watch.close()
 
@@ -93,4 +104,5 @@ class LightningWatch:
         # A Trainer may be pickled (ddp_spawn); a live watch holds a thread and locks and stays in this process.
         state = dict(self.__dict__)
         state["watch"] = None
+        state["_positions"] = BatchPositions("Lightning")
         return state

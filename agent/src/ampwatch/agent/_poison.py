@@ -219,6 +219,8 @@ class PoisonCheck:
             for other in recorder.records:
                 other.stepped_this_iteration = False
             recorder.iteration += 1
+        if recorder.samples is not None:
+            recorder.samples.assign(recorder.iteration)  # the ids recorded since the last step are this iteration's
         recorder.open_iteration = True
         recorder.count_update(record)
         record.check_after = closure

@@ -27,6 +27,7 @@ from ._origin import LocalGradients
 from ._params import ParameterNames
 from ._poison import PoisonCheck
 from ._record import OptimizerRecord
+from ._samples import SampleLog
 from ._scale import LossScale
 
 __all__ = ["Recorder", "STREAK_LADDER"]
@@ -83,6 +84,7 @@ class Recorder:
         self.orphaned = False  # the scaler was garbage-collected: the hooks only warn, once
         self.origin: LocalGradients | None = None  # set by watch(ddp=...): each parameter's own gradient, noted
         self.origin_iterations = 0  # skipped iterations where this rank's own gradients held inf/NaN
+        self.samples: SampleLog | None = None  # set by watch.batch() or watch(loader=): each iteration's sample ids
 
     @property
     def scaler(self) -> Any:
@@ -216,6 +218,9 @@ class Recorder:
         for record in self.records:
             if record.pending:  # fused outcomes that have landed count toward the iteration they belong to
                 self._resolve_ready(record)
+        samples = self.samples
+        if samples is not None:
+            samples.assign(iteration)  # the ids recorded until now are this iteration's (its poisoned steps')
         if self._skipped_this_iteration:
             self.inspection.check_poisoned_steps(self.records, iteration)  # whatever the naming rate limit did
         if self.origin is not None:
@@ -226,6 +231,8 @@ class Recorder:
         for record in self.records:
             record.stepped_this_iteration = False
         self._skipped_this_iteration = False
+        if samples is not None:
+            samples.end(iteration)
         self.iteration = iteration + 1
 
     def on_scheduler_step(self, record: OptimizerRecord, scheduler: str) -> None:
@@ -255,6 +262,12 @@ class Recorder:
         if record.pending:
             self._resolve_oldest(record, all_of_them=True)  # one device sync, only when asked
         return record.last_stepped
+
+    def sample_log(self) -> SampleLog:
+        """Return the log of each iteration's sample ids, made at its first use (a watch that records none has none)."""
+        if self.samples is None:
+            self.samples = self.inspection.samples = SampleLog()
+        return self.samples
 
     def internal_error(self, site: str, error: BaseException) -> None:
         """Count an agent failure and log it once per site; never raise."""
@@ -364,6 +377,10 @@ class Recorder:
         if rung or (origin is not None and origin != record.origin_sent):
             if origin is not None:
                 record.origin_sent = origin
+            if record.steps == 0 or self.scale.grew_since_skip():
+                event["calibration"] = True  # the scaler settling (docs/agent.md#calibration)
+            if self.samples is not None:
+                self.samples.describe(event, iteration, current=current, first=position == 1)
             self.events.append(event)
         if weights is not None and weights.total:
             self.inspection.report_poisoned(record, record.last_step_iteration,  # type: ignore[arg-type] # stepped

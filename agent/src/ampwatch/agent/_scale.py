@@ -126,6 +126,13 @@ class LossScale:
             "growth_interval": int(scaler.get_growth_interval()) if enabled else None,
         }
 
+    def grew_since_skip(self) -> bool:
+        """Tell whether the scale grew since the last skipped iteration: ``growth_interval`` clean updates in a row
+        since then (GradScaler's growth tracker, followed on the host: no read). A skip now is the grown scale
+        tried and backed off, the scaler settling (docs/agent.md#calibration)."""
+        interval = self.settings.get("growth_interval") or 0
+        return self.enabled and interval > 0 and self._clean_iterations >= interval
+
     # ----- after every update() (the hot path) ----------------------------------------------------
 
     def after_update(self, scaler: Any, iteration: int, *, manual: bool, skipped: bool) -> None:

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ampwatch.contract.batch import Event
@@ -79,6 +79,9 @@ class Sender:
         self._backlog = False  # the last batch was full and more events wait
         self._last_snapshot: dict[str, Any] = {}
         self._finish: Callable[[], None] | None = None
+        self.device: Mapping[str, Any] | None = None  # set by watch(): sent until a batch carrying it is accepted
+        self._device_through = 0  # seq of the last batch built with the device
+        self._device_accepted = False
         _live.add(self)  # for the exit flush
         forget_in_forked_children(self)
 
@@ -191,6 +194,8 @@ class Sender:
         snapshot = self._take_snapshot()
         closed = closing and not len(self.events)
         self._seq += 1
+        if self.device and not self._device_accepted:
+            self._device_through = self._seq
         body = self._encode(snapshot, events, closed)
         while len(body) > MAX_BODY_BYTES and len(events) > 1:
             # A collector with default settings refuses a larger body for good (413): the later half of the
@@ -215,8 +220,9 @@ class Sender:
 
     def _encode(self, snapshot: dict[str, Any], events: list[Event], closed: bool) -> bytes:
         """Encode batch ``self._seq`` with the delivery counters as they are now."""
+        device = self.device if self._device_through == self._seq else None
         batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=self.delivery,
-                            events=events, closed=closed)
+                            events=events, closed=closed, device=device)
         return encode_batch(batch)
 
     def _deliver(self) -> None:
@@ -239,6 +245,8 @@ class Sender:
             outcome = answer.outcome
             if outcome is Outcome.ACKED:
                 self._outbox.pop()
+                if pending.seq <= self._device_through and not pending.replayed:
+                    self._device_accepted = True  # this process's batch carried the device: sent once is enough
                 if self._outcomes.acked(url) and len(self.events):
                     self._wake.set()  # what waited out the outage goes soon, not at the next heartbeat
             elif outcome is Outcome.REJECTED:

@@ -14,14 +14,17 @@ import torch
 from ._arguments import check_scaler, named_optimizers, named_params, per_step_schedulers
 from ._attach import OptimizerHooks, ScalerPatch, record_of
 from ._config import AgentConfig
+from ._device_info import watched_device
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
+from ._loader import LoaderTap, close_taps
 from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._record import OptimizerRecord
 from ._recorder import Recorder
+from ._samples import as_ids
 from ._sender import Sender, close_all_senders
 
 __all__ = ["DisabledWatch", "Watch", "watch"]
@@ -42,6 +45,7 @@ class _Session:
 
     def __init__(self, recorder: Recorder, hooks: OptimizerHooks, sender: Sender, scaler_id: int) -> None:
         self.recorder, self.hooks, self.sender, self.scaler_id = recorder, hooks, sender, scaler_id
+        self.taps: list[LoaderTap] = []  # the loaders this watch follows (watch(loader=), the integrations)
         self.closed = False
         self._lock = threading.Lock()
         _open.add(self)
@@ -55,6 +59,7 @@ class _Session:
         self.recorder.attached = False
         try:
             self.hooks.detach()
+            self.close_taps()
             self.recorder.close()
         except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
             self.recorder.internal_error("close", error)
@@ -77,7 +82,21 @@ class _Session:
         self.recorder.attached = False
         self.recorder.orphaned = True
         _watched.discard(self.scaler_id)
-        self.sender.close(wait=False, finish=self.recorder.close)
+        # The taps close on the sender thread, not in this finalizer: closing one takes a lock the collected
+        # scaler's thread may hold. What the sender holds until then is the recorder and the taps, never the
+        # session (its hooks hold the job's optimizers: they go with the trial, at once).
+        taps, recorder, self.taps = self.taps, self.recorder, []
+
+        def finish() -> None:
+            close_taps(taps, recorder.errors)
+            recorder.close()
+
+        self.sender.close(wait=False, finish=finish)
+
+    def close_taps(self) -> None:
+        """Stop following every loader (each tap once; a failure is counted, the others still close)."""
+        taps, self.taps = self.taps, []
+        close_taps(taps, self.recorder.errors)
 
 
 def _close_open_watches() -> None:
@@ -121,6 +140,7 @@ class Watch:
         self._patch = patch  # None: a job without a GradScaler
         self._by_id = by_id
         self._finalizer = _finalize_with(patch.scaler, session) if patch is not None else _NO_FINALIZER
+        self._samples = session.recorder.samples  # made by the first batch() when no loader made it
 
     @property
     def closed(self) -> bool:
@@ -140,6 +160,33 @@ class Watch:
             raise ValueError(f"stepped() got a {type(optimizer).__name__} that this watch does not know; "
                              f"watched optimizers: {names}. Pass it to ampwatch.agent.watch().")
         return self._recorder.stepped(record)
+
+    def batch(self, ids: Any) -> None:
+        """Record the sample ids this rank trains on in the current iteration (docs/agent.md#which-batch).
+
+        ``ids``: an int or a string (one sample), a list, tuple or range of them, or a CPU tensor of integers
+        (read on the host: a CUDA tensor is refused, reading it would sync). With gradient accumulation, call it
+        once per micro-batch: the iteration (its ``scaler.update()``; without a scaler its first optimizer step)
+        holds every id recorded since the last one. A list is kept as it is until the iteration is a few
+        iterations old: do not change it afterwards. Costs one check and one append; the ids are converted and
+        digested only for an event.
+        """
+        values = as_ids(ids)
+        samples = self._samples
+        if samples is None:
+            samples = self._samples = self._recorder.sample_log()
+        samples.add(values)
+
+    def _follow(self, loader: Any, *, lag: int = 0, by_position: bool = False) -> LoaderTap:
+        """Record the ids of ``loader``'s batches (``watch(loader=)``; the integrations, with ``lag`` or
+        ``by_position``: see :class:`~._loader.LoaderTap`). Stops at close()."""
+        if self.closed:
+            raise RuntimeError("this watch is closed")
+        tap = LoaderTap(loader, self._recorder.sample_log(), self._sender.identity.rank, self._recorder.errors,
+                        lag=lag, by_position=by_position).start()
+        self._samples = self._recorder.samples
+        self._session.taps.append(tap)
+        return tap
 
     def rebind(self, scaler: torch.amp.GradScaler) -> None:
         """Carry this watch over to ``scaler``, e.g. a new GradScaler made when resuming from a checkpoint.
@@ -255,6 +302,9 @@ class DisabledWatch:
         """Return None: nothing is recorded."""
         return None
 
+    def batch(self, ids: Any) -> None:
+        """Do nothing: nothing is recorded."""
+
     def snapshot(self) -> dict[str, Any]:
         """Return an empty snapshot."""
         return {"scaler": {}, "state": {}}
@@ -279,7 +329,7 @@ def watch(scaler: torch.amp.GradScaler | None,
           named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
           schedulers: Any = None, collector: str | Sequence[str] | None = None, run: str | None = None,
           token: str | None = None, push_interval: float | None = None, ddp: torch.nn.Module | None = None,
-          comm_hook: Any = None, comm_state: Any = None) -> Watch | DisabledWatch:
+          comm_hook: Any = None, comm_state: Any = None, loader: Any = None) -> Watch | DisabledWatch:
     """Attach the agent to ``scaler`` and ``optimizers``; the training loop stays as it is.
 
     ``scaler=None`` watches a job without a GradScaler (bf16, float32): nothing skips, so every
@@ -299,6 +349,10 @@ def watch(scaler: torch.amp.GradScaler | None,
     job registers on the model itself, run as they would without ampwatch. Names parameters by
     ``ddp.module`` when ``model`` is not given. ``comm_hook`` and ``comm_state`` are refused: register your
     hook with ``ddp.register_comm_hook(state, hook)``, as without ampwatch.
+
+    ``loader``: the job's training DataLoader, to record the sample ids of each iteration itself (as
+    :meth:`Watch.batch` does): the sampler's indices of a map-style dataset, a batch's position in an iterable
+    one. The loader, its batches and their order stay exactly as they are (docs/agent.md#which-batch).
     """
     if comm_hook is not None or comm_state is not None:
         raise TypeError("watch() no longer takes comm_hook= or comm_state=: ampwatch does not wrap DDP's "
@@ -324,6 +378,7 @@ def watch(scaler: torch.amp.GradScaler | None,
                                  "again")
             _watched.add(id(scaler))
     hooks = patch = None
+    taps: list[LoaderTap] = []
     try:
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
@@ -338,15 +393,22 @@ def watch(scaler: torch.amp.GradScaler | None,
             patch.attach(by_id)
         if ddp is not None:
             recorder.origin = observe_ddp(ddp, names, errors)
+        if loader is not None:
+            taps.append(LoaderTap(loader, recorder.sample_log(), identity.rank, errors).start())
+        sender.device = watched_device(records, errors)
         recorder.attached = True
     except BaseException:
+        for tap in taps:
+            tap.close()
         if patch is not None:
             patch.detach()
         if hooks is not None:
             hooks.detach()
         _watched.discard(id(scaler))
         raise
-    handle = Watch(_Session(recorder, hooks, sender, id(scaler)), patch, by_id)
+    session = _Session(recorder, hooks, sender, id(scaler))
+    session.taps = taps
+    handle = Watch(session, patch, by_id)
     sender.start()
     _register_exit_flush()
     return handle

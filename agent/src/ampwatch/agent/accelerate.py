@@ -24,7 +24,7 @@ _CPU_RECIPE = "give the Accelerator a GradScaler yourself, as examples/accelerat
 
 
 def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any], schedulers: Any = None, *,
-          model: Any = None, **options: Any) -> Watch | DisabledWatch:
+          model: Any = None, loader: Any = None, **options: Any) -> Watch | DisabledWatch:
     """Attach the agent to ``accelerator.scaler`` and the prepared optimizers; return the Watch.
 
     ``optimizers``: what ``prepare`` returned (``AcceleratedOptimizer``), one,
@@ -35,7 +35,9 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
     ``model``: the prepared model, for parameter names. ``collector``,
     ``run``, ``token``, ``push_interval``: as for :func:`ampwatch.agent.watch`.
     Without a scaler (bf16, fp32, fp16 on CPU) it says so once and checks
-    every optimizer step for inf/NaN gradients instead.
+    every optimizer step for inf/NaN gradients instead. ``loader``: the prepared training DataLoader, to record
+    each iteration's sample ids (Accelerate's loader fetches one batch ahead: a batch's ids are the iteration's
+    when the loop receives it, not when Accelerate fetched it).
     """
     options = check_options(options, "ampwatch.agent.accelerate.watch()")
     scaler = getattr(accelerator, "scaler", None)
@@ -55,4 +57,22 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
         schedulers = [schedulers]
     if not isinstance(optimizers, (list, tuple, Mapping)):
         optimizers = [optimizers]
-    return attach(scaler, optimizers, schedulers=schedulers, module=model, **options)
+    handle = attach(scaler, optimizers, schedulers=schedulers, module=model, **options)
+    if loader is not None and isinstance(handle, Watch):
+        try:
+            handle._follow(loader, lag=_lag_of(loader))
+        except BaseException:
+            handle.close()
+            raise
+    return handle
+
+
+def _lag_of(loader: Any) -> int:
+    """Return how many batches ``loader`` fetches ahead of the one it hands the loop (Accelerate's shards: one)."""
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+
+    if isinstance(loader, DataLoaderDispatcher):
+        raise ValueError("ampwatch.agent.accelerate.watch(loader=) cannot follow a DataLoaderDispatcher (made with "
+                         "dispatch_batches=True): only the main process draws from the sampler. Call "
+                         "watch.batch(ids) with each batch's ids instead")
+    return 1 if isinstance(loader, DataLoaderShard) else 0

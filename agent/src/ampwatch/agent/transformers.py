@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ._framework_samples import BatchPositions
 from ._frameworks import attach, check_options, require, say_unscaled
 from ._watch import DisabledWatch, Watch
 
@@ -44,9 +45,11 @@ class AmpWatchCallback(_TrainerCallback):
         """The agent's handle while training, and after (closed): ``summary()``, ``snapshot()``, ``stepped()``."""
         self._options = check_options(options, "AmpWatchCallback()")
         self._said_no_scaler = False
+        self._positions = BatchPositions("the Trainer")
+        self._epoch_start = 0  # global_step when the epoch began
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+                       lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
         """Attach to the optimizer's scaler, the optimizer and the LR scheduler (after a resume has loaded them)."""
         self._detach()
         scaler = getattr(optimizer, "scaler", None)
@@ -66,12 +69,25 @@ class AmpWatchCallback(_TrainerCallback):
         module = model if isinstance(model, torch.nn.Module) else None
         self.watch = attach(scaler, [optimizer], names=[self.name] if self.name else None, module=module,
                             schedulers=schedulers, **self._options)
+        self._positions.follow(self.watch, train_dataloader)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Note where the epoch begins: its updates' batches are counted from here."""
+        self._epoch_start = state.global_step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Record the sample ids of the update's micro-batches (the Trainer fetched them all before this)."""
+        accumulation = max(1, int(args.gradient_accumulation_steps))
+        first = (state.global_step - self._epoch_start) * accumulation
+        for position in range(first, first + accumulation):
+            self._positions.trained(self.watch, position, int(state.epoch or 0))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Detach and send what is left."""
         self._detach()
 
     def _detach(self) -> None:
+        self._positions.close()
         if self.watch is not None:
             self.watch.close()
 
