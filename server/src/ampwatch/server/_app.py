@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
+from ._evidence import prune_evidence_job
 from ._gc import release_free_memory
 from ._hosts import HostAllowList
 from ._ingest import IngestService
@@ -60,6 +61,10 @@ async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
                 if pruned:
                     state.stored = {key for key in state.stored if key[0] not in pruned}
                     log.info("deleted the history of %d runs older than --db-retention", len(pruned))
+                dropped = await store.submit(prune_evidence_job(now - config.suspect_retention_days * 86400.0,
+                                                                config.suspect_max_rows))
+                if dropped:
+                    log.info("deleted %d evidence rows past --suspect-retention-days or --suspect-max-rows", dropped)
             except Exception:
                 log.exception("pruning old history failed; will retry in an hour")
         await asyncio.sleep(period)

@@ -1,0 +1,260 @@
+"""GET /v1/suspects on a real collector process: every row of docs/suspects.md's table, the three scenarios of
+issue 39 at the batch level, and the evidence kept across a restart and pruned by age and count."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ampwatch_support.batches import make_batch, optimizer, post_batch, samples, skip_event
+from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.patience import wait_until
+
+
+class Job:
+    """Ranks of simulated jobs posting skip events to a real collector, each rank one process (one incarnation)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seq: dict[tuple[str, int], int] = {}
+        self.rows = 0  # evidence rows the collector should hold: first events of a streak
+
+    def post(self, run: str, rank: int, events: list[dict], *, world_size: int, host: str,
+             device: dict | None = None, **fields: Any) -> None:
+        key = (run, rank)
+        seq = self.seq[key] = self.seq.get(key, 0) + 1
+        first = (seq - 1) * 100
+        numbered = [dict(e, id=first + i + 1) for i, e in enumerate(events)]
+        batch = make_batch(run=run, rank=rank, world_size=world_size, host=host, local_rank=rank, seq=seq,
+                           incarnation=hashlib.md5(repr(key).encode()).hexdigest(),
+                           iteration=max([e["iteration"] for e in events] or [0]),
+                           optimizers={"gen": optimizer(steps=10 * seq, skipped=len(events) * seq)}, events=numbered,
+                           **({"device": device} if device else {}), **fields)
+        post_batch(self.url, batch)
+        self.rows += sum(1 for e in events if e.get("streak", 1) == 1)
+
+    def skip_everywhere(self, run: str, iteration: int, world_size: int, host: str, *, origins: set[int] | None,
+                        ids: dict[int, list] | None = None, **more: Any) -> None:
+        """Every rank skips ``iteration`` (DDP all-reduces the inf): ``origins`` say ``origin: true`` (None: no
+        rank carries the flag); ``ids``: each rank's samples."""
+        for rank in range(world_size):
+            extra = dict(more)
+            if origins is not None:
+                extra["origin"] = rank in origins
+            if ids is not None and rank in ids:
+                extra["samples"] = samples(ids[rank])
+            self.post(run, rank, [skip_event(0, iteration=iteration, **extra)], world_size=world_size, host=host)
+
+
+def suspects(url: str, run: str | None = None) -> dict:
+    query = "?" + urllib.parse.urlencode({"run": run}) if run else ""
+    with urllib.request.urlopen(url + "/v1/suspects" + query, timeout=10) as answer:
+        return json.load(answer)
+
+
+def judged(job: Job, run: str | None = None) -> dict:
+    """The suspects once the collector judged every row posted so far (its answer may be 2 s old)."""
+    wait_until(lambda: suspects(job.url)["evidence_rows"] == job.rows, what=f"{job.rows} evidence rows judged")
+    return suspects(job.url, run)
+
+
+def unique(prefix: str, n: int = 4) -> list[str]:
+    return [f"{prefix}-{i}" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Iterator[Job]:
+    db = str(tmp_path_factory.mktemp("suspects") / "ampwatch.db")
+    with CollectorProcess(db) as collector:
+        job = Job(collector.url)
+        _data_scenario(job)
+        _device_scenario(job)
+        _calibration_and_whole_job_scenario(job)
+        _table_cases(job)
+        yield job
+
+
+def _data_scenario(job: Job) -> None:
+    # 4 ranks on one host, ddp=: the sample "bad" lands on rank 0 three times and on ranks 1 and 2 once over five
+    # epochs; every other id is trained once. Rank 0 is the sole origin of 3 events with different digests,
+    # all holding "bad": data explains them (rule 8).
+    for epoch, rank in enumerate([0, 0, 0, 1, 2]):
+        ids = {r: unique(f"data-e{epoch}-r{r}") for r in range(4)}
+        ids[rank][1] = "bad"
+        job.skip_everywhere("data", 100 * epoch + 7, 4, "data-host", origins={rank}, ids=ids)
+
+
+def _device_scenario(job: Job) -> None:
+    # Over two runs, local rank 1 of dev-host (GPU-faulty, named only by its first batch) is the sole origin of
+    # 2 + 2 skips, each on different samples; rank 0 trained cleanly beside it.
+    gpu = {"type": "cuda", "index": 1, "uuid": "GPU-faulty", "pci_bus_id": "0000:3b:00.0"}
+    for run in ("device-a", "device-b"):
+        job.post(run, 1, [], world_size=2, host="dev-host", device=gpu)
+        job.post(run, 0, [], world_size=2, host="dev-host", device=dict(gpu, index=0, uuid="GPU-clean"))
+        for iteration in (11, 53):
+            job.skip_everywhere(run, iteration, 2, "dev-host", origins={1},
+                                ids={r: unique(f"{run}-{iteration}-r{r}") for r in range(2)})
+
+
+def _calibration_and_whole_job_scenario(job: Job) -> None:
+    # A fresh scale at 2^16 backing off on every rank: calibration, rank 2 flagged the origin each time and
+    # "warm" is in its batch every time, on rank 2 and rank 3 (rule 1: evidence of nothing).
+    for iteration in range(3):
+        job.skip_everywhere("calibration", iteration, 4, "cal-host", origins={2}, calibration=True,
+                            ids={2: ["warm", f"cal-{iteration}"], 3: ["warm", f"cal3-{iteration}"]})
+    # Then three overflows on every rank at once, each rank's own samples: a whole-job overflow (rule 4).
+    for iteration in (40, 80, 120):
+        job.skip_everywhere("calibration", iteration, 4, "cal-host", origins={0, 1, 2, 3},
+                            ids={r: unique(f"whole-{iteration}-r{r}") for r in range(4)})
+
+
+def _table_cases(job: Job) -> None:
+    # Rule 3: no ddp=, only rank 3 of 4 reported skips (its own scaler overflowed): the origin set is rank 3.
+    for iteration in (5, 6, 7):
+        job.post("noflag-one", 3, [skip_event(0, iteration=iteration, samples=samples(unique(f"nf-{iteration}")))],
+                 world_size=4, host="noflag-host")
+    # Rule 3 + 4: no ddp=, every rank reported: no single origin.
+    for iteration in (5, 6, 7):
+        job.skip_everywhere("noflag-all", iteration, 4, "noflag-all-host", origins=None,
+                            ids={r: unique(f"nfa-{iteration}-r{r}") for r in range(4)})
+    # Rule 4: two origin ranks each time, above --suspect-max-origins 1.
+    for iteration in (5, 6, 7):
+        job.skip_everywhere("two-origins", iteration, 4, "two-host", origins={1, 2},
+                            ids={r: unique(f"two-{iteration}-r{r}") for r in range(4)})
+    # Rule 5: a one-rank job: its rank is the whole run.
+    for iteration in (5, 6, 7):
+        job.skip_everywhere("alone", iteration, 1, "alone-host", origins={0}, ids={0: unique(f"alone-{iteration}")})
+    # Rule 6, second clause: every rank fed the same two ids in one iteration, no ddp=: one event, no suspect.
+    job.skip_everywhere("same-batch", 9, 2, "same-host", origins=None, ids=dict.fromkeys((0, 1), ["dup-1", "dup-2"]))
+    # Rule 7: sole origin three times, without samples.
+    for iteration in (5, 6, 7):
+        job.skip_everywhere("no-samples", iteration, 2, "nosamples-host", origins={1})
+    # Rule 9: K - 1 events with different samples.
+    for iteration in (5, 6):
+        job.skip_everywhere("too-few", iteration, 2, "few-host", origins={1}, ids={1: unique(f"few-{iteration}")})
+    # Rule 10: routine overflows spread over a job: each of 4 ranks the sole origin of 3 events; and in another
+    # run, one rank 9 times beside three ranks 3 times each (9 >= 3 x 3: it stands out).
+    for spread, counts in (("spread", [3, 3, 3, 3]), ("stands-out", [9, 3, 3, 3])):
+        iteration = 0
+        for rank, count in enumerate(counts):
+            for _ in range(count):
+                iteration += 1
+                job.skip_everywhere(spread, iteration, 4, f"{spread}-host", origins={rank},
+                                    ids={rank: unique(f"{spread}-{iteration}")})
+    # Rule 11: the same batch, three times, on one device.
+    for iteration in (5, 6, 7):
+        job.skip_everywhere("same-digest", iteration, 2, "digest-host", origins={1}, ids={1: ["again-1", "again-2"]})
+    # Not the first of a streak: kept out of the evidence (a streak's 2nd, 4th skip go on from its first).
+    job.post("streak", 1, [skip_event(0, iteration=i, streak=s, origin=True, samples=samples(unique(f"st-{i}")))
+                           for i, s in ((1, 1), (2, 2), (4, 4))], world_size=2, host="streak-host")
+
+
+def names(body: dict) -> tuple[list[str], list[Any]]:
+    return [d["device"] for d in body["devices"]], [s["id"] for s in body["samples"]]
+
+
+def test_a_sample_that_overflows_on_several_devices_is_a_suspect_and_no_device_is(job):
+    body = judged(job, "data")
+    assert names(body) == ([], ["bad"])
+    bad = body["samples"][0]
+    assert bad["devices"] == ["data-host:0", "data-host:1", "data-host:2"]
+    assert bad["runs"] == ["data"] and bad["events"] == 5
+    assert [i["iteration"] for i in bad["iterations"]] == [7, 107, 207, 307, 407]
+    assert {r["rank"] for r in bad["ranks"]} == {0, 1, 2}
+
+
+def test_a_device_that_was_the_sole_origin_on_different_samples_over_two_runs_is_a_suspect_and_no_sample_is(job):
+    body = judged(job, "device-b")
+    assert names(body) == (["GPU-faulty"], [])
+    device = body["devices"][0]
+    assert (device["host"], device["local_rank"], device["pci_bus_id"], device["index"]) == \
+        ("dev-host", 1, "0000:3b:00.0", 1)
+    assert device["runs"] == ["device-a", "device-b"] and device["events"] == 4 and len(device["digests"]) == 4
+    assert device["ranks"] == [{"run": "device-a", "rank": 1}, {"run": "device-b", "rank": 1}]
+    assert len(device["evidence"]) == 4 and all(e["samples"]["count"] == 4 for e in device["evidence"])
+
+
+def test_calibration_and_whole_job_overflows_make_no_suspect_at_all(job):
+    assert names(judged(job, "calibration")) == ([], [])
+
+
+@pytest.mark.parametrize("run, expected", [
+    ("noflag-one", (["noflag-host:3"], [])),     # rule 3: without flags, the ranks that reported
+    ("noflag-all", ([], [])),                    # rules 3 + 4: every rank reported
+    ("two-origins", ([], [])),                   # rule 4: more origins than --suspect-max-origins
+    ("alone", ([], [])),                         # rule 5: the whole run
+    ("same-batch", ([], [])),                    # rule 6: two devices, one event
+    ("no-samples", ([], [])),                    # rule 7: no ids, no evidence
+    ("too-few", ([], [])),                       # rule 9: K - 1
+    ("spread", ([], [])),                        # rule 10: spread over the job
+    ("stands-out", (["stands-out-host:0"], [])),  # rule 10: 9 against a median of 3
+    ("same-digest", ([], [])),                   # rule 11: one digest K times
+])
+def test_each_rule_of_the_table_decides_its_case(job, run, expected):
+    assert names(judged(job, run)) == expected
+
+
+def test_a_device_without_samples_shows_its_origin_events_but_is_no_suspect(job):
+    counts = {d["device"]: d["origin_events"] for d in judged(job)["origin_events"]}
+    assert counts["nosamples-host:1"] == 3 and "nosamples-host:0" not in counts
+
+
+def test_only_the_first_event_of_a_streak_is_kept_as_evidence(job):
+    # job.rows counts streak-1 events only; judged() waits until the collector holds exactly that many.
+    assert judged(job)["evidence_rows"] == job.rows
+
+
+def test_the_settings_are_in_the_answer(job):
+    assert judged(job)["settings"] == {"events": 3, "max_origins": 1, "stand_out_ratio": 3.0}
+
+
+def test_the_events_api_returns_began_samples_samples_before_and_calibration(job):
+    began = {"loss_finite": True, "stage": "backward", "param": "fc.weight", "module": "fc", "module_type": "Linear"}
+    before = [{"iteration": 3, "samples": samples([5, 6])}]
+    job.post("fields", 0, [skip_event(0, iteration=4, began=began, samples=samples([7, "x"]), samples_before=before,
+                                      calibration=True)], world_size=1, host="fields-host")
+    with urllib.request.urlopen(job.url + "/v1/runs/fields/events?kind=skip", timeout=10) as answer:
+        event = json.load(answer)["events"][0]
+    assert event["began"] == dict(began, probe=None)  # a field the agent left out reads back as null
+    assert event["samples"] == samples([7, "x"])
+    assert event["samples_before"] == before and event["calibration"] is True
+    with urllib.request.urlopen(job.url + "/v1/runs/fields/events/latest", timeout=10) as answer:
+        rows = json.load(answer)["rows"]
+    shown = [(r["event"]["began"], r["event"]["samples"]) for r in rows]
+    assert shown == [(dict(began, probe=None), samples([7, "x"]))]
+
+
+def test_the_evidence_survives_a_restart_and_goes_by_age_and_by_count(tmp_path):
+    db = str(tmp_path / "ampwatch.db")
+    args = ["--suspect-retention-days", "1", "--suspect-max-rows", "8"]
+    collector = CollectorProcess(db, args=args).start()
+    try:
+        job = Job(collector.url)
+        old = time.time() - 2 * 86400
+        for iteration in (1, 2):  # two days old: past the retention
+            job.skip_everywhere("old", iteration, 2, "old-host", origins={1}, ids={1: unique(f"old-{iteration}")},
+                                time=old)
+        for iteration in (1, 2):  # an hour old: within it, but the oldest beyond 8 rows
+            job.skip_everywhere("older", iteration, 2, "older-host", origins={1},
+                                ids={1: unique(f"older-{iteration}")}, time=time.time() - 3600)
+        for iteration in (1, 2, 3, 4):
+            job.skip_everywhere("kept", iteration, 2, "kept-host", origins={1}, ids={1: unique(f"kept-{iteration}")})
+        body = judged(job)
+        assert names(body) == (["kept-host:1"], [])
+        assert {d["device"] for d in body["origin_events"]} == {"kept-host:1", "older-host:1", "old-host:1"}
+        collector.kill(signal.SIGKILL)
+        collector = CollectorProcess(db, port=collector.port, args=args).start()  # prunes at start
+        job.rows = 8
+        body = judged(job)
+        assert names(body) == (["kept-host:1"], [])
+        assert {d["device"] for d in body["origin_events"]} == {"kept-host:1"}
+    finally:
+        collector.kill(signal.SIGTERM)
