@@ -3,7 +3,6 @@ issue 39 at the batch level, and the evidence kept across a restart and pruned b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import time
@@ -14,44 +13,10 @@ from typing import Any
 
 import pytest
 
-from ampwatch_support.batches import make_batch, optimizer, post_batch, samples, skip_event
+from ampwatch_support.batches import samples, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.patience import wait_until
-
-
-class Job:
-    """Ranks of simulated jobs posting skip events to a real collector, each rank one process (one incarnation)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.seq: dict[tuple[str, int], int] = {}
-        self.rows = 0  # evidence rows the collector should hold: first events of a streak
-
-    def post(self, run: str, rank: int, events: list[dict], *, world_size: int, host: str,
-             device: dict | None = None, **fields: Any) -> None:
-        key = (run, rank)
-        seq = self.seq[key] = self.seq.get(key, 0) + 1
-        first = (seq - 1) * 100
-        numbered = [dict(e, id=first + i + 1) for i, e in enumerate(events)]
-        batch = make_batch(run=run, rank=rank, world_size=world_size, host=host, local_rank=rank, seq=seq,
-                           incarnation=hashlib.md5(repr(key).encode()).hexdigest(),
-                           iteration=max([e["iteration"] for e in events] or [0]),
-                           optimizers={"gen": optimizer(steps=10 * seq, skipped=len(events) * seq)}, events=numbered,
-                           **({"device": device} if device else {}), **fields)
-        post_batch(self.url, batch)
-        self.rows += sum(1 for e in events if e.get("streak", 1) == 1)
-
-    def skip_everywhere(self, run: str, iteration: int, world_size: int, host: str, *, origins: set[int] | None,
-                        ids: dict[int, list] | None = None, **more: Any) -> None:
-        """Every rank skips ``iteration`` (DDP all-reduces the inf): ``origins`` say ``origin: true`` (None: no
-        rank carries the flag); ``ids``: each rank's samples."""
-        for rank in range(world_size):
-            extra = dict(more)
-            if origins is not None:
-                extra["origin"] = rank in origins
-            if ids is not None and rank in ids:
-                extra["samples"] = samples(ids[rank])
-            self.post(run, rank, [skip_event(0, iteration=iteration, **extra)], world_size=world_size, host=host)
+from ampwatch_support.skipping_jobs import SkippingJobs, unique
 
 
 def suspects(url: str, run: str | None = None) -> dict:
@@ -60,51 +25,25 @@ def suspects(url: str, run: str | None = None) -> dict:
         return json.load(answer)
 
 
-def judged(job: Job, run: str | None = None) -> dict:
+def judged(job: SkippingJobs, run: str | None = None) -> dict:
     """The suspects once the collector judged every row posted so far (its answer may be 2 s old)."""
     wait_until(lambda: suspects(job.url)["evidence_rows"] == job.rows, what=f"{job.rows} evidence rows judged")
     return suspects(job.url, run)
 
 
-def unique(prefix: str, n: int = 4) -> list[str]:
-    return [f"{prefix}-{i}" for i in range(n)]
-
-
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> Iterator[Job]:
+def job(tmp_path_factory) -> Iterator[SkippingJobs]:
     db = str(tmp_path_factory.mktemp("suspects") / "ampwatch.db")
     with CollectorProcess(db) as collector:
-        job = Job(collector.url)
-        _data_scenario(job)
-        _device_scenario(job)
+        job = SkippingJobs(collector.url)
+        job.data_scenario()
+        job.device_scenario()
         _calibration_and_whole_job_scenario(job)
         _table_cases(job)
         yield job
 
 
-def _data_scenario(job: Job) -> None:
-    # 4 ranks on one host, ddp=: the sample "bad" lands on rank 0 three times and on ranks 1 and 2 once over five
-    # epochs; every other id is trained once. Rank 0 is the sole origin of 3 events with different digests,
-    # all holding "bad": data explains them (rule 8).
-    for epoch, rank in enumerate([0, 0, 0, 1, 2]):
-        ids = {r: unique(f"data-e{epoch}-r{r}") for r in range(4)}
-        ids[rank][1] = "bad"
-        job.skip_everywhere("data", 100 * epoch + 7, 4, "data-host", origins={rank}, ids=ids)
-
-
-def _device_scenario(job: Job) -> None:
-    # Over two runs, local rank 1 of dev-host (GPU-faulty, named only by its first batch) is the sole origin of
-    # 2 + 2 skips, each on different samples; rank 0 trained cleanly beside it.
-    gpu = {"type": "cuda", "index": 1, "uuid": "GPU-faulty", "pci_bus_id": "0000:3b:00.0"}
-    for run in ("device-a", "device-b"):
-        job.post(run, 1, [], world_size=2, host="dev-host", device=gpu)
-        job.post(run, 0, [], world_size=2, host="dev-host", device=dict(gpu, index=0, uuid="GPU-clean"))
-        for iteration in (11, 53):
-            job.skip_everywhere(run, iteration, 2, "dev-host", origins={1},
-                                ids={r: unique(f"{run}-{iteration}-r{r}") for r in range(2)})
-
-
-def _calibration_and_whole_job_scenario(job: Job) -> None:
+def _calibration_and_whole_job_scenario(job: SkippingJobs) -> None:
     # A fresh scale at 2^16 backing off on every rank: calibration, rank 2 flagged the origin each time and
     # "warm" is in its batch every time, on rank 2 and rank 3 (rule 1: evidence of nothing).
     for iteration in range(3):
@@ -116,7 +55,7 @@ def _calibration_and_whole_job_scenario(job: Job) -> None:
                             ids={r: unique(f"whole-{iteration}-r{r}") for r in range(4)})
 
 
-def _table_cases(job: Job) -> None:
+def _table_cases(job: SkippingJobs) -> None:
     # Rule 3: no ddp=, only rank 3 of 4 reported skips (its own scaler overflowed): the origin set is rank 3.
     for iteration in (5, 6, 7):
         job.post("noflag-one", 3, [skip_event(0, iteration=iteration, samples=samples(unique(f"nf-{iteration}")))],
@@ -237,7 +176,7 @@ def test_the_evidence_survives_a_restart_and_goes_by_age_and_by_count(tmp_path):
     args = ["--suspect-retention-days", "1", "--suspect-max-rows", "8"]
     collector = CollectorProcess(db, args=args).start()
     try:
-        job = Job(collector.url)
+        job = SkippingJobs(collector.url)
         old = time.time() - 2 * 86400
         for iteration in (1, 2):  # two days old: past the retention
             job.skip_everywhere("old", iteration, 2, "old-host", origins={1}, ids={1: unique(f"old-{iteration}")},
