@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from ampwatch_support.batches import samples, skip_event
+from ampwatch_support.batches import make_batch, optimizer, post_batch, samples, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.patience import wait_until
 from ampwatch_support.skipping_jobs import SkippingJobs, unique
+from ampwatch_support.webhook_receiver import WebhookReceiver
 
 
 def suspects(url: str, run: str | None = None) -> dict:
@@ -197,3 +198,23 @@ def test_the_evidence_survives_a_restart_and_goes_by_age_and_by_count(tmp_path):
         assert {d["device"] for d in body["origin_events"]} == {"kept-host:1"}
     finally:
         collector.kill(signal.SIGTERM)
+
+
+def test_the_streak_alert_notification_says_where_the_skip_began_and_on_which_samples(tmp_path):
+    with WebhookReceiver() as receiver:
+        hooks = f"webhook:{receiver.url}/hook,slack:{receiver.url}/slack"
+        with CollectorProcess(str(tmp_path / "ampwatch.db"), args=["--webhook", hooks, "--notify-group-wait", "0"]) \
+                as collector:
+            began = {"loss_finite": True, "stage": "backward", "param": "blocks.3.fc.weight", "module": "blocks.3.fc",
+                     "module_type": "Linear"}
+            skip = skip_event(1, iteration=40, began=began, samples=samples(list(range(100, 140))))
+            post_batch(collector.url, make_batch(run="notified", iteration=55, events=[skip], optimizers={
+                "gen": optimizer(steps=40, skipped=16, consecutive=16, longest=16, streaks=1)}))
+            sent = receiver.wait_for(lambda got: {r["path"] for r in got} >= {"/hook", "/slack"})
+    hook = next(r["body"] for r in sent if r["path"] == "/hook")
+    streak = next(a for a in hook["alerts"] if a["labels"]["alertname"] == "AmpConsecutiveSkippedSteps")
+    assert streak["annotations"]["began"] == "backward in blocks.3.fc (Linear), at blocks.3.fc.weight"
+    digest = samples(list(range(100, 140)))["digest"]
+    assert streak["annotations"]["samples"] == f"100, 101, 102, 103, 104, 105, 106, 107 … 40 in all (digest {digest})"
+    slack = json.dumps(next(r["body"] for r in sent if r["path"] == "/slack"))
+    assert "began: backward in blocks.3.fc (Linear), at blocks.3.fc.weight" in slack

@@ -18,12 +18,8 @@ __all__ = ["evidence_rows", "device_key", "prune_evidence_job"]
 _ENCODE = msgspec.json.encode
 
 
-def _first_of_streak(event: object) -> bool:
-    if isinstance(event, SkipEvent):
-        return event.streak == 1
-    if isinstance(event, PoisonedStepEvent):
-        return event.streak is None or event.streak == 1
-    return False
+def _first_of_streak(event: SkipEvent | PoisonedStepEvent) -> bool:
+    return event.streak == 1 or (event.streak is None and isinstance(event, PoisonedStepEvent))
 
 
 def evidence_rows(batch: Batch, device: DeviceInfo | None, now: float) -> list[tuple]:
@@ -35,7 +31,7 @@ def evidence_rows(batch: Batch, device: DeviceInfo | None, now: float) -> list[t
     rows: list[tuple] = []
     encoded = None
     for event in batch.events:
-        if not _first_of_streak(event):
+        if not isinstance(event, (SkipEvent, PoisonedStepEvent)) or not _first_of_streak(event):
             continue
         if encoded is None:
             encoded = _ENCODE(device).decode() if device is not None else None

@@ -13,7 +13,7 @@ import json
 import msgspec
 
 from ._batch_parse import parse_batch
-from ._schema import Batch, DeviceInfo, SkipEvent
+from ._schema import Batch, Began, DeviceInfo, PoisonedStepEvent, Samples, SkipEvent
 from ._stored_form import encode_batch_state
 from ._totals import OptimizerTotals, RankTotals
 
@@ -51,6 +51,9 @@ class Incarnation:
     replayed_only: bool = False
     """Every batch of it so far came from another process replaying a dead one's spool (``replayed``): the
     rank's history, never its owner while a process that sent for itself is there."""
+    diagnosis: dict[str, tuple[int, Began | None, Samples | None]] = dataclasses.field(default_factory=dict)
+    """optimizer -> (event id, began, samples) of its latest skip or poisoned step that said where it began or
+    which samples it trained on: what the alerts' notifications add (memory only: a restart starts it afresh)."""
     device: DeviceInfo | None = None
     """The device the process trains on, as its last batch that carried one said (agents send it until it is
     accepted): what its evidence rows name (docs/suspects.md)."""
@@ -107,6 +110,7 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
     optimizers = {name: OptimizerTotals.of(values) for name, values in state.optimizers.items()}
     longest = {name: values.longest_streak for name, values in state.optimizers.items()}
     nonfinite: dict[str, tuple[int, str]] = {}
+    diagnosis = dict(old.diagnosis) if old is not None else {}
     max_event_id = 0
     closed = batch.closed
     if old is not None:
@@ -125,6 +129,8 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
         newest = event.id
         if isinstance(event, SkipEvent) and event.params:
             nonfinite[event.optimizer] = (event.id, event.params[0].name[:max_label_length])
+        if isinstance(event, (SkipEvent, PoisonedStepEvent)) and (event.began or event.samples):
+            diagnosis[event.optimizer] = (event.id, event.began, event.samples)
         elif event.kind == "close":
             closed = True
     if not batch.replayed:
@@ -136,4 +142,4 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
                        optimizers=optimizers, longest=longest, nonfinite=nonfinite,
                        displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None,
                        replayed_only=batch.replayed and (old is None or old.replayed_only),
-                       device=batch.device or (old.device if old else None))
+                       diagnosis=diagnosis, device=batch.device or (old.device if old else None))

@@ -44,6 +44,9 @@ class RankSnapshot:
     local_rank: int = 0
     conflicts: int = 0
     """Processes that claimed the rank while it was live and were kept out (``ampwatch_rank_conflicts_total``)."""
+    diagnosis: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    """optimizer -> (event id, began, samples) of the newest process's latest skip or poisoned step that said
+    where it began or on which samples (``Incarnation.diagnosis``): what the notifications add."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,7 +158,8 @@ class RankView:
                             closed=self.closed, totals=self.totals, optimizers=self.optimizer_totals,
                             consecutive_skipped={name: values.consecutive_skipped
                                                  for name, values in batch.state.optimizers.items()},
-                            host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting))
+                            host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting),
+                            diagnosis=self.owner.diagnosis)
 
 
 class RankState:

@@ -84,12 +84,14 @@ rank), level (None: the alert's only severity), value)``. The periodic pass buil
 those no run-wide alert speaks for: in a whole-job storm, a handful instead of several per rank."""
 
 
-def make_alert(name: str, labels: dict, value: float, t: AlertThresholds, level: str | None = None) -> ActiveAlert:
-    """The :class:`ActiveAlert` ``name`` that holds with ``labels`` (its severity label added: ``level``'s)."""
+def make_alert(name: str, labels: dict, value: float, t: AlertThresholds, level: str | None = None,
+               diagnosis: tuple | None = None) -> ActiveAlert:
+    """The :class:`ActiveAlert` ``name`` that holds with ``labels`` (its severity label added: ``level``'s);
+    ``diagnosis``: the rank's latest (event id, began, samples), added to the texts as ``began`` and ``samples``."""
     definition = ALERTS[name]
     labels["severity"] = SEVERITY[name, level]
     return ActiveAlert(name=name, labels=labels, value=value, for_s=definition.for_seconds(t),
-                       annotations=AlertTexts(name, labels, value, t, level))
+                       annotations=AlertTexts(name, labels, value, t, level, diagnosis))
 
 
 def built(cur: RankSnapshot, finding: Finding, t: AlertThresholds) -> ActiveAlert:
@@ -98,7 +100,14 @@ def built(cur: RankSnapshot, finding: Finding, t: AlertThresholds) -> ActiveAler
     labels = {"run": cur.run, "rank": str(cur.rank)}
     if optimizer is not None:
         labels["optimizer"] = optimizer
-    return make_alert(name, labels, value, t, level)
+    return make_alert(name, labels, value, t, level, latest_diagnosis(cur, optimizer))
+
+
+def latest_diagnosis(cur: RankSnapshot, optimizer: str | None = None) -> tuple | None:
+    """``cur``'s latest (event id, began, samples) for ``optimizer`` (None: of any optimizer), or None."""
+    if optimizer is not None:
+        return cur.diagnosis.get(optimizer)
+    return max(cur.diagnosis.values(), key=lambda d: d[0], default=None)
 
 
 def spoken_key(a: ActiveAlert) -> tuple:
