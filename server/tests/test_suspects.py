@@ -218,3 +218,23 @@ def test_the_streak_alert_notification_says_where_the_skip_began_and_on_which_sa
     assert streak["annotations"]["samples"] == f"100, 101, 102, 103, 104, 105, 106, 107 … 40 in all (digest {digest})"
     slack = json.dumps(next(r["body"] for r in sent if r["path"] == "/slack"))
     assert "began: backward in blocks.3.fc (Linear), at blocks.3.fc.weight" in slack
+
+
+def test_a_rank_on_a_suspect_device_alerts_with_its_device_and_metrics_show_each_device(job):
+    judged(job)
+
+    def fired() -> list[dict]:
+        job.post("device-b", 1, [], world_size=2, host="dev-host")  # a heartbeat carries the verdict in
+        with urllib.request.urlopen(job.url + "/v1/alerts?alertname=AmpSuspectDevice", timeout=10) as answer:
+            return json.load(answer)["firing"]
+    alerts = wait_until(fired, what="AmpSuspectDevice firing")
+    assert [(a["labels"]["run"], a["labels"]["rank"], a["labels"]["device"]) for a in alerts] == \
+        [("device-b", "1", "GPU-faulty")]
+    assert "runs on device GPU-faulty (suspect: 1)" in alerts[0]["annotations"]["description"]
+    with urllib.request.urlopen(job.url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    assert 'ampwatch_rank_on_suspect_device{run="device-b",rank="1",device="GPU-faulty"} 1' in text
+    assert 'ampwatch_rank_on_suspect_device{run="device-b",rank="0",device="GPU-faulty-clean"} 0' in text
+    assert 'ampwatch_device_suspect{device="GPU-faulty",host="dev-host",local_rank="1"} 1' in text
+    assert 'ampwatch_device_origin_events{device="GPU-faulty",host="dev-host",local_rank="1"} 4' in text
+    assert 'ampwatch_device_suspect{device="nosamples-host:1",host="nosamples-host",local_rank="1"} 0' in text

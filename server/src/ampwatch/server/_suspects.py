@@ -10,7 +10,6 @@ import dataclasses
 import json
 import statistics
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -171,24 +170,20 @@ _VERSION = "SELECT count(*) AS n, coalesce(max(rowid), 0) AS last FROM evidence"
 
 
 class SuspectJudge:
-    """Judges the stored evidence when it changed and at most every ``min_age_s`` seconds; call it from a worker
-    thread (it reads the database)."""
+    """Judges the stored evidence once per change of it (its row count and newest row: one indexed read to tell),
+    one caller at a time; every reader (the API, /metrics, the alerts' refresh) shares the answer. Call it from a
+    worker thread (it reads the database)."""
 
-    def __init__(self, query: Callable[..., list[dict]], settings: SuspectSettings, min_age_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.query, self.settings, self.min_age_s, self.clock = query, settings, min_age_s, clock
+    def __init__(self, query: Callable[..., list[dict]], settings: SuspectSettings) -> None:
+        self.query, self.settings = query, settings
         self._lock = threading.Lock()
         self._body: dict[str, Any] | None = None
         self._version: tuple | None = None
-        self._at = -float("inf")
 
     def current(self) -> dict[str, Any]:
         with self._lock:
-            if self._body is not None and self.clock() - self._at < self.min_age_s:
-                return self._body
             version = tuple(self.query(_VERSION)[0].values())
             if self._body is None or version != self._version:
                 self._body = dict(judge(self.query(_READ), self.settings), evidence_rows=version[0])
                 self._version = version
-            self._at = self.clock()
             return self._body

@@ -22,7 +22,7 @@ def annotations_for(name: str, labels: Mapping[str, Any], value: float, threshol
     the labels and the value filled in as Prometheus fills its templates; ``level`` is the severity
     whose threshold the text names (the streak alert has two). Costs a few string formats.
     """
-    fields = {"run": "", "rank": "", "optimizer": "", "host": "", "local_rank": "",
+    fields = {"run": "", "rank": "", "optimizer": "", "host": "", "local_rank": "", "device": "",
               **{k: str(v) for k, v in labels.items()},
               "value": _number(value), "percent": _percent(value), "duration": _duration(value)}
     return ALERTS[name].annotations(thresholds, fields, level)
