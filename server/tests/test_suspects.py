@@ -174,15 +174,14 @@ def test_the_events_api_returns_began_samples_samples_before_and_calibration(job
 
 def test_the_evidence_survives_a_restart_and_goes_by_age_and_by_count(tmp_path):
     db = str(tmp_path / "ampwatch.db")
-    args = ["--suspect-retention-days", "1", "--suspect-max-rows", "8"]
-    collector = CollectorProcess(db, args=args).start()
+    collector = CollectorProcess(db).start()
     try:
         job = SkippingJobs(collector.url)
         old = time.time() - 2 * 86400
-        for iteration in (1, 2):  # two days old: past the retention
+        for iteration in (1, 2):  # two days old
             job.skip_everywhere("old", iteration, 2, "old-host", origins={1}, ids={1: unique(f"old-{iteration}")},
                                 time=old)
-        for iteration in (1, 2):  # an hour old: within it, but the oldest beyond 8 rows
+        for iteration in (1, 2):  # an hour old
             job.skip_everywhere("older", iteration, 2, "older-host", origins={1},
                                 ids={1: unique(f"older-{iteration}")}, time=time.time() - 3600)
         for iteration in (1, 2, 3, 4):
@@ -190,12 +189,15 @@ def test_the_evidence_survives_a_restart_and_goes_by_age_and_by_count(tmp_path):
         body = judged(job)
         assert names(body) == (["kept-host:1"], [])
         assert {d["device"] for d in body["origin_events"]} == {"kept-host:1", "older-host:1", "old-host:1"}
-        collector.kill(signal.SIGKILL)
-        collector = CollectorProcess(db, port=collector.port, args=args).start()  # prunes at start
-        job.rows = 8
-        body = judged(job)
-        assert names(body) == (["kept-host:1"], [])
-        assert {d["device"] for d in body["origin_events"]} == {"kept-host:1"}
+        # Restarted (it prunes at start) keeping a day: the two-day-old rows go, the rest stay.
+        for args, rows, devices in ((["--suspect-retention-days", "1"], 12, {"kept-host:1", "older-host:1"}),
+                                    (["--suspect-max-rows", "8"], 8, {"kept-host:1"})):  # then the 8 newest
+            collector.kill(signal.SIGKILL)
+            collector = CollectorProcess(db, port=collector.port, args=args).start()
+            job.rows = rows
+            body = judged(job)
+            assert names(body) == (["kept-host:1"], [])
+            assert {d["device"] for d in body["origin_events"]} == devices
     finally:
         collector.kill(signal.SIGTERM)
 
