@@ -119,7 +119,7 @@ class ServerConfig:
                                              parse=_number)
     suspect_retention_days: float = _option(90.0, "days the suspects' evidence is kept, across runs and restarts",
                                             parse=_number)
-    suspect_max_rows: int = _option(200_000, "evidence rows kept at most (the oldest go first); bounds "
+    suspect_max_rows: int = _option(50_000, "evidence rows kept at most (the oldest go first); bounds "
                                              "GET /v1/suspects' work")
     max_body_bytes: int = _option(COLLECTOR_DEFAULTS["max_body_bytes"], "largest ingest body in bytes (413 above)")
     max_runs: int = _option(COLLECTOR_DEFAULTS["max_runs"], "runs held at once (429 + Retry-After above: agents "
