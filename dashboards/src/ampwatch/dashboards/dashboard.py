@@ -157,13 +157,12 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
                f"data shard (AmpSkipOriginRank: >= {t.origin_min_count} within {t.origin_window_s}s).",
                 hide=["Time", "__name__", "job", "instance"]), 24),
             (_table("Ranks on suspect devices (GPU or data)", [
-                (f"max by (run, rank, device) ({m.RANK_ON_SUSPECT_DEVICE}{{{_RANK}}} > 0)"
-                 f" * on (device) group_left (host, local_rank) "
-                 f"max by (device, host, local_rank) ({m.DEVICE_ORIGIN_EVENTS})", ""),
-            ], "Ranks running on a device (a GPU's UUID, else host:local_rank) the collector suspects, judged over "
-               "every run it keeps (AmpSuspectDevice), with the skips and poisoned steps that device was the sole "
-               "origin of (column events). GET /v1/suspects has each one's runs, ranks and samples, and the "
-               "suspect samples (data, not a device).", hide=["Time"], rename={"Value": "events"}), 24),
+                (f"topk by (run) (20, max by (run, rank, device) ({m.RANK_ON_SUSPECT_DEVICE}{{{_RANK}}}))", ""),
+            ], "The device each rank runs on (a GPU's UUID, else host:local_rank), those the collector suspects "
+               "first (column suspect 1: the sole origin of skips or poisoned steps on different samples again and "
+               "again, over every run it keeps; AmpSuspectDevice), 20 per run. GET /v1/suspects and the status "
+               "page have each suspect's evidence, and the suspect samples (data, not a device).",
+                hide=["Time"], rename={"Value": "suspect"}), 24),
         ]),
         ("Collector and agents", 7, [
             (_series("Collector ingest requests by status", [
