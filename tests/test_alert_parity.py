@@ -38,7 +38,7 @@ from ampwatch.contract.protocol import NO_SCALER_KIND
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
 from ampwatch.server._floats import wire_float
-from ampwatch_support.batches import make_batch, optimizer, post_batch
+from ampwatch_support.batches import make_batch, optimizer, post_batch, samples, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.prometheus_stack import (
     Processes,
@@ -106,6 +106,9 @@ EXPECTED = {
     ("AmpSustainedLossScaleBackoff", "p-close", "", "", "warning"),
     # A second process (its own host, pid and process key) claims p-conflict's rank 0 while the first keeps sending.
     ("AmpRankConflict", "p-conflict", "0", "", "warning"),
+    # Rank 1 of p-suspect (on its own host) is the sole origin of three skips, each on other samples: the collector
+    # suspects its device, and the rank, still training, alerts with it.
+    ("AmpSuspectDevice", "p-suspect", "1", "", "warning"),
 }
 # Alerts no run here trips, each with the reason it cannot (none today: every declared alert has its run).
 EXEMPT: dict[str, str] = {}
@@ -205,6 +208,7 @@ def _stream(url: str) -> None:
         "p-end": [ScriptedRank("p-end", r, 3) for r in range(3)],
         "p-close": [ScriptedRank("p-close", r, 3) for r in range(3)],
         "p-conflict": [ScriptedRank("p-conflict", 0, 1, process_key="parity-conflict-key-of-the-first")],
+        "p-suspect": [ScriptedRank("p-suspect", r, 2, host="node-suspect") for r in (0, 1)],
     }
     claimant = ScriptedRank("p-conflict", 0, 1, iteration=2 * ITERATIONS_PER_BATCH * TROUBLE.start,
                             incarnation="parity-p-conflict-0-claimant", host="node-b", pid=5151,
@@ -247,6 +251,12 @@ def _stream(url: str) -> None:
             _post(url, rank.step(poisoned_steps=int(first and rank.rank == 1)))
         if batch < 8:  # then it goes quiet without closing
             _post(url, ranks["p-silent"][0].step())
+        for rank in ranks["p-suspect"]:  # the skips alone: no streak, no backoff alert in play
+            sent = rank.step()
+            if trouble:
+                sent["events"] = [skip_event(batch, iteration=rank.iteration, origin=rank.rank == 1,
+                                             samples=samples([f"{batch}-{rank.rank}-{i}" for i in range(4)]))]
+            _post(url, sent)
         time.sleep(max(0.0, PERIOD_S - (time.monotonic() - started)))
     for run, run_ranks in ranks.items():
         for rank in run_ranks:

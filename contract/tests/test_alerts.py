@@ -10,7 +10,7 @@ import pytest
 from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, DEFAULT_RUNBOOK_BASE_URL, SPEAKERS, Severity, speakers_of
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, DEMO_THRESHOLDS, AlertThresholds
 
-FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3",
+FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3", "device": "GPU-1",
           "value": "7", "percent": "50%", "duration": "2m 5s"}
 
 

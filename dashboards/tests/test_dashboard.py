@@ -18,7 +18,7 @@ REQUIRED_TITLES = [
     "Consecutive-skip streaks", "Backoffs vs growths across ranks", "Ranks reporting / silent",
     "Scale spread across ranks (largest / smallest)",
     "Offending parameters", "Scheduler steps after skips", "Poisoned steps", "Firing ampwatch alerts",
-    "Collector ingest requests by status", "Collector ingest latency (p99)",
+    "Collector ingest requests by status", "Collector ingest latency (p99)", "Ranks on suspect devices (GPU or data)",
 ]
 # What Grafana substitutes before a query reaches Prometheus.
 GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m", "$__range": "1h"}

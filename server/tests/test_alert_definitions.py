@@ -119,6 +119,13 @@ def _conflict(ranks: list[FakeRank], now: float) -> list:
     return r.send(now)
 
 
+def _suspect(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[1]
+    r.suspect = 1  # the collector judged its device a suspect (docs/suspects.md)
+    r.iterate()
+    return r.send(now)
+
+
 def _form_trip(definition: AlertDefinition) -> Callable[[list[FakeRank], float], list]:
     """The trip of an alert that declares its condition, from its form: rank 0's counter rises by what the form
     asks (a share: its part, until it is that share of all the rank's calls), or its gauge falls below the floor."""
@@ -159,6 +166,7 @@ SCENARIOS: dict[str, tuple[int, Callable[[list[FakeRank], float], list]]] = {
     "AmpPoisonedStep": (1, _poisoned),
     "AmpSkipOriginRank": (4, _origin),
     "AmpRankConflict": (1, _conflict),
+    "AmpSuspectDevice": (2, _suspect),
 }
 DERIVED = {f"{d.name}, its form's trip": (d.name, (1, _form_trip(d))) for d in ALERTS.values() if d.condition}
 STOPS = {"AmpRankSilent": {0}}

@@ -17,7 +17,7 @@ T = DEFAULT_THRESHOLDS
 
 SHORT = AlertThresholds(skip_streak_warning=4, skip_streak_critical=8, skip_streak_window_s=6, backoff_window_s=60,
                         backoff_min_count=5, collapsed_loss_scale=0.5, skip_ratio_window_s=90)
-LABELS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3"}
+LABELS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "local_rank": "3", "device": "GPU-1"}
 
 
 def _fill(template: str, value: float, percent: str, duration: str) -> str:

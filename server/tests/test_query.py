@@ -109,7 +109,7 @@ def test_events_read_back_whole_although_rows_keep_only_what_is_not_a_column_or_
                 for f in msgspec.structs.fields(SkipEvent) if not f.required}
     assert {"params", "inspected", "origin_params_total"} <= set(defaults) and defaults["inspected"] is True
     where = {"rank": 0, "incarnation": make_batch()["incarnation"]}
-    assert got == [dict(skip, **where), dict(defaults, **bare, **where), dict(folded, **where),
+    assert got == [dict(defaults, **skip, **where), dict(defaults, **bare, **where), dict(folded, **where),
                    dict(single, count=1, **where), dict(warning, optimizer=None, **where)]
     with sqlite3.connect(config.db) as db:
         bodies = [json.loads(b) for (b,) in db.execute("SELECT body FROM events ORDER BY rowid")]

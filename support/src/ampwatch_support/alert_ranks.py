@@ -15,7 +15,8 @@ __all__ = ["FakeRank", "KEPT_IN", "firing_names", "healthy_job", "names"]
 
 KEPT_IN = {"iteration": "iteration", "backoffs": "backoffs", "growths": "growths", "origin_iterations": "origins",
            "conflicts": "conflicts", "steps": "steps", "skipped": "skipped", "scheduler_steps_after_skip": "scheduler",
-           "poisoned_steps": "poisoned", "consecutive_skipped": "streak", "loss_scale": "scale"}
+           "poisoned_steps": "poisoned", "consecutive_skipped": "streak", "loss_scale": "scale",
+           "on_suspect_device": "suspect"}
 """Each counter and gauge of ``ampwatch.contract.counters`` (but the streak ladder) -> the FakeRank attribute
 that holds it (for :meth:`FakeRank.move` and :meth:`FakeRank.set`)."""
 
@@ -32,6 +33,7 @@ class FakeRank:
         self.scheduler = self.poisoned = 0
         self.origins = 0  # skipped iterations this rank started (DDP's all-reduce hook)
         self.conflicts = 0  # processes the collector kept out of the rank
+        self.suspect = 0  # 1 while the collector suspects the device the rank runs on
         self.closed = False
 
     def iterate(self, skipped: bool = False) -> None:
@@ -63,7 +65,8 @@ class FakeRank:
                             loss_scale=self.scale, totals=RankTotals(backoffs=self.backoffs, growths=self.growths,
                                                                      origin_iterations=self.origins),
                             closed=self.closed, optimizers={"gen": opt}, consecutive_skipped={"gen": self.streak},
-                            host=f"node-{self.rank // 8}", local_rank=self.rank % 8, conflicts=self.conflicts)
+                            host=f"node-{self.rank // 8}", local_rank=self.rank % 8, conflicts=self.conflicts,
+                            device=f"node-{self.rank // 8}:{self.rank % 8}", on_suspect_device=self.suspect)
 
     def send(self, now: float) -> list:
         """Deliver a batch to the evaluator; return the transitions of this rank's alerts."""

@@ -17,10 +17,11 @@ import time
 import urllib.request
 from typing import Any
 
-from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, fields
-from ampwatch.contract.protocol import PROTOCOL_VERSION, STREAK_LADDER, is_rung
+from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, fields, samples_digest
+from ampwatch.contract.protocol import MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
-__all__ = ["BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch", "skip_event"]
+__all__ = ["BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples",
+           "skip_event"]
 
 CLEAN_DELIVERY: dict[str, int] = dict.fromkeys(fields(DeliveryCounters), 0)
 """The state's ``delivery`` counters of an agent that lost and was refused nothing."""
@@ -109,11 +110,21 @@ def make_batch(*, optimizers: dict[str, dict] | None = None, events: list[dict] 
 
 
 def skip_event(id: int, optimizer: str = "gen", iteration: int = 0, streak: int = 1,
-               params: tuple[str, ...] = ("fc.weight",)) -> dict[str, Any]:
-    """A skip event naming ``params`` as holding an inf each."""
+               params: tuple[str, ...] = ("fc.weight",), **more: Any) -> dict[str, Any]:
+    """A skip event naming ``params`` as holding an inf each; ``more`` sets other fields of
+    ``ampwatch.contract.batch.SkipEvent`` (``origin``, ``began``, ``samples``, ``calibration``, ...)."""
     return {"id": id, "kind": "skip", "time": time.time(), "iteration": iteration, "optimizer": optimizer,
             "streak": streak, "params": [{"name": p, "inf": 1, "nan": 0} for p in params],
-            "params_total": len(params), "inspected": True}
+            "params_total": len(params), "inspected": True, **more}
+
+
+def samples(ids: list[int | str]) -> dict[str, Any]:
+    """An event's ``samples`` (``ampwatch.contract.batch.Samples``) for an iteration that trained on ``ids``.
+
+    >>> samples([3, 1])["count"], samples([3, 1])["digest"] == samples([1, 3])["digest"]
+    (2, True)
+    """
+    return {"ids": list(ids[:MAX_SAMPLE_IDS]), "count": len(ids), "digest": samples_digest(ids)}
 
 
 def post_batch(url: str, batch: dict[str, Any], timeout: float = 10.0) -> None:

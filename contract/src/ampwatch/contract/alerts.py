@@ -305,6 +305,13 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "{origin_window_s}, while at most {origin_rank_share} of the run's ranks did: suspect that "
                     "GPU, its host or its data shard."),
     AlertDefinition(
+        name="AmpSuspectDevice", scope="rank", severities=_WARNING, for_field=None, gauges=("on_suspect_device",),
+        summary="A rank runs on a device suspected of faults",
+        description="Rank {rank} of run {run} runs on device {device} (suspect: {value}), which was the sole "
+                    "origin of skipped or poisoned steps on different samples, again and again, in this run or "
+                    "earlier ones, while the other devices were not: suspect that GPU (GET /v1/suspects lists its "
+                    "evidence)."),
+    AlertDefinition(
         name="AmpRankConflict", scope="rank", severities=_WARNING, for_field=None,
         condition=Rose("conflicts", window="conflict_window_s"),
         summary="Two processes claim one run and rank",

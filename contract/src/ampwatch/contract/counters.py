@@ -63,6 +63,8 @@ GAUGES: Mapping[str, RankValue] = {g.name: g for g in (
     RankValue("consecutive_skipped", "optimizer", "the current skip streak (0 when the last step updated)",
               m.OPTIMIZER_CONSECUTIVE_SKIPPED),
     RankValue("loss_scale", "rank", "the loss scale (none without an enabled GradScaler)", m.LOSS_SCALE),
+    RankValue("on_suspect_device", "rank", "1 while the device the rank runs on is a suspect, else 0 (derived by "
+              "the collector from its kept evidence, docs/suspects.md)", m.RANK_ON_SUSPECT_DEVICE),
 )}
 """Values of a rank's latest state that alert conditions read: a windowed definition's ``gauges`` (a current streak)
 can make it hold while its counters stand still; an ``Outside`` condition (:mod:`ampwatch.contract.conditions`)

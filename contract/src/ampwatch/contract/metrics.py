@@ -105,6 +105,16 @@ AGENT_ERRORS = Metric("ampwatch_agent_errors_total", "counter", _RANK, "Internal
 AGENT_REFUSED_SPOOL_FILES = Metric("ampwatch_agent_refused_spool_files_total", "counter", _RANK,
                                    "Entries of the agent's spool refused unread: another user's, not a regular file "
                                    "or folder, or a file others may write.")
+RANK_ON_SUSPECT_DEVICE = Metric("ampwatch_rank_on_suspect_device", "gauge", (*_RANK, "device"),
+                                "1 while the device the rank runs on is a suspect (GET /v1/suspects, "
+                                "docs/suspects.md), else 0: judged by the collector over its kept evidence.")
+
+# Per device, across runs: the evidence GET /v1/suspects judges (docs/suspects.md).
+DEVICE_ORIGIN_EVENTS = Metric("ampwatch_device_origin_events", "gauge", ("device", "host", "local_rank"),
+                              "Kept skips and poisoned steps this device was the sole origin of (not calibration, "
+                              "not a whole-job overflow), with or without samples.")
+DEVICE_SUSPECT = Metric("ampwatch_device_suspect", "gauge", ("device", "host", "local_rank"),
+                        "1 while the device is a suspect of GET /v1/suspects, else 0.")
 
 # Per run: one collector's convenience views (rules aggregate the per-rank series instead).
 RUN_RANKS_REPORTING = Metric("ampwatch_run_ranks_reporting", "gauge", _RUN,

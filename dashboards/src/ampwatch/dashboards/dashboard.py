@@ -156,6 +156,13 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
                "ranks with the most per run. One or a few ranks here again and again: suspect that GPU, host or "
                f"data shard (AmpSkipOriginRank: >= {t.origin_min_count} within {t.origin_window_s}s).",
                 hide=["Time", "__name__", "job", "instance"]), 24),
+            (_table("Ranks on suspect devices (GPU or data)", [
+                (f"topk by (run) (20, max by (run, rank, device) ({m.RANK_ON_SUSPECT_DEVICE}{{{_RANK}}}))", ""),
+            ], "The device each rank runs on (a GPU's UUID, else host:local_rank), those the collector suspects "
+               "first (column suspect 1: the sole origin of skips or poisoned steps on different samples again and "
+               "again, over every run it keeps; AmpSuspectDevice), 20 per run. GET /v1/suspects and the status "
+               "page have each suspect's evidence, and the suspect samples (data, not a device).",
+                hide=["Time"], rename={"Value": "suspect"}), 24),
         ]),
         ("Collector and agents", 7, [
             (_series("Collector ingest requests by status", [

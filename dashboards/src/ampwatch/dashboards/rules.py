@@ -198,11 +198,14 @@ CONDITIONS: dict[str, Callable[[AlertThresholds, RecordedSeries, Any], str]] = {
     "AmpRankSilent": lambda t, r, _: (f"(time() - {m.RANK_LAST_SEEN} > {t.silent_after_s})\n"
                                       f"unless on (run, rank) {r.closed}"),
     "AmpSkipOriginRank": _origin,
+    # The collector judges the device over every run it keeps (docs/suspects.md); the rule reads its verdict.
+    "AmpSuspectDevice": lambda t, r, _: f"{m.RANK_ON_SUSPECT_DEVICE} > 0\nunless on (run, rank) {r.closed}",
 }
 check_hand_written("ampwatch.dashboards.rules.CONDITIONS", CONDITIONS, ALERTS)
 
 # Prometheus fills an alert's texts with Go templates over the instance's labels and value.
-_TEMPLATES = {**{label: f"{{{{ $labels.{label} }}}}" for label in ("run", "rank", "optimizer", "host", "local_rank")},
+_TEMPLATES = {**{label: f"{{{{ $labels.{label} }}}}" for label in ("run", "rank", "optimizer", "host", "local_rank",
+                                                                       "device")},
               "value": "{{ $value }}", "percent": "{{ $value | humanizePercentage }}",
               "duration": "{{ $value | humanizeDuration }}"}
 

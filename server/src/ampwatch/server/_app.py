@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
+from ._evidence import prune_evidence_job
 from ._gc import release_free_memory
 from ._hosts import HostAllowList
 from ._ingest import IngestService
@@ -29,6 +30,7 @@ from ._metrics import (
     gzip_exposition,
 )
 from ._query import router as query_router
+from ._query import suspect_judge
 from ._recovery import delete_history_job, load_ranks, stored_ranks
 from ._state import CollectorState
 from ._status_page import mount_status_page
@@ -60,9 +62,30 @@ async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
                 if pruned:
                     state.stored = {key for key in state.stored if key[0] not in pruned}
                     log.info("deleted the history of %d runs older than --db-retention", len(pruned))
+                dropped = await store.submit(prune_evidence_job(now - config.suspect_retention_days * 86400.0,
+                                                                config.suspect_max_rows))
+                if dropped:
+                    log.info("deleted %d evidence rows past --suspect-retention-days or --suspect-max-rows", dropped)
             except Exception:
                 log.exception("pruning old history failed; will retry in an hour")
         await asyncio.sleep(period)
+
+
+SUSPECTS_EVERY_S = 5.0
+"""How often the built-in alerts take the suspects (GET /v1/suspects and /metrics judge them when read)."""
+
+
+async def _suspect_loop(app: FastAPI) -> None:
+    """Give the built-in alerts the suspect devices every :data:`SUSPECTS_EVERY_S` (judged again only once the
+    evidence changed: ``SuspectJudge``); a rank's next batch then holds AmpSuspectDevice or not."""
+    judge = suspect_judge(app.state)
+    while True:
+        try:
+            body = await asyncio.to_thread(judge.current)
+            app.state.alert_service.suspect_devices = frozenset(d["device"] for d in body["devices"])
+        except Exception:
+            log.exception("judging the suspects failed; will retry")
+        await asyncio.sleep(SUSPECTS_EVERY_S)
 
 
 class _CollectorApp(FastAPI):
@@ -100,7 +123,8 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         ingest = app.state.ingest = IngestService(config, state, store, own, clock)
         app.state.exposition = Exposition(state, own, config.silent_after, clock, pause_s=RENDER_PAUSE_S,
-                                          busy=lambda: ingest.in_flight > 0)
+                                          busy=lambda: ingest.in_flight > 0,
+                                          suspects=suspect_judge(app.state).current)
         notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval,
                               repeat_interval_s=config.notify_repeat_interval)
         alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds,
@@ -110,6 +134,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         app.state.ingest.on_applied = alerts.observe
         alert_task = asyncio.create_task(alerts.run(state))
         task = asyncio.create_task(_retire_loop(app, config))
+        suspects_task = asyncio.create_task(_suspect_loop(app))
         app.state.ready = True
         log.info("state rebuilt from %s: %d runs, %d ranks", store.path, len(state.runs), state.rank_count())
         try:
@@ -118,6 +143,9 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
             app.state.ready = False
             task.cancel()
             alert_task.cancel()
+            suspects_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await suspects_task
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             with contextlib.suppress(asyncio.CancelledError):

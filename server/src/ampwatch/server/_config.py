@@ -39,6 +39,11 @@ def _boolean(text: str) -> bool:
 
 _PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _boolean}  # by the default's type
 
+def _number(text: str) -> float:
+    """A number that is no duration (its option's name says its unit: days, a ratio)."""
+    return float(text)
+
+
 def _option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, shown: str | None = None,
             secret: bool = False) -> Any:
     """Declare a field: its default, its ``--help`` text, the parser of its text form, how --help shows the default.
@@ -105,6 +110,17 @@ class ServerConfig:
                                           "silence alert's threshold + for)")
     run_retention: float = _option(3600.0, "seconds a cleanly closed run stays in /metrics")
     db_retention: float = _option(30 * 86400.0, "seconds of history kept in the database")
+    suspect_events: int = _option(3, "events with different samples that make a device the sole origin of a suspect "
+                                     "(GET /v1/suspects, AmpSuspectDevice; docs/suspects.md)")
+    suspect_max_origins: int = _option(1, "most origin ranks an event may have and still count against a device; "
+                                          "more is a whole-job overflow (docs/suspects.md)")
+    suspect_stand_out_ratio: float = _option(3.0, "a suspect device's events must be at least this many times the "
+                                                  "median of its runs' other devices' (0: off; docs/suspects.md)",
+                                             parse=_number)
+    suspect_retention_days: float = _option(90.0, "days the suspects' evidence is kept, across runs and restarts",
+                                            parse=_number)
+    suspect_max_rows: int = _option(50_000, "evidence rows kept at most (the oldest go first); bounds "
+                                             "GET /v1/suspects' work")
     max_body_bytes: int = _option(COLLECTOR_DEFAULTS["max_body_bytes"], "largest ingest body in bytes (413 above)")
     max_runs: int = _option(COLLECTOR_DEFAULTS["max_runs"], "runs held at once (429 + Retry-After above: agents "
                                                             "retry)")
@@ -166,6 +182,11 @@ class ServerConfig:
             ("expire_after", self.expire_after >= self.silent_after, "must be >= silent_after"),
             ("run_retention", self.run_retention >= 0, "must be >= 0 seconds"),
             ("db_retention", self.db_retention >= self.expire_after, "must be >= expire_after"),
+            ("suspect_events", self.suspect_events >= 1, "must be >= 1"),
+            ("suspect_max_origins", self.suspect_max_origins >= 1, "must be >= 1"),
+            ("suspect_stand_out_ratio", self.suspect_stand_out_ratio >= 0, "must be >= 0 (0 turns it off)"),
+            ("suspect_retention_days", self.suspect_retention_days > 0, "must be > 0 days"),
+            ("suspect_max_rows", self.suspect_max_rows >= 1, "must be >= 1"),
             ("max_body_bytes", self.max_body_bytes >= 1024, "must be >= 1024"),
             ("max_runs", self.max_runs >= 1, "must be >= 1"),
             ("max_ranks_per_run", self.max_ranks_per_run >= 1, "must be >= 1"),

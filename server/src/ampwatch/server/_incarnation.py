@@ -13,7 +13,7 @@ import json
 import msgspec
 
 from ._batch_parse import parse_batch
-from ._schema import Batch, SkipEvent
+from ._schema import Batch, Began, DeviceInfo, PoisonedStepEvent, Samples, SkipEvent
 from ._stored_form import encode_batch_state
 from ._totals import OptimizerTotals, RankTotals
 
@@ -51,6 +51,12 @@ class Incarnation:
     replayed_only: bool = False
     """Every batch of it so far came from another process replaying a dead one's spool (``replayed``): the
     rank's history, never its owner while a process that sent for itself is there."""
+    diagnosis: dict[str, tuple[int, Began | None, Samples | None]] = dataclasses.field(default_factory=dict)
+    """optimizer -> (event id, began, samples) of its latest skip or poisoned step that said where it began or
+    which samples it trained on: what the alerts' notifications add (memory only: a restart starts it afresh)."""
+    device: DeviceInfo | None = None
+    """The device the process trains on, as its last batch that carried one said (agents send it until it is
+    accepted): what its evidence rows name (docs/suspects.md)."""
 
     def to_row(self, batch_json: str | None = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
@@ -65,7 +71,7 @@ class Incarnation:
     def _claims(self) -> dict:
         # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
         return {k: v for k, v in (("displaced", list(self.displaced)), ("conflict_with", self.conflict_with),
-                                  ("replayed_only", self.replayed_only)) if v}
+                                  ("replayed_only", self.replayed_only), ("device", self.device)) if v}
 
     @classmethod
     def from_row(cls, row: dict) -> Incarnation:
@@ -80,7 +86,8 @@ class Incarnation:
                                if name != _RANK_KEY},
                    longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()},
                    displaced=_ids(extra.get("displaced")), conflict_with=extra.get("conflict_with"),
-                   replayed_only=extra.get("replayed_only", False))
+                   replayed_only=extra.get("replayed_only", False),
+                   device=msgspec.convert(extra["device"], DeviceInfo) if extra.get("device") else None)
 
 
 def _ids(stored: str | list[str] | None) -> tuple[str, ...]:
@@ -103,6 +110,7 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
     optimizers = {name: OptimizerTotals.of(values) for name, values in state.optimizers.items()}
     longest = {name: values.longest_streak for name, values in state.optimizers.items()}
     nonfinite: dict[str, tuple[int, str]] = {}
+    diagnosis = dict(old.diagnosis) if old is not None else {}
     max_event_id = 0
     closed = batch.closed
     if old is not None:
@@ -121,6 +129,8 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
         newest = event.id
         if isinstance(event, SkipEvent) and event.params:
             nonfinite[event.optimizer] = (event.id, event.params[0].name[:max_label_length])
+        if isinstance(event, (SkipEvent, PoisonedStepEvent)) and (event.began or event.samples):
+            diagnosis[event.optimizer] = (event.id, event.began, event.samples)
         elif event.kind == "close":
             closed = True
     if not batch.replayed:
@@ -131,4 +141,5 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
                        last_seq=batch.seq, max_event_id=newest, closed=closed, batch=batch, totals=totals,
                        optimizers=optimizers, longest=longest, nonfinite=nonfinite,
                        displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None,
-                       replayed_only=batch.replayed and (old is None or old.replayed_only))
+                       replayed_only=batch.replayed and (old is None or old.replayed_only),
+                       diagnosis=diagnosis, device=batch.device or (old.device if old else None))

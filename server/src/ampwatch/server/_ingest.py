@@ -20,6 +20,7 @@ from ._access import bearer_matches
 from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
 from ._client_budget import ClientBudget
 from ._config import ServerConfig
+from ._evidence import evidence_rows
 from ._incarnation import Incarnation, next_incarnation
 from ._metrics import SelfMetrics
 from ._ownership import beside, claimants
@@ -279,7 +280,8 @@ class IngestService:
             # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
             self.own.duplicates.inc()
             if events:
-                await self.store.submit(self.store.insert_events(events))
+                evidence = evidence_rows(batch, old.device, self.clock())
+                await self.store.submit(self.store.insert_events(events, evidence))
             return 200, _DUPLICATE
         now = self.clock()
         displaced: tuple[str, ...] = ()
@@ -294,8 +296,9 @@ class IngestService:
         shown = rank.view.shown() if rank is not None else ()
         if rank is not None and old is not None and not batch.replayed:
             await self._record_conflicts(rank, old, now)
-        await self.store.submit(
-            self.store.write_incarnation(batch.run, batch.rank, new.to_row(_as_stored(body, events)), events))
+        evidence = evidence_rows(batch, new.device, now) if events else []
+        await self.store.submit(self.store.write_incarnation(
+            batch.run, batch.rank, new.to_row(_as_stored(body, events)), events, evidence))
         if rank is None:
             rank = RankState(batch.run, batch.rank)
         rank.install(new)

@@ -189,8 +189,11 @@ class Exposition:
 
     def __init__(self, state: CollectorState, own: SelfMetrics, silent_after: float,
                  clock: Callable[[], float] = time.time, pause_s: float = 0.0,
-                 busy: Callable[[], bool] | None = None, keep_lines_from: int = KEEP_LINES_FROM) -> None:
+                 busy: Callable[[], bool] | None = None, keep_lines_from: int = KEEP_LINES_FROM,
+                 suspects: Callable[[], dict] | None = None) -> None:
         self.state, self.own, self.silent_after, self.clock = state, own, silent_after, clock
+        self.suspects = suspects
+        """The suspects as judged now (``SuspectJudge.current``: it reads the database once per change)."""
         self.pause_s = pause_s
         """Sleep this long after each :data:`RENDER_WORK_S` of formatting: the app renders in a worker thread
         (``_pacing``)."""
@@ -223,8 +226,27 @@ class Exposition:
         for family, metric in _paced(_NUMBERED_FAMILIES, RENDER_WORK_S, self.pause_s, self.busy):
             out.append(_HEADERS[metric])
             out.extend(block[family] for block in blocks)
+        self._render_suspects(ranks, out.append)
         self._render_runs([v for v, _ in ranks], now, out.append)
         return "".join(out)
+
+    def _render_suspects(self, ranks: list[tuple[RankView, _RankLines]], add: Callable[[str], None]) -> None:
+        """Each rank's ``on_suspect_device`` (not kept with its lines: the judgement moves without a batch), and
+        each device's evidence counts (docs/suspects.md), as judged now."""
+        judged = self.suspects() if self.suspects is not None else {"devices": [], "origin_events": []}
+        suspected = {d["device"] for d in judged["devices"]}
+        name = m.RANK_ON_SUSPECT_DEVICE.name
+        add(_HEADERS[m.RANK_ON_SUSPECT_DEVICE])
+        for v, lines in ranks:
+            device = v.device()
+            add(f'{name}{{{lines.rank},device="{escape_label(device)}"}} {int(device in suspected)}\n')
+        devices = {d["device"]: d for d in judged["origin_events"]}
+        for metric, value in ((m.DEVICE_ORIGIN_EVENTS, lambda d: d["origin_events"]),
+                              (m.DEVICE_SUSPECT, lambda d: int(d["device"] in suspected))):
+            add(_HEADERS[metric])
+            for d in devices.values():
+                add(f'{metric.name}{{device="{escape_label(d["device"])}",host="{escape_label(d["host"])}",'
+                    f'local_rank="{d["local_rank"]}"}} {value(d)}\n')
 
     def _render_runs(self, views: list[RankView], now: float, add: Callable[[str], None]) -> None:
         by_run: dict[str, list[RankView]] = {}

@@ -16,9 +16,10 @@ from ._run_scale import WINDOWS, run_scale, traces
 from ._run_summary import firing_of, summary_page, trouble_rows
 from ._state import RankState
 from ._stored_form import event_of_row, wire_document
+from ._suspects import SuspectJudge, SuspectSettings, for_run
 from ._view_cache import ViewCache
 
-__all__ = ["router", "rank_summary"]
+__all__ = ["router", "rank_summary", "suspect_judge"]
 
 router = APIRouter(prefix="/v1", tags=["query"])
 
@@ -160,6 +161,27 @@ async def latest_events(
         if not known:
             raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
     return {"rows": collapse(rows, limit, fresh=scan), "scanned": len(rows), "more": len(rows) == 2 * scan}
+
+
+def suspect_judge(state: Any) -> SuspectJudge:
+    """The app's judge of suspects (made on first use, with the collector's settings)."""
+    if getattr(state, "suspect_judge", None) is None:
+        config = state.config
+        state.suspect_judge = SuspectJudge(state.store.query, SuspectSettings(
+            config.suspect_events, config.suspect_max_origins, config.suspect_stand_out_ratio))
+    return state.suspect_judge
+
+
+@router.get("/suspects", summary="Suspect devices and samples, each with its evidence (docs/suspects.md)")
+async def get_suspects(
+    request: Request,
+    run: str | None = Query(None, max_length=1024, description="only suspects with evidence in this run (judged "
+                                                                "over every run)"),
+) -> dict[str, Any]:
+    """Return the devices that were the sole origin of enough skips with different samples, and the samples
+    found in the origin ranks' batches on two devices or more, judged over the evidence kept across runs."""
+    body = await asyncio.to_thread(suspect_judge(request.app.state).current)
+    return for_run(body, run) if run is not None else body
 
 
 def _views(request: Request) -> ViewCache:

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from ._evidence import device_key
 from ._incarnation import Incarnation
 from ._ownership import owner
 from ._scale_trace import ScaleTrace
@@ -44,6 +45,13 @@ class RankSnapshot:
     local_rank: int = 0
     conflicts: int = 0
     """Processes that claimed the rank while it was live and were kept out (``ampwatch_rank_conflicts_total``)."""
+    device: str = ""
+    """The device the rank runs on, as the evidence names it (``_evidence.device_key``)."""
+    on_suspect_device: int = 0
+    """1 while that device is a suspect (GET /v1/suspects), else 0 (``ampwatch_rank_on_suspect_device``)."""
+    diagnosis: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    """optimizer -> (event id, began, samples) of the newest process's latest skip or poisoned step that said
+    where it began or on which samples (``Incarnation.diagnosis``): what the notifications add."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,16 +154,25 @@ class RankView:
                 tuple((o.skipped, o.poisoned_steps) for o in self.optimizer_totals.values()),
                 tuple(values.consecutive_skipped for values in batch.state.optimizers.values()))
 
-    def snapshot(self) -> RankSnapshot:
-        """Return this rank, for the alert evaluator (shares the immutable totals: no copy)."""
+    def device(self) -> str:
+        """The device the rank's newest process runs on, as the evidence names it (``_evidence.device_key``)."""
+        owner = self.owner
+        return device_key(owner.batch.host, owner.batch.local_rank, owner.device.uuid if owner.device else None)
+
+    def snapshot(self, suspect_devices: frozenset[str] = frozenset()) -> RankSnapshot:
+        """Return this rank, for the alert evaluator (shares the immutable totals: no copy); ``suspect_devices``:
+        the devices now suspected (``SuspectJudge``)."""
         batch = self.owner.batch
+        device = self.device()
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=self.last_seen, iteration=batch.state.iteration,
                             loss_scale=batch.state.loss_scale if batch.scaler.enabled else None,
                             scaler_enabled=batch.scaler.enabled,
                             closed=self.closed, totals=self.totals, optimizers=self.optimizer_totals,
                             consecutive_skipped={name: values.consecutive_skipped
                                                  for name, values in batch.state.optimizers.items()},
-                            host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting))
+                            host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting),
+                            device=device, on_suspect_device=int(device in suspect_devices),
+                            diagnosis=self.owner.diagnosis)
 
 
 class RankState:

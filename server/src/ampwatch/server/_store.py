@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Store", "StoreClosed", "Writes", "prepare_database"]
+__all__ = ["Store", "StoreClosed", "Writes", "prepare_database", "EVIDENCE_COLUMNS"]
 
 log = logging.getLogger("ampwatch.server")
 
@@ -35,6 +35,17 @@ CREATE TABLE IF NOT EXISTS events (
     UNIQUE (run, rank, incarnation, id)
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run);
+CREATE TABLE IF NOT EXISTS evidence (  -- what GET /v1/suspects judges (docs/suspects.md); kept past its run
+    run TEXT NOT NULL, rank INTEGER NOT NULL, incarnation TEXT NOT NULL, id INTEGER NOT NULL,
+    kind TEXT NOT NULL, time REAL NOT NULL, iteration INTEGER NOT NULL, optimizer TEXT NOT NULL,
+    world_size INTEGER NOT NULL, host TEXT NOT NULL, local_rank INTEGER NOT NULL,
+    device TEXT,       -- the batch's device as last known for the incarnation (JSON), null if never sent
+    origin INTEGER,    -- the event's origin flag: 1, 0, or null (not watched)
+    calibration INTEGER NOT NULL,
+    samples TEXT,      -- the event's samples (JSON: ids, count, digest), null when it has none
+    UNIQUE (run, rank, incarnation, id)
+);
+CREATE INDEX IF NOT EXISTS evidence_by_time ON evidence (time);
 """
 
 _INCARNATION_COLUMNS = ("run", "rank", "incarnation", "first_seen", "last_seen", "last_seq", "max_event_id", "closed",
@@ -47,6 +58,9 @@ ON CONFLICT (run, rank, incarnation) DO UPDATE SET
 """
 _EVENT_COLUMNS = ("run", "rank", "incarnation", "id", "kind", "time", "iteration", "optimizer", "body")
 _INSERT_EVENTS = "INSERT OR IGNORE INTO events ({columns}) VALUES {rows}"
+EVIDENCE_COLUMNS = ("run", "rank", "incarnation", "id", "kind", "time", "iteration", "optimizer", "world_size", "host",
+                    "local_rank", "device", "origin", "calibration", "samples")
+_INSERT_EVIDENCE = "INSERT OR IGNORE INTO evidence ({columns}) VALUES {rows}"
 
 # Rows per statement: sqlite3 lets go of the GIL at every statement it runs, and a thread that lets go of it
 # beside a busy one waits up to the switch interval (5 ms) to get it back. Written a row per statement, a
@@ -68,6 +82,8 @@ class Writes:
     """One ``incarnations`` row to insert or update, in the order of ``_INCARNATION_COLUMNS``."""
     events: list[tuple] = dataclasses.field(default_factory=list)
     """``events`` rows (``_EVENT_COLUMNS``) to insert; those already stored are ignored."""
+    evidence: list[tuple] = dataclasses.field(default_factory=list)
+    """``evidence`` rows (:data:`EVIDENCE_COLUMNS`, :mod:`._evidence`) to insert; those already stored are ignored."""
 
 
 Job = Writes | Callable[[sqlite3.Connection], Any]
@@ -164,15 +180,16 @@ class Store:
         return future
 
     @staticmethod
-    def write_incarnation(run: str, rank: int, row: dict, events: list[tuple]) -> Writes:
-        """Return a job that upserts one incarnation row and inserts events (duplicates ignored)."""
+    def write_incarnation(run: str, rank: int, row: dict, events: list[tuple],
+                          evidence: list[tuple] | None = None) -> Writes:
+        """Return a job that upserts one incarnation row and inserts events and evidence (duplicates ignored)."""
         params = dict(row, run=run, rank=rank)
-        return Writes(tuple(params[column] for column in _INCARNATION_COLUMNS), events)
+        return Writes(tuple(params[column] for column in _INCARNATION_COLUMNS), events, evidence or [])
 
     @staticmethod
-    def insert_events(events: list[tuple]) -> Writes:
-        """Return a job that inserts events, ignoring those already stored."""
-        return Writes(events=events)
+    def insert_events(events: list[tuple], evidence: list[tuple] | None = None) -> Writes:
+        """Return a job that inserts events and evidence, ignoring those already stored."""
+        return Writes(events=events, evidence=evidence or [])
 
     def _write_loop(self) -> None:
         conn = self._writer
@@ -242,7 +259,9 @@ class Store:
         _execute_rows(conn, _UPSERT, _INCARNATION_COLUMNS, [w.incarnation for w in writes if w.incarnation])
         before = conn.total_changes
         _execute_rows(conn, _INSERT_EVENTS, _EVENT_COLUMNS, [e for w in writes for e in w.events])
-        return conn.total_changes - before
+        added = conn.total_changes - before
+        _execute_rows(conn, _INSERT_EVIDENCE, EVIDENCE_COLUMNS, [e for w in writes for e in w.evidence])
+        return added
 
     def _commit_one(self, job: Job) -> tuple[Any, BaseException | None]:
         try:

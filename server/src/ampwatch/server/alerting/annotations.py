@@ -9,7 +9,9 @@ from typing import Any
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
 
-__all__ = ["annotations_for", "AlertTexts"]
+__all__ = ["annotations_for", "AlertTexts", "diagnosis_texts"]
+
+_SAMPLE_IDS_SHOWN = 8  # the ids a notification names (the count says how many the iteration had)
 
 
 def annotations_for(name: str, labels: Mapping[str, Any], value: float, thresholds: AlertThresholds,
@@ -20,10 +22,30 @@ def annotations_for(name: str, labels: Mapping[str, Any], value: float, threshol
     the labels and the value filled in as Prometheus fills its templates; ``level`` is the severity
     whose threshold the text names (the streak alert has two). Costs a few string formats.
     """
-    fields = {"run": "", "rank": "", "optimizer": "", "host": "", "local_rank": "",
+    fields = {"run": "", "rank": "", "optimizer": "", "host": "", "local_rank": "", "device": "",
               **{k: str(v) for k, v in labels.items()},
               "value": _number(value), "percent": _percent(value), "duration": _duration(value)}
     return ALERTS[name].annotations(thresholds, fields, level)
+
+
+def diagnosis_texts(diagnosis: tuple | None) -> dict[str, str]:
+    """Return the ``began`` and ``samples`` annotations of a rank's latest skip or poisoned step (``(event id,
+    began, samples)`` of ``RankSnapshot.diagnosis``): where its inf/NaN began and on which samples, when known."""
+    if diagnosis is None:
+        return {}
+    _, began, samples = diagnosis
+    texts = {}
+    if began is not None and began.stage is not None:
+        where = f" in {began.module or 'the model'}" if began.module is not None else ""
+        where += f" ({began.module_type})" if where and began.module_type else ""
+        at = f", at {began.param}" if began.stage == "backward" and began.param else ""
+        texts["began"] = f"{began.stage}{where}{at}" + ("" if began.stage == "backward" or where else
+                                                        " (the loss was not finite)")
+    if samples is not None:
+        ids = ", ".join(str(i) for i in samples.ids[:_SAMPLE_IDS_SHOWN])
+        more = f" … {samples.count} in all" if samples.count > min(len(samples.ids), _SAMPLE_IDS_SHOWN) else ""
+        texts["samples"] = f"{ids}{more} (digest {samples.digest})"
+    return texts
 
 
 class AlertTexts(Mapping[str, str]):
@@ -34,18 +56,19 @@ class AlertTexts(Mapping[str, str]):
     building this costs one small object, rendering it happens at most once.
     """
 
-    __slots__ = ("_args", "_texts")
+    __slots__ = ("_args", "_texts", "_diagnosis")
 
     def __init__(self, name: str, labels: Mapping[str, Any], value: float, thresholds: AlertThresholds,
-                 level: str | None = None) -> None:
+                 level: str | None = None, diagnosis: tuple | None = None) -> None:
         self._args: tuple | None = (name, labels, value, thresholds, level)
         self._texts: dict[str, str] = {}
+        self._diagnosis = diagnosis
 
     def _rendered(self) -> dict[str, str]:
         args = self._args
         if args is not None:
-            self._texts = annotations_for(*args)
-            self._args = None  # the labels may belong to a caller; keep only the texts
+            self._texts = {**annotations_for(*args), **diagnosis_texts(self._diagnosis)}
+            self._args = self._diagnosis = None  # the labels may belong to a caller; keep only the texts
         return self._texts
 
     def __getitem__(self, key: str) -> str:

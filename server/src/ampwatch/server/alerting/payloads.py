@@ -128,6 +128,9 @@ def slack_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
         text = f"*{_escape(head)}*\n{_escape(summary)}"
         if detail:
             text += f"\n{_escape(detail)}"
+        for key in ("began", "samples"):  # where the skip began and on which samples, when the agent knew
+            if key in a.annotations:
+                text += f"\n{key}: {_escape(a.annotations[key])}"
         if runbook:
             text += f"\n<{runbook}|runbook>"
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": text[:3000]}})

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 
 from ampwatch.contract.alerts import ALERTS
+from ampwatch.contract.counters import GAUGES
 from ampwatch.contract.thresholds import AlertThresholds
 
 from .._state import RankSnapshot
@@ -84,12 +85,14 @@ rank), level (None: the alert's only severity), value)``. The periodic pass buil
 those no run-wide alert speaks for: in a whole-job storm, a handful instead of several per rank."""
 
 
-def make_alert(name: str, labels: dict, value: float, t: AlertThresholds, level: str | None = None) -> ActiveAlert:
-    """The :class:`ActiveAlert` ``name`` that holds with ``labels`` (its severity label added: ``level``'s)."""
+def make_alert(name: str, labels: dict, value: float, t: AlertThresholds, level: str | None = None,
+               diagnosis: tuple | None = None) -> ActiveAlert:
+    """The :class:`ActiveAlert` ``name`` that holds with ``labels`` (its severity label added: ``level``'s);
+    ``diagnosis``: the rank's latest (event id, began, samples), added to the texts as ``began`` and ``samples``."""
     definition = ALERTS[name]
     labels["severity"] = SEVERITY[name, level]
     return ActiveAlert(name=name, labels=labels, value=value, for_s=definition.for_seconds(t),
-                       annotations=AlertTexts(name, labels, value, t, level))
+                       annotations=AlertTexts(name, labels, value, t, level, diagnosis))
 
 
 def built(cur: RankSnapshot, finding: Finding, t: AlertThresholds) -> ActiveAlert:
@@ -98,7 +101,23 @@ def built(cur: RankSnapshot, finding: Finding, t: AlertThresholds) -> ActiveAler
     labels = {"run": cur.run, "rank": str(cur.rank)}
     if optimizer is not None:
         labels["optimizer"] = optimizer
-    return make_alert(name, labels, value, t, level)
+    for label in _GAUGE_LABELS.get(name, ()):
+        labels[label] = str(getattr(cur, label))
+    return make_alert(name, labels, value, t, level, latest_diagnosis(cur, optimizer))
+
+
+def latest_diagnosis(cur: RankSnapshot, optimizer: str | None = None) -> tuple | None:
+    """``cur``'s latest (event id, began, samples) for ``optimizer`` (None: of any optimizer), or None."""
+    if optimizer is not None:
+        return cur.diagnosis.get(optimizer)
+    return max(cur.diagnosis.values(), key=lambda d: d[0], default=None)
+
+
+_GAUGE_LABELS = {name: tuple(label for g in d.gauges if GAUGES[g].per == "rank"
+                             for label in GAUGES[g].metric.labels if label not in ("run", "rank"))
+                 for name, d in ALERTS.items() if d.gauges}
+"""Each alert's labels besides run and rank that the series of its rank gauges carry (``device``), as the Prometheus
+alert carries them from that series, read off the snapshot's field of that name."""
 
 
 def spoken_key(a: ActiveAlert) -> tuple:
@@ -137,9 +156,19 @@ def _silent(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
     return ()
 
 
+# Without a window: read for every rank at every pass, so a plain list, not a generator.
+def _suspect_device(r: RankReading, t: AlertThresholds) -> Iterable[Finding]:
+    cur = r.current
+    # The collector's verdict on the rank's device (docs/suspects.md), taken with each batch it applies.
+    if cur.on_suspect_device > 0 and not cur.closed:
+        return [("AmpSuspectDevice", None, None, cur.on_suspect_device)]
+    return ()
+
+
 HAND_WRITTEN: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Finding]]] = {
     "AmpConsecutiveSkippedSteps": _streak,
     "AmpRankSilent": _silent,
+    "AmpSuspectDevice": _suspect_device,
 }
 """The condition of each bespoke alert of one rank (one that declares no ``condition``)."""
 

@@ -17,7 +17,7 @@ from ampwatch.contract.thresholds import AlertThresholds
 
 from .._floats import promql_divide, promql_max, promql_min
 from .._state import RankSnapshot
-from .rank_conditions import ActiveAlert, RankReading, make_alert
+from .rank_conditions import ActiveAlert, RankReading, latest_diagnosis, make_alert
 
 __all__ = ["HAND_WRITTEN", "RankFacts", "RunCondition", "RUN_CONDITIONS"]
 
@@ -89,7 +89,8 @@ def _origin(run: str, ranks: list[RankFacts], open_ranks: list[RankFacts], t: Al
         cur = f.current
         if f.facts["AmpSkipOriginRank"] >= t.origin_min_count and not cur.closed:
             labels = {"run": cur.run, "rank": str(cur.rank), "host": cur.host, "local_rank": str(cur.local_rank)}
-            yield make_alert("AmpSkipOriginRank", labels, f.facts["AmpSkipOriginRank"], t)
+            yield make_alert("AmpSkipOriginRank", labels, f.facts["AmpSkipOriginRank"], t,
+                             diagnosis=latest_diagnosis(cur))
 
 
 def _most_ranks(name: str) -> Callable[[str, list[RankFacts], list[RankFacts], AlertThresholds], Iterable[ActiveAlert]]:

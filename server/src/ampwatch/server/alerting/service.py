@@ -41,11 +41,13 @@ class AlertService:
         self.notifier = Notifier(targets, notify_config)
         self.period_s = period_s
         self.errors = 0
+        self.suspect_devices: frozenset[str] = frozenset()
+        """The devices now suspected (set by the app as it judges them): a rank on one holds AmpSuspectDevice."""
 
     def observe(self, rank: RankState) -> None:
         """Evaluate a rank's own alerts right after its batch was applied (a streak fires at this ingest)."""
         try:
-            self.notifier.submit(self.alerts.observe(rank.view.snapshot(), now=self.clock()))
+            self.notifier.submit(self.alerts.observe(rank.view.snapshot(self.suspect_devices), now=self.clock()))
         except Exception:
             self._failed("evaluating the alerts of a batch")
 

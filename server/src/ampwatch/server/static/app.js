@@ -417,6 +417,9 @@ function eventDetails(e) {
         cell.append(" · ", el("span", {class: "streak"}, "started on this rank"),
           ` (DDP bucket ${(e.origin_buckets || []).join(", ")}${local ? ": " + local : ""})`);
       }
+      if (e.calibration) cell.append(" · ", el("span", {class: "muted"}, "calibration (the scaler settling)"));
+      if (e.began) cell.append(" · ", el("span", {class: "began"}, beganText(e.began)));
+      if (e.samples) cell.append(" · ", el("span", {class: "samples"}, samplesText(e.samples)));
       break;
     }
     case "scale_change":
@@ -430,6 +433,71 @@ function eventDetails(e) {
     default: cell.append("");
   }
   return cell;
+}
+
+// Where this rank's inf/NaN began (the event's began): the stage, then the module, its type and the parameter.
+function beganText(b) {
+  const where = b.module !== null && b.module !== undefined
+    ? ` in ${b.module || "the model"}${b.module_type ? ` (${b.module_type})` : ""}` : "";
+  if (b.stage === "backward") return `began in backward${where}${b.param ? `, at ${b.param}` : ""}`;
+  if (b.stage === "forward") {
+    const probe = {armed: ": the loss was not finite; the forward probes name the module next time",
+                   unavailable: ": the loss was not finite (no forward probes on this model)"}[b.probe] || "";
+    return `began in forward${where}${where ? "" : probe}`;
+  }
+  return b.loss_finite === false ? "the loss was not finite" : "where it began is unknown";
+}
+
+// The iteration's samples: the first ids and how many.
+const SAMPLE_IDS_SHOWN = 8;
+function samplesText(s) {
+  const ids = (s.ids || []).slice(0, SAMPLE_IDS_SHOWN).map(String);
+  const more = s.count > ids.length ? ` … ${s.count} in all` : "";
+  return `samples ${ids.join(", ")}${more}`;
+}
+
+// ---- suspects (GET /v1/suspects) --------------------------------------------------------------------
+
+function runsText(runs) {
+  return runs.length > 3 ? `${runs.slice(0, 3).join(", ")} … ${runs.length} runs` : runs.join(", ");
+}
+
+function deviceRow(d) {
+  const ranks = d.ranks.map(r => `${r.run}/${r.rank}`);
+  return el("tr", {class: "suspect-device", "data-device": d.device},
+    el("td", {}, d.device),
+    el("td", {}, `${d.host} local rank ${d.local_rank}${d.pci_bus_id ? ` (${d.pci_bus_id})` : ""}`),
+    el("td", {class: "num"}, String(d.events)),
+    el("td", {}, runsText(d.runs)),
+    el("td", {}, ranks.length > 4 ? `${ranks.slice(0, 4).join(", ")} … ${ranks.length}` : ranks.join(", ")),
+    el("td", {}, d.evidence.slice(-3).map(e => `it ${e.iteration}: ${samplesText(e.samples)}`).join("; ")),
+    el("td", {}, ago(d.last)));
+}
+
+function sampleRow(s) {
+  const its = s.iterations.map(i => `${i.run}/${i.iteration}`);
+  return el("tr", {class: "suspect-sample", "data-sample": String(s.id)},
+    el("td", {}, String(s.id)),
+    el("td", {}, s.devices.join(", ")),
+    el("td", {class: "num"}, String(s.events)),
+    el("td", {}, runsText(s.runs)),
+    el("td", {}, its.length > 6 ? `${its.slice(0, 6).join(", ")} … ${its.length}` : its.join(", ")));
+}
+
+async function refreshSuspects() {
+  let body;
+  try {
+    body = await getJSON("v1/suspects");
+  } catch (error) {
+    if (error instanceof NeedsToken) throw error;
+    document.getElementById("no-suspects").textContent = "Suspects are not available on this collector.";
+    return;
+  }
+  fill(document.querySelector("#suspect-devices tbody"), body.devices.map(deviceRow));
+  fill(document.querySelector("#suspect-samples tbody"), body.samples.map(sampleRow));
+  document.getElementById("suspect-devices").hidden = body.devices.length === 0;
+  document.getElementById("suspect-samples").hidden = body.samples.length === 0;
+  document.getElementById("no-suspects").hidden = body.devices.length + body.samples.length !== 0;
 }
 
 // The run's loss scale on a log2 axis over the chosen window (GET /v1/runs/{run}/scale): a band from the
@@ -667,7 +735,8 @@ async function refresh() {
     // A run's ranks in trouble first: the rest is asked for once they are drawn, so that on a collector busy
     // with a whole-job storm these requests do not queue beside the summary's.
     const summary = run === null ? null : await refreshTrouble(run);
-    await Promise.all([refreshAlerts(), refreshRuns(), run === null ? null : refreshRun(run, summary)]);
+    await Promise.all([refreshAlerts(), refreshSuspects(), refreshRuns(),
+                       run === null ? null : refreshRun(run, summary)]);
     banner.hidden = true;
     document.getElementById("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (error) {
