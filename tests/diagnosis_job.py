@@ -10,7 +10,8 @@ Scenarios (each rank trains on its DistributedSampler share of 48 samples, reshu
   (the forward made it) and the whole job skips that step; the rank that drew it is the origin.
 - ``device``: rank ``--faulty-rank`` corrupts one of its own gradients at seeded random iterations, whatever the
   data, in backward (a simulated faulty GPU); the rest of the job's data is clean.
-- ``calibration``: a scaler that starts at 2**140, so every rank overflows until the scale settles, and at
+- ``calibration``: a scaler that starts at 2**127 with a loss 2**20 times larger, so every rank overflows until
+  the scale settles (backing off 16x at a time), and at
   iteration ``--whole-job-at`` every rank's input holds an inf at once.
 
 Each rank writes, to ``--out/rank{r}.json``, the sample ids it drew per iteration and the iterations it corrupted,
@@ -91,8 +92,10 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     net = Net()
     model = DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    init_scale = 2.0 ** 140 if args.scenario == "calibration" else 2.0 ** 16
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=100_000)
+    settling = args.scenario == "calibration"
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127 if settling else 2.0 ** 16,
+                                  backoff_factor=2.0 ** -4 if settling else 0.5, growth_interval=100_000)
+    gain = 2.0 ** 20 if settling else 1.0
     sampler = DistributedSampler(Numbers(False), num_replicas=args.ranks, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(Numbers(args.scenario == "data"), batch_size=BATCH, sampler=sampler)
     watch = agent.watch(scaler, opt, ddp=model, loader=loader, collector=args.collector, run=args.run,
@@ -114,7 +117,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
                 x[0, 0] = float("inf")
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean()
+                loss = model(x).float().pow(2).mean() * gain
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()

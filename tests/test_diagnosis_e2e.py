@@ -4,7 +4,7 @@ Three runs into one collector: one where a sample's input holds an inf (bad data
 epoch), two where one rank corrupts its own gradients at random iterations whatever the data (a faulty device).
 Every skip names its samples and where it began; ``GET /v1/suspects`` lists that sample and that device, and
 nothing else; the status page shows the three answers (the README's screenshot). A run where the scale settles
-from 2**140 and the whole job overflows at once accuses nothing. The truth comes from what the ranks drew
+from 2**127 and the whole job overflows at once accuses nothing. The truth comes from what the ranks drew
 (``tests/diagnosis_job.py`` writes it).
 """
 
@@ -119,7 +119,7 @@ def test_a_settling_scale_and_a_whole_job_overflow_accuse_no_device_and_no_sampl
         _run(url, "settling", "calibration", tmp_path / "settling", "--epochs", "8", "--whole-job-at", "26")
         assert wait_until(lambda: _closed(url, "settling"))
         skips = _skips(url, "settling")
-        assert any(e["calibration"] for e in skips)  # the scale came down from 2**140 on every rank
+        assert any(e["calibration"] for e in skips)  # the scale came down from 2**127 on every rank
         whole = [e for e in skips if e["iteration"] == 26]
         assert len(whole) == RANKS and all(e["origin"] for e in whole) and not any(e["calibration"] for e in whole)
         suspects = _get(url, "/v1/suspects")

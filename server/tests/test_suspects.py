@@ -74,6 +74,14 @@ def _table_cases(job: SkippingJobs) -> None:
         job.skip_everywhere("alone", iteration, 1, "alone-host", origins={0}, ids={0: unique(f"alone-{iteration}")})
     # Rule 6, second clause: every rank fed the same two ids in one iteration, no ddp=: one event, no suspect.
     job.skip_everywhere("same-batch", 9, 2, "same-host", origins=None, ids=dict.fromkeys((0, 1), ["dup-1", "dup-2"]))
+    # Rule 12: a bad sample on three devices, a batch-mate of it on a second device once more; and a faulty
+    # device (rank 1, four different batches) that once trained on an id another rank's one event also had.
+    for iteration, (rank, ids) in enumerate([(0, ["bm-bad", "bm-mate"]), (1, ["bm-bad", "bm-1"]),
+                                             (2, ["bm-bad", "bm-2"]), (3, ["bm-mate", "bm-3"])]):
+        job.skip_everywhere("batch-mates", iteration, 4, "bm-host", origins={rank}, ids={rank: ids})
+    for iteration, (rank, ids) in enumerate([(1, ["fm-shared", "fm-a"]), (1, ["fm-b"]), (1, ["fm-c"]), (1, ["fm-d"]),
+                                             (2, ["fm-shared", "fm-e"])]):
+        job.skip_everywhere("faulty-mates", iteration, 4, "fm-host", origins={rank}, ids={rank: ids})
     # Rule 7: sole origin three times, without samples.
     for iteration in (5, 6, 7):
         job.skip_everywhere("no-samples", iteration, 2, "nosamples-host", origins={1})
@@ -137,6 +145,8 @@ def test_calibration_and_whole_job_overflows_make_no_suspect_at_all(job):
     ("spread", ([], [])),                        # rule 10: spread over the job
     ("stands-out", (["stands-out-host:0"], [])),  # rule 10: 9 against a median of 3
     ("same-digest", ([], [])),                   # rule 11: one digest K times
+    ("batch-mates", ([], ["bm-bad"])),            # rule 12: the bad sample takes its events, its batch-mate none
+    ("faulty-mates", (["fm-host:1"], [])),        # rule 12: the faulty device's own events explain the shared id
 ])
 def test_each_rule_of_the_table_decides_its_case(job, run, expected):
     assert names(judged(job, run)) == expected

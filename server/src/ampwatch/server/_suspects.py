@@ -7,6 +7,7 @@ Pure: :func:`judge` takes the ``evidence`` rows (:mod:`._evidence`) and the sett
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import statistics
 import threading
@@ -23,6 +24,7 @@ __all__ = ["SuspectSettings", "SuspectJudge", "judge", "for_run"]
 
 _DECODE = msgspec.json.decode
 _SHOWN_EVENTS = 20  # the events listed per suspect (all are counted)
+_ROUNDS = 4  # samples and devices judged in turn until neither moves (two rounds settle every case we know)
 _LISTED = 100  # suspects listed of each kind, most events first (``devices_total``, ``samples_total``: all)
 
 
@@ -89,26 +91,78 @@ def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
             devices[row.key] = row
         run_devices[row.run].add(row.key)
     sole: dict[str, list[_Row]] = defaultdict(list)  # device -> the events it was the sole origin of
-    sample_rows: dict[Any, list[_Row]] = defaultdict(list)  # sample id -> origin rows naming it
+    origin_rows: list[_Row] = []  # the origin sets' rows that name samples
     for found in occurrences.values():
         if any(r.calibration for r in found):
             continue  # the scaler settling: evidence of nothing
         origins = _origin_set(found)
-        for row in origins:
-            for sample in (row.samples or {}).get("ids", ()):
-                sample_rows[sample].append(row)  # an int and a string are different keys: 1 is not "1"
+        origin_rows += (row for row in origins if row.samples)
         ranks = {r.rank for r in origins}
         if 0 < len(ranks) <= settings.max_origins and len(ranks) < max(r.world_size for r in found):
             for row in origins:
                 sole[row.key].append(row)
-    suspect_samples: dict[Any, int] = {}  # sample id -> its events
-    for sample, hits in sample_rows.items():
-        if len(hits) >= 2 and len({r.key for r in hits}) >= 2 and (events := len({_event_of(r) for r in hits})) >= 2:
-            suspect_samples[sample] = events
+    # Samples and devices explain events each other's way (rules 6, 8 and 12): the samples first, then the devices
+    # over what they leave, then the samples again without the suspect devices' own events, until neither moves.
+    blamed: dict[str, dict[str, Any]] = {}
+    for _ in range(_ROUNDS):
+        blamed_rows = {id(r) for key in blamed for r in sole[key]}
+        sample_rows = _explaining_samples([r for r in origin_rows if id(r) not in blamed_rows])
+        found_devices = _suspect_devices(sole, sample_rows, devices, run_devices, settings)
+        if found_devices.keys() == blamed.keys():
+            break
+        blamed = found_devices
+    suspect_samples = {sample: len({_event_of(r) for r in hits}) for sample, hits in sample_rows.items()}
+    suspects = list(found_devices.values())
+    listed = sorted(suspect_samples, key=lambda i: (-suspect_samples[i], str(i)))[:_LISTED]
+    samples = [_sample_entry(sample, sample_rows[sample]) for sample in listed]
+    suspects.sort(key=lambda d: (-d["events"], d["device"]))
+    return {"devices": suspects[:_LISTED], "samples": samples[:_LISTED], "devices_total": len(suspects),
+            "samples_total": len(samples), "settings": settings.to_json(),
+            "origin_events": [dict(_identity(devices[key]), origin_events=len(sole[key])) for key in sorted(sole)]}
+
+
+def _explaining_samples(rows: list[_Row]) -> dict[Any, list[_Row]]:
+    """The suspect samples among the origin ``rows`` (rules 6 and 12), each with the rows it explains.
+
+    The sample in events on the most devices (then the most events) is taken first and explains its events; every
+    other sample is then judged on the events left, so a batch-mate of a bad sample, or a sample a faulty device
+    happened to train on, is not listed for having shared one event with it. A sample needs two events or more on
+    two devices or more. Scores only fall as events are taken, so a heap with lazy rescoring finds each next one.
+    """
+    hits: dict[Any, list[_Row]] = defaultdict(list)  # an int and a string are different keys: 1 is not "1"
+    for row in rows:
+        for sample in row.samples["ids"]:  # type: ignore[index] # rows that name samples
+            hits[sample].append(row)
+    explained: set[tuple[str, int, str]] = set()
+
+    def score(sample: Any) -> tuple[int, int]:
+        left = [r for r in hits[sample] if _event_of(r) not in explained]
+        return len({r.key for r in left}), len({_event_of(r) for r in left})
+
+    heap = [(-devices, -events, str(sample), n, sample) for n, (sample, rows_of) in enumerate(hits.items())
+            if len(rows_of) >= 2 for devices, events in [score(sample)] if devices >= 2 and events >= 2]
+    heapq.heapify(heap)
+    chosen: dict[Any, list[_Row]] = {}
+    while heap:
+        devices, events, order, n, sample = heapq.heappop(heap)
+        now = score(sample)
+        if now != (-devices, -events):
+            if now[0] >= 2 and now[1] >= 2:
+                heapq.heappush(heap, (-now[0], -now[1], order, n, sample))
+            continue
+        chosen[sample] = [r for r in hits[sample] if _event_of(r) not in explained]
+        explained.update(_event_of(r) for r in chosen[sample])
+    return chosen
+
+
+def _suspect_devices(sole: dict[str, list[_Row]], sample_rows: dict[Any, list[_Row]], devices: dict[str, _Row],
+                     run_devices: dict[str, set[str]], settings: SuspectSettings) -> dict[str, dict[str, Any]]:
+    """The suspect devices (rules 7-11): each device's sole-origin events that name samples, none of them a
+    suspect sample, in ``settings.events`` different batches or more, standing out from its runs' other devices."""
     counted = {key: [r for r in found if r.samples is not None
-                     and not any(i in suspect_samples for i in r.samples["ids"])]
+                     and not any(i in sample_rows for i in r.samples["ids"])]
                for key, found in sole.items()}
-    suspects = []
+    suspects: dict[str, dict[str, Any]] = {}
     for key, found in counted.items():
         digests = {r.samples["digest"] for r in found if r.samples}
         if len(digests) < settings.events:
@@ -120,13 +174,8 @@ def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
         median = statistics.median(peer_counts) if peer_counts else 0
         if settings.stand_out_ratio and len(digests) < settings.stand_out_ratio * median:
             continue  # routine overflows spread over the job: this device is not the odd one
-        suspects.append(_device_entry(devices[key], found, digests, median, len(sole[key])))
-    listed = sorted(suspect_samples, key=lambda i: (-suspect_samples[i], str(i)))[:_LISTED]
-    samples = [_sample_entry(sample, sample_rows[sample]) for sample in listed]
-    suspects.sort(key=lambda d: (-d["events"], d["device"]))
-    return {"devices": suspects[:_LISTED], "samples": samples[:_LISTED], "devices_total": len(suspects),
-            "samples_total": len(samples), "settings": settings.to_json(),
-            "origin_events": [dict(_identity(devices[key]), origin_events=len(sole[key])) for key in sorted(sole)]}
+        suspects[key] = _device_entry(devices[key], found, digests, median, len(sole[key]))
+    return suspects
 
 
 def _event_of(row: _Row) -> tuple[str, int, str]:
