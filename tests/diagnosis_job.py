@@ -10,9 +10,10 @@ Scenarios (each rank trains on its DistributedSampler share of 48 samples, reshu
   (the forward made it) and the whole job skips that step; the rank that drew it is the origin.
 - ``device``: rank ``--faulty-rank`` corrupts one of its own gradients at seeded random iterations, whatever the
   data, in backward (a simulated faulty GPU); the rest of the job's data is clean.
-- ``calibration``: a scaler that starts at 2**127 with a loss 2**20 times larger, so every rank overflows until
-  the scale settles (backing off 16x at a time), and at
-  iteration ``--whole-job-at`` every rank's input holds an inf at once.
+- ``calibration``: a scaler that starts at 2**127 with a loss 2**20 times larger (and a learning rate 2**20 times
+  smaller: the same training), so every rank overflows until the scale settles (backing off 256x at a time, it
+  settles well below any batch's overflow), and at
+  the iterations ``--whole-job-at`` every rank's input holds an inf at once.
 
 Each rank writes, to ``--out/rank{r}.json``, the sample ids it drew per iteration and the iterations it corrupted,
 so the test computes the truth from what really ran.
@@ -91,11 +92,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     net = Net()
     model = DistributedDataParallel(net)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     settling = args.scenario == "calibration"
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127 if settling else 2.0 ** 16,
-                                  backoff_factor=2.0 ** -4 if settling else 0.5, growth_interval=100_000)
     gain = 2.0 ** 20 if settling else 1.0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3 / gain)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127 if settling else 2.0 ** 16,
+                                  backoff_factor=2.0 ** -8 if settling else 0.5, growth_interval=100_000)
     sampler = DistributedSampler(Numbers(False), num_replicas=args.ranks, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(Numbers(args.scenario == "data"), batch_size=BATCH, sampler=sampler)
     watch = agent.watch(scaler, opt, ddp=model, loader=loader, collector=args.collector, run=args.run,
@@ -112,7 +113,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
                 faults.random() < 0.25
             if net.glitch:
                 glitched.append(iteration)
-            if args.scenario == "calibration" and iteration == args.whole_job_at:
+            if args.scenario == "calibration" and iteration in args.whole_job_at:
                 x = x.clone()
                 x[0, 0] = float("inf")
             opt.zero_grad(set_to_none=True)
@@ -140,7 +141,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="the sampler's shuffle seed")
     parser.add_argument("--faulty-rank", type=int, default=1)
-    parser.add_argument("--whole-job-at", type=int, default=12)
+    parser.add_argument("--whole-job-at", type=lambda text: {int(i) for i in text.split(",")}, default={12},
+                        help="iterations where every rank's input holds an inf, e.g. 14,26")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with socket.socket() as sock:

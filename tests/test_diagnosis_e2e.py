@@ -116,11 +116,14 @@ def test_bad_data_and_a_faulty_device_are_told_apart_by_their_evidence(tmp_path)
 def test_a_settling_scale_and_a_whole_job_overflow_accuse_no_device_and_no_sample(tmp_path):
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         url = collector.url
-        _run(url, "settling", "calibration", tmp_path / "settling", "--epochs", "8", "--whole-job-at", "26")
+        _run(url, "settling", "calibration", tmp_path / "settling", "--epochs", "8", "--whole-job-at", "14,26")
         assert wait_until(lambda: _closed(url, "settling"))
         skips = _skips(url, "settling")
         assert any(e["calibration"] for e in skips)  # the scale came down from 2**127 on every rank
-        whole = [e for e in skips if e["iteration"] == 26]
-        assert len(whole) == RANKS and all(e["origin"] for e in whole) and not any(e["calibration"] for e in whole)
+        # Two whole-job overflows, 24 of the 48 samples in them: some are in both, on two devices.
+        whole = [e for e in skips if e["iteration"] in (14, 26)]
+        assert len(whole) == 2 * RANKS and all(e["origin"] for e in whole) and not any(e["calibration"] for e in whole)
+        both = {(i, e["rank"]) for e in whole for i in e["samples"]["ids"]}
+        assert any(len({rank for i, rank in both if i == sample}) >= 2 for sample, _ in both)
         suspects = _get(url, "/v1/suspects")
         assert (suspects["devices"], suspects["samples"]) == ([], []), suspects

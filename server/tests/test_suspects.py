@@ -61,6 +61,11 @@ def _table_cases(job: SkippingJobs) -> None:
     for iteration in (5, 6, 7):
         job.post("noflag-one", 3, [skip_event(0, iteration=iteration, samples=samples(unique(f"nf-{iteration}")))],
                  world_size=4, host="noflag-host")
+    # Rule 5: two overflows where every rank's own gradients overflowed, the same two ids on ranks 0 and 1 in both.
+    for iteration in (5, 6):
+        job.skip_everywhere("whole-flagged", iteration, 2, "wf-host", origins={0, 1},
+                            ids={0: ["wf-a", f"wf-{iteration}"], 1: ["wf-b", f"wf1-{iteration}"] if iteration == 5
+                                 else ["wf-a", f"wf1-{iteration}"]})
     # Rule 3 + 4: no ddp=, every rank reported: no single origin.
     for iteration in (5, 6, 7):
         job.skip_everywhere("noflag-all", iteration, 4, "noflag-all-host", origins=None,
@@ -139,6 +144,7 @@ def test_calibration_and_whole_job_overflows_make_no_suspect_at_all(job):
     ("noflag-all", ([], [])),                    # rules 3 + 4: every rank reported
     ("two-origins", ([], [])),                   # rule 4: more origins than --suspect-max-origins
     ("alone", ([], [])),                         # rule 5: the whole run
+    ("whole-flagged", ([], [])),                 # rule 5: every rank's own overflow, no sample's
     ("same-batch", ([], [])),                    # rule 6: two devices, one event
     ("no-samples", ([], [])),                    # rule 7: no ids, no evidence
     ("too-few", ([], [])),                       # rule 9: K - 1

@@ -96,8 +96,10 @@ def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
         if any(r.calibration for r in found):
             continue  # the scaler settling: evidence of nothing
         origins = _origin_set(found)
-        origin_rows += (row for row in origins if row.samples)
         ranks = {r.rank for r in origins}
+        if len(ranks) >= max(r.world_size for r in found) and any(r.origin is not None for r in found):
+            continue  # every rank's own gradients overflowed: the job's cause (scale, learning rate), no sample's
+        origin_rows += (row for row in origins if row.samples)
         if 0 < len(ranks) <= settings.max_origins and len(ranks) < max(r.world_size for r in found):
             for row in origins:
                 sole[row.key].append(row)
