@@ -21,12 +21,14 @@ import httpx
 import pytest
 
 from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.headless_browser import needs_browser, open_page
 from ampwatch_support.patience import wait_until
 
 JOB = pathlib.Path(__file__).with_name("diagnosis_job.py")
 sys.path.insert(0, str(JOB.parent))
 from diagnosis_job import BAD_SAMPLE  # noqa: E402 - the job's own constant, beside it
 
+ARTIFACTS = pathlib.Path(__file__).resolve().parents[1] / "artifacts"
 RANKS = 3
 FAULTY = 1
 HOST = socket.gethostname()
@@ -66,6 +68,7 @@ def _starts(iterations: list[int]) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@needs_browser
 def test_bad_data_and_a_faulty_device_are_told_apart_by_their_evidence(tmp_path):
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         url = collector.url
@@ -109,6 +112,23 @@ def test_bad_data_and_a_faulty_device_are_told_apart_by_their_evidence(tmp_path)
         assert [(d["host"], d["local_rank"]) for d in suspects["devices"]] == [(HOST, FAULTY)], suspects["devices"]
         device = suspects["devices"][0]
         assert device["runs"] == ["device-a", "device-b"] and device["events"] >= 3
+        _page_shows_the_three_answers(url, device["device"])
+
+
+def _page_shows_the_three_answers(url: str, device: str) -> None:
+    """The status page of the faulty device's second run: where its skips began, on which samples, and the
+    suspects (the README's screenshot, retaken into ``artifacts/``)."""
+    with open_page(f"{url}/#run=device-b", height=1000) as (page, problems):
+        page.wait_for_selector("#suspect-devices tr.suspect-device", timeout=15_000)
+        page.wait_for_selector("#events tr.event[data-kind=skip]", timeout=15_000)
+        assert page.locator("#suspect-devices tr.suspect-device td").first.text_content() == device
+        assert page.locator("#suspect-samples tr.suspect-sample td").first.text_content() == str(BAD_SAMPLE)
+        details = page.locator("#events tr.event[data-kind=skip] td").all_text_contents()
+        assert any("began in backward in embed (Linear)" in text for text in details), details
+        assert any("samples " in text for text in details), details
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "status-page-diagnosis.png"), full_page=True)
+    assert problems == []
 
 
 @pytest.mark.slow
