@@ -5,7 +5,7 @@ epoch), two where one rank corrupts its own gradients at random iterations whate
 Every skip names its samples and where it began; ``GET /v1/suspects`` lists that sample and that device, and
 nothing else; the status page shows the three answers (the README's screenshot). A run where the scale settles
 from 2**127 and the whole job overflows at once accuses nothing. The truth comes from what the ranks drew
-(``tests/diagnosis_job.py`` writes it).
+(``ampwatch_support.diagnosis_job`` writes it).
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ import httpx
 import pytest
 
 from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.diagnosis_job import BAD_SAMPLE
 from ampwatch_support.headless_browser import needs_browser, open_page
 from ampwatch_support.patience import wait_until
-
-JOB = pathlib.Path(__file__).with_name("diagnosis_job.py")
-sys.path.insert(0, str(JOB.parent))
-from diagnosis_job import BAD_SAMPLE  # noqa: E402 - the job's own constant, beside it
 
 ARTIFACTS = pathlib.Path(__file__).resolve().parents[1] / "artifacts"
 RANKS = 3
@@ -36,8 +33,8 @@ HOST = socket.gethostname()
 
 def _run(url: str, run: str, scenario: str, out: pathlib.Path, *extra: str) -> list[dict]:
     out.mkdir()
-    job = subprocess.run([sys.executable, str(JOB), "--collector", url, "--run", run, "--out", str(out),
-                          "--scenario", scenario, "--ranks", str(RANKS), *extra],
+    job = subprocess.run([sys.executable, "-m", "ampwatch_support.diagnosis_job", "--collector", url, "--run", run,
+                          "--out", str(out), "--scenario", scenario, "--ranks", str(RANKS), *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240)
     assert job.returncode == 0, job.stdout.decode()[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]

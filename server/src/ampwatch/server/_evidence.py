@@ -52,11 +52,14 @@ def device_key(host: str, local_rank: int, uuid: str | None) -> str:
 
 def prune_evidence_job(cutoff: float, max_rows: int) -> Callable[[sqlite3.Connection], int]:
     """Return a store job deleting evidence older than ``cutoff`` (Unix seconds) and the oldest beyond
-    ``max_rows``; it returns how many rows it deleted."""
+    ``max_rows``; it returns how many rows it deleted. It writes only when there is something to delete, so a
+    collector on a read-only disk (serving what it holds) is not made unready by it."""
     def job(conn: sqlite3.Connection) -> int:
         before = conn.total_changes
-        conn.execute("DELETE FROM evidence WHERE time < ?", (cutoff,))
-        conn.execute("DELETE FROM evidence WHERE rowid IN (SELECT rowid FROM evidence ORDER BY time DESC, rowid DESC "
-                     "LIMIT -1 OFFSET ?)", (max_rows,))
+        if conn.execute("SELECT 1 FROM evidence WHERE time < ? LIMIT 1", (cutoff,)).fetchone():
+            conn.execute("DELETE FROM evidence WHERE time < ?", (cutoff,))
+        if conn.execute("SELECT count(*) FROM evidence").fetchone()[0] > max_rows:
+            conn.execute("DELETE FROM evidence WHERE rowid IN (SELECT rowid FROM evidence ORDER BY time DESC, "
+                         "rowid DESC LIMIT -1 OFFSET ?)", (max_rows,))
         return conn.total_changes - before
     return job

@@ -2,7 +2,7 @@
 
 Run by tests/test_diagnosis_e2e.py as a separate process:
 
-    python tests/diagnosis_job.py --collector URL --run RUN --ranks 3 --epochs 4 --scenario data
+    python -m ampwatch_support.diagnosis_job --collector URL --run RUN --ranks 3 --epochs 4 --scenario data
 
 Scenarios (each rank trains on its DistributedSampler share of 48 samples, reshuffled every epoch):
 
