@@ -143,7 +143,7 @@ def _all_or_nothing(patches: _Patches, install: Callable[[], None], undo: Callab
 
 
 class ScalerPatch:
-    """Route ``scaler.step``, ``scaler.update`` and ``scaler.load_state_dict`` to a Recorder.
+    """Route ``scaler.scale``, ``scaler.step``, ``scaler.update`` and ``scaler.load_state_dict`` to a Recorder.
 
     Whatever goes wrong inside the agent, the wrapped call still happens exactly once.
     """
@@ -159,6 +159,7 @@ class ScalerPatch:
 
         def install() -> None:
             patches.set(scaler, "step", self._wrap_step(scaler, scaler.step, by_id))
+            patches.set(scaler, "scale", self._wrap_scale(scaler, scaler.scale))
             patches.set(scaler, "update", self._wrap_update(scaler, scaler.update))
             patches.set(scaler, "load_state_dict", self._wrap_load_state_dict(scaler, scaler.load_state_dict))
             patches.hide_from_state(scaler, state_dict=False)  # GradScaler.state_dict() lists its keys
@@ -205,6 +206,15 @@ class ScalerPatch:
 
         step.__doc__ = doc
         return step
+
+    def _wrap_scale(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self.recorder
+
+        def account(args: tuple, kwargs: dict) -> None:
+            if recorder.began is not None:  # the loss, noted as it is (no kernel, no sync): _began.LossNotes
+                recorder.began.note_loss(args[0] if args else kwargs["outputs"])
+
+        return self._then(scaler, original, "scaler.scale", account)
 
     def _wrap_update(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self.recorder

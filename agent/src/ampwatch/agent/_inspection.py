@@ -21,6 +21,7 @@ from ._events import EventBuffer
 from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
 
 if TYPE_CHECKING:  # the recorder imports this module
+    from ._began import BeganFinder
     from ._record import OptimizerRecord
 
 __all__ = ["SkipInspection"]
@@ -41,6 +42,8 @@ class SkipInspection:
         self.events = events
         self.errors = errors
         self.interval = interval  # seconds between naming scans at streak starts, per optimizer
+        self.scanned: NonfiniteReport | None = None  # the gradients the last naming scan flagged (None: no scan)
+        self.began: BeganFinder | None = None  # set by watch(): where each event's inf/NaN began
 
     def name_offenders(self, record: OptimizerRecord, position: int, event: SkipEvent,
                        check_weights: bool) -> tuple[NonfiniteReport | None, bool]:
@@ -51,6 +54,7 @@ class SkipInspection:
         scanned) and whether the weights still need a look (in :meth:`check_poisoned_steps`).
         Costs 2 device syncs when it scans.
         """
+        self.scanned = None
         # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
         # streak starts at most once per interval per optimizer, counted from the END of the previous
         # naming scan, so a scan longer than the interval cannot run at every streak start.
@@ -64,6 +68,7 @@ class SkipInspection:
         try:
             grads, *checked = scan_optimizers(targets, self.names)
             event["params"], event["params_total"], event["inspected"] = grads.params, grads.total, True
+            self.scanned = grads
             weights = checked[0] if checked else None
             check_weights = False
         except Exception as error:  # noqa: BLE001 - the skip itself is still reported
@@ -97,19 +102,19 @@ class SkipInspection:
         for k, record in enumerate(stepped):
             grads, weights = reports[2 * k], reports[2 * k + 1]
             if grads.total:
-                self.report_poisoned(record, iteration, grads, "nonfinite_grad")
+                self.report_poisoned(record, iteration, grads, "nonfinite_grad", current=True)
             elif weights.total:
-                self.report_poisoned(record, iteration, weights, "nonfinite_param")
+                self.report_poisoned(record, iteration, weights, "nonfinite_param", current=True)
         for record, weights in zip(started, reports[2 * len(stepped):], strict=True):
             if weights.total and record.last_step_iteration is not None:
                 self.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
-    def report_poisoned(self, record: OptimizerRecord, iteration: int,
-                        report: NonfiniteReport, reason: PoisonReason, **fields: Any) -> None:
+    def report_poisoned(self, record: OptimizerRecord, iteration: int, report: NonfiniteReport,
+                        reason: PoisonReason, *, current: bool = False, **fields: Any) -> None:
         """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step.
 
         ``fields`` go into the event as they are (a watch without a scaler: ``streak``, ``exact``, and with
-        ``ddp=`` the origin fields).
+        ``ddp=`` the origin fields). ``current``: the iteration's gradients are still there (for ``began``).
         """
         if record.poison_reported_for == iteration:
             return
@@ -118,4 +123,6 @@ class SkipInspection:
         event: PoisonedStepEvent = {"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
                                     "params": report.params, "params_total": report.total, "reason": reason,
                                     **fields}  # type: ignore[typeddict-item]
+        if self.began is not None:
+            self.began.add_to(event, iteration, current, report.flagged if reason == "nonfinite_grad" else None)
         self.events.append(event)

@@ -55,6 +55,8 @@ class NonfiniteReport:
     """Up to :data:`MAX_NAMED_PARAMS` entries ``{"name", "inf", "nan"}`` in optimizer order."""
     total: int
     """How many parameters hold at least one inf or NaN (named or not)."""
+    flagged: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """All of those parameters (named or not), in optimizer order."""
 
 
 Part = Literal["grads", "weights"]
@@ -99,5 +101,6 @@ def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
             n_inf, n_nan = counts[position]
             entries.append({"name": names.name(params[index], slot, index - group_starts[slot]),
                             "inf": n_inf, "nan": n_nan})
-        reports.append(NonfiniteReport(params=entries, total=len(positions)))
+        reports.append(NonfiniteReport(params=entries, total=len(positions),
+                                       flagged=[params[position - start] for position in positions]))
     return reports

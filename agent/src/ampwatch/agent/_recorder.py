@@ -20,6 +20,7 @@ from ampwatch.contract.batch import (
 from ampwatch.contract.protocol import STREAK_LADDER, is_rung  # streaks_reached lengths: 1, 2, 4, ..., 1024
 
 from . import _device
+from ._began import BeganFinder
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._inspection import SkipInspection
@@ -83,6 +84,7 @@ class Recorder:
         self.orphaned = False  # the scaler was garbage-collected: the hooks only warn, once
         self.origin: LocalGradients | None = None  # set by watch(ddp=...): each parameter's own gradient, noted
         self.origin_iterations = 0  # skipped iterations where this rank's own gradients held inf/NaN
+        self.began: BeganFinder | None = None  # set by watch(): where a skip's or poisoned step's inf/NaN began
 
     @property
     def scaler(self) -> Any:
@@ -218,6 +220,8 @@ class Recorder:
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
             self.inspection.check_poisoned_steps(self.records, iteration)  # whatever the naming rate limit did
+        if self.began is not None:
+            self.began.assign(iteration)
         if self.origin is not None:
             self.origin.end_iteration(iteration, keep=any(r.pending for r in self.records))
         scaler = self._scaler()
@@ -271,6 +275,8 @@ class Recorder:
         self.scale.close()
         if self.origin is not None:
             self.origin.close()
+        if self.began is not None:
+            self.began.close()
         for record in self.records:
             if record.consecutive:
                 self._end_streak(record)
@@ -364,6 +370,9 @@ class Recorder:
         if rung or (origin is not None and origin != record.origin_sent):
             if origin is not None:
                 record.origin_sent = origin
+            if self.began is not None:  # one scan's offenders serve when it scanned every watched gradient
+                scanned = self.inspection.scanned if current and len(self.records) == 1 else None
+                self.began.add_to(event, iteration, current, scanned.flagged if scanned is not None else None)
             self.events.append(event)
         if weights is not None and weights.total:
             self.inspection.report_poisoned(record, record.last_step_iteration,  # type: ignore[arg-type] # stepped

@@ -13,6 +13,7 @@ import torch
 
 from ._arguments import check_scaler, named_optimizers, named_params, per_step_schedulers
 from ._attach import OptimizerHooks, ScalerPatch, record_of
+from ._began import find_where_it_began
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
@@ -141,6 +142,20 @@ class Watch:
                              f"watched optimizers: {names}. Pass it to ampwatch.agent.watch().")
         return self._recorder.stepped(record)
 
+    def loss(self, loss: torch.Tensor | float) -> None:
+        """Note a loss of the current iteration, for a job without a GradScaler (``scaler.scale(loss)`` notes it
+        by itself): with gradient accumulation, every micro-batch's.
+
+        Free: the loss is kept as it is (detached) and read only if the iteration skips or is poisoned, to say
+        whether the inf/NaN began in the forward pass (``began``, docs/agent.md). Never raises.
+        """
+        recorder = self._recorder
+        if recorder.attached and recorder.began is not None:
+            try:
+                recorder.began.note_loss(loss)
+            except Exception as error:  # noqa: BLE001 - the agent must never break the loop
+                recorder.internal_error("watch.loss", error)
+
     def rebind(self, scaler: torch.amp.GradScaler) -> None:
         """Carry this watch over to ``scaler``, e.g. a new GradScaler made when resuming from a checkpoint.
 
@@ -255,6 +270,9 @@ class DisabledWatch:
         """Return None: nothing is recorded."""
         return None
 
+    def loss(self, loss: torch.Tensor | float) -> None:
+        """Do nothing."""
+
     def snapshot(self) -> dict[str, Any]:
         """Return an empty snapshot."""
         return {"scaler": {}, "state": {}}
@@ -323,7 +341,7 @@ def watch(scaler: torch.amp.GradScaler | None,
                 raise ValueError("this scaler is already watched; close() the earlier watch before watching it "
                                  "again")
             _watched.add(id(scaler))
-    hooks = patch = None
+    hooks = patch = recorder = None
     try:
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
@@ -338,8 +356,12 @@ def watch(scaler: torch.amp.GradScaler | None,
             patch.attach(by_id)
         if ddp is not None:
             recorder.origin = observe_ddp(ddp, names, errors)
+        find_where_it_began(recorder, model if model is not None else getattr(ddp, "module", None),
+                            config.probe_iterations)
         recorder.attached = True
     except BaseException:
+        if recorder is not None and recorder.began is not None:
+            recorder.began.close()
         if patch is not None:
             patch.detach()
         if hooks is not None:
