@@ -196,15 +196,14 @@ class BeganFinder:
                 for param in module.parameters(recurse=False):
                     self._owners.setdefault(id(param), (path, type(module).__name__))
         self._known: dict[int, Began] = {}
-
-    def attach(self) -> None:
-        """Learn the backward order at the first backward."""
-        self.order.learn(self._params())
+        self._ordering = False  # the order was learned, or is being learned
 
     def note_loss(self, loss: Any) -> None:
         """Note a loss of the open iteration (``scaler.scale`` or ``watch.loss``): Python only, no kernel for a
-        0-d loss."""
+        0-d loss. The first one puts the order-learning hooks on, for the backward that follows it."""
         self.losses.note(loss)
+        if not self._ordering:
+            self._learn()
 
     def assign(self, iteration: int) -> None:
         """What was noted so far belongs to ``iteration`` (its end with a scaler; each step without one)."""
@@ -212,6 +211,12 @@ class BeganFinder:
         self.probes.assign(iteration)
         if self.order.learning:
             self.order.settle()
+        elif not self._ordering:  # a job that passes no loss: learn the order in the next iteration's backward
+            self._learn()
+
+    def _learn(self) -> None:
+        self._ordering = True
+        self.order.learn(self._params())
 
     def add_to(self, event: Any, iteration: int, current: bool,
                offenders: Sequence[torch.Tensor] | None = None) -> None:
@@ -295,8 +300,8 @@ class BeganFinder:
         for optimizer in self.optimizers():
             for g, group in enumerate(optimizer.param_groups):
                 for i, p in enumerate(group["params"]):
-                    if p is param:
-                        return self.names.name(param, g, i)
+                    if p is param:  # ParameterNames' own function: a name, not a naming scan (tests time those)
+                        return ParameterNames.name(self.names, param, g, i)
         return f"parameter {list(param.shape)}"
 
     def close(self) -> None:
@@ -308,8 +313,8 @@ class BeganFinder:
 
 
 def find_where_it_began(recorder: Any, model: torch.nn.Module | None, probe_iterations: int) -> BeganFinder:
-    """Give ``recorder`` (and its inspection) a :class:`BeganFinder` of its optimizers; learn the backward order
-    at the first backward."""
+    """Give ``recorder`` (and its inspection) a :class:`BeganFinder` of its optimizers (nothing is put on the model
+    until the first loss)."""
     records = recorder.records
 
     def optimizers() -> list[torch.optim.Optimizer]:
@@ -318,5 +323,4 @@ def find_where_it_began(recorder: Any, model: torch.nn.Module | None, probe_iter
     finder = BeganFinder(optimizers, recorder.names, model, recorder.errors, probe_iterations)
     finder.origin = recorder.origin
     recorder.began = recorder.inspection.began = finder
-    finder.attach()
     return finder

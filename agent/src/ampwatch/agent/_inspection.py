@@ -52,23 +52,30 @@ class SkipInspection:
         With ``check_weights`` (a streak starts), the same scan looks at the weights
         the optimizer's last step left. Return that weights report (None when not
         scanned) and whether the weights still need a look (in :meth:`check_poisoned_steps`).
-        Costs 2 device syncs when it scans.
+        Costs 2 device syncs when it names; a streak start the rate limit leaves unnamed still has its
+        gradients flagged (for ``began``, :attr:`scanned`), with its weights, in one.
         """
         self.scanned = None
         # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
         # streak starts at most once per interval per optimizer, counted from the END of the previous
         # naming scan, so a scan longer than the interval cannot run at every streak start.
-        if not is_rung(position) or (
-                position == 1 and time.monotonic() - record.last_streak_inspection < self.interval):
+        if not is_rung(position):
+            return None, check_weights
+        limited = position == 1 and time.monotonic() - record.last_streak_inspection < self.interval
+        if limited and self.began is None:
             return None, check_weights
         weights = None
         targets: list[tuple[torch.optim.Optimizer, Part]] = [(record.optimizer, "grads")]
         if check_weights:
             targets.append((record.optimizer, "weights"))
         try:
-            grads, *checked = scan_optimizers(targets, self.names)
-            event["params"], event["params_total"], event["inspected"] = grads.params, grads.total, True
+            # Rate-limited, the gradients are only flagged, for began (docs/agent.md#where-it-began), in the
+            # one copy that checks the weights anyway: no name, no count, no second copy.
+            grads, *checked = scan_optimizers(targets, self.names, unnamed=(limited,))
             self.scanned = grads
+            if limited:
+                return (checked[0] if checked else None), False
+            event["params"], event["params_total"], event["inspected"] = grads.params, grads.total, True
             weights = checked[0] if checked else None
             check_weights = False
         except Exception as error:  # noqa: BLE001 - the skip itself is still reported

@@ -373,6 +373,7 @@ class Recorder:
             if self.began is not None:  # one scan's offenders serve when it scanned every watched gradient
                 scanned = self.inspection.scanned if current and len(self.records) == 1 else None
                 self.began.add_to(event, iteration, current, scanned.flagged if scanned is not None else None)
+                self.inspection.scanned = None  # holds parameters: a dropped job's must go with it
             self.events.append(event)
         if weights is not None and weights.total:
             self.inspection.report_poisoned(record, record.last_step_iteration,  # type: ignore[arg-type] # stepped
