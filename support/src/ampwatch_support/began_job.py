@@ -63,8 +63,8 @@ class Tower(nn.Module):
 
 
 def digest(params) -> str:
-    """The weights' bits, hashed (NaN equals itself this way)."""
-    return hashlib.sha256(b"".join(p.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    """The weights' bits, hashed (NaN equals itself this way; on a GPU, one copy to the host)."""
+    return hashlib.sha256(b"".join(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
                                    for p in params)).hexdigest()
 
 
@@ -78,27 +78,30 @@ def global_forward_hooks() -> int:
     return len(torch.nn.modules.module._global_forward_hooks)
 
 
-def _inputs(rank: int, iteration: int, micro: int) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * rank + 10 * iteration + micro))
+def _inputs(rank: int, iteration: int, micro: int, device: torch.device) -> torch.Tensor:
+    seed = torch.Generator().manual_seed(1000 * rank + 10 * iteration + micro)
+    return torch.randn(4, 8, generator=seed).to(device)
 
 
 def run(watch: Callable[..., Any] | None, *, scaled: bool, iterations: int, rank: int = 0,
         backward_at: frozenset[int] = frozenset(), forward_at: frozenset[int] = frozenset(), micro: int = 1,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
-        during: Callable[[int, nn.Module, Any], None] | None = None) -> dict:
+        during: Callable[[int, nn.Module, Any], None] | None = None, device: str = "cpu") -> dict:
     """Train a :class:`Tower` for ``iterations`` (``micro`` backwards each) on this rank's inputs.
 
     ``watch(scaler, opt, model)``: makes the watch (None: the unwatched twin). ``backward_at``/``forward_at``:
     the iterations whose (first) micro-batch makes the gradient inf at ``p3`` / the forward inf at ``spike``.
-    ``wrap``: e.g. DDP around the model. ``during(i, model, watch)``: called after each iteration. Returns the
+    ``wrap``: e.g. DDP around the model. ``during(i, model, watch)``: called after each iteration. ``device``:
+    where it trains (bf16 autocast and a GradScaler of that device type). Returns the
     weights' digest after each iteration, each skip or poisoned step's ``[iteration, kind, began]``, the hook
     counts after each iteration, and the agent's error count.
     """
     torch.manual_seed(0)
-    net = Tower()
+    where = torch.device(device)
+    net = Tower().to(where)
     model = wrap(net) if wrap is not None else net
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaled else None
+    scaler = torch.amp.GradScaler(where.type, init_scale=2.0 ** 8) if scaled else None
     handle = watch(scaler, opt, model) if watch is not None else None
     digests, hooks = [], []
     events: list[list] = []
@@ -108,12 +111,12 @@ def run(watch: Callable[..., Any] | None, *, scaled: bool, iterations: int, rank
         for i in range(iterations):
             opt.zero_grad(set_to_none=True)
             for m in range(micro):
-                x = _inputs(rank, i, m)
+                x = _inputs(rank, i, m, where)
                 first = m == 0
                 net.fire_backward = first and i in backward_at
                 if first and i in forward_at:
                     x[0] = HUGE
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast(where.type, dtype=torch.bfloat16):
                     loss = model(x).float().pow(2).mean() / micro
                 if scaler is not None:
                     scaler.scale(loss).backward()
