@@ -25,7 +25,7 @@ from ampwatch.contract.batch import Began
 
 from . import _device
 from ._config import PROBE_ITERATIONS
-from ._params import ParameterNames
+from ._params import ParameterNames, scan_optimizers
 from ._probes import ForwardProbes
 
 __all__ = ["BackwardOrder", "BeganFinder", "LossNotes", "PROBE_ITERATIONS", "find_where_it_began"]
@@ -284,8 +284,10 @@ class BeganFinder:
             return offenders
         if not current:
             return []
-        params = self._params()
-        return [params[k] for k in _device.nonfinite_indices([p.grad for p in params])]
+        # One flags-only scan of every watched optimizer (a sharded gradient in this rank's shard: no collective).
+        optimizers = self.optimizers()
+        reports = scan_optimizers([(o, "grads") for o in optimizers], self.names, unnamed=[True] * len(optimizers))
+        return [param for report in reports for param in report.flagged]
 
     def _params(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
