@@ -12,9 +12,10 @@ import pickle
 
 import pytest
 import torch
+from torch import nn
 
 from ampwatch_support import began_job
-from ampwatch_support.began_job import Tower, run
+from ampwatch_support.began_job import InfGradient, Tower, run
 from ampwatch_support.ddp_harness import run_ranks
 
 BACKWARD = {"loss_finite": True, "stage": "backward", "param": "p3.weight", "module": "p3", "module_type": "Linear"}
@@ -32,10 +33,12 @@ def _twin_of(watched: dict, **job) -> None:
     assert watched["digests"] == run(None, **job)["digests"] and watched["errors"] == 0
 
 
-@pytest.mark.parametrize("scaled", [True, False], ids=["grad_scaler", "no_scaler"])
-def test_an_inf_made_in_backward_names_the_first_gradient_backward_made_non_finite_not_a_named_order(scaled):
-    job = {"scaled": scaled, "iterations": 4, "backward_at": frozenset({1}), "micro": 2}
+@pytest.mark.parametrize(("scaled", "enabled"), [(True, True), (True, False), (False, True)],
+                         ids=["grad_scaler", "disabled_scaler", "no_scaler"])
+def test_an_inf_made_in_backward_names_the_first_gradient_backward_made_non_finite_not_a_named_order(scaled, enabled):
+    job = {"scaled": scaled, "enabled": enabled, "iterations": 4, "backward_at": frozenset({1}), "micro": 2}
     watched = run(_watch, **job)
+    scaled = scaled and enabled  # a disabled scaler skips nothing: its steps are checked as without one
     assert watched["events"][0] == [1, "skip" if scaled else "poisoned_step", BACKWARD]
     # A backward start arms no forward probe (without a scaler the poisoned weights make the later losses NaN).
     assert all(hooks == [0, 0] for hooks in watched["hooks"][:None if scaled else 2])
@@ -60,6 +63,45 @@ def test_without_a_scaler_watch_loss_tells_a_forward_start_and_the_probes_name_t
     assert watched["events"] == [[1, "poisoned_step", ARMED],
                                  [2, "poisoned_step", {**FOUND, "module": "p1", "module_type": "Linear"}]]
     _twin_of(watched, **job)
+
+
+class Branch(nn.Module):
+    """``main(x) + late(x)``, ``late`` used only once ``use_late`` is set; its gradient made inf when ``fire``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(8, 4)
+        self.late = nn.Linear(8, 4, bias=False)
+        self.use_late = self.fire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.main(x)
+        if self.use_late:
+            late = self.late(x)
+            y = y + (InfGradient.apply(late) if self.fire else late)
+        return y
+
+
+def test_a_parameter_missing_from_the_learned_order_is_not_guessed_and_the_order_is_learned_again():
+    from ampwatch import agent
+
+    torch.manual_seed(0)
+    net = Branch()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    with agent.watch(scaler, opt, model=net, collector=(), run="began") as w:
+        for i in range(5):  # learned at 0 without late; late from 1 on, its gradient inf at 2 and 4
+            net.use_late, net.fire = i >= 1, i in (2, 4)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = net(torch.randn(4, 8)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        began = [(e["iteration"], e["began"]) for e in w._recorder.events.drain() if e["kind"] == "skip"]
+    assert began == [(2, {"loss_finite": True, "stage": "backward"}),
+                     (4, {"loss_finite": True, "stage": "backward", "param": "late.weight", "module": "late",
+                          "module_type": "Linear"})]
 
 
 def test_healthy_training_never_installs_a_forward_hook_and_sends_nothing():

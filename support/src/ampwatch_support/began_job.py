@@ -86,13 +86,15 @@ def _inputs(rank: int, iteration: int, micro: int, device: torch.device) -> torc
 def run(watch: Callable[..., Any] | None, *, scaled: bool, iterations: int, rank: int = 0,
         backward_at: frozenset[int] = frozenset(), forward_at: frozenset[int] = frozenset(), micro: int = 1,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
-        during: Callable[[int, nn.Module, Any], None] | None = None, device: str = "cpu") -> dict:
+        during: Callable[[int, nn.Module, Any], None] | None = None, device: str = "cpu",
+        enabled: bool = True) -> dict:
     """Train a :class:`Tower` for ``iterations`` (``micro`` backwards each) on this rank's inputs.
 
     ``watch(scaler, opt, model)``: makes the watch (None: the unwatched twin). ``backward_at``/``forward_at``:
     the iterations whose (first) micro-batch makes the gradient inf at ``p3`` / the forward inf at ``spike``.
     ``wrap``: e.g. DDP around the model. ``during(i, model, watch)``: called after each iteration. ``device``:
-    where it trains (bf16 autocast and a GradScaler of that device type). Returns the
+    where it trains (bf16 autocast and a GradScaler of that device type). ``enabled``: False, the scaler is a
+    disabled one (watched as without a scaler). Returns the
     weights' digest after each iteration, each skip or poisoned step's ``[iteration, kind, began]``, the hook
     counts after each iteration, and the agent's error count.
     """
@@ -101,7 +103,7 @@ def run(watch: Callable[..., Any] | None, *, scaled: bool, iterations: int, rank
     net = Tower().to(where)
     model = wrap(net) if wrap is not None else net
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler(where.type, init_scale=2.0 ** 8) if scaled else None
+    scaler = torch.amp.GradScaler(where.type, init_scale=2.0 ** 8, enabled=enabled) if scaled else None
     handle = watch(scaler, opt, model) if watch is not None else None
     digests, hooks = [], []
     events: list[list] = []
