@@ -7,12 +7,14 @@ or no scaler with ``watch.loss()``. Every watched run trains bit for bit as its 
 
 from __future__ import annotations
 
+import collections
 import copy
 import pickle
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampwatch_support import began_job
 from ampwatch_support.began_job import InfGradient, Tower, run
@@ -107,6 +109,41 @@ def test_a_parameter_missing_from_the_learned_order_is_not_guessed_and_the_order
 def test_healthy_training_never_installs_a_forward_hook_and_sends_nothing():
     watched = run(_watch, scaled=True, iterations=4)
     assert watched["events"] == [] and all(hooks == [0, 0] for hooks in watched["hooks"])
+
+
+class _Operators(TorchDispatchMode):
+    """Count every operator dispatched while ``on``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.on = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["grad_scaler", "no_scaler"])
+def test_a_healthy_iteration_costs_began_no_operator_but_one_detach_per_loss(scaled):
+    """From the third iteration on (the first one's backward learns the order with hooks, no operator), the watched
+    job dispatches what the unwatched one does, plus one ``detach`` (no kernel) per micro-batch's loss; without a
+    scaler also the existing check of each step's gradients (docs/agent.md, jobs without a GradScaler)."""
+    def operators(watch) -> collections.Counter[str]:
+        mode = _Operators()
+
+        def from_the_third(i, net, handle):
+            mode.on = i >= 1
+
+        with mode:
+            run(watch, scaled=scaled, iterations=6, micro=2, during=from_the_third)
+        return mode.counts
+
+    bare, watched = operators(None), operators(_watch)
+    added = {op: watched[op] - bare[op] for op in set(watched) | set(bare) if watched[op] != bare[op]}
+    check = {} if scaled else {"aten._amp_foreach_non_finite_check_and_unscale_.default": 4}
+    assert added == {"aten.detach.default": 4 * 2, **check}
 
 
 def test_the_probes_come_off_when_their_window_ends_and_at_close(monkeypatch):
