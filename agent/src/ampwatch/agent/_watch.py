@@ -305,7 +305,9 @@ def watch(scaler: torch.amp.GradScaler | None,
     A disabled scaler (``GradScaler(enabled=False)``, the usual bf16 recipe) is watched the same way.
 
     ``optimizers``: one optimizer, a list, or ``{"name": optimizer}``. ``model``
-    or ``named_parameters`` only name parameters in reports. ``schedulers``:
+    or ``named_parameters`` only name parameters in reports; ``model`` (or ``ddp``'s)
+    also names their modules, and is where the forward probes of an event's ``began``
+    look (docs/agent.md, "Where it began"). ``schedulers``:
     ``{"name": scheduler_or_list}`` keyed like ``optimizers`` (or one scheduler
     with one optimizer). ``collector``, ``run``, ``token``, ``push_interval``
     override ``AMPWATCH_URL``, ``AMPWATCH_RUN``, ``AMPWATCH_TOKEN``,
