@@ -166,12 +166,12 @@ def test_nothing_of_the_armed_probes_reaches_a_pickle_state_dict_or_deep_copy_of
         seen["pickled_hooks"] = began_job.forward_hooks(clone)
         seen["state_dict"] = sorted(net.state_dict()) == sorted(Tower().state_dict())
         probes = handle._recorder.began.probes
-        before = len(probes._open)
+        before = len(probes.open)
         twin = copy.deepcopy(net)
         twin(torch.randn(2, 8)).sum().backward()  # the copy's forward is not probed
-        seen["copy_noted"] = len(probes._open) - before
+        seen["copy_noted"] = len(probes.open) - before
         net(torch.randn(2, 8)).sum().backward()  # the model's own is: its 6 modules, itself included
-        seen["model_noted"] = len(probes._open) - before
+        seen["model_noted"] = len(probes.open) - before
         net.zero_grad(set_to_none=True)
 
     run(_watch, scaled=True, iterations=4, forward_at=frozenset({1}), during=while_armed)

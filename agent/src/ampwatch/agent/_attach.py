@@ -208,13 +208,21 @@ class ScalerPatch:
         return step
 
     def _wrap_scale(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-        recorder = self.recorder
+        # Called once per micro-batch: no layer beyond the wrapper itself (``_then``'s would add one).
+        recorder, doc, original = self.recorder, original.__doc__, _held_weakly(scaler, original)
 
-        def account(args: tuple, kwargs: dict) -> None:
-            if recorder.began is not None:  # the loss, noted as it is (no kernel, no sync): _began.LossNotes
-                recorder.began.note_loss(args[0] if args else kwargs["outputs"])
+        def scale(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(outputs, *args, **kwargs)
+            began = recorder.began
+            if began is not None and recorder.attached:
+                try:
+                    began.note_loss(outputs)  # kept as it is (no kernel, no sync): _began.LossNotes
+                except Exception as error:  # noqa: BLE001 - the agent must never break the loop
+                    recorder.internal_error("scaler.scale", error)
+            return result
 
-        return self._then(scaler, original, "scaler.scale", account)
+        scale.__doc__ = doc
+        return scale
 
     def _wrap_update(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self.recorder

@@ -33,6 +33,7 @@ __all__ = ["BackwardOrder", "BeganFinder", "LossNotes", "PROBE_ITERATIONS", "fin
 _KEPT_ITERATIONS = 8  # iterations whose losses stay readable (a fused optimizer's outcome may land a little late)
 _MAX_LOSSES = 64  # losses kept per iteration as they are; more (many micro-batches) are folded into one flag
 _KNOWN = 16  # iterations whose answer is kept, shared by the events of one iteration
+_TENSOR = torch.Tensor
 
 
 class LossNotes:
@@ -56,13 +57,16 @@ class LossNotes:
                     self._keep(item)
 
     def _keep(self, loss: torch.Tensor) -> None:
-        with torch.no_grad():
-            kept = loss.detach() if loss.dim() == 0 else torch.isfinite(loss.detach()).all()
-            opened = self.open
-            opened.append(kept)
-            if len(opened) > _MAX_LOSSES:
-                self.open = [_all_finite([t for t in opened if isinstance(t, torch.Tensor)]),
-                             *[t for t in opened if not isinstance(t, torch.Tensor)]]
+        # No ``no_grad``: entering and leaving it costs several times a detach, and nothing here records a graph.
+        self.open.append(loss.detach() if loss.ndim == 0 else torch.isfinite(loss.detach()).all())
+        self.fold()
+
+    def fold(self) -> None:
+        """Past :data:`_MAX_LOSSES` losses in the open iteration (many micro-batches), keep one flag for them."""
+        opened = self.open
+        if len(opened) > _MAX_LOSSES:
+            self.open = [_all_finite([t for t in opened if isinstance(t, torch.Tensor)]),
+                         *[t for t in opened if not isinstance(t, torch.Tensor)]]
 
     def assign(self, iteration: int) -> None:
         """The losses noted so far belong to ``iteration``."""
@@ -94,10 +98,9 @@ class LossNotes:
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One 0-d bool: whether every tensor (a loss, or a flag already) holds only finite values."""
-    with torch.no_grad():
-        flags = [t if t.dtype == torch.bool else torch.isfinite(t).all() for t in tensors]
-        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+    """One 0-d bool: whether every tensor (a detached loss, or a flag already) holds only finite values."""
+    flags = [t if t.dtype == torch.bool else torch.isfinite(t).all() for t in tensors]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 class BackwardOrder:
@@ -201,14 +204,24 @@ class BeganFinder:
     def note_loss(self, loss: Any) -> None:
         """Note a loss of the open iteration (``scaler.scale`` or ``watch.loss``): Python only, no kernel for a
         0-d loss. The first one puts the order-learning hooks on, for the backward that follows it."""
-        self.losses.note(loss)
+        if type(loss) is _TENSOR and loss.ndim == 0:  # the usual loss, at the fewest calls: kept detached
+            opened = self.losses.open
+            opened.append(loss.detach())
+            if len(opened) > _MAX_LOSSES:
+                self.losses.fold()
+        else:
+            self.losses.note(loss)
         if not self._ordering:
             self._learn()
 
     def assign(self, iteration: int) -> None:
-        """What was noted so far belongs to ``iteration`` (its end with a scaler; each step without one)."""
-        self.losses.assign(iteration)
-        self.probes.assign(iteration)
+        """What was noted so far belongs to ``iteration`` (its end with a scaler; each step without one).
+        A healthy iteration: a few attribute reads."""
+        if self.losses.open:
+            self.losses.assign(iteration)
+        probes = self.probes
+        if probes.on or probes.open:
+            probes.assign(iteration)
         if self.order.learning:
             self.order.settle()
         elif not self._ordering:  # a job that passes no loss: learn the order in the next iteration's backward

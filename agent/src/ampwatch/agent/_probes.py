@@ -52,15 +52,11 @@ class ForwardProbes:
         self._left = 0  # iterations the armed probes still watch
         self._index: dict[int, int] = {}  # id(module) -> position in ``_modules``, while armed
         self._modules: list[ModuleFound] = []
-        self._open: list[tuple[int, torch.Tensor]] = []  # (module position, finite flag) of the open iteration
+        self.open: list[tuple[int, torch.Tensor]] = []  # (module position, finite flag) of the open iteration
+        self.on = False  # armed: the hook is on (a plain attribute: read at every iteration's end)
         self._kept: collections.deque[tuple[int, list[tuple[int, torch.Tensor]]]] = \
             collections.deque(maxlen=_KEPT_ITERATIONS)
         self._last: int | None = None
-
-    @property
-    def armed(self) -> bool:
-        """Whether the probes are on now."""
-        return self._handle is not None
 
     def arm(self) -> bool:
         """Put the probes on for the next ``iterations`` iterations; return whether they are on."""
@@ -73,8 +69,9 @@ class ForwardProbes:
             named = list(model.named_modules(remove_duplicate=True))
             self._modules = [(path, type(module).__name__) for path, module in named]
             self._index = {id(module): k for k, (_, module) in enumerate(named)}
-            self._open = []
+            self.open = []
             self._handle = torch.nn.modules.module.register_module_forward_hook(self._probe)
+            self.on = True
             self._left = self.iterations
         except Exception as error:  # noqa: BLE001 - no probe: the event says unavailable
             self.errors.report("forward probes", error)
@@ -88,7 +85,7 @@ class ForwardProbes:
         position = self._index.get(id(module))
         if position is None or not torch.is_grad_enabled() or compiling():
             return
-        opened = self._open
+        opened = self.open
         if len(opened) >= _MAX_FLAGS:
             return
         try:
@@ -100,12 +97,12 @@ class ForwardProbes:
 
     def assign(self, iteration: int) -> None:
         """The flags noted so far belong to ``iteration``; count the window down (once per iteration)."""
-        if self._open:
+        if self.open:
             if self._kept and self._kept[-1][0] == iteration:
-                self._kept[-1][1].extend(self._open)
+                self._kept[-1][1].extend(self.open)
             else:
-                self._kept.append((iteration, self._open))
-            self._open = []
+                self._kept.append((iteration, self.open))
+            self.open = []
         if self._handle is not None and iteration != self._last:
             self._last = iteration
             self._left -= 1
@@ -117,7 +114,7 @@ class ForwardProbes:
         ``iteration`` (None when none did, or nothing was noted). One device-to-host copy per device."""
         noted = [flag for i, flags in self._kept if i == iteration for flag in flags]
         if current:
-            noted += self._open
+            noted += self.open
         if not noted:
             return None
         by_device: dict[torch.device, list[int]] = {}
@@ -133,19 +130,20 @@ class ForwardProbes:
 
     def noted(self, iteration: int, current: bool) -> bool:
         """Tell whether the probes noted some output in ``iteration`` (they saw its forward)."""
-        return (current and bool(self._open)) or any(i == iteration and flags for i, flags in self._kept)
+        return (current and bool(self.open)) or any(i == iteration and flags for i, flags in self._kept)
 
     def disarm(self) -> None:
         """Take the probes off (their flags stay readable for the iterations kept)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self.on = False
         self._index = {}
 
     def close(self) -> None:
         """Take the probes off and let go of every flag and the model."""
         self.disarm()
-        self._open, self._kept = [], collections.deque(maxlen=_KEPT_ITERATIONS)
+        self.open, self._kept = [], collections.deque(maxlen=_KEPT_ITERATIONS)
         self._model, self.available = None, False
 
 
