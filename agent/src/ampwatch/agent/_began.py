@@ -317,7 +317,8 @@ class BeganFinder:
                 for i, p in enumerate(group["params"]):
                     if p is param:  # ParameterNames' own function: a name, not a naming scan (tests time those)
                         return ParameterNames.name(self.names, param, g, i)
-        return f"parameter {list(param.shape)}"
+        known = self.names.known(param)  # a DDP parameter no watched optimizer holds
+        return known if known is not None else f"parameter {list(param.shape)}"
 
     def close(self) -> None:
         """Take every hook off and let go of every tensor."""
