@@ -3,8 +3,8 @@
 Three answers, each found only on an iteration that skipped or was poisoned, where the agent reads the
 device anyway (docs/agent.md, "Where it began"):
 
-- the loss: every loss that goes through ``scaler.scale(loss)`` (or ``watch.loss(loss)``) is noted as it is,
-  detached (no kernel, no sync: :class:`LossNotes`), and read only for such an iteration;
+- the loss: every loss that goes through ``scaler.scale(loss)`` (or ``watch.loss(loss)``) is noted as it is
+  (no operator, no sync: :class:`LossNotes`), and read only for such an iteration;
 - a finite loss (``backward``): the first parameter, in the order backward produced the gradients, whose
   gradient held inf/NaN. The order is learned by :class:`BackwardOrder` (a tensor hook per parameter for
   one backward, then taken off), again when an offending parameter is missing from it;
@@ -38,7 +38,8 @@ _TENSOR = torch.Tensor
 
 
 class LossNotes:
-    """The losses of the iterations not yet judged: detached tensors (or floats), a bounded number of each."""
+    """The losses of the iterations not yet judged, a bounded number of each: those of the open iteration as they
+    were given (the job holds them as long, until its next iteration), earlier ones detached."""
 
     def __init__(self) -> None:
         self.open: list[torch.Tensor | float] = []
@@ -47,7 +48,7 @@ class LossNotes:
 
     def note(self, loss: Any) -> None:
         """Keep ``loss`` (a tensor, an iterable of them, or a number) for the open iteration. A 0-d tensor is
-        kept as ``loss.detach()`` (no kernel); a larger one as its finite flag (two small kernels)."""
+        kept as it is (no operator); a larger one as its finite flag (two small kernels)."""
         if isinstance(loss, torch.Tensor):
             self._keep(loss)
         elif isinstance(loss, (int, float)):
@@ -58,8 +59,8 @@ class LossNotes:
                     self._keep(item)
 
     def _keep(self, loss: torch.Tensor) -> None:
-        # No ``no_grad``: entering and leaving it costs several times a detach, and nothing here records a graph.
-        self.open.append(loss.detach() if loss.ndim == 0 else torch.isfinite(loss.detach()).all())
+        # No ``no_grad``: entering and leaving it costs more than what it guards, and nothing here records a graph.
+        self.open.append(loss if loss.ndim == 0 else torch.isfinite(loss.detach()).all())
         self.fold()
 
     def fold(self) -> None:
@@ -69,14 +70,17 @@ class LossNotes:
             self.open = [_all_finite([t for t in opened if isinstance(t, torch.Tensor)]),
                          *[t for t in opened if not isinstance(t, torch.Tensor)]]
 
-    def assign(self, iteration: int) -> None:
-        """The losses noted so far belong to ``iteration``."""
-        if self.open:
-            if self._kept and self._kept[-1][0] == iteration:
-                self._kept[-1][1].extend(self.open)
-            else:
-                self._kept.append((iteration, self.open))
-            self.open = []
+    def assign(self, iteration: int, keep: bool) -> None:
+        """The losses noted so far belong to ``iteration``: kept, detached, while it may still be asked about
+        (``keep``), else let go."""
+        opened, self.open = self.open, []
+        if not keep:
+            return
+        detached = [loss.detach() if isinstance(loss, torch.Tensor) else loss for loss in opened]
+        if self._kept and self._kept[-1][0] == iteration:
+            self._kept[-1][1].extend(detached)
+        else:
+            self._kept.append((iteration, detached))
 
     def finite(self, iteration: int, current: bool) -> bool | None:
         """Whether every loss of ``iteration`` was finite (None: none noted). One device-to-host copy per device."""
@@ -100,7 +104,7 @@ class LossNotes:
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One 0-d bool: whether every tensor (a detached loss, or a flag already) holds only finite values."""
-    flags = [t if t.dtype == torch.bool else torch.isfinite(t).all() for t in tensors]
+    flags = [t if t.dtype == torch.bool else torch.isfinite(t.detach()).all() for t in tensors]
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
@@ -215,9 +219,9 @@ class BeganFinder:
     def note_loss(self, loss: Any) -> None:
         """Note a loss of the open iteration (``scaler.scale`` or ``watch.loss``): Python only, no kernel for a
         0-d loss. The first one puts the order-learning hooks on, for the backward that follows it."""
-        if type(loss) is _TENSOR and loss.ndim == 0:  # the usual loss, at the fewest calls: kept detached
+        if type(loss) is _TENSOR and loss.ndim == 0:  # the usual loss, at the fewest calls: kept as it is
             opened = self.losses.open
-            opened.append(loss.detach())
+            opened.append(loss)
             if len(opened) > _MAX_LOSSES:
                 self.losses.fold()
         else:
@@ -225,11 +229,12 @@ class BeganFinder:
         if not self._ordering:
             self._learn()
 
-    def assign(self, iteration: int) -> None:
-        """What was noted so far belongs to ``iteration`` (its end with a scaler; each step without one).
-        A healthy iteration: a few attribute reads."""
+    def assign(self, iteration: int, keep: bool = True) -> None:
+        """What was noted so far belongs to ``iteration`` (its end with a scaler; each step without one); ``keep``:
+        its losses may still be asked about (a check or outcome still to come), else they are let go.
+        A healthy iteration with a scaler: a few attribute reads."""
         if self.losses.open:
-            self.losses.assign(iteration)
+            self.losses.assign(iteration, keep)
         probes = self.probes
         if probes.on or probes.open:
             probes.assign(iteration)

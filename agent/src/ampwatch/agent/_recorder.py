@@ -220,10 +220,11 @@ class Recorder:
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
             self.inspection.check_poisoned_steps(self.records, iteration)  # whatever the naming rate limit did
+        pending = any(r.pending for r in self.records)  # some outcome of this iteration is still on its way
         if self.began is not None:
-            self.began.assign(iteration)
+            self.began.assign(iteration, keep=pending)
         if self.origin is not None:
-            self.origin.end_iteration(iteration, keep=any(r.pending for r in self.records))
+            self.origin.end_iteration(iteration, keep=pending)
         scaler = self._scaler()
         if scaler is not None:
             self.scale.after_update(scaler, iteration, manual=manual, skipped=self._skipped_this_iteration)
