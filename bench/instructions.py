@@ -66,7 +66,7 @@ def _child(variant: str, model: str, fused: bool, iterations: int) -> None:
     if armed:  # the forward probes on for the whole loop, as in a window after a forward start
         probes = setup.watch._recorder.began.probes  # type: ignore[attr-defined] # a watched variant
         probes.iterations = 1 << 30
-        probes.arm()
+        probes.arm(0)
     setup.iterate(WARMUP)
     counting_starts()
     setup.iterate(iterations)

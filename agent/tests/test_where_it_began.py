@@ -187,13 +187,45 @@ def test_nothing_of_the_armed_probes_reaches_a_pickle_state_dict_or_deep_copy_of
     assert seen == {"pickled_hooks": 0, "state_dict": True, "copy_noted": 0, "model_noted": 6}
 
 
+UNAVAILABLE = {"loss_finite": False, "stage": "forward", "probe": "unavailable"}
+
+
 def test_a_compiled_model_takes_no_probe_and_says_unavailable():
     def compiled(net):
         return torch.compile(net, backend="eager")  # what the graph does is never changed: no hook is put on
 
     watched = run(_watch, scaled=True, iterations=3, forward_at=frozenset({1}), wrap=compiled)
-    assert watched["events"] == [[1, "skip", {"loss_finite": False, "stage": "forward", "probe": "unavailable"}]]
+    assert watched["events"] == [[1, "skip", UNAVAILABLE]]
     assert all(hooks == [0, 0] for hooks in watched["hooks"])
+
+
+def test_a_forward_compiled_behind_the_watchs_back_is_said_unavailable_once_the_probes_saw_none_of_it():
+    """The watch is given the eager model, the job calls it inside a compiled function: the probe notes nothing
+    while torch.compile is at work, so the next occurrence finds it saw no forward, says so and takes it off."""
+    from ampwatch import agent
+
+    torch.manual_seed(0)
+    net = Tower()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+
+    @torch.compile(backend="eager")
+    def scaled_loss(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return scaler.scale(net(x).float().pow(2).mean())
+
+    with agent.watch(scaler, opt, model=net, collector=(), run="began") as w:
+        for i in range(6):
+            x = torch.randn(4, 8)
+            if i in (1, 3, 5):
+                x[0] = began_job.HUGE
+            opt.zero_grad(set_to_none=True)
+            scaled_loss(x).backward()
+            scaler.step(opt)
+            scaler.update()
+        began = [(e["iteration"], e["began"]) for e in w._recorder.events.drain() if e["kind"] == "skip"]
+        assert began_job.global_forward_hooks() == 0
+    assert began == [(1, ARMED), (3, UNAVAILABLE), (5, UNAVAILABLE)]
 
 
 def test_the_disabled_watch_takes_a_loss_and_does_nothing(monkeypatch):

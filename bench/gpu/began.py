@@ -55,7 +55,7 @@ def _truth(amp: Amp, name: str, expected: list, **job) -> dict:
 def _armed(setup: Setup) -> Setup:
     probes = setup.watch._recorder.began.probes  # type: ignore[attr-defined] # a watched variant
     probes.iterations = 1 << 30
-    probes.arm()
+    probes.arm(0)
     return setup
 
 

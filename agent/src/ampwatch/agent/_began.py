@@ -300,7 +300,13 @@ class BeganFinder:
             if found is not None:
                 began["module"], began["module_type"] = found
             return
-        began["probe"] = "armed" if probes.arm() else "unavailable"
+        if probes.on and iteration > probes.armed_at:
+            # On for this whole iteration, they saw none of its forward: it ran where they cannot look (compiled
+            # by a torch.compile the watch was not given): never armed again for this model.
+            probes.close()
+            began["probe"] = "unavailable"
+            return
+        began["probe"] = "armed" if probes.arm(iteration) else "unavailable"
 
     def _offenders(self, iteration: int, current: bool,
                    offenders: Sequence[torch.Tensor] | None) -> Sequence[torch.Tensor]:

@@ -54,12 +54,13 @@ class ForwardProbes:
         self._modules: list[ModuleFound] = []
         self.open: list[tuple[int, torch.Tensor]] = []  # (module position, finite flag) of the open iteration
         self.on = False  # armed: the hook is on (a plain attribute: read at every iteration's end)
+        self.armed_at = -1  # the iteration they were last put on at
         self._kept: collections.deque[tuple[int, list[tuple[int, torch.Tensor]]]] = \
             collections.deque(maxlen=_KEPT_ITERATIONS)
         self._last: int | None = None
 
-    def arm(self) -> bool:
-        """Put the probes on for the next ``iterations`` iterations; return whether they are on."""
+    def arm(self, iteration: int) -> bool:
+        """Put the probes on, at ``iteration``, for the next ``iterations`` iterations; return whether they are on."""
         model = self._model() if self._model is not None else None
         if not self.available or model is None:
             return False
@@ -72,6 +73,7 @@ class ForwardProbes:
             self.open = []
             self._handle = torch.nn.modules.module.register_module_forward_hook(self._probe)
             self.on = True
+            self.armed_at = iteration
             self._left = self.iterations
         except Exception as error:  # noqa: BLE001 - no probe: the event says unavailable
             self.errors.report("forward probes", error)
