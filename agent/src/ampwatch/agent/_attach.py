@@ -208,15 +208,21 @@ class ScalerPatch:
         return step
 
     def _wrap_scale(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-        # Called once per micro-batch: no layer beyond the wrapper itself (``_then``'s would add one).
-        recorder, doc, original = self.recorder, original.__doc__, _held_weakly(scaler, original)
+        # Called once per micro-batch: no call layer beyond the wrapper itself (``_then``'s and ``_held_weakly``'s
+        # would add two). The scaler's own method is called here on the scaler, held weakly; once the scaler is
+        # gone (or its scale() is not its own method), through ``_held_weakly``, which says so.
+        recorder, doc, call = self.recorder, original.__doc__, _held_weakly(scaler, original)
+        function = getattr(original, "__func__", None) if getattr(original, "__self__", None) is scaler else None
+        scaler_ref = _weak(scaler)
 
         def scale(outputs: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(outputs, *args, **kwargs)
+            owner = scaler_ref() if function is not None else None
+            result = (function(owner, outputs, *args, **kwargs) if owner is not None  # type: ignore[misc]
+                      else call(outputs, *args, **kwargs))
             began = recorder.began
             if began is not None and recorder.attached:
                 try:
-                    began.note_loss(outputs)  # kept as it is (no kernel, no sync): _began.LossNotes
+                    began.note_loss(outputs)  # kept as it is (no operator, no sync): _began.LossNotes
                 except Exception as error:  # noqa: BLE001 - the agent must never break the loop
                     recorder.internal_error("scaler.scale", error)
             return result

@@ -220,7 +220,10 @@ class Recorder:
                 self._resolve_ready(record)
         if self._skipped_this_iteration:
             self.inspection.check_poisoned_steps(self.records, iteration)  # whatever the naming rate limit did
-        pending = any(r.pending for r in self.records)  # some outcome of this iteration is still on its way
+        pending = False  # some outcome of this iteration is still on its way (a loop: cheaper than any() here)
+        for record in self.records:
+            if record.pending:
+                pending = True
         if self.began is not None:
             self.began.assign(iteration, keep=pending)
         if self.origin is not None:
