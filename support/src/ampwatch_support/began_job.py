@@ -63,8 +63,9 @@ class Tower(nn.Module):
 
 
 def digest(params) -> str:
-    """The weights' bits, hashed (NaN equals itself this way; on a GPU, one copy to the host)."""
-    return hashlib.sha256(b"".join(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    """The weights' bits, hashed (NaN equals itself this way; on a GPU, one copy to the host; no numpy: a GPU
+    machine running ``bench.gpu`` may lack it)."""
+    return hashlib.sha256(b"".join(bytes(p.detach().contiguous().view(torch.uint8).cpu().reshape(-1).tolist())
                                    for p in params)).hexdigest()
 
 
