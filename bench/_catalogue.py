@@ -39,7 +39,8 @@ BENCHMARKS = (
               "host-device syncs; right answers in a skip storm; the DDP origin hook (bench.ddp_origin)",
               "about 2 min", "about 45 s", parts=("bench.ddp_origin",)),
     Benchmark("instructions", "bench.instructions",
-              "the agent's overhead in CPU instructions per iteration, counted exactly under valgrind's callgrind",
+              "the agent's overhead in CPU instructions per iteration, counted exactly under valgrind's callgrind; "
+              "the forward probes of began, armed, on the transformer rows",
               "about 15 min", "about 2 min (only with --only instructions)", in_quick=False),
     Benchmark("inspection", "bench.inspection",
               "cost of naming the offending parameters of a skip on models with many tensors, vs GradScaler's "

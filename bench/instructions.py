@@ -43,11 +43,17 @@ CASES = (("mlp", False, "bare", "ampwatch"), ("mlp", True, "bare", "ampwatch"),
 most, the transformer block a more realistic one. ``bare``/``ampwatch``: a GradScaler; ``bf16``/``bf16_ampwatch``:
 none; ``ddp_bf16``/``ddp_bf16_ampwatch``: none, the model in DistributedDataParallel (a gloo group of this process
 alone), watched with ``ddp=`` (``bench.ddp_origin.DdpBf16Setup``)."""
+PROBE_CASES = (("transformer", False, "bf16_ampwatch"), ("transformer", True, "bf16_ampwatch"))
+"""(model, fused, watched variant) whose forward probes (``began``, docs/agent.md#where-it-began) are also measured
+armed: the same loop with the probes on for every measured iteration (``<variant>_armed``), beside its watched row.
+A healthy run never arms them; this is what a window after a forward start costs per iteration."""
 WARMUP = 20
 
 
 def _child(variant: str, model: str, fused: bool, iterations: int) -> None:
     setup: Loop
+    armed = variant.endswith("_armed")
+    variant = variant.removesuffix("_armed")
     if variant.startswith("ddp_"):
         from bench.ddp_origin import DdpBf16Setup, one_process_group
 
@@ -57,6 +63,10 @@ def _child(variant: str, model: str, fused: bool, iterations: int) -> None:
         from bench.overhead import Setup
 
         setup = Setup(variant, model, fused, None)
+    if armed:  # the forward probes on for the whole loop, as in a window after a forward start
+        probes = setup.watch._recorder.began.probes  # type: ignore[attr-defined] # a watched variant
+        probes.iterations = 1 << 30
+        probes.arm(0)
     setup.iterate(WARMUP)
     counting_starts()
     setup.iterate(iterations)
@@ -152,7 +162,18 @@ def run(iterations: int = 200) -> dict:
                          "watched_per_iter": round(watched / iterations),
                          "agent_per_iter": round((watched - bare) / iterations),
                          "ratio": round(watched / bare, 4)})
-    return {"rows": rows, "warmup": WARMUP}
+        watched_of = {(r["model"], r["optimizer"], r["precision"], r["ddp"]): r["watched_per_iter"] for r in rows}
+        probes = []
+        for model, fused, variant in PROBE_CASES:
+            armed = _count(variant + "_armed", model, fused, iterations, workdir)
+            optimizer = "AdamW(fused=True)" if fused else "AdamW(foreach=True)"
+            precision = "bf16, no scaler" if variant.startswith("bf16") else "GradScaler"
+            watched = watched_of[(model, optimizer, precision, False)]
+            probes.append({"model": model, "optimizer": optimizer, "precision": precision, "iterations": iterations,
+                           "watched_per_iter": watched, "armed_per_iter": round(armed / iterations),
+                           "probes_per_iter": round(armed / iterations) - watched,
+                           "ratio": round(armed / iterations / watched, 4)})
+    return {"rows": rows, "probes": probes, "warmup": WARMUP}
 
 
 def main(argv: list[str] | None = None) -> int:

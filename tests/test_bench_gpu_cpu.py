@@ -54,7 +54,8 @@ def test_cpu_smoke_run_passes_every_truth_and_sync_check_with_only_torch_importa
                      "poisoned-step-fused": "pass", "poisoned-step-fused-unasked": "pass",
                      "torch-fused-sgd-momentum": "info"}
     for key in (("syncs", "fused-counted"), ("syncs", "foreach-counted"), ("inspection", "names-at-scale"),
-                ("ddp", "two-ranks")):
+                ("ddp", "two-ranks"), ("began", "began-backward"), ("began", "began-forward"),
+                ("began", "began-armed-syncs")):
         assert by_name[key]["status"] == "pass", by_name[key]
     assert by_name[("syncs", "foreach-counted")]["bare"] > 0  # the counter saw the scaler's own reads
     assert by_name[("sync-trace", "all-synchronisations")]["status"] == "skip"

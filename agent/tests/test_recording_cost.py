@@ -96,8 +96,9 @@ def test_a_named_skip_copies_to_the_host_twice_and_a_rate_limited_one_once(amp, 
                               after_backward=lambda: amp.poison_grad(model.b.bias))
             if i == 0:  # first skip ever: named, no step before it whose weights to check
                 assert copies == [(4,), (1, 2)]
-            else:  # a streak start after a step: weights checked in update(), names rate-limited
-                assert copies == [(4,)]
+            else:  # a streak start after a step, names rate-limited: one copy flags its weights and, for began,
+                assert copies == [(8,)]  # its gradients (4 + 4 flags), unnamed
+
             copies.clear()
         w._recorder.inspect_interval = 0.0
         amp.iteration(model, scaler, [opt], torch.randn(4, 8), after_backward=lambda: amp.poison_grad(model.b.bias))

@@ -22,7 +22,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SECTIONS = ("truth", "syncs", "overhead", "inspection", "ddp", "bf16", "fsdp", "sync-trace")
+SECTIONS = ("truth", "syncs", "overhead", "inspection", "ddp", "bf16", "fsdp", "began", "sync-trace")
 """In running order; ``sync-trace`` switches on torch's GPU trace hooks for good, so it comes last."""
 
 
@@ -78,10 +78,11 @@ def _reported_device(index: int) -> dict | str:
 
 
 def _run_section(name: str, amp, quick: bool) -> list[dict]:
-    from bench.gpu import bf16, ddp, fsdp, inspection, overhead, syncs, truth
+    from bench.gpu import began, bf16, ddp, fsdp, inspection, overhead, syncs, truth
 
     return {"truth": truth.run, "syncs": syncs.run, "overhead": overhead.run, "inspection": inspection.run,
-            "ddp": ddp.run, "bf16": bf16.run, "fsdp": fsdp.run, "sync-trace": syncs.trace}[name](amp, quick)
+            "ddp": ddp.run, "bf16": bf16.run, "fsdp": fsdp.run, "began": began.run,
+            "sync-trace": syncs.trace}[name](amp, quick)
 
 
 def main(argv: list[str] | None = None) -> int:

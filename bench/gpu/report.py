@@ -27,6 +27,9 @@ _NOT_RUN = [
     "| sharded training, on the available ranks | FSDP2 `fully_shard` with a `GradScaler` and in bf16 without one, "
     "FSDP1 with `ShardedGradScaler`, each rank against its own shards; Lightning's `FSDPStrategy` and Accelerate's "
     "FSDP plugin, FSDP1 and 2, with the integrations, when installed (these need a GPU) |",
+    "| where it began (`began`) | an inf made in backward at a known layer named by the learned backward order, one "
+    "made in a module's forward named by the probes at its next occurrence, bit-identical to the unwatched twin; "
+    "the armed probes make no sync, and what they cost per iteration of the transformer |",
     "",
     "It needs only torch and the source of the agent and its contract (no venv, no collector), takes under 5 "
     "minutes on one GPU and exits non-zero on any truth or sync mismatch. From the repository root of a machine "

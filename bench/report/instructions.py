@@ -14,6 +14,7 @@ def section(ins: dict) -> list[str]:
                    f"{r['bare_per_iter']:,} | {r['watched_per_iter']:,} | +{r['agent_per_iter']:,} | "
                    f"{r['ratio']:.4f} |")
     out += _interpretation(ins["rows"])
+    out += _probes(ins.get("probes", []))
     out += ["", "Instructions executed by the training process over the measured iterations, counted by valgrind's "
                 "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
                 f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the "
@@ -75,3 +76,19 @@ def _interpretation(rows: list[dict]) -> list[str]:
                  ", ".join(f"{r['model']} {(r['ratio'] - 1) * 100:.2f}% (+{r['agent_per_iter']:,})" for r in ddp) +
                  ".")
     return ["", text]
+
+
+def _probes(rows: list[dict]) -> list[str]:
+    """The forward probes armed (``began``): what each iteration of a window after a forward start costs."""
+    if not rows:
+        return []
+    out = ["", "| model | optimizer | precision | watched instructions/iter | probes armed instructions/iter | probes "
+               "| ratio |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['optimizer']} | {r['precision']} | {r['watched_per_iter']:,} | "
+                   f"{r['armed_per_iter']:,} | +{r['probes_per_iter']:,} | {r['ratio']:.4f} |")
+    out += ["", "The forward probes of `began` (docs/agent.md, \"Where it began\"), armed for every measured "
+                "iteration: one global forward hook noting `isfinite(out).all()` of each module's output. A healthy "
+                "run never arms them (the watched rows above have none); after an event whose loss was not finite "
+                "they stay on until they name the module, for at most `AMPWATCH_PROBE_ITERATIONS` iterations."]
+    return out

@@ -143,7 +143,7 @@ def _all_or_nothing(patches: _Patches, install: Callable[[], None], undo: Callab
 
 
 class ScalerPatch:
-    """Route ``scaler.step``, ``scaler.update`` and ``scaler.load_state_dict`` to a Recorder.
+    """Route ``scaler.scale``, ``scaler.step``, ``scaler.update`` and ``scaler.load_state_dict`` to a Recorder.
 
     Whatever goes wrong inside the agent, the wrapped call still happens exactly once.
     """
@@ -159,6 +159,7 @@ class ScalerPatch:
 
         def install() -> None:
             patches.set(scaler, "step", self._wrap_step(scaler, scaler.step, by_id))
+            patches.set(scaler, "scale", self._wrap_scale(scaler, scaler.scale))
             patches.set(scaler, "update", self._wrap_update(scaler, scaler.update))
             patches.set(scaler, "load_state_dict", self._wrap_load_state_dict(scaler, scaler.load_state_dict))
             patches.hide_from_state(scaler, state_dict=False)  # GradScaler.state_dict() lists its keys
@@ -205,6 +206,29 @@ class ScalerPatch:
 
         step.__doc__ = doc
         return step
+
+    def _wrap_scale(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        # Called once per micro-batch: no call layer beyond the wrapper itself (``_then``'s and ``_held_weakly``'s
+        # would add two). The scaler's own method is called here on the scaler, held weakly; once the scaler is
+        # gone (or its scale() is not its own method), through ``_held_weakly``, which says so.
+        recorder, doc, call = self.recorder, original.__doc__, _held_weakly(scaler, original)
+        function = getattr(original, "__func__", None) if getattr(original, "__self__", None) is scaler else None
+        scaler_ref = _weak(scaler)
+
+        def scale(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            owner = scaler_ref() if function is not None else None
+            result = (function(owner, outputs, *args, **kwargs) if owner is not None  # type: ignore[misc]
+                      else call(outputs, *args, **kwargs))
+            began = recorder.began
+            if began is not None and recorder.attached:
+                try:
+                    began.note_loss(outputs)  # kept as it is (no operator, no sync): _began.LossNotes
+                except Exception as error:  # noqa: BLE001 - the agent must never break the loop
+                    recorder.internal_error("scaler.scale", error)
+            return result
+
+        scale.__doc__ = doc
+        return scale
 
     def _wrap_update(self, scaler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self.recorder

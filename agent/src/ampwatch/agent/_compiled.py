@@ -13,12 +13,13 @@ own graphs, which torch's optimizers break around anyway (``torch._dynamo.graph_
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["compiling", "outside_graphs"]
+__all__ = ["compiling", "is_compiled_module", "outside_graphs"]
 
 
 def _never() -> bool:
@@ -64,3 +65,15 @@ def outside_graphs(body: Callable[..., None]) -> Callable[..., None]:
         return body(*args)
 
     return hook
+
+
+def is_compiled_module(model: torch.nn.Module) -> bool:
+    """Tell whether ``model`` or one of its modules is compiled: a ``torch.compile`` wrapper (``OptimizedModule``,
+    private: ``torch._dynamo.eval_frame``) or a module compiled in place (``module.compile()``)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    for module in model.modules():
+        if (optimized is not None and isinstance(module, optimized)) or \
+                getattr(module, "_compiled_call_impl", None) is not None:
+            return True
+    return False

@@ -12,7 +12,11 @@ from typing import Any
 
 from ._schedule import default_heartbeat
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "PROBE_ITERATIONS"]
+
+PROBE_ITERATIONS = 128
+"""Iterations the forward probes stay armed by default: a skip streak's rungs up to the 64th and 128th are that far
+apart, so an occurrence at the next rung is still seen."""
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -63,6 +67,9 @@ class AgentConfig:
     relay_dir: str | None = None
     """Private directory for the relay's socket (``AMPWATCH_RELAY_DIR``); default ``$XDG_RUNTIME_DIR/ampwatch``,
     else ``/tmp/ampwatch-<uid>``."""
+    probe_iterations: int = PROBE_ITERATIONS
+    """Iterations the forward probes stay armed after an event whose loss was not finite, unless they name the
+    module sooner (``AMPWATCH_PROBE_ITERATIONS``; docs/agent.md, "Where it began"). 0: never armed."""
 
     def __post_init__(self) -> None:
         for url in self.collectors:
@@ -80,6 +87,8 @@ class AgentConfig:
             raise ValueError(f"AMPWATCH_CLOSE_TIMEOUT must be >= 0 seconds, got {self.close_timeout!r}")
         if self.spool_max_bytes < 1:
             raise ValueError(f"AMPWATCH_SPOOL_MAX_BYTES must be a positive integer, got {self.spool_max_bytes!r}")
+        if self.probe_iterations < 0:
+            raise ValueError(f"AMPWATCH_PROBE_ITERATIONS must be an integer >= 0, got {self.probe_iterations!r}")
         if self.max_events < 1:
             raise ValueError(f"AMPWATCH_MAX_EVENTS must be a positive integer, got {self.max_events!r}")
 
@@ -145,6 +154,7 @@ class AgentConfig:
             "max_events": _number(env, "AMPWATCH_MAX_EVENTS", int, 10_000),
             "relay": _flag(env, "AMPWATCH_RELAY"),
             "relay_dir": env.get("AMPWATCH_RELAY_DIR") or None,
+            "probe_iterations": _number(env, "AMPWATCH_PROBE_ITERATIONS", int, PROBE_ITERATIONS),
         }
         unknown = set(overrides) - set(fields)
         if unknown:

@@ -22,6 +22,7 @@ from ._params import NonfiniteReport, ParameterNames, Part, scan_optimizers
 from ._samples import SampleLog
 
 if TYPE_CHECKING:  # the recorder imports this module
+    from ._began import BeganFinder
     from ._record import OptimizerRecord
 
 __all__ = ["SkipInspection"]
@@ -43,6 +44,8 @@ class SkipInspection:
         self.errors = errors
         self.interval = interval  # seconds between naming scans at streak starts, per optimizer
         self.samples: SampleLog | None = None  # the recorder's, once the job records sample ids
+        self.scanned: NonfiniteReport | None = None  # the gradients the last naming scan flagged (None: no scan)
+        self.began: BeganFinder | None = None  # set by watch(): where each event's inf/NaN began
 
     def name_offenders(self, record: OptimizerRecord, position: int, event: SkipEvent,
                        check_weights: bool) -> tuple[NonfiniteReport | None, bool]:
@@ -51,20 +54,29 @@ class SkipInspection:
         With ``check_weights`` (a streak starts), the same scan looks at the weights
         the optimizer's last step left. Return that weights report (None when not
         scanned) and whether the weights still need a look (in :meth:`check_poisoned_steps`).
-        Costs 2 device syncs when it scans.
+        Costs 2 device syncs when it names; a streak start the rate limit leaves unnamed still has its
+        gradients flagged (for ``began``, :attr:`scanned`), with its weights, in one.
         """
+        self.scanned = None
         # Naming is the only rate-limited part: exponentially spaced positions within a streak, and
         # streak starts at most once per interval per optimizer, counted from the END of the previous
         # naming scan, so a scan longer than the interval cannot run at every streak start.
-        if not is_rung(position) or (
-                position == 1 and time.monotonic() - record.last_streak_inspection < self.interval):
+        if not is_rung(position):
+            return None, check_weights
+        limited = position == 1 and time.monotonic() - record.last_streak_inspection < self.interval
+        if limited and self.began is None:
             return None, check_weights
         weights = None
         targets: list[tuple[torch.optim.Optimizer, Part]] = [(record.optimizer, "grads")]
         if check_weights:
             targets.append((record.optimizer, "weights"))
         try:
-            grads, *checked = scan_optimizers(targets, self.names)
+            # Rate-limited, the gradients are only flagged, for began (docs/agent.md#where-it-began), in the
+            # one copy that checks the weights anyway: no name, no count, no second copy.
+            grads, *checked = scan_optimizers(targets, self.names, unnamed=(limited,))
+            self.scanned = grads
+            if limited:
+                return (checked[0] if checked else None), False
             event["params"], event["params_total"], event["inspected"] = grads.params, grads.total, True
             weights = checked[0] if checked else None
             check_weights = False
@@ -99,19 +111,19 @@ class SkipInspection:
         for k, record in enumerate(stepped):
             grads, weights = reports[2 * k], reports[2 * k + 1]
             if grads.total:
-                self.report_poisoned(record, iteration, grads, "nonfinite_grad")
+                self.report_poisoned(record, iteration, grads, "nonfinite_grad", current=True)
             elif weights.total:
-                self.report_poisoned(record, iteration, weights, "nonfinite_param")
+                self.report_poisoned(record, iteration, weights, "nonfinite_param", current=True)
         for record, weights in zip(started, reports[2 * len(stepped):], strict=True):
             if weights.total and record.last_step_iteration is not None:
                 self.report_poisoned(record, record.last_step_iteration, weights, "nonfinite_param")
 
-    def report_poisoned(self, record: OptimizerRecord, iteration: int,
-                        report: NonfiniteReport, reason: PoisonReason, **fields: Any) -> None:
+    def report_poisoned(self, record: OptimizerRecord, iteration: int, report: NonfiniteReport,
+                        reason: PoisonReason, *, current: bool = False, **fields: Any) -> None:
         """Count and emit a ``poisoned_step`` of ``record`` at ``iteration``, once per step.
 
         ``fields`` go into the event as they are (a watch without a scaler: ``streak``, ``exact``, and with
-        ``ddp=`` the origin fields).
+        ``ddp=`` the origin fields). ``current``: the iteration's gradients are still there (for ``began``).
         """
         if record.poison_reported_for == iteration:
             return
@@ -124,4 +136,6 @@ class SkipInspection:
                                     **fields}  # type: ignore[typeddict-item]
         if self.samples is not None:
             self.samples.describe(event, iteration, current=False, first=first)  # the ids were assigned already
+        if self.began is not None:
+            self.began.add_to(event, iteration, current, report.flagged if reason == "nonfinite_grad" else None)
         self.events.append(event)

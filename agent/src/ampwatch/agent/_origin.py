@@ -44,6 +44,8 @@ class OriginReport:
     """Names of the parameters whose own gradients did, at most :data:`MAX_NAMED_PARAMS`, in model order."""
     params_total: int
     """How many parameters' own gradients did (named or not)."""
+    slots: list[int] = dataclasses.field(default_factory=list)
+    """All of them, as positions in :attr:`LocalGradients.parameters`, sorted."""
 
 
 class _Group:
@@ -216,6 +218,11 @@ class LocalGradients:
             flags.append(torch.isfinite(pair).all().logical_not_().reshape(1))
         return slots, flags
 
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters watched, in their slots' order."""
+        return self._params
+
     def noted(self) -> bool:
         """Tell whether some gradient was noted since the last :meth:`end_iteration` (Python only)."""
         return any(self._counts)
@@ -286,7 +293,7 @@ class LocalGradients:
                 values += _device.read_later(f).wait()
         bad = sorted({slot for slot, flag in zip(slots, values, strict=True) if flag})
         report = OriginReport(origin=bool(bad), params=[self.names[s] for s in bad[:MAX_NAMED_PARAMS]],
-                              params_total=len(bad))
+                              params_total=len(bad), slots=bad)
         self._reports[iteration] = report
         return report, True
 

@@ -55,21 +55,24 @@ class NonfiniteReport:
     """Up to :data:`MAX_NAMED_PARAMS` entries ``{"name", "inf", "nan"}`` in optimizer order."""
     total: int
     """How many parameters hold at least one inf or NaN (named or not)."""
+    flagged: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """All of those parameters (named or not), in optimizer order."""
 
 
 Part = Literal["grads", "weights"]
 """What of an optimizer's parameters a scan looks at: their gradients or their values."""
 
 
-def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
-                    names: ParameterNames) -> list[NonfiniteReport]:
+def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]], names: ParameterNames,
+                    unnamed: Sequence[bool] = ()) -> list[NonfiniteReport]:
     """Report which gradients or weights hold inf/NaN, for each ``(optimizer, part)`` target, in order.
 
     Two stages over all targets at once: stage 1 flags every tensor holding inf/NaN (one batched
     reduction per device and dtype, one host copy per device); stage 2 counts inf and NaN exactly in the
     first :data:`MAX_NAMED_PARAMS` flagged tensors of each target, in optimizer order (one more small
     copy per device, only when something was flagged). Only those are named; ``total`` counts all flagged.
-    Sharded tensors (FSDP2) are looked at in this rank's shard, with no communication.
+    Sharded tensors (FSDP2) are looked at in this rank's shard, with no communication. A target whose
+    ``unnamed`` entry is true is flagged only (``params`` empty: stage 2 skips it).
     """
     tensors: list[torch.Tensor | None] = []
     spans: list[tuple[int, list[torch.Tensor], list[int]]] = []  # (first position, params, group starts)
@@ -88,16 +91,18 @@ def scan_optimizers(targets: Sequence[tuple[torch.optim.Optimizer, Part]],
     for start, params, _ in spans:
         lo, hi = bisect.bisect_left(flagged, start), bisect.bisect_left(flagged, start + len(params))
         per_target.append(flagged[lo:hi])
-    named = [position for positions in per_target for position in positions[:MAX_NAMED_PARAMS]]
+    limits = [0 if k < len(unnamed) and unnamed[k] else MAX_NAMED_PARAMS for k in range(len(targets))]
+    named = [position for positions, limit in zip(per_target, limits, strict=True) for position in positions[:limit]]
     counts = dict(zip(named, nonfinite_counts([tensors[p] for p in named]), strict=True))
     reports = []
-    for (start, params, group_starts), positions in zip(spans, per_target, strict=True):
+    for (start, params, group_starts), positions, limit in zip(spans, per_target, limits, strict=True):
         entries: list[ParamCount] = []
-        for position in positions[:MAX_NAMED_PARAMS]:
+        for position in positions[:limit]:
             index = position - start
             slot = bisect.bisect_right(group_starts, index) - 1
             n_inf, n_nan = counts[position]
             entries.append({"name": names.name(params[index], slot, index - group_starts[slot]),
                             "inf": n_inf, "nan": n_nan})
-        reports.append(NonfiniteReport(params=entries, total=len(positions)))
+        reports.append(NonfiniteReport(params=entries, total=len(positions),
+                                       flagged=[params[position - start] for position in positions]))
     return reports

@@ -222,6 +222,8 @@ class PoisonCheck:
         if recorder.samples is not None:
             recorder.samples.assign(recorder.iteration)  # the ids recorded since the last step are this iteration's
         recorder.open_iteration = True
+        if recorder.began is not None:  # the losses and probes noted since the last step are this iteration's
+            recorder.began.assign(recorder.iteration)
         recorder.count_update(record)
         record.check_after = closure
         if not closure:
@@ -231,6 +233,8 @@ class PoisonCheck:
         """Check the gradients a step given a closure made and applied (its post-hook)."""
         if record.check_after:
             record.check_after = False
+            if recorder.began is not None:  # the closure's losses
+                recorder.began.assign(recorder.iteration)
             self._check_step(recorder, record)
 
     def _check_step(self, recorder: Recorder, record: OptimizerRecord) -> None:
@@ -280,16 +284,17 @@ class PoisonCheck:
             return
         if now:  # the gradients the step applied: exact counts
             (report,) = scan_optimizers([(record.optimizer, "grads")], self.inspection.names)
-            self.inspection.report_poisoned(record, iteration, report, "nonfinite_grad", streak=record.poison_run,
-                                            **fields)
+            self.inspection.report_poisoned(record, iteration, report, "nonfinite_grad", current=True,
+                                            streak=record.poison_run, **fields)
             return
         # Read late, the gradients may be a later iteration's: name from what the check kept (one read).
         positions = found.positions()
         names = self.inspection.names
         entries: list[ParamCount] = [{"name": names.name(params[k], *_group_index(record.optimizer, params[k])),
                     "inf": int(kind == "inf"), "nan": int(kind == "nan")} for k, kind in positions[:MAX_NAMED_PARAMS]]
-        self.inspection.report_poisoned(record, iteration, NonfiniteReport(params=entries, total=len(positions)),
-                                        "nonfinite_grad", streak=record.poison_run, exact=False, **fields)
+        report = NonfiniteReport(params=entries, total=len(positions), flagged=[params[k] for k, _ in positions])
+        self.inspection.report_poisoned(record, iteration, report, "nonfinite_grad", streak=record.poison_run,
+                                        exact=False, **fields)
 
 
 def _group_index(optimizer: torch.optim.Optimizer, param: Any) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from ampwatch.contract.batch import (
 from ampwatch.contract.protocol import STREAK_LADDER, is_rung  # streaks_reached lengths: 1, 2, 4, ..., 1024
 
 from . import _device
+from ._began import BeganFinder
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._inspection import SkipInspection
@@ -85,6 +86,7 @@ class Recorder:
         self.origin: LocalGradients | None = None  # set by watch(ddp=...): each parameter's own gradient, noted
         self.origin_iterations = 0  # skipped iterations where this rank's own gradients held inf/NaN
         self.samples: SampleLog | None = None  # set by watch.batch() or watch(loader=): each iteration's sample ids
+        self.began: BeganFinder | None = None  # set by watch(): where a skip's or poisoned step's inf/NaN began
 
     @property
     def scaler(self) -> Any:
@@ -223,8 +225,14 @@ class Recorder:
             samples.assign(iteration)  # the ids recorded until now are this iteration's (its poisoned steps')
         if self._skipped_this_iteration:
             self.inspection.check_poisoned_steps(self.records, iteration)  # whatever the naming rate limit did
+        pending = False  # some outcome of this iteration is still on its way (a loop: cheaper than any() here)
+        for record in self.records:
+            if record.pending:
+                pending = True
+        if self.began is not None:
+            self.began.assign(iteration, keep=pending)
         if self.origin is not None:
-            self.origin.end_iteration(iteration, keep=any(r.pending for r in self.records))
+            self.origin.end_iteration(iteration, keep=pending)
         scaler = self._scaler()
         if scaler is not None:
             self.scale.after_update(scaler, iteration, manual=manual, skipped=self._skipped_this_iteration)
@@ -284,6 +292,8 @@ class Recorder:
         self.scale.close()
         if self.origin is not None:
             self.origin.close()
+        if self.began is not None:
+            self.began.close()
         for record in self.records:
             if record.consecutive:
                 self._end_streak(record)
@@ -381,6 +391,10 @@ class Recorder:
                 event["calibration"] = True  # the scaler settling (docs/agent.md#calibration)
             if self.samples is not None:
                 self.samples.describe(event, iteration, current=current, first=position == 1)
+            if self.began is not None:  # one scan's offenders serve when it scanned every watched gradient
+                scanned = self.inspection.scanned if current and len(self.records) == 1 else None
+                self.began.add_to(event, iteration, current, scanned.flagged if scanned is not None else None)
+                self.inspection.scanned = None  # holds parameters: a dropped job's must go with it
             self.events.append(event)
         if weights is not None and weights.total:
             self.inspection.report_poisoned(record, record.last_step_iteration,  # type: ignore[arg-type] # stepped

@@ -13,6 +13,7 @@ import torch
 
 from ._arguments import check_scaler, named_optimizers, named_params, per_step_schedulers
 from ._attach import OptimizerHooks, ScalerPatch, record_of
+from ._began import find_where_it_began
 from ._config import AgentConfig
 from ._device_info import watched_device
 from ._errors import AgentErrors
@@ -188,6 +189,20 @@ class Watch:
         self._session.taps.append(tap)
         return tap
 
+    def loss(self, loss: torch.Tensor | float) -> None:
+        """Note a loss of the current iteration, for a job without a GradScaler (``scaler.scale(loss)`` notes it
+        by itself): with gradient accumulation, every micro-batch's.
+
+        Free: the loss is kept as it is (detached) and read only if the iteration skips or is poisoned, to say
+        whether the inf/NaN began in the forward pass (``began``, docs/agent.md). Never raises.
+        """
+        recorder = self._recorder
+        if recorder.attached and recorder.began is not None:
+            try:
+                recorder.began.note_loss(loss)
+            except Exception as error:  # noqa: BLE001 - the agent must never break the loop
+                recorder.internal_error("watch.loss", error)
+
     def rebind(self, scaler: torch.amp.GradScaler) -> None:
         """Carry this watch over to ``scaler``, e.g. a new GradScaler made when resuming from a checkpoint.
 
@@ -305,6 +320,9 @@ class DisabledWatch:
     def batch(self, ids: Any) -> None:
         """Do nothing: nothing is recorded."""
 
+    def loss(self, loss: torch.Tensor | float) -> None:
+        """Do nothing."""
+
     def snapshot(self) -> dict[str, Any]:
         """Return an empty snapshot."""
         return {"scaler": {}, "state": {}}
@@ -337,7 +355,9 @@ def watch(scaler: torch.amp.GradScaler | None,
     A disabled scaler (``GradScaler(enabled=False)``, the usual bf16 recipe) is watched the same way.
 
     ``optimizers``: one optimizer, a list, or ``{"name": optimizer}``. ``model``
-    or ``named_parameters`` only name parameters in reports. ``schedulers``:
+    or ``named_parameters`` only name parameters in reports; ``model`` (or ``ddp``'s)
+    also names their modules, and is where the forward probes of an event's ``began``
+    look (docs/agent.md, "Where it began"). ``schedulers``:
     ``{"name": scheduler_or_list}`` keyed like ``optimizers`` (or one scheduler
     with one optimizer). ``collector``, ``run``, ``token``, ``push_interval``
     override ``AMPWATCH_URL``, ``AMPWATCH_RUN``, ``AMPWATCH_TOKEN``,
@@ -377,7 +397,7 @@ def watch(scaler: torch.amp.GradScaler | None,
                 raise ValueError("this scaler is already watched; close() the earlier watch before watching it "
                                  "again")
             _watched.add(id(scaler))
-    hooks = patch = None
+    hooks = patch = recorder = None
     taps: list[LoaderTap] = []
     try:
         events = EventBuffer(capacity=config.max_events)
@@ -393,11 +413,15 @@ def watch(scaler: torch.amp.GradScaler | None,
             patch.attach(by_id)
         if ddp is not None:
             recorder.origin = observe_ddp(ddp, names, errors)
+        find_where_it_began(recorder, model if model is not None else getattr(ddp, "module", None),
+                            config.probe_iterations)
         if loader is not None:
             taps.append(LoaderTap(loader, recorder.sample_log(), identity.rank, errors).start())
         sender.device = watched_device(records, errors)
         recorder.attached = True
     except BaseException:
+        if recorder is not None and recorder.began is not None:
+            recorder.began.close()
         for tap in taps:
             tap.close()
         if patch is not None:
