@@ -104,7 +104,8 @@ def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
             for row in origins:
                 sole[row.key].append(row)
     # Samples and devices explain events each other's way (rules 6, 8 and 12): the samples first, then the devices
-    # over what they leave, then the samples again without the suspect devices' own events, until neither moves.
+    # over what they leave, then the samples again without the suspect devices' own events (a faulty device's
+    # batches are no evidence against a sample), until neither moves.
     blamed: dict[str, dict[str, Any]] = {}
     for _ in range(_ROUNDS):
         blamed_rows = {id(r) for key in blamed for r in sole[key]}

@@ -412,13 +412,15 @@ function eventDetails(e) {
       if (e.params_total && e.params_total > names.length) cell.append(` … ${e.params_total} parameters in all`);
       if (e.inspected === false) cell.append(" (not inspected: naming is rate-limited)");
       if (e.origin) {
-        // This rank's own gradients held the inf/NaN before DDP's all-reduce spread it.
+        // This rank's own gradients held the inf/NaN before DDP's all-reduce spread it (agents before the
+        // per-parameter notes named DDP buckets).
         const local = (e.origin_params || []).join(", ");
+        const buckets = (e.origin_buckets || []).length ? `DDP bucket ${e.origin_buckets.join(", ")}: ` : "";
         cell.append(" · ", el("span", {class: "streak"}, "started on this rank"),
-          ` (DDP bucket ${(e.origin_buckets || []).join(", ")}${local ? ": " + local : ""})`);
+          local || buckets ? ` (${buckets}${local ? "own gradients " + local : ""})` : "");
       }
       if (e.calibration) cell.append(" · ", el("span", {class: "muted"}, "calibration (the scaler settling)"));
-      if (e.began) cell.append(" · ", el("span", {class: "began"}, beganText(e.began)));
+      if (e.began) cell.append(" · ", el("span", {class: "began"}, beganText(e.began, e.origin)));
       if (e.samples) cell.append(" · ", el("span", {class: "samples"}, samplesText(e.samples)));
       break;
     }
@@ -436,12 +438,17 @@ function eventDetails(e) {
 }
 
 // Where this rank's inf/NaN began (the event's began): the stage, then the module, its type and the parameter.
-function beganText(b) {
+// A rank whose own gradients were finite (origin false, with ddp=) got the inf/NaN through DDP's all-reduce.
+function beganText(b, origin) {
   const where = b.module !== null && b.module !== undefined
     ? ` in ${b.module || "the model"}${b.module_type ? ` (${b.module_type})` : ""}` : "";
-  if (b.stage === "backward") return `began in backward${where}${b.param ? `, at ${b.param}` : ""}`;
+  if (b.stage === "backward") {
+    if (origin === false && !b.param && !where) return "began on another rank (this rank's loss and own gradients were finite)";
+    return `began in backward${where}${b.param ? `, at ${b.param}` : ""}`;
+  }
   if (b.stage === "forward") {
     const probe = {armed: ": the loss was not finite; the forward probes name the module next time",
+                   found: ": after the model's modules (their outputs were finite: in the loss function)",
                    unavailable: ": the loss was not finite (no forward probes on this model)"}[b.probe] || "";
     return `began in forward${where}${where ? "" : probe}`;
   }
@@ -730,6 +737,7 @@ async function refresh() {
   clearTimeout(timer);
   const run = currentRun();
   document.getElementById("run-view").hidden = run === null;
+  document.getElementById("run-events").hidden = run === null;
   const banner = document.getElementById("error");
   try {
     // A run's ranks in trouble first: the rest is asked for once they are drawn, so that on a collector busy
