@@ -176,7 +176,7 @@ def test_after_rebind_the_watch_holds_the_new_scaler_weakly_and_its_id_leaves_th
     # The handle is dropped (it alone holds its scaler strongly); dropping the new scaler then ends the watch by
     # reference counting, and its id is free for a later scaler that happens to get the same address.
     from ampwatch import agent
-    from ampwatch.agent import _watch
+    from ampwatch.agent import _session
 
     model, opt, old = job(amp)
     w = agent.watch(old, {"main": opt}, model=model, collector=(), run="r")
@@ -190,12 +190,12 @@ def test_after_rebind_the_watch_holds_the_new_scaler_weakly_and_its_id_leaves_th
         assert new_ref() is None, "the watch kept the scaler it was carried over to alive"
     finally:
         gc.enable()
-    assert session.closed and new_id not in _watch._watched
+    assert session.closed and new_id not in _session.watched
     plain = torch.amp.GradScaler("cpu")
     w = agent.watch(plain, {"main": opt}, collector=(), run="r")
     plain_id, session = id(plain), w._session
     del w, plain
-    assert session.closed and plain_id not in _watch._watched
+    assert session.closed and plain_id not in _session.watched
 
 
 def test_rebind_refuses_a_scaler_another_watch_has(amp, watching):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,105 +14,23 @@ from ._attach import OptimizerHooks, ScalerPatch, record_of
 from ._began import find_where_it_began
 from ._config import AgentConfig
 from ._device_info import watched_device
+from ._disabled import DisabledWatch
 from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
-from ._loader import LoaderTap, close_taps
+from ._loader import LoaderTap
 from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._record import OptimizerRecord
 from ._recorder import Recorder
 from ._samples import as_ids
-from ._sender import Sender, close_all_senders
+from ._sender import Sender
+from ._session import NO_FINALIZER, Session, finalize_with, register_exit_flush, watched, watched_lock
 
 __all__ = ["DisabledWatch", "Watch", "watch"]
 
 log = logging.getLogger("ampwatch.agent")
-
-_watched: set[int] = set()  # ids of scalers with an open Watch
-_watched_lock = threading.Lock()
-_open: weakref.WeakSet[_Session] = weakref.WeakSet()  # for the exit flush; holds no watch alive
-
-
-class _Session:
-    """What one watch runs, and its ending: recorder, optimizer hooks, sender. Holds no reference to the scaler.
-
-    A scaler's finalizer may hold a session (see :func:`watch`), so that a watch
-    whose scaler is garbage-collected ends too, without keeping the scaler alive.
-    """
-
-    def __init__(self, recorder: Recorder, hooks: OptimizerHooks, sender: Sender, scaler_id: int) -> None:
-        self.recorder, self.hooks, self.sender, self.scaler_id = recorder, hooks, sender, scaler_id
-        self.taps: list[LoaderTap] = []  # the loaders this watch follows (watch(loader=), the integrations)
-        self.closed = False
-        self._lock = threading.Lock()
-        _open.add(self)
-
-    def close(self, timeout: float | None = None, *, wait: bool = True) -> bool:
-        """Detach, end open streaks, send the final batch; return False if it was already closed."""
-        with self._lock:
-            if self.closed:
-                return False
-            self.closed = True
-        self.recorder.attached = False
-        try:
-            self.hooks.detach()
-            self.close_taps()
-            self.recorder.close()
-        except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
-            self.recorder.internal_error("close", error)
-        finally:
-            _watched.discard(self.scaler_id)
-        self.sender.close(timeout, wait=wait)
-        return True
-
-    def scaler_collected(self) -> None:
-        """End the watch of a scaler that was garbage-collected (a finalizer: sets flags, never blocks).
-
-        The hooks stay on the optimizers, inert, to say once if they keep
-        stepping (removing them here could break a loop iterating over them);
-        the sender thread does the closing work and sends the final batch.
-        """
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-        self.recorder.attached = False
-        self.recorder.orphaned = True
-        _watched.discard(self.scaler_id)
-        # The taps close on the sender thread, not in this finalizer: closing one takes a lock the collected
-        # scaler's thread may hold. What the sender holds until then is the recorder and the taps, never the
-        # session (its hooks hold the job's optimizers: they go with the trial, at once).
-        taps, recorder, self.taps = self.taps, self.recorder, []
-
-        def finish() -> None:
-            close_taps(taps, recorder.errors)
-            recorder.close()
-
-        self.sender.close(wait=False, finish=finish)
-
-    def close_taps(self) -> None:
-        """Stop following every loader (each tap once; a failure is counted, the others still close)."""
-        taps, self.taps = self.taps, []
-        close_taps(taps, self.recorder.errors)
-
-
-def _close_open_watches() -> None:
-    """At exit: end every watch still open, then wait for all their final batches within one timeout."""
-    for session in list(_open):
-        try:
-            session.close(wait=False)
-        except Exception:  # noqa: BLE001 - exit must never fail because of the agent
-            pass
-    close_all_senders()
-
-
-def _register_exit_flush() -> None:
-    """(Re-)register :func:`_close_open_watches` after the senders' exit flush: exit handlers run last-in first."""
-    atexit.unregister(_close_open_watches)
-    atexit.register(_close_open_watches)
-
 
 class Watch:
     """The agent attached to one scaler: ask :meth:`stepped`, then :meth:`close` (or use ``with``).
@@ -135,12 +51,12 @@ class Watch:
     True
     """
 
-    def __init__(self, session: _Session, patch: ScalerPatch | None, by_id: dict[int, OptimizerRecord]) -> None:
+    def __init__(self, session: Session, patch: ScalerPatch | None, by_id: dict[int, OptimizerRecord]) -> None:
         self._session = session
         self._recorder, self._sender = session.recorder, session.sender
         self._patch = patch  # None: a job without a GradScaler
         self._by_id = by_id
-        self._finalizer = _finalize_with(patch.scaler, session) if patch is not None else _NO_FINALIZER
+        self._finalizer = finalize_with(patch.scaler, session) if patch is not None else NO_FINALIZER
         self._samples = session.recorder.samples  # made by the first batch() when no loader made it
 
     @property
@@ -222,22 +138,22 @@ class Watch:
         check_scaler(scaler)
         if scaler is self._patch.scaler:
             return
-        with _watched_lock:
-            if id(scaler) in _watched:
+        with watched_lock:
+            if id(scaler) in watched:
                 raise ValueError("this scaler is already watched; close() the other watch before rebind()")
-            _watched.add(id(scaler))
+            watched.add(id(scaler))
         patch = ScalerPatch(scaler, self._recorder)
         try:
             patch.attach(self._by_id)
         except BaseException:
-            _watched.discard(id(scaler))
+            watched.discard(id(scaler))
             raise
         self._finalizer.detach()
         self._patch.detach()
-        _watched.discard(self._session.scaler_id)
+        watched.discard(self._session.scaler_id)
         self._patch, self._session.scaler_id = patch, id(scaler)
         self._recorder.rebind(scaler)
-        self._finalizer = _finalize_with(scaler, self._session)
+        self._finalizer = finalize_with(scaler, self._session)
 
     def snapshot(self) -> dict[str, Any]:
         """Return the counters as sent to the collector (``{"scaler": ..., "state": ...}``, delivery included)."""
@@ -290,57 +206,6 @@ class Watch:
         return f"<ampwatch Watch of {kind} [{names}]{' closed' if self.closed else ''}>"
 
 
-class _NoFinalizer:
-    """The finalizer of a watch without a scaler: nothing ends it but close() and the exit flush."""
-
-    @staticmethod
-    def detach() -> None:
-        return None
-
-
-_NO_FINALIZER = _NoFinalizer()
-
-
-def _finalize_with(scaler: Any, session: _Session) -> weakref.finalize:
-    """End ``session`` when ``scaler`` is garbage-collected (not at exit: the exit flush does that)."""
-    finalizer = weakref.finalize(scaler, session.scaler_collected)
-    finalizer.atexit = False
-    return finalizer
-
-
-class DisabledWatch:
-    """What ``watch()`` returns under ``AMPWATCH_DISABLED=1``: records nothing, patches nothing."""
-
-    closed = False
-
-    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        """Return None: nothing is recorded."""
-        return None
-
-    def batch(self, ids: Any) -> None:
-        """Do nothing: nothing is recorded."""
-
-    def loss(self, loss: torch.Tensor | float) -> None:
-        """Do nothing."""
-
-    def snapshot(self) -> dict[str, Any]:
-        """Return an empty snapshot."""
-        return {"scaler": {}, "state": {}}
-
-    def summary(self) -> str:
-        """Say that the agent is disabled."""
-        return "ampwatch agent disabled (AMPWATCH_DISABLED)"
-
-    def close(self, timeout: float | None = None) -> None:
-        """Do nothing."""
-
-    def __enter__(self) -> DisabledWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
 def watch(scaler: torch.amp.GradScaler | None,
           optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer],
           *, model: torch.nn.Module | None = None,
@@ -391,12 +256,12 @@ def watch(scaler: torch.amp.GradScaler | None,
     by_id = {id(alias): record for record, (_, aliases) in zip(records, named.values(), strict=True)
              for alias in (record.optimizer, *aliases)}
     scheduler_list = per_step_schedulers(schedulers, {r.name: r for r in records})
-    with _watched_lock:
+    with watched_lock:
         if scaler is not None:
-            if id(scaler) in _watched:
+            if id(scaler) in watched:
                 raise ValueError("this scaler is already watched; close() the earlier watch before watching it "
                                  "again")
-            _watched.add(id(scaler))
+            watched.add(id(scaler))
     hooks = patch = recorder = None
     taps: list[LoaderTap] = []
     try:
@@ -428,11 +293,11 @@ def watch(scaler: torch.amp.GradScaler | None,
             patch.detach()
         if hooks is not None:
             hooks.detach()
-        _watched.discard(id(scaler))
+        watched.discard(id(scaler))
         raise
-    session = _Session(recorder, hooks, sender, id(scaler))
+    session = Session(recorder, hooks, sender, id(scaler))
     session.taps = taps
     handle = Watch(session, patch, by_id)
     sender.start()
-    _register_exit_flush()
+    register_exit_flush()
     return handle
