@@ -15,13 +15,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from ampwatch_support.syncs import SyncCounter
 
-__all__ = ["SyncTrace", "count_syncs", "sync_debug", "sync_method"]
+__all__ = ["SyncTrace", "count_syncs", "raised_syncing", "sync_debug", "sync_method"]
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync
 
@@ -35,6 +36,21 @@ def sync_debug(mode: str) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def raised_syncing(setups: Mapping[str, Any], iterations: int, sync: Callable[[], object]) -> dict[str, str]:
+    """Run ``iterations`` of each of ``setups`` (variant -> a loop with ``iterate(n)``) under sync debug mode
+    ``"error"``; return, per variant that synced, the first line of what torch raised (``sync`` waits for the
+    device after each)."""
+    raised = {}
+    for variant, setup in setups.items():
+        try:
+            with sync_debug("error"):
+                setup.iterate(iterations)
+        except RuntimeError as error:
+            raised[variant] = str(error).splitlines()[0]
+        sync()
+    return raised
 
 
 def sync_method(cuda: bool) -> str:

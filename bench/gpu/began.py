@@ -18,7 +18,7 @@ from __future__ import annotations
 from bench._loops import compare, rotate
 from bench.gpu._amp import Amp
 from bench.gpu._checks import check, guarded, verdict
-from bench.gpu._syncs import count_syncs, sync_debug, sync_method
+from bench.gpu._syncs import count_syncs, raised_syncing, sync_method
 from bench.overhead import Setup
 
 __all__ = ["run"]
@@ -73,14 +73,7 @@ def _syncs(amp: Amp, quick: bool) -> dict:
         amp.sync()
         problems = []
         if amp.cuda:
-            raised = {}
-            for variant, s in setups.items():
-                try:
-                    with sync_debug("error"):
-                        s.iterate(iterations)
-                except RuntimeError as error:
-                    raised[variant] = str(error).splitlines()[0]
-                amp.sync()
+            raised = raised_syncing(setups, iterations, amp.sync)
             if "watched" in raised:
                 return check("began", "began-armed-syncs", "skip",
                              f"the watched bf16 loop syncs without the probes: {raised['watched']}")

@@ -16,7 +16,7 @@ import torch
 
 from bench.gpu._amp import Amp
 from bench.gpu._checks import check, guarded, verdict
-from bench.gpu._syncs import count_syncs, sync_debug, sync_method
+from bench.gpu._syncs import count_syncs, raised_syncing, sync_method
 from bench.overhead import BF16_VARIANTS, Setup
 
 __all__ = ["run"]
@@ -31,14 +31,7 @@ def _sync_check(amp: Amp, iterations: int) -> dict:
             s.iterate(3)
         amp.sync()
         if amp.cuda:
-            raised = {}
-            for variant, s in setups.items():
-                try:
-                    with sync_debug("error"):
-                        s.iterate(iterations)
-                except RuntimeError as error:
-                    raised[variant] = str(error).splitlines()[0]
-                amp.sync()
+            raised = raised_syncing(setups, iterations, amp.sync)
             if "bf16" in raised:
                 return check("bf16", "bf16-error-mode", "skip", f"the bare bf16 loop syncs by itself: {raised['bf16']}")
             problems = [f"the watched loop raised: {raised['bf16_ampwatch']}"] if raised else []
