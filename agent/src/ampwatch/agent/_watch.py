@@ -20,7 +20,7 @@ from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
-from ._loader import LoaderTap, close_taps
+from ._loader import LoaderTap, Tap, close_taps
 from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._record import OptimizerRecord
@@ -46,7 +46,7 @@ class _Session:
 
     def __init__(self, recorder: Recorder, hooks: OptimizerHooks, sender: Sender, scaler_id: int) -> None:
         self.recorder, self.hooks, self.sender, self.scaler_id = recorder, hooks, sender, scaler_id
-        self.taps: list[LoaderTap] = []  # the loaders this watch follows (watch(loader=), the integrations)
+        self.taps: list[Tap] = []  # the loaders this watch follows (watch(loader=), the integrations), the loss taps
         self.closed = False
         self._lock = threading.Lock()
         _open.add(self)
@@ -188,6 +188,10 @@ class Watch:
         self._samples = self._recorder.samples
         self._session.taps.append(tap)
         return tap
+
+    def _close_with(self, tap: Tap) -> None:
+        """Close ``tap`` (an integration's loss tap) when this watch closes."""
+        self._session.taps.append(tap)
 
     def loss(self, loss: torch.Tensor | float) -> None:
         """Note a loss of the current iteration, for a job without a GradScaler (``scaler.scale(loss)`` notes it
@@ -398,7 +402,7 @@ def watch(scaler: torch.amp.GradScaler | None,
                                  "again")
             _watched.add(id(scaler))
     hooks = patch = recorder = None
-    taps: list[LoaderTap] = []
+    taps: list[Tap] = []
     try:
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)
