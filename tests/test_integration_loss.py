@@ -173,3 +173,32 @@ def test_accelerate_in_bf16_passes_each_backwards_loss_and_gives_the_accelerator
     plain, untouched, _ = _accelerate_run(poison, None)
     assert "backward" not in untouched
     assert same_bits(bits(watched.parameters()), bits(plain.parameters()))
+
+
+def test_the_trainer_passes_no_loss_but_the_documented_training_step_override_does(collector, tmp_path):
+    """No Trainer callback sees the loss, the Trainer or its Accelerator (docs/integrations.md): a bf16 Trainer's
+    poisoned step says nothing of its loss, until ``training_step`` hands it to ``callback.watch.loss``."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from ampwatch.agent.transformers import AmpWatchCallback
+    from ampwatch_support.hf_job import Examples, Tiny
+
+    class Passing(Trainer):  # the override docs/integrations.md gives
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            callback.watch.loss(loss)
+            return loss
+
+    firsts = []
+    for kind, name in ((Trainer, "plain"), (Passing, "passing")):
+        callback = AmpWatchCallback(collector=collector.url, run=f"trainer-{name}", push_interval=0.05)
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=3,
+                                 bf16=True, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+                                 disable_tqdm=True, seed=0, dataloader_num_workers=0)
+        torch.manual_seed(0)
+        kind(model=Tiny(), args=args, train_dataset=Examples(6, poisoned=(0, 1, 2, 3, 4, 5)),
+             callbacks=[callback]).train()
+        firsts.append(_began(collector)[0])
+        collector.bodies.clear()
+    assert firsts == [(0, {"loss_finite": None}), (0, ARMED)]

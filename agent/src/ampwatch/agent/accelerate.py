@@ -17,7 +17,7 @@ from typing import Any
 from ._frameworks import attach, check_options, pass_loss, require, say_unscaled
 from ._watch import DisabledWatch, Watch
 
-__all__ = ["LossTap", "watch"]
+__all__ = ["watch"]
 
 require("accelerate", integration="ampwatch.agent.accelerate", extra="accelerate")
 
