@@ -13,6 +13,7 @@ unwatched twin (weights bit for bit):
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ class Net(nn.Module):
         self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 4)
         self.poison = poison
 
-    def loss(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
         if batch == AT and self.poison == "input":
             x = x.clone()
             x[0, 0] = INF
@@ -90,7 +91,7 @@ def _lightning_fit(poison: str, callbacks: list, plugins=None, precision="bf16-m
             self.net = Net(poison)
 
         def training_step(self, x, batch_idx):
-            return self.net.loss(x, batch_idx)
+            return self.net(x, batch_idx)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -151,10 +152,20 @@ def _accelerate_run(poison: str, watched: RecordingCollector | None) -> tuple[nn
         w = ampwatch.watch(accelerator, opt, model=model, collector=watched.url, run=f"accelerate-{poison}",
                            push_interval=0.05)
     inside = dict(vars(accelerator))
+    pickled = pickle.dumps(accelerator)  # as a job may, while watched: nothing of ampwatch goes with it
+    assert b"ampwatch" not in pickled
+    twin = pickle.loads(pickled)
+    assert twin.backward.__self__ is twin  # its own method, never the original accelerator's
     for batch, x in enumerate(_inputs()):
         with accelerator.autocast():
-            loss = net.loss(x, batch)
-        assert accelerator.backward(loss) is None
+            loss = model(x, batch)
+        if batch == 0:  # its arguments and exceptions are Accelerate's own, watched or not
+            assert accelerator.backward(loss, retain_graph=True) is None
+            torch.autograd.grad(loss, list(net.parameters()))  # the graph kept: retain_graph reached backward
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                accelerator.backward(torch.ones(()))
+        else:
+            assert accelerator.backward(loss) is None
         opt.step()
         opt.zero_grad()
     if w is not None:

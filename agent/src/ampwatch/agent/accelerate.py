@@ -75,26 +75,19 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
 class LossTap:
     """Pass each loss given to ``accelerator.backward`` to ``watch.loss``, for a job without a GradScaler.
 
-    ``accelerator.backward`` becomes, on this accelerator only (an instance attribute), a function that notes the
-    loss and calls the accelerator's own ``backward`` with the same arguments, returning what it returns and
-    raising what it raises. :meth:`close` (the watch's) puts the accelerator's own back. Nothing of it is in a
-    model, an optimizer or a checkpoint (``save_state`` saves their states, never the accelerator); it holds the
-    accelerator and the watch weakly.
+    ``accelerator.backward`` becomes, on this accelerator only (an instance attribute), a :class:`_Backward` that
+    notes the loss and calls the accelerator's own ``backward`` with the same arguments, returning what it returns
+    and raising what it raises. :meth:`close` (the watch's) takes it off. Nothing of it is in a model, an optimizer
+    or a checkpoint (``save_state`` saves their states, never the accelerator), and an accelerator pickled
+    meanwhile carries none of it away (a deep copy of an Accelerator is the accelerator itself).
     """
 
     def __init__(self, accelerator: Any, handle: Watch) -> None:
         own = vars(accelerator)
         self._had, self._before = "backward" in own, own.get("backward")  # someone's own attribute: put back
         self._accelerator = weakref.ref(accelerator)
-        original, watched = accelerator.backward, weakref.ref(handle)
-
-        def backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-            pass_loss(watched(), loss)
-            return original(loss, *args, **kwargs)
-
-        backward.__doc__ = original.__doc__
-        self._backward = backward
-        accelerator.backward = backward
+        self._backward = _Backward(accelerator, handle)
+        accelerator.backward = self._backward
 
     def close(self) -> None:
         """Put the accelerator's own ``backward`` back (unless something replaced ours since: then leave it)."""
@@ -105,6 +98,25 @@ class LossTap:
             accelerator.backward = self._before
         else:
             del accelerator.backward
+
+
+class _Backward:
+    """``accelerator.backward`` while tapped. Holds the watch weakly; pickled with its accelerator, it becomes the
+    copy's own ``backward`` (a plain ``getattr``: nothing of ampwatch in the pickle, and the copy never
+    backpropagates through the original accelerator)."""
+
+    def __init__(self, accelerator: Any, handle: Watch) -> None:
+        self._original = accelerator.backward
+        self._accelerator = weakref.ref(accelerator)
+        self._watch = weakref.ref(handle)
+        self.__doc__ = self._original.__doc__
+
+    def __call__(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        pass_loss(self._watch(), loss)
+        return self._original(loss, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return getattr, (self._accelerator(), "backward")
 
 
 def _lag_of(loader: Any) -> int:
