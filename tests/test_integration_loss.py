@@ -8,6 +8,9 @@ unwatched twin (weights bit for bit):
   poisoned step's NaN weights make the next loss NaN too, and the probes name the first module they reach;
 - ``gradient``: :class:`~ampwatch_support.began_job.InfGradient` makes ``first``'s output gradient inf in backward:
   the loss was finite, ``stage`` backward, naming ``first``; the next steps are the forward case.
+
+With a scaler the integrations leave the loss to the watched ``scaler.scale()`` (noted once); the Trainer's callback
+passes none, and the ``training_step`` override docs/integrations.md gives does.
 """
 
 from __future__ import annotations
