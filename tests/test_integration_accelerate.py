@@ -181,6 +181,7 @@ def test_the_outer_accelerated_scheduler_is_not_what_is_watched(fresh_state):
     model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
     watch = ampwatch.watch(accelerator, [opt_a, opt_b], [sched_a, sched_b], model=model)
     assert "step" not in vars(sched_a) and "step" in vars(sched_a.scheduler)
+    assert "backward" not in vars(accelerator)  # with a scaler its scale() notes the loss: no loss tap
     watch.close()
     assert "step" not in vars(sched_a.scheduler)
 

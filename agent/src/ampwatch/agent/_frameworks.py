@@ -20,7 +20,7 @@ import torch
 from ._arguments import named_optimizers, scheduler_and_interval
 from ._watch import DisabledWatch, Watch, watch
 
-__all__ = ["OPTIONS", "attach", "check_options", "require", "say_unscaled"]
+__all__ = ["OPTIONS", "attach", "check_options", "pass_loss", "require", "say_unscaled"]
 
 log = logging.getLogger("ampwatch.agent")
 
@@ -87,6 +87,17 @@ def attach(scaler: torch.amp.GradScaler | None, optimizers: Sequence[Any] | Mapp
     aliases = {id(alias): name for name, (opt, wrappers) in named_optimizers(by_name).items()
                for alias in (opt, *wrappers)}
     return watch(scaler, by_name, model=module, schedulers=_pair_schedulers(schedulers, aliases) or None, **options)
+
+
+def pass_loss(handle: Watch | DisabledWatch | None, loss: Any) -> None:
+    """Note ``loss`` for a watch without a GradScaler (``watch.loss``), as the integrations do for every micro-batch.
+
+    With a scaler the framework scales every loss it backpropagates, and the watched ``scaler.scale()`` notes it
+    already (in Lightning the loss handed on is the scaled one; Accelerate divides it for accumulation first): it
+    is left alone, so no loss is noted twice. Free: a type check and an attribute read; never raises.
+    """
+    if isinstance(handle, Watch) and handle._recorder.scaler is None:
+        handle.loss(loss)
 
 
 def _names_from_module(module: torch.nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> list[str] | None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._framework_samples import BatchPositions
-from ._frameworks import attach, check_options, say_unscaled
+from ._frameworks import attach, check_options, pass_loss, say_unscaled
 from ._watch import DisabledWatch, Watch
 
 __all__ = ["LightningWatch"]
@@ -66,6 +66,11 @@ class LightningWatch:
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Record the sample ids of the batch about to be trained on: the ``batch_idx``-th of the epoch."""
         self._positions.trained(self.watch, batch_idx, trainer.current_epoch)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        """Without a GradScaler (bf16, float32), pass the loss about to be backpropagated to ``watch.loss`` (with a
+        scaler, ``scaler.scale`` notes it): whether it was finite says where a poisoned step's inf/NaN began."""
+        pass_loss(self.watch, loss)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """With ``log_metrics``: log the loss scale and skipped steps beside the loss curve."""

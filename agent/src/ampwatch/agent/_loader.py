@@ -21,7 +21,7 @@ import collections
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch.utils.data import DataLoader
 from torch.utils.data import dataloader as _dataloader
@@ -29,7 +29,7 @@ from torch.utils.data import dataloader as _dataloader
 from ._errors import AgentErrors
 from ._samples import SampleLog
 
-__all__ = ["LoaderTap", "close_taps", "followed_loader"]
+__all__ = ["LoaderTap", "Tap", "close_taps", "followed_loader"]
 
 _Iterator = _dataloader._BaseDataLoaderIter
 _taps: dict[int, LoaderTap] = {}  # id(a followed loader's index sampler) -> its tap; a tap holds the sampler
@@ -136,13 +136,19 @@ class LoaderTap:
             self.log.add(index if isinstance(index, (list, tuple, range)) else (index,))
 
 
-def close_taps(taps: list[LoaderTap], errors: AgentErrors) -> None:
+class Tap(Protocol):
+    """What a watch takes off at close: a loader's follower, or an integration's loss tap."""
+
+    def close(self) -> None: ...
+
+
+def close_taps(taps: list[Tap], errors: AgentErrors) -> None:
     """Close each of ``taps``; a failure is counted in ``errors`` and the others still close."""
     for tap in taps:
         try:
             tap.close()
         except Exception as error:  # noqa: BLE001 - closing must not fail the user's program
-            errors.report("closing a loader's follower", error)
+            errors.report("closing a loader's follower or loss tap", error)
 
 
 def _tap_of(iterator: Any) -> LoaderTap | None:

@@ -9,7 +9,7 @@ import weakref
 from typing import Any
 
 from ._attach import OptimizerHooks
-from ._loader import LoaderTap, close_taps
+from ._loader import Tap, close_taps
 from ._recorder import Recorder
 from ._sender import Sender, close_all_senders
 
@@ -29,7 +29,7 @@ class Session:
 
     def __init__(self, recorder: Recorder, hooks: OptimizerHooks, sender: Sender, scaler_id: int) -> None:
         self.recorder, self.hooks, self.sender, self.scaler_id = recorder, hooks, sender, scaler_id
-        self.taps: list[LoaderTap] = []  # the loaders this watch follows (watch(loader=), the integrations)
+        self.taps: list[Tap] = []  # the loaders this watch follows (watch(loader=), the integrations), the loss taps
         self.closed = False
         self._lock = threading.Lock()
         _open.add(self)

@@ -19,7 +19,7 @@ from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
-from ._loader import LoaderTap
+from ._loader import LoaderTap, Tap
 from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._record import OptimizerRecord
@@ -104,6 +104,10 @@ class Watch:
         self._samples = self._recorder.samples
         self._session.taps.append(tap)
         return tap
+
+    def _close_with(self, tap: Tap) -> None:
+        """Close ``tap`` (an integration's loss tap) when this watch closes."""
+        self._session.taps.append(tap)
 
     def loss(self, loss: torch.Tensor | float) -> None:
         """Note a loss of the current iteration, for a job without a GradScaler (``scaler.scale(loss)`` notes it
@@ -263,7 +267,7 @@ def watch(scaler: torch.amp.GradScaler | None,
                                  "again")
             watched.add(id(scaler))
     hooks = patch = recorder = None
-    taps: list[LoaderTap] = []
+    taps: list[Tap] = []
     try:
         events = EventBuffer(capacity=config.max_events)
         identity = resolve_identity(config.run)

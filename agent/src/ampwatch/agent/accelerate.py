@@ -10,10 +10,11 @@ accumulation, ``load_state()`` resumes and schedulers: docs/integrations.md.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._frameworks import attach, check_options, require, say_unscaled
+from ._frameworks import attach, check_options, pass_loss, require, say_unscaled
 from ._watch import DisabledWatch, Watch
 
 __all__ = ["watch"]
@@ -37,7 +38,8 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
     Without a scaler (bf16, fp32, fp16 on CPU) it says so once and checks
     every optimizer step for inf/NaN gradients instead. ``loader``: the prepared training DataLoader, to record
     each iteration's sample ids (Accelerate's loader fetches one batch ahead: a batch's ids are the iteration's
-    when the loop receives it, not when Accelerate fetched it).
+    when the loop receives it, not when Accelerate fetched it). Without a scaler, every loss the loop hands
+    ``accelerator.backward`` is passed to ``watch.loss`` (:class:`LossTap`, taken off at close).
     """
     options = check_options(options, "ampwatch.agent.accelerate.watch()")
     scaler = getattr(accelerator, "scaler", None)
@@ -58,13 +60,63 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
     if not isinstance(optimizers, (list, tuple, Mapping)):
         optimizers = [optimizers]
     handle = attach(scaler, optimizers, schedulers=schedulers, module=model, **options)
-    if loader is not None and isinstance(handle, Watch):
+    if isinstance(handle, Watch):
         try:
-            handle._follow(loader, lag=_lag_of(loader))
+            if loader is not None:
+                handle._follow(loader, lag=_lag_of(loader))
+            if scaler is None:
+                handle._close_with(LossTap(accelerator, handle))
         except BaseException:
             handle.close()
             raise
     return handle
+
+
+class LossTap:
+    """Pass each loss given to ``accelerator.backward`` to ``watch.loss``, for a job without a GradScaler.
+
+    ``accelerator.backward`` becomes, on this accelerator only (an instance attribute), a :class:`_Backward` that
+    notes the loss and calls the accelerator's own ``backward`` with the same arguments, returning what it returns
+    and raising what it raises. :meth:`close` (the watch's) takes it off. Nothing of it is in a model, an optimizer
+    or a checkpoint (``save_state`` saves their states, never the accelerator), and an accelerator pickled
+    meanwhile carries none of it away (a deep copy of an Accelerator is the accelerator itself).
+    """
+
+    def __init__(self, accelerator: Any, handle: Watch) -> None:
+        own = vars(accelerator)
+        self._had, self._before = "backward" in own, own.get("backward")  # someone's own attribute: put back
+        self._accelerator = weakref.ref(accelerator)
+        self._backward = _Backward(accelerator, handle)
+        accelerator.backward = self._backward
+
+    def close(self) -> None:
+        """Put the accelerator's own ``backward`` back (unless something replaced ours since: then leave it)."""
+        accelerator = self._accelerator()
+        if accelerator is None or vars(accelerator).get("backward") is not self._backward:
+            return
+        if self._had:
+            accelerator.backward = self._before
+        else:
+            del accelerator.backward
+
+
+class _Backward:
+    """``accelerator.backward`` while tapped. Holds the watch weakly; pickled with its accelerator, it becomes the
+    copy's own ``backward`` (a plain ``getattr``: nothing of ampwatch in the pickle, and the copy never
+    backpropagates through the original accelerator)."""
+
+    def __init__(self, accelerator: Any, handle: Watch) -> None:
+        self._original = accelerator.backward
+        self._accelerator = weakref.ref(accelerator)
+        self._watch = weakref.ref(handle)
+        self.__doc__ = self._original.__doc__
+
+    def __call__(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        pass_loss(self._watch(), loss)
+        return self._original(loss, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return getattr, (self._accelerator(), "backward")
 
 
 def _lag_of(loader: Any) -> int:

@@ -34,7 +34,9 @@ class AmpWatchCallback(_TrainerCallback):
     for ``fp16=True`` on a GPU), the optimizer itself (named ``name``, default:
     its class) and the LR scheduler, which the Trainer steps once per update.
     Without a scaler (``bf16=True``, float32, fp16 on CPU) every optimizer step
-    is checked for inf/NaN gradients instead.
+    is checked for inf/NaN gradients instead; no callback event sees the loss, so
+    ``began`` says whether it was finite only if ``training_step`` passes it to
+    ``callback.watch.loss`` (docs/integrations.md).
     ``collector``, ``run``, ``token``, ``push_interval``: as for
     :func:`ampwatch.agent.watch`.
     """
