@@ -63,6 +63,8 @@ def test_a_2000_character_parameter_name_in_a_skip_reaches_a_real_collector_cut_
     named = events[0]["params"][0]["name"]
     assert len(named) == TEXT_LIMITS["param_name"] and named.endswith(CUT_MARK)
     assert named == long_name[:TEXT_LIMITS["param_name"] - 1] + CUT_MARK
+    # Where it began names the same parameter, cut the same way (a batch with it whole was refused: events lost).
+    assert events[0]["began"]["param"] == named
     assert rank["optimizers"]["opt"]["skipped"] == 3 and rank["closed"] is True
     assert rank["delivery"]["rejected_batches"] == 0
     # The exposition's label is cut further, to the collector's label limit.

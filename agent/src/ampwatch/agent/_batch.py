@@ -69,6 +69,12 @@ def fit_event(event: Mapping[str, Any]) -> Mapping[str, Any]:
             event = dict(event, origin_params=[cut(name, limit) for name in origin_params])
         if "samples" in event or "samples_before" in event:
             event = _fit_samples(event)
+        began = event.get("began")
+        if began:
+            fitted_began = _cut_fields(began, param=limit, module=TEXT_LIMITS["module"],
+                                       module_type=TEXT_LIMITS["module_type"])
+            if fitted_began is not began:
+                event = dict(event, began=fitted_began)
         return event
     elif kind == "scheduler_after_skip":
         return _cut_fields(event, scheduler=TEXT_LIMITS["scheduler"])
@@ -99,7 +105,7 @@ def _fit_samples(event: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _cut_fields(event: Mapping[str, Any], **limits: int) -> Mapping[str, Any]:
-    """Return ``event``, or a copy with each named string field cut to its limit."""
+    """Return ``event`` (or a part of one), or a copy with each named string field cut to its limit."""
     long = {k: cut(event[k], n) for k, n in limits.items() if isinstance(event.get(k), str) and len(event[k]) > n}
     return dict(event, **long) if long else event
 
