@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import tempfile
@@ -67,5 +68,8 @@ def rank_process(rank: int, world: int, device_type: str, out_dir: str,
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f, default=str)
+        # DDP/FSDP objects in reference cycles freed now, before the group: freed at interpreter exit, after it,
+        # gloo aborts the process ("terminate called without an active exception"), as ddp_harness says.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
