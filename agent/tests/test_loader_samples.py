@@ -171,3 +171,19 @@ def test_a_failure_inside_the_recording_is_counted_and_the_loader_goes_on(watchi
     w = watching(torch.amp.GradScaler("cpu"), torch.optim.SGD(model.parameters(), lr=0.01), loader=loader)
     assert sum(len(index) for _, index in loader) == 40
     assert w.snapshot()["state"]["delivery"]["agent_errors"] == 10
+
+
+def test_a_torch_whose_loader_iterator_cannot_be_followed_trains_on_without_ids(watching, monkeypatch, caplog):
+    # A future torch that renamed the iterator's methods: the job must not die at watch(), only lose its ids.
+    from torch.utils.data import dataloader as torch_loader
+
+    monkeypatch.delattr(torch_loader._BaseDataLoaderIter, "_next_index")
+    loader = _loader("workers=0")
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with caplog.at_level("WARNING", logger="ampwatch.agent"):
+        w = watching(scaler, opt, loader=loader)
+    assert "cannot follow this torch's DataLoader" in caplog.text
+    assert w.snapshot()["state"]["delivery"]["agent_errors"] == 1
+    assert "_next_index" not in torch_loader._BaseDataLoaderIter.__dict__  # nothing wrapped

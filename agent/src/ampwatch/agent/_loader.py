@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -30,6 +31,8 @@ from ._errors import AgentErrors
 from ._samples import SampleLog
 
 __all__ = ["LoaderTap", "Tap", "close_taps", "followed_loader"]
+
+log = logging.getLogger("ampwatch.agent")
 
 _Iterator = _dataloader._BaseDataLoaderIter
 _taps: dict[int, LoaderTap] = {}  # id(a followed loader's index sampler) -> its tap; a tap holds the sampler
@@ -73,12 +76,22 @@ class LoaderTap:
         self.open = False
 
     def start(self) -> LoaderTap:
-        """Start following (one at a time per loader: a loader already followed is refused)."""
+        """Start following (one at a time per loader: a loader already followed is refused).
+
+        A torch whose DataLoader iterator lacks the two methods followed leaves the loader unfollowed, said once
+        in the log and counted as an agent error: the job trains on, its events carry no sample ids.
+        """
         with _lock:
             if id(self.sampler) in _taps:
                 raise ValueError("this DataLoader is already followed by an open watch; close() that watch first")
+            try:
+                _install()
+            except Exception as error:  # noqa: BLE001 - no ids is no reason to stop a job
+                log.warning("ampwatch: cannot follow this torch's DataLoader (%s): skips will carry no sample ids; "
+                            "call watch.batch(ids) with each batch's ids instead", error)
+                self.errors.report("following a DataLoader", error)
+                return self
             _taps[id(self.sampler)] = self
-            _install()
             self.open = True
         return self
 
@@ -157,9 +170,13 @@ def _tap_of(iterator: Any) -> LoaderTap | None:
 
 
 def _install() -> None:
-    """Wrap the iterator class's two methods (once; called with the lock held)."""
+    """Wrap the iterator class's two methods (once; called with the lock held); raise, wrapping nothing, when this
+    torch's iterator class lacks them."""
     if _originals:
         return
+    missing = [name for name in ("_next_index", "__next__") if name not in _Iterator.__dict__]
+    if missing:
+        raise RuntimeError(f"torch.utils.data.dataloader._BaseDataLoaderIter has no {' or '.join(missing)}")
     next_index, next_batch = _Iterator.__dict__["_next_index"], _Iterator.__dict__["__next__"]
 
     @functools.wraps(next_index)
