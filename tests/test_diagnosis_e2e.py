@@ -124,6 +124,7 @@ def _page_shows_the_three_answers(url: str, device: str) -> None:
         assert any("began in backward in embed (Linear)" in text for text in details), details
         assert any("samples " in text for text in details), details
         assert any("began on another rank" in text for text in details), details
+        assert any("before: it " in text for text in details), details  # a streak's first skip: the batches before
         ARTIFACTS.mkdir(exist_ok=True)
         # docs/images/status-page-diagnosis.png: the suspects and, right below, the run's skips with their answers.
         top = page.locator("#suspects").bounding_box()["y"]

@@ -225,7 +225,10 @@ def test_the_streak_alert_notification_says_where_the_skip_began_and_on_which_sa
                 as collector:
             began = {"loss_finite": True, "stage": "backward", "param": "blocks.3.fc.weight", "module": "blocks.3.fc",
                      "module_type": "Linear"}
-            skip = skip_event(1, iteration=40, began=began, samples=samples(list(range(100, 140))))
+            before = [{"iteration": 38, "samples": samples([7, 8, 9, 10, 11])},
+                      {"iteration": 39, "samples": samples(["a"])}]
+            skip = skip_event(1, iteration=40, began=began, samples=samples(list(range(100, 140))),
+                              samples_before=before)
             post_batch(collector.url, make_batch(run="notified", iteration=55, events=[skip], optimizers={
                 "gen": optimizer(steps=40, skipped=16, consecutive=16, longest=16, streaks=1)}))
             sent = receiver.wait_for(lambda got: {r["path"] for r in got} >= {"/hook", "/slack"})
@@ -234,6 +237,7 @@ def test_the_streak_alert_notification_says_where_the_skip_began_and_on_which_sa
     assert streak["annotations"]["began"] == "backward in blocks.3.fc (Linear), at blocks.3.fc.weight"
     digest = samples(list(range(100, 140)))["digest"]
     assert streak["annotations"]["samples"] == f"100, 101, 102, 103, 104, 105, 106, 107 … 40 in all (digest {digest})"
+    assert streak["annotations"]["samples_before"] == "iteration 38: 7, 8, 9, 10 … 5 in all; iteration 39: a"
     slack = json.dumps(next(r["body"] for r in sent if r["path"] == "/slack"))
     assert "began: backward in blocks.3.fc (Linear), at blocks.3.fc.weight" in slack
 

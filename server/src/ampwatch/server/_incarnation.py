@@ -13,7 +13,7 @@ import json
 import msgspec
 
 from ._batch_parse import parse_batch
-from ._schema import Batch, Began, DeviceInfo, PoisonedStepEvent, Samples, SkipEvent
+from ._schema import Batch, Began, DeviceInfo, IterationSamples, PoisonedStepEvent, Samples, SkipEvent
 from ._stored_form import encode_batch_state
 from ._totals import OptimizerTotals, RankTotals
 
@@ -51,7 +51,8 @@ class Incarnation:
     replayed_only: bool = False
     """Every batch of it so far came from another process replaying a dead one's spool (``replayed``): the
     rank's history, never its owner while a process that sent for itself is there."""
-    diagnosis: dict[str, tuple[int, Began | None, Samples | None]] = dataclasses.field(default_factory=dict)
+    diagnosis: dict[str, tuple[int, Began | None, Samples | None, list[IterationSamples]]] = \
+        dataclasses.field(default_factory=dict)
     """optimizer -> (event id, began, samples) of its latest skip or poisoned step that said where it began or
     which samples it trained on: what the alerts' notifications add (memory only: a restart starts it afresh)."""
     device: DeviceInfo | None = None
@@ -130,7 +131,10 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
         if isinstance(event, SkipEvent) and event.params:
             nonfinite[event.optimizer] = (event.id, event.params[0].name[:max_label_length])
         if isinstance(event, (SkipEvent, PoisonedStepEvent)) and (event.began or event.samples):
-            diagnosis[event.optimizer] = (event.id, event.began, event.samples)
+            before = event.samples_before
+            if not before and (event.streak or 1) > 1 and event.optimizer in diagnosis:
+                before = diagnosis[event.optimizer][3]  # the streak's first event carried them
+            diagnosis[event.optimizer] = (event.id, event.began, event.samples, before)
         elif event.kind == "close":
             closed = True
     if not batch.replayed:

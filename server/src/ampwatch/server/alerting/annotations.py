@@ -12,6 +12,7 @@ from ampwatch.contract.thresholds import AlertThresholds
 __all__ = ["annotations_for", "AlertTexts", "diagnosis_texts"]
 
 _SAMPLE_IDS_SHOWN = 8  # the ids a notification names (the count says how many the iteration had)
+_BEFORE_IDS_SHOWN = 4  # per iteration before the streak
 
 
 def annotations_for(name: str, labels: Mapping[str, Any], value: float, thresholds: AlertThresholds,
@@ -29,11 +30,12 @@ def annotations_for(name: str, labels: Mapping[str, Any], value: float, threshol
 
 
 def diagnosis_texts(diagnosis: tuple | None) -> dict[str, str]:
-    """Return the ``began`` and ``samples`` annotations of a rank's latest skip or poisoned step (``(event id,
-    began, samples)`` of ``RankSnapshot.diagnosis``): where its inf/NaN began and on which samples, when known."""
+    """Return the ``began``, ``samples`` and ``samples_before`` annotations of a rank's latest skip or poisoned step
+    (``(event id, began, samples, samples before)`` of ``RankSnapshot.diagnosis``): where its inf/NaN began, on which
+    samples, and those of the iterations before its streak began, when known."""
     if diagnosis is None:
         return {}
-    _, began, samples = diagnosis
+    _, began, samples, before = diagnosis
     texts = {}
     if began is not None and began.stage is not None:
         where = f" in {began.module or 'the model'}" if began.module is not None else ""
@@ -45,6 +47,11 @@ def diagnosis_texts(diagnosis: tuple | None) -> dict[str, str]:
         ids = ", ".join(str(i) for i in samples.ids[:_SAMPLE_IDS_SHOWN])
         more = f" … {samples.count} in all" if samples.count > min(len(samples.ids), _SAMPLE_IDS_SHOWN) else ""
         texts["samples"] = f"{ids}{more} (digest {samples.digest})"
+    if before:
+        texts["samples_before"] = "; ".join(
+            f"iteration {entry.iteration}: " + ", ".join(str(i) for i in entry.samples.ids[:_BEFORE_IDS_SHOWN])
+            + (f" … {entry.samples.count} in all" if entry.samples.count > _BEFORE_IDS_SHOWN else "")
+            for entry in before)
     return texts
 
 

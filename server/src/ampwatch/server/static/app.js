@@ -422,6 +422,11 @@ function eventDetails(e) {
       if (e.calibration) cell.append(" · ", el("span", {class: "muted"}, "calibration (the scaler settling)"));
       if (e.began) cell.append(" · ", el("span", {class: "began"}, beganText(e.began, e.origin)));
       if (e.samples) cell.append(" · ", el("span", {class: "samples"}, samplesText(e.samples)));
+      if (e.samples_before && e.samples_before.length) {
+        // A streak's first event: the samples of the iterations before it, oldest first.
+        cell.append(" · ", el("span", {class: "samples-before"}, "before: " + e.samples_before.map(
+          b => `it ${b.iteration}: ${samplesText(b.samples, SAMPLE_IDS_BEFORE).replace(/^samples /, "")}`).join("; ")));
+      }
       break;
     }
     case "scale_change":
@@ -457,8 +462,9 @@ function beganText(b, origin) {
 
 // The iteration's samples: the first ids and how many.
 const SAMPLE_IDS_SHOWN = 8;
-function samplesText(s) {
-  const ids = (s.ids || []).slice(0, SAMPLE_IDS_SHOWN).map(String);
+const SAMPLE_IDS_BEFORE = 4;  // per iteration before a streak
+function samplesText(s, shown = SAMPLE_IDS_SHOWN) {
+  const ids = (s.ids || []).slice(0, shown).map(String);
   const more = s.count > ids.length ? ` … ${s.count} in all` : "";
   return `samples ${ids.join(", ")}${more}`;
 }
