@@ -134,8 +134,16 @@ class SkipInspection:
         event: PoisonedStepEvent = {"kind": "poisoned_step", "optimizer": record.name, "iteration": iteration,
                                     "params": report.params, "params_total": report.total, "reason": reason,
                                     **fields}  # type: ignore[typeddict-item]
-        if self.samples is not None:
-            self.samples.describe(event, iteration, current=False, first=first)  # the ids were assigned already
-        if self.began is not None:
-            self.began.add_to(event, iteration, current, report.flagged if reason == "nonfinite_grad" else None)
+        self.explain(event, iteration, current=current, first=first, ids_assigned=True,
+                     flagged=report.flagged if reason == "nonfinite_grad" else None)
         self.events.append(event)
+
+    def explain(self, event: SkipEvent | PoisonedStepEvent, iteration: int, *, current: bool, first: bool,
+                flagged: Any, ids_assigned: bool = False) -> None:
+        """Add to a skip or poisoned step where its inf/NaN began (``flagged``: the gradients a scan of this
+        iteration flagged, or None) and the iteration's samples (with those before, for the ``first`` of a run),
+        as far as the watch records them. ``ids_assigned``: the iteration's ids were already given to it."""
+        if self.samples is not None:
+            self.samples.describe(event, iteration, current=current and not ids_assigned, first=first)
+        if self.began is not None:
+            self.began.add_to(event, iteration, current, flagged)

@@ -389,12 +389,11 @@ class Recorder:
                 record.origin_sent = origin
             if record.steps == 0 or self.scale.grew_since_skip():
                 event["calibration"] = True  # the scaler settling (docs/agent.md#calibration)
-            if self.samples is not None:
-                self.samples.describe(event, iteration, current=current, first=position == 1)
-            if self.began is not None:  # one scan's offenders serve when it scanned every watched gradient
-                scanned = self.inspection.scanned if current and len(self.records) == 1 else None
-                self.began.add_to(event, iteration, current, scanned.flagged if scanned is not None else None)
-                self.inspection.scanned = None  # holds parameters: a dropped job's must go with it
+            # One scan's offenders serve began when it scanned every watched gradient.
+            scanned = self.inspection.scanned if current and len(self.records) == 1 else None
+            self.inspection.scanned = None  # holds parameters: a dropped job's must go with it
+            self.inspection.explain(event, iteration, current=current, first=position == 1,
+                                    flagged=scanned.flagged if scanned is not None else None)
             self.events.append(event)
         if weights is not None and weights.total:
             self.inspection.report_poisoned(record, record.last_step_iteration,  # type: ignore[arg-type] # stepped
