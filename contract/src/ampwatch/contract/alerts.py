@@ -134,7 +134,7 @@ class AlertDefinition:
         conditions.check(condition, where)
         if self.speaks_for or self.gauges:
             raise ValueError(f"{where}: an alert with a condition neither speaks for another nor names gauges")
-        if condition.per != self.scope:
+        if condition.per != self.scope and (condition.per, self.scope) != ("rank", "host"):
             raise ValueError(f"{where}: its condition reads values of each {condition.per}, so its scope is "
                              f"{condition.per}, not {self.scope}")
         if len(self.severities) != 1 or self.severities[0].threshold:
@@ -311,6 +311,46 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "origin of skipped or poisoned steps on different samples, again and again, in this run or "
                     "earlier ones, while the other devices were not: suspect that GPU (GET /v1/suspects lists its "
                     "evidence)."),
+    AlertDefinition(
+        name="AmpLossSpike", scope="rank", severities=_WARNING, for_field=None,
+        condition=Rose("loss_spikes", window="spike_window_s"),
+        summary="The loss spiked on a rank",
+        description=f"The loss of {_ON_RANK} was at least {{spike_sigma}} standard deviations above its rolling mean "
+                    "over {spike_window_iterations} iterations, or non-finite, within the last {spike_window_s} "
+                    "(spikes so far: {value}): a bad batch, a too-high learning rate, or the first sign of a "
+                    "divergence."),
+    AlertDefinition(
+        name="AmpRunLossSpike", scope="run", severities=_WARNING, for_field=None,
+        parameters=_SPEAKING, speaks_for="AmpLossSpike",
+        summary="The loss spiked on most ranks of a run",
+        description="{percent} of the ranks of run {run} had a loss spike within the last {spike_window_s}: the "
+                    "whole job's loss jumped (learning rate, optimizer state, a bad stretch of data), not one rank's "
+                    f"batch. {_SPEAKS.format(their='loss-spike alerts')}"),
+    AlertDefinition(
+        name="AmpGradNormSpike", scope="optimizer", severities=_WARNING, for_field=None,
+        condition=Rose("grad_norm_spikes", window="spike_window_s"),
+        summary="The gradient norm spiked",
+        description=f"The gradient norm of {_WHERE} was at least {{spike_sigma}} standard deviations above its "
+                    "rolling mean over {spike_window_iterations} iterations, or non-finite on a step that went "
+                    "through, within the last {spike_window_s} (spikes so far: {value}): what comes before loss "
+                    "spikes and skip storms."),
+    AlertDefinition(
+        name="AmpRunGradNormSpike", scope="run", severities=_WARNING, for_field=None,
+        parameters=_SPEAKING, speaks_for="AmpGradNormSpike",
+        summary="The gradient norm spiked on most ranks of a run",
+        description="{percent} of the ranks of run {run} had a gradient-norm spike within the last "
+                    "{spike_window_s}: with DDP every rank steps with the same all-reduced gradients, so one rank's "
+                    "bad gradients show on all of them (AmpRankGradientOutlier names the rank they came from). "
+                    f"{_SPEAKS.format(their='gradient-norm spike alerts')}"),
+    AlertDefinition(
+        name="AmpRankGradientOutlier", scope="rank", severities=_WARNING, for_field=None,
+        condition=Rose("gradient_outliers", window="outlier_window_s"),
+        summary="One rank's gradients stand out from the others'",
+        description="Rank {rank} of run {run} had its own gradient norm, "
+                    "before DDP's all-reduce, at least {outlier_sigma} robust deviations above the other ranks' "
+                    "while the other ranks' did not spike, within the last {outlier_window_s} (outliers so far: "
+                    "{value}): suspect that GPU, its host or its data shard (GET /v1/runs/{run}/events lists the "
+                    "gradient_outlier events)."),
     AlertDefinition(
         name="AmpRankConflict", scope="rank", severities=_WARNING, for_field=None,
         condition=Rose("conflicts", window="conflict_window_s"),

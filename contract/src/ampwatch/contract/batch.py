@@ -19,11 +19,21 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Literal, TypedDict
 
-__all__ = ["OptimizerCounters", "DeliveryCounters", "RankState", "ParamCount", "ScaleCause", "PoisonReason", "Event",
+__all__ = ["SignalLevel", "LossSpikeEvent", "GradNormSpikeEvent",
+           "OptimizerCounters", "DeliveryCounters", "RankState", "ParamCount", "ScaleCause", "PoisonReason", "Event",
            "Began", "BeganStage", "ForwardProbe", "Samples", "IterationSamples", "DeviceInfo", "samples_digest",
            "SkipEvent", "StreakEndEvent", "ScaleChangeEvent", "SchedulerAfterSkipEvent", "PoisonedStepEvent",
            "WarningEvent", "ScalerDisabledEvent", "CloseEvent", "EVENTS", "STAMPED", "OPTIMIZER_GAUGES",
            "RANK_GAUGES", "fields", "required"]
+
+
+class SignalLevel(TypedDict):
+    """A watched signal's rolling level (the loss, a gradient norm): the mean and standard deviation of the finite
+    values in its window (``thresholds.spike_window_iterations`` iterations), sent rounded to 4 significant digits
+    once the window holds two values."""
+
+    mean: float
+    std: float
 
 
 class _OptimizerCountersRequired(TypedDict):
@@ -47,9 +57,15 @@ class OptimizerCounters(_OptimizerCountersRequired, total=False):
     scheduler_steps_after_skip: int
     poisoned_steps: int
     """Updates with non-finite gradients or parameters."""
+    grad_norm_spikes: int
+    """Iterations whose gradient norm (the one the optimizer stepped with) spiked (absent: 0)."""
+    grad_norm: SignalLevel
+    """The gradient norm's rolling level (absent: no norm watched, or fewer than two values yet)."""
+    local_grad_norm: SignalLevel
+    """With ``ddp=``: the rolling level of this rank's own gradient norm before DDP's all-reduce."""
 
 
-OPTIMIZER_GAUGES: tuple[str, ...] = ("consecutive_skipped", "longest_streak")
+OPTIMIZER_GAUGES: tuple[str, ...] = ("consecutive_skipped", "longest_streak", "grad_norm", "local_grad_norm")
 """Values of :class:`OptimizerCounters` that are not cumulative counts: the collector keeps a process's own (the
 rest it sums over a rank's processes, as it does the rank's counters)."""
 
@@ -79,13 +95,17 @@ class RankState(_RankStateRequired, total=False):
     """``state``: the rank's cumulative counters and gauges."""
 
     manual_sets: int
+    loss_spikes: int
+    """Iterations whose loss spiked (absent: 0)."""
+    loss: SignalLevel
+    """The loss's rolling level (absent: no loss seen, or fewer than two values yet)."""
     origin_iterations: int
     """Skipped (without a scaler: poisoned) iterations whose inf/NaN started in this rank's own gradients (absent:
     ``ddp=`` not watched)."""
     delivery: DeliveryCounters
 
 
-RANK_GAUGES: tuple[str, ...] = ("iteration", "loss_scale")
+RANK_GAUGES: tuple[str, ...] = ("iteration", "loss_scale", "loss")
 """Values of :class:`RankState` that are not cumulative counts (``optimizers`` and ``delivery`` hold counters)."""
 
 
@@ -275,6 +295,45 @@ class PoisonedStepEvent(_PoisonedStepRequired, total=False):
     samples_before: list[IterationSamples]
 
 
+class _SpikeRequired(_Event):
+    value: float
+    """The iteration's value (non-finite as the strings "NaN", "Infinity", as a loss scale)."""
+    mean: float | None
+    """The window's mean before this value (null: the window held no finite value yet)."""
+    std: float | None
+    z: float | None
+    """``(value - mean) / std``: how many deviations above the window's mean; null for a non-finite value."""
+    streak: int
+    """Its position in the signal's run of spikes in consecutive iterations (1 = first); such a run is sent at its
+    1st, 2nd, 4th, 8th, ... spike, the counters count every one."""
+
+
+class _LossSpikeRequired(_SpikeRequired):
+    kind: Literal["loss_spike"]
+
+
+class LossSpikeEvent(_LossSpikeRequired, total=False):
+    """``loss_spike``: the iteration's loss (the sum of the losses passed through ``scaler.scale()`` or
+    ``watch.loss()`` in it) was non-finite, or at least ``spike_sigma`` deviations above its window's mean."""
+
+    samples: Samples
+
+
+class _GradNormSpikeRequired(_SpikeRequired):
+    kind: Literal["grad_norm_spike"]
+    optimizer: str
+
+
+class GradNormSpikeEvent(_GradNormSpikeRequired, total=False):
+    """``grad_norm_spike``: an optimizer's gradient norm spiked: the norm it stepped with (``local`` false), or, with
+    ``ddp=``, this rank's own before DDP's all-reduce (``local`` true: what the collector compares across ranks for
+    a ``gradient_outlier``)."""
+
+    local: bool
+    """True: this rank's own gradients before DDP's all-reduce (absent: false)."""
+    samples: Samples
+
+
 class _WarningRequired(_Event):
     kind: Literal["warning"]
     code: str
@@ -296,12 +355,13 @@ class CloseEvent(_Event):
 EVENTS: Mapping[str, type] = {
     "skip": SkipEvent, "streak_end": StreakEndEvent, "scale_change": ScaleChangeEvent,
     "scheduler_after_skip": SchedulerAfterSkipEvent, "poisoned_step": PoisonedStepEvent, "warning": WarningEvent,
-    "scaler_disabled": ScalerDisabledEvent, "close": CloseEvent,
+    "scaler_disabled": ScalerDisabledEvent, "close": CloseEvent, "loss_spike": LossSpikeEvent,
+    "grad_norm_spike": GradNormSpikeEvent,
 }
 """Each event kind an agent sends, and what its events hold."""
 
 Event = (SkipEvent | StreakEndEvent | ScaleChangeEvent | SchedulerAfterSkipEvent | PoisonedStepEvent | WarningEvent
-         | ScalerDisabledEvent | CloseEvent)
+         | ScalerDisabledEvent | CloseEvent | LossSpikeEvent | GradNormSpikeEvent)
 """Any event an agent sends."""
 
 

@@ -1,7 +1,7 @@
 """The values of a rank that alerts read, by name: cumulative counters, and the gauges of its latest state.
 
 Each name is what a batch's ``state`` calls it (``state.backoffs``, ``state.optimizers[o].skipped``),
-except ``conflicts``, which the collector counts itself (``ampwatch_rank_conflicts_total``); each value
+except ``conflicts`` and ``gradient_outliers``, which the collector counts itself; each value
 names the series the collector exposes it as, which the Prometheus rules read. An alert definition
 (:mod:`ampwatch.contract.alerts`) names the counters its condition compares over a window and the
 gauges that can make it hold on their own; the collector's alert history keeps exactly those.
@@ -46,6 +46,10 @@ COUNTERS: Mapping[str, RankValue] = {c.name: c for c in (
     RankValue("growths", "rank", "loss-scale growths", m.LOSS_SCALE_GROWTHS),
     RankValue("origin_iterations", "rank", "skipped iterations whose inf/NaN started in this rank's own gradients",
               m.RANK_ORIGIN_ITERATIONS),
+    RankValue("loss_spikes", "rank", "iterations whose loss spiked above its rolling window, or was non-finite",
+              m.LOSS_SPIKES),
+    RankValue("gradient_outliers", "rank", "iterations where this rank's own gradient norm stood out from the other "
+              "ranks' and its own history (counted by the collector)", m.RANK_GRADIENT_OUTLIERS),
     RankValue("conflicts", "rank", "processes that claimed the rank while it was live (counted by the collector)",
               m.RANK_CONFLICTS),
     RankValue("steps", "optimizer", "scaler.step() calls that updated the parameters", m.OPTIMIZER_STEPS),
@@ -54,6 +58,8 @@ COUNTERS: Mapping[str, RankValue] = {c.name: c for c in (
               m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP),
     RankValue("poisoned_steps", "optimizer", "updates with non-finite gradients or parameters",
               m.OPTIMIZER_POISONED_STEPS),
+    RankValue("grad_norm_spikes", "optimizer", "iterations whose gradient norm spiked above its rolling window, or "
+              "was non-finite on a step that went through", m.OPTIMIZER_GRAD_NORM_SPIKES),
     RankValue("streaks_reached", "optimizer", "skip streaks that reached each rung's length", m.OPTIMIZER_SKIP_STREAKS,
               ladder=True),
 )}

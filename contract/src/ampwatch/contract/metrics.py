@@ -19,7 +19,9 @@ __all__ = [
     "Metric", "METRICS",
     "OPTIMIZER_STEPS", "OPTIMIZER_SKIPPED_STEPS", "OPTIMIZER_CONSECUTIVE_SKIPPED", "OPTIMIZER_LONGEST_SKIP_STREAK",
     "OPTIMIZER_SKIP_STREAKS", "OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP", "OPTIMIZER_POISONED_STEPS",
-    "NONFINITE_GRADIENT_INFO",
+    "NONFINITE_GRADIENT_INFO", "OPTIMIZER_GRAD_NORM_SPIKES", "OPTIMIZER_GRAD_NORM_MEAN", "OPTIMIZER_GRAD_NORM_STD",
+    "OPTIMIZER_LOCAL_GRAD_NORM_MEAN", "OPTIMIZER_LOCAL_GRAD_NORM_STD",
+    "LOSS_SPIKES", "LOSS_MEAN", "LOSS_STD", "RANK_GRADIENT_OUTLIERS",
     "RANK_ORIGIN_ITERATIONS",
     "LOSS_SCALE", "LOSS_SCALE_BACKOFFS", "LOSS_SCALE_GROWTHS", "LOSS_SCALE_MANUAL_SETS", "ITERATION",
     "RANK_LAST_SEEN", "RANK_CLOSED", "RANK_INFO", "RANK_CONFLICTS",
@@ -74,8 +76,31 @@ OPTIMIZER_POISONED_STEPS = Metric("ampwatch_optimizer_poisoned_steps_total", "co
                                   "non-finite.")
 NONFINITE_GRADIENT_INFO = Metric("ampwatch_nonfinite_gradient_info", "gauge", (*_OPTIMIZER, "parameter"),
                                  "The latest parameter named as holding non-finite gradients on a skip (value 1).")
+OPTIMIZER_GRAD_NORM_SPIKES = Metric("ampwatch_optimizer_grad_norm_spikes_total", "counter", _OPTIMIZER,
+                                    "Iterations whose gradient norm (what the optimizer stepped with) spiked: at least "
+                                    "spike_sigma standard deviations above its rolling window, or non-finite on a "
+                                    "step that went through.")
+OPTIMIZER_GRAD_NORM_MEAN = Metric("ampwatch_optimizer_grad_norm_mean", "gauge", _OPTIMIZER,
+                                  "Mean of the gradient norm over its rolling window (the agent's last report).")
+OPTIMIZER_GRAD_NORM_STD = Metric("ampwatch_optimizer_grad_norm_std", "gauge", _OPTIMIZER,
+                                 "Standard deviation of the gradient norm over its rolling window.")
+OPTIMIZER_LOCAL_GRAD_NORM_MEAN = Metric("ampwatch_optimizer_local_grad_norm_mean", "gauge", _OPTIMIZER,
+                                        "Mean over its rolling window of this rank's own gradient norm before DDP's "
+                                        "all-reduce (only ranks watched with ddp=).")
+OPTIMIZER_LOCAL_GRAD_NORM_STD = Metric("ampwatch_optimizer_local_grad_norm_std", "gauge", _OPTIMIZER,
+                                       "Standard deviation over its rolling window of this rank's own gradient norm "
+                                       "before DDP's all-reduce.")
 
 # Per rank.
+LOSS_SPIKES = Metric("ampwatch_loss_spikes_total", "counter", _RANK,
+                     "Iterations whose loss spiked: at least spike_sigma standard deviations above its rolling "
+                     "window, or non-finite.")
+LOSS_MEAN = Metric("ampwatch_loss_mean", "gauge", _RANK, "Mean of the loss over its rolling window.")
+LOSS_STD = Metric("ampwatch_loss_std", "gauge", _RANK, "Standard deviation of the loss over its rolling window.")
+RANK_GRADIENT_OUTLIERS = Metric("ampwatch_rank_gradient_outliers_total", "counter", _RANK,
+                                "Iterations where this rank's own gradient norm before DDP's all-reduce stood out "
+                                "from the other ranks' and from its own history (gradient_outlier events, judged by "
+                                "the collector).")
 LOSS_SCALE = Metric("ampwatch_loss_scale", "gauge", _RANK, "Current loss scale of the rank's GradScaler.")
 LOSS_SCALE_BACKOFFS = Metric("ampwatch_loss_scale_backoffs_total", "counter", _RANK,
                              "update() calls that multiplied the scale by backoff_factor.")

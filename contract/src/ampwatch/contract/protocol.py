@@ -15,7 +15,7 @@ from .batch import EVENTS, DeliveryCounters, ScaleCause, fields
 
 __all__ = [
     "PROTOCOL_VERSION", "STREAK_LADDER", "TEXT_LIMITS", "MAX_PARAMS", "MAX_SAMPLE_IDS", "MAX_SAMPLES_BEFORE",
-    "MAX_BATCH_EVENTS", "EVENT_KINDS",
+    "MAX_BATCH_EVENTS", "EVENT_KINDS", "LISTED_EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
     "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung", "HEARTBEAT_INTERVAL_S",
     "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "NO_SCALER_KIND",
@@ -72,12 +72,19 @@ MAX_BATCH_EVENTS = 10_000
 """Events in one batch."""
 
 EVENT_KINDS: tuple[str, ...] = tuple(EVENTS)
-"""Every ``kind`` an event may have (each one's fields: :data:`ampwatch.contract.batch.EVENTS`); a new kind means
-a new protocol version."""
+"""Every ``kind`` an event may have (each one's fields: :data:`ampwatch.contract.batch.EVENTS`)."""
 
-COLLECTOR_EVENT_KINDS = ("rank_conflict",)
+LISTED_EVENT_KINDS: tuple[str, ...] = ("loss_spike", "grad_norm_spike")
+"""Kinds added to protocol 1 after its first collectors, which refuse a batch holding one (422): a collector that
+takes them lists them in every 2xx answer (``"kinds": [...]``), and an agent sends an event of one only to a
+collector whose answer listed it (docs/protocol.md#kinds-a-collector-lists). A new kind is added here, never
+as a new protocol version."""
+
+COLLECTOR_EVENT_KINDS = ("rank_conflict", "gradient_outlier")
 """Kinds of the events the collector records itself (never accepted from an agent), listed beside the
-agents' events by ``GET /v1/runs/{run}/events``: ``rank_conflict``, two processes claim one run and rank."""
+agents' events by ``GET /v1/runs/{run}/events``: ``rank_conflict``, two processes claim one run and rank;
+``gradient_outlier``, a rank's own gradient norm stood out from the other ranks' and from its own
+history (docs/alerts.md)."""
 
 NO_SCALER_KIND = "none"
 """``scaler.kind`` of a rank that trains without a GradScaler (bf16 or float32; ``watch(None, ...)``), sent

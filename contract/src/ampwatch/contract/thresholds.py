@@ -146,6 +146,30 @@ class AlertThresholds:
     started skips in the window: when most ranks do, the cause is the job (data,
     learning rate), not a GPU or a host."""
 
+    spike_window_iterations: int = 128
+    """The agent's (``AMPWATCH_SPIKE_WINDOW``): iterations in each signal's rolling window (the loss, each
+    optimizer's gradient norm). No spike is judged before the window holds this many finite values (a non-finite
+    value is a spike from the first iteration). OLMo-core's ``SkipStepOptimizer`` uses 128."""
+
+    spike_sigma: float = 6.0
+    """The agent's (``AMPWATCH_SPIKE_SIGMA``): a value at least this many standard deviations above its window's
+    mean is a spike. OLMo-core's ``SkipStepOptimizer`` uses 6."""
+
+    spike_window_s: int = 600
+    """How long a loss or gradient-norm spike keeps its alert firing."""
+
+    outlier_sigma: float = 6.0
+    """The collector's: a rank's own gradient norm (before DDP's all-reduce) at a spike of it is a gradient outlier
+    when it is at least this many robust deviations (1.4826 x MAD, floored by the ranks' own deviation) above the
+    median of the other ranks' rolling means."""
+
+    outlier_rank_share: float = 0.25
+    """At most this share of the run's ranks (and at least one rank) may have their own gradient norm spike at
+    one iteration for any of them to be an outlier: when more do, the job spiked, not a rank."""
+
+    outlier_window_s: int = 1800
+    """How long a gradient outlier keeps its alert firing."""
+
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _LIMITS[field.name].check(field.name, getattr(self, field.name))
@@ -186,6 +210,8 @@ _WAIT = _Limit("a whole number of seconds >= 0", lambda v: v >= 0, "must be a wh
 # a counter to rise, which lets the collector skip the windows of ranks where none did.
 _COUNT = _Limit("a whole number >= 1", lambda v: v >= 1, "must be a whole number >= 1")
 _ITERATIONS = _Limit("a whole number >= 0", lambda v: v >= 0, "must be a whole number >= 0")
+_WINDOW_ITERATIONS = _Limit("a whole number >= 2", lambda v: v >= 2, "must be a whole number >= 2 (a deviation needs "
+                            "two values)")
 _SHARE = _Limit("", lambda v: 0 < v <= 1, "must be in (0, 1]")
 _SCALE = _Limit("", lambda v: 0 < v < math.inf, "must be > 0 and finite")
 _APART = _Limit("", lambda v: 1 < v < math.inf, "must be > 1 and finite")
@@ -203,6 +229,8 @@ _LIMITS: Mapping[str, _Limit] = {
     "silent_after_s": _WINDOW, "silent_for_s": _WAIT,
     "scheduler_window_s": _WINDOW, "poisoned_window_s": _WINDOW, "conflict_window_s": _WINDOW,
     "origin_window_s": _WINDOW, "origin_min_count": _COUNT, "origin_rank_share": _SHARE,
+    "spike_window_iterations": _WINDOW_ITERATIONS, "spike_sigma": _SCALE, "spike_window_s": _WINDOW,
+    "outlier_sigma": _SCALE, "outlier_rank_share": _SHARE, "outlier_window_s": _WINDOW,
 }
 """What each field of :class:`AlertThresholds` may hold: every field has its limit here, checked in one place."""
 
@@ -229,7 +257,7 @@ DEMO_THRESHOLDS = dataclasses.replace(
     skip_streak_window_s=5, backoff_window_s=3, backoff_min_count=2, backoff_for_s=0,
     collapsed_for_s=2, desync_for_s=10, skip_ratio_window_s=60, skip_ratio_for_s=5,
     silent_after_s=30, silent_for_s=5, scheduler_window_s=10, poisoned_window_s=30, origin_window_s=60,
-    conflict_window_s=60, storm_edge_for_s=2)
+    conflict_window_s=60, storm_edge_for_s=2, spike_window_iterations=32, spike_window_s=30, outlier_window_s=60)
 
 PROFILES: Mapping[str, AlertThresholds] = {"default": DEFAULT_THRESHOLDS, "demo": DEMO_THRESHOLDS}
 """Named thresholds: what ``--alert-thresholds`` accepts besides a JSON file of overrides."""

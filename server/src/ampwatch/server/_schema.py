@@ -111,6 +111,13 @@ class ScalerInfo(_Model, frozen=True):
     growth_interval: int | None = None
 
 
+class SignalLevel(_Model, frozen=True):
+    """A signal's rolling level (the loss, a gradient norm): its window's mean and standard deviation."""
+
+    mean: Finite
+    std: Annotated[float, Meta(ge=0)]
+
+
 class WireOptimizerCounters(_Model, frozen=True):
     """``state.optimizers[name]``: one optimizer's cumulative counters and current streak, as sent."""
 
@@ -122,6 +129,9 @@ class WireOptimizerCounters(_Model, frozen=True):
     streaks_reached: dict[LadderKey, Count] = {}
     scheduler_steps_after_skip: Count = 0
     poisoned_steps: Count = 0
+    grad_norm_spikes: Count = 0
+    grad_norm: SignalLevel | None = None
+    local_grad_norm: SignalLevel | None = None  # absent: the rank does not watch DDP's all-reduce (ddp=)
 
 
 class Delivery(_Model, frozen=True):
@@ -141,6 +151,8 @@ class WireRankState(_Model, frozen=True):
     growths: Count
     optimizers: dict[Label, WireOptimizerCounters]
     manual_sets: Count = 0
+    loss_spikes: Count = 0
+    loss: SignalLevel | None = None
     origin_iterations: Count | None = None  # absent: the rank does not watch DDP's all-reduce (ddp=)
     delivery: Delivery = Delivery()
 
@@ -260,6 +272,26 @@ class WarningEvent(_EventBase, tag="warning", frozen=True):
     optimizer: Label | None = None
 
 
+class _SpikeEvent(_EventBase, kw_only=True, frozen=True):
+    # A value may be non-finite (a non-finite value is always a spike), written as a loss scale is.
+    value: ScaleValue
+    mean: Finite | None
+    std: Annotated[float, Meta(ge=0)] | None
+    z: Finite | None
+    streak: Positive
+    samples: Samples | None = None
+
+
+class LossSpikeEvent(_SpikeEvent, tag="loss_spike", frozen=True):
+    kind: ClassVar[str] = "loss_spike"
+
+
+class GradNormSpikeEvent(_SpikeEvent, tag="grad_norm_spike", kw_only=True, frozen=True):
+    kind: ClassVar[str] = "grad_norm_spike"
+    optimizer: Label
+    local: bool = False
+
+
 class ScalerDisabledEvent(_EventBase, tag="scaler_disabled", frozen=True):
     kind: ClassVar[str] = "scaler_disabled"
 
@@ -269,9 +301,9 @@ class CloseEvent(_EventBase, tag="close", frozen=True):
 
 
 EVENT_MODELS = (SkipEvent, StreakEndEvent, ScaleChangeEvent, SchedulerAfterSkipEvent, PoisonedStepEvent,
-                 WarningEvent, ScalerDisabledEvent, CloseEvent)
+                 WarningEvent, ScalerDisabledEvent, CloseEvent, LossSpikeEvent, GradNormSpikeEvent)
 Event = (SkipEvent | StreakEndEvent | ScaleChangeEvent | SchedulerAfterSkipEvent | PoisonedStepEvent | WarningEvent
-         | ScalerDisabledEvent | CloseEvent)
+         | ScalerDisabledEvent | CloseEvent | LossSpikeEvent | GradNormSpikeEvent)
 
 
 class Batch(_Model, frozen=True):
