@@ -18,10 +18,16 @@ import urllib.request
 from typing import Any, get_type_hints
 
 from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, fields, samples_digest
-from ampwatch.contract.protocol import MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
+from ampwatch.contract.protocol import LISTED_EVENT_KINDS, MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
-__all__ = ["BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples",
-           "skip_event"]
+__all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch",
+           "samples", "skip_event"]
+
+APPLIED: dict[str, Any] = {"applied": True, "kinds": list(LISTED_EVENT_KINDS)}
+"""A collector's answer to a batch it applied: it lists the event kinds it takes that protocol 1 added later
+(docs/protocol.md#kinds-a-collector-lists)."""
+DUPLICATE: dict[str, Any] = {"applied": False, "duplicate": True, "kinds": list(LISTED_EVENT_KINDS)}
+"""A collector's answer to a batch it had applied already."""
 
 CLEAN_DELIVERY: dict[str, int] = dict.fromkeys(fields(DeliveryCounters), 0)
 """The state's ``delivery`` counters of an agent that lost and was refused nothing."""

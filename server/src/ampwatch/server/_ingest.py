@@ -7,14 +7,17 @@ on its own by the same per-rank path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
+from ampwatch.contract.protocol import LISTED_EVENT_KINDS
 
 from ._access import bearer_matches
 from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
@@ -23,6 +26,7 @@ from ._config import ServerConfig
 from ._evidence import evidence_rows
 from ._incarnation import Incarnation, next_incarnation
 from ._metrics import SelfMetrics
+from ._outliers import Outlier, OutlierJudge, levels_of, local_spikes
 from ._ownership import beside, claimants
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
@@ -35,9 +39,12 @@ __all__ = ["IngestService"]
 
 log = logging.getLogger("ampwatch.server")
 
-# The two answers of nearly every request, encoded once.
-_APPLIED = json.dumps({"applied": True}).encode()
-_DUPLICATE = json.dumps({"applied": False, "duplicate": True}).encode()
+# The two answers of nearly every request, encoded once. Each lists the event kinds added to protocol 1 that this
+# collector takes: an agent sends an event of one only to a collector that listed it (docs/protocol.md#kinds-a-
+# collector-lists).
+_KINDS = list(LISTED_EVENT_KINDS)
+_APPLIED = json.dumps({"applied": True, "kinds": _KINDS}).encode()
+_DUPLICATE = json.dumps({"applied": False, "duplicate": True, "kinds": _KINDS}).encode()
 _MAX_STORED_RAW = 16_384  # bytes; a batch of 16 optimizers without events is ~6 KiB
 
 
@@ -83,6 +90,8 @@ class IngestService:
         self._requests_by_status: dict[int, Any] = {}  # counter children, looked up once per status
         self.in_flight = 0
         """Ingest requests begun and not yet answered (the event loop has work: ``/metrics`` pauses for it)."""
+        self.outliers = OutlierJudge(config.alert_thresholds)
+        """Local gradient-norm spikes waiting to be judged across their run's ranks (:mod:`._outliers`)."""
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Answer one ``POST /v1/ingest`` as a bare ASGI app (the hot path skips the framework's routing)."""
@@ -177,17 +186,66 @@ class IngestService:
         """Apply one rank's batch (``parsed`` by :meth:`_prepare` from ``body``, its bytes as the agent encoded
         them), one batch per rank at a time."""
         batch = parsed[0]
-        key = (batch.run, batch.rank)
         # One batch per rank at a time: the duplicate check and the install must see each other.
+        async with self._turn(batch.run, batch.rank):
+            answer = await self._apply(*parsed, body, client)
+        if batch.run in self.outliers.waiting:  # a healthy run: never
+            await self.judge_outliers(batch.run)
+        return answer
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, run: str, rank: int) -> AsyncIterator[None]:
+        """Hold the rank ``(run, rank)``: what is read of it and written for it is not interleaved with another
+        batch of it (or a judgment that counts on it)."""
+        key = (run, rank)
         while (busy := self._busy.get(key)) is not None:
             await asyncio.wait([busy])
         done = asyncio.get_running_loop().create_future()
         self._busy[key] = done
         try:
-            return await self._apply(*parsed, body, client)
+            yield
         finally:
             del self._busy[key]
             done.set_result(None)
+
+    async def judge_outliers(self, run: str) -> None:
+        """Judge the local gradient-norm spikes of ``run`` that are due, and record each outlier; a failure to record
+        one is logged (the batch that brought it was applied and is answered so)."""
+        ranks = self.state.runs.get(run, {})
+        now = self.clock()
+        for outlier in self.outliers.due(run, lambda spike: levels_of(ranks, spike), now):
+            try:
+                await self._record_outlier(outlier, now)
+            except Exception:
+                log.exception("recording a gradient outlier of rank %d of run %r failed; it is not counted",
+                              outlier.spike.rank, run)
+
+    async def judge_waiting(self) -> None:
+        """Judge every run's spikes that waited long enough (a run whose ranks stopped sending); called periodically."""
+        for run in self.outliers.runs_waiting():
+            await self.judge_outliers(run)
+        self.outliers.forget(self.clock())
+
+    async def _record_outlier(self, outlier: Outlier, now: float) -> None:
+        """Record a ``gradient_outlier``: its event and evidence row, and the rank's count, stored with the process
+        that sent the spike (event id: minus the spike's, so that it is stored once and never meets an agent's)."""
+        spike = outlier.spike
+        rank = self.state.get(spike.run, spike.rank)
+        if rank is None:
+            return  # the rank left memory meanwhile: its history is the database's
+        async with self._turn(spike.run, spike.rank):
+            process = rank.view.incarnations.get(spike.incarnation)
+            if process is None:
+                return
+            counted = dataclasses.replace(process, gradient_outliers=process.gradient_outliers + 1)
+            event, evidence = outlier.rows(process.batch, process.device, now)
+            await self.store.submit(self.store.write_incarnation(spike.run, spike.rank, counted.to_row(), [event],
+                                                                 [evidence]))
+            rank.recount(counted)
+        log.info("rank %d of run %r: its own gradient norm of %s stood out at iteration %d (gradient_outlier)",
+                 spike.rank, spike.run, spike.optimizer, spike.iteration)
+        if self.on_applied is not None:
+            self.on_applied(rank)
 
     def _authenticate(self, given: bytes | None) -> None:
         if self.config.token is None:
@@ -303,6 +361,8 @@ class IngestService:
             rank = RankState(batch.run, batch.rank)
         rank.install(new)
         self.state.adopt(rank)
+        if events and (spikes := local_spikes(batch, _new_events(batch, old), now)):
+            self.outliers.note(spikes)
         if rank.view.shown() != shown:
             self.state.moved(batch.run)
         if self.on_applied is not None:
@@ -329,6 +389,12 @@ class IngestService:
             log.warning("rank %d of run %r: incarnation %s (host %s, pid %d) claimed it while %s kept sending; "
                         "put out of the rank (rank_conflict)", rank.rank, rank.run, claimant.id,
                         claimant.batch.host, claimant.batch.pid, live.id)
+
+
+def _new_events(batch: Batch, old: Incarnation | None) -> list:
+    """The events of ``batch`` not applied before (an id above the process's newest applied one)."""
+    newest = old.max_event_id if old is not None else 0
+    return [e for e in batch.events if e.id > newest]
 
 
 def _as_stored(body: bytes, events: list) -> str | None:

@@ -203,6 +203,11 @@ class RankState:
         if self.view.current is new:
             self.scale_trace.record_batch(new.batch, new_process=before is None or before.id != new.id)
 
+    def recount(self, new: Incarnation) -> None:
+        """Make ``new`` the applied state of its incarnation: the same process and batch, with a count the collector
+        keeps itself moved (``gradient_outliers``); no batch was applied, so the loss-scale trace stays."""
+        self.view = self.view.installed(new)
+
     def exclude(self, claimant: Incarnation) -> None:
         """Put ``claimant`` (from :func:`._ownership.claimants`) out of the rank: it is never again its current
         process, its gauges, liveness or parameter names; the rank's owner is chosen again among the others.

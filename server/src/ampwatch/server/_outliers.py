@@ -1,0 +1,200 @@
+"""The rank whose gradients stand out: local gradient-norm spikes judged across a run's ranks (docs/protocol.md#
+gradient_outlier has the rule table).
+
+An agent watching with ``ddp=`` judges its rank's own gradient norm (before DDP's all-reduce) against its own
+history and sends a ``grad_norm_spike`` with ``local: true`` when it spikes. Here each such spike is compared with
+the other ranks' rolling levels of the same optimizer (their ``local_grad_norm``): far above the median of their
+means, by a robust spread, it is a ``gradient_outlier``. Work is done per local spike, never per batch: a healthy
+run sends none, and its batches cost one empty-dict check (:meth:`OutlierJudge.waiting`).
+
+:func:`verdict` is the rule, pure; :class:`OutlierJudge` keeps the spikes waiting for the other ranks to report
+their iteration (memory only) and decides when each is judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
+from ampwatch.contract.thresholds import AlertThresholds
+
+from ._evidence import outlier_evidence_row
+from ._schema import Batch, DeviceInfo, GradNormSpikeEvent, Samples
+
+__all__ = ["LocalSpike", "Level", "Outlier", "verdict", "OutlierJudge", "WAIT_S", "MAD_SCALE"]
+
+WAIT_S = 2.0 * HEARTBEAT_INTERVAL_S
+"""How long a spike waits for every other rank to report its iteration before it is judged with what is known."""
+MAD_SCALE = 1.4826
+"""1.4826 x the median absolute deviation estimates a normal distribution's standard deviation."""
+_SEEN_FOR_S = 10 * WAIT_S  # how long the ranks that spiked at an iteration are remembered (rows 3 and 7)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalSpike:
+    """A ``grad_norm_spike`` with ``local: true``: rank ``rank``'s own gradient norm spiked at ``iteration``."""
+
+    run: str
+    rank: int
+    incarnation: str
+    event_id: int
+    iteration: int
+    optimizer: str
+    value: float
+    time: float
+    world_size: int
+    samples: Samples | None
+    arrived: float
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """The run's iteration of one optimizer: the ranks that spiked there are counted together (row 3)."""
+        return (self.run, self.optimizer, self.iteration)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Level:
+    """Another rank's rolling level of its own gradient norm (``local_grad_norm``), and how far it has got."""
+
+    rank: int
+    mean: float
+    std: float
+    iteration: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outlier:
+    """A spike judged a gradient outlier: what its ``gradient_outlier`` event says."""
+
+    spike: LocalSpike
+    reference: float
+    """The median of the other ranks' means."""
+    spread: float
+    """max(1.4826 x MAD of their means, the median of their deviations), floored as the agent floors a deviation."""
+    z: float | None
+    """(value - reference) / spread; None for a non-finite value."""
+    ranks_compared: int
+
+    def body(self, now: float) -> dict[str, Any]:
+        """The event as stored and listed (``GET /v1/runs/{run}/events``), non-finite values as the protocol
+        writes them."""
+        s = self.spike
+        value: float | str = s.value if math.isfinite(s.value) else ("NaN" if s.value != s.value else "Infinity")
+        return {"id": -s.event_id, "kind": "gradient_outlier", "time": now, "iteration": s.iteration,
+                "optimizer": s.optimizer, "rank": s.rank, "value": value, "reference": self.reference,
+                "spread": self.spread, "z": self.z, "ranks_compared": self.ranks_compared,
+                "spike_id": s.event_id}
+
+    def rows(self, batch: Batch, device: DeviceInfo | None, now: float) -> tuple[tuple, tuple]:
+        """Its ``events`` row and its ``evidence`` row, under the process that sent the spike (``batch``: its last
+        applied one; ``device``: its device as last known). Their id is minus the spike's: stored once, and never
+        one an agent numbers (from 1) or a ``rank_conflict`` (0)."""
+        s = self.spike
+        event = (s.run, s.rank, s.incarnation, -s.event_id, "gradient_outlier", now, s.iteration, s.optimizer,
+                 json.dumps(self.body(now)))
+        evidence = outlier_evidence_row(s.run, s.rank, s.incarnation, -s.event_id, min(s.time, now), s.iteration,
+                                        s.optimizer, s.world_size, batch.host, batch.local_rank, device, s.samples)
+        return event, evidence
+
+
+def verdict(spike: LocalSpike, others: Sequence[Level], spiking_ranks: int, t: AlertThresholds) -> Outlier | None:
+    """Return the outlier ``spike`` is, or None (the rows of the table in docs/protocol.md#gradient_outlier).
+
+    ``others``: the other open ranks' levels for the spike's optimizer; ``spiking_ranks``: how many ranks (this one
+    included) sent a local spike of that optimizer at that iteration.
+    """
+    if not others:
+        return None  # 1: nothing to compare with
+    if spiking_ranks > 1 and spiking_ranks > t.outlier_rank_share * spike.world_size:
+        return None  # 3: the whole job spiked, not one rank
+    means = [o.mean for o in others]
+    reference = statistics.median(means)
+    mad = statistics.median(abs(m - reference) for m in means)
+    spread = max(MAD_SCALE * mad, statistics.median(o.std for o in others), 1e-6 * abs(reference), 1e-12)
+    if not math.isfinite(spike.value):
+        return Outlier(spike, reference, spread, None, len(others))  # 4: its own gradients went non-finite alone
+    z = (spike.value - reference) / spread
+    if z >= t.outlier_sigma:
+        return Outlier(spike, reference, spread, z, len(others))  # 5
+    return None  # 6
+
+
+def local_spikes(batch: Batch, events: Iterable[Any], now: float) -> list[LocalSpike]:
+    """The local gradient-norm spikes among a batch's new ``events``."""
+    return [LocalSpike(batch.run, batch.rank, batch.incarnation, e.id, e.iteration, e.optimizer, float(e.value),
+                       e.time, batch.world_size, e.samples, now)
+            for e in events if isinstance(e, GradNormSpikeEvent) and e.local]
+
+
+class OutlierJudge:
+    """The spikes waiting to be judged (memory only: a restart loses those not judged yet), and which ranks spiked
+    at each iteration. One per collector; called on the event loop only."""
+
+    def __init__(self, thresholds: AlertThresholds, wait_s: float = WAIT_S) -> None:
+        self.thresholds, self.wait_s = thresholds, wait_s
+        self.waiting: dict[str, list[LocalSpike]] = {}
+        """run -> its spikes not judged yet (empty in a healthy run: what each batch checks)."""
+        self._spiked: dict[tuple[str, str, int], tuple[float, set[int]]] = {}
+        """(run, optimizer, iteration) -> when its first spike arrived, and the ranks that spiked there."""
+
+    def note(self, spikes: Iterable[LocalSpike]) -> None:
+        """Take a batch's local spikes; a (rank, iteration, optimizer) already taken is not taken again (row 7)."""
+        for spike in spikes:
+            first, ranks = self._spiked.setdefault(spike.key, (spike.arrived, set()))
+            if spike.rank in ranks:
+                continue
+            ranks.add(spike.rank)
+            self.waiting.setdefault(spike.run, []).append(spike)
+
+    def due(self, run: str, levels: Callable[[LocalSpike], list[Level]], now: float) -> list[Outlier]:
+        """Judge the spikes of ``run`` that are due (every other rank compared reported the iteration, row 2, or
+        they waited :attr:`wait_s`); return the outliers. ``levels(spike)``: the other open ranks' levels."""
+        pending = self.waiting.get(run)
+        if not pending:
+            return []
+        keep, found = [], []
+        for spike in pending:
+            others = levels(spike)
+            if now - spike.arrived < self.wait_s and any(o.iteration < spike.iteration for o in others):
+                keep.append(spike)
+                continue
+            spiking = len(self._spiked.get(spike.key, (0.0, {spike.rank}))[1])
+            outlier = verdict(spike, others, spiking, self.thresholds)
+            if outlier is not None:
+                found.append(outlier)
+        if keep:
+            self.waiting[run] = keep
+        else:
+            del self.waiting[run]
+        return found
+
+    def runs_waiting(self) -> list[str]:
+        """The runs with spikes not judged yet."""
+        return list(self.waiting)
+
+    def forget(self, now: float) -> None:
+        """Drop what is remembered of iterations whose first spike is older than ``_SEEN_FOR_S`` (bounded memory)."""
+        old = [key for key, (first, _) in self._spiked.items() if now - first > _SEEN_FOR_S]
+        for key in old:
+            del self._spiked[key]
+
+
+def levels_of(ranks: Mapping[int, Any], spike: LocalSpike) -> list[Level]:
+    """The other open ranks of ``ranks`` (``RankState`` by rank) with a ``local_grad_norm`` level for the spike's
+    optimizer, as their newest process last sent it."""
+    found = []
+    for number, rank in ranks.items():
+        view = rank.view
+        if number == spike.rank or view.current is None or view.closed:
+            continue
+        state = view.current.batch.state
+        sent = state.optimizers.get(spike.optimizer)
+        level = sent.local_grad_norm if sent is not None else None
+        if level is not None:
+            found.append(Level(number, level.mean, level.std, state.iteration))
+    return found
