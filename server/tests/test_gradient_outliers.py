@@ -121,6 +121,11 @@ def test_row_3_a_spike_on_more_than_a_share_of_the_ranks_is_the_whole_jobs_and_n
     job.report(2, 11)
     job.report(3, 11)
     assert job.outliers() == [] and job.counted(0) == job.counted(1) == 0
+    # One rank of two is more than the share, but a rank alone is never the whole job.
+    pair = Job(client, "row-3-pair", 2, means=[1.0, 1.0])
+    pair.report(0, 11, pair.spike(0, 11, 100.0))
+    pair.report(1, 11)
+    assert [e["rank"] for e in pair.outliers()] == [0]
 
 
 def test_row_4_a_non_finite_spike_of_one_rank_alone_is_an_outlier(collector):
@@ -171,6 +176,14 @@ def test_row_7_a_spike_sent_again_is_judged_once(collector):
     job.report(0, 12, spike)  # the agent sent it again in its next batch (its answer was lost)
     for rank in (1, 2, 3):
         job.report(rank, 12)
+    assert len(job.outliers()) == 1 and job.counted(0) == 1
+    # Rank 0's process restarted from a checkpoint and spiked at iteration 11 again: that iteration was judged.
+    restarted = make_batch(run="row-7", rank=0, world_size=4, host="row-7-host", incarnation="f" * 32,
+                           process_key="f" * 32, seq=1, iteration=11, events=[dict(spike, id=1)],
+                           optimizers={"gen": optimizer(steps=11, local_grad_norm={"mean": 1.0, "std": 0.1})})
+    assert client.post("/v1/ingest", json=restarted).json() == APPLIED
+    for rank in (1, 2, 3):
+        job.report(rank, 13)
     assert len(job.outliers()) == 1 and job.counted(0) == 1
 
 
