@@ -7,13 +7,12 @@ on its own by the same per-rank path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
@@ -187,26 +186,28 @@ class IngestService:
         them), one batch per rank at a time."""
         batch = parsed[0]
         # One batch per rank at a time: the duplicate check and the install must see each other.
-        async with self._turn(batch.run, batch.rank):
+        key = (batch.run, batch.rank)
+        done = await self._take(key)
+        try:
             answer = await self._apply(*parsed, body, client)
+        finally:
+            self._give_back(key, done)
         if batch.run in self.outliers.waiting:  # a healthy run: never
             await self.judge_outliers(batch.run)
         return answer
 
-    @contextlib.asynccontextmanager
-    async def _turn(self, run: str, rank: int) -> AsyncIterator[None]:
-        """Hold the rank ``(run, rank)``: what is read of it and written for it is not interleaved with another
-        batch of it (or a judgment that counts on it)."""
-        key = (run, rank)
+    async def _take(self, key: tuple[str, int]) -> asyncio.Future:
+        """Hold the rank ``key`` (run, rank): what is read of it and written for it is not interleaved with another
+        batch of it (or a judgment that counts on it) until :meth:`_give_back`."""
         while (busy := self._busy.get(key)) is not None:
             await asyncio.wait([busy])
         done = asyncio.get_running_loop().create_future()
         self._busy[key] = done
-        try:
-            yield
-        finally:
-            del self._busy[key]
-            done.set_result(None)
+        return done
+
+    def _give_back(self, key: tuple[str, int], done: asyncio.Future) -> None:
+        del self._busy[key]
+        done.set_result(None)
 
     async def judge_outliers(self, run: str) -> None:
         """Judge the local gradient-norm spikes of ``run`` that are due, and record each outlier; a failure to record
@@ -233,7 +234,9 @@ class IngestService:
         rank = self.state.get(spike.run, spike.rank)
         if rank is None:
             return  # the rank left memory meanwhile: its history is the database's
-        async with self._turn(spike.run, spike.rank):
+        key = (spike.run, spike.rank)
+        done = await self._take(key)
+        try:
             process = rank.view.incarnations.get(spike.incarnation)
             if process is None:
                 return
@@ -242,6 +245,8 @@ class IngestService:
             await self.store.submit(self.store.write_incarnation(spike.run, spike.rank, counted.to_row(), [event],
                                                                  [evidence]))
             rank.recount(counted)
+        finally:
+            self._give_back(key, done)
         log.info("rank %d of run %r: its own gradient norm of %s stood out at iteration %d (gradient_outlier)",
                  spike.rank, spike.run, spike.optimizer, spike.iteration)
         if self.on_applied is not None:
