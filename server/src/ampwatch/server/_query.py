@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from ampwatch.contract.protocol import COLLECTOR_EVENT_KINDS, DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
 from ._floats import wire_float
-from ._latest_events import collapse
+from ._latest_events import STORM_CAUSE_SQL, collapse
 from ._recovery import load_ranks
 from ._run_scale import WINDOWS, run_scale, traces
 from ._run_summary import firing_of, summary_page, trouble_rows
@@ -152,8 +152,7 @@ async def latest_events(
     cut it (one indexed read: milliseconds for 10,000). The page asks for rare kinds separately."""
     rows = await asyncio.to_thread(
         request.app.state.store.query,
-        "SELECT id, rank, incarnation, kind, time, iteration, optimizer, body, "
-        "CASE kind WHEN 'scale_change' THEN json_extract(body, '$.cause') END AS cause "
+        f"SELECT id, rank, incarnation, kind, time, iteration, optimizer, body, {STORM_CAUSE_SQL} "
         "FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?", (run, 2 * scan))
     if not rows:
         known = await asyncio.to_thread(request.app.state.store.query,
