@@ -197,6 +197,7 @@ def test_an_outlier_is_listed_beside_the_agents_events_counted_and_fires_its_ale
     latest = client.get("/v1/runs/listed/events/latest").json()["rows"]
     assert [row["event"]["kind"] for row in latest] == ["gradient_outlier", "grad_norm_spike"]
     assert job.counted(2) == 1 and job.counted(0) == 0
+    assert [r["gradient_outliers"] for r in client.get("/v1/runs/listed").json()["ranks"]] == [0, 0, 1, 0]
     firing = client.get("/v1/alerts", params={"alertname": "AmpRankGradientOutlier", "run": "listed"}).json()
     assert [a["labels"]["rank"] for a in firing["firing"]] == ["2"]
 
