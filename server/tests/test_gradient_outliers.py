@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -31,9 +32,10 @@ class Clock:
 
 
 class Job:
-    """Ranks of one run posting to the collector: each rank's level of its own gradient norm and its iteration."""
+    """Ranks of one run posting to the collector (an app's test client, or HTTP to a collector process): each rank's
+    level of its own gradient norm and its iteration."""
 
-    def __init__(self, client: TestClient, run: str, size: int, means: list[float | None], stds: float = 0.1,
+    def __init__(self, client: httpx.Client, run: str, size: int, means: list[float | None], stds: float = 0.1,
                  iteration: int = 10) -> None:
         self.client, self.run, self.size, self.means, self.stds = client, run, size, means, stds
         self.seq = [0] * size
@@ -249,3 +251,17 @@ def test_row_2_a_spike_of_a_run_that_went_quiet_is_judged_by_the_periodic_pass(c
         clock.now += WAIT_S + 1  # no rank sends again
         wait_until(job.outliers, what="the quiet run's spike judged")
         assert job.counted(1) == 1
+
+
+def test_a_real_collector_names_the_rank_whose_gradients_stood_out_over_http(tmp_path):
+    from ampwatch_support.collector_process import CollectorProcess
+    with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector, \
+            httpx.Client(base_url=collector.url, timeout=30) as http:
+        job = Job(http, "over-http", 4, means=[1.0, 1.1, 0.9, 1.0])
+        for rank in range(4):  # rank 3's own gradients were x1,000 in iteration 11; the others' were not
+            job.report(rank, 11, *([job.spike(rank, 11, 1000.0, ids=[7, 8])] if rank == 3 else []))
+        [event] = job.outliers()
+        assert (event["rank"], event["iteration"], event["ranks_compared"], event["reference"]) == (3, 11, 3, 1.0)
+        assert [job.counted(rank) for rank in range(4)] == [0, 0, 0, 1]
+        firing = http.get("/v1/alerts", params={"alertname": "AmpRankGradientOutlier"}).json()["firing"]
+        assert [(a["labels"]["run"], a["labels"]["rank"]) for a in firing] == [("over-http", "3")]
