@@ -25,7 +25,7 @@ from ._config import ServerConfig
 from ._evidence import evidence_rows
 from ._incarnation import Incarnation, next_incarnation
 from ._metrics import SelfMetrics
-from ._outliers import Outlier, OutlierJudge, levels_of, local_spikes
+from ._outliers import Outlier, OutlierJudge, local_spikes
 from ._ownership import beside, claimants
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
@@ -193,7 +193,7 @@ class IngestService:
         finally:
             self._give_back(key, done)
         if batch.run in self.outliers.waiting:  # a healthy run: never
-            await self.judge_outliers(batch.run)
+            await self.judge_outliers(batch.run, (batch.rank, batch.state.iteration))
         return answer
 
     async def _take(self, key: tuple[str, int]) -> asyncio.Future:
@@ -209,12 +209,12 @@ class IngestService:
         del self._busy[key]
         done.set_result(None)
 
-    async def judge_outliers(self, run: str) -> None:
-        """Judge the local gradient-norm spikes of ``run`` that are due, and record each outlier; a failure to record
-        one is logged (the batch that brought it was applied and is answered so)."""
-        ranks = self.state.runs.get(run, {})
+    async def judge_outliers(self, run: str, reported: tuple[int, int] | None = None) -> None:
+        """Judge the local gradient-norm spikes of ``run`` that are due (``reported``: the rank and iteration of the
+        batch just applied), and record each outlier; a failure to record one is logged (the batch that brought it
+        was applied and is answered so)."""
         now = self.clock()
-        for outlier in self.outliers.due(run, lambda spike: levels_of(ranks, spike), now):
+        for outlier in self.outliers.due(run, self.state.runs.get(run, {}), now, reported):
             try:
                 await self._record_outlier(outlier, now)
             except Exception:

@@ -1,5 +1,5 @@
-"""The rank whose gradients stand out: local gradient-norm spikes judged across a run's ranks (docs/protocol.md#
-gradient_outlier has the rule table).
+"""The rank whose gradients stand out: local gradient-norm spikes judged across a run's ranks (the rule table:
+docs/protocol.md#gradient_outlier).
 
 An agent watching with ``ddp=`` judges its rank's own gradient norm (before DDP's all-reduce) against its own
 history and sends a ``grad_norm_spike`` with ``local: true`` when it spikes. Here each such spike is compared with
@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
@@ -26,7 +26,8 @@ from ampwatch.contract.thresholds import AlertThresholds
 from ._evidence import outlier_evidence_row
 from ._schema import Batch, DeviceInfo, GradNormSpikeEvent, Samples
 
-__all__ = ["LocalSpike", "Level", "Outlier", "verdict", "OutlierJudge", "WAIT_S", "MAD_SCALE"]
+__all__ = ["LocalSpike", "Level", "Outlier", "verdict", "whole_job", "local_spikes", "levels_of", "OutlierJudge",
+           "WAIT_S", "MAD_SCALE"]
 
 WAIT_S = 2.0 * HEARTBEAT_INTERVAL_S
 """How long a spike waits for every other rank to report its iteration before it is judged with what is known."""
@@ -110,7 +111,7 @@ def verdict(spike: LocalSpike, others: Sequence[Level], spiking_ranks: int, t: A
     """
     if not others:
         return None  # 1: nothing to compare with
-    if spiking_ranks > 1 and spiking_ranks > t.outlier_rank_share * spike.world_size:
+    if whole_job(spiking_ranks, spike.world_size, t):
         return None  # 3: the whole job spiked, not one rank
     means = [o.mean for o in others]
     reference = statistics.median(means)
@@ -124,11 +125,28 @@ def verdict(spike: LocalSpike, others: Sequence[Level], spiking_ranks: int, t: A
     return None  # 6
 
 
+def whole_job(spiking_ranks: int, world_size: int, t: AlertThresholds) -> bool:
+    """Row 3: more than ``outlier_rank_share`` of the run's ranks, and more than one, spiked at one iteration."""
+    return spiking_ranks > 1 and spiking_ranks > t.outlier_rank_share * world_size
+
+
 def local_spikes(batch: Batch, events: Iterable[Any], now: float) -> list[LocalSpike]:
     """The local gradient-norm spikes among a batch's new ``events``."""
     return [LocalSpike(batch.run, batch.rank, batch.incarnation, e.id, e.iteration, e.optimizer, float(e.value),
                        e.time, batch.world_size, e.samples, now)
             for e in events if isinstance(e, GradNormSpikeEvent) and e.local]
+
+
+@dataclasses.dataclass(slots=True)
+class _Iteration:
+    """The local spikes of one (run, optimizer, iteration): those not judged yet, every rank that sent one, and the
+    ranks it waits for (row 2: those with a level that had not reported the iteration when it was first looked at;
+    each leaves as its batch reports it, so a waiting spike costs each batch of its run O(1))."""
+
+    arrived: float
+    waiting: list[LocalSpike] = dataclasses.field(default_factory=list)
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    lagging: set[int] | None = None
 
 
 class OutlierJudge:
@@ -137,39 +155,51 @@ class OutlierJudge:
 
     def __init__(self, thresholds: AlertThresholds, wait_s: float = WAIT_S) -> None:
         self.thresholds, self.wait_s = thresholds, wait_s
-        self.waiting: dict[str, list[LocalSpike]] = {}
-        """run -> its spikes not judged yet (empty in a healthy run: what each batch checks)."""
-        self._spiked: dict[tuple[str, str, int], tuple[float, set[int]]] = {}
-        """(run, optimizer, iteration) -> when its first spike arrived, and the ranks that spiked there."""
+        self.waiting: dict[str, set[tuple[str, str, int]]] = {}
+        """run -> its iterations with spikes not judged yet (empty in a healthy run: what each batch checks)."""
+        self._iterations: dict[tuple[str, str, int], _Iteration] = {}
 
     def note(self, spikes: Iterable[LocalSpike]) -> None:
         """Take a batch's local spikes; a (rank, iteration, optimizer) already taken is not taken again (row 7)."""
         for spike in spikes:
-            first, ranks = self._spiked.setdefault(spike.key, (spike.arrived, set()))
-            if spike.rank in ranks:
+            it = self._iterations.get(spike.key)
+            if it is None:
+                it = self._iterations[spike.key] = _Iteration(spike.arrived)
+            if spike.rank in it.ranks:
                 continue
-            ranks.add(spike.rank)
-            self.waiting.setdefault(spike.run, []).append(spike)
+            it.ranks.add(spike.rank)
+            it.waiting.append(spike)
+            self.waiting.setdefault(spike.run, set()).add(spike.key)
 
-    def due(self, run: str, levels: Callable[[LocalSpike], list[Level]], now: float) -> list[Outlier]:
+    def due(self, run: str, ranks: Mapping[int, Any], now: float, reported: tuple[int, int] | None = None
+            ) -> list[Outlier]:
         """Judge the spikes of ``run`` that are due (every other rank compared reported the iteration, row 2, or
-        they waited :attr:`wait_s`); return the outliers. ``levels(spike)``: the other open ranks' levels."""
-        pending = self.waiting.get(run)
-        if not pending:
+        they waited :attr:`wait_s`); return the outliers. ``ranks``: the run's ``RankState`` by rank;
+        ``reported``: (rank, iteration) of the batch just applied, if any."""
+        keys = self.waiting.get(run)
+        if not keys:
             return []
-        keep, found = [], []
-        for spike in pending:
-            others = levels(spike)
-            if now - spike.arrived < self.wait_s and any(o.iteration < spike.iteration for o in others):
-                keep.append(spike)
-                continue
-            spiking = len(self._spiked.get(spike.key, (0.0, {spike.rank}))[1])
-            outlier = verdict(spike, others, spiking, self.thresholds)
-            if outlier is not None:
-                found.append(outlier)
-        if keep:
-            self.waiting[run] = keep
-        else:
+        found: list[Outlier] = []
+        for key in list(keys):
+            it, (_, optimizer, iteration) = self._iterations[key], key
+            if whole_job(len(it.ranks), it.waiting[0].world_size, self.thresholds):
+                it.waiting.clear()  # row 3, whatever comes later: no need to wait or to compare
+            else:
+                if it.lagging is None:
+                    it.lagging = {level.rank for level in levels_of(ranks, optimizer) if level.iteration < iteration}
+                elif reported is not None and reported[1] >= iteration:
+                    it.lagging.discard(reported[0])
+                if it.lagging - it.ranks and now - it.arrived < self.wait_s:
+                    continue
+                levels = levels_of(ranks, optimizer)
+                for spike in it.waiting:
+                    others = [level for level in levels if level.rank != spike.rank]
+                    outlier = verdict(spike, others, len(it.ranks), self.thresholds)
+                    if outlier is not None:
+                        found.append(outlier)
+                it.waiting.clear()
+            keys.discard(key)
+        if not keys:
             del self.waiting[run]
         return found
 
@@ -178,22 +208,23 @@ class OutlierJudge:
         return list(self.waiting)
 
     def forget(self, now: float) -> None:
-        """Drop what is remembered of iterations whose first spike is older than ``_SEEN_FOR_S`` (bounded memory)."""
-        old = [key for key, (first, _) in self._spiked.items() if now - first > _SEEN_FOR_S]
+        """Drop what is remembered of judged iterations whose first spike is older than ``_SEEN_FOR_S`` (bounded
+        memory)."""
+        old = [key for key, it in self._iterations.items() if now - it.arrived > _SEEN_FOR_S and not it.waiting]
         for key in old:
-            del self._spiked[key]
+            del self._iterations[key]
 
 
-def levels_of(ranks: Mapping[int, Any], spike: LocalSpike) -> list[Level]:
-    """The other open ranks of ``ranks`` (``RankState`` by rank) with a ``local_grad_norm`` level for the spike's
-    optimizer, as their newest process last sent it."""
+def levels_of(ranks: Mapping[int, Any], optimizer: str) -> list[Level]:
+    """The open ranks of ``ranks`` (``RankState`` by rank) with a ``local_grad_norm`` level for ``optimizer``, as
+    their newest process last sent it."""
     found = []
     for number, rank in ranks.items():
         view = rank.view
-        if number == spike.rank or view.current is None or view.closed:
+        if view.current is None or view.closed:
             continue
         state = view.current.batch.state
-        sent = state.optimizers.get(spike.optimizer)
+        sent = state.optimizers.get(optimizer)
         level = sent.local_grad_norm if sent is not None else None
         if level is not None:
             found.append(Level(number, level.mean, level.std, state.iteration))
