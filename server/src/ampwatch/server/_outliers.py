@@ -5,7 +5,7 @@ An agent watching with ``ddp=`` judges its rank's own gradient norm (before DDP'
 history and sends a ``grad_norm_spike`` with ``local: true`` when it spikes. Here each such spike is compared with
 the other ranks' rolling levels of the same optimizer (their ``local_grad_norm``): far above the median of their
 means, by a robust spread, it is a ``gradient_outlier``. Work is done per local spike, never per batch: a healthy
-run sends none, and its batches cost one empty-dict check (:meth:`OutlierJudge.waiting`).
+run sends none, and its batches cost one dict lookup (``OutlierJudge.waiting``).
 
 :func:`verdict` is the rule, pure; :class:`OutlierJudge` keeps the spikes waiting for the other ranks to report
 their iteration (memory only) and decides when each is judged.
@@ -24,6 +24,7 @@ from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
 from ampwatch.contract.thresholds import AlertThresholds
 
 from ._evidence import outlier_evidence_row
+from ._floats import wire_float
 from ._schema import Batch, DeviceInfo, GradNormSpikeEvent, Samples
 
 __all__ = ["LocalSpike", "Level", "Outlier", "verdict", "whole_job", "local_spikes", "levels_of", "OutlierJudge",
@@ -85,9 +86,8 @@ class Outlier:
         """The event as stored and listed (``GET /v1/runs/{run}/events``), non-finite values as the protocol
         writes them."""
         s = self.spike
-        value: float | str = s.value if math.isfinite(s.value) else ("NaN" if s.value != s.value else "Infinity")
         return {"id": -s.event_id, "kind": "gradient_outlier", "time": now, "iteration": s.iteration,
-                "optimizer": s.optimizer, "rank": s.rank, "value": value, "reference": self.reference,
+                "optimizer": s.optimizer, "rank": s.rank, "value": wire_float(s.value), "reference": self.reference,
                 "spread": self.spread, "z": self.z, "ranks_compared": self.ranks_compared,
                 "spike_id": s.event_id}
 
