@@ -72,3 +72,12 @@ def test_every_2xx_answer_lists_the_kinds_added_to_protocol_1_and_a_refusal_list
     assert client.post("/v1/ingest", json=first).json() == DUPLICATE
     refused = client.post("/v1/ingest", json=dict(first, rank=-1))
     assert refused.status_code == 422 and "kinds" not in refused.json()
+
+
+def test_a_loss_and_a_gradient_norm_spike_fire_their_alerts_on_the_rank_and_optimizer(client):
+    client.post("/v1/ingest", json=batch(INC_A, 1, loss_spikes=0, grad_norm_spikes=0))
+    firing = lambda: {(a["name"], a["labels"].get("optimizer")) for a in  # noqa: E731
+                      client.get("/v1/alerts").json()["firing"] if a["name"] in ("AmpLossSpike", "AmpGradNormSpike")}
+    assert firing() == set()
+    client.post("/v1/ingest", json=batch(INC_A, 2, loss_spikes=1, grad_norm_spikes=1))
+    assert firing() == {("AmpLossSpike", None), ("AmpGradNormSpike", "gen")}
