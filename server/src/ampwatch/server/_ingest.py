@@ -38,12 +38,10 @@ __all__ = ["IngestService"]
 
 log = logging.getLogger("ampwatch.server")
 
-# The two answers of nearly every request, encoded once. Each lists the event kinds added to protocol 1 that this
-# collector takes: an agent sends an event of one only to a collector that listed it (docs/protocol.md#kinds-a-
-# collector-lists).
-_KINDS = list(LISTED_EVENT_KINDS)
-_APPLIED = json.dumps({"applied": True, "kinds": _KINDS}).encode()
-_DUPLICATE = json.dumps({"applied": False, "duplicate": True, "kinds": _KINDS}).encode()
+# The two answers of nearly every request, encoded once; each lists the kinds it takes of those added to protocol 1
+# (docs/protocol.md#kinds-a-collector-lists).
+_APPLIED = json.dumps({"applied": True, "kinds": list(LISTED_EVENT_KINDS)}).encode()
+_DUPLICATE = json.dumps({"applied": False, "duplicate": True, "kinds": list(LISTED_EVENT_KINDS)}).encode()
 _MAX_STORED_RAW = 16_384  # bytes; a batch of 16 optimizers without events is ~6 KiB
 
 
@@ -206,13 +204,12 @@ class IngestService:
         return done
 
     def _give_back(self, key: tuple[str, int], done: asyncio.Future) -> None:
-        del self._busy[key]
+        del self._busy[key]  # the next batch of the rank (or judgment) goes on
         done.set_result(None)
 
     async def judge_outliers(self, run: str, reported: tuple[int, int] | None = None) -> None:
-        """Judge the local gradient-norm spikes of ``run`` that are due (``reported``: the rank and iteration of the
-        batch just applied), and record each outlier; a failure to record one is logged (the batch that brought it
-        was applied and is answered so)."""
+        """Judge the local gradient-norm spikes of ``run`` that are due (``reported``: rank and iteration of the batch
+        just applied) and record each outlier; a failure to record one is logged, the batch is answered as applied."""
         now = self.clock()
         for outlier in self.outliers.due(run, self.state.runs.get(run, {}), now, reported):
             try:
@@ -366,7 +363,7 @@ class IngestService:
             rank = RankState(batch.run, batch.rank)
         rank.install(new)
         self.state.adopt(rank)
-        if events and (spikes := local_spikes(batch, _new_events(batch, old), now)):
+        if events and (spikes := local_spikes(batch, old.max_event_id if old else 0, now)):
             self.outliers.note(spikes)
         if rank.view.shown() != shown:
             self.state.moved(batch.run)
@@ -394,12 +391,6 @@ class IngestService:
             log.warning("rank %d of run %r: incarnation %s (host %s, pid %d) claimed it while %s kept sending; "
                         "put out of the rank (rank_conflict)", rank.rank, rank.run, claimant.id,
                         claimant.batch.host, claimant.batch.pid, live.id)
-
-
-def _new_events(batch: Batch, old: Incarnation | None) -> list:
-    """The events of ``batch`` not applied before (an id above the process's newest applied one)."""
-    newest = old.max_event_id if old is not None else 0
-    return [e for e in batch.events if e.id > newest]
 
 
 def _as_stored(body: bytes, events: list) -> str | None:

@@ -130,11 +130,12 @@ def whole_job(spiking_ranks: int, world_size: int, t: AlertThresholds) -> bool:
     return spiking_ranks > 1 and spiking_ranks > t.outlier_rank_share * world_size
 
 
-def local_spikes(batch: Batch, events: Iterable[Any], now: float) -> list[LocalSpike]:
-    """The local gradient-norm spikes among a batch's new ``events``."""
+def local_spikes(batch: Batch, applied: int, now: float) -> list[LocalSpike]:
+    """The local gradient-norm spikes among the events of ``batch`` not applied before (an id above ``applied``, the
+    process's newest applied one)."""
     return [LocalSpike(batch.run, batch.rank, batch.incarnation, e.id, e.iteration, e.optimizer, float(e.value),
                        e.time, batch.world_size, e.samples, now)
-            for e in events if isinstance(e, GradNormSpikeEvent) and e.local]
+            for e in batch.events if isinstance(e, GradNormSpikeEvent) and e.local and e.id > applied]
 
 
 @dataclasses.dataclass(slots=True)
