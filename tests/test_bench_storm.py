@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from ampwatch_support.batches import APPLIED
 from bench._loadgen_bodies import storm_template
 from bench._storm import OPTIMIZERS, StormRank
 
@@ -96,7 +97,7 @@ def test_storm_batches_are_accepted_and_applied_by_the_collector(tmp_path):
     with TestClient(create_app(config)) as client:
         for seq, storm in enumerate([False, True, True, False], start=1):  # 10 iterations a push
             answer = client.post("/v1/ingest", content=build(seq, storm), headers={"Content-Type": "application/json"})
-            assert answer.json() == {"applied": True}, answer.text
+            assert answer.json() == APPLIED, answer.text
         events = client.get("/v1/runs/storm-accept/events", params={"limit": 1000}).json()["events"]
         run = client.get("/v1/runs/storm-accept").json()
     backoffs = [e for e in events if e["kind"] == "scale_change"]

@@ -15,7 +15,7 @@ import subprocess
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch
+from ampwatch_support.batches import APPLIED, make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 from ampwatch_support.fault_training import Trainer
@@ -107,7 +107,7 @@ def test_a_read_only_disk_keeps_every_acknowledged_batch_readable_and_refuses_in
         collector.start()
         acked = [httpx.post(collector.url + "/v1/ingest", json=make_batch(seq=s, iteration=s), timeout=10).json()
                  for s in (1, 2, 3)]
-        assert acked == [{"applied": True}] * 3
+        assert acked == [APPLIED] * 3
         collector.kill(signal.SIGKILL)  # no clean shutdown: the WAL still holds the commits
         subprocess.run(["mount", "-o", "remount,ro", str(tiny_disk)], check=True, capture_output=True)
         collector.start()
@@ -122,7 +122,7 @@ def test_a_read_only_disk_keeps_every_acknowledged_batch_readable_and_refuses_in
         subprocess.run(["mount", "-o", "remount,rw", str(tiny_disk)], check=True, capture_output=True)
         collector.start()
         again = httpx.post(collector.url + "/v1/ingest", json=make_batch(seq=4, iteration=4), timeout=10)
-        assert again.json() == {"applied": True}
+        assert again.json() == APPLIED
         assert value(_metrics(collector.url), "ampwatch_iteration", run="exp-42", rank="0") == 4
     finally:
         collector.kill()

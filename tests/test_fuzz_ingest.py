@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testcli
 from fastapi.testclient import TestClient  # noqa: E402
 
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
-from ampwatch_support.batches import make_batch, optimizer, skip_event  # noqa: E402
+from ampwatch_support.batches import APPLIED, make_batch, optimizer, skip_event  # noqa: E402
 from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
 from ampwatch_support.exposition import assert_promtool_accepts, samples, value  # noqa: E402
 
@@ -77,7 +77,7 @@ class Fuzzer:
 
     def __init__(self, client: TestClient) -> None:
         self.client, self.cases, self.codes = client, 0, {}
-        assert client.post("/v1/ingest", json=SENTINEL).json() == {"applied": True}
+        assert client.post("/v1/ingest", json=SENTINEL).json() == APPLIED
         self.sentinel = client.get("/v1/runs/sentinel").json()
 
     def post(self, body: bytes, **headers: str) -> httpx.Response:
@@ -192,7 +192,7 @@ def test_mutated_batches_are_refused_with_a_message_or_applied_exactly(fuzzer):
         body = json.dumps(batch, allow_nan=True).encode()  # NaN/Infinity tokens go over the wire as such
         answer = fuzzer.post(body)
         if answer.status_code == 200:
-            assert answer.json() == {"applied": True}
+            assert answer.json() == APPLIED
             _applied_exactly(fuzzer.client, batch)
 
     check()
@@ -261,7 +261,7 @@ def test_valid_batches_with_hostile_names_come_back_unchanged_from_the_api_and_t
         batch = make_batch(run=run, loss_scale=scale, optimizers={opt: optimizer(steps=steps, skipped=skipped)},
                            events=[skip_event(1, optimizer=opt, params=(param or "p",))])
         answer = fuzzer.post(json.dumps(batch).encode())
-        assert answer.json() == {"applied": True}, answer.text
+        assert answer.json() == APPLIED, answer.text
         got = _applied_exactly(fuzzer.client, batch)
         assert got[("ampwatch_loss_scale", frozenset({"run": run, "rank": "0"}.items()))] == scale
         info = frozenset({"run": run, "rank": "0", "optimizer": opt, "parameter": (param or "p")[:128]}.items())
@@ -308,7 +308,7 @@ def test_a_batch_of_100000_events_is_refused_with_a_message_and_changes_nothing(
         assert any("events" in line and "10000" in line for line in too_many.json()["detail"]), too_many.json()
         assert client.get("/v1/runs").json()["runs"] == []
         ok = client.post("/v1/ingest", json=make_batch(events=events[:10_000]))  # the protocol's maximum
-        assert ok.json() == {"applied": True}
+        assert ok.json() == APPLIED
         assert value(client.get("/metrics").text, "ampwatch_collector_events_applied_total") == 10_000
 
 

@@ -16,7 +16,7 @@ import pytest
 from ampwatch.contract.node_batch import encode_node_batch
 from ampwatch.server._batch_parse import LARGE_BODY_BYTES, MAX_BARE_TOKENS, STATE_BYTES_PER_OPTIMIZER
 from ampwatch.server._config import ServerConfig
-from ampwatch_support.batches import make_batch
+from ampwatch_support.batches import APPLIED, make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 
@@ -92,7 +92,7 @@ def test_a_state_one_byte_over_what_the_collectors_optimizers_take_is_refused_an
     optimizers = ServerConfig().max_optimizers_per_rank  # the collector runs with the defaults
     limit = 1024 + STATE_BYTES_PER_OPTIMIZER * optimizers
     at = _post(client, _with_state_of(limit, "state-at-limit"))
-    assert at.status_code == 200 and at.json() == {"applied": True}, at.text
+    assert at.status_code == 200 and at.json() == APPLIED, at.text
     over = _post(client, _with_state_of(limit + 1, "state-over-limit"))
     assert over.status_code == 422 and over.json()["retry"] is False, over.text
     assert over.json()["detail"] == [f"state: {limit + 1} bytes, more than the {limit} that the counters of "
@@ -105,7 +105,7 @@ def test_bare_nan_tokens_are_read_as_the_protocols_strings_up_to_their_cap(clien
     batch = json.dumps(make_batch(run="bare-tokens", loss_scale=float("nan")))  # json.dumps writes NaN bare
     assert "NaN" in batch
     within = _post(client, batch.replace('"closed"', f'"spare": [{tokens[5:]}], "closed"').encode())
-    assert within.json() == {"applied": True}, within.text
+    assert within.json() == APPLIED, within.text
     assert client.get("/v1/runs/bare-tokens").json()["ranks"][0]["loss_scale"] == "NaN"
     over = _post(client, batch.replace('"run": "bare-tokens"', '"run": "bare-tokens-over"')
                  .replace('"closed"', f'"spare": [{tokens}], "closed"').encode())

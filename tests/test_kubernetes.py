@@ -23,7 +23,7 @@ from ampwatch.dashboards.dashboard import DATASOURCE_UID
 from ampwatch.dashboards.generate import DASHBOARD_FILE, RULES_FILE, stale_names
 from ampwatch.dashboards.kubernetes import KUBERNETES_DIR, kubernetes_files
 from ampwatch.dashboards.rules import rule_groups
-from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.batches import APPLIED, make_batch, optimizer
 from ampwatch_support.collector_process import CollectorProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def test_a_real_collector_configured_as_the_manifest_says_answers_the_probes_and
                                          headers={"Authorization": "Bearer k8s-test-token",
                                                   "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=10) as answer:
-            assert json.loads(answer.read()) == {"applied": True}
+            assert json.loads(answer.read()) == APPLIED
 
 
 def test_the_overlay_of_the_docs_sets_namespace_image_replicas_labels_and_prometheus_url(tmp_path):

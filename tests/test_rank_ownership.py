@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import APPLIED, DUPLICATE, make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 
@@ -78,7 +78,7 @@ def _run() -> str:
 
 def _applied(client: httpx.Client, batch: dict) -> None:
     answer = client.post("/v1/ingest", json=batch)
-    assert answer.json() == {"applied": True}, answer.text
+    assert answer.json() == APPLIED, answer.text
 
 
 def _rank(client: httpx.Client, run: str, rank: int = 3) -> dict:
@@ -115,7 +115,7 @@ def test_a_batch_sent_again_is_a_duplicate_and_changes_nothing(client):
     _applied(client, one)
     _applied(client, two)
     for again in (two, one):
-        assert client.post("/v1/ingest", json=again).json() == {"applied": False, "duplicate": True}
+        assert client.post("/v1/ingest", json=again).json() == DUPLICATE
     assert _owner(client, run) == (process.incarnation, 111, False, 3, [])
 
 
@@ -318,7 +318,7 @@ def test_a_keyless_rank_is_marked_and_a_collector_may_refuse_keyless_batches(cli
     _applied(client, forger.batch(skipped=1, iteration=1, closed=True))
     assert _owner(client, run)[:3] == (restarted.incarnation, 666, True)
     assert client.post("/v1/ingest", json=restarted.batch(skipped=2, iteration=2)).json() == \
-        {"applied": False, "duplicate": True}
+        DUPLICATE
     # An operator who has upgraded every agent refuses keyless batches altogether.
     with CollectorProcess(str(tmp_path / "ampwatch.db"), args=[*ARGS, "--require-process-key"]) as strict, \
             httpx.Client(base_url=strict.url, timeout=30) as other:

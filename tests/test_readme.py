@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ampwatch.contract.batch import samples_digest
-from ampwatch_support.batches import make_batch
+from ampwatch_support.batches import APPLIED, make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.framework_truth import reset_accelerate_state
 from ampwatch_support.ports import free_port
@@ -318,7 +318,7 @@ def test_the_collector_setup_runs_as_written_in_a_fresh_root(tmp_path):
         request = urllib.request.Request(url + "/v1/ingest", data=batch, headers={
             "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
         with urllib.request.urlopen(request, timeout=10) as answer:
-            assert json.loads(answer.read()) == {"applied": True}
+            assert json.loads(answer.read()) == APPLIED
         for folder in (root / "etc" / "ampwatch", root / "var" / "lib" / "ampwatch"):
             assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
         assert stat.S_IMODE((root / "var" / "lib" / "ampwatch" / "ampwatch.db").stat().st_mode) == 0o600

@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from ampwatch.agent._config import AgentConfig  # noqa: E402
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
 from ampwatch.server._access import RateLimiter  # noqa: E402
-from ampwatch_support.batches import make_batch, optimizer  # noqa: E402
+from ampwatch_support.batches import APPLIED, make_batch, optimizer  # noqa: E402
 from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
 from ampwatch_support.delivery_harness import make_sender  # noqa: E402
 from ampwatch_support.exposition import value  # noqa: E402
@@ -59,7 +59,7 @@ def test_ingest_without_a_token_gets_401_a_wrong_one_403_and_neither_changes_any
             assert answer.status_code == 403, wrong
             assert "AMPWATCH_SERVER_TOKEN" in answer.json()["message"]
         assert client.get("/v1/runs").json()["runs"] == []
-        assert client.post("/v1/ingest", json=batch, headers=_bearer(INGEST_TOKEN)).json() == {"applied": True}
+        assert client.post("/v1/ingest", json=batch, headers=_bearer(INGEST_TOKEN)).json() == APPLIED
         text = client.get("/metrics").text
         assert value(text, "ampwatch_collector_rejected_batches_total", reason="auth") == 6
         assert value(text, "ampwatch_optimizer_steps_total", run="exp-42", rank="0", optimizer="gen") == 3

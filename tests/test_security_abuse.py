@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import APPLIED, make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 
@@ -64,7 +64,7 @@ def test_an_agent_cut_off_for_an_hour_and_a_spool_replay_are_within_the_bound(tm
             done = int((at - start) * rate)
             batch = make_batch(run="cut-off", seq=seq, sent_at=at, iteration=done,
                                optimizers={"gen": optimizer(steps=done - done // 100, skipped=done // 100)})
-            assert _post(client, batch).json() == {"applied": True}, seq
+            assert _post(client, batch).json() == APPLIED, seq
         (rank,) = client.get("/v1/runs/cut-off").json()["ranks"]
         assert rank["iteration"] == int(2 * HOUR * rate)
 
@@ -89,7 +89,7 @@ def test_a_flood_of_runs_and_events_from_one_client_leaves_room_for_a_real_job_f
         text = flooder.get("/metrics").text
         print(f"\nrun flood: 1000 runs in {flood_s:.1f} s from one address, answers {answers}; ten batches of "
               f"10,000 events: {event_answers}; a real job from another address: {real.status_code}")
-    assert real.json() == {"applied": True}
+    assert real.json() == APPLIED
     # --client-new-runs 300: an hour's worth at once, then one every 12 s.
     assert 300 <= answers[200] <= 300 + flood_s / 12 + 1 and answers[200] + answers[429] == 1000, answers
     assert refused.status_code == 429 and refused.json()["retry"] is True

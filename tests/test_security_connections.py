@@ -12,7 +12,7 @@ import socket
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch
+from ampwatch_support.batches import APPLIED, make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 
@@ -40,7 +40,7 @@ def _closed_by_collector(sock: socket.socket) -> bool:
 
 def _agent_is_served(url: str, address: str = "127.0.0.2", run: str = "agent") -> bool:
     with httpx.Client(base_url=url, timeout=30, transport=httpx.HTTPTransport(local_address=address)) as agent:
-        return agent.post("/v1/ingest", json=make_batch(run=run)).json() == {"applied": True}
+        return agent.post("/v1/ingest", json=make_batch(run=run)).json() == APPLIED
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from ampwatch.server import ServerConfig, create_app  # noqa: E402
 from ampwatch.server.__main__ import build_parser  # noqa: E402
 from ampwatch.server._config import config_from_args  # noqa: E402
-from ampwatch_support.batches import make_batch, optimizer  # noqa: E402
+from ampwatch_support.batches import APPLIED, make_batch, optimizer  # noqa: E402
 from ampwatch_support.collector_process import CollectorProcess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
@@ -50,7 +50,7 @@ def test_a_body_a_web_page_could_post_without_a_preflight_is_refused_and_changes
         assert "application/json" in answer.json()["message"] and answer.json()["retry"] is False
         assert _runs(client) == []
         assert client.post("/v1/ingest", content=body, headers={"Content-Type": "application/json; charset=utf-8"}
-                           ).json() == {"applied": True}
+                           ).json() == APPLIED
 
 
 def test_a_post_from_a_page_of_another_origin_is_refused_and_the_collectors_own_origin_is_not(tmp_path):

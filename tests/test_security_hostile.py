@@ -12,7 +12,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import APPLIED, make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import samples, value
 
@@ -80,7 +80,7 @@ def test_markup_in_run_optimizer_and_parameter_names_comes_back_as_inert_json_an
                        events=[skip_event(1, optimizer=HOSTILE_OPT, params=(HOSTILE_PARAM,))])
     config = ServerConfig(db=str(tmp_path / "ampwatch.db"), allowed_hosts=("testserver",))  # TestClient's Host
     with TestClient(create_app(config)) as client:
-        assert client.post("/v1/ingest", json=batch).json() == {"applied": True}
+        assert client.post("/v1/ingest", json=batch).json() == APPLIED
         quoted = urllib.parse.quote(HOSTILE_RUN, safe="")
         answers = [client.get("/v1/runs"), client.get(f"/v1/runs/{quoted}"), client.get(f"/v1/runs/{quoted}/events"),
                    client.get("/v1/runs/" + urllib.parse.quote("<b>nope</b>", safe="")),

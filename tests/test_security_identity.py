@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 
 from ampwatch.server import ServerConfig, create_app
 from ampwatch.server._client_budget import ClientBudget
-from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.batches import APPLIED, make_batch, optimizer
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 from ampwatch_support.recording_collector import RecordingCollector
@@ -76,11 +76,11 @@ def test_a_forged_close_from_the_host_and_pid_the_read_api_shows_is_a_conflict_a
     # the batch is kept as that process's history and never closes the rank (a keyed one: test_rank_ownership.py).
     forged = dict(run="forged-close", rank=3, world_size=8, host=shown["host"], pid=shown["pid"],
                   incarnation=uuid.uuid4().hex)
-    assert _post(client, make_batch(**forged, seq=1, closed=True)).json() == {"applied": True}
+    assert _post(client, make_batch(**forged, seq=1, closed=True)).json() == APPLIED
     assert _rank(client, "forged-close")["closed"] is False
     # The live process sends again: two processes claim the rank.
     assert _post(client, make_batch(**victim, seq=2, iteration=20,
-                                    optimizers={"gen": optimizer(steps=20)})).json() == {"applied": True}
+                                    optimizers={"gen": optimizer(steps=20)})).json() == APPLIED
     rank = _rank(client, "forged-close")
     assert (rank["closed"], rank["incarnation"], rank["iteration"]) == (False, victim["incarnation"], 20)
     assert [c["incarnation"] for c in rank["conflicts"]] == [forged["incarnation"]]
@@ -92,7 +92,7 @@ def test_a_forged_close_from_the_host_and_pid_the_read_api_shows_is_a_conflict_a
         assert answer.status_code == 409 and answer.json()["retry"] is False, answer.text
     rank = _rank(client, "forged-close")
     assert (rank["closed"], rank["iteration"]) == (False, 20)
-    assert _post(client, make_batch(**victim, seq=3, iteration=30)).json() == {"applied": True}
+    assert _post(client, make_batch(**victim, seq=3, iteration=30)).json() == APPLIED
     text = client.get("/metrics").text
     assert value(text, "ampwatch_rank_conflicts_total", run="forged-close", rank="3") == 1
     assert value(text, "ampwatch_rank_closed", run="forged-close", rank="3") == 0
@@ -110,7 +110,7 @@ def test_new_incarnations_of_one_rank_cannot_pile_up_more_than_the_rank_may_coun
     assert _rank(client, "incarnations")["optimizers"]["gen"]["skipped"] == day
     # A restart that counts what a training loop counts is as welcome as ever.
     assert _post(client, make_batch(**_process("incarnations"), optimizers={"gen": optimizer(skipped=5)})
-                 ).json() == {"applied": True}
+                 ).json() == APPLIED
 
 
 def test_a_sent_at_far_in_the_future_is_clamped_before_the_bound_is_computed(client):
@@ -167,10 +167,10 @@ def test_a_client_idle_for_long_keeps_its_burst_cap(tmp_path):
         assert _post(client, make_batch(run="budget", events=[_warning(1)])).status_code == 200
         now[0] += IDLE_S  # idle: uncapped, the bucket would now hold 9,999 + 80 tokens; capped it holds 10,000
         burst = make_batch(run="budget", seq=2, events=[_warning(i) for i in range(2, 10_002)])
-        assert _post(client, burst).json() == {"applied": True}
+        assert _post(client, burst).json() == APPLIED
         now[0] += 7.4  # 74 events' worth
         more = _post(client, make_batch(run="budget", seq=3, events=[_warning(i) for i in range(10_002, 10_077)]))
         assert more.status_code == 429 and more.json()["error"] == "client_events", more.text
         now[0] += 0.2  # 76 events' worth: the same batch is taken
         assert _post(client, make_batch(run="budget", seq=3, events=[_warning(i) for i in range(10_002, 10_077)])
-                     ).json() == {"applied": True}
+                     ).json() == APPLIED

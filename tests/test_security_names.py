@@ -16,7 +16,7 @@ import subprocess
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch
+from ampwatch_support.batches import APPLIED, make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 
@@ -99,7 +99,7 @@ def test_a_request_with_two_host_headers_is_refused_whichever_comes_first(collec
     with _client(collector) as client:
         assert client.get("/v1/runs/two-hosts").status_code == 404
     # One Host, as every client sends it, is served as before.
-    assert _raw(collector, _ingest_request(f"Host: {served}", run="one-host")) == (200, {"applied": True})
+    assert _raw(collector, _ingest_request(f"Host: {served}", run="one-host")) == (200, APPLIED)
 
 
 @pytest.mark.parametrize("host", ["[::1]evil.example", "[::1]evil.example:80", "[localhost]", "[127.0.0.1]",

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import APPLIED, make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
 from ampwatch_support.patience import wait_until
@@ -59,8 +59,8 @@ def test_a_second_process_claiming_a_live_rank_is_a_conflict_and_the_live_rank_i
     with CollectorProcess(db, args=args) as collector, httpx.Client(base_url=collector.url, timeout=10) as client:
         assert client.post("/v1/ingest", json=_victim(1)).status_code == 200
         # Taken for a restart at first: a crashed process's successor must show at once.
-        assert client.post("/v1/ingest", json=_attack(1)).json() == {"applied": True}
-        assert client.post("/v1/ingest", json=_victim(2)).json() == {"applied": True}  # the live one sends again
+        assert client.post("/v1/ingest", json=_attack(1)).json() == APPLIED
+        assert client.post("/v1/ingest", json=_victim(2)).json() == APPLIED  # the live one sends again
         refused = client.post("/v1/ingest", json=_attack(2))
         assert refused.status_code == 409 and refused.json()["retry"] is False
         assert "AMPWATCH_RUN" in refused.json()["message"] and VICTIM in refused.json()["message"]
@@ -109,7 +109,7 @@ def test_a_restart_right_after_a_crash_is_not_a_conflict_and_its_counts_add_up(t
             restarted = make_batch(run=RUN, rank=3, world_size=8, host="node-b", pid=222, incarnation=RESTARTED,
                                    seq=seq, iteration=5 * seq, closed=seq == 2,
                                    optimizers={"gen": optimizer(steps=5 * seq, skipped=seq)})
-            assert client.post("/v1/ingest", json=restarted).json() == {"applied": True}
+            assert client.post("/v1/ingest", json=restarted).json() == APPLIED
         (rank,) = client.get(f"/v1/runs/{RUN}").json()["ranks"]
         assert (rank["incarnation"], rank["host"], rank["closed"], rank["conflicts"]) == (RESTARTED, "node-b", True, [])
         assert rank["optimizers"]["gen"]["skipped"] == 1 + 2 and rank["incarnations"] == 2
@@ -131,9 +131,9 @@ def test_a_second_watch_in_the_same_process_is_not_a_conflict(tmp_path):
         key = "process0000000000000000000000000"
         again = dict(run=RUN, rank=3, world_size=8, host="node-a", pid=111, incarnation=RESTARTED, process_key=key)
         assert client.post("/v1/ingest", json=_victim(1, process_key=key)).status_code == 200
-        assert client.post("/v1/ingest", json=make_batch(**again, seq=1)).json() == {"applied": True}
-        assert client.post("/v1/ingest", json=_victim(2, process_key=key)).json() == {"applied": True}
-        assert client.post("/v1/ingest", json=make_batch(**again, seq=2)).json() == {"applied": True}
+        assert client.post("/v1/ingest", json=make_batch(**again, seq=1)).json() == APPLIED
+        assert client.post("/v1/ingest", json=_victim(2, process_key=key)).json() == APPLIED
+        assert client.post("/v1/ingest", json=make_batch(**again, seq=2)).json() == APPLIED
         (rank,) = client.get(f"/v1/runs/{RUN}").json()["ranks"]
         assert (rank["incarnation"], rank["incarnations"], rank["conflicts"]) == (RESTARTED, 2, [])
         assert value(client.get("/metrics").text, "ampwatch_rank_conflicts_total", run=RUN, rank="3") == 0

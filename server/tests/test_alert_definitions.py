@@ -126,6 +126,27 @@ def _suspect(ranks: list[FakeRank], now: float) -> list:
     return r.send(now)
 
 
+def _spikes(counter: str, share_of_ranks: float) -> Callable[[list[FakeRank], float], list]:
+    """A loss or gradient-norm spike (``counter``) on ``share_of_ranks`` of the ranks at once: a one-rank job's (a
+    per-rank alert that a run-wide one may speak for is decided at the ingest only in a run of one rank), or every
+    rank's (a whole-job spike, for the run-wide form)."""
+    def trip(ranks: list[FakeRank], now: float) -> list:
+        changes = []
+        for r in ranks[:max(1, round(len(ranks) * share_of_ranks))]:
+            r.move(counter, 1)
+            r.iterate()
+            changes += r.send(now)
+        return changes
+    return trip
+
+
+def _gradient_outlier(ranks: list[FakeRank], now: float) -> list:
+    r = ranks[3]  # the collector judged rank 3's own gradient norm to stand out from the other three's
+    r.outliers += 1
+    r.iterate()
+    return r.send(now)
+
+
 def _form_trip(definition: AlertDefinition) -> Callable[[list[FakeRank], float], list]:
     """The trip of an alert that declares its condition, from its form: rank 0's counter rises by what the form
     asks (a share: its part, until it is that share of all the rank's calls), or its gauge falls below the floor."""
@@ -167,6 +188,11 @@ SCENARIOS: dict[str, tuple[int, Callable[[list[FakeRank], float], list]]] = {
     "AmpSkipOriginRank": (4, _origin),
     "AmpRankConflict": (1, _conflict),
     "AmpSuspectDevice": (2, _suspect),
+    "AmpLossSpike": (1, _spikes("loss_spikes", 1.0)),
+    "AmpRunLossSpike": (4, _spikes("loss_spikes", 1.0)),
+    "AmpGradNormSpike": (1, _spikes("grad_norm_spikes", 1.0)),
+    "AmpRunGradNormSpike": (4, _spikes("grad_norm_spikes", 1.0)),
+    "AmpRankGradientOutlier": (4, _gradient_outlier),
 }
 DERIVED = {f"{d.name}, its form's trip": (d.name, (1, _form_trip(d))) for d in ALERTS.values() if d.condition}
 STOPS = {"AmpRankSilent": {0}}

@@ -7,7 +7,7 @@ import json
 from fastapi.testclient import TestClient
 
 from ampwatch.server import create_app
-from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import APPLIED, DUPLICATE, make_batch, optimizer, skip_event
 from ampwatch_support.exposition import value
 
 INC_A = "a" * 32
@@ -21,10 +21,10 @@ def steps(client: TestClient, **labels: str) -> float | None:
 
 def test_a_batch_applied_twice_changes_nothing(client):
     batch = make_batch(optimizers={"gen": optimizer(steps=5, skipped=1)}, events=[skip_event(1)])
-    assert client.post("/v1/ingest", json=batch).json() == {"applied": True}
+    assert client.post("/v1/ingest", json=batch).json() == APPLIED
     before = client.get("/metrics").text
     again = client.post("/v1/ingest", json=batch)
-    assert again.status_code == 200 and again.json() == {"applied": False, "duplicate": True}
+    assert again.status_code == 200 and again.json() == DUPLICATE
     after = client.get("/metrics").text
     assert value(after, "ampwatch_optimizer_steps_total", run="exp-42", rank="0", optimizer="gen") == 5
     assert value(after, "ampwatch_collector_duplicate_batches_total") == 1
@@ -37,7 +37,7 @@ def test_an_older_batch_arriving_late_does_not_move_counters_back_but_keeps_its_
     newer = make_batch(seq=3, optimizers={"gen": optimizer(steps=30)}, events=[skip_event(3)])
     older = make_batch(seq=2, optimizers={"gen": optimizer(steps=20)}, events=[skip_event(2)])
     assert client.post("/v1/ingest", json=newer).json()["applied"] is True
-    assert client.post("/v1/ingest", json=older).json() == {"applied": False, "duplicate": True}
+    assert client.post("/v1/ingest", json=older).json() == DUPLICATE
     assert steps(client) == 30
     ids = [e["id"] for e in client.get("/v1/runs/exp-42/events").json()["events"]]
     assert sorted(ids) == [2, 3]

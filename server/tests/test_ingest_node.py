@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ampwatch.contract.node_batch import encode_node_batch, split_node_batch
-from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import APPLIED, DUPLICATE, make_batch, optimizer, skip_event
 from ampwatch_support.exposition import value
 
 JSON = {"content-type": "application/json"}
@@ -26,7 +26,7 @@ def test_a_node_batch_applies_each_rank_and_answers_each_in_order(client):
     assert answer.status_code == 200
     results = answer.json()["results"]
     assert answer.json()["protocol"] == 2
-    assert results == [{"status": 200, "applied": True, "rank": r} for r in range(8)]
+    assert results == [{"status": 200, **APPLIED, "rank": r} for r in range(8)]
     text = client.get("/metrics").text
     for r in range(8):
         assert value(text, "ampwatch_optimizer_steps_total", run="exp-42", rank=str(r), optimizer="gen") == 10 + r
@@ -37,14 +37,14 @@ def test_a_node_batch_applies_each_rank_and_answers_each_in_order(client):
 
 def test_a_node_batch_says_which_ranks_were_applied_duplicate_or_refused(client):
     first = make_batch(rank=0, optimizers={"gen": optimizer(steps=5)})
-    assert client.post("/v1/ingest", json=first).json() == {"applied": True}  # v1, then the same batch in v2
+    assert client.post("/v1/ingest", json=first).json() == APPLIED  # v1, then the same batch in v2
     too_many = make_batch(rank=2, world_size=4, optimizers={f"opt{i}": optimizer() for i in range(17)})
     answer = _post_node(client, first, make_batch(rank=1, optimizers={"gen": optimizer(steps=7)}), too_many,
                         b'{"protocol":1,"rank":"three"}')
     assert answer.status_code == 200
     duplicate, applied, refused, broken = answer.json()["results"]
-    assert duplicate == {"status": 200, "applied": False, "duplicate": True, "rank": 0}
-    assert applied == {"status": 200, "applied": True, "rank": 1}
+    assert duplicate == {"status": 200, **DUPLICATE, "rank": 0}
+    assert applied == {"status": 200, **APPLIED, "rank": 1}
     assert refused["status"] == 422 and refused["retry"] is False and refused["rank"] == 2
     assert "optimizers" in refused["message"]
     assert broken["status"] == 422 and broken["error"] == "schema" and "rank" not in broken

@@ -48,3 +48,18 @@ def test_a_storm_the_scans_edge_cuts_is_counted_whole(client):
 
 def test_latest_events_of_an_unknown_run_is_a_404(client):
     assert client.get("/v1/runs/nope/events/latest").status_code == 404
+
+
+def test_a_whole_job_spike_is_one_row_and_a_ranks_own_gradient_spike_keeps_its_own(client):
+    def spike(id: int, kind: str, iteration: int, **more) -> dict:
+        return {"id": id, "kind": kind, "time": time.time(), "iteration": iteration, "value": 50.0, "mean": 1.0,
+                "std": 0.5, "z": 98.0, "streak": 1, **more}
+    for rank in range(6):  # rank 4's gradients blew up: every rank stepped with the all-reduced norm, which spiked
+        own = [spike(2, "grad_norm_spike", 40, optimizer="gen", local=True)] if rank == 4 else []
+        _post(client, rank, 1, [spike(1, "grad_norm_spike", 40, optimizer="gen"), *own,
+                                spike(3, "loss_spike", 41)])
+    rows = client.get("/v1/runs/exp-42/events/latest").json()["rows"]
+    shape = [(r["event"]["kind"], r["event"]["iteration"], r["event"].get("local"), r["count"], r["rank_ranges"])
+             for r in rows]
+    assert shape == [("loss_spike", 41, None, 6, "0-5"), ("grad_norm_spike", 40, False, 6, "0-5"),
+                     ("grad_norm_spike", 40, True, 1, "4")]

@@ -22,12 +22,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _two_ranks(client):
-    client.post("/v1/ingest", json=make_batch(
+    first = make_batch(
         rank=0, iteration=12, loss_scale=32768.0, backoffs=1, growths=2, send_failures=0,
         optimizers={"gen": optimizer(steps=10, skipped=2, consecutive=2, longest=2, streaks=1,
-                                     reached={"1": 1, "2": 1}),
+                                     reached={"1": 1, "2": 1}, grad_norm_spikes=4,
+                                     grad_norm={"mean": 1.5, "std": 0.25},
+                                     local_grad_norm={"mean": 3.0, "std": 0.5}),
                     "disc": optimizer(steps=12)},
-        events=[skip_event(1, params=("decoder.fc.weight",)), skip_event(2, streak=2, params=("enc.bias",))]))
+        events=[skip_event(1, params=("decoder.fc.weight",)), skip_event(2, streak=2, params=("enc.bias",))])
+    first["state"].update(loss_spikes=3, loss={"mean": 2.5, "std": 0.125})
+    client.post("/v1/ingest", json=first)
     client.post("/v1/ingest", json=make_batch(rank=1, incarnation="c" * 32, iteration=12, loss_scale=8192.0,
                                               optimizers={"gen": optimizer(steps=12), "disc": optimizer(steps=12)}))
 
@@ -51,6 +55,18 @@ def test_metrics_show_each_ranks_counters_and_gauges(client):
     assert value(text, "ampwatch_loss_scale_growths_total", **r0) == 2
     assert value(text, "ampwatch_iteration", **r0) == 12
     assert value(text, "ampwatch_rank_closed", **r0) == 0
+    assert value(text, "ampwatch_loss_spikes_total", **r0) == 3
+    assert value(text, "ampwatch_optimizer_grad_norm_spikes_total", optimizer="gen", **r0) == 4
+    assert value(text, "ampwatch_rank_gradient_outliers_total", **r0) == 0
+    # The rolling levels, as the newest process sent them; only where it sent one.
+    assert (value(text, "ampwatch_loss_mean", **r0), value(text, "ampwatch_loss_std", **r0)) == (2.5, 0.125)
+    assert value(text, "ampwatch_optimizer_grad_norm_mean", optimizer="gen", **r0) == 1.5
+    assert value(text, "ampwatch_optimizer_grad_norm_std", optimizer="gen", **r0) == 0.25
+    assert value(text, "ampwatch_optimizer_local_grad_norm_mean", optimizer="gen", **r0) == 3.0
+    assert value(text, "ampwatch_optimizer_local_grad_norm_std", optimizer="gen", **r0) == 0.5
+    r1 = {"run": "exp-42", "rank": "1"}
+    assert value(text, "ampwatch_optimizer_grad_norm_mean", optimizer="disc", **r0) is None
+    assert value(text, "ampwatch_loss_mean", **r1) is None and value(text, "ampwatch_loss_spikes_total", **r1) == 0
     # Only the latest offending parameter: one series per rank and optimizer.
     assert value(text, "ampwatch_nonfinite_gradient_info", optimizer="gen", parameter="enc.bias", **r0) == 1
     assert "decoder.fc.weight" not in text

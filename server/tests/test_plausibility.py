@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from ampwatch.server import create_app
 from ampwatch.server._plausibility import FIRST_BATCH_SPAN_S
-from ampwatch_support.batches import make_batch, optimizer
+from ampwatch_support.batches import APPLIED, make_batch, optimizer
 
 DAY = 86400.0
 RATE = 10_000  # --max-counter-rate's default, per second
@@ -38,7 +38,7 @@ def _dated_back_then(client: TestClient, clock: Clock, rank: int, rise: float):
     """A new process of ``rank``: its first batch dated 10 days back (arriving now), then ``rise`` skips."""
     process = _process(rank)
     dated_back = make_batch(**process, seq=1, sent_at=clock.now - 10 * DAY)
-    assert client.post("/v1/ingest", json=dated_back).json() == {"applied": True}
+    assert client.post("/v1/ingest", json=dated_back).json() == APPLIED
     clock.now += 1
     return client.post("/v1/ingest", json=make_batch(**process, seq=2, sent_at=clock.now,
                                                      optimizers={"gen": optimizer(skipped=int(rise))}))
@@ -51,7 +51,7 @@ def test_a_previous_batch_dated_ten_days_back_lets_the_next_one_rise_by_a_day_at
                      clock=clock)
     with TestClient(app) as client:
         assert client.post("/v1/ingest", json=make_batch(**_process(0), seq=1, sent_at=clock.now, closed=True)
-                           ).json() == {"applied": True}
+                           ).json() == APPLIED
         clock.now += 11 * DAY
         week = _dated_back_then(client, clock, 0, 7 * DAY * RATE)
         assert week.status_code == 422 and week.json()["error"] == "implausible", week.text
@@ -59,6 +59,6 @@ def test_a_previous_batch_dated_ten_days_back_lets_the_next_one_rise_by_a_day_at
         bound = int(week.json()["message"].split("plausibility bound of ")[1].split(":")[0])
         assert bound <= RATE * (FIRST_BATCH_SPAN_S + 60 + 2), "the earlier sent_at counted as more than a day back"
         # Half a day's worth after the same dated-back batch is within the bound (another rank: no claim between).
-        assert _dated_back_then(client, clock, 1, DAY / 2 * RATE).json() == {"applied": True}
+        assert _dated_back_then(client, clock, 1, DAY / 2 * RATE).json() == APPLIED
         ranks = client.get("/v1/runs/dated-back").json()["ranks"]
         assert [r["optimizers"]["gen"]["skipped"] for r in ranks] == [0, int(DAY / 2 * RATE)]

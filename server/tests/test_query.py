@@ -32,8 +32,23 @@ def test_runs_and_a_runs_ranks_describe_the_current_state(client):
     run = client.get("/v1/runs/exp-42").json()
     gen = run["ranks"][0]["optimizers"]["gen"]
     assert (gen["steps"], gen["skipped"], gen["latest_nonfinite_parameter"]) == (3, 1, "head.weight")
+    assert (gen["grad_norm_spikes"], gen["grad_norm"], gen["local_grad_norm"]) == (0, None, None)
+    assert (run["ranks"][0]["loss_spikes"], run["ranks"][0]["loss"], run["ranks"][0]["gradient_outliers"]) == \
+        (0, None, 0)
     missing = client.get("/v1/runs/nope")
     assert missing.status_code == 404 and "GET /v1/runs" in missing.json()["detail"]
+
+
+def test_a_runs_ranks_show_their_spikes_and_the_newest_processs_rolling_levels(client):
+    spiking = make_batch(optimizers={"gen": optimizer(steps=3, grad_norm_spikes=2, grad_norm={"mean": 4.0, "std": 0.5},
+                                                      local_grad_norm={"mean": 2.0, "std": 0.25})})
+    spiking["state"].update(loss_spikes=5, loss={"mean": 1.5, "std": 0.125})
+    client.post("/v1/ingest", json=spiking)
+    rank = client.get("/v1/runs/exp-42").json()["ranks"][0]
+    assert (rank["loss_spikes"], rank["loss"]) == (5, {"mean": 1.5, "std": 0.125})
+    gen = rank["optimizers"]["gen"]
+    assert (gen["grad_norm_spikes"], gen["grad_norm"], gen["local_grad_norm"]) == \
+        (2, {"mean": 4.0, "std": 0.5}, {"mean": 2.0, "std": 0.25})
 
 
 def test_events_filter_by_kind_rank_optimizer_and_since(client):

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ampwatch.server import create_app
-from ampwatch_support.batches import make_batch
+from ampwatch_support.batches import DUPLICATE, make_batch
 from ampwatch_support.exposition import value
 
 SUBNORMAL = 2.0 ** -149  # the smallest float32 above 0, as torch reads it back as a Python float
@@ -137,7 +137,7 @@ def test_a_restored_scale_is_its_own_transition_and_the_latest_scaler_settings_a
         assert client.post("/v1/ingest", json=first).status_code == 200
         assert client.post("/v1/ingest", json=restored).status_code == 200
         # A late retry of the first batch must not bring the old settings back.
-        assert client.post("/v1/ingest", json=first).json() == {"applied": False, "duplicate": True}
+        assert client.post("/v1/ingest", json=first).json() == DUPLICATE
         answers = [client.get("/v1/runs/resume").json()]
     with TestClient(create_app(config)) as client:  # and after a collector restart
         answers.append(client.get("/v1/runs/resume").json())

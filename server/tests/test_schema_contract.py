@@ -60,12 +60,13 @@ def test_the_metrics_render_totals_by_the_contracts_names():
 
 
 def test_the_counters_alerts_read_are_counters_the_contract_declares():
-    # The alert history reads them by name from a rank's snapshot; ``conflicts`` the collector counts itself, and
-    # ``on_suspect_device`` it judges itself (docs/suspects.md).
+    # The alert history reads them by name from a rank's snapshot; ``conflicts`` and ``gradient_outliers`` the
+    # collector counts itself, and ``on_suspect_device`` it judges itself (docs/suspects.md).
     sent = {"optimizer": set(contract.fields(contract.OptimizerCounters)),
             "rank": set(contract.fields(contract.RankState)) - {"optimizers", "delivery"}}
     for value in (*COUNTERS.values(), *GAUGES.values()):
         assert value.name in sent[value.per] or (value.per, value.name) in (("rank", "conflicts"),
+                                                                           ("rank", "gradient_outliers"),
                                                                            ("rank", "on_suspect_device")), value.name
         if value.per == "optimizer" and value.name in COUNTERS:
             assert value.name in OptimizerTotals.__dataclass_fields__, value.name

@@ -16,7 +16,8 @@ __all__ = ["FakeRank", "KEPT_IN", "firing_names", "healthy_job", "names"]
 KEPT_IN = {"iteration": "iteration", "backoffs": "backoffs", "growths": "growths", "origin_iterations": "origins",
            "conflicts": "conflicts", "steps": "steps", "skipped": "skipped", "scheduler_steps_after_skip": "scheduler",
            "poisoned_steps": "poisoned", "consecutive_skipped": "streak", "loss_scale": "scale",
-           "on_suspect_device": "suspect"}
+           "on_suspect_device": "suspect", "loss_spikes": "loss_spikes", "grad_norm_spikes": "grad_norm_spikes",
+           "gradient_outliers": "outliers"}
 """Each counter and gauge of ``ampwatch.contract.counters`` (but the streak ladder) -> the FakeRank attribute
 that holds it (for :meth:`FakeRank.move` and :meth:`FakeRank.set`)."""
 
@@ -34,6 +35,8 @@ class FakeRank:
         self.origins = 0  # skipped iterations this rank started (DDP's all-reduce hook)
         self.conflicts = 0  # processes the collector kept out of the rank
         self.suspect = 0  # 1 while the collector suspects the device the rank runs on
+        self.loss_spikes = self.grad_norm_spikes = 0  # iterations whose loss, or gradient norm ("gen"), spiked
+        self.outliers = 0  # the collector's gradient_outlier judgments of this rank
         self.closed = False
 
     def iterate(self, skipped: bool = False) -> None:
@@ -60,12 +63,15 @@ class FakeRank:
 
     def snapshot(self, now: float) -> RankSnapshot:
         opt = OptimizerTotals(steps=self.steps, skipped=self.skipped, streaks_reached=ladder(self.reached),
-                              scheduler_steps_after_skip=self.scheduler, poisoned_steps=self.poisoned)
+                              scheduler_steps_after_skip=self.scheduler, poisoned_steps=self.poisoned,
+                              grad_norm_spikes=self.grad_norm_spikes)
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=now, iteration=self.iteration,
                             loss_scale=self.scale, totals=RankTotals(backoffs=self.backoffs, growths=self.growths,
-                                                                     origin_iterations=self.origins),
+                                                                     origin_iterations=self.origins,
+                                                                     loss_spikes=self.loss_spikes),
                             closed=self.closed, optimizers={"gen": opt}, consecutive_skipped={"gen": self.streak},
                             host=f"node-{self.rank // 8}", local_rank=self.rank % 8, conflicts=self.conflicts,
+                            gradient_outliers=self.outliers,
                             device=f"node-{self.rank // 8}:{self.rank % 8}", on_suspect_device=self.suspect)
 
     def send(self, now: float) -> list:

@@ -15,13 +15,19 @@ import copy
 import json
 import time
 import urllib.request
-from typing import Any
+from typing import Any, get_type_hints
 
 from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, fields, samples_digest
-from ampwatch.contract.protocol import MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
+from ampwatch.contract.protocol import LISTED_EVENT_KINDS, MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
-__all__ = ["BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples",
-           "skip_event"]
+__all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch",
+           "samples", "skip_event"]
+
+APPLIED: dict[str, Any] = {"applied": True, "kinds": list(LISTED_EVENT_KINDS)}
+"""A collector's answer to a batch it applied: it lists the event kinds it takes that protocol 1 added later
+(docs/protocol.md#kinds-a-collector-lists)."""
+DUPLICATE: dict[str, Any] = {"applied": False, "duplicate": True, "kinds": list(LISTED_EVENT_KINDS)}
+"""A collector's answer to a batch it had applied already."""
 
 CLEAN_DELIVERY: dict[str, int] = dict.fromkeys(fields(DeliveryCounters), 0)
 """The state's ``delivery`` counters of an agent that lost and was refused nothing."""
@@ -38,20 +44,24 @@ BASE: dict[str, Any] = {
 }
 
 
-_ZEROS = dict.fromkeys(fields(OptimizerCounters), 0)
+_DECLARED = fields(OptimizerCounters)
+_ZEROS = {name: 0 for name, kind in get_type_hints(OptimizerCounters).items() if kind is int}
+"""Every count and streak gauge at 0; the rolling levels (``grad_norm``, ``local_grad_norm``) absent, as an agent
+that watches no norm sends them."""
 _SHORT = {"consecutive": "consecutive_skipped", "longest": "longest_streak", "reached": "streaks_reached"}
 
 
 def optimizer(**counters: Any) -> dict[str, Any]:
     """Counters of one optimizer as the agent sends them: each counter the contract declares, 0 unless given
     (``consecutive``, ``longest`` and ``reached`` short for ``consecutive_skipped``, ``longest_streak`` and
-    ``streaks_reached``); a name the contract does not declare raises ``TypeError``."""
-    values = dict(_ZEROS, streaks_reached={})
+    ``streaks_reached``), a level (``grad_norm={"mean": ..., "std": ...}``) only if given; a name the contract does
+    not declare raises ``TypeError``."""
+    values: dict[str, Any] = dict(_ZEROS, streaks_reached={})
     for key, value in counters.items():
         name = _SHORT.get(key, key)
-        if name not in values:
+        if name not in _DECLARED:
             raise TypeError(f"optimizer(): {key!r} is not a counter ampwatch.contract.batch.OptimizerCounters "
-                            f"declares ({', '.join(values)})")
+                            f"declares ({', '.join(_DECLARED)})")
         values[name] = value
     return values
 

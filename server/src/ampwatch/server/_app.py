@@ -53,6 +53,10 @@ async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
     while True:
         now = clock()
         gone = state.retire(now, config.expire_after, config.run_retention)
+        try:
+            await app.state.ingest.judge_waiting()  # spikes of runs whose ranks stopped sending
+        except Exception:
+            log.exception("judging gradient outliers failed; will retry")
         if gone:
             log.info("%d ranks left /metrics (quiet past --expire-after or run retired)", len(gone))
         if now - last_prune >= 3600:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from ._schema import Batch, DeviceInfo, PoisonedStepEvent, SkipEvent
+from ._schema import Batch, DeviceInfo, PoisonedStepEvent, Samples, SkipEvent
 
-__all__ = ["evidence_rows", "device_key", "prune_evidence_job"]
+__all__ = ["evidence_rows", "outlier_evidence_row", "device_key", "prune_evidence_job"]
 
 _ENCODE = msgspec.json.encode
 
@@ -42,6 +42,16 @@ def evidence_rows(batch: Batch, device: DeviceInfo | None, now: float) -> list[t
                      int(getattr(event, "calibration", False)),
                      None if samples is None else _ENCODE(samples).decode()))
     return rows
+
+
+def outlier_evidence_row(run: str, rank: int, incarnation: str, event_id: int, time: float, iteration: int,
+                         optimizer: str, world_size: int, host: str, local_rank: int, device: DeviceInfo | None,
+                         samples: Samples | None) -> tuple:
+    """Return the ``evidence`` row of a ``gradient_outlier`` (:mod:`._outliers`): the rank alone is the origin of
+    its (run, iteration, optimizer), with the spike's samples (docs/suspects.md, rule 13)."""
+    return (run, rank, incarnation, event_id, "gradient_outlier", time, iteration, optimizer, world_size, host,
+            local_rank, _ENCODE(device).decode() if device is not None else None, 1, 0,
+            None if samples is None else _ENCODE(samples).decode())
 
 
 def device_key(host: str, local_rank: int, uuid: str | None) -> str:

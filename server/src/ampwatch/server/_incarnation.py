@@ -58,6 +58,9 @@ class Incarnation:
     device: DeviceInfo | None = None
     """The device the process trains on, as its last batch that carried one said (agents send it until it is
     accepted): what its evidence rows name (docs/suspects.md)."""
+    gradient_outliers: int = 0
+    """Local gradient-norm spikes of this process the collector judged outliers among the run's ranks
+    (``gradient_outlier`` events, :mod:`._outliers`): a count the collector keeps, never the agent's."""
 
     def to_row(self, batch_json: str | None = None) -> dict:
         """Return the database row that restores this incarnation (``batch_json``: the body, when it has no events)."""
@@ -72,7 +75,8 @@ class Incarnation:
     def _claims(self) -> dict:
         # Kept in the counters' JSON column (no schema change); absent for nearly every incarnation.
         return {k: v for k, v in (("displaced", list(self.displaced)), ("conflict_with", self.conflict_with),
-                                  ("replayed_only", self.replayed_only), ("device", self.device)) if v}
+                                  ("replayed_only", self.replayed_only), ("device", self.device),
+                                  ("gradient_outliers", self.gradient_outliers)) if v}
 
     @classmethod
     def from_row(cls, row: dict) -> Incarnation:
@@ -88,7 +92,8 @@ class Incarnation:
                    longest=extra["longest"], nonfinite={k: tuple(v) for k, v in extra["nonfinite"].items()},
                    displaced=_ids(extra.get("displaced")), conflict_with=extra.get("conflict_with"),
                    replayed_only=extra.get("replayed_only", False),
-                   device=msgspec.convert(extra["device"], DeviceInfo) if extra.get("device") else None)
+                   device=msgspec.convert(extra["device"], DeviceInfo) if extra.get("device") else None,
+                   gradient_outliers=extra.get("gradient_outliers", 0))
 
 
 def _ids(stored: str | list[str] | None) -> tuple[str, ...]:
@@ -146,4 +151,5 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
                        optimizers=optimizers, longest=longest, nonfinite=nonfinite,
                        displaced=old.displaced if old else displaced, conflict_with=old.conflict_with if old else None,
                        replayed_only=batch.replayed and (old is None or old.replayed_only),
-                       diagnosis=diagnosis, device=batch.device or (old.device if old else None))
+                       diagnosis=diagnosis, device=batch.device or (old.device if old else None),
+                       gradient_outliers=old.gradient_outliers if old else 0)

@@ -7,6 +7,7 @@ on its own by the same per-rank path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
+from ampwatch.contract.protocol import LISTED_EVENT_KINDS
 
 from ._access import bearer_matches
 from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
@@ -23,6 +25,7 @@ from ._config import ServerConfig
 from ._evidence import evidence_rows
 from ._incarnation import Incarnation, next_incarnation
 from ._metrics import SelfMetrics
+from ._outliers import Outlier, OutlierJudge, local_spikes
 from ._ownership import beside, claimants
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
@@ -35,9 +38,10 @@ __all__ = ["IngestService"]
 
 log = logging.getLogger("ampwatch.server")
 
-# The two answers of nearly every request, encoded once.
-_APPLIED = json.dumps({"applied": True}).encode()
-_DUPLICATE = json.dumps({"applied": False, "duplicate": True}).encode()
+# The two answers of nearly every request, encoded once; each lists the kinds it takes of those added to protocol 1
+# (docs/protocol.md#kinds-a-collector-lists).
+_APPLIED = json.dumps({"applied": True, "kinds": list(LISTED_EVENT_KINDS)}).encode()
+_DUPLICATE = json.dumps({"applied": False, "duplicate": True, "kinds": list(LISTED_EVENT_KINDS)}).encode()
 _MAX_STORED_RAW = 16_384  # bytes; a batch of 16 optimizers without events is ~6 KiB
 
 
@@ -83,6 +87,8 @@ class IngestService:
         self._requests_by_status: dict[int, Any] = {}  # counter children, looked up once per status
         self.in_flight = 0
         """Ingest requests begun and not yet answered (the event loop has work: ``/metrics`` pauses for it)."""
+        self.outliers = OutlierJudge(config.alert_thresholds)
+        """Local gradient-norm spikes waiting to be judged across their run's ranks (:mod:`._outliers`)."""
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Answer one ``POST /v1/ingest`` as a bare ASGI app (the hot path skips the framework's routing)."""
@@ -177,17 +183,71 @@ class IngestService:
         """Apply one rank's batch (``parsed`` by :meth:`_prepare` from ``body``, its bytes as the agent encoded
         them), one batch per rank at a time."""
         batch = parsed[0]
-        key = (batch.run, batch.rank)
         # One batch per rank at a time: the duplicate check and the install must see each other.
+        key = (batch.run, batch.rank)
+        done = await self._take(key)
+        try:
+            answer = await self._apply(*parsed, body, client)
+        finally:
+            self._give_back(key, done)
+        if batch.run in self.outliers.waiting:  # a healthy run: never
+            await self.judge_outliers(batch.run, (batch.rank, batch.state.iteration))
+        return answer
+
+    async def _take(self, key: tuple[str, int]) -> asyncio.Future:
+        """Hold the rank ``key`` (run, rank): what is read of it and written for it is not interleaved with another
+        batch of it (or a judgment that counts on it) until :meth:`_give_back`."""
         while (busy := self._busy.get(key)) is not None:
             await asyncio.wait([busy])
         done = asyncio.get_running_loop().create_future()
         self._busy[key] = done
+        return done
+
+    def _give_back(self, key: tuple[str, int], done: asyncio.Future) -> None:
+        del self._busy[key]  # the next batch of the rank (or judgment) goes on
+        done.set_result(None)
+
+    async def judge_outliers(self, run: str, reported: tuple[int, int] | None = None) -> None:
+        """Judge the local gradient-norm spikes of ``run`` that are due (``reported``: rank and iteration of the batch
+        just applied) and record each outlier; a failure to record one is logged, the batch is answered as applied."""
+        now = self.clock()
+        for outlier in self.outliers.due(run, self.state.runs.get(run, {}), now, reported):
+            try:
+                await self._record_outlier(outlier, now)
+            except Exception:
+                log.exception("recording a gradient outlier of rank %d of run %r failed; it is not counted",
+                              outlier.spike.rank, run)
+
+    async def judge_waiting(self) -> None:
+        """Judge every run's spikes that waited long enough (a run whose ranks stopped sending); called periodically."""
+        for run in self.outliers.runs_waiting():
+            await self.judge_outliers(run)
+        self.outliers.forget(self.clock())
+
+    async def _record_outlier(self, outlier: Outlier, now: float) -> None:
+        """Record a ``gradient_outlier``: its event and evidence row, and the rank's count, stored with the process
+        that sent the spike (event id: minus the spike's, so that it is stored once and never meets an agent's)."""
+        spike = outlier.spike
+        rank = self.state.get(spike.run, spike.rank)
+        if rank is None:
+            return  # the rank left memory meanwhile: its history is the database's
+        key = (spike.run, spike.rank)
+        done = await self._take(key)
         try:
-            return await self._apply(*parsed, body, client)
+            process = rank.view.incarnations.get(spike.incarnation)
+            if process is None:
+                return
+            counted = dataclasses.replace(process, gradient_outliers=process.gradient_outliers + 1)
+            event, evidence = outlier.rows(process.batch, process.device, now)
+            await self.store.submit(self.store.write_incarnation(spike.run, spike.rank, counted.to_row(), [event],
+                                                                 [evidence]))
+            rank.recount(counted)
         finally:
-            del self._busy[key]
-            done.set_result(None)
+            self._give_back(key, done)
+        log.info("rank %d of run %r: its own gradient norm of %s stood out at iteration %d (gradient_outlier)",
+                 spike.rank, spike.run, spike.optimizer, spike.iteration)
+        if self.on_applied is not None:
+            self.on_applied(rank)
 
     def _authenticate(self, given: bytes | None) -> None:
         if self.config.token is None:
@@ -303,6 +363,8 @@ class IngestService:
             rank = RankState(batch.run, batch.rank)
         rank.install(new)
         self.state.adopt(rank)
+        if events and (spikes := local_spikes(batch, old.max_event_id if old else 0, now)):
+            self.outliers.note(spikes)
         if rank.view.shown() != shown:
             self.state.moved(batch.run)
         if self.on_applied is not None:

@@ -17,17 +17,24 @@ from typing import Any
 from ._rank_ranges import rank_ranges
 from ._stored_form import event_of_row
 
-__all__ = ["GROUP_FROM", "STORM_KINDS", "collapse"]
+__all__ = ["GROUP_FROM", "STORM_KINDS", "STORM_CAUSE_SQL", "collapse"]
 
-STORM_KINDS = frozenset({"skip", "scale_change", "streak_end"})
-"""Kinds a storm produces on every rank at once."""
+STORM_KINDS = frozenset({"skip", "scale_change", "streak_end", "loss_spike", "grad_norm_spike"})
+"""Kinds a storm produces on every rank at once (with DDP every rank steps with the same all-reduced gradients: a
+gradient-norm spike is on every rank; a rank's own one, ``local``, is a storm of its own, never folded into that)."""
 
 GROUP_FROM = 5
 """Events of one storm on this many ranks or more share one row."""
 
 
+STORM_CAUSE_SQL = ("CASE kind WHEN 'scale_change' THEN json_extract(body, '$.cause') "
+                   "WHEN 'grad_norm_spike' THEN json_extract(body, '$.local') END AS cause")
+"""The column ``cause`` of the rows :func:`collapse` reads: what besides kind, iteration and optimizer tells storms
+apart (a scale change's cause; a gradient-norm spike's ``local``, 1 or null as its row keeps it)."""
+
+
 def _storm_key(row: dict[str, Any]) -> tuple:
-    return (row["kind"], row["iteration"], row["optimizer"] or "", row["cause"] or "")
+    return (row["kind"], row["iteration"], row["optimizer"] or "", str(row["cause"] or ""))
 
 
 def collapse(rows: list[dict[str, Any]], limit: int, group_from: int = GROUP_FROM,

@@ -57,12 +57,12 @@ _HEADERS = {metric: f"# HELP {metric.name} {metric.help}\n# TYPE {metric.name} {
 
 _OPTIMIZER_TOTALS = ((m.OPTIMIZER_STEPS, "steps"), (m.OPTIMIZER_SKIPPED_STEPS, "skipped"),
                      (m.OPTIMIZER_SCHEDULER_STEPS_AFTER_SKIP, "scheduler_steps_after_skip"),
-                     (m.OPTIMIZER_POISONED_STEPS, "poisoned_steps"))
+                     (m.OPTIMIZER_POISONED_STEPS, "poisoned_steps"), (m.OPTIMIZER_GRAD_NORM_SPIKES, "grad_norm_spikes"))
 _RANK_TOTALS = ((m.LOSS_SCALE_BACKOFFS, "backoffs"), (m.LOSS_SCALE_GROWTHS, "growths"),
                 (m.LOSS_SCALE_MANUAL_SETS, "manual_sets"), (m.AGENT_DROPPED_EVENTS, "dropped_events"),
                 (m.AGENT_SEND_FAILURES, "send_failures"), (m.AGENT_REJECTED_BATCHES, "rejected_batches"),
                 (m.AGENT_ERRORS, "agent_errors"), (m.RANK_ORIGIN_ITERATIONS, "origin_iterations"),
-                (m.AGENT_REFUSED_SPOOL_FILES, "refused_spool_files"))
+                (m.AGENT_REFUSED_SPOOL_FILES, "refused_spool_files"), (m.LOSS_SPIKES, "loss_spikes"))
 
 
 def escape_label(value: str) -> str:
@@ -137,10 +137,17 @@ _SCALAR_OPTIMIZER = ((m.OPTIMIZER_CONSECUTIVE_SKIPPED, RankView.consecutive_skip
 _SCALAR_RANK = ((m.ITERATION, lambda v: v.current.batch.state.iteration),
                 (m.RANK_LAST_SEEN, lambda v: repr(v.last_seen)),
                 (m.RANK_CLOSED, lambda v: int(v.closed)),
-                (m.RANK_CONFLICTS, lambda v: len(v.conflicting)))
+                (m.RANK_CONFLICTS, lambda v: len(v.conflicting)),
+                (m.RANK_GRADIENT_OUTLIERS, lambda v: v.gradient_outliers))
+# The rolling levels (wire SignalLevel): the newest process's, exposed only while it sends one.
+_OPTIMIZER_LEVELS = (("grad_norm", m.OPTIMIZER_GRAD_NORM_MEAN, m.OPTIMIZER_GRAD_NORM_STD),
+                     ("local_grad_norm", m.OPTIMIZER_LOCAL_GRAD_NORM_MEAN, m.OPTIMIZER_LOCAL_GRAD_NORM_STD))
+_RANK_LEVELS = (("loss", m.LOSS_MEAN, m.LOSS_STD),)
 _FAMILIES = (*(metric for metric, _ in _OPTIMIZER_TOTALS), *(metric for metric, _ in _SCALAR_OPTIMIZER),
+             *(metric for _, mean, std in _OPTIMIZER_LEVELS for metric in (mean, std)),
              m.OPTIMIZER_SKIP_STREAKS, m.NONFINITE_GRADIENT_INFO, m.LOSS_SCALE,
-             *(metric for metric, _ in _RANK_TOTALS), *(metric for metric, _ in _SCALAR_RANK), m.RANK_INFO)
+             *(metric for metric, _ in _RANK_TOTALS), *(metric for metric, _ in _SCALAR_RANK),
+             *(metric for _, mean, std in _RANK_LEVELS for metric in (mean, std)), m.RANK_INFO)
 """The per-rank families in the order /metrics lists them (each family's lines together, as the format asks)."""
 _NUMBERED_FAMILIES = tuple(enumerate(_FAMILIES))
 
@@ -153,6 +160,12 @@ def _format_rank(v: RankView, lines: _RankLines) -> tuple[str, ...]:
            for metric, field in _OPTIMIZER_TOTALS]
     out += ["".join(f"{metric.name}{{{label}}} {value(v, opt)}\n" for opt, label in labels.items())
             for metric, value in _SCALAR_OPTIMIZER]
+    state = v.owner.batch.state
+    for field, mean, std in _OPTIMIZER_LEVELS:
+        levels = [(label, level) for opt, label in labels.items()
+                  if (sent := state.optimizers.get(opt)) is not None and (level := getattr(sent, field)) is not None]
+        out += ["".join(f"{metric.name}{{{label}}} {exposition_float(getattr(level, part))}\n"
+                        for label, level in levels) for metric, part in ((mean, "mean"), (std, "std"))]
     out.append(lines.ladder_lines(v))
     named = m.NONFINITE_GRADIENT_INFO.name
     out.append("".join(f'{named}{{{label},parameter="{escape_label(param)}"}} 1\n'
@@ -161,6 +174,10 @@ def _format_rank(v: RankView, lines: _RankLines) -> tuple[str, ...]:
     out.append("" if scale is None else f"{m.LOSS_SCALE.name}{{{lines.rank}}} {exposition_float(scale)}\n")
     out += [f"{metric.name}{{{lines.rank}}} {getattr(v.totals, field)}\n" for metric, field in _RANK_TOTALS]
     out += [f"{metric.name}{{{lines.rank}}} {value(v)}\n" for metric, value in _SCALAR_RANK]
+    for field, mean, std in _RANK_LEVELS:
+        level = getattr(state, field)
+        out += ["" if level is None else f"{metric.name}{{{lines.rank}}} {exposition_float(getattr(level, part))}\n"
+                for metric, part in ((mean, "mean"), (std, "std"))]
     out.append(f"{m.RANK_INFO.name}{{{_info_labels(v, lines.rank)}}} 1\n")
     return tuple(out)
 

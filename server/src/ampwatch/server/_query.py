@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from ampwatch.contract.protocol import COLLECTOR_EVENT_KINDS, DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
 from ._floats import wire_float
-from ._latest_events import collapse
+from ._latest_events import STORM_CAUSE_SQL, collapse
 from ._recovery import load_ranks
 from ._run_scale import WINDOWS, run_scale, traces
 from ._run_summary import firing_of, summary_page, trouble_rows
@@ -38,6 +38,7 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
     totals = view.totals.to_json()
     optimizers = {}
     for name, t in view.optimizer_totals.items():
+        sent = batch.state.optimizers.get(name)
         optimizers[name] = {
             "steps": t.steps, "skipped": t.skipped, "consecutive_skipped": view.consecutive_skipped(name),
             "longest_streak": view.longest_streak(name), "streaks": t.streaks,
@@ -45,6 +46,10 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
                                 for length, count in zip(STREAK_LADDER, t.streaks_reached, strict=True)},
             "scheduler_steps_after_skip": t.scheduler_steps_after_skip, "poisoned_steps": t.poisoned_steps,
             "latest_nonfinite_parameter": view.latest_nonfinite(name),
+            # Spikes over every process; the rolling levels as the newest process sent them (null: none sent).
+            "grad_norm_spikes": t.grad_norm_spikes,
+            "grad_norm": _level(sent.grad_norm if sent else None),
+            "local_grad_norm": _level(sent.local_grad_norm if sent else None),
         }
     return {
         "rank": rank.rank, "host": batch.host, "local_rank": batch.local_rank, "world_size": batch.world_size,
@@ -61,11 +66,18 @@ def rank_summary(rank: RankState, in_metrics: bool) -> dict[str, Any]:
         # Skipped iterations that started on this rank (DDP); null when its agent does not watch DDP.
         "origin_iterations": (view.totals.origin_iterations if view.totals.origin_iterations
                               or batch.state.origin_iterations is not None else None),
+        "loss_spikes": view.totals.loss_spikes, "loss": _level(batch.state.loss),
+        # Spikes of this rank's own gradients that stood out from the other ranks' (gradient_outlier events).
+        "gradient_outliers": view.gradient_outliers,
         "optimizers": optimizers,
         # Processes that claimed this rank while it kept sending (rank_conflict events), kept out of it.
         "conflicts": [{"incarnation": inc.id, "host": inc.batch.host, "pid": inc.batch.pid,
                        "last_seen": inc.last_seen} for inc in view.conflicting],
     }
+
+
+def _level(level: Any) -> dict[str, float] | None:
+    return None if level is None else {"mean": level.mean, "std": level.std}
 
 
 def origin_ranks(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -152,8 +164,7 @@ async def latest_events(
     cut it (one indexed read: milliseconds for 10,000). The page asks for rare kinds separately."""
     rows = await asyncio.to_thread(
         request.app.state.store.query,
-        "SELECT id, rank, incarnation, kind, time, iteration, optimizer, body, "
-        "CASE kind WHEN 'scale_change' THEN json_extract(body, '$.cause') END AS cause "
+        f"SELECT id, rank, incarnation, kind, time, iteration, optimizer, body, {STORM_CAUSE_SQL} "
         "FROM events WHERE run = ? ORDER BY rowid DESC LIMIT ?", (run, 2 * scan))
     if not rows:
         known = await asyncio.to_thread(request.app.state.store.query,

@@ -45,6 +45,9 @@ class RankSnapshot:
     local_rank: int = 0
     conflicts: int = 0
     """Processes that claimed the rank while it was live and were kept out (``ampwatch_rank_conflicts_total``)."""
+    gradient_outliers: int = 0
+    """Iterations the collector judged this rank's own gradient norm an outlier among the run's ranks
+    (``ampwatch_rank_gradient_outliers_total``, :mod:`._outliers`)."""
     device: str = ""
     """The device the rank runs on, as the evidence names it (``_evidence.device_key``)."""
     on_suspect_device: int = 0
@@ -69,6 +72,7 @@ class RankView:
     totals: RankTotals
     optimizer_totals: Mapping[str, OptimizerTotals]  # in the order the optimizers first appeared
     first_seen: float = float("inf")  # when the collector first saw any of the rank's processes
+    gradient_outliers: int = 0  # over every process of the rank (Incarnation.gradient_outliers): never falls
 
     def installed(self, new: Incarnation) -> RankView:
         """Return the view after ``new`` became the applied state of its incarnation (totals move by the difference)."""
@@ -85,8 +89,9 @@ class RankView:
             current = new  # the owner's next batch: nearly every batch
         else:
             current = owner(incarnations.values())
+        outliers = self.gradient_outliers + new.gradient_outliers - (old.gradient_outliers if old else 0)
         return RankView(self.run, self.rank, incarnations, current, totals, optimizer_totals,
-                        min(self.first_seen, new.first_seen))
+                        min(self.first_seen, new.first_seen), outliers)
 
     def excluded(self, claimant: Incarnation) -> RankView:
         """Return the view with ``claimant`` (from :func:`._ownership.claimants`) out of the rank (see
@@ -171,6 +176,7 @@ class RankView:
                             consecutive_skipped={name: values.consecutive_skipped
                                                  for name, values in batch.state.optimizers.items()},
                             host=batch.host, local_rank=batch.local_rank, conflicts=len(self.conflicting),
+                            gradient_outliers=self.gradient_outliers,
                             device=device, on_suspect_device=int(device in suspect_devices),
                             diagnosis=self.owner.diagnosis)
 
@@ -196,6 +202,11 @@ class RankState:
         self.view = self.view.installed(new)
         if self.view.current is new:
             self.scale_trace.record_batch(new.batch, new_process=before is None or before.id != new.id)
+
+    def recount(self, new: Incarnation) -> None:
+        """Make ``new`` the applied state of its incarnation: the same process and batch, with a count the collector
+        keeps itself moved (``gradient_outliers``); no batch was applied, so the loss-scale trace stays."""
+        self.view = self.view.installed(new)
 
     def exclude(self, claimant: Incarnation) -> None:
         """Put ``claimant`` (from :func:`._ownership.claimants`) out of the rank: it is never again its current

@@ -79,6 +79,13 @@ def _origin_set(rows: list[_Row]) -> list[_Row]:
     return rows
 
 
+def _one_per_rank(rows: list[_Row]) -> list[_Row]:
+    """The rows of one event, a rank's ``gradient_outlier`` row left out where the rank sent a row of its own for it
+    (a skip it started: the same origin, counted once, rule 13)."""
+    sent = {r.rank for r in rows if r.kind != "gradient_outlier"}
+    return [r for r in rows if r.kind != "gradient_outlier" or r.rank not in sent]
+
+
 def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
     """Return ``{"devices": [...], "samples": [...], "settings": {...}}`` judged over evidence ``rows``."""
     occurrences: dict[tuple[str, int, str], list[_Row]] = defaultdict(list)
@@ -93,6 +100,8 @@ def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
     sole: dict[str, list[_Row]] = defaultdict(list)  # device -> the events it was the sole origin of
     origin_rows: list[_Row] = []  # the origin sets' rows that name samples
     for found in occurrences.values():
+        if len(found) > 1:
+            found = _one_per_rank(found)
         if any(r.calibration for r in found):
             continue  # the scaler settling: evidence of nothing
         origins = _origin_set(found)

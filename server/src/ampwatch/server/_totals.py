@@ -98,13 +98,16 @@ class RankTotals(_Counters):
     origin_iterations: int = 0
     """Skipped iterations where the rank's own gradients held inf/NaN before DDP's all-reduce."""
     refused_spool_files: int = 0
+    loss_spikes: int = 0
+    """Iterations whose loss spiked (above its rolling window, or non-finite)."""
 
     @classmethod
     def of(cls, state: WireRankState) -> RankTotals:
         """Return the counters a batch's ``state`` carries."""
         d = state.delivery
         return cls(state.backoffs, state.growths, state.manual_sets, d.dropped_events, d.send_failures,
-                   d.rejected_batches, d.agent_errors, state.origin_iterations or 0, d.refused_spool_files)
+                   d.rejected_batches, d.agent_errors, state.origin_iterations or 0, d.refused_spool_files,
+                   state.loss_spikes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,13 +121,15 @@ class OptimizerTotals(_Counters):
     poisoned_steps: int = 0
     streaks_reached: tuple[int, ...] = NO_STREAKS
     """Skip streaks that reached at least L consecutive skips, one count per rung L of STREAK_LADDER."""
+    grad_norm_spikes: int = 0
+    """Iterations whose gradient norm (the one the optimizer stepped with) spiked."""
 
     @classmethod
     def of(cls, wire: WireOptimizerCounters) -> OptimizerTotals:
         """Return the counters a batch carries for one optimizer."""
         reached = wire.streaks_reached
         return cls(wire.steps, wire.skipped, wire.streaks, wire.scheduler_steps_after_skip, wire.poisoned_steps,
-                   tuple(reached.get(key, 0) for key in _KEYS) if reached else NO_STREAKS)
+                   tuple(reached.get(key, 0) for key in _KEYS) if reached else NO_STREAKS, wire.grad_norm_spikes)
 
     def reached(self, length: int) -> int:
         """Return how many skip streaks reached ``length`` (a rung of the streak ladder)."""
