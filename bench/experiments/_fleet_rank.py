@@ -13,7 +13,7 @@ import random
 import time
 
 from ampwatch.agent._schedule import PushSchedule
-from bench._rank_batch import SCALER, batch_body, open_identity
+from bench._rank_batch import SCALER, batch_body, open_identity, with_levels
 from bench.experiments._fleet_plan import Delivery, LockstepPlan, Plan
 from bench.experiments._fleet_transports import Answer, KeptAlive
 
@@ -46,8 +46,11 @@ class Tally:
 
 
 async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, transport: KeptAlive, run: str, world: int,
-                   end: float, kill_at: float | None, tally: Tally) -> None:
-    """Send ``rank``'s batches of ``plan`` through ``transport`` until ``end`` (or ``kill_at``: no close)."""
+                   end: float, kill_at: float | None, tally: Tally, levels_every: int = 0) -> None:
+    """Send ``rank``'s batches of ``plan`` through ``transport`` until ``end`` (or ``kill_at``: no close).
+
+    ``levels_every``: every this many batches carry issue 40's rolling levels (:func:`~bench._rank_batch.with_levels`;
+    the ranks take turns, so that any stretch of time has the same share); 0: none, today's batches."""
     schedule = PushSchedule(delivery.heartbeat, delivery.news_gap, delivery.news_hold,
                             ranks=world if delivery.spread else 1, news_spread=delivery.news_spread,
                             rng=random.Random(rank))
@@ -79,6 +82,8 @@ async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, tra
                 events.append(dict(event, id=event_id, time=plan.time_of(it)))
         state = plan.batch_state(iteration)
         seq += 1
+        if levels_every and (seq + rank) % levels_every == 0:
+            state = with_levels(state, rank, iteration)
         rest = {"seq": seq, "sent_at": now, "scaler": SCALER, "state": state, "events": events, "closed": False}
         body = batch_body(head, rest)
         schedule.built(now)
