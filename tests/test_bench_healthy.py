@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import typing
 
+import pytest
+
 from ampwatch.contract.batch import OptimizerCounters, RankState, SignalLevel, fields
 from ampwatch.server._batch_parse import parse_batch
 from bench import healthy
@@ -57,6 +59,8 @@ def test_the_simulated_ranks_add_exactly_the_contracts_levels_typed_and_rounded_
                 assert (getattr(counters, key).mean, getattr(counters, key).std) == (sent["mean"], sent["std"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_the_healthy_bench_measures_each_shape_on_a_real_collector_that_takes_every_batch():
     result = healthy.run(ranks=16, heartbeats=2, rounds=1, heartbeat=1.0)
     sides = result["rounds"][0]["sides"]
