@@ -134,6 +134,7 @@ def _side(shape: str, ranks: int, heartbeats: int, heartbeat: float) -> dict:
     per_rank_hour = 3600.0 / (ranks * seconds)
     return {"shape": shape, "levels_every": SHAPES[shape], "ranks": ranks, "heartbeat_s": heartbeat,
             "healthy_s": round(seconds, 1), "requests": job["requests"]["healthy"],
+            "levelled_share": round(job["levelled"]["healthy"] / max(1, job["requests"]["healthy"]), 4),
             "wire_bytes": job["bytes"]["healthy"],
             "bytes_per_exchange": round(job["bytes"]["healthy"] / max(1, job["requests"]["healthy"]), 1),
             "wire_kib_per_rank_hour": round(job["bytes"]["healthy"] * per_rank_hour / 1024, 2),

@@ -69,6 +69,8 @@ def test_the_healthy_bench_measures_each_shape_on_a_real_collector_that_takes_ev
         assert side["refused"] == {} and side["timeouts"] == 0 and side["requests"] >= 16
         assert side["scrapes"] >= 1 and side["scrapes_failed"] == 0
     # the levels went on the wire: every batch of "levels", some of "levels_every_4th", none of "today"
+    assert (sides["today"]["levelled_share"], sides["levels"]["levelled_share"]) == (0, 1)
+    assert 0 < sides["levels_every_4th"]["levelled_share"] < 1
     today, every, some = (sides[n]["bytes_per_exchange"] for n in ("today", "levels", "levels_every_4th"))
     assert today < some < every
     assert result["exchange"]["levels"]["agent_body_bytes"] > result["exchange"]["today"]["agent_body_bytes"]

@@ -120,7 +120,8 @@ async def _run(args: argparse.Namespace) -> dict:
             "levels_every": args.levels_every,
             "killed": {"rank": args.kill_rank, "at": warm_end + args.kill_after} if args.kill_rank >= 0 else None,
             "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests,
-            "bytes": tally.bytes, "refused": tally.refused, "timeouts": tally.timeouts, "missed": tally.missed,
+            "bytes": tally.bytes, "levelled": tally.levelled, "refused": tally.refused, "timeouts": tally.timeouts,
+            "missed": tally.missed,
             "killed_last_ack": tally.killed_last_ack,
             "storm": {str(r): v for r, v in tally.storm.items()},
             "generator_cpu_s": round(time.process_time() - cpu0, 2)}
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-rank", type=int, default=-1, help="this rank stops without closing, --kill-after")
     parser.add_argument("--kill-after", type=float, default=0.0, help="seconds into the healthy phase")
     parser.add_argument("--levels-every", type=int, default=0, metavar="N",
-                        help="every Nth batch of a rank (the ranks take turns) carries issue 40's rolling levels of "
+                        help="one batch in N (at random) carries issue 40's rolling levels of "
                              "the loss and gradient norms (bench._rank_batch.with_levels); 0: none (default)")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--out", required=True)

@@ -6,7 +6,7 @@ __all__ = ["section", "summary_rows"]
 
 _WHAT = {"today": "today's batch (counters, scale, delivery)",
          "levels": "+ the loss's level, each optimizer's gradient norm level and its local one (issue 40)",
-         "levels_every_4th": "+ the same levels in every 4th batch only (an alternative)"}
+         "levels_every_4th": "+ the same levels in one batch in 4 (an alternative: a minute apart on average)"}
 
 
 def _verdict(ratio: float, target: float) -> str:
@@ -29,7 +29,9 @@ def section(res: dict) -> list[str]:
         ratio = res["ratios"].get(name)
         cells = ["1", "-", "1"] if ratio is None else [
             f"{ratio['wire_ratio']:.3f}", f"{ratio['wire_ratio_with_kinds']:.3f}", f"{ratio['cpu_ratio']:.3f}"]
-        lines.append(f"| {name}: {_WHAT.get(name, name)} | {_mean([s['bytes_per_exchange'] for s in sides]):,.0f} | "
+        share = _mean([s.get("levelled_share", 0.0) for s in sides])
+        what = _WHAT.get(name, name) + (f" ({100 * share:.1f}% of the batches measured)" if 0 < share < 1 else "")
+        lines.append(f"| {name}: {what} | {_mean([s['bytes_per_exchange'] for s in sides]):,.0f} | "
                      f"{_mean([s['wire_kib_per_rank_hour'] for s in sides]):,.1f} | {cells[0]} | {cells[1]} | "
                      f"{_mean([s['collector_cpu_us_per_rank_s'] for s in sides]):.1f} | {cells[2]} |")
     lines += ["", f"Issue 40's target: at most x{target:.2f} of today's for each, in a healthy run:", ""]
