@@ -14,7 +14,13 @@ The answers of a collector that lists the spike event kinds (issue 40's protocol
 tree's collector does not send them yet, their bytes are added to the levels' side as a projection
 (``wire_ratio_with_kinds``); where it does, they are taken off today's side (today's collector sent none).
 
-    python -m bench.healthy [--quick] [--ranks N] [--heartbeats K] [--rounds R]
+    python -m bench.healthy [--quick] [--ranks N] [--heartbeats K] [--rounds R] [--before REF]
+
+``--before REF`` also runs today's batches on the collector of an earlier commit (its ``server/src`` and
+``contract/src`` from ``git archive``) at the same time: once issue 40's collector is in, the ratios over that side
+(``ratios_vs_before``) say what the whole change costs, the new collector's own work (levels in ``/metrics``, the
+outlier judgment) included, e.g. ``python -m bench.healthy --before 29e7ac7`` (the commit before issue 40's
+contract).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from ampwatch.contract.protocol import LISTED_EVENT_KINDS
 from ampwatch_support.batches import OPTIMIZER_LEVELS, RANK_LEVELS, make_batch
 from bench import _servers
 from bench._async_http import INGEST_HEAD, request
-from bench._before_after import ROOT
+from bench._before_after import ROOT, source_of
 from bench._rank_batch import SCALER, batch_body, open_identity, with_levels
 from bench.experiments._fleet_plan import Plan
 from bench.experiments.fleet import SCRAPE_EVERY_S, scrape, sleep_until, warm_seconds
@@ -96,10 +102,12 @@ def exchange_bytes(levels_every: int, ranks: int = 2048, form: str | None = None
     return {"request_bytes": round(statistics.mean(sim), 1), "agent_body_bytes": round(statistics.mean(agent), 1)}
 
 
-def _side(shape: str, ranks: int, heartbeats: int, heartbeat: float) -> dict:
-    """One shape on its own fresh collector: its healthy phase's bytes and the collector's CPU."""
+def _side(shape: str, ranks: int, heartbeats: int, heartbeat: float, server: str | None = None) -> dict:
+    """One shape on its own fresh collector (``server``: the ``server/src`` of an earlier commit, first on its path;
+    default this tree's): its healthy phase's bytes and the collector's CPU."""
     healthy = heartbeats * heartbeat
-    with tempfile.TemporaryDirectory() as tmp, _servers.collector() as srv:
+    env = {"PYTHONPATH": server} if server else None
+    with tempfile.TemporaryDirectory() as tmp, _servers.collector(env=env) as srv:
         answer = _answer(srv.url)
         out = os.path.join(tmp, "ranks.json")
         sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port),
@@ -153,43 +161,58 @@ def _kinds_bytes() -> int:
     return len(json.dumps({"applied": True, "kinds": list(LISTED_EVENT_KINDS)})) - len(plain)
 
 
-def _ratios(sides: dict[str, dict], kinds: int) -> dict:
-    """Each shape's bytes and CPU over today's, and its bytes counting the answers' kinds."""
-    today = sides["today"]
+def _ratios(sides: dict[str, dict], kinds: int, base: str = "today") -> dict:
+    """Each shape's bytes and CPU over ``base``'s, and its bytes with the answers' kinds: counted on the shape's side
+    (projected where its collector does not list them yet), not on ``base``'s (today's collector sent none)."""
+    today = sides[base]
+    base_bytes = today["wire_bytes"] - (kinds * today["requests"] if today["answer_lists_kinds"] else 0)
     out = {}
     for name, side in sides.items():
-        if name == "today":
+        if name == base or side.get("server"):
             continue
-        if today["answer_lists_kinds"]:  # today's collector sent none: take them off today's side
-            base = today["wire_bytes"] - kinds * today["requests"]
-            with_kinds = side["wire_bytes"] / (base / today["healthy_s"]) / side["healthy_s"]
-        else:  # projected: this tree's collector does not list them yet
-            with_kinds = (side["wire_bytes"] + kinds * side["requests"]) / side["healthy_s"] / (
-                today["wire_bytes"] / today["healthy_s"])
+        side_bytes = side["wire_bytes"] + (0 if side["answer_lists_kinds"] else kinds * side["requests"])
+        with_kinds = (side_bytes / side["healthy_s"]) / (base_bytes / today["healthy_s"])
         out[name] = {"wire_ratio": round(side["wire_kib_per_rank_hour"] / today["wire_kib_per_rank_hour"], 4),
                      "wire_ratio_with_kinds": round(with_kinds, 4),
                      "cpu_ratio": round(side["collector_cpu_us_per_rank_s"] / today["collector_cpu_us_per_rank_s"], 4)}
     return out
 
 
-def run(ranks: int = 2048, heartbeats: int = 3, rounds: int = 2, heartbeat: float | None = None) -> dict:
+def _medians(measured: list[dict], key: str) -> dict:
+    return {name: {k: round(statistics.median(m[key][name][k] for m in measured), 4)
+                   for k in ("wire_ratio", "wire_ratio_with_kinds", "cpu_ratio")}
+            for name in measured[0][key]}
+
+
+def run(ranks: int = 2048, heartbeats: int = 3, rounds: int = 2, heartbeat: float | None = None,
+        before: str | None = None) -> dict:
     """Measure every shape at once, ``rounds`` times; return each round's figures, their ratios and the medians.
 
     ``heartbeat``: seconds between a rank's batches (default: the agent's for a job of ``ranks``); shorter only to
-    smoke-test the bench."""
+    smoke-test the bench. ``before``: a commit whose collector also takes today's batches, at the same time (side
+    ``today at REF``), and each shape's ratios over that side too (``ratios_vs_before``): once issue 40's collector
+    is in, what the whole change costs, its collector's own work included."""
     heartbeat = heartbeat or default_heartbeat(ranks)
     load_start = [round(x, 2) for x in os.getloadavg()]
     kinds = _kinds_bytes()
     measured = []
-    for _ in range(rounds):
-        with concurrent.futures.ThreadPoolExecutor(len(SHAPES)) as pool:
-            futures = {name: pool.submit(_side, name, ranks, heartbeats, heartbeat) for name in SHAPES}
-            sides = {name: f.result() for name, f in futures.items()}
-        measured.append({"sides": sides, "ratios": _ratios(sides, kinds)})
-    medians = {name: {key: round(statistics.median(m["ratios"][name][key] for m in measured), 4)
-                      for key in ("wire_ratio", "wire_ratio_with_kinds", "cpu_ratio")}
-               for name in SHAPES if name != "today"}
-    return {"ranks": ranks, "heartbeats": heartbeats, "rounds": measured, "ratios": medians,
+    with tempfile.TemporaryDirectory() as tmp:
+        server = source_of(before, tmp) if before else None
+        jobs = {name: (name, None) for name in SHAPES}
+        if before:
+            jobs[f"today at {before}"] = ("today", server)
+        for _ in range(rounds):
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+                futures = {name: pool.submit(_side, shape, ranks, heartbeats, heartbeat, path)
+                           for name, (shape, path) in jobs.items()}
+                sides = {name: dict(f.result(), server=jobs[name][1] and before) for name, f in futures.items()}
+            round_ = {"sides": sides, "ratios": _ratios(sides, kinds)}
+            if before:
+                round_["ratios_vs_before"] = _ratios(sides, kinds, base=f"today at {before}")
+            measured.append(round_)
+    medians = _medians(measured, "ratios")
+    extra = {"before": before, "ratios_vs_before": _medians(measured, "ratios_vs_before")} if before else {}
+    return {"ranks": ranks, "heartbeats": heartbeats, "rounds": measured, "ratios": medians, **extra,
             "kinds_bytes_per_answer": kinds, "target_ratio": TARGET_RATIO,
             "exchange": {**{name: exchange_bytes(every, ranks) for name, every in SHAPES.items()},
                          **{f"levels, {form}": exchange_bytes(1, ranks, form) for form in FORMS}},
@@ -203,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, help="simulated ranks per shape (default 2,048)")
     parser.add_argument("--heartbeats", type=int, help="heartbeats measured (default 3)")
     parser.add_argument("--rounds", type=int, help="rounds of all shapes at once (default 2)")
+    parser.add_argument("--before", metavar="REF", help="also run today's batches on the collector of commit REF "
+                                                        "(e.g. the one before issue 40), at the same time")
     args = parser.parse_args(argv)
     quick = {"ranks": 1024, "heartbeats": 2, "rounds": 1} if args.quick else {}
     chosen = {k: v for k, v in (("ranks", args.ranks), ("heartbeats", args.heartbeats), ("rounds", args.rounds))
               if v is not None}
-    print(json.dumps(run(**{**quick, **chosen}), indent=1))
+    print(json.dumps(run(**{**quick, **chosen}, before=args.before), indent=1))
     return 0
 
 

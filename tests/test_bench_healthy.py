@@ -62,9 +62,12 @@ def test_the_simulated_ranks_add_exactly_the_contracts_levels_typed_and_rounded_
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_healthy_bench_measures_each_shape_on_a_real_collector_that_takes_every_batch():
-    result = healthy.run(ranks=16, heartbeats=2, rounds=1, heartbeat=1.0)
+    # --before: today's batches also go to a collector from `git archive` of a commit (here this one), at once
+    result = healthy.run(ranks=16, heartbeats=2, rounds=1, heartbeat=1.0, before="HEAD")
     sides = result["rounds"][0]["sides"]
-    assert set(sides) == set(healthy.SHAPES)
+    assert set(sides) == set(healthy.SHAPES) | {"today at HEAD"}
+    assert sides["today at HEAD"]["server"] == "HEAD" and sides["today"]["server"] is None
+    assert set(result["ratios_vs_before"]) == set(healthy.SHAPES)
     for side in sides.values():
         assert side["refused"] == {} and side["timeouts"] == 0 and side["requests"] >= 16
         assert side["scrapes"] >= 1 and side["scrapes_failed"] == 0
@@ -76,5 +79,5 @@ def test_the_healthy_bench_measures_each_shape_on_a_real_collector_that_takes_ev
     assert result["exchange"]["levels"]["agent_body_bytes"] > result["exchange"]["today"]["agent_body_bytes"]
     assert set(result["ratios"]) == {"levels", "levels_every_4th"}
     page = "\n".join(healthy_report.section(result) + healthy_report.summary_rows(result))
-    assert "x today" in page and "levels_every_4th" in page
+    assert "x today" in page and "levels_every_4th" in page and "on the collector of HEAD" in page
     json.dumps(result)  # what python -m bench stores

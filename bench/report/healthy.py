@@ -27,10 +27,12 @@ def section(res: dict) -> list[str]:
              "collector CPU µs per rank-second | x today |", "|---|---|---|---|---|---|---|"]
     for name, sides in ((n, _sides(res, n)) for n in res["rounds"][0]["sides"]):
         ratio = res["ratios"].get(name)
-        cells = ["1", "-", "1"] if ratio is None else [
+        cells = ["-", "-", "-"] if sides[0].get("server") else ["1", "-", "1"] if ratio is None else [
             f"{ratio['wire_ratio']:.3f}", f"{ratio['wire_ratio_with_kinds']:.3f}", f"{ratio['cpu_ratio']:.3f}"]
         share = _mean([s.get("levelled_share", 0.0) for s in sides])
-        what = _WHAT.get(name, name) + (f" ({100 * share:.1f}% of the batches measured)" if 0 < share < 1 else "")
+        what = ("today's batch on the collector of that commit (`--before`)" if sides[0].get("server")
+                else _WHAT.get(name, name))
+        what += f" ({100 * share:.1f}% of the batches measured)" if 0 < share < 1 else ""
         lines.append(f"| {name}: {what} | {_mean([s['bytes_per_exchange'] for s in sides]):,.0f} | "
                      f"{_mean([s['wire_kib_per_rank_hour'] for s in sides]):,.1f} | {cells[0]} | {cells[1]} | "
                      f"{_mean([s['collector_cpu_us_per_rank_s'] for s in sides]):.1f} | {cells[2]} |")
@@ -39,6 +41,14 @@ def section(res: dict) -> list[str]:
         lines.append(f"- {name}: bytes {_verdict(ratio['wire_ratio'], target)}, with the answers' kinds "
                      f"{_verdict(ratio['wire_ratio_with_kinds'], target)}; collector CPU "
                      f"{_verdict(ratio['cpu_ratio'], target)}.")
+    before = res.get("before")
+    if before:
+        lines += ["", f"Against today's batches on the collector of {before}, in the same run (what the whole change "
+                  "costs, this tree's collector's own work included):", ""]
+        for name, ratio in res["ratios_vs_before"].items():
+            lines.append(f"- {name}: bytes x{ratio['wire_ratio']:.3f} (x{ratio['wire_ratio_with_kinds']:.3f} with the "
+                         f"answers' kinds), {_verdict(ratio['wire_ratio_with_kinds'], target)}; collector CPU "
+                         f"x{ratio['cpu_ratio']:.3f}, {_verdict(ratio['cpu_ratio'], target)}.")
     lines += _fixes(res)
     per_round = "; ".join(", ".join(f"{name} bytes x{r['wire_ratio']:.3f} CPU x{r['cpu_ratio']:.3f}"
                                     for name, r in m["ratios"].items()) for m in res["rounds"])
