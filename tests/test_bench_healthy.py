@@ -81,3 +81,20 @@ def test_the_healthy_bench_measures_each_shape_on_a_real_collector_that_takes_ev
     page = "\n".join(healthy_report.section(result) + healthy_report.summary_rows(result))
     assert "x today" in page and "levels_every_4th" in page and "on the collector of HEAD" in page
     json.dumps(result)  # what python -m bench stores
+
+
+def test_the_answers_kinds_are_counted_once_on_the_levels_side_whichever_collector_lists_them():
+    def side(wire: int, lists: bool, server: str | None = None) -> dict:
+        return {"wire_bytes": wire, "requests": 10, "healthy_s": 1.0, "answer_lists_kinds": lists, "server": server,
+                "wire_kib_per_rank_hour": wire, "collector_cpu_us_per_rank_s": 1.0}
+
+    kinds = 44
+    # this tree's collector lists none yet: projected onto the levels' side
+    projected = healthy._ratios({"today": side(1000, False), "levels": side(1200, False)}, kinds)["levels"]
+    # it lists them in every answer: measured on both sides, taken off today's (today's collector sent none)
+    measured = healthy._ratios({"today": side(1440, True), "levels": side(1640, True)}, kinds)["levels"]
+    # an earlier collector (--before) sent none, this tree's lists them: counted as measured, once
+    before = healthy._ratios({"today at x": side(1000, False, "x"), "levels": side(1640, True)}, kinds,
+                             base="today at x")["levels"]
+    assert projected["wire_ratio"] == 1.2 and projected["wire_ratio_with_kinds"] == 1.64
+    assert measured["wire_ratio_with_kinds"] == before["wire_ratio_with_kinds"] == 1.64
