@@ -10,9 +10,9 @@ first batch): bytes on the wire (each request's line, headers and body, each ans
 fleet bench counts them) per rank-hour, and the collector's CPU (user + system, every thread, ``/proc``) per
 rank-second. Issue 40's target: each at most +10% over today's shape.
 
-The answers of a collector that lists the spike event kinds (issue 40's protocol) carry ``"kinds"`` too: where this
-tree's collector does not send them yet, their bytes are added to the levels' side as a projection
-(``wire_ratio_with_kinds``); where it does, they are taken off today's side (today's collector sent none).
+The answers of a collector that lists the spike event kinds (issue 40's protocol) carry ``"kinds"`` too
+(``wire_ratio_with_kinds``): counted on a levels side, projected where its collector does not send them yet, and
+never on today's side (today's collector sent none).
 
     python -m bench.healthy [--quick] [--ranks N] [--heartbeats K] [--rounds R] [--before REF]
 
@@ -50,8 +50,8 @@ from bench.experiments.fleet import SCRAPE_EVERY_S, scrape, sleep_until, warm_se
 __all__ = ["FORMS", "SHAPES", "TARGET_RATIO", "exchange_bytes", "run", "main"]
 
 SHAPES = {"today": 0, "levels": 1, "levels_every_4th": 4}
-"""Each shape measured, and every how many batches of a rank carry issue 40's levels (0: none, today's batches;
-4: the alternative of sending them with every 4th heartbeat, a minute at the default 15 s)."""
+"""Each shape measured, and one in how many batches carries issue 40's levels (0: none, today's batches; 4: the
+alternative of sending them with one heartbeat in 4, drawn at random, a minute apart on average at the default 15 s)."""
 
 TARGET_RATIO = 1.10
 """Issue 40: a healthy run's bytes per rank-hour and collector CPU per rank-second at most 10% over today's."""
