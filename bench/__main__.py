@@ -21,7 +21,7 @@ import time
 import traceback
 from importlib import metadata
 
-from bench import footprint, ingest, inspection, instructions, overhead, report, scrape, tail
+from bench import footprint, healthy, ingest, inspection, instructions, overhead, report, scrape, tail
 from bench._catalogue import BENCHMARKS, listing
 from bench.report._hand_written import carry_over
 
@@ -108,6 +108,8 @@ def _section(name: str, quick: bool) -> object:
         return scrape.run((1, 1024), 3) if quick else scrape.run()
     if name == "footprint":
         return footprint.run(64, 3, 8, skip_every=2) if quick else footprint.run()
+    if name == "healthy":
+        return healthy.run(1024, 2, 1) if quick else healthy.run()
     if name == "instructions":
         return instructions.run(50 if quick else 200)
     if name == "inspection":

@@ -54,6 +54,10 @@ BENCHMARKS = (
     Benchmark("footprint", "bench.footprint",
               "collector database growth per rank-hour at a 1 s push interval, bytes per stored event",
               "about 1.5 min", "about 20 s"),
+    Benchmark("healthy", "bench.healthy",
+              "a healthy run's wire bytes per rank-hour and collector CPU per rank-second at the default heartbeat, "
+              "today's batches beside issue 40's (loss and gradient-norm levels), all at once on fresh collectors",
+              "about 2.5 min", "about 45 s"),
     Benchmark("tail", "bench.tail",
               "where the ingest tail at 1,024 ranks goes: GC pauses, event-loop lag, commit time, alert tick; "
               "default vs tuned collector", "about 1 min", "about 20 s"),

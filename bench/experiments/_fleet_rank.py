@@ -13,7 +13,7 @@ import random
 import time
 
 from ampwatch.agent._schedule import PushSchedule
-from bench._rank_batch import SCALER, batch_body, open_identity
+from bench._rank_batch import SCALER, batch_body, open_identity, with_levels
 from bench.experiments._fleet_plan import Delivery, LockstepPlan, Plan
 from bench.experiments._fleet_transports import Answer, KeptAlive
 
@@ -32,6 +32,7 @@ class Tally:
         self.late: dict[str, list[float]] = {p: [] for p in phases}  # send start minus when it was due
         self.requests = {p: 0 for p in phases}
         self.bytes = {p: 0 for p in phases}
+        self.levelled = {p: 0 for p in phases}  # requests whose batch carried issue 40's levels (--levels-every)
         self.refused: dict[str, int] = {}  # answers other than 2xx, by status
         self.timeouts = 0
         self.missed = 0  # batches sent a whole heartbeat or more after they were due
@@ -46,8 +47,12 @@ class Tally:
 
 
 async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, transport: KeptAlive, run: str, world: int,
-                   end: float, kill_at: float | None, tally: Tally) -> None:
-    """Send ``rank``'s batches of ``plan`` through ``transport`` until ``end`` (or ``kill_at``: no close)."""
+                   end: float, kill_at: float | None, tally: Tally, levels_every: int = 0) -> None:
+    """Send ``rank``'s batches of ``plan`` through ``transport`` until ``end`` (or ``kill_at``: no close).
+
+    ``levels_every``: one batch in this many carries issue 40's rolling levels (:func:`~bench._rank_batch.with_levels`;
+    1: every batch), drawn at random so that any stretch of the run has that share (a rank's own turns would
+    depend on how many of its batches a short phase holds); 0: none, today's batches."""
     schedule = PushSchedule(delivery.heartbeat, delivery.news_gap, delivery.news_hold,
                             ranks=world if delivery.spread else 1, news_spread=delivery.news_spread,
                             rng=random.Random(rank))
@@ -57,6 +62,7 @@ async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, tra
     news_iterations = [it for it, e in plan.events if delivery.news(e)]
     storm = tally.storm.get(rank)
     first_contact = True
+    levels = random.Random(-1 - rank)
     await asyncio.sleep(max(0.0, plan.start - time.time()))  # the rank calls watch()
     schedule.begin(time.time())
     while True:
@@ -79,6 +85,9 @@ async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, tra
                 events.append(dict(event, id=event_id, time=plan.time_of(it)))
         state = plan.batch_state(iteration)
         seq += 1
+        levelled = bool(levels_every) and levels.random() * levels_every < 1.0
+        if levelled:
+            state = with_levels(state, rank, iteration)
         rest = {"seq": seq, "sent_at": now, "scaler": SCALER, "state": state, "events": events, "closed": False}
         body = batch_body(head, rest)
         schedule.built(now)
@@ -98,6 +107,7 @@ async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, tra
             if phase is not None:
                 tally.requests[phase] += 1
                 tally.bytes[phase] += answer.sent_bytes + answer.received_bytes
+                tally.levelled[phase] += levelled
                 if not first_contact and answer.status is not None:
                     tally.latency[phase].append((round(sent, 4), round(done - sent, 5)))
                     tally.late[phase].append(max(0.0, late))

@@ -106,7 +106,8 @@ async def _run(args: argparse.Namespace) -> dict:
     gc.set_threshold(50_000, 50, 1_000)
     cpu0 = time.process_time()
     await asyncio.gather(*(run_rank(r, plans[r], delivery, transports[r // RANKS_PER_NODE], args.run, args.ranks,
-                                    end, warm_end + args.kill_after if r == args.kill_rank else None, tally)
+                                    end, warm_end + args.kill_after if r == args.kill_rank else None, tally,
+                                    args.levels_every)
                            for r in range(args.ranks)))
     http: dict[str, list[float]] = {p: [] for p in phases}  # HTTP request latency, whoever sent it
     for transport in transports:
@@ -116,9 +117,11 @@ async def _run(args: argparse.Namespace) -> dict:
             if phase is not None:
                 http[phase].append(round(seconds, 5))
     return {"delivery": args.delivery, "transport": args.transport, "ranks": args.ranks, "phases": phases,
+            "levels_every": args.levels_every,
             "killed": {"rank": args.kill_rank, "at": warm_end + args.kill_after} if args.kill_rank >= 0 else None,
             "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests,
-            "bytes": tally.bytes, "refused": tally.refused, "timeouts": tally.timeouts, "missed": tally.missed,
+            "bytes": tally.bytes, "levelled": tally.levelled, "refused": tally.refused, "timeouts": tally.timeouts,
+            "missed": tally.missed,
             "killed_last_ack": tally.killed_last_ack,
             "storm": {str(r): v for r, v in tally.storm.items()},
             "generator_cpu_s": round(time.process_time() - cpu0, 2)}
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iteration-s", type=float, default=1.0)
     parser.add_argument("--kill-rank", type=int, default=-1, help="this rank stops without closing, --kill-after")
     parser.add_argument("--kill-after", type=float, default=0.0, help="seconds into the healthy phase")
+    parser.add_argument("--levels-every", type=int, default=0, metavar="N",
+                        help="one batch in N (at random) carries issue 40's rolling levels of "
+                             "the loss and gradient norms (bench._rank_batch.with_levels); 0: none (default)")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)

@@ -48,7 +48,8 @@ from bench._before_after import ROOT, source_of, store
 from bench.report._format import measured_by
 from bench.report.fleet import table
 
-__all__ = ["SILENCE", "first_skip_delays", "ms_summary", "seconds_summary", "silence", "run", "main", "warm_seconds"]
+__all__ = ["SILENCE", "first_skip_delays", "ms_summary", "scrape", "seconds_summary", "silence", "sleep_until", "run",
+           "main", "warm_seconds"]
 
 KEY = "fleet"
 SCRAPE_EVERY_S = 15.0  # as Prometheus does by default
@@ -85,7 +86,7 @@ def _get(url: str, timeout: float = 120.0) -> bytes:
         return gzip.decompress(data) if answer.headers.get("Content-Encoding") == "gzip" else data
 
 
-def _scrape(url: str) -> dict:
+def scrape(url: str) -> dict:
     """Scrape /metrics as Prometheus does; return its times and every rank's ``gen`` skipped count."""
     started = time.time()
     try:
@@ -108,7 +109,7 @@ def _alerts(url: str) -> list[dict] | None:
         return None
 
 
-def _sleep_until(t: float) -> None:
+def sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.time()))
 
 
@@ -166,7 +167,7 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
                                     *(["--lockstep"] if lockstep else [])],
                                    cwd=ROOT, stdout=subprocess.PIPE, text=True)
             timeline = json.loads(sim.stdout.readline())
-            _sleep_until(timeline["warm_end"])
+            sleep_until(timeline["warm_end"])
             cpu = {"healthy": stats.cpu_s()}
             scrapes: list[dict] = []
             moments = [(timeline["warm_end"] + k * SCRAPE_EVERY_S, "scrape")
@@ -174,12 +175,12 @@ def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str
             for at, what in sorted(moments + [(timeline["storm_at"], "sample")]):
                 if at >= timeline["end"]:
                     break
-                _sleep_until(at)
+                sleep_until(at)
                 if what == "sample":
                     cpu["healthy_end"], rss_healthy = stats.cpu_s(), stats.memory_kib()["VmRSS"]
                 else:
-                    scrapes.append(_scrape(srv.url))
-            _sleep_until(timeline["end"])
+                    scrapes.append(scrape(srv.url))
+            sleep_until(timeline["end"])
             cpu["end"] = stats.cpu_s()
             sim.wait(timeout=120)
             if sim.returncode != 0:

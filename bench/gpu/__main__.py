@@ -1,4 +1,4 @@
-"""Check ampwatch on a GPU: truth, zero syncs, overhead, inspection, two ranks, bf16, FSDP (``make bench-gpu``).
+"""Check ampwatch on a GPU: truth, syncs, overhead, inspection, two ranks, bf16, FSDP, spikes (``make bench-gpu``).
 
     PYTHONPATH=agent/src:contract/src:support/src python -m bench.gpu [--device cuda|cpu] [--quick]
         [--out-dir DIR] [--only SECTION]
@@ -22,7 +22,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SECTIONS = ("truth", "syncs", "overhead", "inspection", "ddp", "bf16", "fsdp", "began", "sync-trace")
+SECTIONS = ("truth", "syncs", "overhead", "inspection", "ddp", "bf16", "fsdp", "began", "spikes", "sync-trace")
 """In running order; ``sync-trace`` switches on torch's GPU trace hooks for good, so it comes last."""
 
 
@@ -78,10 +78,10 @@ def _reported_device(index: int) -> dict | str:
 
 
 def _run_section(name: str, amp, quick: bool) -> list[dict]:
-    from bench.gpu import began, bf16, ddp, fsdp, inspection, overhead, syncs, truth
+    from bench.gpu import began, bf16, ddp, fsdp, inspection, overhead, spikes, syncs, truth
 
     return {"truth": truth.run, "syncs": syncs.run, "overhead": overhead.run, "inspection": inspection.run,
-            "ddp": ddp.run, "bf16": bf16.run, "fsdp": fsdp.run, "began": began.run,
+            "ddp": ddp.run, "bf16": bf16.run, "fsdp": fsdp.run, "began": began.run, "spikes": spikes.run,
             "sync-trace": syncs.trace}[name](amp, quick)
 
 

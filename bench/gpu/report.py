@@ -30,6 +30,9 @@ _NOT_RUN = [
     "| where it began (`began`) | an inf made in backward at a known layer named by the learned backward order, one "
     "made in a module's forward named by the probes at its next occurrence, bit-identical to the unwatched twin; "
     "the armed probes make no sync, and what they cost per iteration of the transformer |",
+    "| the spike watch (issue 40) | the loss and the gradient norm watched (`scaler.scale(loss)` or `watch.loss`, "
+    "`grad_norm=True`): no sync per clean iteration with a GradScaler and in bf16, the levels in the state, and "
+    "the overhead vs bare on the transformer (skipped until the agent has `watch.grad_norm`) |",
     "",
     "It needs only torch and the source of the agent and its contract (no venv, no collector), takes under 5 "
     "minutes on one GPU and exits non-zero on any truth or sync mismatch. From the repository root of a machine "

@@ -14,6 +14,7 @@ from bench.report import (
     by_scale,
     fleet,
     footprint,
+    healthy,
     ingest,
     inspection,
     instructions,
@@ -45,7 +46,8 @@ _SECTIONS = (("overhead", "1. Agent overhead per training iteration", overhead, 
              ("inspection", "1c. Inspecting skips on models with many tensors", inspection, "skip_cost"),
              ("ingest", "2. Ingest throughput and latency vs the Pushgateway", ingest, "paced"),
              ("scrape", "3. Scrape cost", scrape, "levels"),
-             ("footprint", "4. Collector footprint", footprint, "bytes_per_event_on_disk"))
+             ("footprint", "4. Collector footprint", footprint, "bytes_per_event_on_disk"),
+             ("healthy", "4b. A healthy run per rank: today's batches beside issue 40's levels", healthy, "ratios"))
 """The run's sections in the page's order: its key in the JSON document, its title, the module whose
 ``section`` renders it and whose ``summary_rows`` give its rows of the summary table, and the field those
 rows read (a section that failed, or ran in part, has no summary rows without it)."""

@@ -17,11 +17,11 @@ import time
 import urllib.request
 from typing import Any, get_type_hints
 
-from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, fields, samples_digest
+from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, RankState, SignalLevel, fields, samples_digest
 from ampwatch.contract.protocol import LISTED_EVENT_KINDS, MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
-__all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch",
-           "samples", "skip_event"]
+__all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OPTIMIZER_LEVELS", "RANK_LEVELS", "SENT_WHEN_SET",
+           "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples", "signal_level", "skip_event"]
 
 APPLIED: dict[str, Any] = {"applied": True, "kinds": list(LISTED_EVENT_KINDS)}
 """A collector's answer to a batch it applied: it lists the event kinds it takes that protocol 1 added later
@@ -44,19 +44,29 @@ BASE: dict[str, Any] = {
 }
 
 
-_DECLARED = fields(OptimizerCounters)
-_ZEROS = {name: 0 for name, kind in get_type_hints(OptimizerCounters).items() if kind is int}
-"""Every count and streak gauge at 0; the rolling levels (``grad_norm``, ``local_grad_norm``) absent, as an agent
-that watches no norm sends them."""
+def _levels(part: type) -> tuple[str, ...]:
+    return tuple(name for name, kind in get_type_hints(part).items() if kind is SignalLevel)
+
+
+RANK_LEVELS: tuple[str, ...] = _levels(RankState)
+"""The rolling levels (:class:`~ampwatch.contract.batch.SignalLevel`) a batch's ``state`` may hold (``loss``)."""
+OPTIMIZER_LEVELS: tuple[str, ...] = _levels(OptimizerCounters)
+"""The rolling levels an optimizer's counters may hold (``grad_norm``, ``local_grad_norm``)."""
+SENT_WHEN_SET: frozenset[str] = frozenset(OPTIMIZER_LEVELS) | {"grad_norm_spikes"}
+"""What :func:`optimizer` leaves out unless given: the agent sends a level once its window holds two values, and a
+spike counter once it is not 0 (issue 40), so a healthy batch of today's shape holds none of them."""
+
+_ZEROS = {name: 0 for name in fields(OptimizerCounters) if name not in SENT_WHEN_SET}
+_DECLARED = frozenset(fields(OptimizerCounters))
 _SHORT = {"consecutive": "consecutive_skipped", "longest": "longest_streak", "reached": "streaks_reached"}
 
 
 def optimizer(**counters: Any) -> dict[str, Any]:
-    """Counters of one optimizer as the agent sends them: each counter the contract declares, 0 unless given
-    (``consecutive``, ``longest`` and ``reached`` short for ``consecutive_skipped``, ``longest_streak`` and
-    ``streaks_reached``), a level (``grad_norm={"mean": ..., "std": ...}``) only if given; a name the contract does
-    not declare raises ``TypeError``."""
-    values: dict[str, Any] = dict(_ZEROS, streaks_reached={})
+    """Counters of one optimizer as the agent sends them: each counter the contract declares, 0 unless given, but for
+    :data:`SENT_WHEN_SET`, present only when given (``consecutive``, ``longest`` and ``reached`` short for
+    ``consecutive_skipped``, ``longest_streak`` and ``streaks_reached``); a name the contract does not declare raises
+    ``TypeError``."""
+    values = dict(_ZEROS, streaks_reached={})
     for key, value in counters.items():
         name = _SHORT.get(key, key)
         if name not in _DECLARED:
@@ -103,6 +113,16 @@ class OptimizerRun:
                 "longest_streak": self.longest, "streaks": self.streaks,
                 "streaks_reached": {str(n): c for n, c in zip(STREAK_LADDER, self.reached, strict=True) if c},
                 "scheduler_steps_after_skip": self.scheduler_steps_after_skip, "poisoned_steps": self.poisoned_steps}
+
+
+def signal_level(mean: float, std: float) -> dict[str, float]:
+    """A rolling level (``ampwatch.contract.batch.SignalLevel``) as the agent sends it: each value rounded to 4
+    significant digits.
+
+    >>> signal_level(2.84712, 0.0412345)
+    {'mean': 2.847, 'std': 0.04123}
+    """
+    return {"mean": float(f"{mean:.4g}"), "std": float(f"{std:.4g}")}
 
 
 def make_batch(*, optimizers: dict[str, dict] | None = None, events: list[dict] | None = None,
