@@ -74,8 +74,7 @@ class SpikeSeries:
     (1, 2, 3)
     """
 
-    __slots__ = ("window", "sigma", "spikes", "streak", "_ring", "_next", "_count", "_shift", "_sum", "_squares",
-                 "_since_exact")
+    __slots__ = ("window", "sigma", "spikes", "streak", "_ring", "_next", "_sums", "_since_exact")
 
     def __init__(self, window: int, sigma: float) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
@@ -90,10 +89,9 @@ class SpikeSeries:
         """The current run of consecutive spiking iterations (0: the last iteration did not spike)."""
         self._ring = [0.0] * window
         self._next = 0  # where the next value goes (the oldest, once full)
-        self._count = 0  # finite values in the window
-        self._shift = 0.0  # the sums are of (value - shift)
-        self._sum = 0.0
-        self._squares = 0.0
+        # (finite values in the window, shift, sum and sum of squares of (value - shift)): one tuple, replaced
+        # whole, so the sender thread's level() never reads a half-updated window.
+        self._sums = (0, 0.0, 0.0, 0.0)
         self._since_exact = 0  # values added since the sums were last recomputed exactly
 
     def observe(self, value: float | None) -> Spike | None:
@@ -106,7 +104,7 @@ class SpikeSeries:
             mean, std = self._moments()
             return self._spike(value, mean, std, None)
         spike = None
-        if self._count == self.window:
+        if self._sums[0] == self.window:
             mean, std = self._moments()
             z = (value - mean) / std  # type: ignore[operator] # a full window has both
             if z >= self.sigma:
@@ -118,14 +116,15 @@ class SpikeSeries:
 
     def level(self) -> SignalLevel | None:
         """The window's mean and (unfloored) standard deviation, 4 significant digits; None below two values."""
-        if self._count < 2:
+        sums = self._sums
+        if sums[0] < 2:
             return None
-        mean, variance = self._mean_variance()
+        mean, variance = _mean_variance(sums)
         return {"mean": rounded(mean), "std": rounded(math.sqrt(variance))}
 
     def __len__(self) -> int:
         """Finite values in the window."""
-        return self._count
+        return self._sums[0]
 
     def _spike(self, value: float, mean: float | None, std: float | None, z: float | None) -> Spike:
         self.spikes += 1
@@ -134,42 +133,43 @@ class SpikeSeries:
 
     def _moments(self) -> tuple[float | None, float | None]:
         """The window's mean and floored standard deviation (None, None: empty)."""
-        if not self._count:
+        sums = self._sums
+        if not sums[0]:
             return None, None
-        mean, variance = self._mean_variance()
+        mean, variance = _mean_variance(sums)
         return mean, max(math.sqrt(variance), _RELATIVE_FLOOR * abs(mean), _ABSOLUTE_FLOOR)
-
-    def _mean_variance(self) -> tuple[float, float]:
-        n = self._count
-        offset = self._sum / n
-        return self._shift + offset, max(self._squares / n - offset * offset, 0.0)
 
     def _add(self, value: float) -> None:
         ring, slot = self._ring, self._next
-        if self._count == self.window:
-            old = ring[slot] - self._shift
-            self._sum -= old
-            self._squares -= old * old
+        count, shift, total, squares = self._sums
+        if count == self.window:
+            old = ring[slot] - shift
+            total -= old
+            squares -= old * old
         else:
-            self._count += 1
+            count += 1
         ring[slot] = value
         self._next = (slot + 1) % self.window
-        delta = value - self._shift
-        self._sum += delta
-        self._squares += delta * delta
+        delta = value - shift
+        self._sums = (count, shift, total + delta, squares + delta * delta)
         self._since_exact += 1
         if self._since_exact >= self.window:
             self._recompute()
 
     def _recompute(self) -> None:
         """Recompute the sums exactly, shifted by the window's mean (amortised: once per ``window`` values)."""
-        values = self._ring if self._count == self.window else self._ring[:self._count]
-        shift = math.fsum(values) / len(values)
+        count = self._sums[0]
+        values = self._ring if count == self.window else self._ring[:count]
+        shift = math.fsum(values) / count
         deltas = [v - shift for v in values]
-        self._shift = shift
-        self._sum = math.fsum(deltas)
-        self._squares = math.fsum(d * d for d in deltas)
+        self._sums = (count, shift, math.fsum(deltas), math.fsum(d * d for d in deltas))
         self._since_exact = 0
+
+
+def _mean_variance(sums: tuple[int, float, float, float]) -> tuple[float, float]:
+    count, shift, total, squares = sums
+    offset = total / count
+    return shift + offset, max(squares / count - offset * offset, 0.0)
 
 
 def rounded(value: float) -> float:
