@@ -24,7 +24,7 @@ __all__ = ["OPTIONS", "attach", "check_options", "pass_loss", "pass_norm", "requ
 
 log = logging.getLogger("ampwatch.agent")
 
-OPTIONS = ("collector", "run", "token", "push_interval")
+OPTIONS = ("collector", "run", "token", "push_interval", "grad_norm")
 """Keyword arguments every integration passes through to ``watch()`` (each defaults to its AMPWATCH_* variable)."""
 
 
