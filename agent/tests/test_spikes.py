@@ -28,7 +28,7 @@ def _spikes(w, kind: str | None = None) -> list[dict]:
 
 
 def _train(amp, w, model, opt, scaler, *, iterations: int, loud: frozenset[int] = frozenset(),
-           steep: frozenset[int] = frozenset(), micro: int = 1, hand_over: bool = False,
+           steep: frozenset[int] = frozenset(), micro: int = 1, hand_over: bool | str = False,
            inf_at: frozenset[int] = frozenset()) -> list[float]:
     """Train; ``loud``: iterations whose inputs are x100; ``steep``: iterations whose gradients are x1,000 (a tensor
     hook on the first layer's weight); ``inf_at``: iterations with an inf input (a skip). Returns each iteration's
@@ -55,10 +55,12 @@ def _train(amp, w, model, opt, scaler, *, iterations: int, loud: frozenset[int] 
         if scaler is not None:
             scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
-        if hand_over and w is not None:
+        if hand_over and hand_over != "after" and w is not None:
             w.grad_norm(norm)
         if scaler is not None:
             scaler.step(opt)
+            if hand_over == "after" and w is not None:
+                w.grad_norm(norm, opt)  # after the step, before update(): still this iteration's
             scaler.update()
         else:
             opt.step()
@@ -105,13 +107,18 @@ def test_a_healthy_run_reports_no_spike_and_sends_the_loss_level_but_no_spike_co
     assert "grad_norm_spikes" not in counters and set(counters["grad_norm"]) == {"mean", "std"}
 
 
-def test_gradients_x1000_at_one_iteration_give_a_grad_norm_spike_there_computed_or_handed_over(amp, watching):
-    for how in ("computed", "handed over"):
+@pytest.mark.parametrize("scaled", [True, False], ids=["grad_scaler", "no_scaler"])
+def test_gradients_x1000_at_one_iteration_give_a_grad_norm_spike_there_computed_or_handed_over(amp, watching,
+                                                                                               scaled):
+    for how in ("computed", "before the step", "after the step"):
         torch.manual_seed(0)
         model, opt = _job(amp)
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = torch.amp.GradScaler("cpu") if scaled else None
         w = watching(scaler, opt, model=model, grad_norm=how == "computed")
-        _train(amp, w, model, opt, scaler, iterations=16, steep=frozenset({12}), hand_over=how == "handed over")
+        hand_over = {"computed": False, "before the step": "before", "after the step": "after"}[how]
+        if not scaled and hand_over == "after":
+            continue  # without a scaler a norm after the step is the next iteration's: clip_grad_norm_ comes first
+        _train(amp, w, model, opt, scaler, iterations=16, steep=frozenset({12}), hand_over=hand_over)
         spikes = _spikes(w, "grad_norm_spike")
         seen = [(s["iteration"], s["optimizer"], s["local"], s["streak"]) for s in spikes]
         assert seen == [(12, "SGD", False, 1)], how
@@ -153,6 +160,18 @@ def test_a_run_of_non_finite_losses_is_sent_at_its_rungs_and_every_one_counted(a
         opt.step()  # no backward: nothing reaches the weights
     assert [(s["iteration"], s["streak"]) for s in _spikes(w)] == [(2, 1), (3, 2), (5, 4), (9, 8)]
     assert w.snapshot()["state"]["loss_spikes"] == 10
+
+
+def test_an_iteration_without_a_loss_ends_a_run_of_spikes(amp, watching):
+    model, opt = _job(amp)
+    w = watching(None, opt, model=model)
+    for i in range(8):
+        opt.zero_grad()
+        loss = amp.forward(model, torch.randn(4, 8))
+        if i != 4:  # iteration 4 hands over no loss
+            w.loss(loss * float("nan") if i >= 2 else loss)
+        opt.step()
+    assert [(s["iteration"], s["streak"]) for s in _spikes(w)] == [(2, 1), (3, 2), (5, 1), (6, 2)]
 
 
 def test_grad_norm_refuses_a_bad_norm_or_an_unknown_optimizer_by_name(amp, watching):
