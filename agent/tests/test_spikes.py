@@ -214,3 +214,21 @@ def test_the_spike_settings_default_to_the_contracts_thresholds(monkeypatch):
         DEFAULT_THRESHOLDS.spike_window_iterations, DEFAULT_THRESHOLDS.spike_sigma, False)
     assert AgentConfig.from_env(environ={"AMPWATCH_SPIKE_WINDOW": "32", "AMPWATCH_SPIKE_SIGMA": "4.5",
                                          "AMPWATCH_GRAD_NORM": "1"}).spike_window == 32
+
+
+def test_a_fused_optimizers_computed_norm_is_of_its_unscaled_gradients(amp, watching):
+    """A fused (AMP-aware) optimizer's pre-hook sees its gradients still scaled: the norm is divided by the scale."""
+    model = amp.TwoPart()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    w = watching(scaler, opt, model=model, grad_norm=True)
+    truth = []
+    for _ in range(WINDOW):
+        opt.zero_grad()
+        scaler.scale(amp.forward(model, torch.randn(4, 8))).backward()
+        scaled = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+        truth.append(scaled.item() / scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+    level = w.snapshot()["state"]["optimizers"]["AdamW"]["grad_norm"]
+    assert level["mean"] == pytest.approx(sum(truth) / WINDOW, rel=1e-3)
