@@ -232,3 +232,20 @@ def test_a_fused_optimizers_computed_norm_is_of_its_unscaled_gradients(amp, watc
         scaler.update()
     level = w.snapshot()["state"]["optimizers"]["AdamW"]["grad_norm"]
     assert level["mean"] == pytest.approx(sum(truth) / WINDOW, rel=1e-3)
+
+
+def test_a_failing_spike_watch_never_reaches_the_loop_and_the_steps_are_still_counted(amp, watching, monkeypatch):
+    from ampwatch.agent import _spike_watch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected agent fault")
+
+    model, opt = _job(amp)
+    scaler = torch.amp.GradScaler("cpu")
+    w = watching(scaler, opt, model=model, grad_norm=True)
+    monkeypatch.setattr(_spike_watch, "grad_norm_of", broken)  # the pre-hook's norm
+    monkeypatch.setattr(_spike_watch.SpikeSeries, "observe", broken)  # every judgment, and the loss's
+    _train(amp, w, model, opt, scaler, iterations=4, hand_over=True)
+    state = w.snapshot()["state"]
+    assert state["optimizers"]["SGD"]["steps"] == 4 and state["iteration"] == 4
+    assert state["delivery"]["agent_errors"] >= 8  # the norm computed, handed over and the loss, each iteration

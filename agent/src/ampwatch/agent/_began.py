@@ -73,7 +73,10 @@ class LossNotes:
         if len(opened) > _MAX_LOSSES:
             values = [t.detach().float() for t in opened if isinstance(t, torch.Tensor) and t.dtype != torch.bool]
             if values:  # their sum, for the spike watch (one stack and sum per _MAX_LOSSES losses)
-                self.folded.append(torch.stack(values).sum())
+                try:
+                    self.folded.append(torch.stack(values).sum())
+                except RuntimeError:  # losses on several devices: no value this iteration
+                    self.whole = False
             self.open = [_all_finite([t for t in opened if isinstance(t, torch.Tensor)]),
                          *[t for t in opened if not isinstance(t, torch.Tensor)]]
 

@@ -26,6 +26,7 @@ import torch
 from ampwatch.contract.batch import GradNormSpikeEvent, LossSpikeEvent, RankState
 
 from . import _device
+from ._errors import AgentErrors
 from ._events import EventBuffer
 from ._poison import gradients
 from ._samples import SampleLog
@@ -57,12 +58,14 @@ class SpikeWatch:
     """The spike series of one rank: its loss, and each optimizer's gradient norm.
 
     ``samples``: returns the rank's :class:`~._samples.SampleLog` (None: no ids recorded), read when an event is
-    built. ``compute``: with ``grad_norm=True``, each step computes its optimizer's gradient norm itself.
+    built. ``compute``: with ``grad_norm=True``, each step computes its optimizer's gradient norm itself. What
+    the recorder's hooks call never raises: a failure is counted in ``errors`` and the step's accounting goes on.
     """
 
     def __init__(self, events: EventBuffer, window: int, sigma: float, samples: Callable[[], SampleLog | None],
-                 compute: bool = False) -> None:
+                 compute: bool = False, errors: AgentErrors | None = None) -> None:
         self.events = events
+        self.errors = errors if errors is not None else AgentErrors()
         self.window, self.sigma = window, sigma
         self.samples = samples
         self.compute = compute
@@ -121,16 +124,22 @@ class SpikeWatch:
             while noted and noted[0][0] < iteration:
                 noted.popleft()  # a step that never came (its outcome went elsewhere): no value
             if noted and noted[0][0] == iteration:
-                self._norm(name, noted.popleft()[1], iteration, stepped)
+                try:
+                    self._norm(name, noted.popleft()[1], iteration, stepped)
+                except Exception as error:  # noqa: BLE001 - the step is still counted
+                    self.errors.report("grad_norm spike", error)
 
     def compute_norm(self, name: str, iteration: int, optimizer: torch.optim.Optimizer) -> None:
         """``grad_norm=True``: note the norm of the gradients ``optimizer`` is about to apply (its step pre-hook;
         a fused optimizer's, still scaled there, divided by the scale it was handed)."""
-        grads, _ = gradients(optimizer)
-        scale = getattr(optimizer, "grad_scale", None)
-        norm = grad_norm_of(grads, scale if isinstance(scale, torch.Tensor) else None)
-        if norm is not None:
-            self.note_norm(name, iteration, norm)
+        try:
+            grads, _ = gradients(optimizer)
+            scale = getattr(optimizer, "grad_scale", None)
+            norm = grad_norm_of(grads, scale if isinstance(scale, torch.Tensor) else None)
+            if norm is not None:
+                self.note_norm(name, iteration, norm)
+        except Exception as error:  # noqa: BLE001 - the step goes on, and is counted
+            self.errors.report("grad_norm", error)
 
     def _norm(self, name: str, norm: Any, iteration: int, stepped: bool) -> None:
         if not stepped:
@@ -195,8 +204,13 @@ class SpikeWatch:
 
     def add_to(self, state: RankState) -> None:
         """Put the spike counters and levels in ``state`` (the sender thread; only what is nonzero or present)."""
-        series = self.series
-        for key, one in list(series.items()):
+        try:
+            self._add_to(state)
+        except Exception as error:  # noqa: BLE001 - the rest of the state is still sent
+            self.errors.report("spike state", error)
+
+    def _add_to(self, state: RankState) -> None:
+        for key, one in list(self.series.items()):
             counters: Any = state if key == _LOSS else state["optimizers"].get(key)
             if counters is None:
                 continue
@@ -208,7 +222,10 @@ class SpikeWatch:
 
     def close(self) -> None:
         """Judge every value still on its way (may wait for the device once)."""
-        self.resolve(wait=True)
+        try:
+            self.resolve(wait=True)
+        except Exception as error:  # noqa: BLE001 - the watch still closes
+            self.errors.report("spike close", error)
         self._noted.clear()
 
 

@@ -343,7 +343,7 @@ def watch(scaler: torch.amp.GradScaler | None,
                             config.probe_iterations)
         recorder.spikes = recorder.began.spikes = SpikeWatch(  # type: ignore[union-attr] # made just now
             events, config.spike_window, config.spike_sigma, functools.partial(getattr, recorder.inspection, "samples"),
-            compute=config.grad_norm)
+            compute=config.grad_norm, errors=errors)
         if loader is not None:
             taps.append(LoaderTap(loader, recorder.sample_log(), identity.rank, errors).start())
         sender.device = watched_device(records, errors)
