@@ -91,6 +91,7 @@ def test_a_batch_with_inputs_x100_gives_exactly_one_loss_spike_at_its_iteration_
     assert required(LossSpikeEvent) <= set(spike) <= set(fields(LossSpikeEvent))
     state = w.snapshot()["state"]
     assert state["loss_spikes"] == 1 and set(state["loss"]) == {"mean", "std"}
+    assert "spikes: loss 1" in w.summary()
 
 
 def test_a_healthy_run_reports_no_spike_and_sends_the_loss_level_but_no_spike_counter(amp, watching):

@@ -116,8 +116,9 @@ class Watch:
         """Note a loss of the current iteration, for a job without a GradScaler (``scaler.scale(loss)`` notes it
         by itself): with gradient accumulation, every micro-batch's.
 
-        Free: the loss is kept as it is (detached) and read only if the iteration skips or is poisoned, to say
-        whether the inf/NaN began in the forward pass (``began``, docs/agent.md). Never raises.
+        Free: the loss is kept as it is and read if the iteration skips or is poisoned, to say whether the inf/NaN
+        began in the forward pass (``began``, docs/agent.md); the iteration's losses are summed for the spike watch
+        at its end (on CPU read directly, on a device copied without a sync: docs/agent.md#spikes). Never raises.
         """
         recorder = self._recorder
         if recorder.attached and recorder.began is not None:
@@ -231,6 +232,11 @@ class Watch:
                          f"(longest streak {c['longest_streak']}, now {c['consecutive_skipped']}), "
                          f"{c['poisoned_steps']} poisoned, "
                          f"{c['scheduler_steps_after_skip']} scheduler steps after a skip")
+        spikes = [f"loss {state.get('loss_spikes', 0)}"] if "loss" in state or "loss_spikes" in state else []
+        spikes += [f"{name}'s gradient norm {c.get('grad_norm_spikes', 0)}" for name, c in state["optimizers"].items()
+                   if "grad_norm" in c or "grad_norm_spikes" in c]
+        if spikes:  # the watched signals (docs/agent.md#spikes)
+            lines.append(f"  spikes: {', '.join(spikes)}")
         if "origin_iterations" in state:  # watch(ddp=...): skips whose inf/NaN was in this rank's own gradients
             what = "skipped" if self._patch is not None else "poisoned"
             lines.append(f"  {what} iterations that started on this rank (DDP): {state['origin_iterations']}")
