@@ -71,6 +71,7 @@ class SpikeWatch:
         self.compute = compute
         self.series: dict[str, SpikeSeries] = {}  # _LOSS and the optimizers' names, made at their first value
         self._last: dict[str, int] = {}  # the last iteration each series judged
+        self._loss_taken: int | None = None  # the last iteration whose loss was taken (it may still be on its way)
         self._noted: dict[str, collections.deque[tuple[int, Any]]] = {}  # norms waiting for their step's outcome
         self._outcome: dict[str, tuple[int, bool]] = {}  # each optimizer's latest outcome: (iteration, stepped)
         self._pending: collections.deque[_Value] = collections.deque()
@@ -81,8 +82,9 @@ class SpikeWatch:
         """Take the loss of ``iteration``: the sum of ``losses`` (0-d tensors and numbers, as noted; finite flags
         of losses folded away are passed over) and of ``folded`` (those losses' sums). No value unless ``whole``
         (a loss of more than one element is kept only as a flag)."""
-        if self._last.get(_LOSS) == iteration:
+        if self._loss_taken == iteration:
             return  # an iteration's losses are taken once (a closure's, after its step's)
+        self._loss_taken = iteration
         if not whole:
             self._judge(_LOSS, iteration, None, current=True)
             return
