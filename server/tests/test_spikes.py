@@ -45,7 +45,16 @@ def test_spike_counters_sum_over_a_ranks_processes_and_the_levels_are_the_newest
     text = client.get("/metrics").text
     assert value(text, "ampwatch_loss_spikes_total", **R0) == 4
     assert value(text, "ampwatch_optimizer_grad_norm_spikes_total", optimizer="gen", **R0) == 7
-    assert value(text, "ampwatch_loss_mean", **R0) is None  # the newest batch sent no level: none shown
+    # A batch without levels keeps the ones its process sent last (an agent sends them one heartbeat in four).
+    assert (value(text, "ampwatch_loss_mean", **R0), value(text, "ampwatch_loss_std", **R0)) == (3.0, 0.25)
+    client.post("/v1/ingest", json=batch(INC_B, 3, loss_spikes=0, grad_norm_spikes=5, loss={"mean": 2.5, "std": 0.5},
+                                         grad_norm={"mean": 6.0, "std": 2.0}))
+    client.post("/v1/ingest", json=batch(INC_B, 4, loss_spikes=0, grad_norm_spikes=5))
+    text = client.get("/metrics").text
+    assert (value(text, "ampwatch_loss_mean", **R0), value(text, "ampwatch_loss_std", **R0)) == (2.5, 0.5)
+    assert value(text, "ampwatch_optimizer_grad_norm_std", optimizer="gen", **R0) == 2.0
+    run = client.get("/v1/runs/exp-42").json()
+    assert run["ranks"][0]["optimizers"]["gen"]["grad_norm"] == {"mean": 6.0, "std": 2.0}
 
 
 def test_spike_events_are_stored_and_listed_with_non_finite_values_as_the_protocol_writes_them(client):

@@ -17,7 +17,7 @@ from ._schema import Batch, Began, DeviceInfo, IterationSamples, PoisonedStepEve
 from ._stored_form import encode_batch_state
 from ._totals import OptimizerTotals, RankTotals
 
-__all__ = ["Incarnation", "next_incarnation"]
+__all__ = ["Incarnation", "next_incarnation", "with_levels_kept"]
 
 # The database keeps a process's counters as {"": rank counters, optimizer: its counters} (optimizer names are
 # never empty); this is the one place that knows.
@@ -111,6 +111,8 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
     A ``replayed`` batch (another process sending a dead one's spool) says nothing of its process's life:
     ``last_seen`` stays (a new incarnation's is the batch's own ``sent_at``, never after it arrived).
     """
+    if old is not None:
+        batch = with_levels_kept(old.batch, batch)
     state = batch.state
     totals = RankTotals.of(state)
     optimizers = {name: OptimizerTotals.of(values) for name, values in state.optimizers.items()}
@@ -153,3 +155,31 @@ def next_incarnation(old: Incarnation | None, batch: Batch, now: float, max_labe
                        replayed_only=batch.replayed and (old is None or old.replayed_only),
                        diagnosis=diagnosis, device=batch.device or (old.device if old else None),
                        gradient_outliers=old.gradient_outliers if old else 0)
+
+
+def with_levels_kept(before: Batch, batch: Batch) -> Batch:
+    """Return ``batch`` with the rolling levels its process sent before and this batch leaves out, kept.
+
+    An agent sends its levels (``state.loss``, each optimizer's ``grad_norm`` and ``local_grad_norm``) in one batch
+    every few heartbeats, not in each (docs/protocol.md: they cost bytes, and a level over 128 iterations moves
+    slowly): a batch without them keeps the ones its process sent last. ``batch`` itself when nothing is kept (the
+    common case costs one look per optimizer).
+    """
+    state, kept = batch.state, {}
+    if state.loss is None and before.state.loss is not None:
+        kept["loss"] = before.state.loss
+    optimizers = None
+    for name, values in state.optimizers.items():
+        earlier = before.state.optimizers.get(name)
+        if earlier is None:
+            continue
+        carried = {field: getattr(earlier, field) for field in ("grad_norm", "local_grad_norm")
+                   if getattr(values, field) is None and getattr(earlier, field) is not None}
+        if carried:
+            optimizers = optimizers or dict(state.optimizers)
+            optimizers[name] = msgspec.structs.replace(values, **carried)
+    if optimizers is not None:
+        kept["optimizers"] = optimizers
+    if not kept:
+        return batch
+    return msgspec.structs.replace(batch, state=msgspec.structs.replace(state, **kept))
