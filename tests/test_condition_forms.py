@@ -78,7 +78,8 @@ ROWS = [
     Row("a counter at 0 holds nothing", POISONED, {"poisoned_steps": _rises(0)}, {3: None, 15: None}),
     Row("a rank's counter rose", CONFLICT, {"conflicts": _rises(0, 0, 1, 1, 2)}, {2: 1, 4: 2, 13: 2, 15: None}),
     # Of scope host: the rank's own counter, its instance labelled with the rank's host and local rank.
-    Row("a host alert's counter rose", OUTLIER, {"gradient_outliers": _rises(0, 0, 1)}, {1: None, 2: 1, 11: 1, 12: None}),
+    Row("a host alert's counter rose", OUTLIER, {"gradient_outliers": _rises(0, 0, 1)},
+        {1: None, 2: 1, 11: 1, 12: None}),
     # RoseBy: it rose by 3 or more within the window; its value is the rise.
     Row("three backoffs within the window hold", BACKOFFS, {"backoffs": _rises(0, 0, 1, 2, 3)},
         {3: None, 4: 3, 8: 3, 12: None, 16: None}),
