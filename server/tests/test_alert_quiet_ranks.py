@@ -139,13 +139,16 @@ def test_a_rank_in_a_streak_or_with_a_recent_poisoned_step_is_not_quiet():
 
 def test_the_history_keeps_what_the_alert_definitions_declare_and_its_horizon_is_their_longest_window():
     assert LAYOUT.horizon_s == max(T.skip_streak_window_s, T.backoff_window_s, T.skip_ratio_window_s,
-                                   T.scheduler_window_s, T.poisoned_window_s, T.origin_window_s, T.conflict_window_s)
+                                   T.scheduler_window_s, T.poisoned_window_s, T.origin_window_s, T.conflict_window_s,
+                                   T.spike_window_s, T.outlier_window_s)
     assert set(LAYOUT.rank_counts) == {"backoffs", "iteration", "origin_iterations"}
     assert set(LAYOUT.optimizer_counts) == {"skipped", "steps"}
-    assert set(LAYOUT.rank_rises) == {("growths", None), ("conflicts", None)}
+    assert set(LAYOUT.rank_rises) == {("growths", None), ("conflicts", None), ("loss_spikes", None),
+                                      ("gradient_outliers", None)}
     assert set(LAYOUT.optimizer_rises) == {("streaks_reached", T.skip_streak_warning),
                                            ("streaks_reached", T.skip_streak_critical),
-                                           ("scheduler_steps_after_skip", None), ("poisoned_steps", None)}
+                                           ("scheduler_steps_after_skip", None), ("poisoned_steps", None),
+                                           ("grad_norm_spikes", None)}
 
 
 def test_a_rank_hung_in_a_long_streak_keeps_its_streak_alert_past_every_window():
