@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ampwatch_support.batches import make_batch, optimizer, skip_event, spike_event
+from ampwatch_support.batches import make_batch, optimizer, skip_event
 
 
 def _post(client, rank: int, seq: int, events: list[dict]) -> None:
@@ -44,15 +44,6 @@ def test_a_storm_the_scans_edge_cuts_is_counted_whole(client):
     # A storm wholly behind the rows' start gets no row (and no partial count).
     behind = client.get("/v1/runs/exp-42/events/latest", params={"scan": 2}).json()
     assert [(r["event"]["iteration"], r["count"]) for r in behind["rows"]] == [(30, 1), (30, 1)]
-
-
-def test_a_whole_job_spike_is_one_row_and_one_ranks_spike_keeps_its_own(client):
-    for rank in range(8):  # the all-reduced gradient norm spikes on every rank at iteration 40
-        _post(client, rank, 1, [spike_event(1, "grad_norm_spike", iteration=40, value=90.0)])
-    _post(client, 5, 2, [spike_event(2, iteration=41, value=7.5)])  # then one rank's loss: its batch
-    body = client.get("/v1/runs/exp-42/events/latest").json()
-    shape = [(r["event"]["kind"], r["event"]["iteration"], r["count"], r["rank_ranges"]) for r in body["rows"]]
-    assert shape == [("loss_spike", 41, 1, "5"), ("grad_norm_spike", 40, 8, "0-7")]
 
 
 def test_latest_events_of_an_unknown_run_is_a_404(client):

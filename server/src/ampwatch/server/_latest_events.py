@@ -19,9 +19,8 @@ from ._stored_form import event_of_row
 
 __all__ = ["GROUP_FROM", "STORM_KINDS", "collapse"]
 
-STORM_KINDS = frozenset({"skip", "scale_change", "streak_end", "loss_spike", "grad_norm_spike"})
-"""Kinds a storm produces on every rank at once (a whole-job spike too: with DDP the all-reduced gradient norm
-spikes on every rank at one iteration)."""
+STORM_KINDS = frozenset({"skip", "scale_change", "streak_end"})
+"""Kinds a storm produces on every rank at once."""
 
 GROUP_FROM = 5
 """Events of one storm on this many ranks or more share one row."""
