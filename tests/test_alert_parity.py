@@ -174,8 +174,8 @@ class ScriptedRank:
             if skipped:  # a skip backs the scale off once per update, as GradScaler does
                 self.backoffs += 1
                 self.scale /= 2
-        for key, value in gen_extra.items():
-            self.opts["gen"][key] += value
+        for key, value in gen_extra.items():  # a counter the agent sends only once it moved may be absent yet
+            self.opts["gen"][key] = self.opts["gen"].get(key, 0) + value
         self.seq += 1
         batch = make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
                           seq=self.seq, **self.identity, sent_at=time.time(),
