@@ -319,7 +319,8 @@ def _series(title: str, queries: list[tuple[str, str]], description: str, *, log
     """A time-series panel; ``dashed``: a regular expression of the legends drawn as dashed lines."""
     overrides = [{"matcher": {"id": "byRegexp", "options": dashed},
                   "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}]
-    return TimeSeries(overrides=overrides if dashed else [],
+    return TimeSeries(
+        overrides=overrides if dashed else [],
         title=title, description=description, dataSource=_DATASOURCE, targets=_targets(queries),
         unit=unit, scaleDistributionType="log" if log2 else "linear", scaleDistributionLog=2,
         drawStyle="bars" if bars else "line", fillOpacity=60 if bars else 0,
