@@ -6,7 +6,10 @@ Run by tests/test_prometheus_e2e.py as a separate process:
 
 On an overflow iteration rank 0's input holds an inf; DDP's all-reduce spreads it to
 both ranks' gradients, so both ranks skip both optimizers and back the scale off; rank 0 alone is
-reported as the origin.
+reported as the origin. On a spike iteration (``--spike-at``) rank 0's input is 100 times larger,
+finite: its loss spikes, its own gradient norm before the all-reduce stands out from rank 1's (a
+gradient outlier), and the all-reduced norm both ranks step with spikes. The agent watches each
+optimizer's gradient norm (``grad_norm=True``).
 """
 
 from __future__ import annotations
@@ -47,14 +50,16 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     # A long growth interval: the scale only moves by backoffs here.
     scaler = torch.amp.GradScaler("cpu", growth_interval=100_000)
     # ddp=: the agent also reports which rank's own gradients held the inf before the all-reduce (rank 0).
-    watch = agent.watch(scaler, {"body": opt_body, "head": opt_head}, ddp=model,
+    watch = agent.watch(scaler, {"body": opt_body, "head": opt_head}, ddp=model, grad_norm=True,
                         collector=args.collector, run=args.run, push_interval=0.2)
-    overflow = _iterations(args.overflow_at)
+    overflow, spikes = _iterations(args.overflow_at), _iterations(args.spike_at)
     data = torch.Generator().manual_seed(rank)
     for iteration in range(args.iterations):
         x = torch.randn(16, 8, generator=data)
         if rank == 0 and iteration in overflow:
             x[0, 0] = float("inf")
+        if rank == 0 and iteration in spikes:
+            x *= 100
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x).float().pow(2).mean()
         opt_body.zero_grad(set_to_none=True)
@@ -77,6 +82,7 @@ def main() -> int:
     parser.add_argument("--run", required=True)
     parser.add_argument("--iterations", type=int, required=True)
     parser.add_argument("--overflow-at", default="", help="iterations with an inf input, e.g. 30-37,50")
+    parser.add_argument("--spike-at", default="", help="iterations whose input on rank 0 is 100 times larger")
     parser.add_argument("--sleep", type=float, default=0.05, help="seconds to sleep after each iteration")
     parser.add_argument("--overflow-sleep", type=float, default=None,
                         help="seconds to sleep after an overflow iteration (default: --sleep)")

@@ -12,6 +12,9 @@ condition in a common form: both evaluators compile that one declaration, and
 tests/test_condition_forms.py runs each form's table through both (parity by construction);
 here its instances, wherever the runs trip it, must still be the same on both sides.
 Edge cases ride along: a skip ratio exactly at its threshold, loss scales of NaN and 0.
+Loss and gradient-norm spikes come on one rank (its own alert) and on every rank of a run (the
+run-wide alert, speaking for theirs); a rank's own gradient norm far from its run's others' makes
+the collector judge a gradient outlier, which both evaluators alert on.
 Runs skip together on every rank (a short storm, one whose scale collapses and whose
 skip ratio climbs, one that ends in the storm, one whose ranks close mid-streak but
 one), so each evaluator fires one run-level alert per trouble there (AmpRunSkipStorm,
@@ -38,7 +41,7 @@ from ampwatch.contract.protocol import NO_SCALER_KIND
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.rules import render_rules
 from ampwatch.server._floats import wire_float
-from ampwatch_support.batches import make_batch, optimizer, post_batch, samples, skip_event
+from ampwatch_support.batches import make_batch, optimizer, post_batch, samples, skip_event, spike_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.prometheus_stack import (
     Processes,
@@ -59,6 +62,7 @@ THRESHOLDS = AlertThresholds(
     skip_ratio=0.5, skip_ratio_window_s=10, skip_ratio_for_s=1, skip_ratio_min_steps=20,
     silent_after_s=4, silent_for_s=1, scheduler_window_s=6, poisoned_window_s=6, origin_window_s=6,
     conflict_window_s=6, storm_edge_for_s=3,  # three of Prometheus's 1 s evaluations
+    spike_window_s=6, outlier_window_s=6,
 )
 BATCHES = 40  # one every 0.5 s per rank
 PERIOD_S = 0.5
@@ -109,6 +113,15 @@ EXPECTED = {
     # Rank 1 of p-suspect (on its own host) is the sole origin of three skips, each on other samples: the collector
     # suspects its device, and the rank, still training, alerts with it.
     ("AmpSuspectDevice", "p-suspect", "1", "", "warning"),
+    # Rank 1 of p-loss gets a bad batch: its own loss spike. Every rank of p-loss-job spikes together: one run alert.
+    ("AmpLossSpike", "p-loss", "1", "", "warning"),
+    ("AmpRunLossSpike", "p-loss-job", "", "", "warning"),
+    # Optimizer gen of rank 0 of p-norm spikes alone; the all-reduced norm of every rank of p-norm-job together.
+    ("AmpGradNormSpike", "p-norm", "0", "gen", "warning"),
+    ("AmpRunGradNormSpike", "p-norm-job", "", "", "warning"),
+    # Rank 2 of p-outlier sends a spike of its own gradient norm (local, before DDP's all-reduce) far above the other
+    # ranks' levels: the collector judges it an outlier, both evaluators alert on its count.
+    ("AmpRankGradientOutlier", "p-outlier", "2", "", "warning"),
 }
 # Alerts no run here trips, each with the reason it cannot (none today: every declared alert has its run).
 EXEMPT: dict[str, str] = {}
@@ -132,6 +145,7 @@ class ScriptedRank:
         self.backoffs = 0
         self.opts = {name: optimizer() for name in ("gen", "disc")}
         self.origins: int | None = None  # state.origin_iterations, sent when set (an agent watching DDP)
+        self.loss_spikes: int | None = None  # state.loss_spikes, sent when set (an agent that sees the loss)
 
     def close(self, skip_gen: Iterator[bool] = _NO_SKIPS) -> dict:
         """Return the last batch of a rank that closed cleanly (``skip_gen``: as :meth:`step`)."""
@@ -160,8 +174,8 @@ class ScriptedRank:
             if skipped:  # a skip backs the scale off once per update, as GradScaler does
                 self.backoffs += 1
                 self.scale /= 2
-        for key, value in gen_extra.items():
-            self.opts["gen"][key] += value
+        for key, value in gen_extra.items():  # a counter the agent sends only once it moved may be absent yet
+            self.opts["gen"][key] = self.opts["gen"].get(key, 0) + value
         self.seq += 1
         batch = make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
                           seq=self.seq, **self.identity, sent_at=time.time(),
@@ -173,6 +187,8 @@ class ScriptedRank:
             batch["scaler"] = dict(NO_SCALER)
         if self.origins is not None:
             batch["state"]["origin_iterations"] = self.origins
+        if self.loss_spikes is not None:
+            batch["state"]["loss_spikes"] = self.loss_spikes
         return batch
 
 
@@ -209,12 +225,21 @@ def _stream(url: str) -> None:
         "p-close": [ScriptedRank("p-close", r, 3) for r in range(3)],
         "p-conflict": [ScriptedRank("p-conflict", 0, 1, process_key="parity-conflict-key-of-the-first")],
         "p-suspect": [ScriptedRank("p-suspect", r, 2, host="node-suspect") for r in (0, 1)],
+        "p-loss": [ScriptedRank("p-loss", r, 3) for r in range(3)],
+        "p-loss-job": [ScriptedRank("p-loss-job", r, 3) for r in range(3)],
+        "p-norm": [ScriptedRank("p-norm", r, 3) for r in range(3)],
+        "p-norm-job": [ScriptedRank("p-norm-job", r, 3) for r in range(3)],
+        "p-outlier": [ScriptedRank("p-outlier", r, 4) for r in range(4)],
     }
     claimant = ScriptedRank("p-conflict", 0, 1, iteration=2 * ITERATIONS_PER_BATCH * TROUBLE.start,
                             incarnation="parity-p-conflict-0-claimant", host="node-b", pid=5151,
                             process_key="parity-conflict-key-of-the-second")
     for rank in ranks["p-origin"]:
         rank.origins = 0
+    for rank in ranks["p-loss"] + ranks["p-loss-job"]:
+        rank.loss_spikes = 0
+    for rank in ranks["p-outlier"]:  # each rank's own gradient norm's level (ddp=), a little apart from the others'
+        rank.opts["gen"]["local_grad_norm"] = {"mean": 1.0 + rank.rank / 100, "std": 0.05}
     for batch in range(BATCHES):
         started = time.monotonic()
         trouble = batch in TROUBLE
@@ -256,6 +281,17 @@ def _stream(url: str) -> None:
             if trouble:
                 sent["events"] = [skip_event(batch, iteration=rank.iteration, origin=rank.rank == 1,
                                              samples=samples([f"{batch}-{rank.rank}-{i}" for i in range(4)]))]
+            _post(url, sent)
+        for rank in ranks["p-loss"] + ranks["p-loss-job"]:
+            rank.loss_spikes = (rank.loss_spikes or 0) + int(first and (rank.run == "p-loss-job" or rank.rank == 1))
+            _post(url, rank.step())
+        for rank in ranks["p-norm"] + ranks["p-norm-job"]:
+            _post(url, rank.step(grad_norm_spikes=int(first and (rank.run == "p-norm-job" or rank.rank == 0))))
+        for rank in ranks["p-outlier"]:
+            sent = rank.step()
+            if first and rank.rank == 2:
+                sent["events"] = [spike_event(batch, "grad_norm_spike", iteration=rank.iteration, value=50.0,
+                                              mean=1.02, std=0.05, local=True)]
             _post(url, sent)
         time.sleep(max(0.0, PERIOD_S - (time.monotonic() - started)))
     for run, run_ranks in ranks.items():

@@ -5,7 +5,8 @@ Every row is one rank's values minute by minute and, at some minutes, what the c
 or an instance and its value. The Python side is fed the same values as snapshots and read at those minutes;
 promtool evaluates the generated rule over the same values as series. A form compiled wrong on either side
 fails its rows, whatever the other side does. Evaluation minutes stay off a window's edges where PromQL's
-``increase()`` extrapolates (the forms agree there only up to a scrape interval).
+``increase()`` extrapolates (the forms agree there only up to a scrape interval). Each instance found carries the
+same labels on both sides: an alert of scope ``host`` its rank's host and local rank too.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from ampwatch.server._state import RankSnapshot
 from ampwatch.server._totals import OptimizerTotals, RankTotals
 from ampwatch.server.alerting import forms as python
 from ampwatch.server.alerting.history import HistoryLayout, RankHistory
-from ampwatch.server.alerting.rank_conditions import RankReading
+from ampwatch.server.alerting.rank_conditions import RankReading, built
 
 T = dataclasses.replace(DEFAULT_THRESHOLDS, poisoned_window_s=600, conflict_window_s=600, backoff_window_s=600,
                         backoff_min_count=3, skip_ratio_window_s=600, skip_ratio=0.5, skip_ratio_min_steps=4,
-                        collapsed_loss_scale=1.0, desync_scale_ratio=2.0)
+                        collapsed_loss_scale=1.0, desync_scale_ratio=2.0, outlier_window_s=600)
+HOST, LOCAL_RANK = "node-b", 3  # the rank's, as its batches and ampwatch_rank_info say
 
 
 def _test_alert(name: str, scope: str, condition) -> AlertDefinition:
@@ -43,14 +45,14 @@ def _test_alert(name: str, scope: str, condition) -> AlertDefinition:
                            summary="s", description="d", condition=condition)
 
 
-POISONED, CONFLICT = ALERTS["AmpPoisonedStep"], ALERTS["AmpRankConflict"]
+POISONED, CONFLICT, OUTLIER = ALERTS["AmpPoisonedStep"], ALERTS["AmpRankConflict"], ALERTS["AmpRankGradientOutlier"]
 RATIO, COLLAPSED = ALERTS["AmpHighSkippedStepRatio"], ALERTS["AmpLossScaleCollapsed"]
 # Forms no alert of the contract takes in its own way yet: a rise of at least a count, a gauge with a ceiling.
 BACKOFFS = _test_alert("AmpTestBackoffs", "rank", RoseBy("backoffs", window="backoff_window_s",
                                                          at_least="backoff_min_count"))
 BAND = _test_alert("AmpTestScaleBand", "rank", Outside("loss_scale", low="collapsed_loss_scale",
                                                        high="desync_scale_ratio"))
-DEFINITIONS = (POISONED, CONFLICT, BACKOFFS, RATIO, COLLAPSED, BAND)
+DEFINITIONS = (POISONED, CONFLICT, OUTLIER, BACKOFFS, RATIO, COLLAPSED, BAND)
 NAN, INF = math.nan, math.inf
 
 
@@ -75,6 +77,9 @@ ROWS = [
     Row("a series born above 0 holds", POISONED, {"poisoned_steps": [None, 2, 2, 2]}, {1: 2, 3: 2}),
     Row("a counter at 0 holds nothing", POISONED, {"poisoned_steps": _rises(0)}, {3: None, 15: None}),
     Row("a rank's counter rose", CONFLICT, {"conflicts": _rises(0, 0, 1, 1, 2)}, {2: 1, 4: 2, 13: 2, 15: None}),
+    # Of scope host: the rank's own counter, its instance labelled with the rank's host and local rank.
+    Row("a host alert's counter rose", OUTLIER, {"gradient_outliers": _rises(0, 0, 1)},
+        {1: None, 2: 1, 11: 1, 12: None}),
     # RoseBy: it rose by 3 or more within the window; its value is the rise.
     Row("three backoffs within the window hold", BACKOFFS, {"backoffs": _rises(0, 0, 1, 2, 3)},
         {3: None, 4: 3, 8: 3, 12: None, 16: None}),
@@ -115,7 +120,14 @@ def _snapshot(values: dict[str, list[float | None]], minute: int) -> RankSnapsho
         else:
             totals[name] = int(value)
     return RankSnapshot(run="r", rank=0, last_seen=minute * 60.0, iteration=minute, totals=RankTotals(**totals),
-                        optimizers={"a": OptimizerTotals(**optimizer)} if optimizer else {}, **fields)
+                        optimizers={"a": OptimizerTotals(**optimizer)} if optimizer else {}, host=HOST,
+                        local_rank=LOCAL_RANK, **fields)
+
+
+def _labels(row: Row) -> dict[str, str]:
+    """The identifying labels of the row's one instance, as the alert's scope has them."""
+    return {"run": "r", "rank": "0", **({"optimizer": "a"} if row.alert.scope == "optimizer" else {}),
+            **({"host": HOST, "local_rank": str(LOCAL_RANK)} if row.alert.scope == "host" else {})}
 
 
 def _python_finds(row: Row) -> dict[int, float | None]:
@@ -127,8 +139,12 @@ def _python_finds(row: Row) -> dict[int, float | None]:
         if snapshot is not None:
             history.record(snapshot, T.calibration_iterations)
         if minute in row.finds:
-            values = [value for *_, value in condition(RankReading(history, minute * 60.0), T)]
+            findings = list(condition(RankReading(history, minute * 60.0), T))
+            values = [value for *_, value in findings]
             assert len(values) <= 1, values
+            if findings and row.alert.name in ALERTS:  # labelled as the collector builds its alerts
+                labels = dict(built(history.current, findings[0], T).labels)  # type: ignore[arg-type]
+                assert labels == {"severity": row.alert.severities[0].level, **_labels(row)}, minute
             found[minute] = values[0] if values else None
     return found
 
@@ -166,13 +182,17 @@ def _rules() -> dict:
 
 
 def _promtool_case(row: Row) -> dict:
-    labels = {"run": "r", "rank": "0", **({"optimizer": "a"} if row.alert.scope == "optimizer" else {})}
-    selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    labels = _labels(row)
+    selector = ",".join(f'{k}="{v}"' for k, v in labels.items() if k not in ("host", "local_rank"))
+    minutes = max(map(len, row.values.values()))
+    # What the collector exposes of every rank: its identity (host, local rank) in ampwatch_rank_info, valued 1.
+    info = {"series": f'{m.RANK_INFO}{{run="r",rank="0",host="{HOST}",local_rank="{LOCAL_RANK}",world_size="4"}}',
+            "values": f"1x{minutes}"}
     return {
         "name": f"{row.alert.name}: {row.case}",
         "interval": "1m",
-        "input_series": [{"series": f"{_metric(name)}{{{selector}}}", "values": " ".join(map(_sample, series))}
-                         for name, series in row.values.items()],
+        "input_series": [*({"series": f"{_metric(name)}{{{selector}}}", "values": " ".join(map(_sample, series))}
+                           for name, series in row.values.items()), info],
         "alert_rule_test": [{"eval_time": f"{minute}m", "alertname": row.alert.name,
                              "exp_alerts": [] if value is None else [{"exp_labels": {"severity": "warning", **labels}}]}
                             for minute, value in row.finds.items()],

@@ -130,15 +130,16 @@ def stack(tmp_path_factory):
             urllib.request.urlopen(bad, timeout=5)
         started = time.time()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        # A streak of 8 skips in a row; then repeated single skips (backoff on both ranks, no streak)
-        # in a run whose two ranks the agent pins to different collectors.
+        # A streak of 8 skips in a row, then a loss and gradient spike on rank 0 (its spike window shortened to 16
+        # iterations, so that it is judged); then repeated single skips (backoff on both ranks, no streak) in a run
+        # whose two ranks the agent pins to different collectors.
         run_split = _run_split_across(collector, second)
         jobs = [
             processes.start("job-streak", [sys.executable, str(JOB), "--collector", collector, "--run", RUN_STREAK,
-                                           "--iterations", "200", "--overflow-at", "40-47",
+                                           "--iterations", "200", "--overflow-at", "40-47", "--spike-at", "150",
                                            # the streak lasts 4 s: scrapes every second see it under way (the
                                            # streak panel's gauge), however the agent's batches fall
-                                           "--overflow-sleep", "0.5"], env=env),
+                                           "--overflow-sleep", "0.5"], env={**env, "AMPWATCH_SPIKE_WINDOW": "16"}),
             processes.start("job-backoff", [sys.executable, str(JOB), "--collector", f"{collector},{second}",
                                             "--run", run_split,
                                             "--iterations", "260", "--overflow-at", "140,144,148,152,156,160"],
@@ -186,6 +187,19 @@ def test_repeated_backoff_on_both_ranks_fires_amp_sustained_loss_scale_backoff_a
     _wait_for_jobs(stack)
     # Its skips never came two in a row, so the streak alert stayed silent for that run.
     assert receiver.alerts("AmpConsecutiveSkippedSteps", "firing", run=run) == []
+
+
+def test_a_planted_spike_on_one_rank_of_a_ddp_job_names_that_rank_as_the_gradient_outlier(stack):
+    # Rank 0's input 100 times larger at one iteration: its own gradients stand out from rank 1's before the
+    # all-reduce (the collector's gradient_outlier), and the all-reduced norm spikes on both ranks (one run alert).
+    receiver = stack["receiver"]
+    fired = wait_until(lambda: receiver.alerts("AmpRankGradientOutlier", "firing", run=RUN_STREAK), 150,
+                       receiver.summary)
+    assert {(a["labels"]["rank"], a["labels"]["local_rank"]) for a in fired} == {("0", "0")}
+    assert fired[0]["labels"]["host"] and "(host " in fired[0]["annotations"]["description"]
+    wait_until(lambda: receiver.alerts("AmpRunGradNormSpike", "firing", run=RUN_STREAK), 60, receiver.summary)
+    _wait_for_jobs(stack)
+    assert receiver.alerts("AmpRankGradientOutlier", "firing", rank="1") == []
 
 
 def _ranks_held(collector: str, run: str) -> set[str]:

@@ -14,10 +14,17 @@ FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "lo
           "value": "7", "percent": "50%", "duration": "2m 5s"}
 
 
+# Thresholds judged before any alert, by the agent (a spike) or by the collector (a gradient outlier): no alert's
+# condition reads them; the texts of the alerts that report what they judged name them.
+JUDGED_UPSTREAM = {"spike_window_iterations", "spike_sigma", "outlier_sigma", "outlier_rank_share"}
+
+
 def test_every_threshold_is_read_by_some_alert_and_every_alert_reads_only_real_thresholds():
     known = {field.name for field in dataclasses.fields(AlertThresholds)}
     read = {field for definition in ALERTS.values() for field in definition.thresholds_read}
-    assert read == known
+    assert read == known - JUDGED_UPSTREAM
+    named = {field for d in ALERTS.values() for field in re.findall(r"\{(\w+)\}", d.summary + d.description)}
+    assert JUDGED_UPSTREAM <= named, f"name each in the texts of an alert that reports it: {JUDGED_UPSTREAM - named}"
 
 
 def test_names_are_unique_and_each_alert_has_a_known_scope_and_severity():
@@ -56,7 +63,8 @@ def test_the_for_window_is_read_from_the_thresholds():
 def test_each_whole_job_trouble_has_one_run_wide_alert_with_the_per_rank_ones_severities():
     assert SPEAKERS == {"AmpConsecutiveSkippedSteps": "AmpRunSkipStorm",
                         "AmpLossScaleCollapsed": "AmpRunLossScaleCollapsed",
-                        "AmpHighSkippedStepRatio": "AmpRunHighSkippedStepRatio"}
+                        "AmpHighSkippedStepRatio": "AmpRunHighSkippedStepRatio",
+                        "AmpLossSpike": "AmpRunLossSpike", "AmpGradNormSpike": "AmpRunGradNormSpike"}
     for spoken, speaker in SPEAKERS.items():
         assert ALERTS[spoken].scope in ("rank", "optimizer") and ALERTS[speaker].scope == "run"
         assert ALERTS[speaker].severities == ALERTS[spoken].severities

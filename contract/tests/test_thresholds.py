@@ -65,6 +65,7 @@ REFUSED_BY_KIND = {
     thresholds._COUNT: (0, -3, 2.5),
     thresholds._SCALE: (0, -1.0, NAN, INF),
     thresholds._APART: (1, 0.5, NAN, INF),
+    thresholds._WINDOW_ITERATIONS: (1, 0, -2, 2.5),
 }
 REFUSED = {field: REFUSED_BY_KIND.get(limit, ()) for field, limit in thresholds._LIMITS.items()}
 # The edges each field accepts (the streak lengths with a valid partner).
@@ -72,7 +73,7 @@ ACCEPTED = [("storm_rank_share", 1), ("storm_rank_share", 0.01), ("backoff_rank_
             ("origin_rank_share", 1), ("storm_edge_for_s", 0), ("backoff_for_s", 0), ("silent_for_s", 0),
             ("calibration_iterations", 0), ("skip_ratio_min_steps", 0), ("backoff_min_count", 1),
             ("origin_min_count", 1), ("skip_streak_window_s", 1), ("collapsed_loss_scale", 2.0 ** -24),
-            ("desync_scale_ratio", 1.01)]
+            ("desync_scale_ratio", 1.01), ("spike_window_iterations", 2), ("outlier_rank_share", 1)]
 
 
 def test_every_fields_limit_is_a_kind_this_test_refuses_values_of():

@@ -19,6 +19,8 @@ REQUIRED_TITLES = [
     "Scale spread across ranks (largest / smallest)",
     "Offending parameters", "Scheduler steps after skips", "Poisoned steps", "Firing ampwatch alerts",
     "Collector ingest requests by status", "Collector ingest latency (p99)", "Ranks on suspect devices (GPU or data)",
+    "Loss level across ranks", "Gradient-norm level", "Spikes across ranks", "Ranks with spikes",
+    "Gradient outliers across ranks (DDP)",
 ]
 # What Grafana substitutes before a query reaches Prometheus.
 GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m", "$__range": "1h"}
@@ -70,6 +72,70 @@ def test_threshold_lines_come_from_the_alert_thresholds():
         return [s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     assert steps("Consecutive-skip streaks") == [None, 8]
     assert steps("Skip ratio: median and top ranks") == [None, 0.25]
+
+
+def test_the_level_panels_draw_a_band_and_the_spike_line_at_the_agents_spike_sigma():
+    model = dashboard_json(AlertThresholds(spike_sigma=4.5))
+    for title in ("Loss level across ranks", "Gradient-norm level"):
+        (panel,) = [p for p in model["panels"] if p["title"] == title]
+        legends = {t["legendFormat"].split(" {{")[0]: t["expr"] for t in panel["targets"]}
+        assert {"mean", "mean - std", "mean + std", "spike line"} <= set(legends), title
+        assert "+ 4.5 * ampwatch_" in legends["spike line"], title
+        (dashed,) = panel["fieldConfig"]["overrides"]
+        pattern = re.compile(dashed["matcher"]["options"])
+        drawn = [t["legendFormat"] for t in panel["targets"] if pattern.search(t["legendFormat"])]
+        assert sorted(legend.split(" {{")[0] for legend in drawn) == ["mean + std", "mean - std", "spike line"]
+
+
+# Two ranks of run exp spiked (rank 1's loss twice, rank 2's gen optimizer once); rank 2 stood out from the
+# others once; every series one per minute for 20 minutes, as a collector exposes them.
+_SPIKE_SERIES = {
+    'ampwatch_loss_mean{run="exp",rank="0"}': "2+0x20", 'ampwatch_loss_std{run="exp",rank="0"}': "0.1+0x20",
+    'ampwatch_loss_mean{run="exp",rank="1"}': "3+0x20", 'ampwatch_loss_std{run="exp",rank="1"}': "0.5+0x20",
+    'ampwatch_loss_mean{run="exp",rank="2"}': "4+0x20", 'ampwatch_loss_std{run="exp",rank="2"}': "0.25+0x20",
+    'ampwatch_loss_spikes_total{run="exp",rank="0"}': "0+0x20",
+    'ampwatch_loss_spikes_total{run="exp",rank="1"}': "0 0 1 2+0x17",
+    'ampwatch_optimizer_grad_norm_spikes_total{run="exp",rank="1",optimizer="gen"}': "0+0x20",
+    'ampwatch_optimizer_grad_norm_spikes_total{run="exp",rank="2",optimizer="gen"}': "0 0 0 1+0x17",
+    'ampwatch_rank_gradient_outliers_total{run="exp",rank="1"}': "0+0x20",
+    'ampwatch_rank_gradient_outliers_total{run="exp",rank="2"}': "0 0 0 1+0x17",
+    'ampwatch_rank_info{run="exp",rank="1",host="node-a",local_rank="1"}': "1+0x20",
+    'ampwatch_rank_info{run="exp",rank="2",host="node-b",local_rank="0"}': "1+0x20",
+}
+
+
+def _panel_query(title: str, legend: str = "") -> str:
+    (expr,) = [t["expr"] for t in _panel(title)["targets"] if t["legendFormat"].startswith(legend)]
+    return expr.replace("$__range", "20m").replace("$__rate_interval", "1m").replace('=~"$run"', '=~".*"') \
+        .replace('=~"$rank"', '=~".*"').replace('=~"$optimizer"', '=~".*"')
+
+
+def test_the_spike_panels_show_the_levels_ranks_and_hosts_their_series_say(tmp_path, run_tool):
+    # The real Prometheus query engine (promtool's unit tests) runs each panel's query over the series above.
+    cases = [
+        # The median rank's loss level, its band and its spike line (mean + 6 deviations, each a median over ranks).
+        (_panel_query("Loss level across ranks", "mean {{"), [({"run": "exp"}, 3)]),
+        (_panel_query("Loss level across ranks", "mean - std"), [({"run": "exp"}, 2.5)]),
+        (_panel_query("Loss level across ranks", "spike line"), [({"run": "exp"}, 5.5)]),
+        # Which ranks spiked, in which signal (the values' extrapolation aside: count the rows).
+        (f"count by (run, rank, optimizer, signal) ({_panel_query('Ranks with spikes')})",
+         [({"run": "exp", "rank": "1", "signal": "loss"}, 1),
+          ({"run": "exp", "rank": "2", "optimizer": "gen", "signal": "gradient norm"}, 1)]),
+        # The rank that stood out, with its host and local rank.
+        (f"count by (run, rank, host, local_rank) ({_panel_query('Gradient outliers across ranks (DDP)')})",
+         [({"run": "exp", "rank": "2", "host": "node-b", "local_rank": "0"}, 1)]),
+    ]
+    tests = {"evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": series, "values": values} for series, values in _SPIKE_SERIES.items()],
+        "promql_expr_test": [{"expr": expr, "eval_time": "10m",
+                              "exp_samples": [{"labels": "{" + ",".join(f'{k}="{v}"' for k, v in labels.items())
+                                               + "}", "value": value} for labels, value in samples]}
+                             for expr, samples in cases],
+    }]}
+    (tmp_path / "panels.test.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = run_tool("promtool", "test", "rules", str(tmp_path / "panels.test.yaml"), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_alerts_panel_lists_firing_ampwatch_alerts():

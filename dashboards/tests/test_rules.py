@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ampwatch.contract.alerts import ALERT_NAMES, ALERTS
+from ampwatch.contract.alerts import ALERT_NAMES, ALERTS, SPEAKERS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 from ampwatch.dashboards.generate import RULES_FILE, stale_files
 from ampwatch.dashboards.rules import RecordedSeries, render_rules, rule_groups
@@ -202,7 +202,7 @@ def test_the_unit_tests_catch_rules_that_count_only_open_ranks_in_a_storms_share
     # open rank left) and a few ranks in a streak beside finished ones would make one.
     r = RecordedSeries(DEFAULT_THRESHOLDS)
     open_only = render_rules().replace(f"group_left {r.ranks}\n", f"group_left {r.ranks_open}\n")
-    assert open_only.count(r.ranks_open) == render_rules().count(r.ranks_open) + 3  # one share per speaker
+    assert open_only.count(r.ranks_open) == render_rules().count(r.ranks_open) + len(SPEAKERS)  # a share per speaker
     result = _run_tests_against(run_tool, tmp_path, open_only, RULE_TESTS / "run_skip_storm.test.yaml")
     assert result.returncode != 0
     for case in ("a job that ends in a storm stays one run alert after its ranks closed",

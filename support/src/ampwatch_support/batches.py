@@ -21,7 +21,8 @@ from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, RankSta
 from ampwatch.contract.protocol import LISTED_EVENT_KINDS, MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
 __all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OPTIMIZER_LEVELS", "RANK_LEVELS", "SENT_WHEN_SET",
-           "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples", "signal_level", "skip_event"]
+           "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples", "signal_level", "skip_event",
+           "spike_event"]
 
 APPLIED: dict[str, Any] = {"applied": True, "kinds": list(LISTED_EVENT_KINDS)}
 """A collector's answer to a batch it applied: it lists the event kinds it takes that protocol 1 added later
@@ -146,6 +147,21 @@ def skip_event(id: int, optimizer: str = "gen", iteration: int = 0, streak: int 
     return {"id": id, "kind": "skip", "time": time.time(), "iteration": iteration, "optimizer": optimizer,
             "streak": streak, "params": [{"name": p, "inf": 1, "nan": 0} for p in params],
             "params_total": len(params), "inspected": True, **more}
+
+
+def spike_event(id: int, kind: str = "loss_spike", iteration: int = 0, value: float | str = 10.0,
+                mean: float | None = 1.0, std: float | None = 0.5, **more: Any) -> dict[str, Any]:
+    """A ``loss_spike`` (or, ``kind="grad_norm_spike"``, a spike of optimizer ``more["optimizer"]``, default "gen")
+    of ``value`` against a window of ``mean`` and ``std`` (``z`` worked out from them, null for a non-finite value:
+    "NaN", "Infinity"); ``more`` sets other fields of ``ampwatch.contract.batch.LossSpikeEvent`` or
+    ``GradNormSpikeEvent`` (``streak``, ``local``, ``samples``)."""
+    finite = not isinstance(value, str)
+    z = (value - mean) / std if finite and mean is not None and std else None  # type: ignore[operator]
+    event = {"id": id, "kind": kind, "time": time.time(), "iteration": iteration, "value": value, "mean": mean,
+             "std": std, "z": z, "streak": 1}
+    if kind == "grad_norm_spike":
+        event["optimizer"] = "gen"
+    return {**event, **more}
 
 
 def samples(ids: list[int | str]) -> dict[str, Any]:

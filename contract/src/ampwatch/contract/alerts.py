@@ -70,7 +70,8 @@ class AlertDefinition:
     """Prometheus's ``alertname``, e.g. ``AmpConsecutiveSkippedSteps``."""
     scope: str
     """``optimizer``, ``rank`` or ``run``: which of run, rank, optimizer label each instance; ``host``: a rank
-    labelled with its host and local rank too (what a hardware ticket needs), judged across its run."""
+    labelled with its host and local rank too (what a hardware ticket needs), judged across its run (a bespoke
+    condition) or on its own counters (a declared one: :attr:`across_run`)."""
     severities: tuple[Severity, ...]
     """One rule per severity (the streak alert has a warning and a critical one)."""
     for_field: str | None
@@ -153,6 +154,13 @@ class AlertDefinition:
         """Return every AlertThresholds field it depends on: parameters, window, ``for``, severities' thresholds."""
         return (*self.parameters, *filter(None, (self.window, self.for_field)),
                 *(s.threshold for s in self.severities if s.threshold))
+
+    @property
+    def across_run(self) -> bool:
+        """Whether its condition is judged across a run (scope ``run``, or ``host`` without a declared condition),
+        not on one rank's values: a host alert that declares its condition holds on the rank's own counters, its
+        host and local rank only labelling it."""
+        return self.scope == "run" or (self.scope == "host" and self.condition is None)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -343,14 +351,14 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
                     "bad gradients show on all of them (AmpRankGradientOutlier names the rank they came from). "
                     f"{_SPEAKS.format(their='gradient-norm spike alerts')}"),
     AlertDefinition(
-        name="AmpRankGradientOutlier", scope="rank", severities=_WARNING, for_field=None,
+        name="AmpRankGradientOutlier", scope="host", severities=_WARNING, for_field=None,
         condition=Rose("gradient_outliers", window="outlier_window_s"),
         summary="One rank's gradients stand out from the others'",
-        description="Rank {rank} of run {run} had its own gradient norm, "
+        description="Rank {rank} of run {run} (host {host}, local rank {local_rank}) had its own gradient norm, "
                     "before DDP's all-reduce, at least {outlier_sigma} robust deviations above the other ranks' "
-                    "while the other ranks' did not spike, within the last {outlier_window_s} (outliers so far: "
-                    "{value}): suspect that GPU, its host or its data shard (GET /v1/runs/{run}/events lists the "
-                    "gradient_outlier events)."),
+                    "while at most {outlier_rank_share} of the run's ranks spiked, within the last {outlier_window_s} "
+                    "(outliers so far: {value}): suspect that GPU, its host or its data shard (GET "
+                    "/v1/runs/{run}/events lists the gradient_outlier events)."),
     AlertDefinition(
         name="AmpRankConflict", scope="rank", severities=_WARNING, for_field=None,
         condition=Rose("conflicts", window="conflict_window_s"),

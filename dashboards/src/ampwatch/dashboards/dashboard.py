@@ -164,6 +164,50 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
                "page have each suspect's evidence, and the suspect samples (data, not a device).",
                 hide=["Time"], rename={"Value": "suspect"}), 24),
         ]),
+        ("Spikes and gradient outliers", 8, [
+            (_series("Loss level across ranks", _level(m.LOSS_MEAN, m.LOSS_STD, _RANK, "run", t), "The loss's "
+               f"rolling level (the agent's window of the last {t.spike_window_iterations} iterations): the median "
+               "rank's mean, its mean -/+ one standard deviation (the band), and the line a value must pass to be a "
+               f"spike (mean + {t.spike_sigma:g} deviations: AmpLossSpike), with the {_OUTLIERS} ranks whose mean is "
+               "highest. Pick one rank with the rank variable to see its own band.", dashed=_BAND), 12),
+            (_series("Gradient-norm level", [
+                *_level(m.OPTIMIZER_GRAD_NORM_MEAN, m.OPTIMIZER_GRAD_NORM_STD, _OPTIMIZER, "run, optimizer", t),
+                (f"topk by (run, optimizer) ({_OUTLIERS}, {m.OPTIMIZER_LOCAL_GRAD_NORM_MEAN}{{{_OPTIMIZER}}})",
+                 "own {{run}} rank {{rank}} {{optimizer}}"),
+            ], "The rolling level of the gradient norm each optimizer stepped with: the median rank's mean, its "
+               f"band of one deviation and its spike line (mean + {t.spike_sigma:g} deviations: AmpGradNormSpike); "
+               f"with ddp=, the {_OUTLIERS} ranks whose own norm before DDP's all-reduce is highest on average "
+               "(one far above the others: AmpRankGradientOutlier).", dashed=_BAND), 12),
+            (_series("Spikes across ranks", [
+                (f"sum by (run) (increase({m.LOSS_SPIKES}{{{_RANK}}}[$__rate_interval]))", "loss spikes {{run}}"),
+                (f"count by (run) (increase({m.LOSS_SPIKES}{{{_RANK}}}[$__rate_interval]) > 0)",
+                 "ranks with a loss spike {{run}}"),
+                (f"sum by (run, optimizer) (increase({m.OPTIMIZER_GRAD_NORM_SPIKES}{{{_OPTIMIZER}}}"
+                 "[$__rate_interval]))", "gradient-norm spikes {{run}} {{optimizer}}"),
+                (f"count by (run, optimizer) (increase({m.OPTIMIZER_GRAD_NORM_SPIKES}{{{_OPTIMIZER}}}"
+                 "[$__rate_interval]) > 0)", "ranks with a gradient-norm spike {{run}} {{optimizer}}"),
+            ], "Loss and gradient-norm spikes per interval, summed over each run's ranks, and how many ranks had "
+               "one: every rank at once is the job (the learning rate, a bad stretch of data; with DDP the "
+               "all-reduced gradient norm spikes everywhere), one rank its batch or its GPU. The events (GET "
+               "/v1/runs/{run}/events, the status page) name the iteration and its samples.", bars=True), 12),
+            (_table("Ranks with spikes", [
+                (f"topk by (run) (20, label_replace(sum by (run, rank) "
+                 f"(increase({m.LOSS_SPIKES}{{{_RANK}}}[$__range])) > 0, \"signal\", \"loss\", \"\", \"\")"
+                 f" or label_replace(sum by (run, rank, optimizer) "
+                 f"(increase({m.OPTIMIZER_GRAD_NORM_SPIKES}{{{_OPTIMIZER}}}[$__range])) > 0, \"signal\", "
+                 f"\"gradient norm\", \"\", \"\"))", ""),
+            ], "Loss and gradient-norm spikes of each rank over the dashboard's time range, the 20 ranks with the "
+               "most per run (column spikes).", hide=["Time"], rename={"Value": "spikes"}), 12),
+            (_table("Gradient outliers across ranks (DDP)", [
+                (f"topk by (run) (20, sum by (run, rank) "
+                 f"(increase({m.RANK_GRADIENT_OUTLIERS}{{{_RANK}}}[$__range])) > 0)"
+                 f" * on (run, rank) group_left (host, local_rank) {m.RANK_INFO}", ""),
+            ], "Iterations over the dashboard's time range where a rank's own gradient norm before DDP's "
+               "all-reduce stood out from the other ranks' (the collector's gradient_outlier events; agents "
+               "watching with ddp=), with host and local rank, the 20 ranks with the most per run. One rank again "
+               "and again: suspect that GPU, host or data shard (AmpRankGradientOutlier).",
+                hide=["Time", "__name__", "job", "instance"], rename={"Value": "outliers"}), 24),
+        ]),
         ("Collector and agents", 7, [
             (_series("Collector ingest requests by status", [
                 (f"sum by (instance, code) (rate({m.COLLECTOR_INGEST_REQUESTS}[$__rate_interval]))",
@@ -190,7 +234,8 @@ def build_dashboard(t: AlertThresholds = DEFAULT_THRESHOLDS) -> Dashboard:
     return Dashboard(
         title="ampwatch: AMP loss scale and skipped steps",
         uid=DASHBOARD_UID,
-        description="GradScaler skips, loss-scale transitions and rank health across every rank of a run.",
+        description="GradScaler skips, loss-scale transitions, loss and gradient-norm spikes and rank health across "
+                    "every rank of a run.",
         tags=["ampwatch", "amp", "pytorch"],
         timezone="browser",
         refresh="10s",
@@ -229,6 +274,22 @@ def _spread(expr: str, by: str) -> list[tuple[str, str]]:
             (f"max by ({by}) ({expr})", f"highest {legend}")]
 
 
+_BAND = "^(mean [-+] std|spike line) "
+"""The legends of a level's band and spike line (:func:`_level`), drawn dashed beside its mean."""
+
+
+def _level(mean: m.Metric, std: m.Metric, selector: str, by: str, t: AlertThresholds) -> list[tuple[str, str]]:
+    """A signal's rolling level across ranks, per ``by``: the median rank's mean, the band of one deviation around
+    it, and its spike line (``spike_sigma`` deviations above), each a median over ranks; the top ranks by mean."""
+    legend = " ".join("{{" + label.strip() + "}}" for label in by.split(","))
+    mean_, std_ = f"{mean}{{{selector}}}", f"{std}{{{selector}}}"
+    return [(f"quantile by ({by}) (0.5, {mean_})", f"mean {legend}"),
+            (f"quantile by ({by}) (0.5, {mean_} - {std_})", f"mean - std {legend}"),
+            (f"quantile by ({by}) (0.5, {mean_} + {std_})", f"mean + std {legend}"),
+            (f"quantile by ({by}) (0.5, {mean_} + {t.spike_sigma:g} * {std_})", f"spike line {legend}"),
+            *([(f"topk by ({by}) ({_OUTLIERS}, {mean_})", f"{legend} rank {{{{rank}}}}")] if by == "run" else [])]
+
+
 def _skip_ratio() -> str:
     """Skipped / all scaler.step() calls per interval, per rank and optimizer."""
     skipped = f"increase({m.OPTIMIZER_SKIPPED_STEPS}{{{_OPTIMIZER}}}[$__rate_interval])"
@@ -254,8 +315,12 @@ def _steps(threshold: float | None, red_from: float | None = None) -> list[dict[
 
 def _series(title: str, queries: list[tuple[str, str]], description: str, *, log2: bool = False,
             threshold: float | None = None, unit: str = "short", bars: bool = False,
-            step: bool = False) -> TimeSeries:
+            step: bool = False, dashed: str | None = None) -> TimeSeries:
+    """A time-series panel; ``dashed``: a regular expression of the legends drawn as dashed lines."""
+    overrides = [{"matcher": {"id": "byRegexp", "options": dashed},
+                  "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}]
     return TimeSeries(
+        overrides=overrides if dashed else [],
         title=title, description=description, dataSource=_DATASOURCE, targets=_targets(queries),
         unit=unit, scaleDistributionType="log" if log2 else "linear", scaleDistributionLog=2,
         drawStyle="bars" if bars else "line", fillOpacity=60 if bars else 0,

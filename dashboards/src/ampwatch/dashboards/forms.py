@@ -11,6 +11,9 @@ The collector's built-in evaluator compiles the same declarations to Python
 - ``Outside``: the gauge differs from itself clamped into ``[low, high]`` (NaN differs from itself,
   an infinity from the largest float), on ranks that have not closed; the value is the gauge.
 
+An alert of scope ``host`` labels each rank's instance with its host and local rank, joined from
+``ampwatch_rank_info`` (:func:`on_host`).
+
 Example::
 
     from ampwatch.contract.alerts import ALERTS
@@ -31,7 +34,7 @@ from ampwatch.contract.counters import COUNTERS, GAUGES
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.contract.thresholds import promql_duration as dur
 
-__all__ = ["counter_rose", "expression", "nonzero_name", "num", "record", "recordings"]
+__all__ = ["counter_rose", "expression", "nonzero_name", "indent", "num", "on_host", "record", "recordings"]
 
 _LARGEST_FLOAT = "1.7976931348623157e+308"
 _IDENTITY = ("run", "rank", "optimizer")
@@ -39,6 +42,22 @@ _IDENTITY = ("run", "rank", "optimizer")
 
 def expression(definition: AlertDefinition, t: AlertThresholds) -> str:
     """Return the PromQL condition of a definition that declares one (its ``condition``), for thresholds ``t``."""
+    expr = _form(definition, t)
+    return on_host(expr) if definition.scope == "host" else expr
+
+
+def on_host(expr: str) -> str:
+    """Label each rank's series of ``expr`` with its host and local rank (``ampwatch_rank_info``, whose value is 1,
+    so the value stays), as an alert of scope ``host`` carries them for the hardware ticket."""
+    return f"(\n{indent(expr)}\n)\n* on (run, rank) group_left (host, local_rank) {m.RANK_INFO}"
+
+
+def indent(text: str) -> str:
+    """Indent every line of ``text`` by two spaces (an operand inside parentheses)."""
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _form(definition: AlertDefinition, t: AlertThresholds) -> str:
     c = definition.condition
     if isinstance(c, Rose):
         metric = COUNTERS[c.counter].metric

@@ -46,7 +46,8 @@ from ampwatch.contract.thresholds import promql_duration as dur
 
 from . import forms
 from ._yaml import dump_yaml
-from .forms import counter_rose, nonzero_name
+from .forms import counter_rose, nonzero_name, on_host
+from .forms import indent as _indent
 from .forms import num as _num
 from .forms import record as _record
 
@@ -179,12 +180,9 @@ def _most_ranks(t: AlertThresholds, r: RecordedSeries, speaker: AlertDefinition,
 def _origin(t: AlertThresholds, r: RecordedSeries, threshold: None) -> str:
     # A rank that keeps starting skips while few of its run's ranks start any; labelled with its host and
     # local rank (from ampwatch_rank_info, whose value is 1) for the hardware ticket.
-    return (f"(\n"
-            f"    {r.origins} >= {t.origin_min_count}\n"
-            f"  and on (run) {r.ranks_origin} <= clamp_min({r.ranks_open} * {_num(t.origin_rank_share)}, 1)\n"
-            f"  unless on (run, rank) {r.closed}\n"
-            f")\n"
-            f"* on (run, rank) group_left (host, local_rank) {m.RANK_INFO}")
+    return on_host(f"  {r.origins} >= {t.origin_min_count}\n"
+                   f"and on (run) {r.ranks_origin} <= clamp_min({r.ranks_open} * {_num(t.origin_rank_share)}, 1)\n"
+                   f"unless on (run, rank) {r.closed}")
 
 
 #: The condition of each bespoke alert as a PromQL expression, from the thresholds, the recorded series and the
@@ -276,7 +274,3 @@ def _alert(definition: AlertDefinition, level: str, expr: str, t: AlertThreshold
         "labels": {"severity": level},
         "annotations": definition.annotations(t, _TEMPLATES, level, runbook_base_url),
     }
-
-
-def _indent(text: str) -> str:
-    return "\n".join("  " + line for line in text.splitlines())

@@ -31,21 +31,21 @@ __all__ = ["check_conditions", "rank_alerts", "unspoken_rank_alerts", "rank_fact
 
 def check_conditions(rank: Mapping[str, Any], run: Mapping[str, Any], hand_written: Iterable[str],
                      alerts: Mapping[str, AlertDefinition] = ALERTS) -> None:
-    """Raise a RuntimeError unless each alert of ``alerts`` has exactly one built-in condition, in the registry of its
-    scope (``rank``: optimizer or rank, ``run``: run or host), and ``hand_written`` names exactly the bespoke ones;
-    the error names each alert missing, each entry extra, and why."""
+    """Raise a RuntimeError unless each alert of ``alerts`` has exactly one built-in condition, in the registry of how
+    it is judged (``run``: across a run, ``AlertDefinition.across_run``; ``rank``: on one rank's values), and
+    ``hand_written`` names exactly the bespoke ones; the error names each alert missing, each entry extra, and why."""
     check_hand_written("rank_conditions.HAND_WRITTEN and run_conditions.HAND_WRITTEN", hand_written, alerts)
     missing = sorted(set(alerts) - set(rank) - set(run))
     extra = sorted((set(rank) | set(run)) - set(alerts))
     twice = sorted(set(rank) & set(run))
     misplaced = sorted(name for name in set(alerts) & (set(rank) ^ set(run))
-                       if (name in run) != (alerts[name].scope in ("run", "host")))
+                       if (name in run) != alerts[name].across_run)
     if missing or extra or twice or misplaced:
         raise RuntimeError(
             "every alert of ampwatch.contract.alerts needs exactly one built-in condition: in "
-            "rank_conditions.RANK_CONDITIONS for scope optimizer or rank, run_conditions.RUN_CONDITIONS for run or "
-            f"host; missing: {missing}, extra (no such alert): {extra}, in both: {twice}, in the other's registry: "
-            f"{misplaced}")
+            "rank_conditions.RANK_CONDITIONS for one rank's (scope optimizer or rank, or host declared), "
+            "run_conditions.RUN_CONDITIONS for one judged across a run (scope run, or host bespoke); missing: "
+            f"{missing}, extra (no such alert): {extra}, in both: {twice}, in the other's registry: {misplaced}")
 
 
 check_conditions(RANK_CONDITIONS, RUN_CONDITIONS, {*RANK_WRITTEN, *RUN_WRITTEN})

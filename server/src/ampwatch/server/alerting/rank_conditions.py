@@ -52,7 +52,7 @@ class ActiveAlert:
     def group(self) -> tuple:
         """Return the evaluation group that produced it: ``(run, rank)`` or ``(run,)`` (alerts judged across a run)."""
         run = self.labels["run"]
-        if "rank" in self.labels and ALERTS[self.name].scope != "host":
+        if "rank" in self.labels and not ALERTS[self.name].across_run:
             return (run, self.labels["rank"])
         return (run,)
 
@@ -101,7 +101,7 @@ def built(cur: RankSnapshot, finding: Finding, t: AlertThresholds) -> ActiveAler
     labels = {"run": cur.run, "rank": str(cur.rank)}
     if optimizer is not None:
         labels["optimizer"] = optimizer
-    for label in _GAUGE_LABELS.get(name, ()):
+    for label in _BESIDE.get(name, ()):
         labels[label] = str(getattr(cur, label))
     return make_alert(name, labels, value, t, level, latest_diagnosis(cur, optimizer))
 
@@ -113,11 +113,13 @@ def latest_diagnosis(cur: RankSnapshot, optimizer: str | None = None) -> tuple |
     return max(cur.diagnosis.values(), key=lambda d: d[0], default=None)
 
 
-_GAUGE_LABELS = {name: tuple(label for g in d.gauges if GAUGES[g].per == "rank"
-                             for label in GAUGES[g].metric.labels if label not in ("run", "rank"))
-                 for name, d in ALERTS.items() if d.gauges}
-"""Each alert's labels besides run and rank that the series of its rank gauges carry (``device``), as the Prometheus
-alert carries them from that series, read off the snapshot's field of that name."""
+_BESIDE = {name: labels for name, d in ALERTS.items()
+           if (labels := (*(label for g in d.gauges if GAUGES[g].per == "rank"
+                            for label in GAUGES[g].metric.labels if label not in ("run", "rank")),
+                          *(label for label in d.labels if label not in ("run", "rank", "optimizer"))))}
+"""Each alert's labels besides run, rank and optimizer, read off the snapshot's field of that name: those the series
+of its rank gauges carry (``device``), as the Prometheus alert carries them from that series, and a host alert's host
+and local rank (its scope's labels), as the rule joins them from ``ampwatch_rank_info``."""
 
 
 def spoken_key(a: ActiveAlert) -> tuple:
@@ -174,5 +176,6 @@ HAND_WRITTEN: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Fin
 
 RANK_CONDITIONS: Mapping[str, Callable[[RankReading, AlertThresholds], Iterable[Finding]]] = {
     **{name: compiled(d) for name, d in ALERTS.items() if d.condition is not None}, **HAND_WRITTEN}
-"""The condition of each alert of one rank (scope ``optimizer`` or ``rank``): the instances that hold now, as
+"""The condition of each alert of one rank (scope ``optimizer`` or ``rank``, or ``host`` with a declared condition:
+``AlertDefinition.across_run`` false): the instances that hold now, as
 :data:`Finding` s. Compiled from each declared ``condition``, hand-written for the bespoke ones."""

@@ -120,5 +120,6 @@ RUN_CONDITIONS: Mapping[str, RunCondition] = {
     **{speaker: RunCondition(_most_ranks(speaker), idle=frozenset()) for speaker in SPEAKERS.values()},
     **HAND_WRITTEN,
 }
-"""The condition of each alert judged across a run (scope ``run``, or ``host``: a rank judged beside its run): those
-that speak for a per-rank alert follow from it, the bespoke ones are hand-written."""
+"""The condition of each alert judged across a run (``AlertDefinition.across_run``: scope ``run``, or ``host``
+without a declared condition: a rank judged beside its run): those that speak for a per-rank alert follow from it,
+the bespoke ones are hand-written."""

@@ -436,10 +436,33 @@ function eventDetails(e) {
     case "scheduler_after_skip": cell.append(`scheduler ${e.scheduler} stepped after a skip`); break;
     case "warning": cell.append(`${e.code}: ${e.message}`); break;
     case "scaler_disabled": cell.append("GradScaler(enabled=False): nothing skips; every step is checked"); break;
+    case "loss_spike":
+    case "grad_norm_spike": spikeDetails(e, cell); break;
+    case "gradient_outlier":
+      cell.append(`own gradient norm ${signal(e.value)}, the other ranks' ${signal(e.reference)} (spread ` +
+                  `${signal(e.spread)}${e.z === null ? "" : `, z ${signal(e.z)}`}, ${plural(e.ranks_compared, "rank")} ` +
+                  "compared): this rank's gradients stood out before DDP's all-reduce");
+      break;
     case "close": cell.append("closed cleanly"); break;
     default: cell.append("");
   }
   return cell;
+}
+
+// A spike's row: its value against the window before it (how many deviations above its mean), and its samples.
+function spikeDetails(e, cell) {
+  const z = e.z === null || e.z === undefined ? "non-finite" : `z ${signal(e.z)}`;
+  const window = e.mean === null || e.mean === undefined ? "window empty"
+    : `window mean ${signal(e.mean)}, std ${signal(e.std)}`;
+  cell.append(`value ${signal(e.value)} · ${z} · ${window}`);
+  if (e.streak > 1) cell.append(" · ", el("span", {class: "streak"}, `spike ${e.streak} in a row`));
+  if (e.local) cell.append(" · own gradients, before DDP's all-reduce");
+  if (e.samples) cell.append(" · ", el("span", {class: "samples"}, samplesText(e.samples)));
+}
+
+// A spike's value, mean, z...: 4 significant digits ("NaN" and "Infinity" as sent).
+function signal(v) {
+  return typeof v === "number" ? String(Number(v.toPrecision(4))) : String(v);
 }
 
 // Where this rank's inf/NaN began (the event's began): the stage, then the module, its type and the parameter.
@@ -517,7 +540,7 @@ async function refreshSuspects() {
 // lowest to the highest rank's scale, the median rank's line, and the outlier ranks' own lines; red dots mark
 // their skipped steps. The caption sits in a strip above the plot and the ranks' labels in a column right of
 // it, so no text ever lies on a line (the plot area holds only the band, the lines and the marks).
-function drawChart(container, body) {
+function drawChart(container, body, spikes = []) {
   const spread = body && body.spread;
   const lines = (body && body.outliers || []).map(o => ({rank: o.rank, asked: o.asked, skips: o.skips || [],
     streaks: o.streaks || [],
@@ -618,8 +641,52 @@ function drawChart(container, body) {
       root.append(dot);
     }
   }
+  // Spikes and gradient outliers: a mark just above the rank's line (the median's, for a rank not drawn) at the
+  // iteration, one per kind, iteration and line, however many ranks share it (a whole-job spike).
+  const drawn = new Map(lines.map(line => [line.rank, line]));
+  const median = its.map((x, i) => [x, medians[i]]);
+  const marks = new Map();
+  for (const e of spikes) {
+    if (e.iteration < x0 || e.iteration > body.end) continue;
+    const line = drawn.get(e.rank);
+    const scale = scaleAt(line ? line.points : median, e.iteration);
+    if (!onLogAxis(scale)) continue;
+    const key = `${e.kind}/${e.iteration}/${line ? e.rank : "median"}`;
+    const mark = marks.get(key) || {e, scale, ranks: new Set()};
+    mark.ranks.add(e.rank);
+    marks.set(key, mark);
+  }
+  for (const {e, scale, ranks} of marks.values()) {
+    const [x, y] = [px(e.iteration), py(scale) - 9];
+    const shape = SPIKE_MARKS[e.kind](x, y);
+    shape.setAttribute("class", "spike-mark");
+    for (const [name, value] of [["kind", e.kind], ["iteration", e.iteration], ["ranks", [...ranks].join(",")]]) {
+      shape.setAttribute(`data-${name}`, String(value));
+    }
+    const who = ranks.size === 1 ? `rank ${e.rank}` : `${ranks.size} ranks`;
+    const what = e.kind === "gradient_outlier" ? `own gradient norm ${signal(e.value)} against the others' ` +
+      `${signal(e.reference)}` : `value ${signal(e.value)}${e.z === null ? "" : `, z ${signal(e.z)}`}`;
+    shape.append(svg("title", {}, `${who}: ${SPIKE_WORDS[e.kind]}${e.optimizer ? ` of ${e.optimizer}` : ""} at ` +
+                                  `iteration ${e.iteration} (${ranks.size === 1 ? what : "latest: " + what})`));
+    root.append(shape);
+  }
+  if (marks.size) {
+    root.append(svg("text", {x: (L + W - R) / 2, y: H - 8, "text-anchor": "middle", class: "spike-key"},
+      "▲ loss spike · ◆ gradient-norm spike · ○ gradient outlier"));
+  }
   container.replaceChildren(root);
 }
+
+const SPIKE_WORDS = {loss_spike: "loss spike", grad_norm_spike: "gradient-norm spike",
+                     gradient_outlier: "gradient outlier"};
+// Each kind's mark, centred on (x, y): a triangle, a diamond, a ring.
+const SPIKE_MARKS = {
+  loss_spike: (x, y) => svg("path", {d: `M${x},${y - 5}L${x + 5},${y + 4}L${x - 5},${y + 4}Z`, fill: "#b36b00"}),
+  grad_norm_spike: (x, y) => svg("path", {d: `M${x},${y - 5}L${x + 5},${y}L${x},${y + 5}L${x - 5},${y}Z`,
+                                          fill: "#6a1b9a"}),
+  gradient_outlier: (x, y) => svg("circle", {cx: x, cy: y, r: 5, fill: "none", stroke: "#6a1b9a",
+                                             "stroke-width": 2}),
+};
 
 // A step line through [iteration, scale] points (each scale holds until the next point, the last until
 // ``end`` when given); it breaks where the scale leaves the log axis (0, NaN, infinite) and resumes after.
@@ -685,13 +752,23 @@ async function fetchScale(run, summary) {
   }
 }
 
-const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "rank_conflict", "warning", "scaler_disabled", "close"];
+const RARE_KINDS = ["poisoned_step", "scheduler_after_skip", "rank_conflict", "gradient_outlier", "warning",
+                    "scaler_disabled", "close"];
+const SPIKE_KINDS = ["loss_spike", "grad_norm_spike"];  // their marks on the chart (the outliers' come with RARE_KINDS)
+const SPIKES_MARKED = 500;  // the newest of each kind: a whole-job spike is one mark, its events many
 
 // The newest events of the kinds a skip storm never floods, so they stay in the table however many skips came.
 async function fetchRare(run) {
   const pages = await Promise.all(RARE_KINDS.map(kind =>
     getJSON(`v1/runs/${encodeURIComponent(run)}/events?kind=${kind}&newest_first=true&limit=${MAX_EVENTS_SHOWN}`)));
   return pages.flatMap(body => (body.events || []).map(e => ({event: e, count: 1, ranks: 1})));
+}
+
+// The newest spikes, for the chart's marks (their rows come with the newest events, a whole-job spike in one).
+async function fetchSpikes(run) {
+  const pages = await Promise.all(SPIKE_KINDS.map(kind =>
+    getJSON(`v1/runs/${encodeURIComponent(run)}/events?kind=${kind}&newest_first=true&limit=${SPIKES_MARKED}`)));
+  return pages.flatMap(body => body.events || []);
 }
 
 // Newest first: one row per event, one per storm (the collector grouped its events: count, ranks).
@@ -722,14 +799,16 @@ function newestFirst(a, b) {
 }
 
 async function drawRunHistory(run, summary) {
-  const [scale, newest, rare] = await Promise.all([fetchScale(run, summary), fetchNewest(run), fetchRare(run)]);
+  const [scale, newest, rare, spikes] = await Promise.all([fetchScale(run, summary), fetchNewest(run), fetchRare(run),
+                                                           fetchSpikes(run)]);
   // The newest rare events (poisoned steps, scheduler-after-skip, warnings...) keep their rows: a rank that
   // skips every few steps or a storm cannot push them out of the table.
   const kept = rare.sort(newestFirst).slice(0, RARE_SHOWN);
   const keptKeys = new Set(kept.map(rowKey));
   const rest = newest.filter(row => !keptKeys.has(rowKey(row))).slice(0, MAX_EVENTS_SHOWN - kept.length);
   const rows = [...kept, ...rest].sort(newestFirst);
-  drawChart(document.getElementById("chart"), scale);
+  const outliers = rare.map(row => row.event).filter(e => e.kind === "gradient_outlier");
+  drawChart(document.getElementById("chart"), scale, [...spikes, ...outliers]);
   const shown = eventRows(rows);
   fill(document.querySelector("#events tbody"), shown);
   document.getElementById("no-events").hidden = shown.length !== 0;
