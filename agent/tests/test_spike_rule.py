@@ -186,3 +186,14 @@ def test_values_read_later_are_judged_in_the_order_taken_once_landed_and_all_at_
     watch.close()  # the last one, waited for
     (last,) = events.drain()
     assert last["iteration"] == 5 and last["streak"] == 2 and math.isnan(last["value"])
+
+
+def test_z_is_what_observe_compares_with_the_sigma_and_judges_nothing():
+    values = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 1.05, 0.95]
+    series = SpikeSeries(window=8, sigma=6.0)
+    for v in values:
+        assert series.z(v) is None  # the window is not full yet
+        series.observe(v)
+    mean, std = statistics.fmean(values), statistics.pstdev(values)
+    assert series.z(mean + 3 * std) == pytest.approx(3.0) and series.z(NAN) is None and series.spikes == 0
+    assert series.z(mean + 7 * std) == pytest.approx(series.observe(mean + 7 * std).z)

@@ -114,6 +114,15 @@ class SpikeSeries:
         self._add(value)
         return spike
 
+    def z(self, value: float) -> float | None:
+        """The z-score ``value`` would have against the window now (what :meth:`observe` compares with the sigma);
+        None while the window is not full, or for a non-finite value. Judges nothing, changes nothing."""
+        value = float(value)
+        if self._sums[0] < self.window or not math.isfinite(value):
+            return None
+        mean, std = self._moments()
+        return (value - mean) / std  # type: ignore[operator] # a full window has both
+
     def level(self) -> SignalLevel | None:
         """The window's mean and (unfloored) standard deviation, 4 significant digits; None below two values."""
         sums = self._sums
