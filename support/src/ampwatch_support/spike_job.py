@@ -45,7 +45,7 @@ TARGET_SEED = 11
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
 
 
 def _planted(args: argparse.Namespace, rank: int) -> list[int]:
@@ -58,6 +58,7 @@ def _planted(args: argparse.Namespace, rank: int) -> list[int]:
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # 4 ranks on 2 cores: each of torch's threads more would only wait for a core
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
     net = _net()
