@@ -12,10 +12,12 @@ communication hook the job registered itself, or ``torch.compile``'s reducers. a
 communication hook and changes nothing of the reduction; its hooks come off at :meth:`LocalGradients.close`.
 
 The hook writes one ``torch.aminmax`` of the gradient into two numbers kept for that parameter (a row per
-backward of the iteration, so an inf in any micro-batch is kept), on the device, without a sync and, after
-the first iterations, without allocating. The numbers are read only on an iteration where some optimizer
-skipped, or without a scaler was poisoned (:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite`
-makes them one on-device flag for any other reader.
+backward of the iteration, so an inf in any micro-batch is kept), and its ``vector_norm`` (in float32) into a
+third, on the device, without a sync and, after the first iterations, without allocating. The norms make this
+rank's own gradient norm per optimizer (:meth:`LocalGradients.squared_norms`, read by ``_local_norm``). The
+extremes are read only on an iteration where some optimizer skipped, or without a scaler was poisoned
+(:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite` makes them one on-device flag for any other
+reader.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ import torch
 from . import _device
 from ._params import MAX_NAMED_PARAMS
 
-__all__ = ["LocalGradients", "OriginReport", "observe_ddp"]
+__all__ = ["LocalGradients", "NormSet", "OriginReport", "observe_ddp"]
 
 _KEPT_ITERATIONS = 64  # iterations whose flags are kept while a deferred (fused, on-device) outcome is pending
 _aminmax = torch.aminmax
+_vector_norm = torch.linalg.vector_norm
+_dot = torch.dot
+_NORM_DTYPE = torch.float32  # a gradient's norm is kept in float32: a bf16 one would round it to 3 digits
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,13 +58,30 @@ class _Group:
 
     Row ``k`` holds the ``k``-th note of each parameter (column) in the current iteration (how many it wrote:
     :attr:`LocalGradients._counts`; the rows after those hold older notes until a read zeroes them).
-    ``slots`` are the parameters' positions in :class:`LocalGradients`.
+    ``norms[row, column]`` is the same note's gradient norm. ``slots`` are the parameters' positions in
+    :class:`LocalGradients`.
     """
 
-    __slots__ = ("extremes", "slots")
+    __slots__ = ("extremes", "norms", "slots")
 
     def __init__(self, extremes: torch.Tensor, slots: list[int]) -> None:
         self.extremes, self.slots = extremes, slots
+        self.norms = torch.zeros(extremes.shape[:2], dtype=_NORM_DTYPE, device=extremes.device)
+
+
+_ALL = torch.empty(0, dtype=torch.long)  # a set that holds every column of a group
+
+
+@dataclasses.dataclass(slots=True)
+class NormSet:
+    """Some watched parameters (an optimizer's): their columns in each group (None: none, :data:`_ALL`: all)."""
+
+    columns: list[torch.Tensor | None]
+    slots: list[int]
+    slot_set: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.slot_set = frozenset(self.slots)
 
 
 class LocalGradients:
@@ -85,6 +107,7 @@ class LocalGradients:
                         for (device, dtype), slots in keys.items()]
         self._group_of = [0] * len(self._params)
         self._outs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self._params]
+        self._norm_outs: list[list[torch.Tensor]] = [[] for _ in self._params]
         for index, group in enumerate(self._groups):
             for slot in group.slots:
                 self._group_of[slot] = index
@@ -92,6 +115,7 @@ class LocalGradients:
         self._counts = [0] * len(self._params)  # notes of each parameter this iteration (rows written)
         self._zeros = [0] * len(self._params)
         self._extras: list[tuple[int, torch.Tensor]] = []  # notes of a gradient unlike its parameter's storage
+        self._extra_norms: list[tuple[int, torch.Tensor]] = []  # their norms
         self._handles: list[Any] = []
         self._hooked = [False] * len(self._params)  # a slot without a hook never writes a note
         self._frozen: list[int] = []  # slots frozen at attach(), hooked once they take a gradient
@@ -99,6 +123,7 @@ class LocalGradients:
         self._kept: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self._reports: dict[int, OriginReport] = {}
         self.enabled = True
+        self.norms: Any = None  # a _local_norm.LocalNorms: takes each iteration's norms before they are cleared
 
     def attach(self, forward_of: torch.nn.Module | None = None) -> None:
         """Put one hook on each parameter that takes a gradient; all or none.
@@ -141,14 +166,15 @@ class LocalGradients:
             self.errors.report("DDP gradient note", error)
 
     def _hook(self, slot: int):
-        counts, outs, slow = self._counts, self._outs[slot], self._note_slowly
+        counts, outs, norms, slow = self._counts, self._outs[slot], self._norm_outs[slot], self._note_slowly
 
         def note(grad):
-            # The fast path: one aminmax into this parameter's next row. Anything else (a sparse or
-            # complex gradient, one inside the autograd graph, a row not made yet) raises before writing.
+            # The fast path: one aminmax and one norm into this parameter's next row. Anything else (a sparse or
+            # complex gradient, one inside the autograd graph, a row not made yet) raises before counting it.
             try:
                 row = counts[slot]
                 _aminmax(grad, out=outs[row])
+                _vector_norm(grad, dtype=_NORM_DTYPE, out=norms[row])
                 counts[slot] = row + 1
             except Exception:  # noqa: BLE001 - the slow path says what failed; the gradient goes on
                 slow(slot, grad)
@@ -171,27 +197,32 @@ class LocalGradients:
                 if row >= extremes.shape[0]:  # one more backward in this iteration than any before
                     self._grow(group)
                 _aminmax(values, out=self._outs[slot][row])
+                _vector_norm(values, dtype=_NORM_DTYPE, out=self._norm_outs[slot][row])
             else:  # e.g. a float8 gradient (no aminmax kernel): widened, noted apart
                 if values.element_size() == 1:
                     values = values.float()
                 pair = torch.empty(2, dtype=values.dtype, device=values.device)
                 _aminmax(values, out=(pair[0], pair[1]))
                 self._extras.append((slot, pair))
+                self._extra_norms.append((slot, _vector_norm(values, dtype=_NORM_DTYPE)))
             self._counts[slot] = row + 1
         except Exception as error:  # noqa: BLE001 - never fail the backward
             self.errors.report("DDP gradient note", error)
 
     def _place(self, group: _Group) -> None:
-        extremes = group.extremes
+        extremes, norms = group.extremes, group.norms
         for column, slot in enumerate(group.slots):
             self._outs[slot][:] = [(extremes[row, column, 0], extremes[row, column, 1])
                                    for row in range(extremes.shape[0])]
+            self._norm_outs[slot][:] = [norms[row, column] for row in range(norms.shape[0])]
 
     def _grow(self, group: _Group) -> None:
-        old = group.extremes
+        old, old_norms = group.extremes, group.norms
         grown = torch.zeros(old.shape[0] * 2, *old.shape[1:], dtype=old.dtype, device=old.device)
         grown[:old.shape[0]] = old
-        group.extremes = grown
+        norms = torch.zeros(grown.shape[:2], dtype=_NORM_DTYPE, device=old.device)
+        norms[:old.shape[0]] = old_norms
+        group.extremes, group.norms = grown, norms
         self._place(group)
 
     def _flags(self) -> tuple[list[int], list[torch.Tensor]]:
@@ -218,6 +249,48 @@ class LocalGradients:
             flags.append(torch.isfinite(pair).all().logical_not_().reshape(1))
         return slots, flags
 
+    def norm_set(self, params: Iterable[torch.Tensor]) -> NormSet:
+        """Return the watched parameters among ``params`` (an optimizer's, for its norm)."""
+        wanted = {id(p) for p in params}
+        columns: list[torch.Tensor | None] = []
+        slots: list[int] = []
+        for group in self._groups:
+            picked = [c for c, slot in enumerate(group.slots) if id(self._params[slot]) in wanted]
+            slots += [group.slots[c] for c in picked]
+            whole = len(picked) == len(group.slots)
+            columns.append(None if not picked else
+                           _ALL if whole else torch.tensor(picked, dtype=torch.long, device=group.norms.device))
+        return NormSet(columns, slots)
+
+    def squared_norms(self, sets: list[NormSet]) -> list[torch.Tensor | None]:
+        """Return, per set, the sum of the squared norms of its gradients noted in this iteration (every backward's)
+        as a 0-d float32 tensor on a device of its parameters (no sync); None when none of them was noted. Rows not
+        written in this iteration are zeroed first (none when every parameter wrote every row); a kernel or two per
+        group and set."""
+        counts, hooked = self._counts, self._hooked
+        flat = []
+        for group in self._groups:
+            norms = group.norms
+            rows = norms.shape[0]
+            for column, slot in enumerate(group.slots):
+                if counts[slot] < rows and hooked[slot]:
+                    norms[counts[slot]:, column].zero_()
+            flat.append(norms.view(-1))
+        sums: list[torch.Tensor | None] = []
+        for chosen in sets:
+            if not any(counts[slot] for slot in chosen.slots):
+                sums.append(None)
+                continue
+            parts = []
+            for group, whole, picked in zip(self._groups, flat, chosen.columns, strict=True):
+                if picked is not None:
+                    some = whole if picked is _ALL else group.norms.index_select(1, picked).view(-1)
+                    parts.append(_dot(some, some))  # the sum of the squares, in one kernel
+            parts += [norm.square() for slot, norm in self._extra_norms if slot in chosen.slot_set]
+            device = parts[0].device
+            sums.append(parts[0] if len(parts) == 1 else torch.stack([p.to(device) for p in parts]).sum())
+        return sums
+
     @property
     def parameters(self) -> list[torch.Tensor]:
         """The parameters watched, in their slots' order."""
@@ -241,16 +314,23 @@ class LocalGradients:
 
     def end_iteration(self, iteration: int, keep: bool) -> None:
         """Start the next iteration's notes (``keep``: first keep the flags of ``iteration`` while its outcome is
-        still on the device). Python only, unless ``keep``."""
+        still on the device), after :attr:`norms` took the iteration's gradient norms. Python only, unless
+        ``keep``, but for the norms' few kernels."""
         if not self.enabled:
             return
         if any(self._counts):
+            if self.norms is not None:
+                try:
+                    self.norms.end_iteration(iteration)
+                except Exception as error:  # noqa: BLE001 - never fail the training step
+                    self.errors.report("the local gradient norm", error)
             if keep:
                 self._kept[iteration] = self._flags()
                 while len(self._kept) > _KEPT_ITERATIONS:
                     del self._kept[next(iter(self._kept))]
             self._counts[:] = self._zeros
             self._extras.clear()
+            self._extra_norms.clear()
         if not keep:
             self._kept.clear()
             self._reports.clear()
@@ -259,6 +339,11 @@ class LocalGradients:
 
     def close(self) -> None:
         """Take the hooks off and let go of every tensor: the model is as it was before :meth:`attach`."""
+        if self.enabled and self.norms is not None:
+            try:
+                self.norms.close()
+            except Exception as error:  # noqa: BLE001 - closing must never fail
+                self.errors.report("the local gradient norm", error)
         self.enabled = False
         for handle in self._handles:
             handle.remove()
@@ -266,7 +351,7 @@ class LocalGradients:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-        self._kept, self._reports, self._extras = {}, {}, []
+        self._kept, self._reports, self._extras, self._extra_norms = {}, {}, [], []
 
     def report(self, iteration: int, current: bool) -> tuple[OriginReport | None, bool]:
         """Return ``(report, new)`` for ``iteration``: None when nothing was noted in it.

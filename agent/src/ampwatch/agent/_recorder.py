@@ -315,6 +315,8 @@ class Recorder:
         }
         if self.origin is not None:
             state["origin_iterations"] = self.origin_iterations
+            if self.origin.norms is not None:  # this rank's own gradient norm per optimizer: its level
+                self.origin.norms.levels(state["optimizers"])
         return {"scaler": dict(scale.settings), "state": state}
 
     # ----- outcomes ------------------------------------------------------------------------
