@@ -1,7 +1,8 @@
 """With ``ddp=``: each rank's own gradient norm before DDP's all-reduce, judged by the spike rule.
 
 Three real ranks over gloo; rank 1's gradients are multiplied by 1,000 by a tensor hook at three iterations
-(``ampwatch_support.local_norm_worker``), with a GradScaler (bf16 autocast) and in bf16 without one. DDP averages
+(``ampwatch_support.local_norm_worker``), with a GradScaler (bf16 autocast) and in bf16 without one (two
+micro-batches per iteration: the norm is the root of the sum of both gradients' squared norms). DDP averages
 them into every rank's ``.grad``: only the rank's own norm tells which rank it was.
 
 | # | case | expected |
@@ -9,7 +10,8 @@ them into every rank's ``.grad``: only the rank's own norm tells which rank it w
 | 1 | rank 1 at the chosen iterations | a `grad_norm_spike`, `local: true`, at exactly those: its own norm, |
 |   |                                  | streak 1, the iteration's samples |
 | 2 | the other ranks, and rank 1 elsewhere | no local spike |
-| 3 | the level in state | `optimizers[name].local_grad_norm`: mean and std of the window's own norms |
+| 3 | rank 0's input holds an inf (with the GradScaler): every rank skips | no value: no local spike on rank 0 |
+| 4 | the level in state | `optimizers[name].local_grad_norm`: mean and std of the window's own norms |
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def test_one_rank_s_own_gradients_x1000_are_a_local_spike_on_that_rank_only_at_t
     for rank, result in enumerate(ranks):
         run = result[mode]
         events = run["events"]
+        if mode == "scaled":  # a skipped step's norm is of gradients never applied: not judged
+            assert run["skipped"] == [result["skipped_at"]]
+            assert (not math.isfinite(run["norms"][result["skipped_at"]])) == (rank == 0)
         if rank != SPIKED_RANK:
             assert events == [], f"rank {rank} had a local spike it did not have"
             continue

@@ -1,9 +1,10 @@
 """Real ranks over gloo: one rank's own gradients x1,000 at three random iterations, watched with ``ddp=``.
 
 Run as ``python -m ampwatch_support.local_norm_worker OUT_DIR PORT``; each rank writes ``OUT_DIR/rank{r}.json``
-with, per mode (a GradScaler with bf16 autocast; bf16 without a scaler), the local ``grad_norm_spike`` events the
-agent recorded, its ``local_grad_norm`` level, and the ground truth: this rank's own gradient norm per iteration
-(unscaled), taken by a tensor hook on each parameter registered before the agent's (it sees what the agent sees).
+with, per mode (a GradScaler with bf16 autocast; bf16 without a scaler, in two micro-batches), the local
+``grad_norm_spike`` events the agent recorded, its ``local_grad_norm`` level, and the ground truth: this rank's
+own gradient norm per iteration (unscaled; with accumulation, the root of the sum of every micro-batch's squared
+norms), taken by a tensor hook on each parameter registered before the agent's (it sees what the agent sees).
 Used by agent/tests/test_local_grad_norm.py, which owns the time limit and the cleanup.
 """
 
@@ -27,6 +28,7 @@ SPIKED_RANK = 1
 SPIKED_AT = [start + offset for start, offset in zip((130, 270, 410), random.Random(40).sample(range(10), 3),
                                                       strict=True)]
 ITERATIONS = 421
+SKIPPED_AT = 150  # with the GradScaler, rank 0's input holds an inf: every rank skips, rank 0's own norm is inf
 
 def train(rank: int, scaled: bool) -> dict:
     from ampwatch import agent
@@ -53,26 +55,32 @@ def train(rank: int, scaled: bool) -> dict:
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * rank + iteration))
         w.batch(range(1000 * rank + 8 * iteration, 1000 * rank + 8 * iteration + 8))  # the iteration's sample ids
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
         if scaler is not None:
+            if rank == 0 and iteration == SKIPPED_AT:
+                x[0, 0] = float("inf")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
             scale = scaler.get_scale()
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-        else:
+        else:  # two micro-batches, the first without DDP's all-reduce: the norm is of both gradients
             scale = 1.0
-            loss.backward()
+            with model.no_sync(), torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x[:4]).float().pow(2).mean().backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x[4:]).float().pow(2).mean().backward()
             opt.step()
         norms.append(math.sqrt(squares[iteration]) / scale)
     w.close()
-    events = [e for e in w._recorder.events.drain() if e["kind"] == "grad_norm_spike" and e.get("local")]
-    return {"norms": norms, "events": events, "state": w.snapshot()["state"]}
+    events = w._recorder.events.drain()
+    return {"norms": norms, "events": [e for e in events if e["kind"] == "grad_norm_spike" and e.get("local")],
+            "skipped": [e["iteration"] for e in events if e["kind"] == "skip"], "state": w.snapshot()["state"]}
 
 
 def main(rank: int, out_dir: str, port: int) -> None:
     with rank_results(rank, WORLD_SIZE, out_dir, port, AMPWATCH_RUN="local-norm") as results:
-        results["spiked_at"] = SPIKED_AT
+        results["spiked_at"], results["skipped_at"] = SPIKED_AT, SKIPPED_AT
         results["scaled"], results["unscaled"] = train(rank, True), train(rank, False)
 
 

@@ -14,7 +14,7 @@ communication hook and changes nothing of the reduction; its hooks come off at :
 The hook writes one ``torch.aminmax`` of the gradient into two numbers kept for that parameter (a row per
 backward of the iteration, so an inf in any micro-batch is kept), and its ``vector_norm`` (in float32) into a
 third, on the device, without a sync and, after the first iterations, without allocating. The norms make this
-rank's own gradient norm per optimizer (:meth:`LocalGradients.squared_norms`, read by ``_local_norm``). The
+rank's own gradient norm per optimizer (``_local_norm``, which sums them per optimizer at the iteration's end). The
 extremes are read only on an iteration where some optimizer skipped, or without a scaler was poisoned
 (:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite` makes them one on-device flag for any other
 reader.
@@ -31,13 +31,17 @@ import torch
 from . import _device
 from ._params import MAX_NAMED_PARAMS
 
-__all__ = ["LocalGradients", "NormSet", "OriginReport", "observe_ddp"]
+__all__ = ["LocalGradients", "OriginReport", "observe_ddp"]
 
 _KEPT_ITERATIONS = 64  # iterations whose flags are kept while a deferred (fused, on-device) outcome is pending
 _aminmax = torch.aminmax
 _vector_norm = torch.linalg.vector_norm
-_dot = torch.dot
-_NORM_DTYPE = torch.float32  # a gradient's norm is kept in float32: a bf16 one would round it to 3 digits
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient's norm is kept in: float32 (a bf16 one would round it to 3 digits), float64's own."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,30 +62,16 @@ class _Group:
 
     Row ``k`` holds the ``k``-th note of each parameter (column) in the current iteration (how many it wrote:
     :attr:`LocalGradients._counts`; the rows after those hold older notes until a read zeroes them).
-    ``norms[row, column]`` is the same note's gradient norm. ``slots`` are the parameters' positions in
-    :class:`LocalGradients`.
+    ``norms[row, column]`` is the same note's gradient norm (``flat``: all of them, one view). ``slots`` are the
+    parameters' positions in :class:`LocalGradients`.
     """
 
-    __slots__ = ("extremes", "norms", "slots")
+    __slots__ = ("extremes", "norms", "flat", "slots")
 
     def __init__(self, extremes: torch.Tensor, slots: list[int]) -> None:
         self.extremes, self.slots = extremes, slots
-        self.norms = torch.zeros(extremes.shape[:2], dtype=_NORM_DTYPE, device=extremes.device)
-
-
-_ALL = torch.empty(0, dtype=torch.long)  # a set that holds every column of a group
-
-
-@dataclasses.dataclass(slots=True)
-class NormSet:
-    """Some watched parameters (an optimizer's): their columns in each group (None: none, :data:`_ALL`: all)."""
-
-    columns: list[torch.Tensor | None]
-    slots: list[int]
-    slot_set: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        self.slot_set = frozenset(self.slots)
+        self.norms = torch.zeros(extremes.shape[:2], dtype=_norm_dtype(extremes.dtype), device=extremes.device)
+        self.flat = self.norms.view(-1)
 
 
 class LocalGradients:
@@ -167,6 +157,7 @@ class LocalGradients:
 
     def _hook(self, slot: int):
         counts, outs, norms, slow = self._counts, self._outs[slot], self._norm_outs[slot], self._note_slowly
+        dtype = self._groups[self._group_of[slot]].norms.dtype
 
         def note(grad):
             # The fast path: one aminmax and one norm into this parameter's next row. Anything else (a sparse or
@@ -174,7 +165,7 @@ class LocalGradients:
             try:
                 row = counts[slot]
                 _aminmax(grad, out=outs[row])
-                _vector_norm(grad, dtype=_NORM_DTYPE, out=norms[row])
+                _vector_norm(grad, dtype=dtype, out=norms[row])
                 counts[slot] = row + 1
             except Exception:  # noqa: BLE001 - the slow path says what failed; the gradient goes on
                 slow(slot, grad)
@@ -197,17 +188,23 @@ class LocalGradients:
                 if row >= extremes.shape[0]:  # one more backward in this iteration than any before
                     self._grow(group)
                 _aminmax(values, out=self._outs[slot][row])
-                _vector_norm(values, dtype=_NORM_DTYPE, out=self._norm_outs[slot][row])
+                norm = self._norm_outs[slot][row]
             else:  # e.g. a float8 gradient (no aminmax kernel): widened, noted apart
                 if values.element_size() == 1:
                     values = values.float()
                 pair = torch.empty(2, dtype=values.dtype, device=values.device)
                 _aminmax(values, out=(pair[0], pair[1]))
                 self._extras.append((slot, pair))
-                self._extra_norms.append((slot, _vector_norm(values, dtype=_NORM_DTYPE)))
+                norm = torch.empty((), dtype=_norm_dtype(values.dtype), device=values.device)
+                self._extra_norms.append((slot, norm))
             self._counts[slot] = row + 1
         except Exception as error:  # noqa: BLE001 - never fail the backward
             self.errors.report("DDP gradient note", error)
+            return
+        try:  # apart: a norm that fails costs the norm, never the note
+            _vector_norm(values, dtype=norm.dtype, out=norm)
+        except Exception as error:  # noqa: BLE001 - never fail the backward
+            self.errors.report("DDP gradient norm", error)
 
     def _place(self, group: _Group) -> None:
         extremes, norms = group.extremes, group.norms
@@ -220,9 +217,9 @@ class LocalGradients:
         old, old_norms = group.extremes, group.norms
         grown = torch.zeros(old.shape[0] * 2, *old.shape[1:], dtype=old.dtype, device=old.device)
         grown[:old.shape[0]] = old
-        norms = torch.zeros(grown.shape[:2], dtype=_NORM_DTYPE, device=old.device)
+        norms = torch.zeros(grown.shape[:2], dtype=old_norms.dtype, device=old.device)
         norms[:old.shape[0]] = old_norms
-        group.extremes, group.norms = grown, norms
+        group.extremes, group.norms, group.flat = grown, norms, norms.view(-1)
         self._place(group)
 
     def _flags(self) -> tuple[list[int], list[torch.Tensor]]:
@@ -248,48 +245,6 @@ class LocalGradients:
             slots.append(slot)
             flags.append(torch.isfinite(pair).all().logical_not_().reshape(1))
         return slots, flags
-
-    def norm_set(self, params: Iterable[torch.Tensor]) -> NormSet:
-        """Return the watched parameters among ``params`` (an optimizer's, for its norm)."""
-        wanted = {id(p) for p in params}
-        columns: list[torch.Tensor | None] = []
-        slots: list[int] = []
-        for group in self._groups:
-            picked = [c for c, slot in enumerate(group.slots) if id(self._params[slot]) in wanted]
-            slots += [group.slots[c] for c in picked]
-            whole = len(picked) == len(group.slots)
-            columns.append(None if not picked else
-                           _ALL if whole else torch.tensor(picked, dtype=torch.long, device=group.norms.device))
-        return NormSet(columns, slots)
-
-    def squared_norms(self, sets: list[NormSet]) -> list[torch.Tensor | None]:
-        """Return, per set, the sum of the squared norms of its gradients noted in this iteration (every backward's)
-        as a 0-d float32 tensor on a device of its parameters (no sync); None when none of them was noted. Rows not
-        written in this iteration are zeroed first (none when every parameter wrote every row); a kernel or two per
-        group and set."""
-        counts, hooked = self._counts, self._hooked
-        flat = []
-        for group in self._groups:
-            norms = group.norms
-            rows = norms.shape[0]
-            for column, slot in enumerate(group.slots):
-                if counts[slot] < rows and hooked[slot]:
-                    norms[counts[slot]:, column].zero_()
-            flat.append(norms.view(-1))
-        sums: list[torch.Tensor | None] = []
-        for chosen in sets:
-            if not any(counts[slot] for slot in chosen.slots):
-                sums.append(None)
-                continue
-            parts = []
-            for group, whole, picked in zip(self._groups, flat, chosen.columns, strict=True):
-                if picked is not None:
-                    some = whole if picked is _ALL else group.norms.index_select(1, picked).view(-1)
-                    parts.append(_dot(some, some))  # the sum of the squares, in one kernel
-            parts += [norm.square() for slot, norm in self._extra_norms if slot in chosen.slot_set]
-            device = parts[0].device
-            sums.append(parts[0] if len(parts) == 1 else torch.stack([p.to(device) for p in parts]).sum())
-        return sums
 
     @property
     def parameters(self) -> list[torch.Tensor]:
