@@ -43,7 +43,6 @@ def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-
 @dataclasses.dataclass(slots=True)
 class OriginReport:
     """Whether this rank's own gradients held inf/NaN before DDP reduced them, in one iteration."""
@@ -195,7 +194,7 @@ class LocalGradients:
                 pair = torch.empty(2, dtype=values.dtype, device=values.device)
                 _aminmax(values, out=(pair[0], pair[1]))
                 self._extras.append((slot, pair))
-                norm = torch.empty((), dtype=_norm_dtype(values.dtype), device=values.device)
+                norm = torch.zeros((), dtype=_norm_dtype(values.dtype), device=values.device)
                 self._extra_norms.append((slot, norm))
             self._counts[slot] = row + 1
         except Exception as error:  # noqa: BLE001 - never fail the backward
