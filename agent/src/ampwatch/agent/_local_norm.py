@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -112,7 +113,8 @@ class LocalNorms:
     def __init__(self, local: LocalGradients, recorder: Any, *,
                  window: int = DEFAULT_THRESHOLDS.spike_window_iterations,
                  sigma: float = DEFAULT_THRESHOLDS.spike_sigma) -> None:
-        self.local, self.recorder = local, recorder
+        # Weakly: the model's hooks hold the notes, which hold this; the watch must not live as long as the model.
+        self.local, self._recorder = local, weakref.ref(recorder)
         self.records = list(recorder.records)
         self._sets = [norm_set(local, (p for g in r.optimizer.param_groups for p in g["params"]))
                       for r in self.records]
@@ -123,7 +125,9 @@ class LocalNorms:
 
     def end_iteration(self, iteration: int) -> None:
         """Take ``iteration``'s norms (its notes are still in place); judge them now on CPU, later on a device."""
-        recorder = self.recorder
+        recorder = self._recorder()
+        if recorder is None:
+            return
         unscaled = recorder.unscaled is not None
         scale = 1.0 if unscaled else recorder.scale.value
         squares: list[Any] = []  # per optimizer: None (no value), a float (read), or a tensor on a device
@@ -137,19 +141,20 @@ class LocalNorms:
                 squares.append(total)
                 later = True
         if not later:
-            self._judge(iteration, squares, scale, current=True)
+            self._judge(recorder, iteration, squares, scale, current=True)
         else:
             taken = [t for t in squares if t is not None]
             device = taken[0].device
             read = _device.read_later(torch.stack([t.to(device=device, dtype=torch.float64) for t in taken]))
             self._pending.append((read, iteration, [t is not None for t in squares], scale))
         if self._pending:
-            self._resolve(wait=len(self._pending) > _MAX_PENDING)
+            self._resolve(recorder, wait=len(self._pending) > _MAX_PENDING)
 
     def close(self) -> None:
         """Judge what is still on its way (may sync once on a device)."""
-        while self._pending:
-            self._resolve(wait=True)
+        recorder = self._recorder()
+        while self._pending and recorder is not None:
+            self._resolve(recorder, wait=True)
 
     def levels(self, optimizers: dict[str, Any]) -> None:
         """Put each optimizer's level in its ``state`` counters (``local_grad_norm``), once it has one."""
@@ -158,17 +163,17 @@ class LocalNorms:
             if level is not None and record.name in optimizers:
                 optimizers[record.name]["local_grad_norm"] = level
 
-    def _resolve(self, wait: bool) -> None:
+    def _resolve(self, recorder: Any, wait: bool) -> None:
         while self._pending and (wait or self._pending[0][0].done()):
             read, iteration, went, scale = self._pending.popleft()
             values = iter(read.wait())
-            now = self.recorder.scale.value if self.recorder.unscaled is None else 1.0
+            now = recorder.scale.value if recorder.unscaled is None else 1.0
             known = now == scale  # a changed scale read: which one scaled these gradients is not known for sure
             squares = [next(values) if w else None for w in went]
-            self._judge(iteration, squares if known else [None] * len(went), scale, current=False)
+            self._judge(recorder, iteration, squares if known else [None] * len(went), scale, current=False)
             wait = False
 
-    def _judge(self, iteration: int, squares: list[Any], scale: float | None, current: bool) -> None:
+    def _judge(self, recorder: Any, iteration: int, squares: list[Any], scale: float | None, current: bool) -> None:
         for record, series, square in zip(self.records, self.series, squares, strict=True):
             value = None
             if square is not None and scale:
@@ -178,7 +183,7 @@ class LocalNorms:
                 continue
             event: GradNormSpikeEvent = {"kind": "grad_norm_spike", "iteration": iteration, "optimizer": record.name,
                                          "local": True, **spike.fields()}  # type: ignore[typeddict-item]
-            samples = self.recorder.samples
+            samples = recorder.samples
             if samples is not None:
                 samples.describe(event, iteration, current=current, first=False)
-            self.recorder.events.append(event)
+            recorder.events.append(event)
