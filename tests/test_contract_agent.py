@@ -23,6 +23,7 @@ from ampwatch.contract.batch import (
 from ampwatch.contract.protocol import STREAK_LADDER
 from ampwatch.server._batch_parse import parse_batch
 from ampwatch.server._schema import Batch
+from ampwatch_support.batches import SENT_WHEN_PRESENT
 from ampwatch_support.ports import free_port
 from ampwatch_support.recording_collector import RecordingCollector
 
@@ -56,8 +57,10 @@ def _agent_bodies() -> list[bytes]:
         opt_b = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
         schedule = torch.optim.lr_scheduler.StepLR(opt_a, step_size=100)
         scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+        # grad_norm=True: each step's norm is watched; the first optimizer's NaN step at 12 is a grad_norm_spike,
+        # the inf inputs at 4 and 5 loss_spikes.
         watch = agent.watch(scaler, {"first": opt_a, "second": opt_b}, model=model, schedulers={"first": schedule},
-                            ddp=ddp, collector=server.url, run="contract", push_interval=0.05)
+                            ddp=ddp, collector=server.url, run="contract", push_interval=0.05, grad_norm=True)
         for iteration in range(14):
             watch.batch([iteration, f"sample-{iteration}"])  # samples and samples_before on skips and poisoned steps
             x = torch.randn(8, 4)
@@ -131,10 +134,16 @@ def test_every_field_the_real_agent_sends_is_one_the_contract_declares(agent_bod
     # The collector ignores fields it does not know: a misspelt one would pass the schema and be lost.
     sent = [json.loads(body) for body in agent_bodies]
     assert [problem for body in sent for problem in undeclared(body)] == []
-    # Every counter the contract declares is sent (an agent-side rename would leave its old name out).
+    # Every counter the contract declares is sent (an agent-side rename would leave its old name out): always, but
+    # those sent only when nonzero or present (spike counters, levels), which some batch of the run must hold.
+    always = set(fields(OptimizerCounters)) - set(SENT_WHEN_PRESENT)
     for body in sent:
-        assert all(set(fields(OptimizerCounters)) == set(c) for c in body["state"]["optimizers"].values())
+        assert all(always <= set(c) <= set(fields(OptimizerCounters)) for c in body["state"]["optimizers"].values())
         assert set(body["state"]["delivery"]) == set(fields(DeliveryCounters))
+    seen = {key for body in sent for c in body["state"]["optimizers"].values() for key in c}
+    # local_grad_norm: with ddp=, this rank's own norm (the branch that adds it extends this run to send it).
+    assert seen >= always | {"grad_norm_spikes", "grad_norm"}
+    assert {"loss", "loss_spikes"} <= {key for body in sent for key in body["state"]}
 
 
 def test_the_batch_builder_of_tests_and_benchmarks_sends_the_contracts_counters():

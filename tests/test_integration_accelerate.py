@@ -229,3 +229,37 @@ def test_options_that_watch_does_not_take_are_refused(fresh_state):
     model, opt_a, opt_b, sched_a, sched_b = job(accelerator)
     with pytest.raises(TypeError, match="unexpected keyword argument 'names'"):
         ampwatch.watch(accelerator, [opt_a, opt_b], names=["x", "y"])
+
+
+def test_the_norm_clip_grad_norm_returns_is_watched_for_spikes_and_training_stays_bit_identical(fresh_state):
+    """One optimizer: each norm ``accelerator.clip_grad_norm_`` returns goes to ``watch.grad_norm`` (issue 40); one
+    sync step's gradients x1,000 (a tensor hook) is a ``grad_norm_spike`` at that iteration, and nothing else."""
+    fresh_state.setenv("AMPWATCH_SPIKE_WINDOW", "4")
+    steep = 8  # the sync step whose gradients are x1,000
+    results = []
+    for watched in (True, False):
+        reset_accelerate_state()
+        accelerator = fp16_accelerator()
+        torch.manual_seed(0)
+        net = TwoPart()
+        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=1e-3))
+        watch = ampwatch.watch(accelerator, opt, model=model) if watched else None
+        for k, x in enumerate(batches()):
+            with accelerator.accumulate(model):
+                sync_step = k // ACCUMULATION
+                hook = model.a.weight.register_hook(lambda g: g * 1000) if sync_step == steep else None
+                accelerator.backward(model(x).float().pow(2).mean())
+                if hook is not None:
+                    hook.remove()
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1e9)
+                opt.step()
+                opt.zero_grad()
+        if watch is not None:
+            watch.close()
+            assert "clip_grad_norm_" not in vars(accelerator)  # taken off at close
+            spikes = [e for e in watch._recorder.events.drain() if e["kind"] == "grad_norm_spike"]
+            assert [(e["iteration"], e["streak"]) for e in spikes] == [(steep, 1)]
+            assert watch.snapshot()["state"]["optimizers"]["SGD"]["grad_norm_spikes"] == 1
+        results.append(bits(model.parameters()))
+    assert same_bits(*results)

@@ -44,7 +44,8 @@ def compiled_job(watching, backend: str, how: str, *, watched: bool = True) -> d
     scaled = how.startswith("scaled")
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaled) if how != "none" else None
     schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
-    w = watching(scaler, {"net": opt}, model=model, schedulers=schedule) if watched else None
+    # grad_norm=True: the spike watch's norm, computed in the step pre-hook, must not be traced either.
+    w = watching(scaler, {"net": opt}, model=model, schedulers=schedule, grad_norm=True) if watched else None
     if how == "scaled-whole":
         @torch.compile(backend=backend)
         def step() -> None:
@@ -97,6 +98,7 @@ def test_a_compiled_step_reports_every_poisoned_step_and_trains_as_the_unwatched
         state = job["watch"].snapshot()["state"]
         assert state["optimizers"]["net"]["poisoned_steps"] == len(job["truth"]), how
         assert state["optimizers"]["net"]["steps"] == STEPS and state["delivery"]["agent_errors"] == 0
+        assert "grad_norm" in state["optimizers"]["net"], how
         poisoned = [e for e in events(job["watch"]) if e["kind"] == "poisoned_step"]
         assert [(e["iteration"], e["params"]) for e in poisoned] == [
             (i, [{"name": "2.bias", "inf": 1, "nan": 0}]) for i in POISONED]

@@ -83,6 +83,10 @@ def test_without_a_scaler_each_rank_reports_the_steps_its_own_shards_poisoned(ra
 
 def test_training_is_bit_identical_with_and_without_the_agent(ranks):
     for result in ranks:
+        # The spike watch was on (loss, and each step's gradient norm: grad_norm=True) and read its values.
+        scaled = result["scaled"]["state"]
+        assert "loss" in scaled and "grad_norm" in scaled["optimizers"]["net"]
+        assert "grad_norm" in result["unscaled"]["state"]["optimizers"]["net"]
         assert result["scaled"]["bits"] == result["scaled_plain"]["bits"]
         assert result["scaled"]["scales"] == result["scaled_plain"]["scales"]
         assert result["unscaled"]["bits"] == result["unscaled_plain"]["bits"]

@@ -144,3 +144,45 @@ def test_the_event_fields_of_a_spike_are_the_contracts():
 def test_a_window_below_two_or_a_sigma_not_positive_and_finite_is_refused_by_name(window, sigma):
     with pytest.raises(ValueError, match="spike (window|sigma)"):
         SpikeSeries(window=window, sigma=sigma)
+
+
+class _InFlight:
+    """Stands in for a device-to-host copy (``_device.PendingRead``) on a GPU, which this machine has none of:
+    it lands when the test says so. The CPU path of the real PendingRead is read at once, so the order of values
+    still in flight can only be shown this way."""
+
+    def __init__(self, tensor) -> None:
+        self.value, self.landed = float(tensor), False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> list[float]:
+        self.landed = True
+        return [self.value]
+
+
+def test_values_read_later_are_judged_in_the_order_taken_once_landed_and_all_at_close(monkeypatch):
+    import torch
+
+    from ampwatch.agent import _spike_watch
+    from ampwatch.agent._events import EventBuffer
+
+    reads: list[_InFlight] = []
+    monkeypatch.setattr(_spike_watch._device, "read_later", lambda t: reads.append(_InFlight(t)) or reads[-1])
+    events = EventBuffer()
+    watch = _spike_watch.SpikeWatch(events, window=4, sigma=6.0, samples=lambda: None)
+    device = torch.device("cuda")  # the key only: the tensors stay on the CPU, the copies are stood in for
+    for iteration, value in enumerate([1.0, 1.1, 0.9, 1.0, 50.0, float("nan")]):
+        watch._take("", iteration, 0.0, {device: [torch.tensor(value / 2), torch.tensor(value / 2)]})  # summed
+    assert len(watch.series) == 0 and len(reads) == 6  # nothing judged while nothing landed
+    reads[1].landed = True
+    watch.resolve()
+    assert len(watch.series) == 0  # the oldest has not landed: nothing after it is judged before it
+    for read in reads[:5]:
+        read.landed = True
+    watch.resolve()
+    assert [(e["iteration"], e["value"]) for e in events.drain()] == [(4, 50.0)]
+    watch.close()  # the last one, waited for
+    (last,) = events.drain()
+    assert last["iteration"] == 5 and last["streak"] == 2 and math.isnan(last["value"])

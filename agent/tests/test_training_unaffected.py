@@ -12,8 +12,11 @@ from ampwatch_support.patience import wait_until
 from ampwatch_support.recording_collector import free_port
 
 
-def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):
+def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector, monkeypatch):
     from ampwatch import agent
+
+    monkeypatch.setenv("AMPWATCH_GRAD_NORM", "1")  # the spike watch computes each step's gradient norm too
+    states = []
 
     def train(watched: bool) -> list[torch.Tensor]:
         torch.manual_seed(1)
@@ -29,9 +32,13 @@ def test_attaching_the_agent_leaves_training_bit_identical(amp, no_collector):
         finally:
             if handle is not None:
                 handle.close()
+                states.append(handle.snapshot()["state"])
         return amp.bits(model.parameters()) + [torch.tensor(scaler.get_scale()).view(torch.int32)]
 
     assert all(torch.equal(x, y) for x, y in zip(train(False), train(True), strict=True))
+    (state,) = states
+    assert state["delivery"]["agent_errors"] == 0 and "loss" in state
+    assert all("grad_norm" in counters for counters in state["optimizers"].values())  # the fused one's too
 
 
 def test_a_failure_inside_the_agent_never_reaches_the_training_loop(amp, watching, monkeypatch, caplog):

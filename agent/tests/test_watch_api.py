@@ -177,6 +177,8 @@ def test_ampwatch_disabled_returns_a_do_nothing_watch(amp, monkeypatch, no_colle
         assert "step" not in vars(scaler) and not sgd._optimizer_step_pre_hooks
         amp.iteration(model, scaler, [sgd], torch.randn(2, 4))
         assert w.stepped(sgd) is None
+        w.grad_norm(1.0, sgd)  # the job's calls to the watch do nothing, and never fail
+        w.loss(1.0)
 
 
 def test_summary_reads_as_a_local_report(amp, watching):

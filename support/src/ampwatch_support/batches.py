@@ -20,8 +20,8 @@ from typing import Any
 from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, fields, samples_digest
 from ampwatch.contract.protocol import MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
-__all__ = ["BASE", "CLEAN_DELIVERY", "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples",
-           "skip_event"]
+__all__ = ["BASE", "CLEAN_DELIVERY", "SENT_WHEN_PRESENT", "OptimizerRun", "make_batch", "optimizer", "post_batch",
+           "samples", "skip_event"]
 
 CLEAN_DELIVERY: dict[str, int] = dict.fromkeys(fields(DeliveryCounters), 0)
 """The state's ``delivery`` counters of an agent that lost and was refused nothing."""
@@ -38,18 +38,21 @@ BASE: dict[str, Any] = {
 }
 
 
-_ZEROS = dict.fromkeys(fields(OptimizerCounters), 0)
+SENT_WHEN_PRESENT = ("grad_norm_spikes", "grad_norm", "local_grad_norm")
+"""Optimizer values the agent sends only when nonzero or present (the contract: absent, 0 or no level yet)."""
+_ZEROS = dict.fromkeys((f for f in fields(OptimizerCounters) if f not in SENT_WHEN_PRESENT), 0)
 _SHORT = {"consecutive": "consecutive_skipped", "longest": "longest_streak", "reached": "streaks_reached"}
 
 
 def optimizer(**counters: Any) -> dict[str, Any]:
-    """Counters of one optimizer as the agent sends them: each counter the contract declares, 0 unless given
-    (``consecutive``, ``longest`` and ``reached`` short for ``consecutive_skipped``, ``longest_streak`` and
-    ``streaks_reached``); a name the contract does not declare raises ``TypeError``."""
+    """Counters of one optimizer as the agent sends them: each counter the contract declares, 0 unless given, but
+    those of :data:`SENT_WHEN_PRESENT`, only when given (``consecutive``, ``longest`` and ``reached`` short for
+    ``consecutive_skipped``, ``longest_streak`` and ``streaks_reached``); a name the contract does not declare
+    raises ``TypeError``."""
     values = dict(_ZEROS, streaks_reached={})
     for key, value in counters.items():
         name = _SHORT.get(key, key)
-        if name not in values:
+        if name not in values and name not in SENT_WHEN_PRESENT:
             raise TypeError(f"optimizer(): {key!r} is not a counter ampwatch.contract.batch.OptimizerCounters "
                             f"declares ({', '.join(values)})")
         values[name] = value

@@ -85,7 +85,7 @@ def scaled(rank: int, world_size: int, watched: bool, checkpoint: str) -> dict:
     net = _net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
-    w = agent.watch(scaler, {"net": opt}, model=net, collector=(), run="fsdp") if watched else None
+    w = agent.watch(scaler, {"net": opt}, model=net, collector=(), run="fsdp", grad_norm=True) if watched else None
     if w is not None:
         w._recorder.inspect_interval = 0.0  # name every streak start: the clock must not decide what is named
     truth, reported, scales = [], [], []
@@ -158,7 +158,7 @@ def unscaled(rank: int, world_size: int, watched: bool, checkpoint: str, resume:
 
     net, opt = load(checkpoint) if resume else (_net(), None)
     opt = opt or torch.optim.AdamW(net.parameters(), lr=1e-2)
-    w = agent.watch(None, {"net": opt}, model=net, collector=(), run="fsdp") if watched else None
+    w = agent.watch(None, {"net": opt}, model=net, collector=(), run="fsdp", grad_norm=True) if watched else None
     poisoned = []  # ground truth: the steps whose gradient shards on this rank held inf/NaN
     try:
         for step in range(UNSCALED_SAVE_AFTER if resume else 0, STEPS):

@@ -23,12 +23,14 @@ from ampwatch_support.ddp_harness import rank_results
 
 WORLD_SIZE = 3
 SPIKED_RANK = 1
-# Three random iterations more than a window (128) apart: a spike enters its window (the rule's row 4), so the
-# next one within it is judged against a spread it inflated (docs/agent.md, "Spikes").
-SPIKED_AT = [start + offset for start, offset in zip((130, 270, 410), random.Random(40).sample(range(10), 3),
-                                                      strict=True)]
-ITERATIONS = 421
-SKIPPED_AT = 150  # with the GradScaler, rank 0's input holds an inf: every rank skips, rank 0's own norm is inf
+WINDOW = 32  # AMPWATCH_SPIKE_WINDOW: a short window, a short run
+# Three random iterations more than a window apart: a spike enters its window (the rule's row 4), so the next one
+# within it is judged against a spread it inflated (docs/agent.md, "This rank's own gradient norm").
+SPIKED_AT = [start + offset for start, offset in zip((40, 80, 120), random.Random(40).sample(range(5), 3),
+                                                     strict=True)]
+ITERATIONS = 130
+SKIPPED_AT = 60  # with the GradScaler, rank 0's input holds an inf: every rank skips, rank 0's own norm is inf
+
 
 def train(rank: int, scaled: bool) -> dict:
     from ampwatch import agent
@@ -79,8 +81,9 @@ def train(rank: int, scaled: bool) -> dict:
 
 
 def main(rank: int, out_dir: str, port: int) -> None:
-    with rank_results(rank, WORLD_SIZE, out_dir, port, AMPWATCH_RUN="local-norm") as results:
-        results["spiked_at"], results["skipped_at"] = SPIKED_AT, SKIPPED_AT
+    with rank_results(rank, WORLD_SIZE, out_dir, port, AMPWATCH_RUN="local-norm",
+                      AMPWATCH_SPIKE_WINDOW=str(WINDOW)) as results:
+        results["spiked_at"], results["skipped_at"], results["window"] = SPIKED_AT, SKIPPED_AT, WINDOW
         results["scaled"], results["unscaled"] = train(rank, True), train(rank, False)
 
 

@@ -76,6 +76,8 @@ def fit_event(event: Mapping[str, Any]) -> Mapping[str, Any]:
             if fitted_began is not began:
                 event = dict(event, began=fitted_began)
         return event
+    elif kind in ("loss_spike", "grad_norm_spike"):
+        return _fit_samples(event) if "samples" in event else event
     elif kind == "scheduler_after_skip":
         return _cut_fields(event, scheduler=TEXT_LIMITS["scheduler"])
     elif kind == "warning":

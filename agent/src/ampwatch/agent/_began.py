@@ -43,6 +43,8 @@ class LossNotes:
 
     def __init__(self) -> None:
         self.open: list[torch.Tensor | float] = []
+        self.folded: list[torch.Tensor] = []  # sums of the open iteration's losses folded into one flag
+        self.whole = True  # the open iteration's losses are all kept as values (none larger than 0-d)
         self._kept: collections.deque[tuple[int, list[torch.Tensor | float]]] = \
             collections.deque(maxlen=_KEPT_ITERATIONS)
 
@@ -60,6 +62,8 @@ class LossNotes:
 
     def _keep(self, loss: torch.Tensor) -> None:
         # No ``no_grad``: entering and leaving it costs more than what it guards, and nothing here records a graph.
+        if loss.ndim != 0:
+            self.whole = False  # kept as a flag: the iteration's loss has no value for the spike watch
         self.open.append(loss if loss.ndim == 0 else torch.isfinite(loss.detach()).all())
         self.fold()
 
@@ -67,6 +71,12 @@ class LossNotes:
         """Past :data:`_MAX_LOSSES` losses in the open iteration (many micro-batches), keep one flag for them."""
         opened = self.open
         if len(opened) > _MAX_LOSSES:
+            values = [t.detach().float() for t in opened if isinstance(t, torch.Tensor) and t.dtype != torch.bool]
+            if values:  # their sum, for the spike watch (one stack and sum per _MAX_LOSSES losses)
+                try:
+                    self.folded.append(torch.stack(values).sum())
+                except RuntimeError:  # losses on several devices: no value this iteration
+                    self.whole = False
             self.open = [_all_finite([t for t in opened if isinstance(t, torch.Tensor)]),
                          *[t for t in opened if not isinstance(t, torch.Tensor)]]
 
@@ -74,6 +84,8 @@ class LossNotes:
         """The losses noted so far belong to ``iteration``: kept, detached, while it may still be asked about
         (``keep``), else let go."""
         opened, self.open = self.open, []
+        if self.folded or not self.whole:
+            self.folded, self.whole = [], True
         if not keep:
             return
         detached = [loss.detach() if isinstance(loss, torch.Tensor) else loss for loss in opened]
@@ -206,6 +218,7 @@ class BeganFinder:
         self.errors = errors
         self.origin: Any = None
         self.losses = LossNotes()
+        self.spikes: Any = None  # set by watch(): the SpikeWatch that takes each iteration's loss
         self.order = BackwardOrder(errors)
         self.probes = ForwardProbes(model, errors, probe_iterations)
         self._owners: dict[int, tuple[str, str]] = {}  # id(parameter) -> (owning module's path, class name)
@@ -233,8 +246,14 @@ class BeganFinder:
         """What was noted so far belongs to ``iteration`` (its end with a scaler; each step without one); ``keep``:
         its losses may still be asked about (a check or outcome still to come), else they are let go.
         A healthy iteration with a scaler: a few attribute reads."""
-        if self.losses.open:
-            self.losses.assign(iteration, keep)
+        losses = self.losses
+        if losses.open:
+            if self.spikes is not None:
+                try:
+                    self.spikes.losses(iteration, losses.open, losses.folded, losses.whole)
+                except Exception as error:  # noqa: BLE001 - the loss's spike is not judged, the rest goes on
+                    self.errors.report("loss spike", error)
+            losses.assign(iteration, keep)
         probes = self.probes
         if probes.on or probes.open:
             probes.assign(iteration)

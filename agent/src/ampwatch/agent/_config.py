@@ -10,6 +10,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
+
 from ._schedule import default_heartbeat
 
 __all__ = ["AgentConfig", "PROBE_ITERATIONS"]
@@ -70,6 +72,14 @@ class AgentConfig:
     probe_iterations: int = PROBE_ITERATIONS
     """Iterations the forward probes stay armed after an event whose loss was not finite, unless they name the
     module sooner (``AMPWATCH_PROBE_ITERATIONS``; docs/agent.md, "Where it began"). 0: never armed."""
+    spike_window: int = DEFAULT_THRESHOLDS.spike_window_iterations
+    """Iterations in the rolling window of the loss and of each gradient norm (``AMPWATCH_SPIKE_WINDOW``;
+    docs/agent.md, "Spikes")."""
+    spike_sigma: float = DEFAULT_THRESHOLDS.spike_sigma
+    """Standard deviations above the window's mean that make a spike (``AMPWATCH_SPIKE_SIGMA``)."""
+    grad_norm: bool = False
+    """``AMPWATCH_GRAD_NORM=1`` / ``watch(grad_norm=True)``: each optimizer step computes its gradient norm
+    (docs/agent.md, "Spikes"); otherwise only norms handed over with ``watch.grad_norm()`` are watched."""
 
     def __post_init__(self) -> None:
         for url in self.collectors:
@@ -91,6 +101,12 @@ class AgentConfig:
             raise ValueError(f"AMPWATCH_PROBE_ITERATIONS must be an integer >= 0, got {self.probe_iterations!r}")
         if self.max_events < 1:
             raise ValueError(f"AMPWATCH_MAX_EVENTS must be a positive integer, got {self.max_events!r}")
+        if isinstance(self.spike_window, bool) or not isinstance(self.spike_window, int) or self.spike_window < 2:
+            raise ValueError(f"AMPWATCH_SPIKE_WINDOW must be a whole number of iterations >= 2 (a deviation needs two "
+                             f"values), got {self.spike_window!r}")
+        if not (math.isfinite(self.spike_sigma) and self.spike_sigma > 0):
+            raise ValueError(f"AMPWATCH_SPIKE_SIGMA must be a number of standard deviations > 0, got "
+                             f"{self.spike_sigma!r}")
 
     def for_job(self, world_size: int) -> AgentConfig:
         """Return this config with its push interval resolved for a job of ``world_size`` ranks.
@@ -155,6 +171,9 @@ class AgentConfig:
             "relay": _flag(env, "AMPWATCH_RELAY"),
             "relay_dir": env.get("AMPWATCH_RELAY_DIR") or None,
             "probe_iterations": _number(env, "AMPWATCH_PROBE_ITERATIONS", int, PROBE_ITERATIONS),
+            "spike_window": _number(env, "AMPWATCH_SPIKE_WINDOW", int, DEFAULT_THRESHOLDS.spike_window_iterations),
+            "spike_sigma": _number(env, "AMPWATCH_SPIKE_SIGMA", float, DEFAULT_THRESHOLDS.spike_sigma),
+            "grad_norm": _flag(env, "AMPWATCH_GRAD_NORM"),
         }
         unknown = set(overrides) - set(fields)
         if unknown:

@@ -24,6 +24,9 @@ class DisabledWatch:
     def loss(self, loss: torch.Tensor | float) -> None:
         """Do nothing."""
 
+    def grad_norm(self, total_norm: torch.Tensor | float, optimizer: Any = None) -> None:
+        """Do nothing."""
+
     def snapshot(self) -> dict[str, Any]:
         """Return an empty snapshot."""
         return {"scaler": {}, "state": {}}

@@ -20,11 +20,11 @@ import torch
 from ._arguments import named_optimizers, scheduler_and_interval
 from ._watch import DisabledWatch, Watch, watch
 
-__all__ = ["OPTIONS", "attach", "check_options", "pass_loss", "require", "say_unscaled"]
+__all__ = ["OPTIONS", "attach", "check_options", "pass_loss", "pass_norm", "require", "say_unscaled"]
 
 log = logging.getLogger("ampwatch.agent")
 
-OPTIONS = ("collector", "run", "token", "push_interval")
+OPTIONS = ("collector", "run", "token", "push_interval", "grad_norm")
 """Keyword arguments every integration passes through to ``watch()`` (each defaults to its AMPWATCH_* variable)."""
 
 
@@ -98,6 +98,17 @@ def pass_loss(handle: Watch | DisabledWatch | None, loss: Any) -> None:
     """
     if isinstance(handle, Watch) and handle._recorder.scaler is None:
         handle.loss(loss)
+
+
+def pass_norm(handle: Watch | DisabledWatch | None, norm: Any) -> None:
+    """Hand ``norm`` (the framework's own ``clip_grad_norm_`` result) to the watch of one optimizer
+    (``watch.grad_norm``), for the spike watch. Free: no read of it here; never raises (a framework that returns
+    no norm, as Accelerate under DeepSpeed, hands over nothing)."""
+    if isinstance(handle, Watch) and isinstance(norm, (torch.Tensor, float)):
+        try:
+            handle.grad_norm(norm)
+        except (TypeError, ValueError) as error:
+            handle._recorder.internal_error("framework grad_norm", error)
 
 
 def _names_from_module(module: torch.nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> list[str] | None:

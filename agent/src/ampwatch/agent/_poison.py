@@ -224,6 +224,9 @@ class PoisonCheck:
         recorder.open_iteration = True
         if recorder.began is not None:  # the losses and probes noted since the last step are this iteration's
             recorder.began.assign(recorder.iteration)
+        spikes = recorder.spikes
+        if spikes is not None and spikes.compute and not closure:  # grad_norm=True: the gradients it applies
+            spikes.compute_norm(record.name, recorder.iteration, record.optimizer)
         recorder.count_update(record)
         record.check_after = closure
         if not closure:
@@ -235,6 +238,9 @@ class PoisonCheck:
             record.check_after = False
             if recorder.began is not None:  # the closure's losses
                 recorder.began.assign(recorder.iteration)
+            spikes = recorder.spikes
+            if spikes is not None and spikes.compute:  # the gradients the closure made and the step applied
+                spikes.compute_norm(record.name, recorder.iteration, record.optimizer)
             self._check_step(recorder, record)
 
     def _check_step(self, recorder: Recorder, record: OptimizerRecord) -> None:

@@ -30,6 +30,7 @@ from ._poison import PoisonCheck
 from ._record import OptimizerRecord
 from ._samples import SampleLog
 from ._scale import LossScale
+from ._spike_watch import SpikeWatch
 
 __all__ = ["Recorder", "STREAK_LADDER"]
 
@@ -87,6 +88,7 @@ class Recorder:
         self.origin_iterations = 0  # skipped iterations where this rank's own gradients held inf/NaN
         self.samples: SampleLog | None = None  # set by watch.batch() or watch(loader=): each iteration's sample ids
         self.began: BeganFinder | None = None  # set by watch(): where a skip's or poisoned step's inf/NaN began
+        self.spikes: SpikeWatch | None = None  # set by watch(): the loss's and gradient norms' spikes
 
     @property
     def scaler(self) -> Any:
@@ -154,6 +156,8 @@ class Recorder:
             record.hook_fired = True
             # AMP-aware (fused) optimizers are stepped even on a skip; the scaler hands them found_inf.
             record.found_inf = _device.fused_found_inf(record.optimizer)
+            if self.spikes is not None and self.spikes.compute:  # grad_norm=True: after unscale, before the step
+                self.spikes.compute_norm(record.name, self.iteration, record.optimizer)
         elif self.active is None:
             record.last_stepped = None  # this watch no longer knows the optimizer's last step
             if not in_watched_step and not self._warned_outside:
@@ -294,6 +298,8 @@ class Recorder:
             self.origin.close()
         if self.began is not None:
             self.began.close()
+        if self.spikes is not None:
+            self.spikes.close()
         for record in self.records:
             if record.consecutive:
                 self._end_streak(record)
@@ -317,6 +323,8 @@ class Recorder:
             state["origin_iterations"] = self.origin_iterations
             if self.origin.norms is not None:  # this rank's own gradient norm per optimizer: its level
                 self.origin.norms.levels(state["optimizers"])
+        if self.spikes is not None:
+            self.spikes.add_to(state)
         return {"scaler": dict(scale.settings), "state": state}
 
     # ----- outcomes ------------------------------------------------------------------------
@@ -335,6 +343,8 @@ class Recorder:
 
     def _outcome(self, record: OptimizerRecord, stepped: bool, iteration: int) -> None:
         record.last_stepped = stepped
+        if self.spikes is not None:  # a gradient norm noted for this step is judged if it went through
+            self.spikes.outcome(record.name, stepped, iteration)
         if stepped:
             record.steps += 1
             record.last_step_iteration = iteration

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,6 +30,7 @@ from ._recorder import Recorder
 from ._samples import as_ids
 from ._sender import Sender
 from ._session import NO_FINALIZER, Session, finalize_with, register_exit_flush, watched, watched_lock
+from ._spike_watch import SpikeWatch
 
 __all__ = ["DisabledWatch", "Watch", "watch"]
 
@@ -114,8 +117,9 @@ class Watch:
         """Note a loss of the current iteration, for a job without a GradScaler (``scaler.scale(loss)`` notes it
         by itself): with gradient accumulation, every micro-batch's.
 
-        Free: the loss is kept as it is (detached) and read only if the iteration skips or is poisoned, to say
-        whether the inf/NaN began in the forward pass (``began``, docs/agent.md). Never raises.
+        Free: the loss is kept as it is and read if the iteration skips or is poisoned, to say whether the inf/NaN
+        began in the forward pass (``began``, docs/agent.md); the iteration's losses are summed for the spike watch
+        at its end (on CPU read directly, on a device copied without a sync: docs/agent.md#spikes). Never raises.
         """
         recorder = self._recorder
         if recorder.attached and recorder.began is not None:
@@ -123,6 +127,53 @@ class Watch:
                 recorder.began.note_loss(loss)
             except Exception as error:  # noqa: BLE001 - the agent must never break the loop
                 recorder.internal_error("watch.loss", error)
+
+    def grad_norm(self, total_norm: torch.Tensor | float,
+                  optimizer: torch.optim.Optimizer | str | None = None) -> None:
+        """Hand over the gradient norm the job computed for ``optimizer``'s step in the current iteration (the
+        return of ``clip_grad_norm_``, after ``scaler.unscale_``), to watch it for spikes (docs/agent.md#spikes).
+
+        ``total_norm``: a 0-d (or one-element) tensor, on any device, or a number; ``optimizer``: a watched
+        optimizer or its name, which may be left out when the watch has one. Free: a tensor on a device is
+        copied to the host without blocking and read an iteration later (no sync); on CPU it is read at once.
+        The norm of a step the scaler skips is not judged (its skip reports it). Raises only for bad arguments.
+        """
+        recorder = self._recorder
+        records = recorder.records
+        if optimizer is None:
+            if len(records) != 1:
+                raise ValueError("grad_norm() needs optimizer= when the watch has several optimizers; watched: "
+                                 + ", ".join(r.name for r in records))
+            record = records[0]
+        elif isinstance(optimizer, str):
+            named = [r for r in records if r.name == optimizer]
+            if not named:
+                raise ValueError(f"grad_norm() got optimizer={optimizer!r}, which this watch does not know; "
+                                 f"watched: {', '.join(r.name for r in records)}")
+            record = named[0]
+        else:
+            found = record_of(self._by_id, optimizer)
+            if found is None:
+                raise ValueError(f"grad_norm() got a {type(optimizer).__name__} that this watch does not know; "
+                                 f"watched: {', '.join(r.name for r in records)}. Pass it to ampwatch.agent.watch().")
+            record = found
+        if isinstance(total_norm, torch.Tensor):
+            if total_norm.numel() != 1 or not total_norm.is_floating_point():
+                raise ValueError(f"grad_norm() takes the total norm: a tensor of one floating value, got a "
+                                 f"{total_norm.dtype} tensor of shape {tuple(total_norm.shape)}")
+        elif isinstance(total_norm, bool) or not isinstance(total_norm, (int, float)):
+            raise TypeError(f"grad_norm() takes the total norm as a tensor or a number, got a "
+                            f"{type(total_norm).__name__}")
+        spikes = recorder.spikes
+        if spikes is None or not recorder.attached:
+            return
+        try:
+            # Without a scaler, an optimizer that already stepped in this iteration starts the next one.
+            iteration = recorder.iteration + (recorder.unscaled is not None and record.stepped_this_iteration)
+            spikes.note_norm(record.name, iteration, total_norm.detach() if isinstance(total_norm, torch.Tensor)
+                             else total_norm)
+        except Exception as error:  # noqa: BLE001 - the agent must never break the loop
+            recorder.internal_error("watch.grad_norm", error)
 
     def rebind(self, scaler: torch.amp.GradScaler) -> None:
         """Carry this watch over to ``scaler``, e.g. a new GradScaler made when resuming from a checkpoint.
@@ -182,6 +233,11 @@ class Watch:
                          f"(longest streak {c['longest_streak']}, now {c['consecutive_skipped']}), "
                          f"{c['poisoned_steps']} poisoned, "
                          f"{c['scheduler_steps_after_skip']} scheduler steps after a skip")
+        spikes = [f"loss {state.get('loss_spikes', 0)}"] if "loss" in state or "loss_spikes" in state else []
+        spikes += [f"{name}'s gradient norm {c.get('grad_norm_spikes', 0)}" for name, c in state["optimizers"].items()
+                   if "grad_norm" in c or "grad_norm_spikes" in c]
+        if spikes:  # the watched signals (docs/agent.md#spikes)
+            lines.append(f"  spikes: {', '.join(spikes)}")
         if "origin_iterations" in state:  # watch(ddp=...): skips whose inf/NaN was in this rank's own gradients
             what = "skipped" if self._patch is not None else "poisoned"
             lines.append(f"  {what} iterations that started on this rank (DDP): {state['origin_iterations']}")
@@ -217,7 +273,8 @@ def watch(scaler: torch.amp.GradScaler | None,
           named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
           schedulers: Any = None, collector: str | Sequence[str] | None = None, run: str | None = None,
           token: str | None = None, push_interval: float | None = None, ddp: torch.nn.Module | None = None,
-          comm_hook: Any = None, comm_state: Any = None, loader: Any = None) -> Watch | DisabledWatch:
+          comm_hook: Any = None, comm_state: Any = None, loader: Any = None,
+          grad_norm: bool | None = None) -> Watch | DisabledWatch:
     """Attach the agent to ``scaler`` and ``optimizers``; the training loop stays as it is.
 
     ``scaler=None`` watches a job without a GradScaler (bf16, float32): nothing skips, so every
@@ -243,6 +300,10 @@ def watch(scaler: torch.amp.GradScaler | None,
     ``loader``: the job's training DataLoader, to record the sample ids of each iteration itself (as
     :meth:`Watch.batch` does): the sampler's indices of a map-style dataset, a batch's position in an iterable
     one. The loader, its batches and their order stay exactly as they are (docs/agent.md#which-batch).
+
+    ``grad_norm``: each optimizer step computes its gradient norm (after unscaling; steps that go through only), to
+    watch it for spikes (over ``AMPWATCH_GRAD_NORM``; docs/agent.md#spikes). Without it, the loss is watched, and
+    the norms handed over with :meth:`Watch.grad_norm`.
     """
     if comm_hook is not None or comm_state is not None:
         raise TypeError("watch() no longer takes comm_hook= or comm_state=: ampwatch does not wrap DDP's "
@@ -250,6 +311,8 @@ def watch(scaler: torch.amp.GradScaler | None,
                         "your communication hook on the model yourself, model.register_comm_hook(state, hook), "
                         "as you would without ampwatch, and call watch(..., ddp=model) without them.")
     config = AgentConfig.from_env(collector=collector, run=run, token=token, push_interval=push_interval)
+    if grad_norm is not None:
+        config = dataclasses.replace(config, grad_norm=bool(grad_norm))
     if config.disabled:
         return DisabledWatch()
     check_scaler(scaler, none=True)
@@ -283,9 +346,13 @@ def watch(scaler: torch.amp.GradScaler | None,
             patch.attach(by_id)
         if ddp is not None:
             recorder.origin = observe_ddp(ddp, names, errors)
-            recorder.origin.norms = LocalNorms(recorder.origin, recorder)  # this rank's own gradient norms
+            recorder.origin.norms = LocalNorms(recorder.origin, recorder,  # this rank's own gradient norms
+                                               window=config.spike_window, sigma=config.spike_sigma)
         find_where_it_began(recorder, model if model is not None else getattr(ddp, "module", None),
                             config.probe_iterations)
+        recorder.spikes = recorder.began.spikes = SpikeWatch(  # type: ignore[union-attr] # made just now
+            events, config.spike_window, config.spike_sigma, functools.partial(getattr, recorder.inspection, "samples"),
+            compute=config.grad_norm, errors=errors)
         if loader is not None:
             taps.append(LoaderTap(loader, recorder.sample_log(), identity.rank, errors).start())
         sender.device = watched_device(records, errors)

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._frameworks import attach, check_options, pass_loss, require, say_unscaled
+from ._frameworks import attach, check_options, pass_loss, pass_norm, require, say_unscaled
 from ._watch import DisabledWatch, Watch
 
 __all__ = ["watch"]
@@ -39,7 +39,9 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
     every optimizer step for inf/NaN gradients instead. ``loader``: the prepared training DataLoader, to record
     each iteration's sample ids (Accelerate's loader fetches one batch ahead: a batch's ids are the iteration's
     when the loop receives it, not when Accelerate fetched it). Without a scaler, every loss the loop hands
-    ``accelerator.backward`` is passed to ``watch.loss`` (:class:`LossTap`, taken off at close).
+    ``accelerator.backward`` is passed to ``watch.loss``; with one optimizer, every norm
+    ``accelerator.clip_grad_norm_`` returns is passed to ``watch.grad_norm`` (:class:`AcceleratorTap`, taken off at
+    close), for the spike watch (docs/agent.md#spikes).
     """
     options = check_options(options, "ampwatch.agent.accelerate.watch()")
     scaler = getattr(accelerator, "scaler", None)
@@ -65,58 +67,67 @@ def watch(accelerator: Any, optimizers: Any | Sequence[Any] | Mapping[str, Any],
             if loader is not None:
                 handle._follow(loader, lag=_lag_of(loader))
             if scaler is None:
-                handle._close_with(LossTap(accelerator, handle))
+                handle._close_with(AcceleratorTap(accelerator, "backward", handle))
+            if len(handle._recorder.records) == 1:
+                handle._close_with(AcceleratorTap(accelerator, "clip_grad_norm_", handle))
         except BaseException:
             handle.close()
             raise
     return handle
 
 
-class LossTap:
-    """Pass each loss given to ``accelerator.backward`` to ``watch.loss``, for a job without a GradScaler.
+class AcceleratorTap:
+    """Tell the watch what one method of the accelerator sees: ``backward`` passes each loss to ``watch.loss`` (a job
+    without a GradScaler), ``clip_grad_norm_`` each norm it returns to ``watch.grad_norm``.
 
-    ``accelerator.backward`` becomes, on this accelerator only (an instance attribute), a :class:`_Backward` that
-    notes the loss and calls the accelerator's own ``backward`` with the same arguments, returning what it returns
-    and raising what it raises. :meth:`close` (the watch's) takes it off. Nothing of it is in a model, an optimizer
-    or a checkpoint (``save_state`` saves their states, never the accelerator), and an accelerator pickled
-    meanwhile carries none of it away (a deep copy of an Accelerator is the accelerator itself).
+    The method becomes, on this accelerator only (an instance attribute), a :class:`_Tapped` that calls the
+    accelerator's own with the same arguments, returning what it returns and raising what it raises.
+    :meth:`close` (the watch's) takes it off. Nothing of it is in a model, an optimizer or a checkpoint
+    (``save_state`` saves their states, never the accelerator), and an accelerator pickled meanwhile carries none
+    of it away (a deep copy of an Accelerator is the accelerator itself).
     """
 
-    def __init__(self, accelerator: Any, handle: Watch) -> None:
+    def __init__(self, accelerator: Any, name: str, handle: Watch) -> None:
         own = vars(accelerator)
-        self._had, self._before = "backward" in own, own.get("backward")  # someone's own attribute: put back
+        self._name = name
+        self._had, self._before = name in own, own.get(name)  # someone's own attribute: put back
         self._accelerator = weakref.ref(accelerator)
-        self._backward = _Backward(accelerator, handle)
-        accelerator.backward = self._backward
+        self._tapped = _Tapped(accelerator, name, handle)
+        setattr(accelerator, name, self._tapped)
 
     def close(self) -> None:
-        """Put the accelerator's own ``backward`` back (unless something replaced ours since: then leave it)."""
+        """Put the accelerator's own method back (unless something replaced ours since: then leave it)."""
         accelerator = self._accelerator()
-        if accelerator is None or vars(accelerator).get("backward") is not self._backward:
+        if accelerator is None or vars(accelerator).get(self._name) is not self._tapped:
             return
         if self._had:
-            accelerator.backward = self._before
+            setattr(accelerator, self._name, self._before)
         else:
-            del accelerator.backward
+            delattr(accelerator, self._name)
 
 
-class _Backward:
-    """``accelerator.backward`` while tapped. Holds the watch weakly; pickled with its accelerator, it becomes the
-    copy's own ``backward`` (a plain ``getattr``: nothing of ampwatch in the pickle, and the copy never
-    backpropagates through the original accelerator)."""
+class _Tapped:
+    """An accelerator's method while tapped. Holds the watch weakly; pickled with its accelerator, it becomes the
+    copy's own method (a plain ``getattr``: nothing of ampwatch in the pickle, and the copy never calls into the
+    original accelerator)."""
 
-    def __init__(self, accelerator: Any, handle: Watch) -> None:
-        self._original = accelerator.backward
+    def __init__(self, accelerator: Any, name: str, handle: Watch) -> None:
+        self._name = name
+        self._original = getattr(accelerator, name)
         self._accelerator = weakref.ref(accelerator)
         self._watch = weakref.ref(handle)
         self.__doc__ = self._original.__doc__
 
-    def __call__(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
-        pass_loss(self._watch(), loss)
-        return self._original(loss, *args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._name == "backward":
+            pass_loss(self._watch(), args[0] if args else kwargs.get("loss"))
+            return self._original(*args, **kwargs)
+        norm = self._original(*args, **kwargs)
+        pass_norm(self._watch(), norm)
+        return norm
 
     def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
-        return getattr, (self._accelerator(), "backward")
+        return getattr, (self._accelerator(), self._name)
 
 
 def _lag_of(loader: Any) -> int:
