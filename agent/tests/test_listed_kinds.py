@@ -91,7 +91,8 @@ def test_an_older_collector_gets_no_listed_kind_and_each_one_is_counted_as_dropp
 
 def test_a_collector_upgraded_while_the_job_runs_gets_the_spikes_after_its_first_answer_listing_them(caplog):
     caplog.set_level(logging.WARNING, "ampwatch.agent")
-    with RecordingCollector() as server:  # answers as a collector from before the kinds
+    with RecordingCollector() as server:
+        server.kinds = None  # answers as a collector from before the kinds
         sender, recorder = make_sender(server.url)
         wait_until(lambda: sender.batches_acked >= 1, what="the first answer")
         recorder.spike()

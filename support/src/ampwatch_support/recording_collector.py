@@ -37,10 +37,10 @@ class RecordingCollector(LoopbackServer):
     answer look like the real collector's, with its ``retry`` verdict and message.
     :meth:`stop` and :meth:`start` make it go down and come back on the same port.
 
-    ``kinds`` plays the collector's version for the event kinds of ``LISTED_EVENT_KINDS``: ``None`` (the default)
-    answers as a collector from before them does (2xx answers without ``"kinds"``; a batch holding one is refused
-    422 for good, and not recorded as acked), a list answers as a collector that takes them (each 2xx answer lists
-    them). A protocol v2 body (a node relay's) is answered per inner batch, as the collector does; ``received``
+    ``kinds`` plays the collector's version for the event kinds of ``LISTED_EVENT_KINDS``: a list (by default all
+    of them) answers as a collector that takes them (each 2xx answer lists them); ``None`` as a collector from
+    before them (2xx answers without ``"kinds"``; a batch holding one is refused 422 for good, and not recorded as
+    acked). A protocol v2 body (a node relay's) is answered per inner batch, as the collector does; ``received``
     then holds the inner batches.
     """
 
@@ -50,7 +50,7 @@ class RecordingCollector(LoopbackServer):
         self.delay = 0.0
         self.reply: dict[str, Any] | None = None
         self.retry_after: str | None = None
-        self.kinds: list[str] | None = None
+        self.kinds: list[str] | None = list(LISTED_EVENT_KINDS)
         self.requests = 0  # POSTs answered (a v2 request counts once)
         self.received: list[dict[str, Any]] = []
         self.bodies: list[bytes] = []
