@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
 import signal
 import stat
-import subprocess
-import tarfile
 from collections.abc import Callable, Container, Iterator
 
 import httpx
@@ -21,13 +18,12 @@ import pytest
 
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import scrape, value
+from ampwatch_support.older_collector import V1_ONLY, older_collector
 from ampwatch_support.patience import SETTLE_S, START_S
 from ampwatch_support.rank_processes import RankProcess, check_rank_truth, spawn_rank, wait_for
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-V1_ONLY = "a95d20e"  # the last commit whose collector knows only protocol v1
 
 # A rank trains until told to stop; it leaves a file "relay<rank>" once it runs the host's relay.
 RANK = """
@@ -198,34 +194,9 @@ def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
     assert requests < batches
 
 
-def _v1_only_server(into: pathlib.Path) -> str:
-    """Extract the server and contract of a commit that knows only protocol v1; return them for PYTHONPATH.
-
-    The contract travels with the server: the old server reads the alert declarations of its own time.
-
-    Skips the test where this checkout's git history lacks that commit (a shallow clone, a source archive).
-    """
-    try:
-        found = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", V1_ONLY + "^{commit}"],
-                               capture_output=True).returncode == 0
-    except FileNotFoundError:  # no git at all
-        found = False
-    if not found:
-        pytest.skip(f"needs commit {V1_ONLY} (the last collector that knows only protocol v1) in this checkout's git "
-                    f"history, which a shallow clone or a source archive lacks: `git fetch --unshallow` brings it")
-    archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), V1_ONLY, "server/src", "contract/src"],
-                   check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return os.pathsep.join([str(into / "server" / "src"), str(into / "contract" / "src")])
-
-
 def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_exact_counts(tmp_path):
     run, world = "old-collector", 3
-    old = tmp_path / "old"
-    old.mkdir()
-    env = {"PYTHONPATH": os.pathsep.join([_v1_only_server(old), os.environ.get("PYTHONPATH", "")])}
+    env = older_collector(V1_ONLY, tmp_path / "old", "the last collector that knows only protocol v1")
     with CollectorProcess(str(tmp_path / "ampwatch.db"), env=env) as collector:
         schema = httpx.post(collector.url + "/v1/ingest", content=b'{"protocol":2,"lengths":[],"batches":[]}',
                             headers={"content-type": "application/json"}, timeout=10)

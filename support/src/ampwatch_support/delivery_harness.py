@@ -42,6 +42,18 @@ class StandInRecorder:
         return self.events.append({"kind": "skip", "iteration": iteration, "optimizer": "opt", "streak": 1,
                                    "params": [], "params_total": None, "inspected": False})
 
+    def spike(self, kind: str = "loss_spike") -> dict[str, Any]:
+        """Record one spike of the loss (or, ``kind="grad_norm_spike"``, of optimizer ``opt``'s gradient norm) in a
+        new iteration and return its event: a kind a collector must list before it is sent one."""
+        with self._lock:
+            self.iteration += 1
+            iteration = self.iteration
+        event: dict[str, Any] = {"kind": kind, "iteration": iteration, "value": 50.0, "mean": 1.0, "std": 0.5,
+                                 "z": 98.0, "streak": 1}
+        if kind == "grad_norm_spike":
+            event["optimizer"] = "opt"
+        return self.events.append(event)  # type: ignore[arg-type]
+
     def snapshot(self) -> dict[str, Any]:
         """Return the cumulative state, as the real recorder's snapshot() does."""
         if self.fail_snapshots:

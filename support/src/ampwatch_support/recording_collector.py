@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from ampwatch.contract.node_batch import is_node_batch, split_node_batch
+from ampwatch.contract.protocol import LISTED_EVENT_KINDS
 from ampwatch_support.patience import SETTLE_S
 from ampwatch_support.ports import LoopbackServer, free_port
 
@@ -34,6 +36,12 @@ class RecordingCollector(LoopbackServer):
     ``reply`` (a JSON object) and ``retry_after`` (a header value) make a non-2xx
     answer look like the real collector's, with its ``retry`` verdict and message.
     :meth:`stop` and :meth:`start` make it go down and come back on the same port.
+
+    ``kinds`` plays the collector's version for the event kinds of ``LISTED_EVENT_KINDS``: a list (by default all
+    of them) answers as a collector that takes them (each 2xx answer lists them); ``None`` as a collector from
+    before them (2xx answers without ``"kinds"``; a batch holding one is refused 422 for good, and not recorded as
+    acked). A protocol v2 body (a node relay's) is answered per inner batch, as the collector does; ``received``
+    then holds the inner batches.
     """
 
     def __init__(self, port: int | None = None) -> None:
@@ -42,6 +50,8 @@ class RecordingCollector(LoopbackServer):
         self.delay = 0.0
         self.reply: dict[str, Any] | None = None
         self.retry_after: str | None = None
+        self.kinds: list[str] | None = list(LISTED_EVENT_KINDS)
+        self.requests = 0  # POSTs answered (a v2 request counts once)
         self.received: list[dict[str, Any]] = []
         self.bodies: list[bytes] = []
         self.acked: list[dict[str, Any]] = []
@@ -112,18 +122,28 @@ def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequest
                 server.changed.notify_all()
             if delay:
                 server._stopping.wait(delay)
-            batch = json.loads(body)
+            pieces = split_node_batch(body) if is_node_batch(body) else [body]
+            answers = [_answer(server, piece, status, reply) for piece in pieces or []]
             with server.changed:
-                server.received.append(batch)
-                server.bodies.append(body)
-                server.headers.append(dict(self.headers))
-                if 200 <= status < 300 and self.path == "/v1/ingest":
-                    server.acked.append(batch)
+                server.requests += 1
+                for piece, (piece_status, _) in zip(pieces or [], answers, strict=True):
+                    batch = json.loads(piece)
+                    server.received.append(batch)
+                    server.bodies.append(piece)
+                    server.headers.append(dict(self.headers))
+                    if 200 <= piece_status < 300 and self.path == "/v1/ingest":
+                        server.acked.append(batch)
                 server.changed.notify_all()
             if self.path != "/v1/ingest":
-                status = 404
+                status, answer = 404, json.dumps(reply or {"applied": False}).encode()
+            elif pieces is None:
+                status, answer = 400, b'{"error": "framing", "retry": false}'
+            elif is_node_batch(body) and 200 <= status < 300:
+                results = [{"status": piece_status, **piece_answer} for piece_status, piece_answer in answers]
+                answer = json.dumps({"protocol": 2, "results": results}).encode()
+            else:
+                status, answer = answers[0][0], json.dumps(answers[0][1]).encode()
             ok = 200 <= status < 300
-            answer = json.dumps({"applied": ok} if ok or reply is None else reply).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -139,3 +159,15 @@ def _handler_for(server: RecordingCollector) -> type[http.server.BaseHTTPRequest
             """Keep test output quiet."""
 
     return Handler
+
+
+def _answer(server: RecordingCollector, body: bytes, status: int, reply: dict[str, Any] | None
+            ) -> tuple[int, dict[str, Any]]:
+    """Return the status and JSON answer to one v1 batch, as the collector ``server`` plays would give it."""
+    kinds = server.kinds
+    if 200 <= status < 300 and kinds is None and any(f'"kind":"{k}"'.encode() in body for k in LISTED_EVENT_KINDS):
+        return 422, {"error": "schema", "retry": False,
+                     "message": "the batch does not follow protocol v1 (docs/protocol.md): unknown event kind"}
+    if not 200 <= status < 300:
+        return status, reply if reply is not None else {"applied": False}
+    return status, {"applied": True} if kinds is None else {"applied": True, "kinds": list(kinds)}

@@ -321,6 +321,8 @@ class Recorder:
         }
         if self.origin is not None:
             state["origin_iterations"] = self.origin_iterations
+            if self.origin.norms is not None:  # this rank's own gradient norm per optimizer: its level
+                self.origin.norms.levels(state["optimizers"])
         if self.spikes is not None:
             self.spikes.add_to(state)
         return {"scaler": dict(scale.settings), "state": state}

@@ -20,6 +20,7 @@ from ._events import EventBuffer
 from ._fork import forget_in_forked_children
 from ._http import IngestClient, Outcome
 from ._identity import Identity
+from ._kinds import CollectorKinds
 from ._limits import COLLECTOR_DEFAULTS
 from ._outbox import REPLAYED, MemoryOutbox, Pending
 from ._outcomes import DeliveryOutcomes
@@ -73,6 +74,9 @@ class Sender:
         self._lost_by_outboxes = 0  # events dropped by an outbox we had to replace
         self._refused_spool_files = 0  # entries of the spool another user could have planted, refused unread
         self._clients: dict[str, IngestClient | RelayedClient] = {}
+        # Listed event kinds go only to a collector that listed them (_kinds); this process's own go to one URL.
+        own_url = config.collector_for(identity.run, identity.rank) if config.collectors else ""
+        self._kinds = CollectorKinds(own_url, config.max_events)
         self._node = NodeChannel(config, identity, self.errors) if config.relay else None  # no I/O until used
         self._built_at = float("-inf")  # monotonic time the last batch was built
         self._closed_built = False
@@ -126,7 +130,8 @@ class Sender:
         """Return the delivery counters as sent in ``state.delivery``."""
         outcomes = self._outcomes
         return {
-            "dropped_events": self.events.dropped + self._outbox.dropped_events + self._lost_by_outboxes,
+            "dropped_events": (self.events.dropped + self._outbox.dropped_events + self._lost_by_outboxes
+                               + self._kinds.dropped),
             "send_failures": outcomes.send_failures,
             "rejected_batches": outcomes.rejected_batches,
             "agent_errors": self.errors.count,
@@ -191,6 +196,7 @@ class Sender:
             return  # collector unreachable: a heartbeat would only repeat state the next batch carries
         events = self.events.drain(MAX_BATCH_EVENTS)
         full = len(events) == MAX_BATCH_EVENTS
+        events = self._kinds.sort(events)  # a listed kind its collector has not (yet) listed waits or is dropped
         snapshot = self._take_snapshot()
         closed = closing and not len(self.events)
         self._seq += 1
@@ -241,20 +247,33 @@ class Sender:
                 self._outbox.pop()
                 continue
             url = self.config.collector_for(pending.run, pending.rank)
+            if (fitted := self._kinds.fit(url, body)) is not None:
+                body = self._refit(pending, fitted)  # built before its collector said it does not take a kind
             answer = self._client(url).post(body, timeout)
             outcome = answer.outcome
             if outcome is Outcome.ACKED:
                 self._outbox.pop()
                 if pending.seq <= self._device_through and not pending.replayed:
                     self._device_accepted = True  # this process's batch carried the device: sent once is enough
+                for event in self._kinds.answered(url, answer):
+                    self.events.append(event)  # a fresh id: events sent while it waited have higher ones
                 if self._outcomes.acked(url) and len(self.events):
                     self._wake.set()  # what waited out the outage goes soon, not at the next heartbeat
+            elif answer.status == 422 and (fitted := self._kinds.fit(url, body, refused=True)) is not None:
+                self._refit(pending, fitted)  # an older collector refuses a kind it does not know: once more without
             elif outcome is Outcome.REJECTED:
                 self._outbox.pop()
                 self._outcomes.rejected(url, pending.seq, answer)
             else:
                 self._outcomes.failed(url, pending.seq, answer)  # sets when the same batch goes again
                 return
+
+    @staticmethod
+    def _refit(pending: Pending, fitted: tuple[bytes, int]) -> bytes:
+        """Send ``pending`` as ``fitted`` (its body less some events) from now on, its retries too; return the body."""
+        pending.body, dropped = fitted
+        pending.events -= dropped  # a spool that drops it later counts only what it still held
+        return pending.body
 
     def _finished(self) -> bool:
         """Return whether closing is done: the closed batch was delivered, or time is up."""

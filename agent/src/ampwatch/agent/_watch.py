@@ -22,6 +22,7 @@ from ._events import EventBuffer
 from ._identity import resolve_identity
 from ._limits import warn_past_collector_limits
 from ._loader import LoaderTap, Tap
+from ._local_norm import LocalNorms
 from ._origin import observe_ddp
 from ._params import ParameterNames
 from ._record import OptimizerRecord
@@ -345,6 +346,8 @@ def watch(scaler: torch.amp.GradScaler | None,
             patch.attach(by_id)
         if ddp is not None:
             recorder.origin = observe_ddp(ddp, names, errors)
+            recorder.origin.norms = LocalNorms(recorder.origin, recorder,  # this rank's own gradient norms
+                                               window=config.spike_window, sigma=config.spike_sigma)
         find_where_it_began(recorder, model if model is not None else getattr(ddp, "module", None),
                             config.probe_iterations)
         recorder.spikes = recorder.began.spikes = SpikeWatch(  # type: ignore[union-attr] # made just now
