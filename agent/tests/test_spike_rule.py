@@ -197,3 +197,13 @@ def test_z_is_what_observe_compares_with_the_sigma_and_judges_nothing():
     mean, std = statistics.fmean(values), statistics.pstdev(values)
     assert series.z(mean + 3 * std) == pytest.approx(3.0) and series.z(NAN) is None and series.spikes == 0
     assert series.z(mean + 7 * std) == pytest.approx(series.observe(mean + 7 * std).z)
+
+
+def test_a_spike_enters_the_window_clipped_so_the_same_spike_again_within_the_window_still_spikes():
+    # One rank's gradients x1,000 three times within one window (issue 40's faulty device): had the first entered
+    # whole, it would have lifted the window's deviation so far that the third scored about 8, a smaller one less.
+    series = _filled(window=128, values=[1.0 + 0.01 * math.sin(k) for k in range(128)])
+    spikes = [series.observe(v) for v in (1000.0, 1.0, 1.01, 1000.0, 0.99, 300.0, 1.0, 1000.0)]
+    assert [s is not None for s in spikes] == [True, False, False, True, False, True, False, True]
+    assert all(s.z > 1000 for s in spikes if s is not None)
+    assert series.level()["mean"] < 1.2  # three 6-sigma values in 128, not three values of 1,000

@@ -24,8 +24,7 @@ from ampwatch_support.ddp_harness import rank_results
 WORLD_SIZE = 3
 SPIKED_RANK = 1
 WINDOW = 32  # AMPWATCH_SPIKE_WINDOW: a short window, a short run
-# Three random iterations more than a window apart: a spike enters its window (the rule's row 4), so the next one
-# within it is judged against a spread it inflated (docs/agent.md, "This rank's own gradient norm").
+# Three random iterations, one in each of three windows.
 SPIKED_AT = [start + offset for start, offset in zip((40, 80, 120), random.Random(40).sample(range(5), 3),
                                                      strict=True)]
 ITERATIONS = 130

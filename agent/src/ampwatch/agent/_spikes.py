@@ -10,7 +10,7 @@ and judges it by the rule of docs/agent.md, "Spikes" (W: the window, S: the sigm
 1  None (no value this iteration)                             no; ends a streak no
 2  non-finite                                                 yes, z None      no
 3  finite, the window holds < W finite values                 no               yes
-4  finite, window full, z = (v - mean) / std >= S             yes              yes (oldest leaves)
+4  finite, window full, z = (v - mean) / std >= S             yes              as mean + S x std
 5  finite, window full, below that (any v below the mean)     no               yes (oldest leaves)
 6  a spike in the iteration right after a spiking one         yes, streak + 1
 7  spikes at streak positions 1, 2, 4, 8, ...                 sent as events
@@ -69,7 +69,7 @@ class SpikeSeries:
     >>> [series.observe(v) for v in (1.0, 1.1, 0.9, 1.0)]
     [None, None, None, None]
     >>> series.observe(9.0).z > 3.0, series.spikes, series.observe(1.0), series.level()
-    (True, 1, None, {'mean': 2.975, 'std': 3.479})
+    (True, 1, None, {'mean': 1.028, 'std': 0.1139})
     >>> series.observe(float("nan")).streak, series.observe(float("inf")).streak, series.spikes
     (1, 2, 3)
     """
@@ -103,15 +103,16 @@ class SpikeSeries:
         if not math.isfinite(value):
             mean, std = self._moments()
             return self._spike(value, mean, std, None)
-        spike = None
+        spike, entered = None, value
         if self._sums[0] == self.window:
             mean, std = self._moments()
             z = (value - mean) / std  # type: ignore[operator] # a full window has both
             if z >= self.sigma:
                 spike = self._spike(value, mean, std, z)
+                entered = mean + self.sigma * std  # type: ignore[operator] # clipped: one spike cannot hide the next
         if spike is None:
             self.streak = 0
-        self._add(value)
+        self._add(entered)
         return spike
 
     def z(self, value: float) -> float | None:
