@@ -250,3 +250,30 @@ def test_a_failing_spike_watch_never_reaches_the_loop_and_the_steps_are_still_co
     state = w.snapshot()["state"]
     assert state["optimizers"]["SGD"]["steps"] == 4 and state["iteration"] == 4
     assert state["delivery"]["agent_errors"] >= 8  # the norm computed, handed over and the loss, each iteration
+
+
+def test_the_levels_go_in_one_batch_every_four_heartbeats_and_in_the_last(amp, watching):
+    from ampwatch.contract.protocol import LEVEL_HEARTBEATS
+    from ampwatch_support.recording_collector import RecordingCollector
+
+    heartbeat = 0.1
+    model, opt = _job(amp)
+    scaler = torch.amp.GradScaler("cpu")
+    with RecordingCollector() as server:
+        w = watching(scaler, opt, model=model, collector=server.url, push_interval=heartbeat, grad_norm=True)
+        # Train until the collector holds a dozen batches, however slow the machine (no time is assumed).
+        while len(server.acked) < 12:
+            _train(amp, w, model, opt, scaler, iterations=WINDOW)
+        w.close()
+        batches = list(server.acked)
+    with_levels = [b for b in batches if "loss" in b["state"]]
+    assert with_levels and len(with_levels) < len(batches)
+    for b in batches:  # the gradient norm's level goes with the loss's, in the same batches
+        (counters,) = b["state"]["optimizers"].values()
+        assert ("grad_norm" in counters) == (b in with_levels)
+    # Between two batches that carry them, at least LEVEL_HEARTBEATS - 0.5 heartbeats passed (a news batch or a
+    # heartbeat in between carries none); the last batch carries them.
+    times = [b["sent_at"] for b in with_levels]
+    assert all(later - earlier >= (LEVEL_HEARTBEATS - 0.5) * heartbeat - 0.02
+               for earlier, later in zip(times, times[1:]))
+    assert batches[-1]["closed"] and batches[-1] in with_levels

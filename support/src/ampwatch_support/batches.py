@@ -15,9 +15,16 @@ import copy
 import json
 import time
 import urllib.request
-from typing import Any, get_type_hints
+from typing import Any
 
-from ampwatch.contract.batch import DeliveryCounters, OptimizerCounters, RankState, SignalLevel, fields, samples_digest
+from ampwatch.contract.batch import (
+    OPTIMIZER_LEVELS,
+    RANK_LEVELS,
+    DeliveryCounters,
+    OptimizerCounters,
+    fields,
+    samples_digest,
+)
 from ampwatch.contract.protocol import LISTED_EVENT_KINDS, MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
 __all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OPTIMIZER_LEVELS", "RANK_LEVELS", "SENT_WHEN_SET",
@@ -45,14 +52,6 @@ BASE: dict[str, Any] = {
 }
 
 
-def _levels(part: type) -> tuple[str, ...]:
-    return tuple(name for name, kind in get_type_hints(part).items() if kind is SignalLevel)
-
-
-RANK_LEVELS: tuple[str, ...] = _levels(RankState)
-"""The rolling levels (:class:`~ampwatch.contract.batch.SignalLevel`) a batch's ``state`` may hold (``loss``)."""
-OPTIMIZER_LEVELS: tuple[str, ...] = _levels(OptimizerCounters)
-"""The rolling levels an optimizer's counters may hold (``grad_norm``, ``local_grad_norm``)."""
 SENT_WHEN_SET: frozenset[str] = frozenset(OPTIMIZER_LEVELS) | {"grad_norm_spikes"}
 """What :func:`optimizer` leaves out unless given: the agent sends a level once its window holds two values, and a
 spike counter once it is not 0 (issue 40), so a healthy batch of today's shape holds none of them."""

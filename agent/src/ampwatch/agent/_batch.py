@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ampwatch.contract.batch import OPTIMIZER_LEVELS, RANK_LEVELS
 from ampwatch.contract.protocol import DELIVERY_COUNTERS, PROTOCOL_VERSION
 
 from ._identity import Identity
@@ -18,14 +19,18 @@ __all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_b
 
 def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], delivery: Mapping[str, int],
                 events: Sequence[Mapping[str, Any]], closed: bool = False,
-                device: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                device: Mapping[str, Any] | None = None, levels: bool = True) -> dict[str, Any]:
     """Return the batch for ``seq``: identity, ``snapshot()`` with delivery counters, and events (and ``device``,
     the accelerator the rank trains on, when given: the sender gives it until a batch carrying it is accepted).
+    ``levels`` false leaves the rolling levels out (the sender sends them one heartbeat in
+    ``protocol.LEVEL_HEARTBEATS``; the collector keeps the last ones).
 
     Strings are cut to the protocol's limits here (ending in ``…``), so the collector
     never refuses a batch for a long name; the cost is a length check per string.
     """
     state = dict(snapshot.get("state") or {})
+    if not levels:
+        _leave_levels_out(state)
     state["delivery"] = {key: int(delivery.get(key, 0)) for key in DELIVERY_COUNTERS}
     scaler = dict(snapshot.get("scaler") or {})
     if isinstance(scaler.get("kind"), str):
@@ -51,6 +56,17 @@ def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], de
     if device:
         batch["device"] = dict(device)  # cut to the protocol's limits where it is read (_device_info)
     return batch
+
+
+def _leave_levels_out(state: dict[str, Any]) -> None:
+    """Take the rolling levels out of ``state`` (a copy of the snapshot's: its optimizers are copied where cut)."""
+    for name in RANK_LEVELS:
+        state.pop(name, None)
+    optimizers = state.get("optimizers")
+    if optimizers and any(name in counters for counters in optimizers.values() for name in OPTIMIZER_LEVELS):
+        state["optimizers"] = {optimizer: {key: value for key, value in counters.items()
+                                           if key not in OPTIMIZER_LEVELS}
+                               for optimizer, counters in optimizers.items()}
 
 
 def fit_event(event: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ampwatch.contract.batch import Event
+from ampwatch.contract.protocol import LEVEL_HEARTBEATS
 
 from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
 from ._config import AgentConfig
@@ -86,6 +87,8 @@ class Sender:
         self.device: Mapping[str, Any] | None = None  # set by watch(): sent until a batch carrying it is accepted
         self._device_through = 0  # seq of the last batch built with the device
         self._device_accepted = False
+        self._levels_at = float("-inf")  # monotonic time the last batch with the rolling levels was built
+        self._levels_through = 0  # its seq
         _live.add(self)  # for the exit flush
         forget_in_forked_children(self)
 
@@ -202,6 +205,9 @@ class Sender:
         self._seq += 1
         if self.device and not self._device_accepted:
             self._device_through = self._seq
+        now = time.monotonic()
+        if closing or now - self._levels_at >= (LEVEL_HEARTBEATS - 0.5) * self.config.heartbeat:
+            self._levels_at, self._levels_through = now, self._seq  # one heartbeat in four, and the last batches
         body = self._encode(snapshot, events, closed)
         while len(body) > MAX_BODY_BYTES and len(events) > 1:
             # A collector with default settings refuses a larger body for good (413): the later half of the
@@ -228,7 +234,7 @@ class Sender:
         """Encode batch ``self._seq`` with the delivery counters as they are now."""
         device = self.device if self._device_through == self._seq else None
         batch = build_batch(self.identity, seq=self._seq, snapshot=snapshot, delivery=self.delivery,
-                            events=events, closed=closed, device=device)
+                            events=events, closed=closed, device=device, levels=self._levels_through == self._seq)
         return encode_batch(batch)
 
     def _deliver(self) -> None:

@@ -24,7 +24,7 @@ __all__ = ["SignalLevel", "LossSpikeEvent", "GradNormSpikeEvent",
            "Began", "BeganStage", "ForwardProbe", "Samples", "IterationSamples", "DeviceInfo", "samples_digest",
            "SkipEvent", "StreakEndEvent", "ScaleChangeEvent", "SchedulerAfterSkipEvent", "PoisonedStepEvent",
            "WarningEvent", "ScalerDisabledEvent", "CloseEvent", "EVENTS", "STAMPED", "OPTIMIZER_GAUGES",
-           "RANK_GAUGES", "fields", "required"]
+           "RANK_GAUGES", "RANK_LEVELS", "OPTIMIZER_LEVELS", "fields", "required"]
 
 
 class SignalLevel(TypedDict):
@@ -106,6 +106,12 @@ class RankState(_RankStateRequired, total=False):
 
 
 RANK_GAUGES: tuple[str, ...] = ("iteration", "loss_scale", "loss")
+
+RANK_LEVELS: tuple[str, ...] = ("loss",)
+"""The :class:`SignalLevel` fields of :class:`RankState`; an agent sends its levels in one batch every
+``protocol.LEVEL_HEARTBEATS`` heartbeats, and a collector keeps a process's last ones in between."""
+OPTIMIZER_LEVELS: tuple[str, ...] = ("grad_norm", "local_grad_norm")
+"""The :class:`SignalLevel` fields of :class:`OptimizerCounters`, sent as :data:`RANK_LEVELS` are."""
 """Values of :class:`RankState` that are not cumulative counts (``optimizers`` and ``delivery`` hold counters)."""
 
 

@@ -18,7 +18,7 @@ __all__ = [
     "MAX_BATCH_EVENTS", "EVENT_KINDS", "LISTED_EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
     "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung", "HEARTBEAT_INTERVAL_S",
-    "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "NO_SCALER_KIND",
+    "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "NO_SCALER_KIND", "LEVEL_HEARTBEATS",
 ]
 
 PROTOCOL_VERSION = 1
@@ -103,6 +103,12 @@ scrapes every 15-30 s, so a scrape rarely sees a stale count; the silence thresh
 (``thresholds.silent_after_s``) is a multiple of it. A job too big for one collector to take every
 rank's heartbeat that often gets a longer one by default, up to
 :data:`MAX_HEARTBEAT_INTERVAL_S` (the agent's ``_schedule.default_heartbeat``)."""
+
+LEVEL_HEARTBEATS = 4
+"""An agent sends its rolling levels (``batch.RANK_LEVELS``, ``batch.OPTIMIZER_LEVELS``) in a batch at most once
+every this many heartbeats, and in its last batch; a collector keeps a process's last ones for the batches in
+between. In every batch they cost 19% more bytes per rank-hour in a healthy run (``bench.healthy``); a level over
+128 iterations moves slowly, so a minute's resolution at the default heartbeat loses nothing."""
 
 MAX_HEARTBEAT_INTERVAL_S = 30
 """Seconds: the longest default push interval, that of the biggest jobs. The silence threshold
