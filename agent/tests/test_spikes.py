@@ -277,3 +277,20 @@ def test_the_levels_go_in_one_batch_every_four_heartbeats_and_in_the_last(amp, w
     assert all(later - earlier >= (LEVEL_HEARTBEATS - 0.5) * heartbeat - 0.02
                for earlier, later in zip(times, times[1:]))
     assert batches[-1]["closed"] and batches[-1] in with_levels
+
+
+def test_a_watch_closed_between_two_level_batches_still_sends_its_levels_last(amp, watching):
+    from ampwatch_support.recording_collector import RecordingCollector
+
+    model, opt = _job(amp)
+    scaler = torch.amp.GradScaler("cpu")
+    with RecordingCollector() as server:
+        # A heartbeat far longer than the test: the first batch is the only one due to carry levels (it has none
+        # yet), so only the closing rule can put them in the last one.
+        w = watching(scaler, opt, model=model, collector=server.url, push_interval=60, grad_norm=True)
+        _train(amp, w, model, opt, scaler, iterations=2 * WINDOW)
+        w.close()
+        batches = list(server.acked)
+    assert batches[-1]["closed"] and set(batches[-1]["state"]["loss"]) == {"mean", "std"}
+    (counters,) = batches[-1]["state"]["optimizers"].values()
+    assert set(counters["grad_norm"]) == {"mean", "std"}
