@@ -275,7 +275,7 @@ def test_the_levels_go_in_one_batch_every_four_heartbeats_and_in_the_last(amp, w
     # heartbeat in between carries none); the last batch carries them.
     times = [b["sent_at"] for b in with_levels]
     assert all(later - earlier >= (LEVEL_HEARTBEATS - 0.5) * heartbeat - 0.02
-               for earlier, later in zip(times, times[1:]))
+               for earlier, later in zip(times, times[1:], strict=False))
     assert batches[-1]["closed"] and batches[-1] in with_levels
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import msgspec
+
+from ampwatch.contract.batch import OPTIMIZER_LEVELS, RANK_LEVELS
 
 from ._batch_parse import parse_batch
 from ._schema import Batch, Began, DeviceInfo, IterationSamples, PoisonedStepEvent, Samples, SkipEvent
@@ -165,15 +168,15 @@ def with_levels_kept(before: Batch, batch: Batch) -> Batch:
     slowly): a batch without them keeps the ones its process sent last. ``batch`` itself when nothing is kept (the
     common case costs one look per optimizer).
     """
-    state, kept = batch.state, {}
-    if state.loss is None and before.state.loss is not None:
-        kept["loss"] = before.state.loss
-    optimizers = None
+    state = batch.state
+    kept: dict[str, Any] = {field: getattr(before.state, field) for field in RANK_LEVELS
+                            if getattr(state, field) is None and getattr(before.state, field) is not None}
+    optimizers: dict[str, Any] | None = None
     for name, values in state.optimizers.items():
         earlier = before.state.optimizers.get(name)
         if earlier is None:
             continue
-        carried = {field: getattr(earlier, field) for field in ("grad_norm", "local_grad_norm")
+        carried = {field: getattr(earlier, field) for field in OPTIMIZER_LEVELS
                    if getattr(values, field) is None and getattr(earlier, field) is not None}
         if carried:
             optimizers = optimizers or dict(state.optimizers)
