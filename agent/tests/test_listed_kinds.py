@@ -1,12 +1,13 @@
-"""Listed event kinds (loss_spike, grad_norm_spike) go only to a collector whose answers list them.
+"""Listed event kinds (loss_spike, grad_norm_spike) go only to a collector that takes them.
 
 | # | the collector's answers | the agent's listed events |
 |---|---|---|
-| 1 | none yet | wait; the other events and the state go as usual; then follow with fresh, higher ids |
-| 2 | without `kinds` (a real collector from before them) | dropped, waiting ones too, in `dropped_events`; |
-|   |                                                      | one warning names collector and kinds; no refusal |
+| 1 | none yet | sent at once with the others, in order, with their own ids: nothing waits |
+| 2 | a real collector from before them: refuses (422) | that batch once more at once without them; later ones |
+|   | the first batch holding one, answers without `kinds` | dropped; all in `dropped_events`, none rejected; one |
+|   |                                                      | warning names collector and kinds |
 | 3 | without `kinds`, then with them (upgraded) | dropped, then sent again |
-| 4 | through the node relay: each v2 result, with or without `kinds` | as 1-2, per rank |
+| 4 | through the node relay: each v2 result, with or without `kinds` | as 1-3, per rank |
 | 5 | a spooled batch holding one, replayed to a collector never heard | sent once more without it; the next spooled |
 |   | from, which refuses it (422)                                     | one is sent without it at once; counted |
 
@@ -46,21 +47,18 @@ def _warnings(caplog) -> list[str]:
             if r.levelno == logging.WARNING and "does not take" in r.getMessage()]
 
 
-def test_a_spike_waits_for_the_first_answer_while_the_skip_and_state_go_then_follows_with_a_fresh_id():
+def test_a_spike_goes_at_once_in_order_with_its_own_id_before_any_answer():
     with RecordingCollector() as server:
         server.kinds = LISTING
-        recorder = StandInRecorder()  # the events wait for the sender's first batch
+        recorder = StandInRecorder()  # the events are there before the sender's first batch
         recorder.spike()  # id 1
         recorder.skip()  # id 2
         recorder.spike("grad_norm_spike")  # id 3
         sender, _ = make_sender(server.url, recorder=recorder)
         assert server.wait_for(lambda s: sum(len(b["events"]) for b in s.acked) >= 3)
         sender.close(SETTLE_S)
-    first = server.acked[0]
-    assert _kinds([first]) == [("skip", 2)], "the first batch carries the skip and the state, not the spikes"
-    assert first["state"]["optimizers"]["opt"]["skipped"] == 1
-    later = _kinds(server.acked[1:])
-    assert later == [("loss_spike", 4), ("grad_norm_spike", 5)], "the spikes follow in order with fresh, higher ids"
+    assert _kinds(server.acked) == [("loss_spike", 1), ("skip", 2), ("grad_norm_spike", 3)]
+    assert _kinds(server.acked[:1]) == _kinds(server.acked), "the first batch carries them all: nothing waited"
     assert sender.delivery["dropped_events"] == 0
 
 
@@ -69,7 +67,7 @@ def test_an_older_collector_gets_no_listed_kind_and_each_one_is_counted_as_dropp
     env = older_collector(BEFORE_LISTED_KINDS, tmp_path / "old", "the last collector before the listed kinds")
     with CollectorProcess(str(tmp_path / "ampwatch.db"), env=env) as collector:
         recorder = StandInRecorder()
-        recorder.spike()  # waits for the first answer, then is dropped
+        recorder.spike()  # in the first batch, which this collector refuses: sent once more without it
         recorder.skip()
         sender, _ = make_sender(collector.url, recorder=recorder)
         wait_until(lambda: sender.batches_acked >= 1, what="the first answer")
@@ -80,7 +78,7 @@ def test_an_older_collector_gets_no_listed_kind_and_each_one_is_counted_as_dropp
         text = scrape(collector.url)
         events = httpx.get(f"{collector.url}/v1/runs/test-run/events", params={"limit": 100}, timeout=10).json()
     assert [e["kind"] for e in events["events"]] == ["skip", "skip"]
-    assert value(text, "ampwatch_collector_ingest_requests_total", code="422") in (None, 0)
+    assert value(text, "ampwatch_collector_ingest_requests_total", code="422") == 1  # the first batch, once
     assert sender.rejected_batches == 0
     assert value(text, "ampwatch_agent_dropped_events_total", run="test-run", rank="0") == 3
     assert sender.delivery["dropped_events"] == 3

@@ -1,25 +1,24 @@
-"""Event kinds added to protocol 1 after its first collectors: sent only to a collector that listed them.
+"""Event kinds added to protocol 1 after its first collectors: sent only to a collector that takes them.
 
 A collector from before them refuses (422) a whole batch holding one, and ignores unknown fields. A
 collector that takes them lists them in each 2xx answer (``"kinds": [...]``, each v2 result too); the agent
 remembers the last answer's list per collector URL (docs/agent.md#kinds-a-collector-takes):
 
-| the collector's last 2xx answer | an event of a listed kind (``LISTED_EVENT_KINDS``) |
+| what the agent knows of the collector | an event of a listed kind (``LISTED_EVENT_KINDS``) |
 |---|---|
-| none yet | waits (at most ``max_events`` of them, the oldest dropped first) |
-| listed its kind | sent; the waiting ones follow, with fresh ids |
-| without ``kinds`` or its kind (an older collector) | dropped (waiting ones too), in ``dropped_events``; warned once |
-| a later one listed it (the collector was upgraded) | sent again |
+| nothing yet (no answer) | sent with the others, in order: nothing is kept waiting |
+| it refused (422) a batch holding one, no answer having listed it | the batch goes once more at once without them |
+|  | (in ``dropped_events``, not ``rejected_batches``); later ones as on the next row; warned once |
+| its last 2xx answer did not list the kind (an older collector) | dropped, in ``dropped_events``; warned once |
+| its last 2xx answer listed the kind (again: it was upgraded) | sent |
 
 A batch already built (in the outbox, or an earlier process's in the spool) is sent without the events of kinds
-its collector's last answer did not list; one refused with 422 while holding listed kinds (a spooled batch sent to
-a collector never heard from, which turned out older) is sent once more without them.
+its collector's last answer did not list. Nothing waits in memory, so an outage with a spool loses no event.
 Used on the sender thread only.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 from collections.abc import Iterable
@@ -47,66 +46,50 @@ def listed_in(answer: Answer) -> frozenset[str]:
 
 
 class CollectorKinds:
-    """What each collector's last 2xx answer listed; this process's listed events waiting for its first answer."""
+    """What each collector's last 2xx answer listed (or its refusal said)."""
 
-    def __init__(self, url: str, capacity: int) -> None:
+    def __init__(self, url: str) -> None:
         self.url = url  # the collector this process's own events go to
-        self.capacity = capacity
-        self.dropped = 0  # listed events dropped: an older collector, or more waiting than ``capacity``
+        self.dropped = 0  # listed events dropped: a collector older than their kinds
         self._taken: dict[str, frozenset[str]] = {}
-        self._waiting: collections.deque[Event] = collections.deque()
         self._warned: set[str] = set()
 
     def sort(self, events: list[Event]) -> list[Event]:
-        """Return what of ``events`` (this process's) goes now; a listed kind waits or is dropped (table above).
-
-        Costs a set lookup per event, none once the collector listed every kind.
-        """
+        """Return what of ``events`` (this process's) goes to its collector; a listed kind it is known not to take
+        is dropped (table above). Costs nothing unless the collector is known to be older."""
         taken = self._taken.get(self.url)
-        if taken == LISTED:
+        if taken is None or taken == LISTED:
             return events
-        kept = []
-        for event in events:
-            kind = event.get("kind")
-            if kind not in LISTED or (taken is not None and kind in taken):
-                kept.append(event)
-            elif taken is None:
-                if len(self._waiting) >= self.capacity:
-                    self._waiting.popleft()
-                    self.dropped += 1
-                self._waiting.append(event)
-            else:
-                self.dropped += 1
+        kept = [event for event in events if event.get("kind") not in LISTED or event.get("kind") in taken]
+        self.dropped += len(events) - len(kept)
         return kept
 
-    def answered(self, url: str, answer: Answer) -> list[Event]:
-        """Note ``url``'s 2xx ``answer``; return the waiting events it now takes (to queue again, for fresh ids:
-        events sent meanwhile have higher ones, and a collector skips an id below those it applied)."""
+    def answered(self, url: str, answer: Answer) -> None:
+        """Note ``url``'s 2xx ``answer``: the listed kinds it takes from now on."""
         taken = listed_in(answer)
         before = self._taken.get(url)
         self._taken[url] = taken
         if taken != LISTED and (before is None or before - taken):
             self._warn(url, LISTED - taken)
-        if url != self.url or not self._waiting:
-            return []
-        waiting, self._waiting = list(self._waiting), collections.deque()
-        going = [e for e in waiting if e.get("kind") in taken]
-        self.dropped += len(waiting) - len(going)
-        return going
 
     def fit(self, url: str, body: bytes, *, refused: bool = False) -> tuple[bytes, int] | None:
-        """Return ``body`` without the events of listed kinds ``url`` did not list (all of them when it
-        ``refused`` the body) and how many it dropped, or ``None`` when it holds none: send it as it is.
+        """Return ``body`` without the events of listed kinds ``url`` does not take, and how many it dropped, or
+        ``None``: send it as it is (or, ``refused``, it was refused for something else).
 
+        ``refused``: ``url`` answered 422 to ``body``. Unless an answer of it listed every kind, it is taken for a
+        collector older than the kinds the body holds: they are dropped, from this body and from now on.
         Costs nothing while ``url`` lists every kind, else a substring search per kind; rewriting decodes and
         encodes the batch once.
         """
-        taken = frozenset() if refused else self._taken.get(url)
-        if taken is None or taken == LISTED:
+        taken = self._taken.get(url)
+        if taken == LISTED or (taken is None and not refused):
             return None
-        unlisted = LISTED - taken
+        unlisted = LISTED - (taken or frozenset())
         if not any(_MARKS[kind] in body for kind in unlisted):
             return None
+        if refused:
+            self._taken[url] = taken or frozenset()
+            self._warn(url, unlisted)
         batch = json.loads(body)
         events = batch.get("events") or []
         batch["events"] = [e for e in events if e.get("kind") not in unlisted]

@@ -77,7 +77,7 @@ class Sender:
         self._clients: dict[str, IngestClient | RelayedClient] = {}
         # Listed event kinds go only to a collector that listed them (_kinds); this process's own go to one URL.
         own_url = config.collector_for(identity.run, identity.rank) if config.collectors else ""
-        self._kinds = CollectorKinds(own_url, config.max_events)
+        self._kinds = CollectorKinds(own_url)
         self._node = NodeChannel(config, identity, self.errors) if config.relay else None  # no I/O until used
         self._built_at = float("-inf")  # monotonic time the last batch was built
         self._closed_built = False
@@ -199,7 +199,7 @@ class Sender:
             return  # collector unreachable: a heartbeat would only repeat state the next batch carries
         events = self.events.drain(MAX_BATCH_EVENTS)
         full = len(events) == MAX_BATCH_EVENTS
-        events = self._kinds.sort(events)  # a listed kind its collector has not (yet) listed waits or is dropped
+        events = self._kinds.sort(events)  # a listed kind its collector is known not to take is dropped
         snapshot = self._take_snapshot()
         closed = closing and not len(self.events)
         self._seq += 1
@@ -261,8 +261,7 @@ class Sender:
                 self._outbox.pop()
                 if pending.seq <= self._device_through and not pending.replayed:
                     self._device_accepted = True  # this process's batch carried the device: sent once is enough
-                for event in self._kinds.answered(url, answer):
-                    self.events.append(event)  # a fresh id: events sent while it waited have higher ones
+                self._kinds.answered(url, answer)
                 if self._outcomes.acked(url) and len(self.events):
                     self._wake.set()  # what waited out the outage goes soon, not at the next heartbeat
             elif answer.status == 422 and (fitted := self._kinds.fit(url, body, refused=True)) is not None:
