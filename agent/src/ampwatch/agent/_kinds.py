@@ -77,7 +77,8 @@ class CollectorKinds:
         ``None``: send it as it is (or, ``refused``, it was refused for something else).
 
         ``refused``: ``url`` answered 422 to ``body``. Unless an answer of it listed every kind, it is taken for a
-        collector older than the kinds the body holds: they are dropped, from this body and from now on.
+        collector older than the kinds the body holds: they are dropped from it (its answer to the body sent again
+        says what it takes from then on).
         Costs nothing while ``url`` lists every kind, else a substring search per kind; rewriting decodes and
         encodes the batch once.
         """
@@ -87,9 +88,6 @@ class CollectorKinds:
         unlisted = LISTED - (taken or frozenset())
         if not any(_MARKS[kind] in body for kind in unlisted):
             return None
-        if refused:
-            self._taken[url] = taken or frozenset()
-            self._warn(url, unlisted)
         batch = json.loads(body)
         events = batch.get("events") or []
         batch["events"] = [e for e in events if e.get("kind") not in unlisted]
