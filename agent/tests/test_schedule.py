@@ -135,6 +135,9 @@ CASES = [
     ({"kind": "scheduler_after_skip"}, False),
     ({"kind": "scaler_disabled"}, True),
     ({"kind": "close"}, True),
+    ({"kind": "loss_spike", "streak": 1}, True),  # sent at its rungs only, each one news (an alert)
+    ({"kind": "grad_norm_spike", "streak": 2}, True),
+    ({"kind": "grad_norm_spike", "streak": 1, "local": True}, True),  # the collector compares it across ranks
 ]
 
 

@@ -148,6 +148,6 @@ def test_the_largest_batch_the_sender_builds_still_fits_a_default_collector_once
         with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
             answer = httpx.post(collector.url + "/v1/ingest", content=replay,
                                 headers={"Content-Type": "application/json"}, timeout=60)
-        assert answer.json() == {"applied": True}, answer.text[:300]
+        assert answer.json()["applied"] is True, answer.text[:300]
     finally:
         successor.close()

@@ -69,7 +69,8 @@ def is_news(event: Mapping[str, Any]) -> bool:
 
     News is what changes an alert or what an operator is shown: a skip that starts a streak
     or reaches a ladder rung (streak 1, 2, 4, 8, ...), a streak's end, a poisoned step, a
-    warning, a scale set by hand or restored, a disabled scaler, the close. The routine rest
+    warning, a scale set by hand or restored, a disabled scaler, the close, a loss or gradient-norm
+    spike (sent at its rungs only; a rank's own one is what the collector compares across ranks). The routine rest
     rides along with the next batch: the backoff of each skipped iteration (the skip that
     starts the streak and its rungs carry the streak's backoffs, see :data:`NEWS_HOLD`),
     growths, the skips between rungs, scheduler steps after a skip. Costs a dict lookup.
