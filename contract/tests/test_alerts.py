@@ -16,7 +16,8 @@ FIELDS = {"run": "exp-1", "rank": "3", "optimizer": "gen", "host": "node-7", "lo
 
 # Thresholds judged before any alert, by the agent (a spike) or by the collector (a gradient outlier): no alert's
 # condition reads them; the texts of the alerts that report what they judged name them.
-JUDGED_UPSTREAM = {"spike_window_iterations", "spike_sigma", "outlier_sigma", "outlier_rank_share"}
+JUDGED_UPSTREAM = {"spike_window_iterations", "spike_sigma", "outlier_sigma", "outlier_rank_share",
+                   "outlier_after_iterations"}
 
 
 def test_every_threshold_is_read_by_some_alert_and_every_alert_reads_only_real_thresholds():

@@ -130,6 +130,25 @@ def test_row_3_a_spike_on_more_than_a_share_of_the_ranks_is_the_whole_jobs_and_n
     assert [e["rank"] for e in pair.outliers()] == [0]
 
 
+def test_row_3b_a_spike_soon_after_another_ranks_is_its_consequence_and_names_no_outlier(collector):
+    # A diverging job: rank 0's own gradients stood out at 20 (an outlier); the all-reduced update reached every
+    # rank, whose own norms then spike in turn (rank 1 at 22, rank 0 again at 25 after rank 1's): none of those is
+    # an outlier. A spike past outlier_after_iterations of quiet is judged again.
+    client, _ = collector
+    job = Job(client, "row-3b", 2, means=[1.0, 1.0])
+    job.report(0, 20, job.spike(0, 20, 100.0))
+    job.report(1, 20)
+    job.report(1, 22, job.spike(1, 22, 100.0))
+    job.report(0, 22)
+    job.report(0, 25, job.spike(0, 25, 100.0))
+    job.report(1, 25)
+    later = 22 + T.outlier_after_iterations + 1  # rank 1's last spike is outlier_after_iterations + 1 before it
+    job.report(0, later, job.spike(0, later, 100.0))
+    job.report(1, later)
+    assert [(e["rank"], e["iteration"]) for e in job.outliers()] == [(0, 20), (0, later)]
+    assert (job.counted(0), job.counted(1)) == (2, 0)
+
+
 def test_row_4_a_non_finite_spike_of_one_rank_alone_is_an_outlier(collector):
     client, _ = collector
     job = Job(client, "row-4", 4, means=[1.0] * 4)

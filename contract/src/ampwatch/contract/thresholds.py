@@ -167,6 +167,11 @@ class AlertThresholds:
     """At most this share of the run's ranks (and at least one rank) may have their own gradient norm spike at
     one iteration for any of them to be an outlier: when more do, the job spiked, not a rank."""
 
+    outlier_after_iterations: int = 16
+    """The collector's: a rank's own gradient-norm spike within this many iterations after another rank's is taken
+    for its consequence, not an outlier: the all-reduced update the other rank's gradients made reached every
+    rank's weights, and a job that diverges so spikes on each rank in turn. A chain of such spikes extends it."""
+
     outlier_window_s: int = 1800
     """How long a gradient outlier keeps its alert firing."""
 
@@ -231,6 +236,7 @@ _LIMITS: Mapping[str, _Limit] = {
     "origin_window_s": _WINDOW, "origin_min_count": _COUNT, "origin_rank_share": _SHARE,
     "spike_window_iterations": _WINDOW_ITERATIONS, "spike_sigma": _SCALE, "spike_window_s": _WINDOW,
     "outlier_sigma": _SCALE, "outlier_rank_share": _SHARE, "outlier_window_s": _WINDOW,
+    "outlier_after_iterations": _COUNT,
 }
 """What each field of :class:`AlertThresholds` may hold: every field has its limit here, checked in one place."""
 

@@ -103,16 +103,20 @@ class Outlier:
         return event, evidence
 
 
-def verdict(spike: LocalSpike, others: Sequence[Level], spiking_ranks: int, t: AlertThresholds) -> Outlier | None:
+def verdict(spike: LocalSpike, others: Sequence[Level], spiking_ranks: int, t: AlertThresholds,
+            after_another: bool = False) -> Outlier | None:
     """Return the outlier ``spike`` is, or None (the rows of the table in docs/protocol.md#gradient_outlier).
 
     ``others``: the other open ranks' levels for the spike's optimizer; ``spiking_ranks``: how many ranks (this one
-    included) sent a local spike of that optimizer at that iteration.
+    included) sent a local spike of that optimizer at that iteration; ``after_another``: another rank's own gradient
+    norm spiked within ``outlier_after_iterations`` before it.
     """
     if not others:
         return None  # 1: nothing to compare with
     if whole_job(spiking_ranks, spike.world_size, t):
         return None  # 3: the whole job spiked, not one rank
+    if after_another:
+        return None  # 3b: a consequence of another rank's spike, which reached every rank's weights
     means = [o.mean for o in others]
     reference = statistics.median(means)
     mad = statistics.median(abs(m - reference) for m in means)
@@ -193,9 +197,11 @@ class OutlierJudge:
                 if it.lagging - it.ranks and now - it.arrived < self.wait_s:
                     continue
                 levels = levels_of(ranks, optimizer)
+                before = self._spiked_before(run, iteration)
                 for spike in it.waiting:
                     others = [level for level in levels if level.rank != spike.rank]
-                    outlier = verdict(spike, others, len(it.ranks), self.thresholds)
+                    outlier = verdict(spike, others, len(it.ranks), self.thresholds,
+                                      after_another=bool(before - {spike.rank}))
                     if outlier is not None:
                         found.append(outlier)
                 it.waiting.clear()
@@ -203,6 +209,13 @@ class OutlierJudge:
         if not keys:
             del self.waiting[run]
         return found
+
+    def _spiked_before(self, run: str, iteration: int) -> set[int]:
+        """The ranks of ``run`` whose own gradient norm (any optimizer's) spiked in the ``outlier_after_iterations``
+        iterations before ``iteration`` (row 3b). Scans what is remembered: a few entries, only when judging."""
+        since = iteration - self.thresholds.outlier_after_iterations
+        return {rank for (spiked_run, _, at), it in self._iterations.items()
+                if spiked_run == run and since <= at < iteration for rank in it.ranks}
 
     def runs_waiting(self) -> list[str]:
         """The runs with spikes not judged yet."""
