@@ -356,7 +356,8 @@ ALERTS: Mapping[str, AlertDefinition] = {d.name: d for d in (
         summary="One rank's gradients stand out from the others'",
         description="Rank {rank} of run {run} (host {host}, local rank {local_rank}) had its own gradient norm, "
                     "before DDP's all-reduce, at least {outlier_sigma} robust deviations above the other ranks' "
-                    "while at most {outlier_rank_share} of the run's ranks spiked, within the last {outlier_window_s} "
+                    "while at most {outlier_rank_share} of the run's ranks spiked and no other rank's own norm had "
+                    "in the {outlier_after_iterations} iterations before, within the last {outlier_window_s} "
                     "(outliers so far: {value}): suspect that GPU, its host or its data shard (GET "
                     "/v1/runs/{run}/events lists the gradient_outlier events)."),
     AlertDefinition(
