@@ -342,9 +342,10 @@ def test_prometheus_rules_and_built_in_alerts_fire_the_same_alerts_for_the_same_
         wait_for_scrapes(processes, prometheus)
         start = time.time()
         _stream(collector.url)
-        # Prometheus lags by a scrape and an evaluation; the silent rank needs silent_after_s + for.
+        # Prometheus lags by a scrape and an evaluation; the silent rank needs silent_after_s + for. Generous: on a
+        # loaded machine (load 8) the built-in pass once took past 20 s to hold every run-wide alert.
         wait_until(lambda: _fired_in_prometheus(prometheus, start) >= EXPECTED
-                   and _fired_built_in(collector.url) >= EXPECTED, 20,
+                   and _fired_built_in(collector.url) >= EXPECTED, 60,
                    lambda: f"both evaluators to fire everything scripted:\n  expected   {sorted(EXPECTED)}\n"
                            f"  prometheus {sorted(_fired_in_prometheus(prometheus, start))}\n"
                            f"  built-in   {sorted(_fired_built_in(collector.url))}")
