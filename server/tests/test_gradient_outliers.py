@@ -149,6 +149,20 @@ def test_row_3b_a_spike_soon_after_another_ranks_is_its_consequence_and_names_no
     assert (job.counted(0), job.counted(1)) == (2, 0)
 
 
+def test_a_spike_near_the_end_is_compared_with_the_last_levels_of_ranks_that_closed_without_waiting(collector):
+    # The other ranks closed (the job ended) before the spike's batch came: their last levels are the reference,
+    # and none of them is waited for (a closed rank reports no further iteration).
+    client, _ = collector
+    job = Job(client, "closed-others", 3, means=[1.0, 1.0, 1.0], iteration=298)
+    for rank in (1, 2):
+        batch = make_batch(run=job.run, rank=rank, world_size=3, local_rank=rank, host=f"{job.run}-host",
+                           incarnation=f"{rank:032x}", process_key=f"{rank:032x}", seq=2, iteration=299, closed=True,
+                           optimizers={"gen": optimizer(steps=299, local_grad_norm={"mean": 1.0, "std": 0.1})})
+        assert client.post("/v1/ingest", json=batch).json() == APPLIED
+    job.report(0, 299, job.spike(0, 299, 100.0))
+    assert [(e["rank"], e["iteration"]) for e in job.outliers()] == [(0, 299)]
+
+
 def test_row_4_a_non_finite_spike_of_one_rank_alone_is_an_outlier(collector):
     client, _ = collector
     job = Job(client, "row-4", 4, means=[1.0] * 4)

@@ -67,6 +67,8 @@ class Level:
     mean: float
     std: float
     iteration: int
+    closed: bool = False
+    """The rank closed: its last level still describes its last window, but it reports no further iteration."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,9 +109,9 @@ def verdict(spike: LocalSpike, others: Sequence[Level], spiking_ranks: int, t: A
             after_another: bool = False) -> Outlier | None:
     """Return the outlier ``spike`` is, or None (the rows of the table in docs/protocol.md#gradient_outlier).
 
-    ``others``: the other open ranks' levels for the spike's optimizer; ``spiking_ranks``: how many ranks (this one
-    included) sent a local spike of that optimizer at that iteration; ``after_another``: another rank's own gradient
-    norm spiked within ``outlier_after_iterations`` before it.
+    ``others``: the other ranks' levels (closed ones: their last) for the spike's optimizer; ``spiking_ranks``: how
+    many ranks (this one included) sent a local spike of that optimizer at that iteration; ``after_another``:
+    another rank's own gradient norm spiked within ``outlier_after_iterations`` before it.
     """
     if not others:
         return None  # 1: nothing to compare with
@@ -191,7 +193,8 @@ class OutlierJudge:
                 it.waiting.clear()  # row 3, whatever comes later: no need to wait or to compare
             else:
                 if it.lagging is None:
-                    it.lagging = {level.rank for level in levels_of(ranks, optimizer) if level.iteration < iteration}
+                    it.lagging = {level.rank for level in levels_of(ranks, optimizer)
+                                  if level.iteration < iteration and not level.closed}
                 elif reported is not None and reported[1] >= iteration:
                     it.lagging.discard(reported[0])
                 if it.lagging - it.ranks and now - it.arrived < self.wait_s:
@@ -230,16 +233,17 @@ class OutlierJudge:
 
 
 def levels_of(ranks: Mapping[int, Any], optimizer: str) -> list[Level]:
-    """The open ranks of ``ranks`` (``RankState`` by rank) with a ``local_grad_norm`` level for ``optimizer``, as
-    their newest process last sent it."""
+    """The ranks of ``ranks`` (``RankState`` by rank) with a ``local_grad_norm`` level for ``optimizer``, as their
+    newest process last sent it; a rank that closed too (a spike near a job's end is compared with the ranks that
+    closed just after it), though none waits for it."""
     found = []
     for number, rank in ranks.items():
         view = rank.view
-        if view.current is None or view.closed:
+        if view.current is None:
             continue
         state = view.current.batch.state
         sent = state.optimizers.get(optimizer)
         level = sent.local_grad_norm if sent is not None else None
         if level is not None:
-            found.append(Level(number, level.mean, level.std, state.iteration))
+            found.append(Level(number, level.mean, level.std, state.iteration, view.closed))
     return found
