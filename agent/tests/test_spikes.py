@@ -273,7 +273,7 @@ def test_the_levels_go_in_one_batch_every_four_heartbeats_and_in_the_last(amp, w
         assert ("grad_norm" in counters) == (b in with_levels)
     # Between two batches that carry them, at least LEVEL_HEARTBEATS - 0.5 heartbeats passed (a news batch or a
     # heartbeat in between carries none); the last batch carries them.
-    times = [b["sent_at"] for b in with_levels]
+    times = [b["sent_at"] for b in with_levels if not b["closed"]]  # the last batch carries them whenever it goes
     assert all(later - earlier >= (LEVEL_HEARTBEATS - 0.5) * heartbeat - 0.02
                for earlier, later in zip(times, times[1:], strict=False))
     assert batches[-1]["closed"] and batches[-1] in with_levels
@@ -294,3 +294,20 @@ def test_a_watch_closed_between_two_level_batches_still_sends_its_levels_last(am
     assert batches[-1]["closed"] and set(batches[-1]["state"]["loss"]) == {"mean", "std"}
     (counters,) = batches[-1]["state"]["optimizers"].values()
     assert set(counters["grad_norm"]) == {"mean", "std"}
+
+
+def test_the_first_level_goes_in_the_next_batch_after_the_window_has_one(amp, watching):
+    from ampwatch_support.recording_collector import RecordingCollector
+
+    model, opt = _job(amp)
+    scaler = torch.amp.GradScaler("cpu")
+    with RecordingCollector() as server:
+        # No heartbeat within the test: the first batch (at start) holds no level yet; the next one is news.
+        w = watching(scaler, opt, model=model, collector=server.url, push_interval=60, grad_norm=True)
+        assert server.wait_for(lambda s: len(s.acked) >= 1)
+        _train(amp, w, model, opt, scaler, iterations=WINDOW + 1, inf_at=frozenset({WINDOW}))  # a skip: news
+        assert server.wait_for(lambda s: any(e["kind"] == "skip" for b in s.acked for e in b["events"]))
+        news = next(b for b in server.acked if any(e["kind"] == "skip" for e in b["events"]))
+        w.close()
+    assert "loss" not in server.acked[0]["state"] and not news["closed"]
+    assert set(news["state"]["loss"]) == {"mean", "std"}, "the first level waited for a fourth heartbeat"

@@ -14,7 +14,8 @@ from ampwatch.contract.protocol import DELIVERY_COUNTERS, PROTOCOL_VERSION
 from ._identity import Identity
 from ._limits import MAX_BATCH_EVENTS, MAX_PARAMS, TEXT_LIMITS, cut
 
-__all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_batch", "encode_batch", "fit_event"]
+__all__ = ["PROTOCOL_VERSION", "MAX_BATCH_EVENTS", "DELIVERY_COUNTERS", "build_batch", "encode_batch", "fit_event",
+           "holds_levels"]
 
 
 def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], delivery: Mapping[str, int],
@@ -56,6 +57,14 @@ def build_batch(identity: Identity, *, seq: int, snapshot: Mapping[str, Any], de
     if device:
         batch["device"] = dict(device)  # cut to the protocol's limits where it is read (_device_info)
     return batch
+
+
+def holds_levels(state: Mapping[str, Any] | None) -> bool:
+    """Whether a snapshot's ``state`` holds any rolling level (its own or an optimizer's)."""
+    if not state:
+        return False
+    return any(name in state for name in RANK_LEVELS) or any(
+        name in counters for counters in (state.get("optimizers") or {}).values() for name in OPTIMIZER_LEVELS)
 
 
 def _leave_levels_out(state: dict[str, Any]) -> None:

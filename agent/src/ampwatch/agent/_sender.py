@@ -14,7 +14,7 @@ from typing import Any
 from ampwatch.contract.batch import Event
 from ampwatch.contract.protocol import LEVEL_HEARTBEATS
 
-from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch
+from ._batch import MAX_BATCH_EVENTS, build_batch, encode_batch, holds_levels
 from ._config import AgentConfig
 from ._errors import AgentErrors
 from ._events import EventBuffer
@@ -207,7 +207,9 @@ class Sender:
             self._device_through = self._seq
         now = time.monotonic()
         if closing or now - self._levels_at >= (LEVEL_HEARTBEATS - 0.5) * self.config.heartbeat:
-            self._levels_at, self._levels_through = now, self._seq  # one heartbeat in four, and the last batches
+            self._levels_through = self._seq  # one heartbeat in four, and the last batches
+            if holds_levels(snapshot.get("state")):
+                self._levels_at = now  # the first level goes at once: the collector compares ranks with it
         body = self._encode(snapshot, events, closed)
         while len(body) > MAX_BODY_BYTES and len(events) > 1:
             # A collector with default settings refuses a larger body for good (413): the later half of the
