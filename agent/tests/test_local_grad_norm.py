@@ -2,8 +2,9 @@
 
 Three real ranks over gloo; rank 1's gradients are multiplied by 1,000 by a tensor hook at three iterations
 (``ampwatch_support.local_norm_worker``), with a GradScaler (bf16 autocast) and in bf16 without one (two
-micro-batches per iteration: the norm is the root of the sum of both gradients' squared norms). DDP averages
-them into every rank's ``.grad``: only the rank's own norm tells which rank it was.
+micro-batches per iteration: the norm, the infinity norm, is the largest absolute value of both gradients). DDP
+averages them into every rank's ``.grad``: only the rank's own norm tells which rank it was. The truth is taken in
+the job by a tensor hook of its own.
 
 | # | case | expected |
 |---|---|---|

@@ -3,14 +3,14 @@
 Run as ``python -m ampwatch_support.local_norm_worker OUT_DIR PORT``; each rank writes ``OUT_DIR/rank{r}.json``
 with, per mode (a GradScaler with bf16 autocast; bf16 without a scaler, in two micro-batches), the local
 ``grad_norm_spike`` events the agent recorded, its ``local_grad_norm`` level, and the ground truth: this rank's
-own gradient norm per iteration (unscaled; with accumulation, the root of the sum of every micro-batch's squared
-norms), taken by a tensor hook on each parameter registered before the agent's (it sees what the agent sees).
+own gradient norm per iteration, the infinity norm (the largest absolute value of its gradients, unscaled; with
+accumulation, of every micro-batch's), taken by a tensor hook on each parameter registered before the agent's (it
+sees what the agent sees).
 Used by agent/tests/test_local_grad_norm.py, which owns the time limit and the cleanup.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import sys
 
@@ -40,12 +40,13 @@ def train(rank: int, scaled: bool) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu") if scaled else None
     iteration = 0
-    squares = [0.0] * ITERATIONS  # the truth: this rank's own squared gradient norm (as scaled) per iteration
+    # The truth: this rank's own largest absolute gradient value (as scaled) per iteration (maximum: NaN wins).
+    largest = [torch.zeros((), dtype=torch.float64) for _ in range(ITERATIONS)]
 
     def spike_and_measure(grad: torch.Tensor) -> torch.Tensor:
         if rank == SPIKED_RANK and iteration in SPIKED_AT:
             grad = grad * 1000.0
-        squares[iteration] += float(grad.float().pow(2).sum())
+        largest[iteration] = torch.maximum(largest[iteration], grad.detach().abs().amax().double())
         return grad
 
     for param in net.parameters():  # before watch(): the agent's hook sees what these leave
@@ -72,7 +73,7 @@ def train(rank: int, scaled: bool) -> dict:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 model(x[4:]).float().pow(2).mean().backward()
             opt.step()
-        norms.append(math.sqrt(squares[iteration]) / scale)
+        norms.append(float(largest[iteration]) / scale)
     w.close()
     events = w._recorder.events.drain()
     return {"norms": norms, "events": [e for e in events if e["kind"] == "grad_norm_spike" and e.get("local")],
