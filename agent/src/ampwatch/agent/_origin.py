@@ -202,9 +202,10 @@ class LocalGradients:
     def forget_unwritten(self) -> None:
         """Zero the rows a parameter did not write in this iteration: they still hold an earlier one's notes.
 
-        Done by every reader of the current iteration's extremes, not at the end of every iteration, and once
-        per iteration (a row zeroed stays zero until it is written): one small kernel per such parameter, none
-        when every parameter wrote every row (checked without a loop where there is one device and dtype).
+        Done by the readers of the current iteration's extremes (the local norm at each iteration's end, the
+        flags), once per iteration (a row zeroed stays zero until it is written): one small kernel per such
+        parameter, none when every parameter wrote every row (checked without a loop where there is one device
+        and dtype).
         """
         counts, hooked, groups = self._counts, self._hooked, self._groups
         if self._unwritten_zeroed or (len(groups) == 1 and counts.count(groups[0].extremes.shape[0]) == len(counts)):
