@@ -1,16 +1,19 @@
 """Real ranks over gloo: one rank's own gradients x1,000 at three random iterations, watched with ``ddp=``.
 
 Run as ``python -m ampwatch_support.local_norm_worker OUT_DIR PORT``; each rank writes ``OUT_DIR/rank{r}.json``
-with, per mode (a GradScaler with bf16 autocast; bf16 without a scaler, in two micro-batches), the local
+with, per mode (a GradScaler with bf16 autocast; bf16 without a scaler, in two micro-batches, three at the
+spiked iterations: the later iterations leave the third note's row unwritten, and it must not count), the local
 ``grad_norm_spike`` events the agent recorded, its ``local_grad_norm`` level, and the ground truth: this rank's
-own gradient norm per iteration (unscaled; with accumulation, the root of the sum of every micro-batch's squared
-norms), taken by a tensor hook on each parameter registered before the agent's (it sees what the agent sees).
+own gradient norm per iteration, the infinity norm (the largest absolute value of its gradients, unscaled; with
+accumulation, of every micro-batch's), taken by a tensor hook on each parameter registered before the agent's (it
+sees what the agent sees).
 Used by agent/tests/test_local_grad_norm.py, which owns the time limit and the cleanup.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import itertools
 import random
 import sys
 
@@ -29,6 +32,7 @@ SPIKED_AT = [start + offset for start, offset in zip((40, 80, 120), random.Rando
                                                      strict=True)]
 ITERATIONS = 130
 SKIPPED_AT = 60  # with the GradScaler, rank 0's input holds an inf: every rank skips, rank 0's own norm is inf
+NAN_AT = ITERATIONS - 1  # without a scaler, a NaN in the spiked rank's own gradients: a step that goes through
 
 
 def train(rank: int, scaled: bool) -> dict:
@@ -40,12 +44,16 @@ def train(rank: int, scaled: bool) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu") if scaled else None
     iteration = 0
-    squares = [0.0] * ITERATIONS  # the truth: this rank's own squared gradient norm (as scaled) per iteration
+    # The truth: this rank's own largest absolute gradient value (as scaled) per iteration (maximum: NaN wins).
+    largest = [torch.zeros((), dtype=torch.float64) for _ in range(ITERATIONS)]
 
     def spike_and_measure(grad: torch.Tensor) -> torch.Tensor:
         if rank == SPIKED_RANK and iteration in SPIKED_AT:
             grad = grad * 1000.0
-        squares[iteration] += float(grad.float().pow(2).sum())
+        if rank == SPIKED_RANK and scaler is None and iteration == NAN_AT:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("nan")
+        largest[iteration] = torch.maximum(largest[iteration], grad.detach().abs().amax().double())
         return grad
 
     for param in net.parameters():  # before watch(): the agent's hook sees what these leave
@@ -65,14 +73,15 @@ def train(rank: int, scaled: bool) -> dict:
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-        else:  # two micro-batches, the first without DDP's all-reduce: the norm is of both gradients
+        else:  # micro-batches, all but the last without DDP's all-reduce: the norm is of all their gradients
             scale = 1.0
-            with model.no_sync(), torch.autocast("cpu", dtype=torch.bfloat16):
-                model(x[:4]).float().pow(2).mean().backward()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                model(x[4:]).float().pow(2).mean().backward()
+            cuts = (0, 4, 6, 8) if iteration in SPIKED_AT else (0, 4, 8)
+            for start, end in itertools.pairwise(cuts):
+                with (model.no_sync() if end < 8 else contextlib.nullcontext()), \
+                        torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(x[start:end]).float().pow(2).mean().backward()
             opt.step()
-        norms.append(math.sqrt(squares[iteration]) / scale)
+        norms.append(float(largest[iteration]) / scale)
     w.close()
     events = w._recorder.events.drain()
     return {"norms": norms, "events": [e for e in events if e["kind"] == "grad_norm_spike" and e.get("local")],
@@ -83,6 +92,7 @@ def main(rank: int, out_dir: str, port: int) -> None:
     with rank_results(rank, WORLD_SIZE, out_dir, port, AMPWATCH_RUN="local-norm",
                       AMPWATCH_SPIKE_WINDOW=str(WINDOW)) as results:
         results["spiked_at"], results["skipped_at"], results["window"] = SPIKED_AT, SKIPPED_AT, WINDOW
+        results["nan_at"] = NAN_AT
         results["scaled"], results["unscaled"] = train(rank, True), train(rank, False)
 
 

@@ -1,11 +1,17 @@
 """With ``watch(ddp=model)``: this rank's own gradient norm per optimizer, before DDP's all-reduce, and its spikes.
 
-The per-parameter hook of :class:`~._origin.LocalGradients` already writes each gradient's norm as it comes in;
-at the iteration's end (where its notes end: ``scaler.update()``, or without a scaler the first step after a
-backward) :class:`LocalNorms` sums their squares per optimizer on the device (with accumulation, every
-micro-batch's: the norm is the root of the sum of their squared norms), divides by the loss scale the gradients
-were scaled by, and judges the result with the spike rule (:class:`~._spikes.SpikeSeries`). Read without a sync:
-on the CPU at once; on a device copied to pinned memory and read once the copy landed (an iteration later).
+The norm is the infinity norm: the largest absolute value of this rank's own gradients of the optimizer's
+parameters (with accumulation, of every micro-batch's gradient), max(|min|, |max|) of the extremes the per-parameter
+hook of :class:`~._origin.LocalGradients` already writes (``torch.aminmax``, to find the rank that started a skip).
+So it costs no kernel per gradient: at the iteration's end (where the notes end: ``scaler.update()``, or without a
+scaler the first step after a backward) :class:`LocalNorms` takes, on the device, the largest absolute extreme of
+each optimizer's columns (an ``abs`` and an ``amax`` per optimizer, device and dtype; NaN stays NaN, inf inf), divides
+it by the loss scale the gradients were scaled by, and judges the result with the spike rule
+(:class:`~._spikes.SpikeSeries`). What it is for loses nothing by it: a faulty device's corruption, or one rank's
+bad batch, raises max |g| at least as far against its usual level as it raises the L2 norm (values pushed up
+reach the largest one first), and the collector compares each rank only with the others' levels of the same norm.
+Read without a sync: on the CPU at once; on a device copied to pinned memory and read once the copy landed (an
+iteration later).
 
 | the iteration, for one optimizer | its local norm |
 |---|---|
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -40,11 +45,10 @@ from . import _device
 from ._origin import LocalGradients
 from ._spikes import SpikeSeries
 
-__all__ = ["LocalNorms", "NormSet", "norm_set", "squared_norms"]
+__all__ = ["LocalNorms", "NormSet", "largest_magnitudes", "norm_set"]
 
 _MAX_PENDING = 64  # device reads in flight before the oldest is waited for (only if the device lags far behind)
 _ALL = torch.empty(0, dtype=torch.long)  # a set that holds every column of a group
-_dot = torch.dot
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,43 +72,38 @@ def norm_set(local: LocalGradients, params: Iterable[torch.Tensor]) -> NormSet:
         picked = [c for c, slot in enumerate(group.slots) if id(local.parameters[slot]) in wanted]
         slots += [group.slots[c] for c in picked]
         columns.append(None if not picked else _ALL if len(picked) == len(group.slots) else
-                       torch.tensor(picked, dtype=torch.long, device=group.norms.device))
+                       torch.tensor(picked, dtype=torch.long, device=group.extremes.device))
     return NormSet(columns, slots, frozenset(slots), len(slots) == len(local.parameters))
 
 
-def squared_norms(local: LocalGradients, sets: list[NormSet]) -> list[torch.Tensor | None]:
-    """Return, per set, the sum of the squared norms of its gradients ``local`` noted in this iteration (every
-    backward's) as a 0-d tensor on a device of its parameters (no sync); None when none of them was noted.
+def largest_magnitudes(local: LocalGradients, sets: list[NormSet]) -> list[torch.Tensor | None]:
+    """Return, per set, the largest absolute value of its gradients ``local`` noted in this iteration (every
+    backward's), as a 0-d tensor on a device of its parameters (no sync; NaN if one held a NaN, else inf if one
+    held an inf); None when none of them was noted.
 
-    Rows not written in this iteration are zeroed first (none when every parameter wrote every row). One dot
-    product per group and set (one in all for one optimizer of one device and dtype), no Python per parameter
-    unless some parameter wrote fewer rows than the others.
+    Rows not written in this iteration are zeroed first (:meth:`~._origin.LocalGradients.forget_unwritten`, which
+    the origin's flags read after this would do anyway: a zero is finite, and no larger than any magnitude). An
+    ``abs`` and an ``amax`` per group and set (two kernels in all for one optimizer of one device and dtype), no
+    Python per parameter unless some parameter wrote fewer rows than the others.
     """
-    counts, hooked, groups = local._counts, local._hooked, local._groups
-    if not (len(groups) == 1 and counts.count(groups[0].norms.shape[0]) == len(counts)):
-        for group in groups:
-            norms = group.norms
-            rows = norms.shape[0]
-            for column, slot in enumerate(group.slots):
-                if counts[slot] < rows and hooked[slot]:
-                    norms[counts[slot]:, column].zero_()
-    sums: list[torch.Tensor | None] = []
-    extras = local._extra_norms
+    local.forget_unwritten()
+    counts, groups, extras = local._counts, local._groups, local._extras
+    maxima: list[torch.Tensor | None] = []
     for chosen in sets:
         if not (any(counts) if chosen.whole else any(counts[s] for s in chosen.slots)):
-            sums.append(None)
+            maxima.append(None)
             continue
         parts = []
         for group, picked in zip(groups, chosen.columns, strict=True):
             if picked is not None:
-                some = group.flat if picked is _ALL else group.norms.index_select(1, picked).view(-1)
-                parts.append(_dot(some, some))  # the sum of the squares, in one kernel
+                some = group.extremes if picked is _ALL else group.extremes.index_select(1, picked)
+                parts.append(some.abs().amax())  # amax propagates NaN
         if extras:
-            parts += [norm.square() for slot, norm in extras if slot in chosen.slot_set]
+            parts += [pair.abs().amax() for slot, pair in extras if slot in chosen.slot_set]
         device = parts[0].device
-        sums.append(parts[0] if len(parts) == 1 else
-                    torch.stack([p.to(device=device, dtype=torch.float64) for p in parts]).sum())
-    return sums
+        maxima.append(parts[0] if len(parts) == 1 else
+                      torch.stack([p.to(device=device, dtype=torch.float64) for p in parts]).amax())
+    return maxima
 
 
 class LocalNorms:
@@ -130,23 +129,23 @@ class LocalNorms:
             return
         unscaled = recorder.unscaled is not None
         scale = 1.0 if unscaled else recorder.scale.value
-        squares: list[Any] = []  # per optimizer: None (no value), a float (read), or a tensor on a device
+        maxima: list[Any] = []  # per optimizer: None (no value), a float (read), or a tensor on a device
         later = False
-        for total, record in zip(squared_norms(self.local, self._sets), self.records, strict=True):
-            if total is None or not (unscaled or record.stepped_this_iteration or record.pending):
-                squares.append(None)  # no gradient, or a step the scaler skipped (a pending one may have gone)
-            elif total.device.type == "cpu":
-                squares.append(_device.host_scalar(total))  # no sync exists on the CPU
+        for largest, record in zip(largest_magnitudes(self.local, self._sets), self.records, strict=True):
+            if largest is None or not (unscaled or record.stepped_this_iteration or record.pending):
+                maxima.append(None)  # no gradient, or a step the scaler skipped (a pending one may have gone)
+            elif largest.device.type == "cpu":
+                maxima.append(_device.host_scalar(largest))  # no sync exists on the CPU
             else:
-                squares.append(total)
+                maxima.append(largest)
                 later = True
         if not later:
-            self._judge(recorder, iteration, squares, scale, current=True)
+            self._judge(recorder, iteration, maxima, scale, current=True)
         else:
-            taken = [t for t in squares if t is not None]
+            taken = [t for t in maxima if t is not None]
             device = taken[0].device
             read = _device.read_later(torch.stack([t.to(device=device, dtype=torch.float64) for t in taken]))
-            self._pending.append((read, iteration, [t is not None for t in squares], scale))
+            self._pending.append((read, iteration, [t is not None for t in maxima], scale))
         if self._pending:
             self._resolve(recorder, wait=len(self._pending) > _MAX_PENDING)
 
@@ -169,15 +168,13 @@ class LocalNorms:
             values = iter(read.wait())
             now = recorder.scale.value if recorder.unscaled is None else 1.0
             known = now == scale  # a changed scale read: which one scaled these gradients is not known for sure
-            squares = [next(values) if w else None for w in went]
-            self._judge(recorder, iteration, squares if known else [None] * len(went), scale, current=False)
+            maxima = [next(values) if w else None for w in went]
+            self._judge(recorder, iteration, maxima if known else [None] * len(went), scale, current=False)
             wait = False
 
-    def _judge(self, recorder: Any, iteration: int, squares: list[Any], scale: float | None, current: bool) -> None:
-        for record, series, square in zip(self.records, self.series, squares, strict=True):
-            value = None
-            if square is not None and scale:
-                value = math.sqrt(square) / scale if square >= 0 else math.nan
+    def _judge(self, recorder: Any, iteration: int, maxima: list[Any], scale: float | None, current: bool) -> None:
+        for record, series, largest in zip(self.records, self.series, maxima, strict=True):
+            value = largest / scale if largest is not None and scale else None  # NaN stays NaN, inf inf
             spike = series.observe(value)
             if spike is None or not spike.rung:
                 continue

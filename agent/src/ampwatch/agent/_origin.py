@@ -12,12 +12,12 @@ communication hook the job registered itself, or ``torch.compile``'s reducers. a
 communication hook and changes nothing of the reduction; its hooks come off at :meth:`LocalGradients.close`.
 
 The hook writes one ``torch.aminmax`` of the gradient into two numbers kept for that parameter (a row per
-backward of the iteration, so an inf in any micro-batch is kept), and its ``vector_norm`` (in float32) into a
-third, on the device, without a sync and, after the first iterations, without allocating. The norms make this
-rank's own gradient norm per optimizer (``_local_norm``, which sums them per optimizer at the iteration's end). The
-extremes are read only on an iteration where some optimizer skipped, or without a scaler was poisoned
-(:meth:`LocalGradients.report`); :meth:`LocalGradients.nonfinite` makes them one on-device flag for any other
-reader.
+backward of the iteration, so an inf in any micro-batch is kept), on the device, without a sync and, after the
+first iterations, without allocating; nothing else. The extremes are read as flags only on an iteration where some
+optimizer skipped, or without a scaler was poisoned (:meth:`LocalGradients.report`);
+:meth:`LocalGradients.nonfinite` makes them one on-device flag for any other reader. With ``ddp=``, they also make
+this rank's own gradient norm per optimizer: the largest of their absolute values, taken at the iteration's end
+(``_local_norm``), with no kernel of its own per gradient.
 """
 
 from __future__ import annotations
@@ -35,12 +35,6 @@ __all__ = ["LocalGradients", "OriginReport", "observe_ddp"]
 
 _KEPT_ITERATIONS = 64  # iterations whose flags are kept while a deferred (fused, on-device) outcome is pending
 _aminmax = torch.aminmax
-_vector_norm = torch.linalg.vector_norm
-
-
-def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a gradient's norm is kept in: float32 (a bf16 one would round it to 3 digits), float64's own."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,17 +54,15 @@ class _Group:
     """The notes of the parameters of one device and dtype: ``extremes[row, column]`` is a (min, max) pair.
 
     Row ``k`` holds the ``k``-th note of each parameter (column) in the current iteration (how many it wrote:
-    :attr:`LocalGradients._counts`; the rows after those hold older notes until a read zeroes them).
-    ``norms[row, column]`` is the same note's gradient norm (``flat``: all of them, one view). ``slots`` are the
-    parameters' positions in :class:`LocalGradients`.
+    :attr:`LocalGradients._counts`; the rows after those hold older notes until
+    :meth:`LocalGradients.forget_unwritten` zeroes them). ``slots`` are the parameters' positions in
+    :class:`LocalGradients`.
     """
 
-    __slots__ = ("extremes", "norms", "flat", "slots")
+    __slots__ = ("extremes", "slots")
 
     def __init__(self, extremes: torch.Tensor, slots: list[int]) -> None:
         self.extremes, self.slots = extremes, slots
-        self.norms = torch.zeros(extremes.shape[:2], dtype=_norm_dtype(extremes.dtype), device=extremes.device)
-        self.flat = self.norms.view(-1)
 
 
 class LocalGradients:
@@ -96,7 +88,6 @@ class LocalGradients:
                         for (device, dtype), slots in keys.items()]
         self._group_of = [0] * len(self._params)
         self._outs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self._params]
-        self._norm_outs: list[list[torch.Tensor]] = [[] for _ in self._params]
         for index, group in enumerate(self._groups):
             for slot in group.slots:
                 self._group_of[slot] = index
@@ -104,7 +95,7 @@ class LocalGradients:
         self._counts = [0] * len(self._params)  # notes of each parameter this iteration (rows written)
         self._zeros = [0] * len(self._params)
         self._extras: list[tuple[int, torch.Tensor]] = []  # notes of a gradient unlike its parameter's storage
-        self._extra_norms: list[tuple[int, torch.Tensor]] = []  # their norms
+        self._unwritten_zeroed = False  # the rows not written in this iteration were zeroed (none written since)
         self._handles: list[Any] = []
         self._hooked = [False] * len(self._params)  # a slot without a hook never writes a note
         self._frozen: list[int] = []  # slots frozen at attach(), hooked once they take a gradient
@@ -112,7 +103,7 @@ class LocalGradients:
         self._kept: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         self._reports: dict[int, OriginReport] = {}
         self.enabled = True
-        self.norms: Any = None  # a _local_norm.LocalNorms: takes each iteration's norms before they are cleared
+        self.norms: Any = None  # a _local_norm.LocalNorms: takes each iteration's norm before its notes are cleared
 
     def attach(self, forward_of: torch.nn.Module | None = None) -> None:
         """Put one hook on each parameter that takes a gradient; all or none.
@@ -155,16 +146,14 @@ class LocalGradients:
             self.errors.report("DDP gradient note", error)
 
     def _hook(self, slot: int):
-        counts, outs, norms, slow = self._counts, self._outs[slot], self._norm_outs[slot], self._note_slowly
-        dtype = self._groups[self._group_of[slot]].norms.dtype
+        counts, outs, slow = self._counts, self._outs[slot], self._note_slowly
 
         def note(grad):
-            # The fast path: one aminmax and one norm into this parameter's next row. Anything else (a sparse or
-            # complex gradient, one inside the autograd graph, a row not made yet) raises before counting it.
+            # The fast path: one aminmax into this parameter's next row. Anything else (a sparse or complex
+            # gradient, one inside the autograd graph, a row not made yet) raises before counting it.
             try:
                 row = counts[slot]
                 _aminmax(grad, out=outs[row])
-                _vector_norm(grad, dtype=dtype, out=norms[row])
                 counts[slot] = row + 1
             except Exception:  # noqa: BLE001 - the slow path says what failed; the gradient goes on
                 slow(slot, grad)
@@ -187,57 +176,55 @@ class LocalGradients:
                 if row >= extremes.shape[0]:  # one more backward in this iteration than any before
                     self._grow(group)
                 _aminmax(values, out=self._outs[slot][row])
-                norm = self._norm_outs[slot][row]
             else:  # e.g. a float8 gradient (no aminmax kernel): widened, noted apart
                 if values.element_size() == 1:
                     values = values.float()
                 pair = torch.empty(2, dtype=values.dtype, device=values.device)
                 _aminmax(values, out=(pair[0], pair[1]))
                 self._extras.append((slot, pair))
-                norm = torch.zeros((), dtype=_norm_dtype(values.dtype), device=values.device)
-                self._extra_norms.append((slot, norm))
             self._counts[slot] = row + 1
         except Exception as error:  # noqa: BLE001 - never fail the backward
             self.errors.report("DDP gradient note", error)
-            return
-        try:  # apart: a norm that fails costs the norm, never the note
-            _vector_norm(values, dtype=norm.dtype, out=norm)
-        except Exception as error:  # noqa: BLE001 - never fail the backward
-            self.errors.report("DDP gradient norm", error)
 
     def _place(self, group: _Group) -> None:
-        extremes, norms = group.extremes, group.norms
+        extremes = group.extremes
         for column, slot in enumerate(group.slots):
             self._outs[slot][:] = [(extremes[row, column, 0], extremes[row, column, 1])
                                    for row in range(extremes.shape[0])]
-            self._norm_outs[slot][:] = [norms[row, column] for row in range(norms.shape[0])]
 
     def _grow(self, group: _Group) -> None:
-        old, old_norms = group.extremes, group.norms
+        old = group.extremes
         grown = torch.zeros(old.shape[0] * 2, *old.shape[1:], dtype=old.dtype, device=old.device)
         grown[:old.shape[0]] = old
-        norms = torch.zeros(grown.shape[:2], dtype=old_norms.dtype, device=old.device)
-        norms[:old.shape[0]] = old_norms
-        group.extremes, group.norms, group.flat = grown, norms, norms.view(-1)
+        group.extremes = grown
         self._place(group)
 
-    def _flags(self) -> tuple[list[int], list[torch.Tensor]]:
-        """The current iteration's flags, on the device: slots, and per group one bool per parameter
-        (one per extra note last), True where its own gradient held inf/NaN.
+    def forget_unwritten(self) -> None:
+        """Zero the rows a parameter did not write in this iteration: they still hold an earlier one's notes.
 
-        Rows a parameter did not write in this iteration still hold an earlier one's notes: they are zeroed
-        here (one small kernel per such parameter: none when every parameter wrote every row), not at the
-        end of every iteration.
+        Done by the readers of the current iteration's extremes (the local norm at each iteration's end, the
+        flags), once per iteration (a row zeroed stays zero until it is written): one small kernel per such
+        parameter, none when every parameter wrote every row (checked without a loop where there is one device
+        and dtype).
         """
-        slots: list[int] = []
-        flags: list[torch.Tensor] = []
-        counts, hooked = self._counts, self._hooked
-        for group in self._groups:
+        counts, hooked, groups = self._counts, self._hooked, self._groups
+        if self._unwritten_zeroed or (len(groups) == 1 and counts.count(groups[0].extremes.shape[0]) == len(counts)):
+            return
+        for group in groups:
             extremes = group.extremes
             rows = extremes.shape[0]
             for column, slot in enumerate(group.slots):
                 if counts[slot] < rows and hooked[slot]:  # one never hooked holds zeros
                     extremes[counts[slot]:, column].zero_()
+        self._unwritten_zeroed = True
+
+    def _flags(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The current iteration's flags, on the device: slots, and per group one bool per parameter
+        (one per extra note last), True where its own gradient held inf/NaN."""
+        slots: list[int] = []
+        flags: list[torch.Tensor] = []
+        self.forget_unwritten()
+        for group in self._groups:
             slots += group.slots
             flags.append(torch.isfinite(group.extremes).all(dim=2).all(dim=0).logical_not_())
         for slot, pair in self._extras:
@@ -269,7 +256,7 @@ class LocalGradients:
     def end_iteration(self, iteration: int, keep: bool) -> None:
         """Start the next iteration's notes (``keep``: first keep the flags of ``iteration`` while its outcome is
         still on the device), after :attr:`norms` took the iteration's gradient norms. Python only, unless
-        ``keep``, but for the norms' few kernels."""
+        ``keep``, but for the norms' few kernels per optimizer."""
         if not self.enabled:
             return
         if any(self._counts):
@@ -283,8 +270,8 @@ class LocalGradients:
                 while len(self._kept) > _KEPT_ITERATIONS:
                     del self._kept[next(iter(self._kept))]
             self._counts[:] = self._zeros
+            self._unwritten_zeroed = False
             self._extras.clear()
-            self._extra_norms.clear()
         if not keep:
             self._kept.clear()
             self._reports.clear()
@@ -305,7 +292,7 @@ class LocalGradients:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-        self._kept, self._reports, self._extras, self._extra_norms = {}, {}, [], []
+        self._kept, self._reports, self._extras = {}, {}, []
 
     def report(self, iteration: int, current: bool) -> tuple[OriginReport | None, bool]:
         """Return ``(report, new)`` for ``iteration``: None when nothing was noted in it.

@@ -62,7 +62,9 @@ class OptimizerCounters(_OptimizerCountersRequired, total=False):
     grad_norm: SignalLevel
     """The gradient norm's rolling level (absent: no norm watched, or fewer than two values yet)."""
     local_grad_norm: SignalLevel
-    """With ``ddp=``: the rolling level of this rank's own gradient norm before DDP's all-reduce."""
+    """With ``ddp=``: the rolling level of this rank's own gradient norm before DDP's all-reduce, its infinity norm
+    (the largest absolute value of this rank's own gradients of the optimizer's parameters, unscaled; with gradient
+    accumulation, of every micro-batch's)."""
 
 
 OPTIMIZER_GAUGES: tuple[str, ...] = ("consecutive_skipped", "longest_streak", "grad_norm", "local_grad_norm")

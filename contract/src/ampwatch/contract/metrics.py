@@ -86,10 +86,11 @@ OPTIMIZER_GRAD_NORM_STD = Metric("ampwatch_optimizer_grad_norm_std", "gauge", _O
                                  "Standard deviation of the gradient norm over its rolling window.")
 OPTIMIZER_LOCAL_GRAD_NORM_MEAN = Metric("ampwatch_optimizer_local_grad_norm_mean", "gauge", _OPTIMIZER,
                                         "Mean over its rolling window of this rank's own gradient norm before DDP's "
-                                        "all-reduce (only ranks watched with ddp=).")
+                                        "all-reduce, its infinity norm: the largest absolute value of this rank's "
+                                        "own gradients (only ranks watched with ddp=).")
 OPTIMIZER_LOCAL_GRAD_NORM_STD = Metric("ampwatch_optimizer_local_grad_norm_std", "gauge", _OPTIMIZER,
                                        "Standard deviation over its rolling window of this rank's own gradient norm "
-                                       "before DDP's all-reduce.")
+                                       "(the infinity norm) before DDP's all-reduce.")
 
 # Per rank.
 LOSS_SPIKES = Metric("ampwatch_loss_spikes_total", "counter", _RANK,
