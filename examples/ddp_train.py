@@ -97,7 +97,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         opt_head.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.unscale_(opt_body)  # clip per optimizer: one shared clip would spread NaN across them
-        torch.nn.utils.clip_grad_norm_(model.module.body.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.module.body.parameters(), 1.0)
+        watch.grad_norm(norm, opt_body)  # watched for spikes, read without a sync
         scaler.step(opt_body)
         scaler.step(opt_head)
         scaler.update()

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from ampwatch.contract.thresholds import DEMO_THRESHOLDS
+
 # A collector in a child process, started and stopped the way the tests do it; what the demo prints.
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.demo_report import CollectorView
@@ -151,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.data / "job.log", "wb") as log:
             # Its own session, so that stopping it also stops the rank processes it spawned.
             job = subprocess.Popen(_train_command(args, collector.url), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   start_new_session=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                        # the demo's spike window: a job of 150 iterations fills it
+                                        "AMPWATCH_SPIKE_WINDOW": str(DEMO_THRESHOLDS.spike_window_iterations)})
         view = CollectorView(collector.url, args.run, args.iterations, TROUBLE,
                              print_=lambda text: print(text, flush=True))
         _watch(view, job, args.once)

@@ -173,12 +173,15 @@ def test_row_4_a_non_finite_spike_of_one_rank_alone_is_an_outlier(collector):
     assert job.counted(1) == 1
 
 
-@pytest.mark.parametrize(("spiked", "outlier"), [(11.0, True), (10.5, False)])
+_AT = 2.0 + T.outlier_sigma * MAD_SCALE  # the median of the others' means + outlier_sigma spreads
+
+
+@pytest.mark.parametrize(("spiked", "outlier"), [(_AT + 0.1, True), (_AT - 0.4, False)])
 def test_rows_5_and_6_an_outlier_stands_robust_deviations_above_the_median_of_the_others_means(collector, spiked,
                                                                                                outlier):
     client, _ = collector
-    # Others' means 1, 2, 3: median 2, MAD 1, spread 1.4826 (above their deviations, 0.1): 6 spreads is 10.9.
-    job = Job(client, f"row-5-{spiked}", 4, means=[1.0, 2.0, 3.0, 2.5])
+    # Others' means 1, 2, 3: median 2, MAD 1, spread 1.4826 (above their deviations, 0.1): the line is _AT.
+    job = Job(client, f"row-5-{outlier}", 4, means=[1.0, 2.0, 3.0, 2.5])
     for rank in range(4):
         job.report(rank, 11, *([job.spike(rank, 11, spiked)] if rank == 3 else []))
     found = job.outliers()
