@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import random
-import socket
 import sys
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ampwatch import agent
+from ampwatch_support.ports import free_port
 
 SAMPLES = 48
 BAD_SAMPLE = 13
@@ -145,10 +145,7 @@ def main() -> int:
                         help="iterations where every rank's input holds an inf, e.g. 14,26")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_rank, args=(port, args), nprocs=args.ranks, join=True)
+    mp.spawn(_rank, args=(free_port(), args), nprocs=args.ranks, join=True)
     return 0
 
 

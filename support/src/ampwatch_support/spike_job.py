@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import random
-import socket
 import sys
 
 import torch
@@ -37,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
+from ampwatch_support.ports import free_port
 
 FEATURES = 16
 BATCH = 64
@@ -124,10 +124,7 @@ def main() -> int:
         parser.error(f"--odd-rank {args.odd_rank} is not a rank of {args.ranks}")
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_rank, args=(port, args), nprocs=args.ranks, join=True)
+    mp.spawn(_rank, args=(free_port(), args), nprocs=args.ranks, join=True)
     return 0
 
 
