@@ -341,3 +341,8 @@ def test_the_spike_rows_are_judged_against_1_percent_and_merged_without_touching
     assert [line.rsplit("|", 2)[1].strip() for line in table] == ["yes", "**no** (1.01%)", "not targeted"]
     assert [line.rsplit(", ", 1)[1] for line in instructions.summary_rows(ins)[-3:]] == [
         "within 1% |", "over the 1% target |", "not targeted |"]
+    norm = {**row("ampwatch_norm", 1.05, False), "bare": "bare", "bare_per_iter": 9_000}
+    assert instructions._against_clipping([norm, spikes[0]]) == [
+        "", "What the agent's norm costs beside the job computing it itself, per iteration: AdamW(foreach=True): +500 "
+            "with `grad_norm=True`, +1,000 for the job's own `unscale_` + `clip_grad_norm_` (`bare_clip` beside "
+            "`bare`)."]

@@ -145,4 +145,20 @@ def _spikes(ins: dict) -> list[str]:
                 "GradScaler loop with `grad_norm=True`: the agent computes each optimizer's norm in its step "
                 "pre-hook, a norm the bare loop (no clipping) never computes, so the row says what that option "
                 "costs and is not held to the target (docs/agent.md#spikes)."]
-    return out
+    return out + _against_clipping(rows)
+
+
+def _against_clipping(rows: list[dict]) -> list[str]:
+    """``grad_norm=True`` beside what the job's own ``unscale_`` + ``clip_grad_norm_`` cost, from the same bare rows."""
+    bare_of = {(r["optimizer"], r["bare"]): r["bare_per_iter"] for r in rows}
+    parts = []
+    for r in rows:
+        clipping = bare_of.get((r["optimizer"], "bare_clip"))
+        if r["watched"] == "ampwatch_norm" and r["bare"] == "bare" and clipping is not None:
+            parts.append(f"{r['optimizer']}: +{r['agent_per_iter']:,} with `grad_norm=True`, +"
+                         f"{clipping - r['bare_per_iter']:,} for the job's own `unscale_` + `clip_grad_norm_` "
+                         f"(`bare_clip` beside `bare`)")
+    if not parts:
+        return []
+    return ["", "What the agent's norm costs beside the job computing it itself, per iteration: " + "; ".join(parts)
+            + "."]
