@@ -15,7 +15,7 @@ the sender thread sleeps between pushes and is measured apart (its CPU time is a
 
 The spike rows (issue 40, :data:`SPIKE_CASES`): the transformer loop with the loss and each optimizer's gradient
 norm watched, beside the same loop bare; ``--spikes`` measures only them, ``--merge`` puts them into the committed
-page without re-measuring the rest (about 8 minutes instead of 17).
+page without re-measuring the rest (about 10 minutes on a quiet 2-core machine, the whole section about 25).
 
     python -m bench.instructions [--iterations N] [--spikes [--merge docs/benchmarks.json]] [--keep DIR]
 """
@@ -125,6 +125,9 @@ def callgrind_instructions(module_args: list[str], out: str, env: dict | None = 
     child_env["OMP_NUM_THREADS"] = "1"  # one compute thread: the same work in the same order every run
     child_env.update(env or {})
     ready = child_env[_READY] = out + ".ready"
+    for stale in [ready, ready + ".go", *glob.glob(out + ".*[0-9]")]:  # an earlier run's, in a kept folder (--keep)
+        if os.path.exists(stale):
+            os.remove(stale)
     command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
                "--zero-before=getppid", "--dump-before=getpgrp", sys.executable, "-m", *module_args]
     with open(out + ".log", "wb") as log, subprocess.Popen(
@@ -259,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         merge_spikes(result, args.merge, "python -m bench.instructions " + " ".join(
             argv if argv is not None else sys.argv[1:]))
         # the page's own render, in a child: bench.__main__ imports this module
-        return subprocess.run([sys.executable, "-m", "bench", "--render", args.merge], check=False).returncode
+        return subprocess.run([sys.executable, "-m", "bench", "--render", os.path.abspath(args.merge)], check=False,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).returncode
     return 0
 
 
