@@ -2,7 +2,7 @@
 
 ``python -m bench --list`` says what each section measures and how long it takes (``bench/_catalogue.py``).
 
-Full run: about 25 minutes on a 2-core machine (15 of them under valgrind); writes ``docs/benchmarks.md``
+Full run: about 35 minutes on a 2-core machine (25 of them under valgrind); writes ``docs/benchmarks.md``
 and ``docs/benchmarks.json``.
 ``--quick`` (about two minutes) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
 ``--only SECTION --merge`` re-measures one section into an earlier run's page, e.g. after changing the agent's scan:

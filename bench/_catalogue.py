@@ -40,8 +40,9 @@ BENCHMARKS = (
               "about 2 min", "about 45 s", parts=("bench.ddp_origin",)),
     Benchmark("instructions", "bench.instructions",
               "the agent's overhead in CPU instructions per iteration, counted exactly under valgrind's callgrind; "
-              "the forward probes of began, armed, on the transformer rows",
-              "about 15 min", "about 2 min (only with --only instructions)", in_quick=False),
+              "the forward probes of began, armed, on the transformer rows; the loss and gradient norm watched "
+              "(issue 40's spike pairs, alone: python -m bench.instructions --spikes)",
+              "about 25 min", "about 2 min (only with --only instructions)", in_quick=False),
     Benchmark("inspection", "bench.inspection",
               "cost of naming the offending parameters of a skip on models with many tensors, vs GradScaler's "
               "own inf check, and skip storms on such models", "about 2.5 min", "about 1 min"),

@@ -37,7 +37,7 @@ from bench import ddp_origin
 from bench._loops import MODELS, ModelBuilder, compare, pct, rotate
 from bench._samples_cost import sample_recording_us
 
-__all__ = ["BF16_VARIANTS", "VARIANTS", "Setup", "agent_host_cost_us", "agent_hot_path_us", "measure",
+__all__ = ["BF16_VARIANTS", "CLIP_VARIANTS", "VARIANTS", "Setup", "agent_host_cost_us", "agent_hot_path_us", "measure",
            "main"]
 
 VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
@@ -45,6 +45,16 @@ VARIANTS = ("bare", "ampwatch", "accelerate", "forum")
 BF16_VARIANTS = ("bf16", "bf16_ampwatch")
 """The same model in bfloat16 autocast without a GradScaler: the bare loop, and the agent watching it
 (``watch(None, ...)``: every optimizer step checked for inf/NaN gradients)."""
+
+CLIP_VARIANTS = ("bare_clip", "ampwatch_clip", "bf16_clip", "bf16_ampwatch_clip")
+"""What real jobs do before each step, bare and watched (issue 40's spike watch; ``bench.instructions``): per optimizer
+``scaler.unscale_(opt)`` (GradScaler loops) and ``clip_grad_norm_`` over its parameters (a max norm no gradient
+reaches, so clipping changes nothing); the watched loops hand each norm over with ``watch.grad_norm(norm,
+optimizer=opt)``, and the bf16 one its loss with ``watch.loss(loss)`` (with a scaler it goes through
+``scaler.scale``). ``ampwatch_norm``, not listed here: the ``ampwatch`` loop watched with ``grad_norm=True`` (the
+agent computes each norm)."""
+MAX_NORM = 1e9
+"""``clip_grad_norm_``'s max norm in the clip loops: far above any norm of these models, so nothing is clipped."""
 
 COMPARED = ("mlp", "transformer")
 """The models every variant is timed on; ``tiny`` only measures the agent's own host cost."""
@@ -62,7 +72,8 @@ class Setup:
         torch.manual_seed(0)
         self.variant = variant
         self.device = torch.device(device)
-        self.amp_dtype = torch.bfloat16 if self.device.type == "cpu" or variant in BF16_VARIANTS else torch.float16
+        bf16 = variant in BF16_VARIANTS or variant.startswith("bf16_")
+        self.amp_dtype = torch.bfloat16 if self.device.type == "cpu" or bf16 else torch.float16
         build = MODELS[model] if isinstance(model, str) else model
         self.model, groups, self.loss = build(self.device)
         kw = {"fused": True} if fused else {"foreach": True}
@@ -72,18 +83,20 @@ class Setup:
         first = groups[0][0]
         first.register_hook(lambda g: g * float("inf") if self.storm else g)
         self.skipped: list[bool] = [False, False]  # the method's answer for the last iteration, per optimizer
+        self.groups = groups
         self.watch = None
-        if variant in BF16_VARIANTS:
+        if bf16:
             self.scaler = None  # a bf16 job: no loss scaling, nothing skips
-            if variant == "bf16_ampwatch":
+            if variant in ("bf16_ampwatch", "bf16_ampwatch_clip"):
                 from ampwatch import agent
                 self.watch = agent.watch(None, {"body": self.opts[0], "head": self.opts[1]}, model=self.model,
                                          collector=collector, run="bench-overhead-bf16")
-        elif variant in ("ampwatch", "ampwatch_unasked"):
+        elif variant in ("ampwatch", "ampwatch_unasked", "ampwatch_clip", "ampwatch_norm"):
             from ampwatch import agent
             self.watch = agent.watch(self.scaler, {"body": self.opts[0], "head": self.opts[1]}, model=self.model,
                                      collector=collector,
-                                     run=f"bench-overhead-{model if isinstance(model, str) else build.__name__}")
+                                     run=f"bench-overhead-{model if isinstance(model, str) else build.__name__}",
+                                     **({"grad_norm": True} if variant == "ampwatch_norm" else {}))
         elif variant == "accelerate":
             from accelerate import Accelerator
             from accelerate.optimizer import AcceleratedOptimizer
@@ -91,8 +104,10 @@ class Setup:
             Accelerator(cpu=self.device.type == "cpu")
             self.wrapped = [AcceleratedOptimizer(o, device_placement=False, scaler=self.scaler) for o in self.opts]
         # ampwatch_unasked: the bare loop, with the agent attached to the scaler and optimizers it drives
-        self.iterate = (self._bare if variant == "ampwatch_unasked" else self._bf16 if variant in BF16_VARIANTS
-                        else getattr(self, "_" + variant))
+        loops = {"ampwatch_unasked": self._bare, "ampwatch_norm": self._ampwatch, "bf16": self._bf16,
+                 "bf16_ampwatch": self._bf16, "bare_clip": self._clip, "ampwatch_clip": self._clip,
+                 "bf16_clip": self._bf16_clip, "bf16_ampwatch_clip": self._bf16_clip}
+        self.iterate = loops.get(variant) or getattr(self, "_" + variant)
 
     def _forward_backward(self) -> None:
         for opt in self.opts:
@@ -116,6 +131,36 @@ class Setup:
                 loss = self.loss()
             loss.backward()
             for opt in self.opts:
+                opt.step()
+
+    def _clip(self, n: int) -> None:
+        """``bare_clip``, ``ampwatch_clip``: unscale, clip and step each optimizer; watched, hand each norm over."""
+        for _ in range(n):
+            self._forward_backward()
+            for opt, params in zip(self.opts, self.groups, strict=True):
+                self.scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+                if self.watch is not None:
+                    self.watch.grad_norm(norm, optimizer=opt)
+                self.scaler.step(opt)
+            self.scaler.update()
+            if self.watch is not None:
+                self.skipped = [self.watch.stepped(opt) is False for opt in self.opts]
+
+    def _bf16_clip(self, n: int) -> None:
+        """``bf16_clip``, ``bf16_ampwatch_clip``: clip, step each optimizer; watched, hand the loss and norms over."""
+        for _ in range(n):
+            for opt in self.opts:
+                opt.zero_grad()
+            with torch.autocast(self.device.type, dtype=self.amp_dtype):
+                loss = self.loss()
+            if self.watch is not None:
+                self.watch.loss(loss)
+            loss.backward()
+            for opt, params in zip(self.opts, self.groups, strict=True):
+                norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+                if self.watch is not None:
+                    self.watch.grad_norm(norm, optimizer=opt)
                 opt.step()
 
     def _ampwatch(self, n: int) -> None:

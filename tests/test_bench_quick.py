@@ -85,6 +85,37 @@ def test_ampwatch_answers_right_per_optimizer_and_adds_no_sync_unlike_the_get_sc
             s.close()
 
 
+@pytest.mark.timeout(120)
+def test_the_clip_loops_train_as_the_plain_ones_and_the_watched_ones_watch_the_loss_and_every_norm(monkeypatch):
+    """bench.instructions' spike pairs: the bare and watched clip loops clip every optimizer's gradients (changing
+    nothing) and step bit-identically to the plain loops; each watched loop holds the loss's and both norms' levels."""
+    clipped = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def counted(params, *args, **kwargs):
+        clipped.append(len(list(params)))
+        return clip(params, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
+    plain = {"bare_clip": "bare", "ampwatch_clip": "bare", "ampwatch_norm": "bare", "bf16_clip": "bf16",
+             "bf16_ampwatch_clip": "bf16"}
+    setups = {v: Setup(v, "mlp", False, collector=()) for v in [*plain, "bare", "bf16"]}
+    try:
+        for name, s in setups.items():
+            clipped.clear()
+            s.iterate(3)
+            assert clipped == ([2, 4] * 3 if name.endswith("_clip") else []), name  # each optimizer's group
+        for name, twin in plain.items():
+            for a, b in zip(setups[name].model.parameters(), setups[twin].model.parameters(), strict=True):
+                assert torch.equal(a, b), name
+            if setups[name].watch is not None:
+                state = setups[name].watch.snapshot()["state"]
+                assert "loss" in state and state["delivery"]["agent_errors"] == 0, name
+                assert all("grad_norm" in c for c in state["optimizers"].values()), (name, state["optimizers"])
+    finally:
+        for s in setups.values():
+            s.close()
+
+
 @pytest.mark.timeout(60)
 def test_accelerate_misses_skips_of_fused_optimizers_and_updates_the_scale_per_optimizer():
     from bench.overhead import _updates_per_iter

@@ -309,3 +309,40 @@ def test_the_by_job_size_table_takes_each_row_from_the_section_it_links_and_orde
     assert rows[1][2] == "2,748.4 of 4,096 asked" and rows[1][5] == "-" and rows[1][7] == "[section 2](#2) |"
     assert rows[2][2:7] == ["546.1", "308.3", "1,552.7", "-", "22.0"] and rows[2][7] == "[section 9](#9) |"
     assert by_scale.section({}, None, None, links) == []
+
+
+def test_the_spike_rows_are_judged_against_1_percent_and_merged_without_touching_the_rest(tmp_path):
+    import json
+    import shutil
+
+    from bench.instructions import merge_spikes
+    from bench.report import instructions
+
+    def row(watched: str, ratio: float, judged: bool) -> dict:
+        return {"model": "transformer", "optimizer": "AdamW(foreach=True)", "precision": "GradScaler", "ddp": False,
+                "iterations": 200, "bare_per_iter": 10_000, "watched_per_iter": round(10_000 * ratio),
+                "agent_per_iter": round(10_000 * (ratio - 1)), "ratio": ratio, "bare": "bare_clip",
+                "watched": watched, "judged": judged,
+                "grad_norm": "grad_norm=True" if watched == "ampwatch_norm" else "watch.grad_norm"}
+    spikes = [row("ampwatch_clip", 1.0099, True), row("ampwatch_clip", 1.0101, True), row("ampwatch_norm", 1.05, False)]
+    path = tmp_path / "benchmarks.json"
+    shutil.copy(os.path.join(ROOT, "docs", "benchmarks.json"), path)
+    earlier = json.loads(path.read_text())
+    merge_spikes({"spikes": spikes, "warmup": 20}, str(path), "python -m bench.instructions --spikes")
+    merged = json.loads(path.read_text())
+    stamp = merged["instructions"].pop("spikes_measured")
+    assert merged["instructions"].pop("spikes") == spikes
+    assert stamp["command"] == "python -m bench.instructions --spikes" and stamp["warmup"] == 20
+    earlier["instructions"].pop("spikes", None)
+    earlier["instructions"].pop("spikes_measured", None)
+    assert merged == earlier
+    ins = {**earlier["instructions"], "spikes": spikes, "spikes_measured": stamp}
+    table = [line for line in instructions.section(ins) if "`bare_clip`" in line]
+    assert [line.rsplit("|", 2)[1].strip() for line in table] == ["yes", "**no** (1.01%)", "not targeted"]
+    assert [line.rsplit(", ", 1)[1] for line in instructions.summary_rows(ins)[-3:]] == [
+        "within 1% |", "over the 1% target |", "not targeted |"]
+    norm = {**row("ampwatch_norm", 1.05, False), "bare": "bare", "bare_per_iter": 9_000}
+    assert instructions._against_clipping([norm, spikes[0]]) == [
+        "", "What the agent's norm costs beside the job computing it itself, per iteration: AdamW(foreach=True): +500 "
+            "with `grad_norm=True`, +1,000 for the job's own `unscale_` + `clip_grad_norm_` (`bare_clip` beside "
+            "`bare`)."]

@@ -15,6 +15,7 @@ def section(ins: dict) -> list[str]:
                    f"{r['ratio']:.4f} |")
     out += _interpretation(ins["rows"])
     out += _probes(ins.get("probes", []))
+    out += _spikes(ins)
     out += ["", "Instructions executed by the training process over the measured iterations, counted by valgrind's "
                 "callgrind (`bench/instructions.py`: counters zeroed after set-up and a warm-up of "
                 f"{ins['warmup']} iterations, dumped right after the loop; one compute thread). Unlike time, the "
@@ -38,6 +39,10 @@ def summary_rows(ins: dict) -> list[str]:
                    "(callgrind, exact) | "
                    f"{r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per iteration) | - | "
                    f"{(r['ratio'] - 1) * 100:.2f}% |")
+    for r in ins.get("spikes", []):
+        out.append(f"| CPU instructions per iteration, {r['model']} {r['optimizer']} {_precision(r)}, "
+                   f"{_watched(r)} (callgrind, exact) | {r['ratio']:.4f} of bare (+{r['agent_per_iter']:,} per "
+                   f"iteration) | - | {(r['ratio'] - 1) * 100:.2f}%{_verdict(r)} |")
     return out
 
 
@@ -92,3 +97,68 @@ def _probes(rows: list[dict]) -> list[str]:
                 "run never arms them (the watched rows above have none); after an event whose loss was not finite "
                 "they stay on until they name the module, for at most `AMPWATCH_PROBE_ITERATIONS` iterations."]
     return out
+
+
+TARGET = 1.01
+"""Issue 40's target for the spike rows it judges: the loop with the loss and norm watched within 1% of bare."""
+
+
+def _watched(row: dict) -> str:
+    """What the spike row's watched loop watches, and how it gets the norm."""
+    if row["grad_norm"] == "grad_norm=True":
+        return "loss watched, norms computed by the agent (`grad_norm=True`; the bare loop computes none)"
+    loss = "`scaler.scale`" if _precision(row) == "GradScaler" else "`watch.loss`"
+    return f"loss ({loss}) and `clip_grad_norm_`'s norms (`watch.grad_norm`) watched"
+
+
+def _verdict(row: dict) -> str:
+    if not row["judged"]:
+        return ", not targeted"
+    return ", within 1%" if row["ratio"] <= TARGET else ", over the 1% target"
+
+
+def _spikes(ins: dict) -> list[str]:
+    """Issue 40's spike watch: the loss and each optimizer's gradient norm watched, beside the same loop bare."""
+    rows = ins.get("spikes", [])
+    if not rows:
+        return []
+    out = ["", "**The loss and the gradient norm watched (spikes, issue 40).**"]
+    stamp = ins.get("spikes_measured")
+    if stamp:
+        out += ["", f"Measured by `{stamp['command']}` on {stamp['date']} (load average {stamp['loadavg']}; "
+                    f"instruction counts do not move with it), apart from the rows above."]
+    out += ["", "| model | optimizer | precision | bare loop | watched loop | iterations | bare instructions/iter "
+                "| watched instructions/iter | agent | ratio | target: within 1% |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        target = ("not targeted" if not r["judged"] else "yes" if r["ratio"] <= TARGET
+                  else f"**no** ({(r['ratio'] - 1) * 100:.2f}%)")
+        out.append(f"| {r['model']} | {r['optimizer']} | {_precision(r)} | `{r['bare']}` | `{r['watched']}` | "
+                   f"{r['iterations']} | {r['bare_per_iter']:,} | {r['watched_per_iter']:,} | "
+                   f"+{r['agent_per_iter']:,} | {r['ratio']:.4f} | {target} |")
+    out += ["", "Both loops of a judged pair do what real jobs do before each step, per optimizer: "
+                "`scaler.unscale_(opt)` (with a GradScaler) and `clip_grad_norm_` over its parameters (a max norm "
+                "no gradient reaches); the watched loop (`bench.overhead.Setup`, `bench.overhead.CLIP_VARIANTS`) "
+                "hands each norm over with `watch.grad_norm(norm, optimizer=opt)`, its loss is watched through the "
+                "wrapped `scaler.scale(loss)` or, without a scaler, `watch.loss(loss)`, and with a scaler it also "
+                "asks `watch.stepped()` for both optimizers, as the rows above do. `ampwatch_norm` is the watched "
+                "GradScaler loop with `grad_norm=True`: the agent computes each optimizer's norm in its step "
+                "pre-hook, a norm the bare loop (no clipping) never computes, so the row says what that option "
+                "costs and is not held to the target (docs/agent.md#spikes)."]
+    return out + _against_clipping(rows)
+
+
+def _against_clipping(rows: list[dict]) -> list[str]:
+    """``grad_norm=True`` beside what the job's own ``unscale_`` + ``clip_grad_norm_`` cost, from the same bare rows."""
+    bare_of = {(r["optimizer"], r["bare"]): r["bare_per_iter"] for r in rows}
+    parts = []
+    for r in rows:
+        clipping = bare_of.get((r["optimizer"], "bare_clip"))
+        if r["watched"] == "ampwatch_norm" and r["bare"] == "bare" and clipping is not None:
+            parts.append(f"{r['optimizer']}: +{r['agent_per_iter']:,} with `grad_norm=True`, +"
+                         f"{clipping - r['bare_per_iter']:,} for the job's own `unscale_` + `clip_grad_norm_` "
+                         f"(`bare_clip` beside `bare`)")
+    if not parts:
+        return []
+    return ["", "What the agent's norm costs beside the job computing it itself, per iteration: " + "; ".join(parts)
+            + "."]
