@@ -6,7 +6,8 @@ __all__ = ["section", "summary_rows"]
 
 _WHAT = {"today": "today's batch (counters, scale, delivery)",
          "levels": "+ the loss's level, each optimizer's gradient norm level and its local one (issue 40)",
-         "levels_every_4th": "+ the same levels in one batch in 4 only, a minute apart on average: an alternative"}
+         "levels_every_4th": "+ the same levels in one batch in 4 only, a minute apart on average: what the agent "
+                             "sends (protocol.LEVEL_HEARTBEATS)"}
 
 
 def _verdict(ratio: float, target: float) -> str:
@@ -106,9 +107,9 @@ def _fixes(res: dict) -> list[str]:
     if every is not None:
         lines[-1] += (f" The levels in one batch in 4 (a minute apart at the default heartbeat) measured "
                       f"x{every['wire_ratio']:.3f}, x{every['wire_ratio_with_kinds']:.3f} with the answers' kinds: "
-                      f"{'within' if every['wire_ratio_with_kinds'] <= target else 'still over'} the target; the "
-                      "collector would then keep a rank's last level between batches that lack it (an absent level "
-                      "would no longer mean that nothing is watched).")
+                      f"{'within' if every['wire_ratio_with_kinds'] <= target else 'still over'} the target: the "
+                      "agent sends them so (one heartbeat in four, the first at once, and in its last batch), and "
+                      "the collector keeps a process's last levels between batches that lack them.")
     return lines
 
 
