@@ -8,6 +8,8 @@
 - :mod:`ampwatch.contract.counters`: the rank counters and gauges alert conditions read, by name.
 - :mod:`ampwatch.contract.alerts`: each alert once: name, severities, ``for`` window, the thresholds its
   condition reads, the window and counters it compares, summary and description, runbook anchor (docs/alerts.md).
+- :mod:`ampwatch.contract.placement`: which collector a rank reports to (a run on one replica, a big run in
+  blocks of ranks), computed alike by every rank and every collector.
 - :mod:`ampwatch.contract.conditions`: the forms a common alert's condition takes (a counter rose, rose by at
   least, a share, a gauge outside a range), which both evaluators compile.
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ampwatch.contract.placement import BLOCK_RANKS, normalize
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, KEEP_ALIVE_S, TEXT_LIMITS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
@@ -42,6 +43,16 @@ _PARSERS: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _boo
 def _number(text: str) -> float:
     """A number that is no duration (its option's name says its unit: days, a ratio)."""
     return float(text)
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """Read ``--peers``: collector URLs, comma-separated, as the agents' ``AMPWATCH_URL`` lists them."""
+    urls = tuple(dict.fromkeys(normalize(url) for url in text.split(",") if url.strip()))
+    for url in urls:
+        if not url.startswith(("http://", "https://")) or url.count("/") != 2:
+            raise ValueError(f"--peers / {ENV_PREFIX}PEERS must be http(s)://host[:port] URLs separated by commas "
+                             f"(the agents' AMPWATCH_URL), got {url!r}")
+    return urls
 
 
 def _option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, shown: str | None = None,
@@ -142,6 +153,14 @@ class ServerConfig:
     require_process_key: bool = _option(False, "refuse (422) batches without a process_key: agents before it, "
                                                "whose ranks anyone holding the ingest token can speak for "
                                                "(docs/security.md#what-a-token-holder-can-do-to-another-rank)")
+    peers: tuple[str, ...] = _option(
+        (), "every collector of this deployment, this one included, comma-separated, exactly as the agents' "
+            "AMPWATCH_URL lists them: runs are placed on them by the same rule (docs/scaling.md), and "
+            "GET /v1/runs and the page's run list show the runs of all of them", parse=parse_peers, shown="none")
+    advertise_url: str | None = _option(None, "this collector's own URL in --peers (default: the one entry of "
+                                              "--peers whose port is --port, if exactly one is)")
+    block_ranks: int = _option(BLOCK_RANKS, "ranks of one run a collector holds before the run is split into "
+                                            "blocks over --peers; the agents' AMPWATCH_BLOCK_RANKS must be the same")
     log_level: str = _option("info", "debug, info, warning or error")
     webhook: tuple[Target, ...] = _option(
         (), "alert notification targets, comma-separated kind:url with kind webhook (Alertmanager webhook payload), "
@@ -199,6 +218,8 @@ class ServerConfig:
             ("rate_limit", self.rate_limit >= 0, "must be >= 0 requests per second (0 turns the limit off)"),
             ("ssl_keyfile", bool(self.ssl_certfile) == bool(self.ssl_keyfile),
              "and ssl_certfile must be given together"),
+            ("peers", isinstance(self.peers, tuple), "must be a tuple of URLs (parse_peers() reads the text form)"),
+            ("block_ranks", self.block_ranks >= 1, "must be >= 1"),
             ("log_level", self.log_level in ("debug", "info", "warning", "error"),
              "must be one of debug, info, warning, error"),
             ("webhook", isinstance(self.webhook, tuple) and all(isinstance(t, Target) for t in self.webhook),
@@ -213,6 +234,23 @@ class ServerConfig:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {rule} "
                                  f"(set by --{name.replace('_', '-')} or {ENV_PREFIX}{name.upper()})")
+        self._find_own_url()
+
+    def _find_own_url(self) -> None:
+        """Resolve ``advertise_url``: given (then one of ``peers``), or the one peer on this port."""
+        if self.advertise_url is not None:
+            self.advertise_url = normalize(self.advertise_url)
+            if self.peers and self.advertise_url not in self.peers:
+                raise ValueError(f"advertise_url={self.advertise_url!r} is not one of --peers {list(self.peers)}: "
+                                 f"list this collector in --peers as the agents reach it")
+            return
+        if not self.peers:
+            return
+        mine = [url for url in self.peers if url.rsplit(":", 1)[-1] == str(self.port)]
+        if len(mine) != 1:
+            raise ValueError(f"cannot tell which of --peers {list(self.peers)} is this collector ({len(mine)} have "
+                             f"port {self.port}): give --advertise-url (or {ENV_PREFIX}ADVERTISE_URL)")
+        self.advertise_url = mine[0]
 
     def _read_secret_files(self) -> None:
         """Fill ``token``, ``read_token`` and ``webhook`` from their ``*_file`` options (once, at start)."""
