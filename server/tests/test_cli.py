@@ -52,3 +52,27 @@ def test_silent_after_follows_the_silence_alerts_threshold_unless_given(monkeypa
     assert config_from_args(given).silent_after == 7
     monkeypatch.setenv("AMPWATCH_SERVER_SILENT_AFTER", "")  # set but empty: not set
     assert config_from_args(build_parser().parse_args([])).silent_after == DEFAULT_THRESHOLDS.silent_after_s
+
+
+def _parsed(*argv: str):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_peers_are_read_as_the_agents_url_list_and_this_collector_is_found_in_them():
+    config = _parsed("--port", "9458", "--peers", "http://A:9457/, http://b:9458,http://a:9457")
+    assert config.peers == ("http://a:9457", "http://b:9458") and config.advertise_url == "http://b:9458"
+    config = _parsed("--port", "9457", "--peers", "http://a:9457,http://b:9457", "--advertise-url", "http://B:9457/")
+    assert config.advertise_url == "http://b:9457"
+    assert _parsed().peers == () and _parsed().advertise_url is None and _parsed().block_ranks == 8192
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--peers", "c1:9457"], "must be http\\(s\\)://host\\[:port\\] URLs"),
+    (["--port", "1", "--peers", "http://a:9457,http://b:9457"], "0 have port 1\\): give --advertise-url"),
+    (["--port", "9457", "--peers", "http://a:9457,http://b:9457"], "2 have port 9457\\): give --advertise-url"),
+    (["--peers", "http://a:9457", "--advertise-url", "http://c:9457"], "is not one of --peers"),
+    (["--block-ranks", "0"], "block_ranks=0 must be >= 1"),
+])
+def test_peers_this_collector_cannot_place_itself_in_are_refused_saying_what_to_give(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _parsed(*argv)
