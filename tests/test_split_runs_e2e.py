@@ -2,12 +2,15 @@
 
 Each rank's batch goes to the collector ``ampwatch.contract.placement.collector_for`` names, as the agents send it.
 
-| case | where | what each replica says |
-|---|---|---|
-| a 6-rank run in 3 blocks of 2, every rank in a skip storm | blocks 1 and 3 on one replica, block 2 on the other | one AmpRunSkipStorm each, judged over its own ranks (2 of 6 on one: a share of the world size would not fire), its texts and notification naming its block and linking the other replica |
-| a 2-rank run, held whole by one replica, in the same storm | its one collector | exactly the alerts of a single collector without ``--peers``, texts included: no block text |
-| ranks sent to a replica the rule does not place them on | that replica | kept (the ranks are in the run), counted once per rank in ``misplaced_ranks``, logged once per run |
-| ``GET /v1/runs/{run}`` and ``/placement`` | both | the blocks, each with its collector and ``here`` |
+- A 6-rank run in 3 blocks of 2, every rank in a skip storm (blocks 1 and 3 on one replica, block 2 on the other):
+  one AmpRunSkipStorm per replica, judged over the ranks it holds (2 of 6 on one: a share of the world size would
+  not fire), its texts and its notification naming its block and linking the other replica's page.
+- A 2-rank run held whole by one replica, in the same storm: exactly the alerts of a single collector without
+  ``--peers``, texts included (no block text).
+- Ranks sent to a replica the rule does not place them on: kept (the ranks are in the run), counted once per rank in
+  ``misplaced_ranks``, logged once per run.
+- ``GET /v1/runs/{run}`` and ``/placement``: the blocks, each with its collector and ``here``, from either replica.
+- The page (Chromium): "block i of n (ranks a-b ...)" and a link to the other replica's page of the run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import httpx
 from ampwatch.contract.placement import blocks, collector_for
 from ampwatch_support.batches import make_batch, optimizer, post_batch
 from ampwatch_support.collector_process import CollectorProcess
+from ampwatch_support.headless_browser import needs_browser, open_page
+from ampwatch_support.headless_browser import wait_until as page_wait_until
 from ampwatch_support.patience import wait_until
 from ampwatch_support.ports import free_port
 from ampwatch_support.webhook_receiver import WebhookReceiver
@@ -138,3 +143,35 @@ def test_a_split_runs_storm_fires_once_per_replica_naming_its_block_and_a_whole_
             assert run["placement"]["misplaced_ranks"] == len(astray), run["placement"]
             log = open(by_url[astray_at].log_path).read()
             assert log.count(f"of run '{ASTRAY}'") == 1 and "misplaced_ranks" in log, log[-2000:]
+
+
+@needs_browser
+def test_the_page_of_a_split_run_says_its_block_and_links_the_other_blocks_replica(tmp_path):
+    ports = free_port(), free_port()
+    peers = [f"http://127.0.0.1:{port}" for port in ports]
+    args = ["--peers", ",".join(peers), "--block-ranks", str(BLOCK_RANKS)]
+    with CollectorProcess(str(tmp_path / "a.db"), port=ports[0], args=args), \
+            CollectorProcess(str(tmp_path / "b.db"), port=ports[1], args=args):
+        run = "split/4 <img src=x>"  # a slash and markup: the links must quote it, the line show it as text
+        for rank in range(4):
+            post_batch(collector_for(run, rank, 4, peers, BLOCK_RANKS), storm_batch(run, rank, 4))
+        first, second = blocks(run, 4, peers, BLOCK_RANKS)
+        assert first.collector != second.collector
+        with open_page(f"{first.collector}/#run={urllib.parse.quote(run, safe='')}") as (page, problems):
+            assert wait_until_shown(page, "#run-blocks"), "the block line never showed"
+            line = page.locator("#run-blocks").text_content()
+            assert line.startswith("block 1 of 2 (ranks 0-1 of 4) on this collector"), line
+            link = page.locator("#run-blocks a.block-link")
+            assert link.count() == 1 and link.text_content() == "block 2 (ranks 2-3)"
+            assert link.get_attribute("href") == f"{second.collector}/#run={urllib.parse.quote(run, safe='')}"
+            link.click()  # the other replica's page, on the same run
+            page.wait_for_url(f"{second.collector}/**")
+            assert wait_until_shown(page, "#run-blocks"), "the other replica's block line never showed"
+            assert page.locator("#run-blocks").text_content().startswith(
+                "block 2 of 2 (ranks 2-3 of 4) on this collector")
+            assert page.locator("#run-name").text_content() == run and page.locator("img").count() == 0
+            assert problems == []
+
+
+def wait_until_shown(page, selector: str) -> bool:
+    return page_wait_until(page, f"!document.querySelector({selector!r}).hidden")
