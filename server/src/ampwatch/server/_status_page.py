@@ -38,7 +38,8 @@ def _policy(scripts: list[str], style: str) -> str:
     def digest(text: str) -> str:
         return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
     return (f"default-src 'self'; img-src 'self' data:; style-src 'self' {digest(style)}; "
-            f"script-src 'self' {' '.join(map(digest, scripts))}; connect-src 'self'; base-uri 'none'; frame-ancestors 'none'")
+            f"script-src 'self' {' '.join(map(digest, scripts))}; connect-src 'self'; base-uri 'none'; "
+            "frame-ancestors 'none'")
 
 
 @dataclasses.dataclass(frozen=True)
