@@ -31,7 +31,7 @@ def test_the_view_of_each_collector_is_the_agents_rule(world_size, block_ranks, 
         mine = {rank for rank in range(world_size) if view.holds(rank)}
         assert mine == {r for r in range(world_size) if collector_for("exp-7", r, world_size, peers, block_ranks)
                         == here}
-        assert not mine & held
+        assert not mine & held and view.held_ranks == len(mine)
         held |= mine
     assert held == set(range(world_size))  # every rank belongs to exactly one collector
 
@@ -99,3 +99,34 @@ def test_a_split_runs_notifications_carry_its_block_and_the_other_blocks():
     assert webhook_body([alert])["alerts"][0]["annotations"] == dict(texts)
     slack = slack_body([alert])["blocks"][0]["text"]["text"]
     assert "other_blocks: block 2 (ranks 2-3): http://c2/#run=r" in slack and "block: ranks 0-1 of 4" in slack
+
+
+def test_a_gradient_spike_on_most_of_a_split_runs_ranks_here_is_the_jobs_not_an_outlier(tmp_path):
+    """The gradient-outlier rule's whole-job share (``outlier_rank_share`` of the run's ranks) is judged over the
+    ranks of the run this collector holds: 2 of the 4 ranks of its block spiking is the job, as in a 4-rank run,
+    although 2 of the run's 8 ranks would not be more than the share."""
+    from fastapi.testclient import TestClient
+
+    from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS as T
+    from ampwatch.server import ServerConfig, create_app
+    from ampwatch_support.batches import APPLIED, make_batch, optimizer
+
+    assert 2 > T.outlier_rank_share * 4 and not 2 > T.outlier_rank_share * 8
+    here = collector_for("split-8", 0, 8, PEERS[:2], 4)
+    config = ServerConfig(db=str(tmp_path / "ampwatch.db"), allowed_hosts=("testserver",), peers=PEERS[:2],
+                          advertise_url=here, block_ranks=4)
+    with TestClient(create_app(config)) as client:
+        for iteration in (10, 11):
+            for rank in range(4):
+                spike = {"id": 1, "kind": "grad_norm_spike", "time": 1.0, "iteration": 11, "optimizer": "gen",
+                         "local": True, "value": 100.0, "mean": 1.0, "std": 0.1, "z": 990.0, "streak": 1}
+                batch = make_batch(run="split-8", rank=rank, world_size=8, local_rank=rank, host="h",
+                                   incarnation=f"{rank:032x}", seq=iteration, iteration=iteration,
+                                   optimizers={"gen": optimizer(steps=iteration,
+                                                                local_grad_norm={"mean": 1.0, "std": 0.1})},
+                                   events=[spike] if iteration == 11 and rank < 2 else [])
+                assert client.post("/v1/ingest", json=batch).json() == APPLIED
+        placement = client.get("/v1/runs/split-8/placement").json()["placement"]
+        assert placement["split"] and placement["misplaced_ranks"] == 0  # ranks 0-3: the block placed here
+        events = client.get("/v1/runs/split-8/events", params={"kind": "gradient_outlier"}).json()["events"]
+        assert events == []

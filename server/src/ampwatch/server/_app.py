@@ -131,6 +131,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         store.on_events_added = own.events.inc
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         ingest = app.state.ingest = IngestService(config, state, store, own, clock)
+        ingest.outliers.ranks_judged = placements.ranks_judged  # a split run's share: of its ranks here
         app.state.exposition = Exposition(state, own, config.silent_after, clock, pause_s=RENDER_PAUSE_S,
                                           busy=lambda: ingest.in_flight > 0,
                                           suspects=suspect_judge(app.state).current)

@@ -62,6 +62,16 @@ class RunPlacement:
     def split(self) -> bool:
         return self.block_count > 1
 
+    @property
+    def held_ranks(self) -> int:
+        """How many of the run's ranks the rule places here (over every block, listed or not)."""
+        count, n, size = self.block_count, self.collectors, self.block_ranks
+        if self.place >= count:
+            return 0
+        blocks_here = (count - 1 - self.place) // n + 1
+        short = count * size - self.world_size  # the last block's missing ranks
+        return blocks_here * size - (short if (count - 1) % n == self.place else 0)
+
     def holds(self, rank: int) -> bool:
         """Whether ``rank`` (of this world size) belongs here by the rule."""
         return block_of(rank, self.world_size, self.block_ranks) % self.collectors == self.place
@@ -150,6 +160,14 @@ class Placements:
     def misplaced(self, run: str) -> int:
         """Ranks of ``run`` sent here that its placement puts on another replica."""
         return len(self._misplaced.get(run, ()))
+
+    def ranks_judged(self, run: str, world_size: int) -> int:
+        """The ranks of ``run`` this collector judges a share of the run over: ``world_size``, but for a split run
+        the ranks of its blocks here (and those misplaced here): a gradient spike on most of them is the job's."""
+        view = self._views.get(run)
+        if view is None or not view.split or view.world_size != world_size:
+            return world_size
+        return view.held_ranks + self.misplaced(run)
 
     def to_json(self, run: str) -> dict | None:
         view = self._views.get(run)
