@@ -4,7 +4,8 @@ Each rank's batch goes to the collector ``ampwatch.contract.placement.collector_
 
 - A 6-rank run in 3 blocks of 2, every rank in a skip storm (blocks 1 and 3 on one replica, block 2 on the other):
   one AmpRunSkipStorm per replica, judged over the ranks it holds (2 of 6 on one: a share of the world size would
-  not fire), its texts and its notification naming its block and linking the other replica's page.
+  not fire), labelled with its block (apart from the other replica's in Alertmanager), its texts and its notification
+  naming its block and linking the other replica's page.
 - A 2-rank run held whole by one replica, in the same storm: exactly the alerts of a single collector without
   ``--peers``, texts included (no block text).
 - Ranks sent to a replica the rule does not place them on: kept (the ranks are in the run), counted once per rank in
@@ -77,7 +78,10 @@ def test_a_split_runs_storm_fires_once_per_replica_naming_its_block_and_a_whole_
                 other = next(u for u in peers if u != url)
                 storm = wait_until(lambda url=url: named(firing(url, SPLIT), "AmpRunSkipStorm"),
                                    what=f"the split run's storm on {url}")
-                assert len(storm) == 1 and storm[0]["labels"] == {"run": SPLIT, "severity": "warning"}, storm
+                # Labelled with its block numbers here: the replicas' alerts of the run stay apart in Alertmanager.
+                label = ",".join(str(b.index + 1) for b in mine)
+                assert len(storm) == 1 and storm[0]["labels"] == {"run": SPLIT, "severity": "warning",
+                                                                  "block": label}, storm
                 texts = storm[0]["annotations"]
                 ranges = ", ".join(f"{b.first_rank}-{b.last_rank}" for b in mine)
                 where = f"ranks {ranges} of 6 (block{'s' if len(mine) > 1 else ''} " \
@@ -109,8 +113,10 @@ def test_a_split_runs_storm_fires_once_per_replica_naming_its_block_and_a_whole_
                         for alert in request["body"]["alerts"]
                         if alert["labels"]["alertname"] == "AmpRunSkipStorm" and alert["labels"]["run"] == SPLIT}
             notes = wait_until(lambda: len(storm_notes()) == 2 and storm_notes(), what="both replicas' notifications")
+            assert len({named(firing(u, SPLIT), "AmpRunSkipStorm")[0]["fingerprint"] for u in peers}) == 2
             for path, me, other in (("/a", a.url, b.url), ("/b", b.url, a.url)):
-                assert notes[path]["block"] == named(firing(me, SPLIT), "AmpRunSkipStorm")[0]["annotations"]["block"]
+                [storm] = named(firing(me, SPLIT), "AmpRunSkipStorm")
+                assert notes[path]["block"] == storm["annotations"]["block"]
                 assert f"{other}/#run=" in notes[path]["other_blocks"] and me not in notes[path]["other_blocks"]
 
             # The whole run: its one replica fires what a collector without --peers fires, to the letter.
@@ -122,7 +128,7 @@ def test_a_split_runs_storm_fires_once_per_replica_naming_its_block_and_a_whole_
             wait_until(lambda: any(x[0] == "AmpRunSkipStorm" for x in alerts_of(holder.url))
                        and alerts_of(holder.url) == alerts_of(single.url),
                        what=lambda: f"the same alerts: {alerts_of(holder.url)} vs {alerts_of(single.url)}")
-            assert all("block" not in dict(x[2]) for x in alerts_of(holder.url))
+            assert all("block" not in dict(x[1]) and "block" not in dict(x[2]) for x in alerts_of(holder.url))
             held = httpx.get(f"{holder.url}/v1/runs/{WHOLE}", timeout=30).json()["placement"]
             assert held["split"] is False and held["blocks"] == [
                 {"index": 0, "first_rank": 0, "last_rank": 1, "collector": holder.url, "here": True}], held

@@ -47,22 +47,22 @@ def test_without_peers_nothing_is_placed_or_counted():
     placements = Placements((), None, 2)
     placements.note("exp", 3, 4)
     assert not placements.enabled and placements.of("exp") is None and placements.to_json("exp") is None
-    assert placements.alert_texts("exp") is None and placements.misplaced("exp") == 0
+    assert placements.alert_block("exp") is None and placements.misplaced("exp") == 0
 
 
 def test_a_whole_run_adds_nothing_to_its_alerts_and_a_split_run_names_its_blocks():
     here = collector_for("whole", 0, 2, PEERS, 2)
     placements = Placements(PEERS, here, 2)
     placements.note("whole", 0, 2)
-    assert placements.alert_texts("whole") is None
+    assert placements.alert_block("whole") is None
     assert placements.to_json("whole")["blocks"] == [
         {"index": 0, "first_rank": 0, "last_rank": 1, "collector": here, "here": True}]
 
     first = collector_for("split", 0, 5, PEERS, 2)
     placements = Placements(PEERS, first, 2)
     placements.note("split", 0, 5)
-    texts = placements.alert_texts("split")
-    assert texts is not None and texts["block"] == "ranks 0-1 of 5 (block 1 of 3)"
+    label, texts = placements.alert_block("split")
+    assert label == "1" and texts["block"] == "ranks 0-1 of 5 (block 1 of 3)"
     others = [b for b in blocks("split", 5, PEERS, 2) if b.collector != first]
     assert texts["other_blocks"] == "; ".join(
         f"block {b.index + 1} (ranks {b.first_rank}-{b.last_rank}): {b.collector}/#run=split" for b in others)

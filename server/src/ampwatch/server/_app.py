@@ -139,7 +139,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
                               repeat_interval_s=config.notify_repeat_interval)
         alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds,
                                                         notify_config=notify, clock=clock,
-                                                        blocks=placements.alert_texts)
+                                                        blocks=placements.alert_block)
         own.registry.register(NotificationMetrics(alerts.notifier.counts))
         own.registry.register(AccessMetrics(app.state.guard))
 

@@ -100,6 +100,10 @@ class RunPlacement:
         return [(b, f"{b.collector}/#run={urllib.parse.quote(self.run, safe='')}")
                 for b in self.blocks if b.collector != self.here]
 
+    def label(self) -> str:
+        """The ``block`` label of this split run's built-in alerts here: its block numbers, ``1`` or ``1,3``."""
+        return ",".join(str(b.index + 1) for b in self.mine())
+
     def texts(self) -> dict[str, str]:
         """What a built-in alert of this split run adds: ``block``, ``other_blocks`` and a sentence each for its
         summary and description."""
@@ -126,7 +130,7 @@ class Placements:
         self.peers, self.here, self.block_ranks = tuple(peers), here, block_ranks
         self.enabled = bool(self.peers) and here is not None
         self._views: dict[str, RunPlacement] = {}
-        self._texts: dict[str, Mapping[str, str]] = {}  # split runs only: what their alerts add, made once
+        self._blocks: dict[str, tuple[str, Mapping[str, str]]] = {}  # split runs only: what their alerts add, made once
         self._misplaced: dict[str, set[int]] = {}
 
     def note(self, run: str, rank: int, world_size: int) -> None:
@@ -138,9 +142,9 @@ class Placements:
             assert self.here is not None
             view = self._views[run] = RunPlacement.of(run, world_size, self.peers, self.here, self.block_ranks)
             if view.split:
-                self._texts[run] = view.texts()
+                self._blocks[run] = (view.label(), view.texts())
             else:
-                self._texts.pop(run, None)
+                self._blocks.pop(run, None)
             self._misplaced.pop(run, None)  # judged again by the new world size, rank by rank
         if rank < world_size and not view.holds(rank):
             misplaced = self._misplaced.setdefault(run, set())
@@ -173,13 +177,14 @@ class Placements:
         view = self._views.get(run)
         return None if view is None else view.to_json(self.misplaced(run))
 
-    def alert_texts(self, run: str) -> Mapping[str, str] | None:
-        """What the built-in alerts of ``run`` add to their texts: None unless the run is split."""
-        return self._texts.get(run)
+    def alert_block(self, run: str) -> tuple[str, Mapping[str, str]] | None:
+        """What the built-in alerts of ``run`` add, None unless it is split: their ``block`` label (:meth:`RunPlacement.
+        label`: the replicas' alerts of one run stay apart in Alertmanager) and texts (:meth:`RunPlacement.texts`)."""
+        return self._blocks.get(run)
 
     def keep(self, runs: Collection[str]) -> None:
         """Forget the runs not in ``runs`` (those the collector no longer holds)."""
         for run in [run for run in self._views if run not in runs]:
             del self._views[run]
-            self._texts.pop(run, None)
+            self._blocks.pop(run, None)
             self._misplaced.pop(run, None)

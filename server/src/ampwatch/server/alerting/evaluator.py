@@ -48,10 +48,10 @@ class BuiltinAlerts:
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
                  resolution_s: float | None = None, clock: Callable[[], float] = time.time,
                  pacer: Callable[[], Callable[[], object]] | None = None,
-                 blocks: Callable[[str], Mapping[str, str] | None] = lambda run: None) -> None:
+                 blocks: Callable[[str], tuple[str, Mapping[str, str]] | None] = lambda run: None) -> None:
         self.thresholds = thresholds
-        # run -> what its alerts' texts add when the run is split over several collectors (its block here, the
-        # others' replicas: ``_placement_view.Placements.alert_texts``), else None.
+        # run -> what its alerts add when the run is split over several collectors: their block label and texts (its
+        # block here, the others' replicas: ``_placement_view.Placements.alert_block``), else None.
         self._blocks = blocks
         # Makes what each pass calls between two slices of ranks (a _pacing.Pacer): a pass run in a worker thread
         # otherwise holds the GIL for all its CPU time (~0.3 s at the default max_ranks_per_run, ~0.07 s in a storm
@@ -66,7 +66,7 @@ class BuiltinAlerts:
             min(5.0, min(self._layout.windows.values()) / 10)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
-        self._states = AlertStates(resolved_retention_s, texts=self._texts)
+        self._states = AlertStates(resolved_retention_s, outward=self._outward)
         self._lock = threading.Lock()
         self._observed_during: set[tuple[str, str]] | None = None  # rank groups observed while evaluate() runs
         self._run_sizes: dict[str, int] = {}  # run -> ranks watched
@@ -74,10 +74,13 @@ class BuiltinAlerts:
         # per-rank alert (its conditions.spoken_key) -> when a pass last held it back (a run-wide one held)
         self._spoken: dict[tuple, float] = {}
 
-    def _texts(self, a: ActiveAlert) -> Mapping[str, str]:
-        """The annotations alert ``a`` fires with: its own, and its block's of a split run."""
+    def _outward(self, a: ActiveAlert) -> tuple[Mapping[str, str], Mapping[str, str]]:
+        """The labels and annotations alert ``a`` fires with: its own, and of a split run its block's."""
         block = self._blocks(a.labels["run"])
-        return a.annotations if block is None else BlockTexts(a.annotations, block)
+        if block is None:
+            return a.labels, a.annotations
+        label, texts = block
+        return {**a.labels, "block": label}, BlockTexts(a.annotations, texts)
 
     def observe(self, snapshot: RankSnapshot, now: float | None = None) -> list[Alert]:
         """Record a rank's new state and return the transitions of that rank's alerts."""

@@ -36,8 +36,9 @@ class AlertService:
     def __init__(self, targets: Sequence[Target] = (), thresholds: AlertThresholds = DEFAULT_THRESHOLDS,
                  notify_config: NotifyConfig | None = None, period_s: float = 1.0,
                  clock: Callable[[], float] = time.time,
-                 blocks: Callable[[str], Mapping[str, str] | None] = lambda run: None) -> None:
-        """``blocks``: run -> what its alerts' texts add when it is split over several collectors (else None)."""
+                 blocks: Callable[[str], tuple[str, Mapping[str, str]] | None] = lambda run: None) -> None:
+        """``blocks``: run -> what its alerts add when it is split over several collectors: their ``block`` label and
+        texts (else None)."""
         self.alerts = BuiltinAlerts(thresholds, clock=clock, pacer=lambda: Pacer(PASS_WORK_S, PASS_BREATHER_S),
                                     blocks=blocks)
         self.clock = clock
