@@ -105,7 +105,7 @@ def test_a_split_runs_storm_fires_once_per_replica_naming_its_block_and_a_whole_
                                         "collector": b.collector, "here": b.collector == url} for b in placed]}
                 assert run["placement"] == expected, run["placement"]
                 assert httpx.get(f"{url}/v1/runs/{SPLIT}/placement", timeout=30).json() == \
-                    {"run": SPLIT, "placement": expected}
+                    {"run": SPLIT, "collectors": 2, "placement": expected}
 
             # Each replica's notification of the storm names its block and links the other replica's page.
             def storm_notes() -> dict[str, dict]:
@@ -133,7 +133,8 @@ def test_a_split_runs_storm_fires_once_per_replica_naming_its_block_and_a_whole_
             assert held["split"] is False and held["blocks"] == [
                 {"index": 0, "first_rank": 0, "last_rank": 1, "collector": holder.url, "here": True}], held
             assert "placement" not in httpx.get(f"{single.url}/v1/runs/{WHOLE}", timeout=30).json()
-            assert httpx.get(f"{single.url}/v1/runs/{WHOLE}/placement", timeout=30).json()["placement"] is None
+            assert httpx.get(f"{single.url}/v1/runs/{WHOLE}/placement", timeout=30).json() == \
+                {"run": WHOLE, "collectors": 1, "placement": None}
 
             # Ranks sent where the rule does not place them: kept, counted once each, logged once per run.
             wrong = {rank: next(u for u in peers if u != collector_for(ASTRAY, rank, 6, peers, BLOCK_RANKS))

@@ -130,3 +130,12 @@ def test_a_gradient_spike_on_most_of_a_split_runs_ranks_here_is_the_jobs_not_an_
         assert placement["split"] and placement["misplaced_ranks"] == 0  # ranks 0-3: the block placed here
         events = client.get("/v1/runs/split-8/events", params={"kind": "gradient_outlier"}).json()["events"]
         assert events == []
+
+
+def test_a_split_run_with_no_block_here_says_so_in_its_alerts():
+    held = {b.collector for b in blocks("split", 4, PEERS, 2)}  # 2 blocks on 3 collectors: one holds none
+    (idle,) = set(PEERS) - held
+    view = RunPlacement.of("split", 4, PEERS, idle, 2)
+    assert view.split and view.held_ranks == 0 and view.label() == "none"
+    assert view.texts()["block"] == "no block placed here of the 4 ranks (2 blocks)"
+    assert all(url in view.texts()["other_blocks"] for url in held)

@@ -90,7 +90,9 @@ class RunPlacement:
     def where(self) -> str:
         """The ranks this collector holds, as an alert says it: ``ranks 0-1 of 4 (block 1 of 2)``."""
         mine = self.mine()
-        ranges = ", ".join(f"{b.first_rank}-{b.last_rank}" for b in mine) or "none"
+        if not mine:  # every rank of it here is misplaced (or its blocks here are past those listed)
+            return f"no block placed here of the {self.world_size} ranks ({self.block_count} blocks)"
+        ranges = ", ".join(f"{b.first_rank}-{b.last_rank}" for b in mine)
         numbers = ", ".join(str(b.index + 1) for b in mine)
         return f"ranks {ranges} of {self.world_size} (block{'s' if len(mine) > 1 else ''} {numbers} of " \
                f"{self.block_count})"
@@ -102,7 +104,7 @@ class RunPlacement:
 
     def label(self) -> str:
         """The ``block`` label of this split run's built-in alerts here: its block numbers, ``1`` or ``1,3``."""
-        return ",".join(str(b.index + 1) for b in self.mine())
+        return ",".join(str(b.index + 1) for b in self.mine()) or "none"
 
     def texts(self) -> dict[str, str]:
         """What a built-in alert of this split run adds: ``block``, ``other_blocks`` and a sentence each for its

@@ -288,8 +288,10 @@ _SKIPS_SQL = ("SELECT id, rank, kind, time, iteration, optimizer, body FROM (SEL
 @router.get("/runs/{run:path}/placement", summary="Where a run is placed among the collectors (--peers)")
 async def get_run_placement(request: Request, run: str) -> dict[str, Any]:
     """Return the run's ``placement`` as ``GET /v1/runs/{run}`` has it (null with one collector, or for a run not
-    held in memory), without its ranks: what the page reads of a run of any size."""
-    return {"run": run, "placement": request.app.state.placements.to_json(run)}
+    held in memory), without its ranks: what the page reads of a run of any size; ``collectors``: how many
+    ``--peers`` list (1 without)."""
+    placements = request.app.state.placements
+    return {"run": run, "collectors": len(placements.peers) or 1, "placement": placements.to_json(run)}
 
 
 @router.get("/runs/{run:path}", summary="One run: its ranks with their current state")

@@ -34,12 +34,16 @@ function blocksLine(run, placement) {
   return parts;
 }
 
+let oneCollector = false;  // no --peers: nothing to show, nothing more to ask
+
 async function refreshBlocks(run) {
   const line = document.getElementById("run-blocks");
   let placement = null;
-  if (run !== null) {
+  if (run !== null && !oneCollector) {
     try {
-      placement = (await getJSON(`v1/runs/${encodeURIComponent(run)}/placement`)).placement;
+      const body = await getJSON(`v1/runs/${encodeURIComponent(run)}/placement`);
+      oneCollector = body.collectors === 1;
+      placement = body.placement;
     } catch (error) {
       if (error instanceof NeedsToken) throw error;
     }
