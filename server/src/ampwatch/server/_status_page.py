@@ -3,10 +3,9 @@
 The files are read once, when the app is made, and answered from memory: an answer costs one turn
 of the event loop, where a file answer read its file in a worker thread, hopping back to the busy
 event loop for each step (in a whole-job storm that put seconds between the page's HTML and its
-scripts). The page carries its scripts (each ``<script src="static/NAME.js">`` of index.html) and style sheet inline,
-allowed by their hashes in its
-Content-Security-Policy (nothing else inline runs): the run's summary is then asked for one round
-trip after the HTML, not two. Each answer has an ETag; a browser revalidating
+scripts). The page carries its scripts (each ``<script src="static/NAME.js">`` of index.html, in that order)
+and style sheet inline, allowed by their hashes in its Content-Security-Policy (nothing else inline runs): the
+run's summary is then asked for one round trip after the HTML, not two. Each answer has an ETag; a browser revalidating
 (``Cache-Control: no-cache``) gets a 304.
 """
 
