@@ -94,13 +94,16 @@ def test_the_status_page_and_its_files_are_served_with_a_strict_content_policy(c
     assert "//" not in page.text.split("<body>")[0]  # nothing loaded from another origin (no CDN)
     script = client.get("/static/app.js")
     assert script.status_code == 200
-    # The page carries its script and style sheet inline (one round trip fewer before its first rows), and its
-    # policy allows exactly those two by hash: no other inline script or style runs.
-    inline = page.text.split("<script>")[1].split("</script>")[0]
-    assert inline == script.text and page.text.count("<script") == 1
-    digest = base64.b64encode(hashlib.sha256(inline.encode()).digest()).decode()
-    assert f"script-src 'self' 'sha256-{digest}';" in policy and "unsafe-inline" not in policy
-    assert not any(sink in script.text for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"))
+    # The page carries its scripts (app.js and the files beside it that index.html names, each once) and style sheet
+    # inline (one round trip fewer before its first rows), and its policy allows exactly those by hash: no other
+    # inline script or style runs.
+    scripts = [client.get(f"/static/{name}").text for name in ("blocks.js", "app.js")]
+    inline = [part.split("</script>")[0] for part in page.text.split("<script>")[1:]]
+    assert inline == scripts and inline[-1] == script.text and page.text.count("<script") == len(scripts)
+    digests = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'" for s in inline)
+    assert f"script-src 'self' {digests};" in policy and "unsafe-inline" not in policy
+    assert not any(sink in text for text in scripts
+                   for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"))
     assert client.get("/static/style.css").status_code == 200
     # Answered from memory with a version: a browser revalidating gets a 304, an unknown file a 404.
     assert script.headers["content-type"].startswith("text/javascript") and script.headers["etag"]

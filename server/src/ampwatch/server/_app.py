@@ -29,10 +29,11 @@ from ._metrics import (
     accepts_gzip,
     gzip_exposition,
 )
+from ._placement_view import Placements
 from ._query import router as query_router
 from ._query import suspect_judge
 from ._recovery import delete_history_job, load_ranks, stored_ranks
-from ._state import CollectorState
+from ._state import CollectorState, RankState
 from ._status_page import mount_status_page
 from ._store import Store
 from .alerting.notifications import NotifyConfig
@@ -58,6 +59,7 @@ async def _retire_loop(app: FastAPI, config: ServerConfig) -> None:
         except Exception:
             log.exception("judging gradient outliers failed; will retry")
         if gone:
+            app.state.placements.keep(state.runs)
             log.info("%d ranks left /metrics (quiet past --expire-after or run retired)", len(gone))
         if now - last_prune >= 3600:
             last_prune = now
@@ -122,20 +124,30 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         for rank in await asyncio.to_thread(load_ranks, store, seen_after=horizon):
             state.adopt(rank)
         state.retire(clock(), config.expire_after, config.run_retention)
+        placements = app.state.placements = Placements(config.peers, config.advertise_url, config.block_ranks)
+        for _, view in state.views():
+            placements.note(view.run, view.rank, view.owner.batch.world_size)
         own = SelfMetrics(state, store.size_bytes, VERSION)
         store.on_events_added = own.events.inc
         app.state.store, app.state.collector_state, app.state.own = store, state, own
         ingest = app.state.ingest = IngestService(config, state, store, own, clock)
+        ingest.outliers.ranks_judged = placements.ranks_judged  # a split run's share: of its ranks here
         app.state.exposition = Exposition(state, own, config.silent_after, clock, pause_s=RENDER_PAUSE_S,
                                           busy=lambda: ingest.in_flight > 0,
                                           suspects=suspect_judge(app.state).current)
         notify = NotifyConfig(group_wait_s=config.notify_group_wait, group_interval_s=config.notify_group_interval,
                               repeat_interval_s=config.notify_repeat_interval)
         alerts = app.state.alert_service = AlertService(config.webhook, thresholds=config.alert_thresholds,
-                                                        notify_config=notify, clock=clock)
+                                                        notify_config=notify, clock=clock,
+                                                        blocks=placements.alert_block)
         own.registry.register(NotificationMetrics(alerts.notifier.counts))
         own.registry.register(AccessMetrics(app.state.guard))
-        app.state.ingest.on_applied = alerts.observe
+
+        def applied(rank: RankState) -> None:
+            batch = rank.view.owner.batch
+            placements.note(batch.run, batch.rank, batch.world_size)
+            alerts.observe(rank)
+        app.state.ingest.on_applied = applied if placements.enabled else alerts.observe
         alert_task = asyncio.create_task(alerts.run(state))
         task = asyncio.create_task(_retire_loop(app, config))
         suspects_task = asyncio.create_task(_suspect_loop(app))

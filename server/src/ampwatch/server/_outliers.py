@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
@@ -162,6 +162,9 @@ class OutlierJudge:
 
     def __init__(self, thresholds: AlertThresholds, wait_s: float = WAIT_S) -> None:
         self.thresholds, self.wait_s = thresholds, wait_s
+        self.ranks_judged: Callable[[str, int], int] = lambda run, world_size: world_size
+        """(run, world size) -> the ranks of the run this collector judges: the world size, but for a run split
+        over several collectors (the ranks of its blocks here: ``_placement_view.Placements.ranks_judged``)."""
         self.waiting: dict[str, set[tuple[str, str, int]]] = {}
         """run -> its iterations with spikes not judged yet (empty in a healthy run: what each batch checks)."""
         self._iterations: dict[tuple[str, str, int], _Iteration] = {}
@@ -189,7 +192,7 @@ class OutlierJudge:
         found: list[Outlier] = []
         for key in list(keys):
             it, (_, optimizer, iteration) = self._iterations[key], key
-            if whole_job(len(it.ranks), it.waiting[0].world_size, self.thresholds):
+            if whole_job(len(it.ranks), self.ranks_judged(run, it.waiting[0].world_size), self.thresholds):
                 it.waiting.clear()  # row 3, whatever comes later: no need to wait or to compare
             else:
                 if it.lagging is None:

@@ -285,6 +285,15 @@ _SKIPS_SQL = ("SELECT id, rank, kind, time, iteration, optimizer, body FROM (SEL
               "ORDER BY rowid DESC LIMIT ?")
 
 
+@router.get("/runs/{run:path}/placement", summary="Where a run is placed among the collectors (--peers)")
+async def get_run_placement(request: Request, run: str) -> dict[str, Any]:
+    """Return the run's ``placement`` as ``GET /v1/runs/{run}`` has it (null with one collector, or for a run not
+    held in memory), without its ranks: what the page reads of a run of any size; ``collectors``: how many
+    ``--peers`` list (1 without)."""
+    placements = request.app.state.placements
+    return {"run": run, "collectors": len(placements.peers) or 1, "placement": placements.to_json(run)}
+
+
 @router.get("/runs/{run:path}", summary="One run: its ranks with their current state")
 async def get_run(request: Request, run: str) -> dict[str, Any]:
     """Return the run's ranks (from memory when shown in /metrics, else rebuilt from the database)."""
@@ -295,5 +304,9 @@ async def get_run(request: Request, run: str) -> dict[str, Any]:
     if not ranks:
         raise HTTPException(404, f"no run named {run!r}; GET /v1/runs lists the known runs")
     summaries = [rank_summary(r, shown) for _, (r, shown) in sorted(ranks.items())]
-    return {"run": run, "closed": all(s["closed"] for s in summaries), "origin_ranks": origin_ranks(summaries),
+    body = {"run": run, "closed": all(s["closed"] for s in summaries), "origin_ranks": origin_ranks(summaries),
             "ranks": summaries}
+    placements = request.app.state.placements
+    if placements.enabled:  # several collectors (--peers): where the run is, and what came here that belongs elsewhere
+        body["placement"] = placements.to_json(run)
+    return body

@@ -9,7 +9,7 @@ from typing import Any
 from ampwatch.contract.alerts import ALERTS
 from ampwatch.contract.thresholds import AlertThresholds
 
-__all__ = ["annotations_for", "AlertTexts", "diagnosis_texts"]
+__all__ = ["annotations_for", "AlertTexts", "BlockTexts", "diagnosis_texts"]
 
 _SAMPLE_IDS_SHOWN = 8  # the ids a notification names (the count says how many the iteration had)
 _BEFORE_IDS_SHOWN = 4  # per iteration before the streak
@@ -89,6 +89,38 @@ class AlertTexts(Mapping[str, str]):
 
     def __repr__(self) -> str:
         return f"AlertTexts({self._rendered()!r})"
+
+
+class BlockTexts(Mapping[str, str]):
+    """An alert's annotations with what its split run adds (``_placement_view.RunPlacement.texts``): the ``block`` this
+    collector holds, the ``other_blocks`` with their replicas' pages, and a sentence each at the end of the summary
+    and the description. Merged when first read, as :class:`AlertTexts` renders."""
+
+    __slots__ = ("_texts", "_block", "_merged")
+
+    def __init__(self, texts: Mapping[str, str], block: Mapping[str, str]) -> None:
+        self._texts, self._block = texts, block
+        self._merged: dict[str, str] | None = None
+
+    def _rendered(self) -> dict[str, str]:
+        if self._merged is None:
+            merged = dict(self._texts)
+            for key, text in self._block.items():
+                merged[key] = merged[key] + text if key in ("summary", "description") and key in merged else text
+            self._merged = merged
+        return self._merged
+
+    def __getitem__(self, key: str) -> str:
+        return self._rendered()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rendered())
+
+    def __len__(self) -> int:
+        return len(self._rendered())
+
+    def __repr__(self) -> str:
+        return f"BlockTexts({self._rendered()!r})"
 
 
 def _number(value: float) -> str:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from ampwatch.contract.alerts import SPEAKERS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
 from .._state import RankSnapshot
 from .alert import Alert
+from .annotations import BlockTexts
 from .conditions import evaluate_with_facts, rank_alerts, unspoken_rank_alerts
 from .history import HistoryLayout, RankHistory
-from .rank_conditions import spoken_key
+from .rank_conditions import ActiveAlert, spoken_key
 from .states import AlertStates
 
 __all__ = ["BuiltinAlerts"]
@@ -46,8 +47,12 @@ class BuiltinAlerts:
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
                  resolution_s: float | None = None, clock: Callable[[], float] = time.time,
-                 pacer: Callable[[], Callable[[], object]] | None = None) -> None:
+                 pacer: Callable[[], Callable[[], object]] | None = None,
+                 blocks: Callable[[str], tuple[str, Mapping[str, str]] | None] = lambda run: None) -> None:
         self.thresholds = thresholds
+        # run -> what its alerts add when the run is split over several collectors: their block label and texts (its
+        # block here, the others' replicas: ``_placement_view.Placements.alert_block``), else None.
+        self._blocks = blocks
         # Makes what each pass calls between two slices of ranks (a _pacing.Pacer): a pass run in a worker thread
         # otherwise holds the GIL for all its CPU time (~0.3 s at the default max_ranks_per_run, ~0.07 s in a storm
         # at 1,024 ranks), and the event loop's answers wait for it (an I/O-bound thread beside a CPU-bound one gets
@@ -61,13 +66,21 @@ class BuiltinAlerts:
             min(5.0, min(self._layout.windows.values()) / 10)
         self._clock = clock
         self._ranks: dict[tuple[str, int], RankHistory] = {}
-        self._states = AlertStates(resolved_retention_s)
+        self._states = AlertStates(resolved_retention_s, outward=self._outward)
         self._lock = threading.Lock()
         self._observed_during: set[tuple[str, str]] | None = None  # rank groups observed while evaluate() runs
         self._run_sizes: dict[str, int] = {}  # run -> ranks watched
         self._waiting: set[tuple] = set()  # per-rank alerts the last pass held for a second look
         # per-rank alert (its conditions.spoken_key) -> when a pass last held it back (a run-wide one held)
         self._spoken: dict[tuple, float] = {}
+
+    def _outward(self, a: ActiveAlert) -> tuple[Mapping[str, str], Mapping[str, str]]:
+        """The labels and annotations alert ``a`` fires with: its own, and of a split run its block's."""
+        block = self._blocks(a.labels["run"])
+        if block is None:
+            return a.labels, a.annotations
+        label, texts = block
+        return {**a.labels, "block": label}, BlockTexts(a.annotations, texts)
 
     def observe(self, snapshot: RankSnapshot, now: float | None = None) -> list[Alert]:
         """Record a rank's new state and return the transitions of that rank's alerts."""

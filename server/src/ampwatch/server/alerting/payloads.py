@@ -128,7 +128,9 @@ def slack_body(alerts: Sequence[Alert], external_url: str = "") -> dict:
         text = f"*{_escape(head)}*\n{_escape(summary)}"
         if detail:
             text += f"\n{_escape(detail)}"
-        for key in ("began", "samples"):  # where the skip began and on which samples, when the agent knew
+        # Where the skip began and on which samples, when the agent knew; of a split run, which block this is and
+        # where the others are.
+        for key in ("began", "samples", "block", "other_blocks"):
             if key in a.annotations:
                 text += f"\n{key}: {_escape(a.annotations[key])}"
         if runbook:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
@@ -35,8 +35,12 @@ class AlertService:
 
     def __init__(self, targets: Sequence[Target] = (), thresholds: AlertThresholds = DEFAULT_THRESHOLDS,
                  notify_config: NotifyConfig | None = None, period_s: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.alerts = BuiltinAlerts(thresholds, clock=clock, pacer=lambda: Pacer(PASS_WORK_S, PASS_BREATHER_S))
+                 clock: Callable[[], float] = time.time,
+                 blocks: Callable[[str], tuple[str, Mapping[str, str]] | None] = lambda run: None) -> None:
+        """``blocks``: run -> what its alerts add when it is split over several collectors: their ``block`` label and
+        texts (else None)."""
+        self.alerts = BuiltinAlerts(thresholds, clock=clock, pacer=lambda: Pacer(PASS_WORK_S, PASS_BREATHER_S),
+                                    blocks=blocks)
         self.clock = clock
         self.notifier = Notifier(targets, notify_config)
         self.period_s = period_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 
 from .alert import Alert
 from .fired import FiredAlerts
@@ -24,7 +24,12 @@ class AlertStates:
     rank's alerts), not O(every alert held): in a whole-job storm thousands fire.
     """
 
-    def __init__(self, resolved_retention_s: float = 900.0, max_resolved: int = 1000) -> None:
+    def __init__(self, resolved_retention_s: float = 900.0, max_resolved: int = 1000,
+                 outward: Callable[[ActiveAlert], tuple[Mapping[str, str], Mapping[str, str]]] =
+                 lambda a: (a.labels, a.annotations)) -> None:
+        """``outward``: the labels and annotations an alert fires with (default: its own; a split run's add its block:
+        its identity here, ``a.key``, stays its own)."""
+        self._outward = outward
         self._pending: dict[tuple, tuple[float, ActiveAlert]] = {}
         self._firing: dict[tuple, Alert] = {}
         self._groups: dict[tuple, tuple] = {}  # firing alert -> its evaluation group
@@ -55,13 +60,14 @@ class AlertStates:
                 # Still firing: keep its value and text current, but that is no transition to announce. The
                 # texts follow the value (a.annotations renders only when read): same value, nothing to do.
                 if not _same(firing.value, a.value):
-                    self._firing[key] = dataclasses.replace(firing, value=a.value, annotations=a.annotations)
+                    self._firing[key] = dataclasses.replace(firing, value=a.value, annotations=self._outward(a)[1])
                 continue
             since, _ = self._pending.get(key, (now, a))
             self._by_group.setdefault(a.group, {})[key] = None
             if now - since >= a.for_s:
                 self._pending.pop(key, None)
-                alert = Alert(name=a.name, labels=dict(a.labels), annotations=a.annotations,
+                labels, annotations = self._outward(a)
+                alert = Alert(name=a.name, labels=dict(labels), annotations=annotations,
                               starts_at=now, value=a.value)
                 self._firing[key] = alert
                 self._groups[key] = a.group

@@ -829,7 +829,7 @@ async function refresh() {
     // with a whole-job storm these requests do not queue beside the summary's.
     const summary = run === null ? null : await refreshTrouble(run);
     await Promise.all([refreshAlerts(), refreshSuspects(), refreshRuns(),
-                       run === null ? null : refreshRun(run, summary)]);
+                       run === null ? null : refreshRun(run, summary), refreshBlocks(run)]);
     banner.hidden = true;
     document.getElementById("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (error) {
