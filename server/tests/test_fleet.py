@@ -107,5 +107,19 @@ def test_a_peer_is_down_with_why_unless_it_answers_a_run_list_and_its_rows_name_
         assert page["runs"][0]["run"] == "exp-1" and page["next"].endswith(f":{sorted(config.peers).index(OWN)}:exp-1")
         rest = client.get("/v1/runs", params={"limit": 1, "after": page["next"]}).json()
         assert rest["runs"] == body["runs"][1:] and rest["next"] is None
+        # A split run's rows on two replicas may tie on last_seen and run: the replica orders them, and paging a
+        # row at a time lists both.
+        own = body["runs"][0]
+        twin = dict(GOOD["runs"][0], run=own["run"], last_seen=own["last_seen"])
+        peers["good"].body = json.dumps({"runs": [twin], "next": None}).encode()
+        wait_until(lambda: dict(twin, replica=urls["good"]) in client.get("/v1/runs").json()["runs"],
+                   SETTLE_S, "the twin row listed")
+        rows, after = [], None
+        while True:
+            page = client.get("/v1/runs", params={"limit": 1, **({"after": after} if after else {})}).json()
+            rows += [(row["run"], row["replica"]) for row in page["runs"]]
+            if (after := page["next"]) is None:
+                break
+        assert len(rows) == 2 and set(rows) == {("exp-1", OWN), ("exp-1", urls["good"])}, rows
         assert client.get("/v1/runs", params={"after": "2.0:exp-1"}).status_code == 422
         assert client.get("/v1/runs", params={"after": "2.0:9:exp-1"}).status_code == 422
