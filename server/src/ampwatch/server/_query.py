@@ -169,10 +169,10 @@ def _local_row(row: Any, app: Any) -> dict[str, Any]:
 
 def _split(ranks: dict[int, RankState] | None, config: Any) -> dict[str, Any] | None:
     """The blocks of a split run this collector holds ranks of (null: a run in one block, or no longer in memory)."""
-    if not ranks or len(config.peers) < 2:
-        return None
-    world_size = next(iter(ranks.values())).view.owner.batch.world_size
-    if world_size <= config.block_ranks:
+    ranks = ranks or {}
+    sizes = {rank.view.current.batch.world_size for rank in ranks.values() if rank.view.current is not None}
+    world_size = max(sizes, default=0)  # a job's ranks all send one world size
+    if len(config.peers) < 2 or world_size <= config.block_ranks:
         return None
     held = {block_of(rank, world_size, config.block_ranks) for rank in ranks if 0 <= rank < world_size}
     return {"blocks": sorted(held), "of": -(-world_size // config.block_ranks), "world_size": world_size}
