@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pathlib
 import signal
 import time
 import urllib.parse
@@ -42,6 +43,7 @@ READ_TOKEN = "fleet-read-9d1e"  # every replica shares one; each sends it to the
 BLOCK_RANKS = 2
 SPLIT_WORLD = 4  # two blocks of two ranks
 AUTH = {"Authorization": f"Bearer {READ_TOKEN}"}
+ARTIFACTS = pathlib.Path(__file__).resolve().parents[1] / "artifacts"
 
 
 def _placed_on(first: str, urls: list[str], prefix: str, second: str | None = None) -> str:
@@ -228,4 +230,6 @@ def test_the_page_shows_each_runs_replica_as_a_link_and_names_each_replica_not_a
         down_line = page.locator(f'#replicas-down li[data-replica="{fleet.down}"]').text_content()
         assert "down" in down_line and "none of its runs are listed" in down_line, down_line
         assert page.locator("#replicas").text_content() == "of 4 replicas, 2 answering"
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator("#runs-view").screenshot(path=str(ARTIFACTS / "status-page-fleet.png"))
         assert not [p for p in problems if "401" not in p], problems
