@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
 from ._evidence import prune_evidence_job
+from ._fleet import Fleet
 from ._gc import release_free_memory
 from ._hosts import HostAllowList
 from ._ingest import IngestService
@@ -151,6 +152,10 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         alert_task = asyncio.create_task(alerts.run(state))
         task = asyncio.create_task(_retire_loop(app, config))
         suspects_task = asyncio.create_task(_suspect_loop(app))
+        # With --peers: the other replicas' runs, for GET /v1/runs and the page (docs/collector.md#fleet-view).
+        fleet = app.state.fleet = Fleet(config.advertise_url, config.peers, config.read_token) \
+            if config.peers and config.advertise_url else None
+        fleet_task = asyncio.create_task(fleet.run()) if fleet is not None else None
         app.state.ready = True
         log.info("state rebuilt from %s: %d runs, %d ranks", store.path, len(state.runs), state.rank_count())
         try:
@@ -160,6 +165,11 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
             task.cancel()
             alert_task.cancel()
             suspects_task.cancel()
+            if fleet is not None and fleet_task is not None:
+                fleet_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fleet_task
+                fleet.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await suspects_task
             with contextlib.suppress(asyncio.CancelledError):

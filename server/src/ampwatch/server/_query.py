@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
+from ampwatch.contract.placement import block_of
 from ampwatch.contract.protocol import COLLECTOR_EVENT_KINDS, DELIVERY_COUNTERS, EVENT_KINDS, STREAK_LADDER
 
+from ._fleet import Fleet
 from ._floats import wire_float
 from ._latest_events import STORM_CAUSE_SQL, collapse
 from ._recovery import load_ranks
@@ -87,31 +89,93 @@ def origin_ranks(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda s: (-s["origin_iterations"], s["rank"]))
 
 
-@router.get("/runs", summary="List runs, most recently seen first, paginated")
+@router.get("/runs", summary="List runs, most recently seen first, paginated; with --peers, every replica's")
 async def list_runs(request: Request, limit: int = Query(100, ge=1, le=1000),
                     after: str | None = Query(None, max_length=1024,
-                                                 description="the 'next' cursor of the previous page")
+                                                 description="the 'next' cursor of the previous page"),
+                    scope: Literal["fleet", "local"] = Query(
+                        "fleet", description="with --peers: 'fleet' lists the runs of every replica, 'local' this "
+                                             "replica's own (what each replica asks of the others); without "
+                                             "--peers both list this collector's")
                     ) -> dict[str, Any]:
-    """Return a page of the runs in the database (rank count, first/last seen) and the next page's cursor."""
+    """Return a page of the runs in the database (rank count, first/last seen) and the next page's cursor; with
+    --peers each run says the ``replica`` holding it, and the fleet answer lists the ``replicas`` and their state."""
+    app = request.app.state
+    fleet: Fleet | None = getattr(app, "fleet", None)
+    if fleet is None or scope == "local":
+        cursor = _cursor(after, fleet=False)
+        rows = await _stored_runs(app.store, cursor, limit + 1, tie_included=False)
+        page = [_local_row(row, app) for row in rows[:limit]]
+        return {"runs": page,
+                "next": f"{page[-1]['last_seen']!r}:{page[-1]['run']}" if len(rows) > limit else None}
+    replicas = sorted(app.config.peers)  # a cursor names a replica by its place here: the same on every replica
+    cursor = _cursor(after, fleet=True, replicas=len(replicas))
+
+    def key(row: dict[str, Any]) -> tuple[float, str, int]:
+        return -row["last_seen"], row["run"], replicas.index(row["replica"])
+
+    # This replica's rows past the cursor (those tied with it on last_seen and run too: the replica decides),
+    # and every peer's from its last answer, merged in one order.
+    own = [_local_row(row, app) for row in await _stored_runs(app.store, cursor, limit + 2, tie_included=True)]
+    peers, states = await fleet.answers()
+    rows = sorted((row for row in own + peers if cursor is None or key(row) > cursor), key=key)[:limit + 1]
+    page = rows[:limit]
+    last = page[-1] if page else None
+    return {"runs": page, "replicas": states,
+            "next": f"{last['last_seen']!r}:{replicas.index(last['replica'])}:{last['run']}"
+                    if last is not None and len(rows) > limit else None}
+
+
+def _cursor(after: str | None, *, fleet: bool, replicas: int = 0) -> tuple[float, str, int] | None:
+    """Read ``after``, the previous page's last row: ``<last_seen>:<run>``, or ``<last_seen>:<replica>:<run>`` in
+    a fleet answer (the replica's place in the sorted ``--peers``); as its sort key (last_seen negated)."""
+    if after is None:
+        return None
+    seen, sep, run = after.partition(":")
+    place = "0"
+    if fleet:
+        place, _, run = run.partition(":")
+    try:
+        last_seen, index = float(seen), int(place)
+    except ValueError:
+        sep = ""
+    if not sep or not 0 <= index < max(1, replicas):
+        raise HTTPException(422, "'after' must be the 'next' value of the previous page of GET /v1/runs")
+    return -last_seen, run, index
+
+
+async def _stored_runs(store: Any, cursor: tuple[float, str, int] | None, limit: int,
+                       tie_included: bool) -> list[Any]:
+    """The database's runs past ``cursor`` (most recently seen first), with the one tied with it when asked."""
     having, params = "", []
-    if after is not None:  # the cursor is the previous page's last row: "<last_seen>:<run>"
-        seen, sep, run = after.partition(":")
-        try:
-            last_seen = float(seen)
-        except ValueError:
-            last_seen = None
-        if not sep or last_seen is None:
-            raise HTTPException(422, "'after' must be the 'next' value of the previous page of GET /v1/runs")
-        having, params = " HAVING max(last_seen) < ? OR (max(last_seen) = ? AND run > ?)", [last_seen, last_seen, run]
-    store = request.app.state.store
-    rows = await asyncio.to_thread(
+    if cursor is not None:
+        last_seen, run = -cursor[0], cursor[1]
+        having = f" HAVING max(last_seen) < ? OR (max(last_seen) = ? AND run {'>=' if tie_included else '>'} ?)"
+        params = [last_seen, last_seen, run]
+    return await asyncio.to_thread(
         store.query, "SELECT run, count(DISTINCT rank) AS ranks, min(first_seen) AS first_seen, "
                      f"max(last_seen) AS last_seen FROM incarnations GROUP BY run{having} "
-                     "ORDER BY last_seen DESC, run LIMIT ?", (*params, limit + 1))
-    held = request.app.state.collector_state.runs
-    page = rows[:limit]
-    return {"runs": [dict(row, in_metrics=row["run"] in held) for row in page],
-            "next": f"{page[-1]['last_seen']!r}:{page[-1]['run']}" if len(rows) > limit else None}
+                     "ORDER BY last_seen DESC, run LIMIT ?", (*params, limit))
+
+
+def _local_row(row: Any, app: Any) -> dict[str, Any]:
+    """A run of this collector as GET /v1/runs lists it; with --peers, with the ``replica`` and blocks held."""
+    held = app.collector_state.runs
+    listed = dict(row, in_metrics=row["run"] in held)
+    if app.config.peers:
+        listed.update(split=_split(held.get(row["run"]), app.config), replica=app.config.advertise_url)
+    return listed
+
+
+def _split(ranks: dict[int, RankState] | None, config: Any) -> dict[str, Any] | None:
+    """The blocks of a split run this collector holds ranks of (null: a run in one block, or no longer in memory)."""
+    ranks = ranks or {}
+    sizes = {rank.view.current.batch.world_size for rank in ranks.values() if rank.view.current is not None}
+    world_size = max(sizes, default=0)  # a job's ranks all send one world size
+    if len(config.peers) < 2 or world_size <= config.block_ranks:
+        return None
+    held = {block_of(rank, world_size, config.block_ranks) for rank in ranks if 0 <= rank < world_size}
+    return {"blocks": sorted(held), "of": -(-world_size // config.block_ranks), "world_size": world_size}
 
 
 # Run ids may hold "/" (the ASGI path arrives decoded, %2F included), hence {run:path}; the events, latest

@@ -3,9 +3,10 @@
 The files are read once, when the app is made, and answered from memory: an answer costs one turn
 of the event loop, where a file answer read its file in a worker thread, hopping back to the busy
 event loop for each step (in a whole-job storm that put seconds between the page's HTML and its
-scripts). The page carries its scripts (each ``<script src="static/NAME.js">`` of index.html, in that order)
-and style sheet inline, allowed by their hashes in its Content-Security-Policy (nothing else inline runs): the
-run's summary is then asked for one round trip after the HTML, not two. Each answer has an ETag; a browser revalidating
+scripts). The page carries its scripts (each ``<script src="static/NAME.js"></script>`` of
+index.html, in its order: small files, one concern each) and style sheet inline, allowed by their
+hashes in its Content-Security-Policy (nothing else inline runs): the run's summary is then asked for
+one round trip after the HTML, not two. Each answer has an ETag; a browser revalidating
 (``Cache-Control: no-cache``) gets a 304.
 """
 
@@ -27,8 +28,8 @@ STATIC_DIR = pathlib.Path(__file__).with_name("static")
 _MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                 ".css": "text/css; charset=utf-8"}
 
-_SCRIPT, _STYLE = '<script src="static/app.js"></script>', '<link rel="stylesheet" href="static/style.css">'
-_SCRIPTS = re.compile(r'<script src="static/([a-z_]+\.js)"></script>')
+_SCRIPT = re.compile(r'<script src="static/([\w.-]+\.js)"></script>')
+_STYLE = '<link rel="stylesheet" href="static/style.css">'
 
 
 def _policy(scripts: list[str], style: str) -> str:
@@ -38,7 +39,7 @@ def _policy(scripts: list[str], style: str) -> str:
         return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
     return (f"default-src 'self'; img-src 'self' data:; style-src 'self' {digest(style)}; "
             f"script-src 'self' {' '.join(map(digest, scripts))}; connect-src 'self'; base-uri 'none'; "
-            "frame-ancestors 'none'")
+            f"frame-ancestors 'none'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,16 @@ def mount_status_page(app: FastAPI) -> None:
     """Add ``/`` and ``/static/<file>`` to the collector app (the files read now, into memory)."""
     files = {path.name: _File.of(path.read_bytes(), path.suffix) for path in STATIC_DIR.iterdir() if path.is_file()}
     style, html = files["style.css"].body.decode(), files["index.html"].body.decode()
-    if _SCRIPT not in html or _STYLE not in html:
-        raise RuntimeError(f"static/index.html must load its script and style as {_SCRIPT} and {_STYLE}")
-    scripts = [files[name].body.decode() for name in _SCRIPTS.findall(html)]
-    html = _SCRIPTS.sub(lambda tag: f"<script>{files[tag[1]].body.decode()}</script>", html)
-    page = _File.of(html.replace(_STYLE, f"<style>{style}</style>").encode(), ".html")
+    loaded = _SCRIPT.findall(html)
+    unknown = [name for name in loaded if name not in files]
+    left_out = sorted(name for name in files if name.endswith(".js") and name not in loaded)
+    if _STYLE not in html or not loaded or unknown or left_out:
+        raise RuntimeError(f"static/index.html must load its style as {_STYLE} and each script of static/ as "
+                           f'<script src="static/NAME.js"></script> (not found: {unknown}, not loaded: {left_out})')
+    scripts = [files[name].body.decode() for name in loaded]
+    html = _SCRIPT.sub(lambda tag: f"<script>{files[tag.group(1)].body.decode()}</script>",
+                       html.replace(_STYLE, f"<style>{style}</style>"))
+    page = _File.of(html.encode(), ".html")
     headers = {"Content-Security-Policy": _policy(scripts, style), "Cache-Control": "no-cache"}
     router = APIRouter(include_in_schema=False)
 
