@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import doctest
+import inspect
+import pathlib
 import re
 
 import pytest
@@ -161,3 +163,11 @@ def test_a_sender_of_a_big_job_heartbeats_on_the_job_sized_interval():
 
 def test_the_examples_in_the_configs_docstrings_hold():
     assert doctest.testmod(_config).failed == 0
+
+
+def test_every_variable_the_config_reads_has_a_row_in_the_settings_table_of_the_agent_page():
+    read = set(re.findall(r'"(AMPWATCH_[A-Z_]+)"', inspect.getsource(AgentConfig.from_env)))
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "agent.md").read_text()
+    rows = set(re.findall(r"^\| `(AMPWATCH_[A-Z_]+)` \|", page, flags=re.M))
+    assert "AMPWATCH_BLOCK_RANKS" in read
+    assert read - rows == set(), "docs/agent.md, Settings, has no row for these"

@@ -308,7 +308,8 @@ def test_a_rank_whose_collector_is_down_retries_it_and_never_sends_to_another_re
         sender, recorder = make_sender(urls, run=run)
         senders.append(sender)
         recorder.skip()
-        wait_until(lambda: sender.send_failures >= 3, what="three attempts to fail during the outage")
+        wait_until(lambda: sender.send_failures >= 3 or up.received, what="three attempts to fail during the outage")
+        assert up.received == [], "a rank of a run placed on a down collector went to another replica"
         with down:
             sender.close(SETTLE_S)
             assert down.event_ids() == [1] and down.acked[-1]["closed"] is True
