@@ -170,3 +170,17 @@ def test_a_replayed_batch_goes_to_the_collector_its_own_run_rank_and_world_size_
         assert {(batch["run"], batch["rank"], batch.get("replayed", False)) for batch in b.acked} == {
             (theirs, 3, True)}
         assert {(batch["run"], batch["rank"]) for batch in a.acked} == {(mine, 0)}
+
+
+def test_a_spooled_batch_whose_rank_its_world_cannot_hold_is_skipped_and_delivery_goes_on(tmp_path):
+    # No collector could be placed for it: adopted, it would stay at the head of the outbox for good.
+    dead = SpoolOutbox(tmp_path, "d" * 32, max_bytes=1 << 20)
+    dead.put(Pending(seq=1, events=0, run="odd", rank=5, world_size=4,
+                     body=encode_batch(make_batch(run="odd", rank=5, world_size=4))))
+    dead.close()
+    with RecordingCollector() as server:
+        sender, recorder = make_sender(server.url, spool_dir=str(tmp_path))
+        recorder.skip()
+        sender.close(SETTLE_S)
+        assert server.event_ids() == [1] and server.acked[-1]["closed"] is True
+        assert {batch["run"] for batch in server.received} == {"test-run"}
