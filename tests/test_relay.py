@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from ampwatch_support.collector_process import CollectorProcess
-from ampwatch_support.exposition import scrape, value
+from ampwatch_support.exposition import fewer_requests, requests_and_batches, scrape, value
 from ampwatch_support.older_collector import V1_ONLY, older_collector
 from ampwatch_support.patience import SETTLE_S, START_S
 from ampwatch_support.rank_processes import RankProcess, check_rank_truth, spawn_rank, wait_for
@@ -124,28 +124,13 @@ def _run_and_check_exact(url: str, run: str, tmp: pathlib.Path, world: int, rela
         _check_exact(url, run, rank, truth)
 
 
-def _requests_and_batches(url: str) -> tuple[float, float]:
-    """Requests answered 200, and the rank batches they carried (applied or recognised as duplicates)."""
-    text = scrape(url)
-    return (value(text, "ampwatch_collector_ingest_requests_total", code="200") or 0,
-            (value(text, "ampwatch_collector_batches_applied_total") or 0)
-            + (value(text, "ampwatch_collector_duplicate_batches_total") or 0))
-
-
-def _fewer_requests(url: str, per_batch: float = 1.0, since: tuple[float, float] = (0.0, 0.0)) -> bool:
-    """Whether the requests answered since ``since`` (requests, batches) number fewer than ``per_batch`` per
-    batch they carried: at 1.0, some request carried several ranks' batches."""
-    requests, batches = _requests_and_batches(url)
-    return requests - since[0] < per_batch * (batches - since[1])
-
-
 def test_the_ranks_of_a_host_post_through_one_relay_in_fewer_requests_with_exact_counts(tmp_path):
     run, world = "relayed", 4
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         _run_and_check_exact(collector.url, run, tmp_path, world, relayed=range(world),
-                             gathered=lambda: _fewer_requests(collector.url, 0.75),
+                             gathered=lambda: fewer_requests(collector.url, 0.75),
                              what="the relay to carry the ranks' batches in under 0.75 requests per batch")
-        requests, batches = _requests_and_batches(collector.url)
+        requests, batches = requests_and_batches(collector.url)
     relays = sorted(p.name for p in tmp_path.glob("relay?"))
     socket_dir = tmp_path / "relay"
     print(f"\n{batches:.0f} batches of {world} ranks in {requests:.0f} requests; relay: {relays}")
@@ -165,12 +150,12 @@ def test_killing_the_relay_rank_mid_job_leaves_the_other_ranks_totals_exact_and_
             (tmp_path / f"relay{killed}").unlink()
             survivors = [r for r in range(world) if r != killed]
             wait_for(lambda: list(tmp_path.glob("relay?")), what="a surviving rank to take the relay over")
-            takeover = _requests_and_batches(collector.url)
+            takeover = requests_and_batches(collector.url)
             # The new relay gathers batches again: a request carries several. Waited for, not counted over a
             # window: on a loaded machine a rank's batch may miss the other's for a while.
-            wait_for(lambda: _fewer_requests(collector.url, since=takeover),
+            wait_for(lambda: fewer_requests(collector.url, since=takeover),
                      what="a request through the new relay carrying several ranks' batches")
-            after = _requests_and_batches(collector.url)
+            after = requests_and_batches(collector.url)
             _wait_past(collector.url, run, survivors, 50)
             truths = _finish(ranks, tmp_path, ended={killed})
         for rank in survivors:
@@ -186,9 +171,9 @@ def test_v1_agents_and_a_v2_relay_report_exactly_into_one_collector(tmp_path):
     run, world = "mixed", 4
     with CollectorProcess(str(tmp_path / "ampwatch.db")) as collector:
         _run_and_check_exact(collector.url, run, tmp_path, world, relayed=range(2),
-                             gathered=lambda: _fewer_requests(collector.url),
+                             gathered=lambda: fewer_requests(collector.url),
                              what="a request through the relay carrying both relayed ranks' batches")
-        requests, batches = _requests_and_batches(collector.url)
+        requests, batches = requests_and_batches(collector.url)
     print(f"\n{batches:.0f} batches in {requests:.0f} requests (2 relayed ranks, 2 posting v1)")
     assert len(list(tmp_path.glob("relay?"))) == 1
     assert requests < batches
@@ -203,7 +188,7 @@ def test_a_relay_against_a_collector_that_knows_only_v1_falls_back_to_v1_with_ex
         assert schema.status_code == 422, "this collector must refuse protocol v2"
         _run_and_check_exact(collector.url, run, tmp_path, world, relayed=range(world))
         text = scrape(collector.url)
-        requests, batches = _requests_and_batches(collector.url)
+        requests, batches = requests_and_batches(collector.url)
     refused = value(text, "ampwatch_collector_ingest_requests_total", code="422") - 1  # less the probe above
     print(f"\nthe v1-only collector refused {refused:.0f} v2 request(s); then {batches:.0f} batches went as v1 "
           f"in {requests:.0f} requests")

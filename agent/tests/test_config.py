@@ -1,13 +1,18 @@
-"""AgentConfig: AMPWATCH_* variables, explicit arguments winning, clear errors, collector pinning."""
+"""AgentConfig: AMPWATCH_* variables, explicit arguments winning, clear errors, a run placed on one collector."""
 
 from __future__ import annotations
 
-import hashlib
+import doctest
+import inspect
+import pathlib
 import re
 
 import pytest
 
+from ampwatch.agent import _config
 from ampwatch.agent._config import AgentConfig
+from ampwatch.agent._schedule import default_heartbeat
+from ampwatch.contract import placement
 from ampwatch_support.delivery_harness import make_sender
 
 
@@ -61,17 +66,55 @@ def test_a_bad_value_raises_a_value_error_naming_the_variable(env, message):
         AgentConfig.from_env(environ=env)
 
 
-def test_each_rank_is_pinned_to_one_collector_by_a_stable_hash_of_run_and_rank():
+def test_every_rank_of_a_run_reports_to_the_collector_that_ranks_first_for_the_run():
     urls = [f"http://c{i}:9457" for i in range(3)]
     config = AgentConfig.from_env(collector=urls, environ={})
-    again = AgentConfig.from_env(collector=",".join(urls), environ={})
-    choice = [config.collector_for("exp-42", rank) for rank in range(300)]
-    assert choice == [again.collector_for("exp-42", rank) for rank in range(300)]
-    counts = [choice.count(url) for url in urls]
-    assert min(counts) > 60, f"300 ranks should spread over 3 collectors, got {counts}"
-    # sha1 of "exp-42\0<rank>": a fixed answer, so every process (and every Python) agrees
-    assert config.collector_for("exp-42", 0) == urls[
-        int.from_bytes(hashlib.sha1(b"exp-42\x000").digest()[:8], "big") % 3]
+    # The same collectors in another order, with a trailing "/" or a host in capitals: the same placement.
+    again = AgentConfig.from_env(collector="http://C2:9457/," + ",".join(reversed(urls)), environ={})
+    first = {}
+    for run in (f"exp-{i}" for i in range(300)):
+        held = {config.collector_for(run, rank, 64) for rank in range(64)}
+        assert held == {placement.ranking(run, urls)[0]}, f"run {run} split over {held}"
+        assert again.collector_for(run, 63, 64) == config.collector_for(run, 63, 64)
+        first[run] = held.pop()
+    counts = [list(first.values()).count(url) for url in urls]
+    assert min(counts) > 60, f"300 runs should spread over 3 collectors, got {counts}"
+
+
+@pytest.mark.parametrize(("block_ranks", "world_size", "expected"), [
+    # a run of at most a block: whole on its first collector; a bigger one in blocks, block b on its b % n-th
+    (2, 2, [0, 0]),
+    (2, 5, [0, 0, 1, 1, 2]),
+    (1, 4, [0, 1, 2, 0]),
+    (placement.BLOCK_RANKS, 4, [0, 0, 0, 0]),
+])
+def test_a_run_of_more_than_ampwatch_block_ranks_goes_to_the_collectors_in_contiguous_blocks(block_ranks, world_size,
+                                                                                             expected):
+    urls = [f"http://c{i}:9457" for i in range(3)]
+    config = AgentConfig.from_env(collector=urls, environ={"AMPWATCH_BLOCK_RANKS": str(block_ranks)})
+    order = placement.ranking("big-run", urls)
+    assert [config.collector_for("big-run", rank, world_size) for rank in range(world_size)] == [
+        order[i] for i in expected]
+
+
+def test_ampwatch_block_ranks_is_read_from_the_environment_and_defaults_to_the_contracts_block():
+    assert AgentConfig.from_env(environ={}).block_ranks == placement.BLOCK_RANKS == 8_192
+    assert AgentConfig.from_env(environ={"AMPWATCH_BLOCK_RANKS": " 4096 "}).block_ranks == 4096
+    assert AgentConfig.from_env(environ={"AMPWATCH_BLOCK_RANKS": "4096"}, block_ranks=2).block_ranks == 2
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"environ": {"AMPWATCH_BLOCK_RANKS": "many"}}, "AMPWATCH_BLOCK_RANKS must be an integer, got 'many'"),
+    ({"environ": {"AMPWATCH_BLOCK_RANKS": "1.5"}}, "AMPWATCH_BLOCK_RANKS must be an integer"),
+    ({"environ": {"AMPWATCH_BLOCK_RANKS": "0"}}, "AMPWATCH_BLOCK_RANKS / block_ranks= must be a whole number of "
+                                                "ranks >= 1, got 0"),
+    ({"environ": {"AMPWATCH_BLOCK_RANKS": "-8"}}, "AMPWATCH_BLOCK_RANKS / block_ranks= must be a whole number"),
+    ({"environ": {}, "block_ranks": True}, "AMPWATCH_BLOCK_RANKS / block_ranks= must be a whole number"),
+    ({"environ": {}, "block_ranks": 2.0}, "AMPWATCH_BLOCK_RANKS / block_ranks= must be a whole number"),
+])
+def test_a_bad_ampwatch_block_ranks_raises_a_value_error_saying_what_is_accepted(setting, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AgentConfig.from_env(**setting)
 
 
 def test_the_default_push_interval_follows_the_ranks_each_collector_serves():
@@ -82,8 +125,25 @@ def test_the_default_push_interval_follows_the_ranks_each_collector_serves():
     assert config.for_job(16_384).push_interval == 30.0  # 32.8 s would do: the longest default is 30 s
     two = AgentConfig.from_env(collector="http://a:1,http://b:2", environ={})
     assert two.for_job(16_384).push_interval == pytest.approx(16.384)  # 8,192 ranks on each collector
-    assert two.for_job(7_000).push_interval == 15.0  # 3,500 each: the floor
+    assert two.for_job(7_000).push_interval == 15.0  # a run of one block: 7,000 on one collector, under 7,500
     assert AgentConfig.from_env(environ={}).for_job(100_000).push_interval == 30.0
+
+
+@pytest.mark.parametrize(("collectors", "block_ranks", "world_size", "held"), [
+    (0, placement.BLOCK_RANKS, 10_000, 10_000),  # no collector: the job's size
+    (1, 4_096, 10_000, 10_000),  # one collector holds every block
+    (2, placement.BLOCK_RANKS, 8_000, 8_000),  # a run of one block lives whole on one of two
+    (2, placement.BLOCK_RANKS, 10_000, 8_192),  # blocks of 8,192 and 1,808 ranks, one on each
+    (2, placement.BLOCK_RANKS, 16_384, 8_192),  # two blocks, one on each
+    (2, placement.BLOCK_RANKS, 20_000, 8_192 + 3_616),  # blocks 0 and 2 on the run's first collector
+    (3, placement.BLOCK_RANKS, 20_000, 8_192),
+])
+def test_the_default_heartbeat_follows_the_most_ranks_of_the_job_one_collector_holds(collectors, block_ranks,
+                                                                                      world_size, held):
+    config = AgentConfig.from_env(collector=[f"http://c{i}:9457" for i in range(collectors)],
+                                  block_ranks=block_ranks, environ={})
+    assert config.ranks_per_collector(world_size) == held
+    assert config.for_job(world_size).push_interval == pytest.approx(default_heartbeat(held))
 
 
 def test_an_explicit_push_interval_is_kept_whatever_the_job_size():
@@ -99,3 +159,15 @@ def test_a_sender_of_a_big_job_heartbeats_on_the_job_sized_interval():
         assert sender._schedule.heartbeat == 30.0
     finally:
         sender.close(1.0)
+
+
+def test_the_examples_in_the_configs_docstrings_hold():
+    assert doctest.testmod(_config).failed == 0
+
+
+def test_every_variable_the_config_reads_has_a_row_in_the_settings_table_of_the_agent_page():
+    read = set(re.findall(r'"(AMPWATCH_[A-Z_]+)"', inspect.getsource(AgentConfig.from_env)))
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "agent.md").read_text()
+    rows = set(re.findall(r"^\| `(AMPWATCH_[A-Z_]+)` \|", page, flags=re.M))
+    assert "AMPWATCH_BLOCK_RANKS" in read
+    assert read - rows == set(), "docs/agent.md, Settings, has no row for these"

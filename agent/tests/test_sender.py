@@ -10,9 +10,9 @@ from itertools import pairwise
 import pytest
 
 from ampwatch.agent._batch import DELIVERY_COUNTERS, MAX_BATCH_EVENTS
-from ampwatch.agent._config import AgentConfig
 from ampwatch.agent._schedule import NEWS_GAP
 from ampwatch.agent._sender import MAX_BODY_BYTES
+from ampwatch.contract import placement
 from ampwatch_support.delivery_harness import make_sender
 from ampwatch_support.patience import SETTLE_S, wait_until
 from ampwatch_support.recording_collector import RecordingCollector
@@ -279,19 +279,42 @@ def test_the_recorders_own_agent_errors_are_counted_with_the_senders(collector, 
     assert collector.wait_for(lambda s: s.acked and s.acked[-1]["state"]["delivery"]["agent_errors"] == 2)
 
 
-def test_each_rank_reports_to_the_one_collector_its_run_and_rank_hash_to(senders):
-    with RecordingCollector() as a, RecordingCollector() as b:
-        config = AgentConfig.from_env(collector=[a.url, b.url], environ={})
-        expected = {rank: config.collector_for("pinned-run", rank) for rank in range(8)}
-        assert set(expected.values()) == {a.url, b.url}, "8 ranks should land on both collectors"
-        for rank in range(8):
-            sender, _ = make_sender([a.url, b.url], run="pinned-run", rank=rank, world_size=8)
-            senders.append(sender)
+def test_each_rank_reports_to_the_collector_placement_names_a_whole_run_on_one_a_big_one_in_blocks(senders):
+    with RecordingCollector() as a, RecordingCollector() as b, RecordingCollector() as c:
+        urls = [a.url, b.url, c.url]
+        # "whole": 8 ranks, one block; "blocks": blocks of 3 ranks (0-2, 3-5, 6-7), one on each collector.
+        expected = {(run, rank): block.collector
+                    for run, block_ranks in (("whole", placement.BLOCK_RANKS), ("blocks", 3))
+                    for block in placement.blocks(run, 8, urls, block_ranks)
+                    for rank in range(block.first_rank, block.last_rank + 1)}
+        assert len({expected["whole", rank] for rank in range(8)}) == 1
+        assert len({expected["blocks", rank] for rank in range(8)}) == 3
+        for run, block_ranks in (("whole", placement.BLOCK_RANKS), ("blocks", 3)):
+            for rank in range(8):
+                sender, _ = make_sender(urls, run=run, rank=rank, world_size=8, block_ranks=block_ranks)
+                senders.append(sender)
         for sender in senders:
             sender.close(SETTLE_S)
-        for server in (a, b):
-            ranks = {batch["rank"] for batch in server.acked}
-            assert ranks == {r for r, url in expected.items() if url == server.url}
+        for server in (a, b, c):
+            held = {(batch["run"], batch["rank"]) for batch in server.received}
+            assert held == {key for key, url in expected.items() if url == server.url}
+
+
+def test_a_rank_whose_collector_is_down_retries_it_and_never_sends_to_another_replica(senders):
+    down, up = RecordingCollector(), RecordingCollector()  # "down" is not started yet
+    urls = [down.url, up.url]
+    run = next(r for r in (f"outage-{i}" for i in range(100)) if placement.ranking(r, urls)[0] == down.url)
+    with up:
+        sender, recorder = make_sender(urls, run=run)
+        senders.append(sender)
+        recorder.skip()
+        wait_until(lambda: sender.send_failures >= 3 or up.received, what="three attempts to fail during the outage")
+        assert up.received == [], "a rank of a run placed on a down collector went to another replica"
+        with down:
+            sender.close(SETTLE_S)
+            assert down.event_ids() == [1] and down.acked[-1]["closed"] is True
+            assert down.acked[-1]["state"]["delivery"]["send_failures"] >= 3
+        assert up.received == [], "a rank of a run placed on a down collector went to another replica"
 
 
 def test_nothing_is_started_without_a_collector():

@@ -9,6 +9,7 @@ from ampwatch.agent._batch import encode_batch
 from ampwatch.agent._outbox import REPLAYED, Pending
 from ampwatch.agent._sender import MAX_BODY_BYTES
 from ampwatch.agent._spool import SpoolOutbox
+from ampwatch.contract import placement
 from ampwatch_support.batches import make_batch
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.delivery_harness import make_sender
@@ -98,7 +99,7 @@ def test_the_spool_drops_its_oldest_batches_past_its_size_cap_and_counts_their_e
 
 def test_a_live_process_spool_is_not_adopted_but_a_dead_ones_is(tmp_path):
     alive = SpoolOutbox(tmp_path, "a" * 32, max_bytes=1 << 20)
-    alive.put(Pending(seq=1, events=0, run="r", rank=0, body=b'{"run": "r", "rank": 0}'))
+    alive.put(Pending(seq=1, events=0, run="r", rank=0, world_size=1, body=b'{"run": "r", "rank": 0, "world_size": 1}'))
     other = SpoolOutbox(tmp_path, "b" * 32, max_bytes=1 << 20)
     assert len(other) == 0, "a live process's spool was taken over"
     other.close()
@@ -107,7 +108,7 @@ def test_a_live_process_spool_is_not_adopted_but_a_dead_ones_is(tmp_path):
     head = successor.head()
     assert head is not None and (head.seq, head.run, head.rank) == (1, "r", 0)
     # Sent marked: another process's history, never a sign that it lives (docs/protocol.md#who-owns-a-rank).
-    assert head.replayed and head.load() == b'{"replayed":true,"run": "r", "rank": 0}'
+    assert head.replayed and head.load() == b'{"replayed":true,"run": "r", "rank": 0, "world_size": 1}'
     successor.pop()
     successor.close()
     assert list(tmp_path.iterdir()) == []
@@ -139,7 +140,7 @@ def test_the_largest_batch_the_sender_builds_still_fits_a_default_collector_once
     body = encode_batch({**batch, "events": events})
     assert len(body) == MAX_BODY_BYTES
     dead = SpoolOutbox(tmp_path, "d" * 32, max_bytes=1 << 24)
-    dead.put(Pending(seq=1, events=len(events), run="largest", rank=0, body=body))
+    dead.put(Pending(seq=1, events=len(events), run="largest", rank=0, world_size=1, body=body))
     dead.close()  # undelivered: left for the next process
     successor = SpoolOutbox(tmp_path, "e" * 32, max_bytes=1 << 24)
     try:
@@ -151,3 +152,35 @@ def test_the_largest_batch_the_sender_builds_still_fits_a_default_collector_once
         assert answer.json()["applied"] is True, answer.text[:300]
     finally:
         successor.close()
+
+
+def test_a_replayed_batch_goes_to_the_collector_its_own_run_rank_and_world_size_are_placed_on(tmp_path):
+    # A dead process's batch (rank 3 of a 4-rank run in blocks of 2: the run's second collector) is replayed by a
+    # process of another run, which places its own batches on its run's first collector.
+    with RecordingCollector() as a, RecordingCollector() as b:
+        urls = [a.url, b.url]
+        mine = next(r for r in (f"mine-{i}" for i in range(100)) if placement.ranking(r, urls)[0] == a.url)
+        theirs = next(r for r in (f"theirs-{i}" for i in range(100)) if placement.ranking(r, urls)[1] == b.url)
+        body = encode_batch(make_batch(run=theirs, rank=3, world_size=4))
+        dead = SpoolOutbox(tmp_path, "d" * 32, max_bytes=1 << 20)
+        dead.put(Pending(seq=1, events=0, run=theirs, rank=3, world_size=4, body=body))
+        dead.close()  # undelivered: left for the next process
+        sender, _ = make_sender(urls, run=mine, spool_dir=str(tmp_path), block_ranks=2)
+        sender.close(SETTLE_S)
+        assert {(batch["run"], batch["rank"], batch.get("replayed", False)) for batch in b.acked} == {
+            (theirs, 3, True)}
+        assert {(batch["run"], batch["rank"]) for batch in a.acked} == {(mine, 0)}
+
+
+def test_a_spooled_batch_whose_rank_its_world_cannot_hold_is_skipped_and_delivery_goes_on(tmp_path):
+    # No collector could be placed for it: adopted, it would stay at the head of the outbox for good.
+    dead = SpoolOutbox(tmp_path, "d" * 32, max_bytes=1 << 20)
+    dead.put(Pending(seq=1, events=0, run="odd", rank=5, world_size=4,
+                     body=encode_batch(make_batch(run="odd", rank=5, world_size=4))))
+    dead.close()
+    with RecordingCollector() as server:
+        sender, recorder = make_sender(server.url, spool_dir=str(tmp_path))
+        recorder.skip()
+        sender.close(SETTLE_S)
+        assert server.event_ids() == [1] and server.acked[-1]["closed"] is True
+        assert {batch["run"] for batch in server.received} == {"test-run"}

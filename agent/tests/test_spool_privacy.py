@@ -135,16 +135,17 @@ def test_an_older_agents_loose_spool_of_ours_is_tightened_and_its_batches_are_re
     spool.mkdir()
     older = spool / ("a" * 32)
     older.mkdir()
-    (older / "000000000001-0.json").write_bytes(b'{"run": "r", "rank": 0}')
+    (older / "000000000001-0.json").write_bytes(b'{"run": "r", "rank": 0, "world_size": 1}')
     for path, mode in ((spool, 0o777), (older, 0o755), (older / "000000000001-0.json", 0o644)):
         os.chmod(path, mode)
     successor = SpoolOutbox(spool, "b" * 32, max_bytes=1 << 20)
     try:
         head = successor.head()
-        assert head is not None and head.load() == b'{"replayed":true,"run": "r", "rank": 0}'
+        assert head is not None and head.load() == b'{"replayed":true,"run": "r", "rank": 0, "world_size": 1}'
         assert successor.refused_files == 0
         for path, mode in ((spool, 0o700), (older, 0o700), (older / "000000000001-0.json", 0o600)):
             assert stat.S_IMODE(os.stat(path).st_mode) == mode, path
-        successor.put(Pending(seq=1, events=0, run="r", rank=0, body=b'{"run": "r", "rank": 0}'))
+        successor.put(Pending(seq=1, events=0, run="r", rank=0, world_size=1,
+                              body=b'{"run": "r", "rank": 0, "world_size": 1}'))
     finally:
         successor.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-__all__ = ["assert_promtool_accepts", "samples", "scrape", "value"]
+__all__ = ["assert_promtool_accepts", "fewer_requests", "requests_and_batches", "samples", "scrape", "value"]
 
 
 def scrape(url: str) -> str:
@@ -24,6 +24,22 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 def value(text: str, name: str, **labels: str) -> float | None:
     """The value of one sample of an exposition, or None when absent."""
     return samples(text).get((name, frozenset(labels.items())))
+
+
+def requests_and_batches(url: str) -> tuple[float, float]:
+    """Requests the collector at ``url`` answered 200, and the rank batches they carried (applied or recognised as
+    duplicates): fewer requests than batches when a node relay gathered several ranks' batches in one."""
+    text = scrape(url)
+    return (value(text, "ampwatch_collector_ingest_requests_total", code="200") or 0,
+            (value(text, "ampwatch_collector_batches_applied_total") or 0)
+            + (value(text, "ampwatch_collector_duplicate_batches_total") or 0))
+
+
+def fewer_requests(url: str, per_batch: float = 1.0, since: tuple[float, float] = (0.0, 0.0)) -> bool:
+    """Whether the requests answered since ``since`` (requests, batches) number fewer than ``per_batch`` per
+    batch they carried: at 1.0, some request carried several ranks' batches."""
+    requests, batches = requests_and_batches(url)
+    return requests - since[0] < per_batch * (batches - since[1])
 
 
 def assert_promtool_accepts(text: str) -> None:

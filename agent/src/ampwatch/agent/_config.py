@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import hashlib
 import math
 import os
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ampwatch.contract import placement
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 
 from ._schedule import default_heartbeat
@@ -37,7 +38,12 @@ class AgentConfig:
     """
 
     collectors: tuple[str, ...] = ()
-    """Collector base URLs (``AMPWATCH_URL``, comma-separated). Empty: record only, send nothing."""
+    """Collector base URLs (``AMPWATCH_URL``, comma-separated), normalized
+    (:func:`~ampwatch.contract.placement.normalize`) and without repeats. Empty: record only, send nothing."""
+    block_ranks: int = placement.BLOCK_RANKS
+    """Ranks of one run a collector holds whole (``AMPWATCH_BLOCK_RANKS``); a bigger run goes to the collectors
+    in blocks of this many ranks (:mod:`ampwatch.contract.placement`). The collectors' ``--block-ranks`` must
+    match it."""
     run: str | None = None
     """Run id shared by all ranks (``AMPWATCH_RUN``); resolved from the launcher when ``None``."""
     token: str | None = dataclasses.field(default=None, repr=False)  # a secret never lands in a log
@@ -84,6 +90,11 @@ class AgentConfig:
     def __post_init__(self) -> None:
         for url in self.collectors:
             _check_url(url)
+        # The form placement answers in, so a URL it names is found here (the relay checks it).
+        self.collectors = tuple(dict.fromkeys(placement.normalize(url) for url in self.collectors))
+        if isinstance(self.block_ranks, bool) or not isinstance(self.block_ranks, int) or self.block_ranks < 1:
+            raise ValueError(f"AMPWATCH_BLOCK_RANKS / block_ranks= must be a whole number of ranks >= 1, got "
+                             f"{self.block_ranks!r}")
         if self.run is not None and not (1 <= len(self.run) <= 128 and self.run.isprintable()):
             raise ValueError(f"AMPWATCH_RUN / run= must be 1-128 printable characters, got {self.run!r}")
         for name, var in (("push_interval", "AMPWATCH_PUSH_INTERVAL"), ("timeout", "AMPWATCH_TIMEOUT"),
@@ -112,15 +123,33 @@ class AgentConfig:
         """Return this config with its push interval resolved for a job of ``world_size`` ranks.
 
         An explicit ``AMPWATCH_PUSH_INTERVAL`` (or ``push_interval=``) is kept as it is; the default
-        follows the ranks each collector serves (:func:`~._schedule.default_heartbeat`).
+        follows the most ranks of the job one collector holds (:meth:`ranks_per_collector`,
+        :func:`~._schedule.default_heartbeat`).
 
         >>> AgentConfig().for_job(16_384).push_interval, AgentConfig(push_interval=2.0).for_job(16_384).push_interval
         (30.0, 2.0)
         """
         if self.push_interval is not None:
             return self
-        per_collector = world_size / max(1, len(self.collectors))
-        return dataclasses.replace(self, push_interval=default_heartbeat(per_collector))
+        return dataclasses.replace(self, push_interval=default_heartbeat(self.ranks_per_collector(world_size)))
+
+    def ranks_per_collector(self, world_size: int) -> int:
+        """Return the most ranks of a job of ``world_size`` ranks that one collector holds.
+
+        A run of at most ``block_ranks`` ranks lives whole on one collector; a bigger one's blocks are dealt out
+        in turn, so the run's first collector holds the most. The same for every run name (block ``b`` goes to
+        the run's ``b % n``-th collector), so no run is needed.
+
+        >>> two = AgentConfig(collectors=("http://a:1", "http://b:2"), block_ranks=8)
+        >>> two.ranks_per_collector(5), two.ranks_per_collector(16), two.ranks_per_collector(20)
+        (5, 8, 12)
+        """
+        if not self.collectors:
+            return world_size
+        held: collections.Counter[str] = collections.Counter()
+        for block in placement.blocks("", world_size, self.collectors, self.block_ranks):
+            held[block.collector] += block.last_rank - block.first_rank + 1
+        return max(held.values())
 
     @property
     def heartbeat(self) -> float:
@@ -134,16 +163,19 @@ class AgentConfig:
         """Return whether a collector is configured (otherwise the agent only records)."""
         return bool(self.collectors) and not self.disabled
 
-    def collector_for(self, run: str, rank: int) -> str:
-        """Return the one collector this rank reports to: a stable hash of run and rank picks it.
+    def collector_for(self, run: str, rank: int, world_size: int) -> str:
+        """Return the one collector ``rank`` of ``run`` (a job of ``world_size`` ranks) reports to.
 
-        Every process computes the same answer, so several collectors split the
-        ranks of a job between them without talking to each other.
+        :func:`ampwatch.contract.placement.collector_for` over this config's collectors and block size: a whole
+        run on the collector that ranks first for it, a run of more than ``block_ranks`` ranks in blocks. Every
+        process (and every collector) computes the same answer without talking to the others; a collector that
+        is down keeps its ranks (they are retried, never sent elsewhere).
+
+        >>> config = AgentConfig(collectors=("http://a:1", "http://b:2", "http://c:3"))
+        >>> len({config.collector_for("exp-7", rank, 64) for rank in range(64)})
+        1
         """
-        if not self.collectors:
-            raise ValueError("no collector configured: set AMPWATCH_URL or pass collector=")
-        digest = hashlib.sha1(f"{run}\x00{rank}".encode()).digest()
-        return self.collectors[int.from_bytes(digest[:8], "big") % len(self.collectors)]
+        return placement.collector_for(run, rank, world_size, self.collectors, self.block_ranks)
 
     @classmethod
     def from_env(cls, *, collector: str | Sequence[str] | None = None, run: str | None = None,
@@ -168,6 +200,7 @@ class AgentConfig:
             "max_backoff": _number(env, "AMPWATCH_MAX_BACKOFF", float, 30.0),
             "close_timeout": _number(env, "AMPWATCH_CLOSE_TIMEOUT", float, 5.0),
             "max_events": _number(env, "AMPWATCH_MAX_EVENTS", int, 10_000),
+            "block_ranks": _number(env, "AMPWATCH_BLOCK_RANKS", int, placement.BLOCK_RANKS),
             "relay": _flag(env, "AMPWATCH_RELAY"),
             "relay_dir": env.get("AMPWATCH_RELAY_DIR") or None,
             "probe_iterations": _number(env, "AMPWATCH_PROBE_ITERATIONS", int, PROBE_ITERATIONS),

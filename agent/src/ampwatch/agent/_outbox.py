@@ -10,12 +10,13 @@ __all__ = ["Pending", "MemoryOutbox", "REPLAYED"]
 
 @dataclasses.dataclass(slots=True)
 class Pending:
-    """One encoded batch waiting for an answer; ``run``/``rank`` pick its collector."""
+    """One encoded batch waiting for an answer; ``run``, ``rank`` and ``world_size`` pick its collector."""
 
     seq: int
     events: int
     run: str
     rank: int
+    world_size: int
     body: bytes | None = None
     path: pathlib.Path | None = None
     size: int = 0

@@ -76,7 +76,7 @@ class Sender:
         self._refused_spool_files = 0  # entries of the spool another user could have planted, refused unread
         self._clients: dict[str, IngestClient | RelayedClient] = {}
         # Listed event kinds go only to a collector that listed them (_kinds); this process's own go to one URL.
-        own_url = config.collector_for(identity.run, identity.rank) if config.collectors else ""
+        own_url = config.collector_for(identity.run, identity.rank, identity.world_size) if config.collectors else ""
         self._kinds = CollectorKinds(own_url)
         self._node = NodeChannel(config, identity, self.errors) if config.relay else None  # no I/O until used
         self._built_at = float("-inf")  # monotonic time the last batch was built
@@ -219,7 +219,7 @@ class Sender:
             body = self._encode(snapshot, events, closed)
         self._backlog = full and len(self.events) > 0
         pending = Pending(seq=self._seq, events=len(events), run=self.identity.run, rank=self.identity.rank,
-                          body=body)
+                          world_size=self.identity.world_size, body=body)
         try:
             if self._outbox.make_room(len(body)):
                 pending.body = self._encode(snapshot, events, closed)  # so it reports the drops it just caused
@@ -254,7 +254,7 @@ class Sender:
                 self.errors.report("reading a spooled batch (dropped)", exc)
                 self._outbox.pop()
                 continue
-            url = self.config.collector_for(pending.run, pending.rank)
+            url = self.config.collector_for(pending.run, pending.rank, pending.world_size)  # down: retried there
             if (fitted := self._kinds.fit(url, body)) is not None:
                 body = self._refit(pending, fitted)  # built before its collector said it does not take a kind
             answer = self._client(url).post(body, timeout)

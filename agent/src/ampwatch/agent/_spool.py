@@ -24,6 +24,8 @@ import os
 import pathlib
 import stat
 
+from ampwatch.contract.placement import block_of
+
 from ._outbox import Pending
 
 try:
@@ -79,8 +81,8 @@ class SpoolOutbox:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        self._enqueue(Pending(seq=pending.seq, events=pending.events, run=pending.run,
-                              rank=pending.rank, path=path, size=len(body)))
+        self._enqueue(Pending(seq=pending.seq, events=pending.events, run=pending.run, rank=pending.rank,
+                              world_size=pending.world_size, path=path, size=len(body)))
         self._drop_oldest_past(self.max_bytes, keep=1)  # only if make_room() was not asked first
 
     def make_room(self, size: int) -> bool:
@@ -142,8 +144,9 @@ class SpoolOutbox:
                     if body is None:
                         continue
                     header = json.loads(body)
-                    pending = Pending(seq=seq, events=events, run=str(header["run"]),
-                                      rank=int(header["rank"]), path=path, size=len(body), replayed=True)
+                    pending = Pending(seq=seq, events=events, run=str(header["run"]), rank=int(header["rank"]),
+                                      world_size=int(header["world_size"]), path=path, size=len(body), replayed=True)
+                    block_of(pending.rank, pending.world_size)  # a rank its world cannot hold has no collector
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     log.warning("ampwatch: skipping unreadable spooled batch %s (%s)", path, exc)
                     continue
