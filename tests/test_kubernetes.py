@@ -216,6 +216,12 @@ def test_the_overlay_of_the_docs_sets_namespace_image_replicas_labels_and_promet
     assert {o["metadata"].get("namespace") for o in rendered} == {"ampwatch"}
     statefulset = _one(rendered, "StatefulSet", "ampwatch-collector")
     assert statefulset["spec"]["replicas"] == 2
+    env = {e["name"]: e.get("value") for e in _container(rendered)["env"]}
+    agents = re.search(r"name: AMPWATCH_URL\n\s+value: (\S+)", docs).group(1)
+    assert env["AMPWATCH_SERVER_PEERS"] == agents  # the replicas place runs on the list the agents place them on
+    for replica in range(2):  # and each finds itself in it
+        pod = env["AMPWATCH_SERVER_ADVERTISE_URL"].replace("$(POD_NAME)", f"ampwatch-collector-{replica}")
+        assert pod.replace("$(POD_NAMESPACE)", "ampwatch") == agents.split(",")[replica]
     assert _container(rendered)["image"] == "registry.example.com/ml/ampwatch-collector:0.1.0"
     for kind, name in (("ServiceMonitor", "ampwatch-collector"), ("PrometheusRule", "ampwatch")):
         assert _one(rendered, kind, name)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
