@@ -14,6 +14,8 @@ collector alone, and both send to one Alertmanager (told apart by an external la
 - STORM_RUN, 6 ranks in 3 blocks of 2, one on each replica: every rank has a loss and a gradient-norm spike, then
   skips every step for STORM batches (a streak past both thresholds, the scale backed off below 1, a high skip
   share). It fires each run-wide alert once (RUN_WIDE), no per-rank alert (held back), no desync.
+- DESYNC_RUN, 4 ranks in 2 blocks of 2: the second block's ranks train at a quarter of the first's scale, so each
+  replica sees one scale and only across replicas do they disagree. It fires one AmpLossScaleDesync.
 - ONE_RUN, 2 ranks, whole on one replica: rank 1 alone has the same storm. It fires ONE_RUN_FIRES: rank 1's own
   alerts, a desync, sustained backoff.
 
@@ -72,8 +74,8 @@ THRESHOLDS = AlertThresholds(
     storm_edge_for_s=3,  # three of Prometheus's 1 s evaluations: a per-rank alert held back can fire within the test
 )
 BLOCK_RANKS = 2  # the replicas' --block-ranks: a run of more ranks is split in blocks of 2 over them
-STORM_RUN, STORM_RANKS = "x-storm", 6
-ONE_RUN, ONE_RANKS = "x-one", 2
+STORM_RUN, DESYNC_RUN, ONE_RUN = "x-storm", "x-desync", "x-one"
+RANKS = {STORM_RUN: 6, DESYNC_RUN: 4, ONE_RUN: 2}
 PERIOD_S, ITERATIONS_PER_BATCH = 0.5, 32  # 64 steps a second: a skip share judged over enough steps
 HEALTHY, STORM, AFTER = 6, 4, 20  # batches of each phase; then each rank closes
 # What each run fires, replicas and alone alike: (alertname, rank, optimizer, severity); "" where a label is absent.
@@ -81,6 +83,7 @@ RUN_WIDE = {("AmpRunSkipStorm", "", "", "warning"), ("AmpRunSkipStorm", "", "", 
             ("AmpRunLossScaleCollapsed", "", "", "critical"), ("AmpRunHighSkippedStepRatio", "", "", "warning"),
             ("AmpSustainedLossScaleBackoff", "", "", "warning"), ("AmpRunLossSpike", "", "", "warning"),
             ("AmpRunGradNormSpike", "", "", "warning")}
+DESYNC = {("AmpLossScaleDesync", "", "", "warning")}
 ONE_RUN_FIRES = {("AmpConsecutiveSkippedSteps", "1", "gen", "warning"),
                  ("AmpConsecutiveSkippedSteps", "1", "gen", "critical"),
                  ("AmpLossScaleCollapsed", "1", "", "critical"), ("AmpHighSkippedStepRatio", "1", "gen", "warning"),
@@ -303,9 +306,9 @@ class _SimulatedRank:
     """One rank of a simulated run as its agent reports it: each batch ITERATIONS_PER_BATCH iterations of one
     optimizer, ``gen``, each a step or a skip (which backs the scale off, as GradScaler does)."""
 
-    def __init__(self, run: str, rank: int, world_size: int) -> None:
+    def __init__(self, run: str, rank: int, world_size: int, scale: float = 2.0 ** 16) -> None:
         self.run, self.rank, self.world_size = run, rank, world_size
-        self.gen, self.scale = OptimizerRun(), 2.0 ** 16
+        self.gen, self.scale = OptimizerRun(), scale
         self.seq = self.iteration = self.backoffs = self.spikes = 0
 
     def batch(self, skipping: bool, spike: bool, closed: bool) -> dict:
@@ -332,18 +335,19 @@ class _SimulatedRank:
 
 
 def _stream_runs(replicas: list[str], alone: str, stop: threading.Event) -> float:
-    """Post STORM_RUN's and ONE_RUN's batches, PERIOD_S apart, each to the replica the contract's placement names
-    and to the collector alone; return the time the last ones (the ranks closing) were answered."""
-    ranks = [_SimulatedRank(run, rank, size) for run, size in ((STORM_RUN, STORM_RANKS), (ONE_RUN, ONE_RANKS))
-             for rank in range(size)]
+    """Post the simulated runs' batches, PERIOD_S apart, each to the replica the contract's placement names and to
+    the collector alone; return the time the last ones (the ranks closing) were answered."""
+    ranks = [_SimulatedRank(run, rank, size, 2.0 ** 14 if run == DESYNC_RUN and rank >= BLOCK_RANKS else 2.0 ** 16)
+             for run, size in RANKS.items() for rank in range(size)]
     placed = {rank: placement.collector_for(rank.run, rank.rank, rank.world_size, replicas, BLOCK_RANKS)
               for rank in ranks}
+    storming = {(STORM_RUN, rank) for rank in range(RANKS[STORM_RUN])} | {(ONE_RUN, 1)}
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(replicas) + 1) as posting:
         for number in range(HEALTHY + STORM + AFTER + 1):
             began = time.monotonic()
             batches: dict[str, list[dict]] = {}
             for rank in ranks:
-                storm = HEALTHY <= number < HEALTHY + STORM and (rank.run == STORM_RUN or rank.rank == 1)
+                storm = HEALTHY <= number < HEALTHY + STORM and (rank.run, rank.rank) in storming
                 sent = rank.batch(skipping=storm, spike=rank.run == STORM_RUN and number == HEALTHY - 1,
                                   closed=number == HEALTHY + STORM + AFTER)
                 for url in (placed[rank], alone):
@@ -366,7 +370,7 @@ def _fired(stack: dict) -> dict[str, list[dict[str, str]]]:
     Prometheus fired reached Alertmanager."""
     if "fired" not in stack:
         ended = stack["stream"].result(timeout=SETTLE_S * 4)
-        runs = f'run=~"{STORM_RUN}|{ONE_RUN}"'
+        runs = f'run=~"{"|".join(RANKS)}"'
         sides = {"replicas": stack["prometheus"], "alone": stack["prometheus_alone"]}
         for side, prometheus in sides.items():
             # Its rules ran on scrapes of every collector since the ranks closed (two intervals after), and nothing
@@ -380,7 +384,7 @@ def _fired(stack: dict) -> dict[str, list[dict[str, str]]]:
             with stack["receiver"].lock:
                 return {_identity(a["labels"]) for p in stack["receiver"].payloads for a in p["alerts"]
                         if a["status"] == "firing" and a["labels"].get("scraper") == side
-                        and a["labels"].get("run") in (STORM_RUN, ONE_RUN)}
+                        and a["labels"].get("run") in RANKS}
 
         def in_prometheus(prometheus: str) -> set[tuple]:
             return {_identity(s["metric"]) for s in query_range(prometheus, f'ALERTS{{alertstate="firing", {runs}}}',
@@ -396,17 +400,19 @@ def _alert(labels: dict[str, str]) -> tuple[str, str, str, str]:
     return labels["alertname"], labels.get("rank", ""), labels.get("optimizer", ""), labels.get("severity", "")
 
 
-def test_a_whole_job_storm_split_over_three_replicas_fires_each_run_wide_alert_once_in_alertmanager(stack):
-    fired = [labels for labels in _fired(stack)["replicas"] if labels["run"] == STORM_RUN]
-    # One instance of each: an alert of each replica would come once per instance label; a per-rank alert (held
-    # back while the run-wide one speaks for its rank) would name a rank; the ranks share one scale (no desync).
-    assert sorted(map(_alert, fired)) == sorted(RUN_WIDE)
-    assert all(set(labels) == {"alertname", "run", "severity"} for labels in fired), fired
+def test_a_storm_and_a_desync_split_over_replicas_fire_each_run_wide_alert_once_in_alertmanager(stack):
+    for run, expected in ((STORM_RUN, RUN_WIDE), (DESYNC_RUN, DESYNC)):
+        fired = [labels for labels in _fired(stack)["replicas"] if labels["run"] == run]
+        # One instance of each: an alert of each replica would come once per instance label; a per-rank alert (held
+        # back while the run-wide one speaks for its rank) would name a rank; the storm's ranks share one scale (no
+        # desync), the desync's blocks each theirs (its alert only from across replicas).
+        assert sorted(map(_alert, fired)) == sorted(expected), run
+        assert all(set(labels) == {"alertname", "run", "severity"} for labels in fired), fired
 
 
 def test_a_run_on_one_replica_fires_the_same_alerts_as_on_a_collector_alone_and_so_does_a_split_run(stack):
     fired = _fired(stack)
-    for run in (STORM_RUN, ONE_RUN):
+    for run in RANKS:
         # The instance label names the collector scraped; every other label, and how many instances, the same.
         replicas, alone = (sorted(_identity({k: v for k, v in labels.items() if k != "instance"})
                                   for labels in fired[side] if labels["run"] == run) for side in ("replicas", "alone"))
@@ -418,7 +424,7 @@ def test_no_rank_is_exposed_by_two_replicas_and_each_block_by_the_replica_placem
     prometheus, started = stack["prometheus"], stack["started"]
     stack["stream"].result(timeout=SETTLE_S * 4)
     assert query_range(prometheus, "count by (run, rank) (ampwatch_iteration) > 1", started) == []
-    for run, size in ((STORM_RUN, STORM_RANKS), (ONE_RUN, ONE_RANKS)):
+    for run, size in RANKS.items():
         held: dict[str, set[str]] = {}
         for series in query_range(prometheus, f'ampwatch_iteration{{run="{run}"}}', started):
             held.setdefault(series["metric"]["instance"], set()).add(series["metric"]["rank"])
@@ -427,5 +433,5 @@ def test_no_rank_is_exposed_by_two_replicas_and_each_block_by_the_replica_placem
             placed.setdefault(block.collector.removeprefix("http://"), set()).update(
                 str(rank) for rank in range(block.first_rank, block.last_rank + 1))
         assert held == placed, run
-    assert len({block.collector for block in placement.blocks(STORM_RUN, STORM_RANKS, stack["replicas"],
+    assert len({block.collector for block in placement.blocks(STORM_RUN, RANKS[STORM_RUN], stack["replicas"],
                                                               BLOCK_RANKS)}) == 3
