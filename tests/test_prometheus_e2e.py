@@ -376,9 +376,9 @@ def _fired(stack: dict) -> dict[str, list[dict[str, str]]]:
             # Its rules ran on scrapes of every collector since the ranks closed (two intervals after), and nothing
             # is pending for the runs: what fires for them has fired.
             wait_until(lambda p=prometheus: query(p, f"min(timestamp(up)) > {ended + 2}"), SETTLE_S,
-                       f"the {side}' Prometheus to scrape after the ranks closed")
+                       f"the Prometheus of the {side} side to scrape after the ranks closed")
             wait_until(lambda p=prometheus: not query(p, f'ALERTS{{alertstate="pending", {runs}}}'), SETTLE_S,
-                       f"no alert of the simulated runs pending in the {side}' Prometheus")
+                       f"no alert of the simulated runs pending in the Prometheus of the {side} side")
 
         def in_alertmanager(side: str) -> set[tuple]:
             with stack["receiver"].lock:
