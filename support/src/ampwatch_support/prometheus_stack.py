@@ -19,7 +19,7 @@ import yaml
 
 from ampwatch_support.patience import START_S
 
-__all__ = ["Processes", "binary", "get", "query_range", "start_prometheus", "wait_for_scrapes", "wait_until"]
+__all__ = ["Processes", "binary", "get", "query", "query_range", "start_prometheus", "wait_for_scrapes", "wait_until"]
 
 
 def binary(name: str) -> str:
@@ -81,21 +81,33 @@ class Processes:
 
 
 def start_prometheus(processes: Processes, folder: Path, port: int, rules: str, targets: Sequence[str],
-                     alertmanager: str | None = None, interval: str = "1s") -> str:
-    """Start Prometheus scraping ``targets`` every ``interval`` with the rule file ``rules``; return its URL."""
-    (folder / "rules.yaml").write_text(rules)
+                     alertmanager: str | None = None, interval: str = "1s", name: str = "prometheus",
+                     external_labels: dict[str, str] | None = None) -> str:
+    """Start Prometheus scraping ``targets`` every ``interval`` with the rule file ``rules``; return its URL.
+
+    ``name`` names its process, log, files and data in ``folder``, so that several can share one folder;
+    ``external_labels`` are added to every alert it sends (what tells two Prometheus apart in one Alertmanager).
+    """
+    (folder / f"{name}-rules.yaml").write_text(rules)
     config: dict[str, Any] = {
-        "global": {"scrape_interval": interval, "evaluation_interval": interval},
-        "rule_files": ["rules.yaml"],
+        "global": {"scrape_interval": interval, "evaluation_interval": interval,
+                   **({"external_labels": external_labels} if external_labels else {})},
+        "rule_files": [f"{name}-rules.yaml"],
         "scrape_configs": [{"job_name": "ampwatch", "static_configs": [{"targets": list(targets)}]}],
     }
     if alertmanager:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
-    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    processes.start("prometheus", [binary("prometheus"), f"--config.file={folder / 'prometheus.yml'}",
-                                   f"--storage.tsdb.path={folder / 'prometheus'}",
-                                   f"--web.listen-address=127.0.0.1:{port}"])
+    (folder / f"{name}.yml").write_text(yaml.safe_dump(config))
+    processes.start(name, [binary("prometheus"), f"--config.file={folder / f'{name}.yml'}",
+                           f"--storage.tsdb.path={folder / name}", f"--web.listen-address=127.0.0.1:{port}"])
     return f"http://127.0.0.1:{port}"
+
+
+def query(prometheus: str, expr: str) -> list[dict]:
+    """Return the series of an instant query, now."""
+    answer = json.loads(get(f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float | None = None) -> list[dict]:
@@ -106,13 +118,13 @@ def query_range(prometheus: str, expr: str, start: float, end: float | None = No
     return answer["data"]["result"]
 
 
-def wait_for_scrapes(processes: Processes, prometheus: str, targets: int = 1) -> None:
+def wait_for_scrapes(processes: Processes, prometheus: str, targets: int = 1, name: str = "prometheus") -> None:
     """Wait until Prometheus is ready and then until it has scraped ``targets`` targets successfully.
 
     Prometheus scrapes a few seconds after it is ready (target discovery is throttled to every 5 s): what a
     test sends before that first scrape would be missing from its history.
     """
     wait_until(lambda: get(prometheus + "/-/ready"), START_S,
-               lambda: "prometheus ready\n" + processes.log("prometheus"))
+               lambda: f"{name} ready\n" + processes.log(name))
     wait_until(lambda: len(query_range(prometheus, "up == 1", time.time() - 2)) >= targets, START_S,
                f"Prometheus to scrape {targets} target(s)")

@@ -48,8 +48,13 @@ def expression(definition: AlertDefinition, t: AlertThresholds) -> str:
 
 def on_host(expr: str) -> str:
     """Label each rank's series of ``expr`` with its host and local rank (``ampwatch_rank_info``, whose value is 1,
-    so the value stays), as an alert of scope ``host`` carries them for the hardware ticket."""
-    return f"(\n{indent(expr)}\n)\n* on (run, rank) group_left (host, local_rank) {m.RANK_INFO}"
+    so the value stays), as an alert of scope ``host`` carries them for the hardware ticket.
+
+    One info series per rank (``topk``): a rank that two collectors expose (a run restarted on another replica
+    while the first still keeps it) would make the join many-to-many, an error that stops the whole rule, for
+    every run."""
+    return (f"(\n{indent(expr)}\n)\n"
+            f"* on (run, rank) group_left (host, local_rank) topk by (run, rank) (1, {m.RANK_INFO})")
 
 
 def indent(text: str) -> str:
