@@ -50,11 +50,14 @@ def start_agent(processes: Processes, folder: Path, form: str, cluster: str, tar
     """Start a cluster's scraper (``form``: one of :data:`SCRAPERS`) scraping ``targets`` every second and
     remote-writing what it scrapes, labelled ``cluster``, to ``store``."""
     name = f"{form}-{cluster}"
-    config = {"global": {"scrape_interval": "1s", "external_labels": {"cluster": cluster}},
-              "scrape_configs": [{"job_name": "ampwatch", "static_configs": [{"targets": targets}]}]}
+    config: dict[str, Any] = {"global": {"scrape_interval": "1s"},
+                              "scrape_configs": [{"job_name": "ampwatch", "static_configs": [{"targets": targets}]}]}
     port, where = free_port(), folder / name
     where.mkdir()
+    # The label the way docker-compose.yml and deploy/kubernetes/overlays/central give it: Prometheus's external
+    # label, vmagent's -remoteWrite.label.
     if form == "prometheus-agent":
+        config["global"]["external_labels"] = {"cluster": cluster}
         config["remote_write"] = [{"url": f"{store}/api/v1/write"}]
         (where / "prometheus.yml").write_text(yaml.safe_dump(config))
         processes.start(name, [binary("prometheus"), "--enable-feature=agent",
@@ -64,7 +67,8 @@ def start_agent(processes: Processes, folder: Path, form: str, cluster: str, tar
     elif form == "vmagent":
         (where / "scrape.yml").write_text(yaml.safe_dump(config))
         processes.start(name, [binary("vmagent"), f"-promscrape.config={where / 'scrape.yml'}",
-                               f"-remoteWrite.url={store}/api/v1/write", f"-remoteWrite.tmpDataPath={where / 'q'}",
+                               f"-remoteWrite.url={store}/api/v1/write", f"-remoteWrite.label=cluster={cluster}",
+                               f"-remoteWrite.tmpDataPath={where / 'q'}",
                                f"-httpListenAddr=127.0.0.1:{port}", "-loggerLevel=WARN"])
         _ready(processes, name, f"http://127.0.0.1:{port}", "/health")
     else:
