@@ -54,7 +54,7 @@ def start_agent(processes: Processes, folder: Path, form: str, cluster: str, tar
                               "scrape_configs": [{"job_name": "ampwatch", "static_configs": [{"targets": targets}]}]}
     port, where = free_port(), folder / name
     where.mkdir()
-    # The label the way docker-compose.yml and deploy/kubernetes/overlays/central give it: Prometheus's external
+    # The label the way docker-compose.yml and deploy/overlays/central give it: Prometheus's external
     # label, vmagent's -remoteWrite.label.
     if form == "prometheus-agent":
         config["global"]["external_labels"] = {"cluster": cluster}
