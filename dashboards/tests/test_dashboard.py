@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from ampwatch.contract.thresholds import AlertThresholds
-from ampwatch.dashboards.dashboard import DATASOURCE_UID, dashboard_json, panel_queries
+from ampwatch.dashboards.dashboard import DATASOURCE_UID, VARIABLES_AT_ALL, dashboard_json, panel_queries
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = dashboard_json()
@@ -23,8 +23,7 @@ REQUIRED_TITLES = [
     "Gradient outliers across ranks (DDP)",
 ]
 # What Grafana substitutes before a query reaches Prometheus.
-GRAFANA_VARIABLES = {"$cluster": ".*", "$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m",
-                     "$__range": "1h"}
+GRAFANA_VARIABLES = {**VARIABLES_AT_ALL, "$__rate_interval": "1m", "$__range": "1h"}
 
 
 def _panel(title: str) -> dict:
@@ -79,6 +78,9 @@ def test_the_cluster_variable_is_all_by_default_so_one_prometheus_without_the_la
     assert cluster["query"] == "label_values(ampwatch_rank_info, cluster)"
     # Grafana sends allValue for All: the regex ".*" also matches a series that has no cluster label at all.
     assert (cluster["includeAll"], cluster["allValue"], cluster["current"]["text"]) == (True, ".*", "All")
+    # Every variable "All" by default, as VARIABLES_AT_ALL says for the tools that run the queries themselves.
+    variables = MODEL["templating"]["list"]
+    assert {f"${v['name']}": v["allValue"] for v in variables if v["current"]["text"] == "All"} == VARIABLES_AT_ALL
 
 
 def test_the_loss_scale_panel_has_a_log2_axis():

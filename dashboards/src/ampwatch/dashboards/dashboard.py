@@ -39,6 +39,7 @@ from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 __all__ = [
     "DASHBOARD_UID",
     "DATASOURCE_UID",
+    "VARIABLES_AT_ALL",
     "build_dashboard",
     "dashboard_json",
     "panel_queries",
@@ -50,6 +51,10 @@ __all__ = [
 DATASOURCE_UID = "ampwatch-prometheus"
 #: uid of the dashboard itself, stable so that links to it survive re-provisioning.
 DASHBOARD_UID = "ampwatch-overview"
+
+#: What Grafana puts for each template variable of the dashboard when it is "All" (the default): a tool that runs
+#: the panels' queries itself (tests, bench) substitutes these.
+VARIABLES_AT_ALL = {"$cluster": ".*", "$run": ".*", "$rank": ".*", "$optimizer": ".*"}
 
 _DATASOURCE = {"type": "prometheus", "uid": DATASOURCE_UID}
 _CLUSTER = 'cluster=~"$cluster"'
