@@ -9,14 +9,13 @@ Both clusters run a job of the same name, ``train``, of two ranks: the rules kee
 apart (``by (cluster, run, ...)``), or cluster B's two healthy ranks would halve the share of A's ranks in a
 streak, and the run-wide alert would carry no cluster.
 
-vmalert reads back the recordings it writes, so the run-wide alert sees a storm a few evaluations after the
-per-rank alerts it holds back do: ``storm_edge_for_s`` is set as docs/central-store.md says (at least four
-evaluation intervals; here 30 s at 1 s), and those per-rank alerts never fire.
+vmalert reads back the recordings it writes, so the run-wide alert sees a storm a few evaluations (and new series'
+delays) after the per-rank alerts it holds back do: the rules are generated for vmalert at 1 s evaluations
+(``for_vmalert``, as docs/central-store.md says), and those per-rank alerts never fire.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 
 from ampwatch.contract.thresholds import DEMO_THRESHOLDS
+from ampwatch.dashboards.generate import for_vmalert
 from ampwatch.dashboards.rules import render_rules
 from ampwatch_support.batches import OptimizerRun, make_batch, post_batch
 from ampwatch_support.central_stack import instant_query, start_agent, start_alertmanager, start_store, start_vmalert
@@ -41,7 +41,7 @@ RUN = "train"
 RANKS = (0, 1)
 SCRAPER = {"A": "prometheus-agent", "B": "vmagent"}
 # The demo's windows of seconds; the held-back per-rank alerts wait out vmalert's chain of recordings.
-THRESHOLDS = dataclasses.replace(DEMO_THRESHOLDS, storm_edge_for_s=30)
+THRESHOLDS = for_vmalert(DEMO_THRESHOLDS, evaluation_s=1)
 
 
 class _Job:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.dashboards.dashboard import DATASOURCE_UID
+from ampwatch.dashboards.generate import VMALERT_EVALUATION_S, VMALERT_RULES_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = {"collector", "prometheus", "alertmanager", "grafana"}
@@ -92,9 +92,9 @@ def test_the_central_profile_labels_what_vmagent_sends_with_the_cluster_and_chai
     assert {vmalert[k] for k in ("datasource.url", "remoteWrite.url", "remoteRead.url")} == \
         {"http://victoria-metrics:8428"}
     assert vmalert["notifier.url"] == "http://alertmanager:9093"
-    # vmalert reads back its recordings: a run-wide alert holds back the per-rank ones only if they wait at least
-    # 4 evaluations (docs/central-store.md, tests/test_central_store.py).
-    assert 4 * int(vmalert["evaluationInterval"].removesuffix("s")) <= DEFAULT_THRESHOLDS.storm_edge_for_s
+    # vmalert evaluates the rules generated for it, at the interval they were generated for (docs/central-store.md).
+    assert vmalert["evaluationInterval"] == f"{VMALERT_EVALUATION_S}s"
+    assert [source.name for source, _ in _bind_mounts(services["vmalert"])] == [VMALERT_RULES_FILE]
     # Another cluster points its scraper at the central store; without AMPWATCH_CLUSTER it is "local".
     other = _compose_config(AMPWATCH_TOKEN="t", AMPWATCH_CENTRAL_WRITE_URL="http://store.example:8428/api/v1/write")
     flags = _flags(yaml.safe_load(other.stdout)["services"]["vmagent"])
