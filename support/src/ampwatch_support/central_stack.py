@@ -58,7 +58,8 @@ def start_agent(processes: Processes, folder: Path, form: str, cluster: str, tar
     # label, vmagent's -remoteWrite.label.
     if form == "prometheus-agent":
         config["global"]["external_labels"] = {"cluster": cluster}
-        config["remote_write"] = [{"url": f"{store}/api/v1/write"}]
+        # A batch goes within a second (5 s by default), as vmagent's -remoteWrite.flushInterval.
+        config["remote_write"] = [{"url": f"{store}/api/v1/write", "queue_config": {"batch_send_deadline": "1s"}}]
         (where / "prometheus.yml").write_text(yaml.safe_dump(config))
         processes.start(name, [binary("prometheus"), "--enable-feature=agent",
                                f"--config.file={where / 'prometheus.yml'}", f"--storage.agent.path={where / 'wal'}",
