@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ampwatch.contract.protocol import NO_SCALER_KIND
-from ampwatch.dashboards.dashboard import dashboard_json
+from ampwatch.dashboards.dashboard import VARIABLES_AT_ALL, dashboard_json
 from ampwatch.dashboards.rules import render_rules
 from ampwatch_support.batches import make_batch, optimizer, post_batch
 from ampwatch_support.collector_process import CollectorProcess
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 RUN, RANKS, BATCHES = "spread-64", 64, 10
 SCALES = {42: 2.0 ** 2, 7: 2.0 ** 4}  # the rest stay at 2**16
 SLOW = 9
-GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s", "$__range": "30s"}
+GRAFANA_VARIABLES = {**VARIABLES_AT_ALL, "$__rate_interval": "4s", "$__range": "30s"}
 SECTIONS = ("Loss scale", "Skipped steps")  # the per-rank time-series panels
 BF16, BF16_RANKS, POISONED = "bf16-4", 4, 1  # a run without a scaler, and its rank whose steps are poisoned
 NO_SCALER = {"enabled": False, "kind": NO_SCALER_KIND, "init_scale": None, "growth_factor": None,

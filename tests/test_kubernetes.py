@@ -228,3 +228,72 @@ def test_the_overlay_of_the_docs_sets_namespace_image_replicas_labels_and_promet
     datasource = _one(rendered, "ConfigMap", "ampwatch-grafana-datasource")["data"]["ampwatch-datasource.yaml"]
     (source,) = yaml.safe_load(datasource)["datasources"]
     assert source["uid"] == DATASOURCE_UID and source["url"] == "http://prometheus-operated.monitoring.svc:9090"
+
+
+CENTRAL_OVERLAY = REPO / "deploy" / "overlays" / "central"
+
+
+def _kustomize(folder: Path) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not installed: run .ci/run (it installs Debian's kubernetes-client)")
+    result = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def _vmagent_args(objects: list[dict]) -> dict[str, str]:
+    """The vmagent container's flags as the kubelet runs them: ``$(VAR)`` expanded from the ConfigMap keys."""
+    (container,) = _one(objects, "Deployment", "ampwatch-vmagent")["spec"]["template"]["spec"]["containers"]
+    env = {}
+    for item in container["env"]:
+        ref = item["valueFrom"]["configMapKeyRef"]
+        env[item["name"]] = _one(objects, "ConfigMap", ref["name"])["data"][ref["key"]]
+    expanded = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in container["args"]]
+    return dict(arg.lstrip("-").split("=", 1) for arg in expanded)
+
+
+def test_the_central_overlay_runs_vmagent_remote_writing_with_the_cluster_label_and_no_operator_objects(tmp_path):
+    objects = _kustomize(CENTRAL_OVERLAY)
+    kinds = Counter(o["kind"] for o in objects)
+    # The central store's vmalert evaluates the rules: no PrometheusRule, no ServiceMonitor, no operator needed.
+    assert kinds["PrometheusRule"] == kinds["ServiceMonitor"] == 0
+    assert _one(objects, "StatefulSet", "ampwatch-collector")  # the base's collector, as it is
+    args = _vmagent_args(objects)
+    assert args["remoteWrite.label"] == "cluster=my-cluster"
+    assert args["remoteWrite.url"] == "http://victoria-metrics.central.example.com:8428/api/v1/write"
+    # The scrape config it mounts is one the Debian vmagent accepts (strictly: no unknown field) ...
+    pod = _one(objects, "Deployment", "ampwatch-vmagent")["spec"]["template"]["spec"]
+    (config,) = [v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v]
+    (mount,) = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == "config"]
+    scrape = tmp_path / Path(args["promscrape.config"]).relative_to(mount)
+    scrape.write_text(_one(objects, "ConfigMap", config)["data"][scrape.name])
+    check = subprocess.run([shutil.which("vmagent") or "/usr/bin/vmagent", f"-promscrape.config={scrape}", "-dryRun",
+                            "-loggerLevel=ERROR"], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    # ... that keeps the Service the base labels for scraping (each replica once), and the Role lets it list it.
+    (job,) = yaml.safe_load(scrape.read_text())["scrape_configs"]
+    keep = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"]
+            if r.get("action") == "keep"}
+    service = _one(objects, "Service", "ampwatch-collector")
+    assert keep[("__meta_kubernetes_service_label_ampwatch_dev_scrape",)] == \
+        service["metadata"]["labels"]["ampwatch.dev/scrape"]
+    assert keep[("__meta_kubernetes_endpoint_port_name",)] == service["spec"]["ports"][0]["name"]
+    binding = _one(objects, "RoleBinding", "ampwatch-vmagent")
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+    assert {"endpoints", "services", "pods"} <= set(_one(objects, "Role", binding["roleRef"]["name"])["rules"][0]
+                                                    ["resources"])
+
+
+def test_the_central_overlays_documented_cluster_name_and_store_url_reach_vmagent(tmp_path):
+    # The overlay's own comment shows how to set them; that snippet, in an overlay on top of it, does.
+    text = (CENTRAL_OVERLAY / "kustomization.yaml").read_text()
+    snippet = re.search(r"your own overlay on top of this one:\n#\n((?:#   .*\n)+)", text).group(1)
+    (tmp_path / "eu-1").mkdir()
+    (tmp_path / "eu-1" / "kustomization.yaml").write_text(
+        "resources: [../central]\n" + re.sub(r"^#   ", "", snippet, flags=re.M))
+    (tmp_path / "central").symlink_to(CENTRAL_OVERLAY)
+    (tmp_path / "kubernetes").symlink_to(KUSTOMIZATION)
+    args = _vmagent_args(_kustomize(tmp_path / "eu-1"))
+    assert args["remoteWrite.label"] == "cluster=eu-1"
+    assert args["remoteWrite.url"] == "https://vminsert.example.com/insert/0/prometheus/api/v1/write"

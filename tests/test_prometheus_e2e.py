@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ampwatch.contract import placement
 from ampwatch.contract.metrics import METRICS
 from ampwatch.contract.thresholds import AlertThresholds
-from ampwatch.dashboards.dashboard import dashboard_json, panel_queries
+from ampwatch.dashboards.dashboard import VARIABLES_AT_ALL, dashboard_json, panel_queries
 from ampwatch.dashboards.rules import render_rules
 from ampwatch_support.batches import OptimizerRun, make_batch, post_batch
 from ampwatch_support.patience import SETTLE_S
@@ -88,7 +88,7 @@ ONE_RUN_FIRES = {("AmpConsecutiveSkippedSteps", "1", "gen", "warning"),
                  ("AmpConsecutiveSkippedSteps", "1", "gen", "critical"),
                  ("AmpLossScaleCollapsed", "1", "", "critical"), ("AmpHighSkippedStepRatio", "1", "gen", "warning"),
                  ("AmpLossScaleDesync", "", "", "warning"), ("AmpSustainedLossScaleBackoff", "", "", "warning")}
-GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "4s", "$__range": "30s"}
+GRAFANA_VARIABLES = {**VARIABLES_AT_ALL, "$__rate_interval": "4s", "$__range": "30s"}
 
 
 class _Receiver:

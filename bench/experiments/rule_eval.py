@@ -48,6 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ampwatch.contract.alerts import SPEAKERS
+from ampwatch.dashboards.dashboard import VARIABLES_AT_ALL
 from bench._before_after import ROOT, print_and_store, source_of
 from bench._servers import free_port
 from bench.experiments._job_history import Job
@@ -81,7 +82,7 @@ def _generated(pythonpath: str | None) -> dict:
 
 
 # What Grafana puts in a query over the dashboard's last 30 minutes at a 15 s scrape interval.
-_GRAFANA = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m", "$__range": "30m"}
+_GRAFANA = {**VARIABLES_AT_ALL, "$__rate_interval": "1m", "$__range": "30m"}
 
 
 def _panel_cost(prometheus: str, panels: list[list]) -> dict:

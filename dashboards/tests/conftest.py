@@ -19,7 +19,7 @@ def _tool(name: str) -> str:
 
 @pytest.fixture
 def run_tool() -> Callable[..., subprocess.CompletedProcess]:
-    """Return a runner for promtool, amtool or docker-compose: bounded in time, output captured."""
+    """Return a runner for promtool, amtool, vmagent, vmalert or docker-compose: bounded in time, output captured."""
     def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         return subprocess.run([_tool(args[0]), *args[1:]], cwd=cwd, capture_output=True, text=True, timeout=60)
     return run

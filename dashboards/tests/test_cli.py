@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ampwatch.dashboards.generate import DASHBOARD_FILE, RULES_FILE, generated_files
+from ampwatch.dashboards.generate import DASHBOARD_FILE, RULES_FILE, VMALERT_RULES_FILE, generated_files
 from ampwatch.dashboards.kubernetes import DASHBOARD_CONFIGMAP_FILE, PROMETHEUS_RULE_FILE, kubernetes_files
 
 
@@ -25,7 +25,7 @@ def test_generate_writes_the_rules_and_the_dashboard_and_their_kubernetes_object
     result = _cli("generate", *_outs(tmp_path))
     assert result.returncode == 0, result.stderr
     generated, kubernetes = tmp_path / "generated", tmp_path / "kubernetes"
-    assert sorted(p.name for p in generated.iterdir()) == sorted([RULES_FILE, DASHBOARD_FILE])
+    assert sorted(p.name for p in generated.iterdir()) == sorted([RULES_FILE, DASHBOARD_FILE, VMALERT_RULES_FILE])
     assert (generated / RULES_FILE).read_text() == generated_files()[RULES_FILE]
     assert sorted(p.name for p in kubernetes.iterdir()) == sorted([PROMETHEUS_RULE_FILE, DASHBOARD_CONFIGMAP_FILE])
     assert (kubernetes / PROMETHEUS_RULE_FILE).read_text() == kubernetes_files()[PROMETHEUS_RULE_FILE]

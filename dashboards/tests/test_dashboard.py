@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from ampwatch.contract.thresholds import AlertThresholds
-from ampwatch.dashboards.dashboard import DATASOURCE_UID, dashboard_json, panel_queries
+from ampwatch.dashboards.dashboard import DATASOURCE_UID, VARIABLES_AT_ALL, dashboard_json, panel_queries
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = dashboard_json()
@@ -23,7 +23,7 @@ REQUIRED_TITLES = [
     "Gradient outliers across ranks (DDP)",
 ]
 # What Grafana substitutes before a query reaches Prometheus.
-GRAFANA_VARIABLES = {"$run": ".*", "$rank": ".*", "$optimizer": ".*", "$__rate_interval": "1m", "$__range": "1h"}
+GRAFANA_VARIABLES = {**VARIABLES_AT_ALL, "$__rate_interval": "1m", "$__range": "1h"}
 
 
 def _panel(title: str) -> dict:
@@ -51,13 +51,36 @@ def test_every_panel_query_and_variable_uses_the_fixed_data_source_uid():
 
 
 def test_the_dashboard_has_run_rank_and_optimizer_variables_that_filter_every_per_rank_query():
-    assert [v["name"] for v in MODEL["templating"]["list"]] == ["run", "rank", "optimizer"]
+    assert [v["name"] for v in MODEL["templating"]["list"]] == ["cluster", "run", "rank", "optimizer"]
     for title, expr in panel_queries(MODEL):
         if "ampwatch_collector_" in expr or expr.startswith("ALERTS"):
             continue
         assert '$run"' in expr, title
         if "ampwatch_optimizer_" in expr or "ampwatch_nonfinite" in expr:
             assert '$optimizer"' in expr, title
+
+
+def test_every_series_a_panel_or_variable_reads_is_filtered_by_the_cluster_variable_and_grouped_by_cluster():
+    # A central store holds several clusters (docs/central-store.md): each selector carries the cluster filter, and
+    # each by/on grouping keeps cluster, so two clusters' runs of the same name are two lines, never one.
+    queries = panel_queries(MODEL) + [(v["name"], v["query"]) for v in MODEL["templating"]["list"]
+                                      if v["name"] != "cluster"]
+    for title, expr in queries:
+        selectors = re.findall(r"\b(?:ampwatch_\w+|ALERTS)\b(?:\{[^}]*\})?", expr)
+        assert selectors, title
+        assert [s for s in selectors if 'cluster=~"$cluster"' not in s] == [], (title, expr)
+        assert [g for g in re.findall(r"\b(?:by|on) \(([^)]*)\)", expr) if not g.startswith("cluster")] == [], \
+            (title, expr)
+
+
+def test_the_cluster_variable_is_all_by_default_so_one_prometheus_without_the_label_still_answers():
+    (cluster,) = [v for v in MODEL["templating"]["list"] if v["name"] == "cluster"]
+    assert cluster["query"] == "label_values(ampwatch_rank_info, cluster)"
+    # Grafana sends allValue for All: the regex ".*" also matches a series that has no cluster label at all.
+    assert (cluster["includeAll"], cluster["allValue"], cluster["current"]["text"]) == (True, ".*", "All")
+    # Every variable "All" by default, as VARIABLES_AT_ALL says for the tools that run the queries themselves.
+    variables = MODEL["templating"]["list"]
+    assert {f"${v['name']}": v["allValue"] for v in variables if v["current"]["text"] == "All"} == VARIABLES_AT_ALL
 
 
 def test_the_loss_scale_panel_has_a_log2_axis():
@@ -107,7 +130,7 @@ _SPIKE_SERIES = {
 def _panel_query(title: str, legend: str = "") -> str:
     (expr,) = [t["expr"] for t in _panel(title)["targets"] if t["legendFormat"].startswith(legend)]
     return expr.replace("$__range", "20m").replace("$__rate_interval", "1m").replace('=~"$run"', '=~".*"') \
-        .replace('=~"$rank"', '=~".*"').replace('=~"$optimizer"', '=~".*"')
+        .replace('=~"$cluster"', '=~".*"').replace('=~"$rank"', '=~".*"').replace('=~"$optimizer"', '=~".*"')
 
 
 def test_the_spike_panels_show_the_levels_ranks_and_hosts_their_series_say(tmp_path, run_tool):
@@ -140,14 +163,15 @@ def test_the_spike_panels_show_the_levels_ranks_and_hosts_their_series_say(tmp_p
 
 def test_the_alerts_panel_lists_firing_ampwatch_alerts():
     (expr,) = [t["expr"] for t in _panel("Firing ampwatch alerts")["targets"]]
-    assert expr == 'ALERTS{alertname=~"Amp.*", alertstate="firing"}'
+    assert expr == 'ALERTS{cluster=~"$cluster", alertname=~"Amp.*", alertstate="firing"}'
 
 
 def test_no_time_series_panel_draws_a_line_per_rank_only_a_runs_spread_and_its_top_ranks():
     # A per-rank selector reaches the panel only through an aggregation by run (or run and optimizer) or
     # through topk/bottomk, so a 1,024-rank run draws a handful of lines.
-    aggregated = re.compile(r"^(?:(?:sum|min|max|count) by \(run(?:, optimizer)?\)|quantile by \(run(?:, optimizer)?\) "
-                            r"\(0\.5,|(?:topk|bottomk) by \(run(?:, optimizer)?\) \(5,)")
+    by_run = r"by \(cluster, run(?:, optimizer)?\)"
+    aggregated = re.compile(rf"^(?:(?:sum|min|max|count) {by_run}|quantile {by_run} \(0\.5,"
+                            rf"|(?:topk|bottomk) {by_run} \(5,)")
     for panel in PANELS:
         if panel["type"] != "timeseries":
             continue

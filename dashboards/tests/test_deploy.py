@@ -12,9 +12,11 @@ import pytest
 import yaml
 
 from ampwatch.dashboards.dashboard import DATASOURCE_UID
+from ampwatch.dashboards.generate import VMALERT_EVALUATION_S, VMALERT_RULES_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = {"collector", "prometheus", "alertmanager", "grafana"}
+CENTRAL = {"victoria-metrics", "vmagent", "vmalert"}  # profile "central" (docs/central-store.md)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,9 @@ def _bind_mounts(service: dict) -> list[tuple[Path, str]]:
 
 def test_the_compose_file_has_the_four_services_with_pinned_images_and_healthchecks(compose):
     services = compose["services"]
-    assert set(services) == SERVICES
+    assert {name for name, service in services.items() if not service.get("profiles")} == SERVICES
+    assert {name: service["profiles"] for name, service in services.items() if service.get("profiles")} == \
+        dict.fromkeys(CENTRAL, ["central"])
     for name, service in services.items():
         assert "healthcheck" in service, name
         if name != "collector":
@@ -62,7 +66,7 @@ def test_the_compose_file_has_the_four_services_with_pinned_images_and_healthche
 
 def test_every_file_the_compose_file_mounts_exists(compose):
     mounts = [m for service in compose["services"].values() for m in _bind_mounts(service)]
-    assert len(mounts) >= 7  # prometheus 2, alertmanager 2, grafana 3
+    assert len(mounts) >= 9  # prometheus 2, alertmanager 2, grafana 3, vmagent 1, vmalert 1
     for source, target in mounts:
         assert source.exists(), f"{source} (mounted at {target}) is missing"
 
@@ -72,6 +76,43 @@ def test_services_reach_each_other_by_service_name_not_localhost():
              (REPO / "deploy" / "grafana" / "provisioning" / "datasources" / "ampwatch.yaml").read_text()]
     assert '"collector:9457"' in texts[0] and '"alertmanager:9093"' in texts[0]
     assert "url: http://prometheus:9090" in texts[1]
+
+
+def _flags(service: dict) -> dict[str, str]:
+    return dict(arg.lstrip("-").split("=", 1) for arg in service["command"])
+
+
+def test_the_central_profile_labels_what_vmagent_sends_with_the_cluster_and_chains_it_to_alertmanager():
+    result = _compose_config(AMPWATCH_TOKEN="t", AMPWATCH_CLUSTER="eu-1")
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    vmagent, vmalert = _flags(services["vmagent"]), _flags(services["vmalert"])
+    assert vmagent["remoteWrite.label"] == "cluster=eu-1"
+    assert vmagent["remoteWrite.url"] == "http://victoria-metrics:8428/api/v1/write"
+    assert {vmalert[k] for k in ("datasource.url", "remoteWrite.url", "remoteRead.url")} == \
+        {"http://victoria-metrics:8428"}
+    assert vmalert["notifier.url"] == "http://alertmanager:9093"
+    # vmalert evaluates the rules generated for it, at the interval they were generated for (docs/central-store.md).
+    assert vmalert["evaluationInterval"] == f"{VMALERT_EVALUATION_S}s"
+    assert [source.name for source, _ in _bind_mounts(services["vmalert"])] == [VMALERT_RULES_FILE]
+    # Another cluster points its scraper at the central store; without AMPWATCH_CLUSTER it is "local".
+    other = _compose_config(AMPWATCH_TOKEN="t", AMPWATCH_CENTRAL_WRITE_URL="http://store.example:8428/api/v1/write")
+    flags = _flags(yaml.safe_load(other.stdout)["services"]["vmagent"])
+    assert (flags["remoteWrite.url"], flags["remoteWrite.label"]) == (
+        "http://store.example:8428/api/v1/write", "cluster=local")
+
+
+def test_vmagent_and_vmalert_accept_their_config_where_compose_mounts_it(compose, tmp_path, run_tool):
+    # Rebuild each container's file layout from the compose mounts; the Debian vmagent and vmalert check it.
+    for name, flag, tool in (("vmagent", "promscrape.config", "vmagent"), ("vmalert", "rule", "vmalert")):
+        service = compose["services"][name]
+        for source, target in _bind_mounts(service):
+            dest = tmp_path / name / target.lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, dest)
+        path = tmp_path / name / _flags(service)[flag].lstrip("/")
+        result = run_tool(tool, f"-{flag}={path}", "-dryRun", "-loggerLevel=ERROR")
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_promtool_accepts_the_prometheus_config(run_tool):

@@ -11,6 +11,10 @@ The collector's built-in evaluator compiles the same declarations to Python
 - ``Outside``: the gauge differs from itself clamped into ``[low, high]`` (NaN differs from itself,
   an infinity from the largest float), on ranks that have not closed; the value is the gauge.
 
+Every grouping (``by``, ``on``) keeps :data:`CLUSTER`, the label each cluster's scraper adds to what it
+remote-writes to a central store (docs/central-store.md): there, two clusters' runs of the same name stay apart;
+on one Prometheus the label is absent (empty on every series), and the grouping is the same as without it.
+
 An alert of scope ``host`` labels each rank's instance with its host and local rank, joined from
 ``ampwatch_rank_info`` (:func:`on_host`).
 
@@ -34,10 +38,26 @@ from ampwatch.contract.counters import COUNTERS, GAUGES
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.contract.thresholds import promql_duration as dur
 
-__all__ = ["counter_rose", "expression", "nonzero_name", "indent", "num", "on_host", "record", "recordings"]
+__all__ = ["CLUSTER", "counter_rose", "expression", "indent", "keys", "nonzero_name", "num", "on_host", "record",
+           "recordings"]
 
 _LARGEST_FLOAT = "1.7976931348623157e+308"
 _IDENTITY = ("run", "rank", "optimizer")
+
+CLUSTER = "cluster"
+"""The label that names a cluster in a central store: its scraper's external label (absent on one Prometheus)."""
+
+
+def keys(*labels: str) -> str:
+    """Return the label list of a ``by``/``on`` grouping over ``labels``, :data:`CLUSTER` first.
+
+    >>> keys("run", "rank")
+    'cluster, run, rank'
+    """
+    return ", ".join((CLUSTER, *labels))
+
+
+_RANK = keys("run", "rank")
 
 
 def expression(definition: AlertDefinition, t: AlertThresholds) -> str:
@@ -54,7 +74,7 @@ def on_host(expr: str) -> str:
     while the first still keeps it) would make the join many-to-many, an error that stops the whole rule, for
     every run."""
     return (f"(\n{indent(expr)}\n)\n"
-            f"* on (run, rank) group_left (host, local_rank) topk by (run, rank) (1, {m.RANK_INFO})")
+            f"* on ({_RANK}) group_left (host, local_rank) topk by ({_RANK}) (1, {m.RANK_INFO})")
 
 
 def indent(text: str) -> str:
@@ -69,17 +89,17 @@ def _form(definition: AlertDefinition, t: AlertThresholds) -> str:
         return counter_rose(nonzero_name(metric), metric, getattr(t, c.window))
     if isinstance(c, RoseBy):
         metric = COUNTERS[c.counter].metric
-        return (f"sum by ({', '.join(_identity(metric))}) (increase({metric}[{dur(getattr(t, c.window))}])) "
+        return (f"sum by ({keys(*_identity(metric))}) (increase({metric}[{dur(getattr(t, c.window))}])) "
                 f">= {getattr(t, c.at_least)}")
     if isinstance(c, Share):
         part, whole, ratio = _share_names(c, t)
         return (f"{ratio} >= {num(getattr(t, c.at_least))}\n"
-                f"and on ({', '.join(_identity(COUNTERS[c.part].metric))}) {whole} >= {getattr(t, c.min_count)}")
+                f"and on ({keys(*_identity(COUNTERS[c.part].metric))}) {whole} >= {getattr(t, c.min_count)}")
     if isinstance(c, Outside):
         metric = GAUGES[c.gauge].metric
         high = num(getattr(t, c.high)) if c.high else _LARGEST_FLOAT
         return (f"{metric} != clamp({metric}, {num(getattr(t, c.low))}, {high})\n"
-                f"unless on (run, rank) {nonzero_name(m.RANK_CLOSED)}")
+                f"unless on ({_RANK}) {nonzero_name(m.RANK_CLOSED)}")
     raise TypeError(f"alert {definition.name} declares no condition of a known form: {c!r}")
 
 
@@ -94,7 +114,7 @@ def recordings(definitions: Iterable[AlertDefinition], t: AlertThresholds, form:
             rules.setdefault(nonzero_name(metric), record(nonzero_name(metric), f"{metric} > 0"))
         elif isinstance(c, Share):
             part, whole, ratio = _share_names(c, t)
-            w, by = dur(getattr(t, c.window)), ", ".join(_identity(COUNTERS[c.part].metric))
+            w, by = dur(getattr(t, c.window)), keys(*_identity(COUNTERS[c.part].metric))
             rules.setdefault(part, record(part, f"sum by ({by}) (increase({COUNTERS[c.part].metric}[{w}]))"))
             rules.setdefault(whole, record(whole, f"sum by ({by}) (increase({COUNTERS[c.rest].metric}[{w}]))\n"
                                                   f"+ {part}"))
