@@ -1,0 +1,48 @@
+"""The 2-replica side of ``bench.replicas`` (section 9b), run small: a 64-rank job in blocks of 32 on 2 real collectors.
+
+One run, several checks: each replica gets exactly the block the contract's placement names and nothing else
+(its own ``/metrics``), each is pinned to a core of its own, each one's built-in alerts fire for its own storm
+ranks, every first skip is answered, the cores used are reported, and the section renders the targets per replica.
+Nothing here is timed: the figures are checked for what they count, not how fast they came.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ampwatch.contract.placement import blocks
+from bench import replicas
+from bench.report import replicas as report
+
+pytestmark = pytest.mark.skipif(os.cpu_count() is None or os.cpu_count() < 2, reason="pins 2 replicas to 2 cores")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_replicas_each_get_their_block_by_the_contract_on_their_own_core_and_alert_for_their_own_ranks():
+    result = replicas.run(64, block_ranks=32, lockstep=False, heartbeat=1.0, healthy_s=2, storm_s=9,
+                          iteration_s=0.25, sides=("replicas",))
+    side = result["sides"]["replicas"]
+    assert side["collectors"] == 2 and side["ranks_per_collector"] == 32
+    urls = [r["url"] for r in side["replicas"]]
+    expected = {b.collector: (b.first_rank, b.last_rank) for b in blocks("fleet", 64, urls, 32)}
+    for core, r in enumerate(side["replicas"]):
+        assert (r["first_rank"], r["last_rank"]) == expected[r["url"]] and r["ranks"] == 32, r
+        # Its own /metrics shows every rank of its block and none of the other's.
+        assert r["ranks_in_metrics"] == 32 and r["foreign_ranks_in_metrics"] == 0, r
+        assert r["pinned_to"] == [core], r  # every thread of the collector, read back
+        # Its storm ranks' first skips were all answered, and its own alerts named each of them.
+        assert r["storm_ranks"] > 0 and r["first_skips_not_visible_by_end"] == 0, r
+        assert r["rung16_to_builtin_alert"]["n"] == r["storm_ranks"] and r["streak_alerts_missing"] == 0, r
+        assert r["healthy_latency"]["n"] > 0 and r["cpu_cores"]["healthy"] > 0, r
+    assert sum(r["storm_ranks"] for r in side["replicas"]) == side["storm"]["storm_ranks"]
+    assert side["storm"]["scrape_disagreements"] == 0 and side["refused"] == {} and side["timeouts"] == 0
+    assert side["silence"]["last_batch_to_alert_s"] is not None and side["silence"]["other_ranks_silent"] == 0
+    use = side["usage"]["healthy"]
+    assert use["simulation"] > 0 and len(use["collectors"]) == 2 and use["machine"] >= sum(use["collectors"])
+    page = "\n".join(report.section(result))
+    for core, r in enumerate(side["replicas"]):
+        assert f"replica {core} (ranks {r['first_rank']}-{r['last_rank']}): healthy ingest p99 < 100 ms" in page
+    assert "each replica held one block of 32 ranks" in page
