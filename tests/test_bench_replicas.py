@@ -46,3 +46,16 @@ def test_two_replicas_each_get_their_block_by_the_contract_on_their_own_core_and
     for core, r in enumerate(side["replicas"]):
         assert f"replica {core} (ranks {r['first_rank']}-{r['last_rank']}): healthy ingest p99 < 100 ms" in page
     assert "each replica held one block of 32 ranks" in page
+
+
+def test_the_100000_gpu_model_in_collector_md_is_what_the_model_prints_from_the_contract():
+    from bench.experiments import model_100k
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "collector.md")).read()
+    shown = text.split("<!-- model_100k: python -m bench.experiments.model_100k -->\n", 1)[1]
+    shown = shown.split("<!-- end model_100k -->", 1)[0].strip("\n").splitlines()
+    assert shown == model_100k.table(), "rerun python -m bench.experiments.model_100k into docs/collector.md"
+    # The replicas are the blocks the contract's placement makes of such a job.
+    figures = model_100k.model(100_000)
+    urls = [f"http://c{i}:9457" for i in range(figures["blocks"])]
+    assert len({b.collector for b in blocks("big", 100_000, urls)}) == figures["blocks"] == 13
