@@ -2,7 +2,7 @@
 
 ``python -m bench --list`` says what each section measures and how long it takes (``bench/_catalogue.py``).
 
-Full run: about 50 minutes on a 2-core machine (25 of them under valgrind, 14 for the 2 replicas); writes
+Full run: about 55 minutes on a 2-core machine (25 of them under valgrind, 20 for the 2 replicas); writes
 ``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 ``--quick`` (about two minutes) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
 ``--only SECTION --merge`` re-measures one section into an earlier run's page, e.g. after changing the agent's scan:
@@ -115,7 +115,7 @@ def _section(name: str, quick: bool) -> object:
     if name == "inspection":
         return inspection.run(quick)
     if name == "replicas":
-        return replicas.run(2048, quick, 1024, lockstep=False) if quick else replicas.run()
+        return replicas.run(2048, quick, 1024, lockstep=False, alone=False) if quick else replicas.run()
     return [tail.profile(1024, 4 if quick else 10, tuned) for tuned in (False, True)]
 
 

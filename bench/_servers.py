@@ -17,7 +17,7 @@ from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.ports import free_port
 
 __all__ = ["PUSHGATEWAY", "CollectorProcess", "ProcessStats", "Usage", "collector", "free_port", "machine_busy_s",
-           "pin_to_core", "pushgateway", "server", "load"]
+           "pin_to_cores", "pushgateway", "server", "load"]
 
 PUSHGATEWAY = shutil.which("prometheus-pushgateway") or "/usr/bin/prometheus-pushgateway"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -45,12 +45,12 @@ class ProcessStats:
         return out
 
 
-def pin_to_core(pid: int, core: int) -> list[int]:
-    """Pin every thread of process ``pid`` (and so the threads they start) to CPU ``core``; return the cores its
-    threads may run on now, read back."""
+def pin_to_cores(pid: int, cores: set[int]) -> list[int]:
+    """Pin every thread of process ``pid`` (and so the threads they start) to the CPUs ``cores``; return the cores
+    its threads may run on now, read back."""
     allowed: set[int] = set()
     for task in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(task), {core})
+        os.sched_setaffinity(int(task), cores)
         allowed |= os.sched_getaffinity(int(task))
     return sorted(allowed)
 

@@ -9,7 +9,10 @@ one rank killed):
 - ``replicas``: the same job on 2 replicas, core 0 and core 1, each rank reporting to the collector that
   ``ampwatch.contract.placement.collector_for`` names (blocks of ``BLOCK_RANKS`` ranks: 16,384 ranks are 2
   blocks, one per replica);
-- ``one_lockstep`` and ``replicas_lockstep``: the same with a DDP job whose whole storm is every rank's.
+- ``alone``: replica 0 measured on its own with its share of the ranks (its block; the other replica idle), the
+  simulation pinned to the other core, so that neither competes for the replica's core but other jobs;
+- ``one_lockstep``, ``replicas_lockstep`` and ``alone_lockstep``: the same with a DDP job whose whole storm is
+  every rank's.
 
 Each side's heartbeat is the agent's default for its ranks per collector (``default_heartbeat``: 30 s for
 16,384 ranks on one, 16.4 s for 8,192). This machine has 2 cores: the job simulation is not pinned and competes
@@ -18,8 +21,8 @@ simulation and everything else used (``usage``), so a replica starved of its cor
 2 replicas: healthy ingest p99 < 100 ms, a streak's first skip in ``/metrics`` within 2 s for every rank, the
 built-in streak alert within 2 s of the 16th skip, per replica and together.
 
-    python -m bench.replicas                  # 16,384 ranks, 4 sides: about 14 minutes
-    python -m bench.replicas --quick          # 2,048 ranks in blocks of 1,024, even spread only: about 3 minutes
+    python -m bench.replicas                  # 16,384 ranks, 6 sides: about 20 minutes
+    python -m bench.replicas --quick          # 2,048 ranks in blocks of 1,024, one and 2, even spread: about 3 min
     python -m bench --only replicas --merge   # measure it into docs/benchmarks.json and .md (section 9b)
 """
 
@@ -37,8 +40,10 @@ from bench.experiments import fleet
 
 __all__ = ["SIDES", "per_collector", "run", "main"]
 
-SIDES = (("one", 1, False), ("replicas", 2, False), ("one_lockstep", 1, True), ("replicas_lockstep", 2, True))
-"""Each side's name, its number of collectors and whether the job runs in lockstep."""
+SIDES = (("one", 1, False, None), ("replicas", 2, False, None), ("alone", 2, False, 0),
+         ("one_lockstep", 1, True, None), ("replicas_lockstep", 2, True, None), ("alone_lockstep", 2, True, 0))
+"""Each side's name, its number of collectors, whether the job runs in lockstep, and the replica whose share of
+the ranks alone runs (``alone``: replica 0 with its block, the simulation pinned to the other core)."""
 
 PHASES = {"full": (3, 45.0), "quick": (2, 30.0)}
 """Healthy heartbeats and storm seconds of each side (as ``bench.experiments.fleet``'s *after* side)."""
@@ -54,22 +59,23 @@ def per_collector(ranks: int, replicas: int, block_ranks: int = BLOCK_RANKS) -> 
 
 
 def run(ranks: int = 16_384, quick: bool = False, block_ranks: int = BLOCK_RANKS, lockstep: bool = True,
-        heartbeat: float | None = None, healthy_s: float | None = None, storm_s: float | None = None,
-        iteration_s: float = 1.0, sides: tuple[str, ...] | None = None) -> dict:
-    """Run the sides (``lockstep``: the lockstep ones too; ``sides``: only these); return their figures and settings.
+        alone: bool = True, heartbeat: float | None = None, healthy_s: float | None = None,
+        storm_s: float | None = None, iteration_s: float = 1.0, sides: tuple[str, ...] | None = None) -> dict:
+    """Run the sides (``lockstep``, ``alone``: those too; ``sides``: only these); return their figures and settings.
 
     ``heartbeat``, ``healthy_s``, ``storm_s`` and ``iteration_s`` shorten the run for a test; by default each side's
     heartbeat is the agent's for its ranks per collector and its healthy phase whole heartbeats.
     """
     beats, storm = PHASES["quick" if quick else "full"]
     result: dict = {"sides": {}}
-    for name, replicas, in_lockstep in SIDES:
-        if (in_lockstep and not lockstep) or (sides is not None and name not in sides):
+    for name, replicas, in_lockstep, only in SIDES:
+        if (sides is not None and name not in sides) or (sides is None and ((in_lockstep and not lockstep)
+                                                                            or (only is not None and not alone))):
             continue
         held = per_collector(ranks, replicas, block_ranks)
         beat = heartbeat or default_heartbeat(held)
         side = fleet.side("after", ranks, (healthy_s or beats * beat, storm_s or storm), "per-rank", beat, in_lockstep,
-                           replicas=replicas, pin=True, block_ranks=block_ranks, iteration_s=iteration_s)
+                           replicas=replicas, pin=True, block_ranks=block_ranks, iteration_s=iteration_s, only=only)
         side.update(collectors=replicas, ranks_per_collector=held, heartbeat_s=round(beat, 2), lockstep=in_lockstep)
         result["sides"][name] = side
         print(f"bench.replicas: {name} done", file=sys.stderr, flush=True)
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ranks = args.ranks or (2048 if args.quick else 16_384)
     block = args.block_ranks or (ranks // 2 if args.quick else BLOCK_RANKS)
-    print(json.dumps(run(ranks, args.quick, block, not (args.quick or args.no_lockstep)), indent=1))
+    print(json.dumps(run(ranks, args.quick, block, not (args.quick or args.no_lockstep), not args.quick), indent=1))
     return 0
 
 

@@ -96,7 +96,8 @@ def replica(job: dict, timeline: dict, index: int, scrapes: list[dict], firing: 
     for scraped in scrapes:
         shown |= set((scraped["each"][index] if "each" in scraped else scraped)["counts"])
     latency = job["latency_by_collector"][index]
-    return {"url": url, "ranks": len(mine), "first_rank": min(map(int, mine)), "last_rank": max(map(int, mine)),
+    return {"index": index, "url": url, "ranks": len(mine), "first_rank": min(map(int, mine)),
+            "last_rank": max(map(int, mine)),
             "pinned_to": cores,
             "healthy_latency": ms_summary(latency["healthy"]), "storm_latency": ms_summary(latency["storm"]),
             "storm_ranks": len(storm), "first_skip_to_metrics": seconds_summary(visible),

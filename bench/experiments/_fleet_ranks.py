@@ -29,7 +29,8 @@ rank the skip times and the answers, for ``bench.experiments.fleet`` to check ag
 
 With several ``--port``, each rank reports to the collector the contract's placement names
 (:func:`placement`: ``ampwatch.contract.placement``, the agents' rule), and the latencies are also
-kept by collector (``latency_by_collector``, ``http_latency_by_collector``: in ``--port`` order).
+kept by collector (``latency_by_collector``, ``http_latency_by_collector``: in ``--port`` order). With
+``--only-port`` only that collector's share of the ranks runs (a replica measured on its own).
 
 This module is the process: the job's timeline and plans, and the results. A rank's plan and its
 delivery policy are in ``bench.experiments._fleet_plan``, its sender loop in ``bench.experiments._fleet_rank``, the
@@ -105,8 +106,12 @@ async def _run(args: argparse.Namespace) -> dict:
     ports = placement(args.run, args.ranks, args.port, args.block_ranks)
     tally.collector_of = [args.port.index(port) for port in ports]
     tally.latency_by = [{p: [] for p in phases} for _ in args.port]
+    active = [rank for rank, port in enumerate(ports) if args.only_port in (None, port)]
+    for rank in [rank for rank in tally.storm if args.only_port not in (None, ports[rank])]:
+        del tally.storm[rank]  # a rank of another replica's share: not run (--only-port)
     transports: dict[tuple[int, int], KeptAlive] = {}  # (node, port): a node's ranks of one block share one
-    for rank, port in enumerate(ports):
+    for rank in active:
+        port = ports[rank]
         if (rank // RANKS_PER_NODE, port) not in transports:
             transports[rank // RANKS_PER_NODE, port] = TRANSPORTS[args.transport](port, rank // RANKS_PER_NODE)
     print(json.dumps({"t0": t0, "warm_end": warm_end, "storm_at": storm_at, "storm_end": storm_end, "end": end}),
@@ -120,7 +125,7 @@ async def _run(args: argparse.Namespace) -> dict:
                                     args.ranks,
                                     end, warm_end + args.kill_after if r == args.kill_rank else None, tally,
                                     args.levels_every)
-                           for r in range(args.ranks)))
+                           for r in active))
     http: dict[str, list[float]] = {p: [] for p in phases}  # HTTP request latency, whoever sent it
     http_by: list[dict[str, list[float]]] = [{p: [] for p in phases} for _ in args.port]  # and by collector
     for (_, port), transport in transports.items():
@@ -135,6 +140,7 @@ async def _run(args: argparse.Namespace) -> dict:
             "levels_every": args.levels_every,
             "killed": {"rank": args.kill_rank, "at": warm_end + args.kill_after} if args.kill_rank >= 0 else None,
             "collectors": [f"http://127.0.0.1:{port}" for port in args.port], "block_ranks": args.block_ranks,
+            "active_ranks": len(active),
             "latency_by_collector": tally.latency_by, "http_latency_by_collector": http_by,
             "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests,
             "bytes": tally.bytes, "levelled": tally.levelled, "refused": tally.refused, "timeouts": tally.timeouts,
@@ -157,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, action="append", required=True,
                         help="a collector's port on loopback; repeat it for several replicas: each rank reports to "
                              "the one the contract's placement names (ampwatch.contract.placement.collector_for)")
+    parser.add_argument("--only-port", type=int, default=None,
+                        help="run only the ranks the placement puts on this --port: one replica's share of the job")
     parser.add_argument("--block-ranks", type=int, default=BLOCK_RANKS,
                         help=f"ranks of one run a collector holds before the run is split (default {BLOCK_RANKS:,})")
     parser.add_argument("--ranks", type=int, required=True)

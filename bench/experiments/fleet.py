@@ -125,9 +125,13 @@ def sleep_until(t: float) -> None:
 
 def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
           heartbeat: float | None = None, lockstep: bool = False, server: str | None = None,
-          replicas: int = 1, pin: bool = False, block_ranks: int = BLOCK_RANKS, iteration_s: float = 1.0) -> dict:
+          replicas: int = 1, pin: bool = False, block_ranks: int = BLOCK_RANKS, iteration_s: float = 1.0,
+          only: int | None = None) -> dict:
     """Run one side on ``replicas`` fresh collectors (``server``: the ``server/src`` they run, default this tree's;
-    ``pin``: each on a core of its own); return its figures, each replica's in ``replicas`` when there are several."""
+    ``pin``: each on a core of its own); return its figures, each replica's in ``replicas`` when there are several.
+
+    ``only``: run only the ranks the placement puts on replica ``only`` (its share of the job, measured on its
+    own; pinned, the simulation runs on the other cores)."""
     (healthy, storm), warm = phases, warm_seconds(ranks, delivery)
     limit = COLLECTOR_DEFAULTS["max_ranks_per_run"]
     args = ["--max-ranks-per-run", str(ranks)] if ranks > limit else []
@@ -142,14 +146,17 @@ def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
         args += ["--alert-thresholds", thresholds]
         srvs = [stack.enter_context(_servers.collector(tuple(args), env={"PYTHONPATH": server} if server else None,
                                                        port=port)) for port in ports]
-        cores = [_servers.pin_to_core(srv.proc.pid, i % (os.cpu_count() or 1)) if pin else None
+        cores = [_servers.pin_to_cores(srv.proc.pid, {i % (os.cpu_count() or 1)}) if pin else None
                  for i, srv in enumerate(srvs)]
         rss0 = sum(srv.stats.memory_kib()["VmRSS"] for srv in srvs)
         out = os.path.join(tmp, "ranks.json")
-        kill_rank = ranks // 2 + 3  # a rank in no storm (the simulation keeps it out)
+        place = placement("fleet", ranks, ports, block_ranks)  # the simulation's run is "fleet"
+        mine = [rank for rank, port in enumerate(place) if only is None or port == ports[only]]
+        kill_rank = mine[len(mine) // 2 + 3]  # a rank in no storm (the simulation keeps it out)
         sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks",
                                 *(a for port in ports for a in ("--port", str(port))),
                                 "--block-ranks", str(block_ranks),
+                                *(["--only-port", str(ports[only])] if only is not None else []),
                                 "--ranks", str(ranks), "--delivery", delivery, "--transport", transport,
                                 "--warm", str(warm), "--healthy", str(healthy), "--storm", str(storm),
                                 "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out,
@@ -157,6 +164,8 @@ def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
                                 *(["--heartbeat", str(heartbeat)] if heartbeat else []),
                                 *(["--lockstep"] if lockstep else [])],
                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        sim_cores = (_servers.pin_to_cores(sim.pid, set(range(os.cpu_count() or 1)) - {only % (os.cpu_count() or 1)})
+                     if pin and only is not None and (os.cpu_count() or 1) > 1 else None)
         usage = _servers.Usage([srv.stats for srv in srvs], _servers.ProcessStats(sim.pid))
         timeline = json.loads(sim.stdout.readline())
         sleep_until(timeline["warm_end"])
@@ -180,7 +189,7 @@ def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
             raise RuntimeError(f"the simulated job failed (exit {sim.returncode})")
         with open(out) as f:
             job = json.load(f)
-        holder = ports.index(placement(job["run"], ranks, ports, block_ranks)[kill_rank])
+        holder = ports.index(place[kill_rank])
         killed = job["killed"]
         silent_at = _silent_fired_at(srvs[holder].url, str(killed["rank"]), job["killed_last_ack"],
                                      _alerts(srvs[holder].url), quiet)
@@ -190,12 +199,14 @@ def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
     cpu = {mark: sum(readings) for mark, readings in usage.collectors.items()}
     cpu = {"healthy": cpu["healthy"], "healthy_end": cpu["storm"], "end": cpu["end"]}
     peak = {"VmHWM": sum(p["VmHWM"] for p in peaks)}
-    result = summary(delivery, ranks, timeline, job, scrapes, firing, silent_at, cpu, rss0, sum(rss_healthy), peak,
+    result = summary(delivery, len(mine), timeline, job, scrapes, firing, silent_at, cpu, rss0, sum(rss_healthy), peak,
                      raised_limit=ranks > limit, quiet=quiet)
+    result["job_ranks"], result["simulation_pinned_to"] = ranks, sim_cores
     result["usage"] = {"healthy": usage.between("healthy", "storm"), "storm": usage.between("storm", "end")}
     if replicas > 1:
+        result["collector_urls"] = [srv.url for srv in srvs]
         result["replicas"] = [replica(job, timeline, i, scrapes, firing_by[i], usage, rss_healthy[i], cores[i])
-                              for i in range(replicas)]
+                              for i in range(replicas) if only in (None, i)]
     return result
 
 

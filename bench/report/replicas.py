@@ -15,8 +15,9 @@ __all__ = ["TITLE", "section", "summary_rows", "targets"]
 
 TITLE = "9b. A 16,384-rank job on 2 replicas"
 
-_NAMES = {"one": "one collector", "replicas": "2 replicas", "one_lockstep": "one collector, lockstep",
-          "replicas_lockstep": "2 replicas, lockstep"}
+_NAMES = {"one": "one collector", "replicas": "2 replicas", "alone": "replica 0 alone, its share",
+          "one_lockstep": "one collector, lockstep", "replicas_lockstep": "2 replicas, lockstep",
+          "alone_lockstep": "replica 0 alone, lockstep"}
 
 
 def _all_within(figures: dict, missing: int) -> tuple[str, bool]:
@@ -27,12 +28,13 @@ def _all_within(figures: dict, missing: int) -> tuple[str, bool]:
 def targets(side: dict) -> list[tuple[str, str, bool]]:
     """Issue 41's targets on one side, together and for each replica: ``(target, measured, met)``."""
     out = []
-    parts = [("together", side["healthy"]["latency"], side["storm"]["first_skip_to_metrics"],
-              side["storm"]["first_skips_not_visible_by_end"], side["storm"]["rung16_to_builtin_alert"],
-              side["storm"]["streak_alerts_missing"])]
-    parts += [(f"replica {i} (ranks {fmt(r['first_rank'])}-{fmt(r['last_rank'])})", r["healthy_latency"],
+    storm = side["storm"]
+    parts = [] if len(side.get("replicas", [])) == 1 else [  # replica 0 alone: its figures are the side's
+        ("together", side["healthy"]["latency"], storm["first_skip_to_metrics"],
+         storm["first_skips_not_visible_by_end"], storm["rung16_to_builtin_alert"], storm["streak_alerts_missing"])]
+    parts += [(f"replica {r['index']} (ranks {fmt(r['first_rank'])}-{fmt(r['last_rank'])})", r["healthy_latency"],
                r["first_skip_to_metrics"], r["first_skips_not_visible_by_end"], r["rung16_to_builtin_alert"],
-               r["streak_alerts_missing"]) for i, r in enumerate(side.get("replicas", []))]
+               r["streak_alerts_missing"]) for r in side.get("replicas", [])]
     for who, healthy, seen, unseen, alert, no_alert in parts:
         p99 = healthy["p99_ms"]
         out.append((f"{who}: healthy ingest p99 < {fmt(HEALTHY_P99_MS, 0)} ms", f"{fmt(p99)} ms",
@@ -53,10 +55,10 @@ def _cores(side: dict, phase: str) -> str:
 
 
 _EXTRA = (
-    ("collectors (ranks each, pinned to core)",
-     lambda s: f"{s['collectors']} ({fmt(s['ranks_per_collector'])}, "
-               + ", ".join(str(r["pinned_to"]) for r in s.get("replicas", [])) + ")"
-     if s.get("replicas") else f"1 ({fmt(s['ranks_per_collector'])})"),
+    ("collectors (ranks each) pinned to cores; the simulation's cores",
+     lambda s: f"{s['collectors']} ({fmt(s['ranks_per_collector'])}) "
+               + (", ".join(str(r["pinned_to"]) for r in s["replicas"]) if s.get("replicas") else "[0]")
+               + f"; {s.get('simulation_pinned_to') or 'any'}"),
     ("heartbeat s (the agent's default for the ranks per collector)", lambda s: fmt(s["heartbeat_s"])),
     ("cores used, healthy: collectors / simulation / others", lambda s: _cores(s, "healthy")),
     ("cores used, storm: collectors / simulation / others", lambda s: _cores(s, "storm")),
@@ -73,7 +75,7 @@ def _block_size(res: dict) -> list[str]:
     """What the figures say of ``BLOCK_RANKS``: did each replica, holding one block, meet the targets?"""
     block, sides = res["settings"]["block_ranks"], res["sides"]
     verdicts = []
-    for name in ("replicas", "replicas_lockstep"):
+    for name in ("replicas", "alone", "replicas_lockstep", "alone_lockstep"):
         if name in sides:
             per_replica = [t for t in targets(sides[name]) if t[0].startswith("replica")]
             verdicts.append(f"{_NAMES[name]}: {sum(ok for *_, ok in per_replica)} of {len(per_replica)} "
@@ -105,8 +107,10 @@ def section(res: dict) -> list[str]:
               f"`ampwatch.contract.placement.collector_for` names (blocks of {fmt(s['block_ranks'])} ranks). The "
               "job simulation is one process, not pinned: it competes with the replicas for the machine's "
               f"{s['cpus']} cores, and so do other jobs on the machine (*others*: the machine's busy cores from "
-              "`/proc/stat` less the collectors' and the simulation's). `bench/replicas.py` says how each figure "
-              "is taken; section 9's rows are read alike.", "", *_block_size(res), "",
+              "`/proc/stat` less the collectors' and the simulation's). *Replica 0 alone* is the second figure: "
+              "replica 0 with only its share of the ranks (its block; replica 1 idle), the simulation pinned to "
+              "core 1, so that only other jobs compete for its core. `bench/replicas.py` says how each figure is "
+              "taken; section 9's rows are read alike.", "", *_block_size(res), "",
               f"Load average at the end: {' / '.join(fmt(v, 2) for v in s['loadavg_end'])} (1 / 5 / 15 min).", ""]
     return lines
 
