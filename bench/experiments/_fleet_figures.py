@@ -14,6 +14,7 @@ __all__ = ["VISIBLE_WITHIN_S", "first_skip_delays", "ms_summary", "replica", "se
 
 VISIBLE_WITHIN_S = 2.0  # the target: a streak's first skip in /metrics and the built-in alerts
 
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -57,10 +58,20 @@ def first_skip_delays(storm: dict) -> tuple[list[float], int]:
     return visible, not_visible
 
 
-def streak_alert_delays(storm: dict, firing: list[dict] | None, end: float) -> tuple[list[float], int]:
-    """Seconds from each storm rank's 16th skip (before ``end`` - 2 s) to ``AmpConsecutiveSkippedSteps`` on it in
-    the built-in alerts ``firing``, and how many ranks had none."""
+def streak_alert_delays(storm: dict, firing: list[dict] | None, end: float,
+                        replica_of: list[int] | None = None) -> tuple[list[float], int]:
+    """Seconds from each storm rank's 16th skip (before ``end`` - 2 s) to its streak alert in the built-in alerts
+    ``firing``, and how many ranks had none. A rank's streak alert is its own ``AmpConsecutiveSkippedSteps``, or,
+    in a whole-job storm, the run's ``AmpRunSkipStorm``, which speaks for the ranks in it (their own are held
+    back: ``contract.alerts``), whichever started first. With several replicas, ``firing`` holds each one's alerts
+    marked with its ``replica`` index and ``replica_of`` gives each rank's: a replica's run-wide alert speaks for
+    its own ranks only."""
     streak_alerts: dict[str, float] = {}
+    run_storm: dict[int | None, float] = {}
+    for alert in firing or ():
+        if alert["name"] == "AmpRunSkipStorm":
+            where = alert.get("replica")
+            run_storm[where] = min(run_storm.get(where, float("inf")), alert["starts_at"])
     for alert in firing or ():
         if alert["name"] == "AmpConsecutiveSkippedSteps" and alert["labels"].get("optimizer") == "gen":
             rank = alert["labels"]["rank"]
@@ -69,8 +80,10 @@ def streak_alert_delays(storm: dict, firing: list[dict] | None, end: float) -> t
     for rank, s in storm.items():
         if s["rung16"] is None or s["rung16"] > end - 2:
             continue
-        if rank in streak_alerts:
-            delays.append(streak_alerts[rank] - s["rung16"])
+        spoken = run_storm.get(None if replica_of is None else replica_of[int(rank)], float("inf"))
+        alerted = min(streak_alerts.get(rank, float("inf")), spoken)
+        if alerted < float("inf"):
+            delays.append(alerted - s["rung16"])
         else:
             missing += 1
     return delays, missing
@@ -109,9 +122,12 @@ def replica(job: dict, timeline: dict, index: int, scrapes: list[dict], firing: 
             "rss_mib": round(rss_healthy_kib / 1024, 1)}
 
 
-def summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[dict], firing: list[dict],
-             silent_at: float | None, cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
-             raised_limit: bool, quiet: dict[str, int]) -> dict:
+def summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[dict], firing: list[dict] | None,
+            silent_at: float | None, cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
+            raised_limit: bool, quiet: dict[str, int], replica_of: list[int] | None = None) -> dict:
+    """One side's figures: ``ranks`` simulated ranks (the collectors' CPU and memory summed where there are several,
+    ``firing`` every collector's built-in alerts together, each marked with its ``replica`` where ``replica_of``
+    gives each rank's)."""
     healthy_s = timeline["storm_at"] - timeline["warm_end"]
     storm_s = timeline["end"] - timeline["storm_at"]
     storm = job["storm"]
@@ -136,7 +152,7 @@ def summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[
                 continue
             if shown is None or shown < before:
                 disagreements += 1
-    alert_delays, alert_missing = streak_alert_delays(storm, firing, timeline["end"])
+    alert_delays, alert_missing = streak_alert_delays(storm, firing, timeline["end"], replica_of)
     killed = job["killed"]
     silent_others = sorted({a["labels"]["rank"] for a in firing or () if a["name"] == "AmpRankSilent"}
                            - {str(killed["rank"])})

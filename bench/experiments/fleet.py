@@ -124,9 +124,9 @@ def sleep_until(t: float) -> None:
 
 
 def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
-          heartbeat: float | None = None, lockstep: bool = False, server: str | None = None,
-          replicas: int = 1, pin: bool = False, block_ranks: int = BLOCK_RANKS, iteration_s: float = 1.0,
-          only: int | None = None) -> dict:
+         heartbeat: float | None = None, lockstep: bool = False, server: str | None = None,
+         replicas: int = 1, pin: bool = False, block_ranks: int = BLOCK_RANKS, iteration_s: float = 1.0,
+         only: int | None = None) -> dict:
     """Run one side on ``replicas`` fresh collectors (``server``: the ``server/src`` they run, default this tree's;
     ``pin``: each on a core of its own); return its figures, each replica's in ``replicas`` when there are several.
 
@@ -195,12 +195,13 @@ def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
                                      _alerts(srvs[holder].url), quiet)
         firing_by = [_alerts(srv.url) for srv in srvs]
         peaks = [srv.stats.memory_kib() for srv in srvs]
-    firing = None if all(f is None for f in firing_by) else [a for f in firing_by for a in f or ()]
-    cpu = {mark: sum(readings) for mark, readings in usage.collectors.items()}
-    cpu = {"healthy": cpu["healthy"], "healthy_end": cpu["storm"], "end": cpu["end"]}
+    firing = (None if all(f is None for f in firing_by)
+              else [dict(a, replica=i) for i, f in enumerate(firing_by) for a in f or ()])
+    cpu = {name: sum(usage.collectors[mark]) for name, mark in (("healthy", "healthy"), ("healthy_end", "storm"),
+                                                                  ("end", "end"))}
     peak = {"VmHWM": sum(p["VmHWM"] for p in peaks)}
     result = summary(delivery, len(mine), timeline, job, scrapes, firing, silent_at, cpu, rss0, sum(rss_healthy), peak,
-                     raised_limit=ranks > limit, quiet=quiet)
+                     raised_limit=ranks > limit, quiet=quiet, replica_of=[ports.index(port) for port in place])
     result["job_ranks"], result["simulation_pinned_to"] = ranks, sim_cores
     result["usage"] = {"healthy": usage.between("healthy", "storm"), "storm": usage.between("storm", "end")}
     if replicas > 1:
