@@ -24,6 +24,8 @@ built-in streak alert within 2 s of the 16th skip, per replica and together.
     python -m bench.replicas                  # 16,384 ranks, 6 sides: about 20 minutes
     python -m bench.replicas --quick          # 2,048 ranks in blocks of 1,024, one and 2, even spread: about 3 min
     python -m bench --only replicas --merge   # measure it into docs/benchmarks.json and .md (section 9b)
+    python -m bench.replicas --ranks 8192 --block-ranks 4096 --sides alone alone_lockstep \
+        --out bench/experiments/results/replicas_block_size.json   # one replica alone with a smaller block
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import sys
 from ampwatch.agent._schedule import default_heartbeat
 from ampwatch.contract.placement import BLOCK_RANKS, blocks
 from ampwatch.contract.protocol import HEARTBEAT_INTERVAL_S
+from bench._before_after import store
 from bench.experiments import fleet
 
 __all__ = ["SIDES", "per_collector", "run", "main"]
@@ -92,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, help="simulated ranks (default 16,384; --quick 2,048)")
     parser.add_argument("--block-ranks", type=int, help=f"default {BLOCK_RANKS:,} (--quick: half the ranks)")
     parser.add_argument("--no-lockstep", action="store_true", help="the even-spread sides only")
+    parser.add_argument("--sides", nargs="+", choices=[name for name, *_ in SIDES], help="only these sides")
+    parser.add_argument("--out", help="also store the result in this JSON file, under 'replicas_RANKS_block_BLOCK'")
     args = parser.parse_args(argv)
     ranks = args.ranks or (2048 if args.quick else 16_384)
     block = args.block_ranks or (ranks // 2 if args.quick else BLOCK_RANKS)
-    print(json.dumps(run(ranks, args.quick, block, not (args.quick or args.no_lockstep), not args.quick), indent=1))
+    result = run(ranks, args.quick, block, not (args.quick or args.no_lockstep), not args.quick,
+                 sides=tuple(args.sides) if args.sides else None)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        store(args.out, f"replicas_{ranks}_block_{block}", result, sys.argv, module="replicas")
     return 0
 
 
