@@ -41,7 +41,7 @@ test-fast: lint
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)
 
-# About 35 minutes on 2 cores (ARGS=--quick: about two); writes docs/benchmarks.md and .json.
+# About 55 minutes on 2 cores (ARGS=--quick: about two); writes docs/benchmarks.md and .json.
 # One section into the existing page: make bench ARGS="--only inspection --merge".
 # Drives Debian's prometheus-pushgateway and valgrind (apt-get install prometheus-pushgateway valgrind).
 bench: $(STAMP)

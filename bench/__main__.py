@@ -2,8 +2,8 @@
 
 ``python -m bench --list`` says what each section measures and how long it takes (``bench/_catalogue.py``).
 
-Full run: about 35 minutes on a 2-core machine (25 of them under valgrind); writes ``docs/benchmarks.md``
-and ``docs/benchmarks.json``.
+Full run: about 55 minutes on a 2-core machine (25 of them under valgrind, 20 for the 2 replicas); writes
+``docs/benchmarks.md`` and ``docs/benchmarks.json``.
 ``--quick`` (about two minutes) writes ``artifacts/bench-quick.md`` and ``.json`` unless ``--out`` is given.
 ``--only SECTION --merge`` re-measures one section into an earlier run's page, e.g. after changing the agent's scan:
 ``python -m bench --only inspection --merge`` (the page says which sections were re-measured, and when).
@@ -21,7 +21,7 @@ import time
 import traceback
 from importlib import metadata
 
-from bench import footprint, healthy, ingest, inspection, instructions, overhead, report, scrape, tail
+from bench import footprint, healthy, ingest, inspection, instructions, overhead, replicas, report, scrape, tail
 from bench._catalogue import BENCHMARKS, listing
 from bench.report._hand_written import carry_over
 
@@ -114,6 +114,8 @@ def _section(name: str, quick: bool) -> object:
         return instructions.run(50 if quick else 200)
     if name == "inspection":
         return inspection.run(quick)
+    if name == "replicas":
+        return replicas.run(2048, quick, 1024, lockstep=False, alone=False) if quick else replicas.run()
     return [tail.profile(1024, 4 if quick else 10, tuned) for tuned in (False, True)]
 
 

@@ -62,6 +62,13 @@ BENCHMARKS = (
     Benchmark("tail", "bench.tail",
               "where the ingest tail at 1,024 ranks goes: GC pauses, event-loop lag, commit time, alert tick; "
               "default vs tuned collector", "about 1 min", "about 20 s"),
+    Benchmark("replicas", "bench.replicas",
+              "a 16,384-rank job (even spread and lockstep) on one collector and on 2 replicas, each pinned to a core "
+              "of its own, ranks placed by the contract's rule, and one replica alone with its share: ingest p99, "
+              "first skips in /metrics, streak alerts per replica and together, the cores the collectors, the job "
+              "simulation and other jobs used",
+              "about 20 min", "about 3 min (2,048 ranks in 2 blocks, even spread; only with --only replicas)",
+              in_quick=False),
 )
 """``make bench`` (``python -m bench``) runs these in this order; ``make bench-gpu`` runs ``bench.gpu`` apart."""
 

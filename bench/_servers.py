@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.ports import free_port
 
-__all__ = ["PUSHGATEWAY", "CollectorProcess", "ProcessStats", "collector", "free_port", "pushgateway", "server",
-           "load"]
+__all__ = ["PUSHGATEWAY", "CollectorProcess", "ProcessStats", "Usage", "collector", "free_port", "machine_busy_s",
+           "pin_to_cores", "pushgateway", "server", "load"]
 
 PUSHGATEWAY = shutil.which("prometheus-pushgateway") or "/usr/bin/prometheus-pushgateway"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -45,6 +45,52 @@ class ProcessStats:
         return out
 
 
+def pin_to_cores(pid: int, cores: set[int]) -> list[int]:
+    """Pin every thread of process ``pid`` (and so the threads they start) to the CPUs ``cores``; return the cores
+    its threads may run on now, read back."""
+    allowed: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cores)
+        allowed |= os.sched_getaffinity(int(task))
+    return sorted(allowed)
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores, any process) since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / _TICKS
+
+
+class Usage:
+    """CPU seconds of the collectors, of the process driving them and of the whole machine at named marks, and the
+    cores each used between two marks: who had the machine's cores, the other jobs on it included."""
+
+    def __init__(self, collectors: list[ProcessStats], driver: ProcessStats) -> None:
+        self._collectors, self._driver = collectors, driver
+        self.collectors: dict[str, list[float]] = {}
+        self.driver: dict[str, float] = {}
+        self.machine: dict[str, float] = {}
+        self.at: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """Read every counter now, as mark ``name``."""
+        self.at[name] = time.time()
+        self.collectors[name] = [stats.cpu_s() for stats in self._collectors]
+        self.driver[name] = self._driver.cpu_s()
+        self.machine[name] = machine_busy_s()
+
+    def between(self, start: str, end: str) -> dict:
+        """Cores used from mark ``start`` to mark ``end``: each collector, the driver, the machine, the rest."""
+        wall = self.at[end] - self.at[start]
+        each = [round((b - a) / wall, 3) for a, b in zip(self.collectors[start], self.collectors[end], strict=True)]
+        driver = round((self.driver[end] - self.driver[start]) / wall, 3)
+        machine = round((self.machine[end] - self.machine[start]) / wall, 3)
+        return {"collectors": each, "simulation": driver, "machine": machine,
+                "others": round(max(0.0, machine - sum(each) - driver), 3), "cores": os.cpu_count()}
+
+
 class Server:
     """A started server: its base URL, its target kind for the load generator, and its process."""
 
@@ -54,10 +100,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def collector(args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A real ampwatch collector on a fresh database (killed on exit)."""
+def collector(args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+              port: int | None = None) -> Iterator[Server]:
+    """A real ampwatch collector on a fresh database (killed on exit), on ``port`` (default: a free one)."""
     with tempfile.TemporaryDirectory() as tmp, \
-            CollectorProcess(os.path.join(tmp, "bench.db"), args=args, env=env) as c:
+            CollectorProcess(os.path.join(tmp, "bench.db"), port=port, args=args, env=env) as c:
         yield Server("ampwatch", c.url, c.port, c.proc, db=c.db)
 
 

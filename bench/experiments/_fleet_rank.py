@@ -38,6 +38,16 @@ class Tally:
         self.missed = 0  # batches sent a whole heartbeat or more after they were due
         self.storm: dict[int, dict] = {}  # per storm rank: streak starts, rung-16 time, answers
         self.killed_last_ack: float | None = None  # when the killed rank's last batch was answered
+        self.collector_of: list[int] = []  # per rank, the index of the collector it reports to (empty: one)
+        self.latency_by: list[dict[str, list[float]]] = []  # per collector, by phase: seconds
+
+    def answered(self, rank: int, phase: str, sent: float, seconds: float) -> None:
+        """Keep one answered batch's latency, for the job and for the collector that answered it."""
+        self.latency[phase].append((round(sent, 4), round(seconds, 5)))
+        collector = self.collector_of[rank] if self.collector_of else 0
+        while len(self.latency_by) <= collector:
+            self.latency_by.append({p: [] for p in self.phases})
+        self.latency_by[collector][phase].append(round(seconds, 5))
 
     def phase(self, t: float) -> str | None:
         for name, (a, b) in self.phases.items():
@@ -109,7 +119,7 @@ async def run_rank(rank: int, plan: Plan | LockstepPlan, delivery: Delivery, tra
                 tally.bytes[phase] += answer.sent_bytes + answer.received_bytes
                 tally.levelled[phase] += levelled
                 if not first_contact and answer.status is not None:
-                    tally.latency[phase].append((round(sent, 4), round(done - sent, 5)))
+                    tally.answered(rank, phase, sent, done - sent)
                     tally.late[phase].append(max(0.0, late))
             first_contact = False
             if answer.status is not None and 200 <= answer.status < 300:

@@ -25,6 +25,12 @@ writes the results to ``--out`` at the end: latencies, lateness, failures, bytes
 rank the skip times and the answers, for ``bench.experiments.fleet`` to check against scrapes and alerts.
 
     python -m bench.experiments._fleet_ranks --port P --ranks 16384 --delivery after --seconds 90 --out r.json
+    python -m bench.experiments._fleet_ranks --port P1 --port P2 ...   # 2 replicas: each rank to its block's
+
+With several ``--port``, each rank reports to the collector the contract's placement names
+(:func:`placement`: ``ampwatch.contract.placement``, the agents' rule), and the latencies are also
+kept by collector (``latency_by_collector``, ``http_latency_by_collector``: in ``--port`` order). With
+``--only-port`` only that collector's share of the ranks runs (a replica measured on its own).
 
 This module is the process: the job's timeline and plans, and the results. A rank's plan and its
 delivery policy are in ``bench.experiments._fleet_plan``, its sender loop in ``bench.experiments._fleet_rank``, the
@@ -42,13 +48,14 @@ import random
 import sys
 import time
 
+from ampwatch.contract.placement import BLOCK_RANKS, collector_for, normalize
 from bench._async_http import run_loop
 from bench._rank_batch import RANKS_PER_NODE
 from bench.experiments._fleet_plan import DELIVERIES, JobTimeline, LockstepPlan, Plan, storm_streaks
 from bench.experiments._fleet_rank import Tally, run_rank
-from bench.experiments._fleet_transports import TRANSPORTS
+from bench.experiments._fleet_transports import TRANSPORTS, KeptAlive
 
-__all__ = ["DELIVERIES", "LOCKSTEP_DRIFT_S", "TRANSPORTS", "main"]
+__all__ = ["DELIVERIES", "LOCKSTEP_DRIFT_S", "TRANSPORTS", "main", "placement"]
 
 LOCKSTEP_DRIFT_S = 0.01
 """How far apart in time a lockstep job's ranks end the same iteration (DDP's all-reduce holds them together)."""
@@ -96,8 +103,17 @@ async def _run(args: argparse.Namespace) -> dict:
                                  "rung16": round(plan.time_of(plan.streaks[0][0] + 15), 4)
                                  if plan.streaks and plan.streaks[0][1] >= 16 else None}
         plans.append(plan)
-    transports = [TRANSPORTS[args.transport](args.port, node)
-                  for node in range((args.ranks + RANKS_PER_NODE - 1) // RANKS_PER_NODE)]
+    ports = placement(args.run, args.ranks, args.port, args.block_ranks)
+    tally.collector_of = [args.port.index(port) for port in ports]
+    tally.latency_by = [{p: [] for p in phases} for _ in args.port]
+    active = [rank for rank, port in enumerate(ports) if args.only_port in (None, port)]
+    for rank in [rank for rank in tally.storm if args.only_port not in (None, ports[rank])]:
+        del tally.storm[rank]  # a rank of another replica's share: not run (--only-port)
+    transports: dict[tuple[int, int], KeptAlive] = {}  # (node, port): a node's ranks of one block share one
+    for rank in active:
+        port = ports[rank]
+        if (rank // RANKS_PER_NODE, port) not in transports:
+            transports[rank // RANKS_PER_NODE, port] = TRANSPORTS[args.transport](port, rank // RANKS_PER_NODE)
     print(json.dumps({"t0": t0, "warm_end": warm_end, "storm_at": storm_at, "storm_end": storm_end, "end": end}),
           flush=True)
     # The plans and tallies of 16,384 ranks are a large heap: without this the generator's own full
@@ -105,20 +121,27 @@ async def _run(args: argparse.Namespace) -> dict:
     gc.freeze()
     gc.set_threshold(50_000, 50, 1_000)
     cpu0 = time.process_time()
-    await asyncio.gather(*(run_rank(r, plans[r], delivery, transports[r // RANKS_PER_NODE], args.run, args.ranks,
+    await asyncio.gather(*(run_rank(r, plans[r], delivery, transports[r // RANKS_PER_NODE, ports[r]], args.run,
+                                    args.ranks,
                                     end, warm_end + args.kill_after if r == args.kill_rank else None, tally,
                                     args.levels_every)
-                           for r in range(args.ranks)))
+                           for r in active))
     http: dict[str, list[float]] = {p: [] for p in phases}  # HTTP request latency, whoever sent it
-    for transport in transports:
+    http_by: list[dict[str, list[float]]] = [{p: [] for p in phases} for _ in args.port]  # and by collector
+    for (_, port), transport in transports.items():
         transport.close()
         for sent, seconds in transport.exchanges:
             phase = tally.phase(sent)
             if phase is not None:
                 http[phase].append(round(seconds, 5))
-    return {"delivery": args.delivery, "transport": args.transport, "ranks": args.ranks, "phases": phases,
+                http_by[args.port.index(port)][phase].append(round(seconds, 5))
+    return {"delivery": args.delivery, "transport": args.transport, "ranks": args.ranks, "run": args.run,
+            "phases": phases,
             "levels_every": args.levels_every,
             "killed": {"rank": args.kill_rank, "at": warm_end + args.kill_after} if args.kill_rank >= 0 else None,
+            "collectors": [f"http://127.0.0.1:{port}" for port in args.port], "block_ranks": args.block_ranks,
+            "active_ranks": len(active),
+            "latency_by_collector": tally.latency_by, "http_latency_by_collector": http_by,
             "latency": tally.latency, "http_latency": http, "late": tally.late, "requests": tally.requests,
             "bytes": tally.bytes, "levelled": tally.levelled, "refused": tally.refused, "timeouts": tally.timeouts,
             "missed": tally.missed,
@@ -127,11 +150,23 @@ async def _run(args: argparse.Namespace) -> dict:
             "generator_cpu_s": round(time.process_time() - cpu0, 2)}
 
 
+def placement(run: str, ranks: int, ports: list[int], block_ranks: int = BLOCK_RANKS) -> list[int]:
+    """The port of the collector each rank reports to, by the agents' own rule over collectors on loopback."""
+    by_url = {normalize(f"http://127.0.0.1:{port}"): port for port in ports}
+    return [by_url[collector_for(run, rank, ranks, by_url, block_ranks)] for rank in range(ranks)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the simulated job; write its results as JSON to ``--out``."""
     parser = argparse.ArgumentParser(prog="python -m bench.experiments._fleet_ranks",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, action="append", required=True,
+                        help="a collector's port on loopback; repeat it for several replicas: each rank reports to "
+                             "the one the contract's placement names (ampwatch.contract.placement.collector_for)")
+    parser.add_argument("--only-port", type=int, default=None,
+                        help="run only the ranks the placement puts on this --port: one replica's share of the job")
+    parser.add_argument("--block-ranks", type=int, default=BLOCK_RANKS,
+                        help=f"ranks of one run a collector holds before the run is split (default {BLOCK_RANKS:,})")
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--delivery", choices=sorted(DELIVERIES), required=True)
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), default="per-rank")

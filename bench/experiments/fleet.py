@@ -31,6 +31,7 @@ request row times the requests themselves, whoever sent them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -42,18 +43,27 @@ import time
 import urllib.request
 
 from ampwatch.agent._schedule import RANKS_PER_SECOND, default_heartbeat
+from ampwatch.contract.placement import BLOCK_RANKS
 from ampwatch.contract.protocol import COLLECTOR_DEFAULTS, HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
 from bench import _servers
 from bench._before_after import ROOT, source_of, store
+from bench.experiments._fleet_figures import (
+    VISIBLE_WITHIN_S,
+    first_skip_delays,
+    ms_summary,
+    replica,
+    seconds_summary,
+    summary,
+)
+from bench.experiments._fleet_ranks import placement
 from bench.report._format import measured_by
 from bench.report.fleet import table
 
-__all__ = ["SILENCE", "first_skip_delays", "ms_summary", "scrape", "seconds_summary", "silence", "sleep_until", "run",
-           "main", "warm_seconds"]
+__all__ = ["SILENCE", "VISIBLE_WITHIN_S", "first_skip_delays", "ms_summary", "scrape", "seconds_summary", "side",
+           "silence", "sleep_until", "run", "main", "warm_seconds"]
 
 KEY = "fleet"
 SCRAPE_EVERY_S = 15.0  # as Prometheus does by default
-VISIBLE_WITHIN_S = 2.0  # the target: a streak's first skip in /metrics and the built-in alerts
 def silence(heartbeat: float) -> dict[str, int]:
     """Bench-only silence thresholds: short enough to see AmpRankSilent fire within the run, still 3
     heartbeats (the longest wait between a healthy rank's batches is 1.5), so that a healthy rank
@@ -113,87 +123,105 @@ def sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.time()))
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
+         heartbeat: float | None = None, lockstep: bool = False, server: str | None = None,
+         replicas: int = 1, pin: bool = False, block_ranks: int = BLOCK_RANKS, iteration_s: float = 1.0,
+         only: int | None = None) -> dict:
+    """Run one side on ``replicas`` fresh collectors (``server``: the ``server/src`` they run, default this tree's;
+    ``pin``: each on a core of its own); return its figures, each replica's in ``replicas`` when there are several.
 
-
-def ms_summary(values: list[float]) -> dict:
-    """``n``, p50, p99 and max of ``values`` (seconds) in ms."""
-    out = {"n": len(values)}
-    for name, q in (("p50_ms", .5), ("p99_ms", .99)):
-        v = _pct(values, q)
-        out[name] = None if v is None else round(v * 1000, 1)
-    out["max_ms"] = round(max(values) * 1000, 1) if values else None
-    return out
-
-
-def seconds_summary(values: list[float]) -> dict:
-    """``n``, p50, p99 and max of ``values`` in seconds, and how many are within 2 s."""
-    return {"n": len(values), "p50_s": _round(_pct(values, .5)), "p99_s": _round(_pct(values, .99)),
-            "max_s": _round(max(values) if values else None),
-            "within_2s": sum(v <= VISIBLE_WITHIN_S for v in values)}
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 3)
-
-
-def _side(delivery: str, ranks: int, phases: tuple[float, float], transport: str,
-          heartbeat: float | None = None, lockstep: bool = False, server: str | None = None) -> dict:
-    """Run one side on a fresh collector (``server``: the ``server/src`` it runs, default this tree's); return
-    its figures."""
+    ``only``: run only the ranks the placement puts on replica ``only`` (its share of the job, measured on its
+    own; pinned, the simulation runs on the other cores)."""
     (healthy, storm), warm = phases, warm_seconds(ranks, delivery)
     limit = COLLECTOR_DEFAULTS["max_ranks_per_run"]
     args = ["--max-ranks-per-run", str(ranks)] if ranks > limit else []
-    with tempfile.TemporaryDirectory() as tmp:
+    ports = [_servers.free_port() for _ in range(replicas)]
+    if replicas > 1:  # each replica knows its peers and the block size, as the agents do
+        args += ["--peers", ",".join(f"http://127.0.0.1:{port}" for port in ports), "--block-ranks", str(block_ranks)]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         thresholds = os.path.join(tmp, "thresholds.json")
         quiet = silence(heartbeat or HEARTBEAT_INTERVAL_S)
         with open(thresholds, "w") as f:
             json.dump(quiet, f)
         args += ["--alert-thresholds", thresholds]
-        with _servers.collector(tuple(args), env={"PYTHONPATH": server} if server else None) as srv:
-            stats = srv.stats
-            rss0 = stats.memory_kib()["VmRSS"]
-            out = os.path.join(tmp, "ranks.json")
-            kill_rank = ranks // 2 + 3  # a rank in no storm (the simulation keeps it out)
-            sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks", "--port", str(srv.port),
-                                    "--ranks", str(ranks), "--delivery", delivery, "--transport", transport,
-                                    "--warm", str(warm), "--healthy", str(healthy), "--storm", str(storm),
-                                    "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out,
-                                    *(["--heartbeat", str(heartbeat)] if heartbeat else []),
-                                    *(["--lockstep"] if lockstep else [])],
-                                   cwd=ROOT, stdout=subprocess.PIPE, text=True)
-            timeline = json.loads(sim.stdout.readline())
-            sleep_until(timeline["warm_end"])
-            cpu = {"healthy": stats.cpu_s()}
-            scrapes: list[dict] = []
-            moments = [(timeline["warm_end"] + k * SCRAPE_EVERY_S, "scrape")
-                       for k in range(int((timeline["end"] - timeline["warm_end"]) / SCRAPE_EVERY_S) + 1)]
-            for at, what in sorted(moments + [(timeline["storm_at"], "sample")]):
-                if at >= timeline["end"]:
-                    break
-                sleep_until(at)
-                if what == "sample":
-                    cpu["healthy_end"], rss_healthy = stats.cpu_s(), stats.memory_kib()["VmRSS"]
-                else:
-                    scrapes.append(scrape(srv.url))
-            sleep_until(timeline["end"])
-            cpu["end"] = stats.cpu_s()
-            sim.wait(timeout=120)
-            if sim.returncode != 0:
-                raise RuntimeError(f"the simulated job failed (exit {sim.returncode})")
-            with open(out) as f:
-                job = json.load(f)
-            firing = _alerts(srv.url)
-            killed = job["killed"]
-            silent_at = _silent_fired_at(srv.url, str(killed["rank"]), job["killed_last_ack"], firing, quiet)
-            firing = _alerts(srv.url) or firing
-            peak = stats.memory_kib()
-    return _summary(delivery, ranks, timeline, job, scrapes, firing, silent_at, cpu, rss0, rss_healthy, peak,
-                    raised_limit=ranks > limit, quiet=quiet)
+        srvs = [stack.enter_context(_servers.collector(tuple(args), env={"PYTHONPATH": server} if server else None,
+                                                       port=port)) for port in ports]
+        cores = [_servers.pin_to_cores(srv.proc.pid, {i % (os.cpu_count() or 1)}) if pin else None
+                 for i, srv in enumerate(srvs)]
+        rss0 = sum(srv.stats.memory_kib()["VmRSS"] for srv in srvs)
+        out = os.path.join(tmp, "ranks.json")
+        place = placement("fleet", ranks, ports, block_ranks)  # the simulation's run is "fleet"
+        mine = [rank for rank, port in enumerate(place) if only is None or port == ports[only]]
+        kill_rank = mine[len(mine) // 2 + 3]  # a rank in no storm (the simulation keeps it out)
+        sim = subprocess.Popen([sys.executable, "-m", "bench.experiments._fleet_ranks",
+                                *(a for port in ports for a in ("--port", str(port))),
+                                "--block-ranks", str(block_ranks),
+                                *(["--only-port", str(ports[only])] if only is not None else []),
+                                "--ranks", str(ranks), "--delivery", delivery, "--transport", transport,
+                                "--warm", str(warm), "--healthy", str(healthy), "--storm", str(storm),
+                                "--kill-rank", str(kill_rank), "--kill-after", "5", "--out", out,
+                                "--iteration-s", str(iteration_s),
+                                *(["--heartbeat", str(heartbeat)] if heartbeat else []),
+                                *(["--lockstep"] if lockstep else [])],
+                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        sim_cores = (_servers.pin_to_cores(sim.pid, set(range(os.cpu_count() or 1)) - {only % (os.cpu_count() or 1)})
+                     if pin and only is not None and (os.cpu_count() or 1) > 1 else None)
+        usage = _servers.Usage([srv.stats for srv in srvs], _servers.ProcessStats(sim.pid))
+        timeline = json.loads(sim.stdout.readline())
+        sleep_until(timeline["warm_end"])
+        usage.mark("healthy")
+        scrapes: list[dict] = []
+        moments = [(timeline["warm_end"] + k * SCRAPE_EVERY_S, "scrape")
+                   for k in range(int((timeline["end"] - timeline["warm_end"]) / SCRAPE_EVERY_S) + 1)]
+        for at, what in sorted(moments + [(timeline["storm_at"], "sample")]):
+            if at >= timeline["end"]:
+                break
+            sleep_until(at)
+            if what == "sample":
+                usage.mark("storm")
+                rss_healthy = [srv.stats.memory_kib()["VmRSS"] for srv in srvs]
+            else:
+                scrapes.append(_scrape_all([srv.url for srv in srvs]))
+        sleep_until(timeline["end"])
+        usage.mark("end")
+        sim.wait(timeout=120)
+        if sim.returncode != 0:
+            raise RuntimeError(f"the simulated job failed (exit {sim.returncode})")
+        with open(out) as f:
+            job = json.load(f)
+        holder = ports.index(place[kill_rank])
+        killed = job["killed"]
+        silent_at = _silent_fired_at(srvs[holder].url, str(killed["rank"]), job["killed_last_ack"],
+                                     _alerts(srvs[holder].url), quiet)
+        firing_by = [_alerts(srv.url) for srv in srvs]
+        peaks = [srv.stats.memory_kib() for srv in srvs]
+    firing = (None if all(f is None for f in firing_by)
+              else [dict(a, replica=i) for i, f in enumerate(firing_by) for a in f or ()])
+    cpu = {name: sum(usage.collectors[mark]) for name, mark in (("healthy", "healthy"), ("healthy_end", "storm"),
+                                                                  ("end", "end"))}
+    peak = {"VmHWM": sum(p["VmHWM"] for p in peaks)}
+    result = summary(delivery, len(mine), timeline, job, scrapes, firing, silent_at, cpu, rss0, sum(rss_healthy), peak,
+                     raised_limit=ranks > limit, quiet=quiet, replica_of=[ports.index(port) for port in place])
+    result["job_ranks"], result["simulation_pinned_to"] = ranks, sim_cores
+    result["usage"] = {"healthy": usage.between("healthy", "storm"), "storm": usage.between("storm", "end")}
+    if replicas > 1:
+        result["collector_urls"] = [srv.url for srv in srvs]
+        result["replicas"] = [replica(job, timeline, i, scrapes, firing_by[i], usage, rss_healthy[i], cores[i])
+                              for i in range(replicas) if only in (None, i)]
+    return result
+
+
+def _scrape_all(urls: list[str]) -> dict:
+    """Scrape every replica in turn, as one Prometheus does: the union of their ranks, from the first start to the
+    last end (each replica's own scrape kept in ``each``)."""
+    each = [scrape(url) for url in urls]
+    merged: dict = {"start": min(s["start"] for s in each), "end": max(s["end"] for s in each),
+                    "counts": {rank: count for s in each for rank, count in s["counts"].items()},
+                    "bytes": sum(s["bytes"] for s in each), "each": each}
+    errors = [s["error"] for s in each if "error" in s]
+    if errors:
+        merged["error"] = "; ".join(errors)
+    return merged if len(urls) > 1 else each[0]
 
 
 def _silent_fired_at(url: str, rank: str, last_ack: float | None, firing: list[dict] | None,
@@ -210,105 +238,6 @@ def _silent_fired_at(url: str, rank: str, last_ack: float | None, firing: list[d
         firing = _alerts(url)
 
 
-def first_skip_delays(storm: dict) -> tuple[list[float], int]:
-    """Seconds from each streak's first skip to the answer of the batch that carried it, and how many were never
-    answered, of a simulated job's storm ranks. The skip is in /metrics (and the built-in alerts) from then on:
-    the collector applies a batch before it answers."""
-    visible, not_visible = [], 0
-    for s in storm.values():
-        for t_skip, skipped in s["starts"]:
-            acked = next((done for done, count in s["answers"] if count >= skipped), None)
-            if acked is None:
-                not_visible += 1
-            else:
-                visible.append(acked - t_skip)
-    return visible, not_visible
-
-
-def _summary(delivery: str, ranks: int, timeline: dict, job: dict, scrapes: list[dict], firing: list[dict],
-             silent_at: float | None, cpu: dict, rss0: int, rss_healthy: int, peak: dict, *,
-             raised_limit: bool, quiet: dict[str, int]) -> dict:
-    healthy_s = timeline["storm_at"] - timeline["warm_end"]
-    storm_s = timeline["end"] - timeline["storm_at"]
-    storm = job["storm"]
-    latency = {phase: [seconds for _, seconds in pairs] for phase, pairs in job["latency"].items()}
-    # Requests in flight during a scrape wait for its render on the collector's event loop (until the
-    # collector renders elsewhere): the same figures without them say what the delivery alone costs.
-    busy = [(s["start"], s["end"]) for s in scrapes]
-    unscraped = {phase: [seconds for sent, seconds in pairs
-                         if not any(a - seconds <= sent <= b for a, b in busy)]
-                 for phase, pairs in job["latency"].items()}
-    # Every scrape must agree with the answers: it shows at least what was answered before it began.
-    visible, not_visible = first_skip_delays(storm)
-    disagreements = 0
-    for rank, s in storm.items():
-        answers = s["answers"]
-        for scrape in scrapes:
-            if "error" in scrape:
-                continue
-            shown = scrape["counts"].get(rank)
-            before = max((count for done, count in answers if done <= scrape["start"]), default=0)
-            if shown is None and before == 0:
-                continue
-            if shown is None or shown < before:
-                disagreements += 1
-    streak_alerts = {}
-    for alert in firing or ():
-        if alert["name"] == "AmpConsecutiveSkippedSteps" and alert["labels"].get("optimizer") == "gen":
-            rank = alert["labels"]["rank"]
-            streak_alerts[rank] = min(streak_alerts.get(rank, float("inf")), alert["starts_at"])
-    alert_delays, alert_missing = [], 0
-    for rank, s in storm.items():
-        if s["rung16"] is None or s["rung16"] > timeline["end"] - 2:
-            continue
-        if rank in streak_alerts:
-            alert_delays.append(streak_alerts[rank] - s["rung16"])
-        else:
-            alert_missing += 1
-    killed = job["killed"]
-    silent_others = sorted({a["labels"]["rank"] for a in firing or () if a["name"] == "AmpRankSilent"}
-                           - {str(killed["rank"])})
-    limit_s = quiet["silent_after_s"] + quiet["silent_for_s"] + 2  # + a tick to notice, a tick to fire
-    last_ack = job.get("killed_last_ack")
-    per_rank_hour = 3600.0 / ranks
-    return {
-        "delivery": delivery, "transport": job["transport"], "ranks": ranks,
-        "raised_max_ranks_per_run": raised_limit,
-        "phases_s": {"warm": round(timeline["warm_end"] - timeline["t0"], 1), "healthy": round(healthy_s, 1),
-                     "storm": round(storm_s, 1)},
-        "healthy": {"requests_per_s": round(job["requests"]["healthy"] / healthy_s, 1),
-                    "http_requests_per_s": round(len(job["http_latency"]["healthy"]) / healthy_s, 1),
-                    "http_latency": ms_summary(job["http_latency"]["healthy"]),
-                    "latency": ms_summary(latency["healthy"]),
-                    "latency_outside_scrapes": ms_summary(unscraped["healthy"]),
-                    "late_p99_ms": ms_summary(job["late"]["healthy"])["p99_ms"],
-                    "collector_cpu_cores": round((cpu["healthy_end"] - cpu["healthy"]) / healthy_s, 3),
-                    "collector_cpu_us_per_rank_s": round(1e6 * (cpu["healthy_end"] - cpu["healthy"])
-                                                         / (ranks * healthy_s), 2),
-                    "collector_rss_mib": round(rss_healthy / 1024, 1),
-                    "collector_kib_per_rank": round((rss_healthy - rss0) / ranks, 2),
-                    "wire_kib_per_rank_hour": round(job["bytes"]["healthy"] / healthy_s * per_rank_hour / 1024, 1)},
-        "storm": {"requests_per_s": round(job["requests"]["storm"] / storm_s, 1),
-                  "http_requests_per_s": round(len(job["http_latency"]["storm"]) / storm_s, 1),
-                  "http_latency": ms_summary(job["http_latency"]["storm"]),
-                  "latency": ms_summary(latency["storm"]), "latency_outside_scrapes": ms_summary(unscraped["storm"]),
-                  "collector_cpu_cores": round((cpu["end"] - cpu["healthy_end"]) / storm_s, 3),
-                  "wire_kib_per_rank_hour": round(job["bytes"]["storm"] / storm_s * per_rank_hour / 1024, 1),
-                  "storm_ranks": len(storm),
-                  "first_skip_to_metrics": seconds_summary(visible), "first_skips_not_visible_by_end": not_visible,
-                  "scrapes": len(scrapes), "scrapes_failed": sum("error" in s for s in scrapes),
-                  "scrape_disagreements": disagreements, "alerts_answered": firing is not None,
-                  "scrape_p50_ms": ms_summary([s["end"] - s["start"] for s in scrapes])["p50_ms"],
-                  "rung16_to_builtin_alert": seconds_summary(alert_delays), "streak_alerts_missing": alert_missing},
-        "missed_updates": job["missed"], "refused": job["refused"], "timeouts": job["timeouts"],
-        "silence": {"killed_rank": killed["rank"], "last_batch_to_alert_s": _round(
-                        None if silent_at is None or last_ack is None else silent_at - last_ack),
-                    "documented_within_s": limit_s, "thresholds": quiet, "other_ranks_silent": len(silent_others)},
-        "collector_peak_rss_mib": round(peak["VmHWM"] / 1024, 1),
-        "generator_cpu_s": job["generator_cpu_s"],
-    }
-
-
 def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-rank",
         heartbeat: float | None = None, lockstep: bool = False, before: str | None = None) -> dict:
     """Run each side in turn; return ``{side: figures}`` with the run's settings.
@@ -321,14 +250,14 @@ def run(ranks: int, sides: tuple[str, ...], quick: bool, transport: str = "per-r
     # The after side's healthy phase stays a whole number of heartbeats (3; quick: 2).
     plan["after"] = plan["previous"] = (plan["after"][0] // HEARTBEAT_INTERVAL_S * heartbeat, plan["after"][1])
     result: dict = {}
-    for side in sides:
+    for name in sides:
         with tempfile.TemporaryDirectory() as tmp:
-            server = source_of(before, tmp) if side == "previous" else None
-            delivery = "before" if side == "before" else "after"
-            result[side] = _side(delivery, ranks, plan[side], transport if side != "before" else "per-rank",
-                                 heartbeat if side != "before" else None, lockstep, server)
-        if side == "previous":
-            result[side]["label"] = f"at {before} (the same job)"
+            server = source_of(before, tmp) if name == "previous" else None
+            delivery = "before" if name == "before" else "after"
+            result[name] = side(delivery, ranks, plan[name], transport if name != "before" else "per-rank",
+                                heartbeat if name != "before" else None, lockstep, server)
+        if name == "previous":
+            result[name]["label"] = f"at {before} (the same job)"
     result["settings"] = {"heartbeat_s": heartbeat, "scrape_every_s": SCRAPE_EVERY_S,
                           "iteration_s": 1.0, "storm_share": 1.0 if lockstep else 0.1, "lockstep": lockstep,
                           "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}

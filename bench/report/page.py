@@ -1,6 +1,6 @@
 """The whole page: the header, the table by job size, the summary, each section in its order, and how it is measured.
 
-Sections 1 to 5 come from the run's JSON document; 5's before/after table, 6 (GPU), 7, 8 and 9 from files
+Sections 1 to 5 and 9b come from the run's JSON document; 5's before/after table, 6 (GPU), 7, 8 and 9 from files
 committed beside it by the hand-run benchmarks (each read when it exists, so a fresh checkout renders).
 """
 
@@ -21,6 +21,7 @@ from bench.report import (
     job1024,
     origin_hook,
     overhead,
+    replicas,
     scrape,
     tail,
 )
@@ -93,6 +94,8 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
     for key, _, module, needs in _SECTIONS:
         if needs in (res.get(key) or {}):
             lines += module.summary_rows(res[key])
+    if "sides" in (res.get("replicas") or {}):
+        lines += replicas.summary_rows(res["replicas"])
     lines += ["", f"Machine: {env['cpu']}, {env['cores']} cores, {env['memory_gib']} GiB, Linux {env['kernel']}; "
               f"load average {env['loadavg_start']} at start, {env['loadavg_end']} at the end (other jobs shared "
               "the machine: absolute times drift, so every comparison is a ratio from the same run, with "
@@ -119,5 +122,9 @@ def render(res: dict, json_name: str = "benchmarks.json") -> str:
     fleet_lines = fleet.section(delivery)
     if fleet_lines:
         lines += [f"## {FLEET_TITLE}", "", *fleet_lines]
+    if "replicas" in res:
+        lines += [f"## {replicas.TITLE}", "", *_remeasured(res, "replicas")]
+        lines += (replicas.section(res["replicas"]) if "error" not in res["replicas"]
+                  else [f"Failed: `{res['replicas']['error']}`", ""])
     lines += ["## How it is measured", "", *res["notes"], ""]
     return "\n".join(lines)
