@@ -98,8 +98,8 @@ def test_a_run_of_more_than_ampwatch_block_ranks_goes_to_the_collectors_in_conti
 
 
 def test_ampwatch_block_ranks_is_read_from_the_environment_and_defaults_to_the_contracts_block():
-    assert AgentConfig.from_env(environ={}).block_ranks == placement.BLOCK_RANKS == 8_192
-    assert AgentConfig.from_env(environ={"AMPWATCH_BLOCK_RANKS": " 4096 "}).block_ranks == 4096
+    assert AgentConfig.from_env(environ={}).block_ranks == placement.BLOCK_RANKS == 4_096
+    assert AgentConfig.from_env(environ={"AMPWATCH_BLOCK_RANKS": " 8192 "}).block_ranks == 8192
     assert AgentConfig.from_env(environ={"AMPWATCH_BLOCK_RANKS": "4096"}, block_ranks=2).block_ranks == 2
 
 
@@ -125,18 +125,18 @@ def test_the_default_push_interval_follows_the_ranks_each_collector_serves():
     assert config.for_job(16_384).push_interval == 30.0  # 32.8 s would do: the longest default is 30 s
     two = AgentConfig.from_env(collector="http://a:1,http://b:2", environ={})
     assert two.for_job(16_384).push_interval == pytest.approx(16.384)  # 8,192 ranks on each collector
-    assert two.for_job(7_000).push_interval == 15.0  # a run of one block: 7,000 on one collector, under 7,500
+    assert two.for_job(4_000).push_interval == 15.0  # a run of one block: 4,000 on one collector, under 7,500
     assert AgentConfig.from_env(environ={}).for_job(100_000).push_interval == 30.0
 
 
 @pytest.mark.parametrize(("collectors", "block_ranks", "world_size", "held"), [
-    (0, placement.BLOCK_RANKS, 10_000, 10_000),  # no collector: the job's size
+    (0, 8_192, 10_000, 10_000),  # no collector: the job's size
     (1, 4_096, 10_000, 10_000),  # one collector holds every block
-    (2, placement.BLOCK_RANKS, 8_000, 8_000),  # a run of one block lives whole on one of two
-    (2, placement.BLOCK_RANKS, 10_000, 8_192),  # blocks of 8,192 and 1,808 ranks, one on each
-    (2, placement.BLOCK_RANKS, 16_384, 8_192),  # two blocks, one on each
-    (2, placement.BLOCK_RANKS, 20_000, 8_192 + 3_616),  # blocks 0 and 2 on the run's first collector
-    (3, placement.BLOCK_RANKS, 20_000, 8_192),
+    (2, 8_192, 8_000, 8_000),  # a run of one block lives whole on one of two
+    (2, 8_192, 10_000, 8_192),  # blocks of 8,192 and 1,808 ranks, one on each
+    (2, 8_192, 16_384, 8_192),  # two blocks, one on each
+    (2, 8_192, 20_000, 8_192 + 3_616),  # blocks 0 and 2 on the run's first collector
+    (3, 8_192, 20_000, 8_192),
 ])
 def test_the_default_heartbeat_follows_the_most_ranks_of_the_job_one_collector_holds(collectors, block_ranks,
                                                                                       world_size, held):

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from ampwatch.contract.placement import BLOCK_RANKS
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS
 from ampwatch.server.__main__ import build_parser
 from ampwatch.server._config import config_from_args
@@ -63,7 +64,7 @@ def test_peers_are_read_as_the_agents_url_list_and_this_collector_is_found_in_th
     assert config.peers == ("http://a:9457", "http://b:9458") and config.advertise_url == "http://b:9458"
     config = _parsed("--port", "9457", "--peers", "http://a:9457,http://b:9457", "--advertise-url", "http://B:9457/")
     assert config.advertise_url == "http://b:9457"
-    assert _parsed().peers == () and _parsed().advertise_url is None and _parsed().block_ranks == 8192
+    assert _parsed().peers == () and _parsed().advertise_url is None and _parsed().block_ranks == BLOCK_RANKS
 
 
 @pytest.mark.parametrize("argv, message", [
