@@ -39,6 +39,7 @@ import time
 import urllib.request
 
 from ampwatch.agent._schedule import NEWS_SPREAD
+from ampwatch.server._trace import TRACE_ENV
 from bench._before_after import ROOT, print_and_store, source_of
 from bench.experiments.fleet import first_skip_delays, ms_summary, seconds_summary, warm_seconds
 
@@ -121,6 +122,9 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, serv
             raise RuntimeError(f"the simulated job failed (exit {sim.returncode})")
         with open(out) as f:
             job = json.load(f)
+        if trace := os.environ.get(TRACE_ENV):  # the collector's own timings: the job's beside them
+            with open(trace + ".job.json", "w") as f:
+                json.dump({"bounds": bounds, "latency": job["latency"]}, f)
         peak = stats.memory_kib()["VmHWM"]
         storm_end = t["storm_end"] + 2 * iteration_s  # the batches carrying the storm's last skips
         rows, body = db.execute("SELECT count(*), coalesce(sum(length(body)), 0) FROM events "
@@ -176,6 +180,8 @@ def _summary(ranks: int, iteration_s: float, bounds: dict, job: dict, scrapes: l
 
 
 def _side(args: argparse.Namespace, path: str | None) -> dict:
+    if args.trace:
+        os.environ[TRACE_ENV] = os.path.abspath(f"{args.trace}.{'before' if path else 'after'}")
     # Only the collector runs the earlier commit's code (with its contract); the job and the measuring are this tree's.
     code = ("import sys, json; from bench.experiments.storm import measure;"
             "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5]), sys.argv[5], float(sys.argv[6]));"
@@ -219,6 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the widest spread of the job's news, seconds, on both sides (default: the agent's "
                              f"NEWS_SPREAD, {NEWS_SPREAD}; 0.95 was the agent's up to issue 26)")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="each side's collector writes its own timings to FILE.before / FILE.after "
+                             "(AMPWATCH_SERVER_TRACE, docs/collector.md; a side whose code has none writes nothing), "
+                             "the job's answers beside them (FILE.after.job.json): read them with "
+                             "python -m bench.experiments.storm_trace FILE.after")
     args = parser.parse_args(argv)
     result: dict = {}
     if args.only != "after":

@@ -14,6 +14,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from . import _trace
 from ._access import AccessGuard, AccessMetrics
 from ._config import ServerConfig
 from ._evidence import prune_evidence_job
@@ -115,6 +116,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        trace = _trace.start()  # AMPWATCH_SERVER_TRACE: off unless set
         store = Store(config.db)
         state = CollectorState(config)
         horizon = clock() - max(config.expire_after, config.run_retention)
@@ -139,6 +141,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         alert_task = asyncio.create_task(alerts.run(state))
         task = asyncio.create_task(_retire_loop(app, config))
         suspects_task = asyncio.create_task(_suspect_loop(app))
+        lag_task = asyncio.create_task(trace.watch_loop()) if trace is not None else None
         app.state.ready = True
         log.info("state rebuilt from %s: %d runs, %d ranks", store.path, len(state.runs), state.rank_count())
         try:
@@ -156,6 +159,9 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
                 await alert_task
             await asyncio.to_thread(alerts.close)
             await asyncio.to_thread(store.close)
+            if lag_task is not None:
+                lag_task.cancel()
+            _trace.stop()
 
     # /docs (Swagger UI) makes the browser fetch scripts from a public CDN: off unless asked for (--api-docs).
     app = _CollectorApp(title="ampwatch collector", version=VERSION, lifespan=lifespan,
@@ -194,7 +200,8 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         """Render every series from the current state; gzip it when the scraper accepts it (Prometheus does)."""
         # Rendered in a worker thread (about 1 s at the default max_ranks_per_run): the event loop goes on applying
         # batches meanwhile, and the render reads each rank's immutable view, so it never sees half a batch.
-        render = request.app.state.exposition.render
+        exposition = request.app.state.exposition
+        render = exposition.render if _trace.active is None else lambda: _trace.timed("render", exposition.render)
         if not accepts_gzip(request.headers.get("accept-encoding", "")):
             body = await run_in_threadpool(lambda: render().encode())
             response = Response(body, media_type=CONTENT_TYPE, headers={"Vary": "Accept-Encoding"})

@@ -11,8 +11,11 @@ import queue
 import sqlite3
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+from . import _trace
 
 __all__ = ["Store", "StoreClosed", "Writes", "prepare_database", "EVIDENCE_COLUMNS"]
 
@@ -165,6 +168,9 @@ class Store:
         self._closed = False
         self.commits = 0  # transactions committed (a group commit counts once)
         self.failing: str | None = None  # the last write error, until a write succeeds again
+        self._last: tuple[float, float, tuple[int, int]] = (0.0, 0.0, (0, 0))  # traced only
+        self._main_file = self._main_file_state()
+        self._timings: dict[asyncio.Future, tuple[float, float, float, int]] = {}  # traced only (_trace)
         self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
         self._thread.start()
 
@@ -207,8 +213,12 @@ class Store:
                     self._queue.put(None)
                     break
                 group.append(nxt)
+            trace = _trace.active
+            began = time.perf_counter()
             try:
                 results = self._commit([job for job, _, _ in group])
+                if trace is not None:
+                    self._traced(trace, group, began)
             except Exception:
                 # Something in the group failed: run each job alone so one bad job cannot sink the others.
                 results = [self._commit_one(job) for job, _, _ in group]
@@ -221,6 +231,31 @@ class Store:
                 except RuntimeError:
                     pass  # the loop closed while we committed; nobody waits any more
         conn.close()
+
+    def _traced(self, trace: _trace.Trace, group: list, began: float) -> None:
+        """Log the group commit just made, and keep its timing for each of its requests (:meth:`timing_of`)."""
+        written, committed, main_file = self._last
+        timing = (began, written, committed, len(group))
+        for job, _, future in group:
+            if isinstance(job, Writes):
+                self._timings[future] = timing
+        trace.add("commit", time.time() - (time.perf_counter() - began), jobs=len(group),
+                  write=round(1000 * (written - began), 2), commit=round(1000 * (committed - written), 2),
+                  checkpoint=main_file != self._main_file)
+        self._main_file = main_file
+
+    def timing_of(self, future: asyncio.Future) -> tuple[float, float, float, int] | None:
+        """The group commit that resolved ``future`` (traced only): perf_counter at its begin, rows written and COMMIT
+        done, and its jobs."""
+        return self._timings.pop(future, None) if self._timings else None
+
+    def _main_file_state(self) -> tuple[int, int]:
+        """Size and modification time of the database file itself: only a checkpoint writes it (WAL mode)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return 0, 0
+        return st.st_size, st.st_mtime_ns
 
     def _commit(self, jobs: list[Job]) -> list[tuple[Any, BaseException | None]]:
         conn = self._writer
@@ -238,7 +273,10 @@ class Store:
                 rows = []
                 results.append((job(conn), None))
             added += self._write(rows)
+            written = time.perf_counter()
             conn.execute("COMMIT")
+            if _trace.active is not None:
+                self._last = (written, time.perf_counter(), self._main_file_state())
         except BaseException:
             if conn.in_transaction:  # SQLite rolls back by itself on some errors (e.g. disk full)
                 conn.execute("ROLLBACK")
