@@ -118,6 +118,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         trace = _trace.start()  # AMPWATCH_SERVER_TRACE: off unless set
         store = Store(config.db)
+        store.trace = trace.add if trace is not None else None
         state = CollectorState(config)
         horizon = clock() - max(config.expire_after, config.run_retention)
         state.stored = await asyncio.to_thread(stored_ranks, store)

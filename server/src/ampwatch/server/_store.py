@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _trace
-
 __all__ = ["Store", "StoreClosed", "Writes", "prepare_database", "EVIDENCE_COLUMNS"]
 
 log = logging.getLogger("ampwatch.server")
@@ -159,6 +157,9 @@ class Store:
     def __init__(self, path: str, max_group: int = 512) -> None:
         self.path = prepare_database(path)
         self.max_group = max_group
+        self.trace: Callable[..., object] | None = None
+        """Set when the collector traces its timings (``_trace.Trace.add``): called with a line's kind, start time and
+        fields for each group commit and checkpoint (this module needs only the standard library)."""
         self.on_events_added: Callable[[int], object] | None = None
         """Called in the writer thread, after each COMMIT, with how many events it stored (duplicates not)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -168,8 +169,7 @@ class Store:
         self._closed = False
         self.commits = 0  # transactions committed (a group commit counts once)
         self.failing: str | None = None  # the last write error, until a write succeeds again
-        self._last: tuple[float, float, tuple[int, int]] = (0.0, 0.0, (0, 0))  # traced only
-        self._main_file = self._main_file_state()
+        self._last = (0.0, 0.0, False)  # traced only: the last COMMIT's start and end, whether it checkpointed
         self._timings: dict[asyncio.Future, tuple[float, float, float, int]] = {}  # traced only (_trace)
         self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
         self._thread.start()
@@ -213,7 +213,7 @@ class Store:
                     self._queue.put(None)
                     break
                 group.append(nxt)
-            trace = _trace.active
+            trace = self.trace
             began = time.perf_counter()
             try:
                 results = self._commit([job for job, _, _ in group])
@@ -232,17 +232,16 @@ class Store:
                     pass  # the loop closed while we committed; nobody waits any more
         conn.close()
 
-    def _traced(self, trace: _trace.Trace, group: list, began: float) -> None:
+    def _traced(self, trace: Callable[..., object], group: list, began: float) -> None:
         """Log the group commit just made, and keep its timing for each of its requests (:meth:`timing_of`)."""
-        written, committed, main_file = self._last
+        written, committed, checkpointed = self._last
         timing = (began, written, committed, len(group))
         for job, _, future in group:
             if isinstance(job, Writes):
                 self._timings[future] = timing
-        trace.add("commit", time.time() - (time.perf_counter() - began), jobs=len(group),
+        trace("commit", time.time() - (time.perf_counter() - began), jobs=len(group),
                   write=round(1000 * (written - began), 2), commit=round(1000 * (committed - written), 2),
-                  checkpoint=main_file != self._main_file)
-        self._main_file = main_file
+                  checkpoint=checkpointed)
 
     def timing_of(self, future: asyncio.Future) -> tuple[float, float, float, int] | None:
         """The group commit that resolved ``future`` (traced only): perf_counter at its begin, rows written and COMMIT
@@ -274,9 +273,10 @@ class Store:
                 results.append((job(conn), None))
             added += self._write(rows)
             written = time.perf_counter()
+            main_file = self._main_file_state() if self.trace is not None else None
             conn.execute("COMMIT")
-            if _trace.active is not None:
-                self._last = (written, time.perf_counter(), self._main_file_state())
+            if main_file is not None:
+                self._last = (written, time.perf_counter(), main_file != self._main_file_state())
         except BaseException:
             if conn.in_transaction:  # SQLite rolls back by itself on some errors (e.g. disk full)
                 conn.execute("ROLLBACK")

@@ -9,10 +9,11 @@ Kinds of line (times: ``t`` the Unix time it began, durations in ms):
   (``COMMIT``: the WAL's fsync, and a checkpoint when one lands in it), ``resume`` (the commit done to the
   request running again: the event loop's wait), ``after`` (alerts, counters), ``send``; ``total``;
   ``status``, ``rank``, ``events``, ``group`` (jobs in its group commit).
-- ``commit``: one group commit: ``jobs``, ``write``, ``commit``, ``checkpoint`` (whether the main database file
-  was written in it: SQLite's automatic checkpoint).
-- ``checkpoint``: a checkpoint of the WAL the store ran itself: ``ms``, ``pages``.
-- ``gc``: one collection: ``gen``, ``ms``, ``collected``, ``thread``.
+- ``commit``: one group commit: ``jobs``, ``write``, ``commit``, ``checkpoint`` (whether the database file itself
+  was written during its COMMIT: a checkpoint in it, SQLite's own, or the store's checkpoint thread's meanwhile).
+- ``checkpoint``: a run of the store's checkpoint thread that copied pages: ``ms``, ``frames`` (in the WAL),
+  ``copied``.
+- ``gc``: one collection: ``gen``, ``ms``, ``cpu_ms``, ``collected``, ``thread``.
 - ``pass``: one periodic alert pass: ``ms``, ``cpu_ms``. ``render``: one ``/metrics`` render: ``ms``, ``cpu_ms``.
 - ``lag``: the event loop ran a 10 ms timer ``ms`` late (logged from 2 ms).
 - ``cpu``: per 10 ms, the CPU each of the process's threads used (``threads``: name -> ms, from
@@ -55,7 +56,7 @@ class Trace:
         self._lines: list[tuple[str, float, dict]] = []
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._gc_started: dict[int, float] = {}
+        self._gc_started: dict[int, tuple[float, float]] = {}
         open(path, "w").close()  # a path that cannot be written fails at start, not at shutdown
 
     def add(self, kind: str, t: float, **fields: Any) -> None:
@@ -88,32 +89,34 @@ class Trace:
     def _on_gc(self, phase: str, info: dict) -> None:
         ident = threading.get_ident()
         if phase == "start":
-            self._gc_started[ident] = time.perf_counter()
+            self._gc_started[ident] = (time.perf_counter(), time.thread_time())
             return
         began = self._gc_started.pop(ident, None)
         if began is not None:
-            ms = 1000 * (time.perf_counter() - began)
+            ms = 1000 * (time.perf_counter() - began[0])
             self.add("gc", time.time() - ms / 1000, gen=info["generation"], ms=round(ms, 2),
-                     collected=info["collected"], thread=threading.current_thread().name)
+                     cpu_ms=round(1000 * (time.thread_time() - began[1]), 2), collected=info["collected"],
+                     thread=threading.current_thread().name)
 
     def _sample_threads(self) -> None:
         """Every 10 ms: each thread's CPU since the last sample, and how late this thread woke."""
-        last: dict[str, int] = {}
+        last: dict[int, int] = {}  # thread id -> its CPU ns so far
         due = time.perf_counter() + _SAMPLE_S
         while not self._stopped.wait(max(0.0, due - time.perf_counter())):
             late = time.perf_counter() - due
             due += _SAMPLE_S * (1 + int(late // _SAMPLE_S))
-            names = {t.native_id: t.name for t in threading.enumerate()}
-            used = {}
-            for tid, name in names.items():
+            used: dict[str, float] = {}  # by name: the worker threads share theirs
+            for thread in threading.enumerate():
+                tid = thread.native_id
                 try:
                     with open(f"/proc/self/task/{tid}/schedstat") as f:
                         ns = int(f.read().split()[0])
-                except (OSError, ValueError, IndexError):
+                except (OSError, ValueError, IndexError, TypeError):
                     continue
-                if name in last and ns - last[name] >= 500_000:
-                    used[name] = round((ns - last[name]) / 1e6, 1)
-                last[name] = ns
+                if tid in last and ns > last[tid]:
+                    used[thread.name] = used.get(thread.name, 0.0) + (ns - last[tid]) / 1e6
+                last[tid] = ns  # type: ignore[index]
+            used = {name: round(ms, 1) for name, ms in used.items() if ms >= 0.5}
             if used or late > 0.002:
                 self.add("cpu", time.time(), late=round(1000 * late, 1), threads=used)
 
