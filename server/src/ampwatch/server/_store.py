@@ -73,6 +73,17 @@ _INSERT_EVIDENCE = "INSERT OR IGNORE INTO evidence ({columns}) VALUES {rows}"
 # sqlite3 keeps the last 128 prepared, about 0.8 KiB per row, and one per group size held 54 MB.
 _ROWS_PER_STATEMENT = 128
 
+# Checkpoints (the WAL's pages copied into the database file, which is then synced) run in a thread of their own,
+# not in the writer's COMMITs, where SQLite runs them by default (after the commit that takes the WAL past 1,000
+# pages, and after every commit while it stays past them: a reader's snapshot can hold it there). In a 3-minute
+# storm run at 1,024 ranks 66 commits carried one, in runs of up to ten in the storm's bursts, with COMMIT p50 /
+# p90 / max 6.6 / 34 / 84 ms against 0.3 / 3 / 103 ms for the other 7,208, and every batch queued behind such a
+# commit waited for it (AMPWATCH_SERVER_TRACE, docs/benchmarks.md section 7). The thread's PASSIVE checkpoint
+# never waits for the writer or a reader, nor they for it; SQLite's own is kept as a bound, at WAL_BOUND_PAGES,
+# for a WAL the thread could not keep up with.
+CHECKPOINT_EVERY_S = 0.5
+WAL_BOUND_PAGES = 16_384  # 64 MiB at SQLite's default 4 KiB pages
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Writes:
@@ -154,7 +165,7 @@ def _connect(path: str) -> sqlite3.Connection:
 class Store:
     """Durable history; :meth:`submit` queues a write and returns a future resolved after COMMIT."""
 
-    def __init__(self, path: str, max_group: int = 512) -> None:
+    def __init__(self, path: str, max_group: int = 512, checkpoint_every_s: float | None = CHECKPOINT_EVERY_S) -> None:
         self.path = prepare_database(path)
         self.max_group = max_group
         self.trace: Callable[..., object] | None = None
@@ -165,6 +176,7 @@ class Store:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = _connect(self.path)
         self._writer.executescript(_SCHEMA)
+        self._writer.execute(f"PRAGMA wal_autocheckpoint={WAL_BOUND_PAGES}")
         self._local = threading.local()
         self._closed = False
         self.commits = 0  # transactions committed (a group commit counts once)
@@ -173,6 +185,12 @@ class Store:
         self._timings: dict[asyncio.Future, tuple[float, float, float, int]] = {}  # traced only (_trace)
         self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
         self._thread.start()
+        self._checkpoints_stop = threading.Event()
+        self._checkpointer = None
+        if checkpoint_every_s is not None:
+            self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(checkpoint_every_s,),
+                                                  name="ampwatch-store-checkpoint", daemon=True)
+            self._checkpointer.start()
 
     # writes --------------------------------------------------------------------------------------
     def submit(self, job: Job) -> asyncio.Future[Any]:
@@ -313,11 +331,36 @@ class Store:
                           "like this one are not logged", self.path, exc, exc_info=exc)
             return None, exc
 
+    def _checkpoint_loop(self, every_s: float) -> None:
+        """Checkpoint the WAL every ``every_s`` (PASSIVE: as far as no reader still needs it), on a connection of its
+        own, until :meth:`close`; a failure is logged once and tried again."""
+        conn = _connect(self.path)
+        failed = False
+        try:
+            while not self._checkpoints_stop.wait(every_s):
+                t, began = time.time(), time.perf_counter()
+                try:
+                    _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error as error:
+                    if not failed:
+                        log.warning("checkpointing %s failed (%s); retrying (further failures not logged)",
+                                    self.path, error)
+                    failed = True
+                    continue
+                if (trace := self.trace) is not None and copied:
+                    trace("checkpoint", t, ms=round(1000 * (time.perf_counter() - began), 2), frames=frames,
+                              copied=copied)
+        finally:
+            conn.close()
+
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued writes and stop the writer (bounded by ``timeout``)."""
         if self._closed:
             return
         self._closed = True
+        self._checkpoints_stop.set()
+        if self._checkpointer is not None:
+            self._checkpointer.join(timeout)
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
