@@ -70,6 +70,42 @@ def _overlaps(intervals: list[tuple[float, float]], a: float, b: float) -> bool:
     return any(s < b and e > a for s, e in intervals[max(0, i - 50):i])
 
 
+def clusters(lines: list[dict], slowest: list[tuple[float, float]], start: float) -> list[dict]:
+    """The slowest answers in clusters (a second apart or more), each with what ran from half a second before its
+    first answer was sent to its last answer: each thread's CPU, the alert passes and renders (wall / CPU ms), young
+    collections' CPU, commits that checkpointed, the longest commit, the event loop's longest lag."""
+    out: list[dict] = []
+    for sent, seconds in sorted(slowest):
+        if out and sent - out[-1]["_last"] < 1.0:
+            out[-1]["_last"], out[-1]["_end"] = sent, max(out[-1]["_end"], sent + seconds)
+            out[-1]["answers"] += 1
+            out[-1]["max_ms"] = max(out[-1]["max_ms"], round(1000 * seconds, 1))
+        else:
+            out.append({"_first": sent, "_last": sent, "_end": sent + seconds, "answers": 1,
+                        "max_ms": round(1000 * seconds, 1)})
+    for c in out:
+        a, b = c.pop("_first") - 0.5, c.pop("_end")
+        c.pop("_last")
+        inside = [x for x in lines if a <= x["t"] < b]
+        cpu: Counter = Counter()
+        for x in inside:
+            if x["k"] == "cpu":
+                cpu.update(x["threads"])
+        commits = [x for x in inside if x["k"] == "commit"]
+        c.update(from_s=round(a + 0.5 - start, 2), window_s=round(b - a, 2),
+                 thread_cpu_ms={k: round(v) for k, v in cpu.most_common()},
+                 passes=[[x["ms"], x["cpu_ms"]] for x in lines if x["k"] == "pass" and x["t"] < b
+                         and x["t"] + x["ms"] / 1000 > a],
+                 renders=[[x["ms"], x["cpu_ms"]] for x in lines if x["k"] == "render" and x["t"] < b
+                          and x["t"] + x["ms"] / 1000 > a],
+                 gc_cpu_ms=round(sum(x.get("cpu_ms", x["ms"]) for x in inside if x["k"] == "gc")),
+                 commits=len(commits), checkpointed_commits=sum(x["checkpoint"] for x in commits),
+                 longest_commit_ms=max((x["write"] + x["commit"] for x in commits), default=None),
+                 checkpoint_thread_ms=round(sum(x["ms"] for x in inside if x["k"] == "checkpoint"), 1),
+                 longest_lag_ms=max((x["ms"] for x in inside if x["k"] == "lag"), default=0))
+    return out
+
+
 def summary(lines: list[dict], job: dict) -> dict:
     """The figures :func:`main` prints (see the module's docstring)."""
     bounds = job["bounds"]
@@ -107,12 +143,13 @@ def summary(lines: list[dict], job: dict) -> dict:
                     "write_ms_p50_p99_max": [round(_p([c["write"] for c in commits], q), 2) for q in (.5, .99, 1)]
                     if commits else None,
                     "checkpoints": sum(c["checkpoint"] for c in commits)},
-        "slowest_answers": [[round(s - start, 2), round(1000 * d, 1)] for s, d in sorted(slowest)],
+        "clusters_of_the_slowest": clusters(lines, slowest, start),
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench.experiments.storm_trace", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.storm_trace",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="the trace file a side wrote (FILE.after)")
     result = summary(*read(parser.parse_args(argv).trace))
     print(json.dumps(result, indent=1))
