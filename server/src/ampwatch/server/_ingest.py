@@ -115,8 +115,8 @@ class IngestService:
         pieces = split_node_batch(body)
         if pieces is None:
             raise Refused(400, "json", "the protocol v2 body is not laid out as docs/protocol.md says "
-                                        '({"protocol":2,"lengths":[...],"batches":[...]}, no spaces, lengths in '
-                                        "bytes); send each rank's batch as protocol v1 instead")
+                                       '({"protocol":2,"lengths":[...],"batches":[...]}, no spaces, lengths in '
+                                       "bytes); send each rank's batch as protocol v1 instead")
         # Concurrently, so the ranks' writes share one group commit; each rank still waits for its own turn.
         results = await asyncio.gather(*(self._apply_piece(piece, client) for piece in pieces))
         return json.dumps({"protocol": NODE_PROTOCOL_VERSION, "results": results}).encode()
@@ -200,7 +200,7 @@ class IngestService:
             counted = dataclasses.replace(process, gradient_outliers=process.gradient_outliers + 1)
             event, evidence = outlier.rows(process.batch, process.device, now)
             await self._stored(self.store.write_incarnation(spike.run, spike.rank, counted.to_row(), [event],
-                                                                 [evidence]))
+                                                            [evidence]))
             rank.recount(counted)
         finally:
             self._give_back(key, done)
@@ -214,15 +214,15 @@ class IngestService:
             return
         if not given:
             raise Refused(401, "auth", "this collector requires a token: set AMPWATCH_TOKEN on the agent "
-                                        "(sent as 'Authorization: Bearer <token>')")
+                                       "(sent as 'Authorization: Bearer <token>')")
         if not bearer_matches(given, self.config.token):
             raise Refused(403, "auth", "the token is wrong: AMPWATCH_TOKEN on the agent must equal the "
-                                        "collector's --token / AMPWATCH_SERVER_TOKEN")
+                                       "collector's --token / AMPWATCH_SERVER_TOKEN")
 
     async def _read_body(self, declared: bytes | None, receive: Callable) -> bytes:
         limit = self.config.max_body_bytes
         too_large = Refused(413, "too_large", f"the batch is larger than this collector's limit of {limit} "
-                                               f"bytes: send fewer events per batch or raise --max-body-bytes")
+                                              f"bytes: send fewer events per batch or raise --max-body-bytes")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size, more = [], 0, True
@@ -260,14 +260,14 @@ class IngestService:
             if exc.malformed:
                 raise Refused(400, "json", "the body is not valid JSON: " + exc.lines[0]) from None
             raise Refused(422, "schema", "the batch does not follow protocol v1 (docs/protocol.md)",
-                           exc.lines) from None
+                          exc.lines) from None
         return batch, [stored_event(e) for e in batch.events]
 
     async def _apply(self, batch: Batch, bodies: list[str], body: bytes, client: str) -> tuple[int, bytes]:
         if batch.process_key is None and self.config.require_process_key:
             raise Refused(422, "process_key", f"rank {batch.rank} of run {batch.run!r}: the batch has no "
-                                               "process_key, which this collector requires "
-                                               "(--require-process-key): upgrade the agent")
+                                              "process_key, which this collector requires "
+                                              "(--require-process-key): upgrade the agent")
         rank = self.state.get(batch.run, batch.rank)
         if rank is None and (batch.run, batch.rank) in self.state.stored:  # back after it left memory
             found = await asyncio.to_thread(load_ranks, self.store, run=batch.run, rank=batch.rank)
@@ -276,7 +276,7 @@ class IngestService:
             self.state.check_limits(batch, rank)
         except LimitExceeded as exc:
             raise Refused(exc.status, "cardinality", exc.message, retry=exc.retry,
-                           retry_after=exc.retry_after) from None
+                          retry_after=exc.retry_after) from None
         over = self.budget.refusal(client, batch.run not in self.state.runs, len(batch.events))
         if over is not None:
             reason, message, wait = over
@@ -288,14 +288,14 @@ class IngestService:
             # The incarnation id is shown by the read API; the process key is not: a stranger's batch (counted,
             # not logged: a forger would fill the log).
             raise Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r}: incarnation "
-                                            f"{batch.incarnation} belongs to another process. Each process sends its "
-                                            "own; if two jobs share this run id, relaunch this one with its own "
-                                            "(AMPWATCH_RUN)")
+                                           f"{batch.incarnation} belongs to another process. Each process sends its "
+                                           "own; if two jobs share this run id, relaunch this one with its own "
+                                           "(AMPWATCH_RUN)")
         if old is not None and old.conflict_with is not None:
             raise Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
-                                            f"(incarnation {old.conflict_with}), which kept sending after this one "
-                                            "claimed it: two jobs share this run id. Relaunch this job with its own "
-                                            "run id (AMPWATCH_RUN)")
+                                           f"(incarnation {old.conflict_with}), which kept sending after this one "
+                                           "claimed it: two jobs share this run id. Relaunch this job with its own "
+                                           "run id (AMPWATCH_RUN)")
         if old is not None and batch.seq <= old.last_seq:
             # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
             self.own.duplicates.inc()

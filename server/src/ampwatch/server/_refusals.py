@@ -34,13 +34,13 @@ def refuse_browsers(headers: dict[bytes, bytes]) -> None:
     content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
     if content_type != b"application/json":
         raise Refused(415, "content_type", "ingest takes only 'Content-Type: application/json' (what ampwatch "
-                                            f"agents send), not {content_type.decode('latin-1')[:64]!r}")
+                                           f"agents send), not {content_type.decode('latin-1')[:64]!r}")
     origin = headers.get(b"origin")
     if origin is not None:
         host = headers.get(b"host", b"")
         if origin.split(b"://", 1)[-1].rstrip(b"/").lower() != host.lower():
             raise Refused(403, "origin", "ingest refuses requests from web pages of another origin "
-                                          f"({origin.decode('latin-1')[:128]}); agents send no Origin header")
+                                         f"({origin.decode('latin-1')[:128]}); agents send no Origin header")
 
 
 def failure_answer(exc: Exception, own: SelfMetrics) -> tuple[int, dict, int | None]:
