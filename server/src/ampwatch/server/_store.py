@@ -167,7 +167,11 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 class Store:
-    """Durable history; :meth:`submit` queues a write and returns a future resolved after COMMIT."""
+    """Durable history; :meth:`submit` queues a write and returns a future resolved after COMMIT.
+
+    ``checkpoint_every_s``: how often its checkpoint thread copies the WAL into the database file (None: no thread,
+    SQLite's own checkpoint at ``WAL_BOUND_PAGES`` only).
+    """
 
     def __init__(self, path: str, max_group: int = 512, checkpoint_every_s: float | None = CHECKPOINT_EVERY_S) -> None:
         self.path = prepare_database(path)
@@ -263,8 +267,8 @@ class Store:
             if isinstance(job, Writes):
                 self._timings[future] = timing
         trace("commit", time.time() - (time.perf_counter() - began), jobs=len(group),
-                  write=round(1000 * (written - began), 2), commit=round(1000 * (committed - written), 2),
-                  checkpoint=checkpointed)
+              write=round(1000 * (written - began), 2), commit=round(1000 * (committed - written), 2),
+              checkpoint=checkpointed)
 
     def timing_of(self, future: asyncio.Future) -> tuple[float, float, float, int] | None:
         """The group commit that resolved ``future`` (traced only): perf_counter at its begin, rows written and COMMIT
