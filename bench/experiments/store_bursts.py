@@ -9,7 +9,7 @@ job: from its submit to its commit's answer. The two ways of checkpointing run b
 
 - ``in-commit``: as before issue 41: SQLite checkpoints in the COMMIT that takes the WAL past 1,000 pages, and in
   every COMMIT after it while it stays past them;
-- ``thread``: the store's checkpoint thread (``_store.CHECKPOINT_EVERY_S``), COMMITs never checkpoint.
+- ``thread``: the collector's checkpoint thread (``ampwatch.server._checkpoints``), COMMITs never checkpoint.
 
     python -m bench.experiments.store_bursts                 # 1,024 jobs a burst, 8 bursts, 2 rounds: ~2 minutes
 """
@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 
+from ampwatch.server._checkpoints import Checkpointer
 from ampwatch.server._store import Store, Writes
 from bench.experiments.fleet import ms_summary
 
@@ -61,13 +62,16 @@ async def _bursts(store: Store, ranks: int, bursts: int, spread: float, every: f
 def measure(way: str, ranks: int, bursts: int, spread: float, every: float) -> dict:
     """One run of ``way`` on a fresh database: per-job latency (ms), commits, and the database's pages."""
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store(os.path.join(tmp, "bursts.db"), checkpoint_every_s=None if way == "in-commit" else 0.5)
+        store = Store(os.path.join(tmp, "bursts.db"))
+        checkpoints = Checkpointer(store) if way == "thread" else None
         if way == "in-commit":
             store._writer.execute("PRAGMA wal_autocheckpoint=1000")  # SQLite's default, as before issue 41
         try:
             latencies = asyncio.run(_bursts(store, ranks, bursts, spread, every))
         finally:
             commits = store.commits
+            if checkpoints is not None:
+                checkpoints.close()
             store.close()
     return dict(ms_summary(latencies), commits=commits, loadavg=[round(x, 2) for x in os.getloadavg()])
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from ampwatch.server import _store
+from ampwatch.server._checkpoints import Checkpointer
 from ampwatch.server._store import Store, Writes
 from ampwatch_support.patience import wait_until
 
@@ -189,15 +190,17 @@ def _write_megabytes(store: Store, megabytes: int) -> None:
 def test_commits_never_checkpoint_and_the_checkpoint_thread_copies_the_wal_into_the_database(tmp_path):
     # 6 MB of WAL: past the 1,000 pages (4 MB) at which SQLite's own checkpoint would run in a COMMIT. Only a
     # checkpoint writes the database file itself (WAL mode), so its size says whether one ran.
-    alone = Store(str(tmp_path / "alone.db"), checkpoint_every_s=None)
+    alone = Store(str(tmp_path / "alone.db"))
     try:
         _write_megabytes(alone, 6)
         assert os.path.getsize(alone.path) < 1 << 20  # no COMMIT copied the WAL into it
     finally:
         alone.close()
     store = Store(str(tmp_path / "store.db"))
+    checkpoints = Checkpointer(store)
     try:
         _write_megabytes(store, 6)
         wait_until(lambda: os.path.getsize(store.path) > 5 << 20, what="the checkpoint thread copying the WAL")
     finally:
+        checkpoints.close()
         store.close()

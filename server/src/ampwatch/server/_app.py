@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from . import _trace
 from ._access import AccessGuard, AccessMetrics
+from ._checkpoints import Checkpointer
 from ._config import ServerConfig
 from ._evidence import prune_evidence_job
 from ._gc import release_free_memory
@@ -118,6 +119,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         trace = _trace.start()  # AMPWATCH_SERVER_TRACE: off unless set
         store = Store(config.db)
+        checkpoints = Checkpointer(store)
         store.trace = trace.add if trace is not None else None
         state = CollectorState(config)
         horizon = clock() - max(config.expire_after, config.run_retention)
@@ -159,6 +161,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
             with contextlib.suppress(asyncio.CancelledError):
                 await alert_task
             await asyncio.to_thread(alerts.close)
+            await asyncio.to_thread(checkpoints.close)
             await asyncio.to_thread(store.close)
             if lag_task is not None:
                 lag_task.cancel()

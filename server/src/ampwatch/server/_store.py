@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Store", "StoreClosed", "Writes", "prepare_database", "EVIDENCE_COLUMNS"]
+__all__ = ["Store", "StoreClosed", "Writes", "prepare_database", "connect", "EVIDENCE_COLUMNS", "WAL_BOUND_PAGES"]
 
 log = logging.getLogger("ampwatch.server")
 
@@ -73,19 +73,8 @@ _INSERT_EVIDENCE = "INSERT OR IGNORE INTO evidence ({columns}) VALUES {rows}"
 # sqlite3 keeps the last 128 prepared, about 0.8 KiB per row, and one per group size held 54 MB.
 _ROWS_PER_STATEMENT = 128
 
-# Checkpoints (the WAL's pages copied into the database file, which is then synced) run in a thread of their own,
-# not in the writer's COMMITs, where SQLite runs them by default (after the commit that takes the WAL past 1,000
-# pages, and after every commit while it stays past them: a reader's snapshot can hold it there). In a 3-minute
-# storm run at 1,024 ranks 66 commits carried one, in runs of up to ten in the storm's bursts, with COMMIT p50 /
-# p90 / max 6.6 / 34 / 84 ms against 0.3 / 3 / 103 ms for the other 7,208, and every batch queued behind such a
-# commit waited for it (AMPWATCH_SERVER_TRACE, docs/benchmarks.md section 7). The thread's PASSIVE checkpoint
-# never waits for the writer or a reader, nor they for it; SQLite's own is kept as a bound, at WAL_BOUND_PAGES,
-# for a WAL the thread could not keep up with. It waits for a pause in the commits (CHECKPOINT_QUIET_S, at most
-# CHECKPOINT_WAIT_S): its sync and the COMMITs' share the disk, and commits during one of its runs took p50 / p90
-# 1.6 / 18 ms against 0.23 / 1.9 ms for the others (a storm's bursts come in a second or two).
-CHECKPOINT_EVERY_S = 0.5
-CHECKPOINT_QUIET_S = 0.02
-CHECKPOINT_WAIT_S = 5.0
+# No COMMIT checkpoints (._checkpoints does, in a thread of its own): SQLite's own checkpoint is kept only as a
+# bound, for a WAL that thread could not keep up with.
 WAL_BOUND_PAGES = 16_384  # 64 MiB at SQLite's default 4 KiB pages
 
 
@@ -157,7 +146,8 @@ def prepare_database(path: str) -> str:
     return path
 
 
-def _connect(path: str) -> sqlite3.Connection:
+def connect(path: str) -> sqlite3.Connection:
+    """A connection to the database at ``path`` as every connection of the collector opens it (WAL, FULL sync)."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
     # FULL: a COMMIT is on disk before we answer 2xx (NORMAL could lose the last commits on power loss).
@@ -167,13 +157,9 @@ def _connect(path: str) -> sqlite3.Connection:
 
 
 class Store:
-    """Durable history; :meth:`submit` queues a write and returns a future resolved after COMMIT.
+    """Durable history; :meth:`submit` queues a write and returns a future resolved after COMMIT."""
 
-    ``checkpoint_every_s``: how often its checkpoint thread copies the WAL into the database file (None: no thread,
-    SQLite's own checkpoint at ``WAL_BOUND_PAGES`` only).
-    """
-
-    def __init__(self, path: str, max_group: int = 512, checkpoint_every_s: float | None = CHECKPOINT_EVERY_S) -> None:
+    def __init__(self, path: str, max_group: int = 512) -> None:
         self.path = prepare_database(path)
         self.max_group = max_group
         self.trace: Callable[..., object] | None = None
@@ -182,7 +168,7 @@ class Store:
         self.on_events_added: Callable[[int], object] | None = None
         """Called in the writer thread, after each COMMIT, with how many events it stored (duplicates not)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._writer = _connect(self.path)
+        self._writer = connect(self.path)
         self._writer.executescript(_SCHEMA)
         self._writer.execute(f"PRAGMA wal_autocheckpoint={WAL_BOUND_PAGES}")
         self._local = threading.local()
@@ -191,15 +177,10 @@ class Store:
         self.failing: str | None = None  # the last write error, until a write succeeds again
         self._last = (0.0, 0.0, False)  # traced only: the last COMMIT's start and end, whether it checkpointed
         self._timings: dict[asyncio.Future, tuple[float, float, float, int]] = {}  # traced only (_trace)
-        self._last_commit = 0.0  # time.monotonic() at the end of the last COMMIT
+        self.last_commit = 0.0
+        """``time.monotonic()`` at the end of the last COMMIT."""
         self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
         self._thread.start()
-        self._checkpoints_stop = threading.Event()
-        self._checkpointer = None
-        if checkpoint_every_s is not None:
-            self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(checkpoint_every_s,),
-                                                  name="ampwatch-store-checkpoint", daemon=True)
-            self._checkpointer.start()
 
     # writes --------------------------------------------------------------------------------------
     def submit(self, job: Job) -> asyncio.Future[Any]:
@@ -309,7 +290,7 @@ class Store:
                 conn.execute("ROLLBACK")
             raise
         self.commits += 1
-        self._last_commit = time.monotonic()
+        self.last_commit = time.monotonic()
         if added and self.on_events_added is not None:
             self.on_events_added(added)
         if self.failing is not None:
@@ -341,46 +322,11 @@ class Store:
                           "like this one are not logged", self.path, exc, exc_info=exc)
             return None, exc
 
-    def _checkpoint_loop(self, every_s: float) -> None:
-        """Checkpoint the WAL every ``every_s`` (PASSIVE: as far as no reader still needs it), on a connection of its
-        own, until :meth:`close`; a failure is logged once and tried again."""
-        conn = _connect(self.path)
-        failed = False
-        try:
-            while not self._checkpoints_stop.wait(every_s):
-                self._wait_for_a_pause()
-                t, began = time.time(), time.perf_counter()
-                try:
-                    _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                except sqlite3.Error as error:
-                    if not failed:
-                        log.warning("checkpointing %s failed (%s); retrying (further failures not logged)",
-                                    self.path, error)
-                    failed = True
-                    continue
-                if (trace := self.trace) is not None and copied:
-                    trace("checkpoint", t, ms=round(1000 * (time.perf_counter() - began), 2), frames=frames,
-                              copied=copied)
-        finally:
-            conn.close()
-
-    def _wait_for_a_pause(self) -> None:
-        """Return once no COMMIT ended in the last :data:`CHECKPOINT_QUIET_S`, or after :data:`CHECKPOINT_WAIT_S`."""
-        deadline = time.monotonic() + CHECKPOINT_WAIT_S
-        while (now := time.monotonic()) < deadline and not self._checkpoints_stop.is_set():
-            quiet_for = now - self._last_commit
-            if quiet_for >= CHECKPOINT_QUIET_S:
-                return
-            time.sleep(CHECKPOINT_QUIET_S - quiet_for)
-
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued writes and stop the writer (bounded by ``timeout``)."""
         if self._closed:
             return
         self._closed = True
-        self._checkpoints_stop.set()
-        if self._checkpointer is not None:
-            self._checkpointer.join(timeout)
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -395,7 +341,7 @@ class Store:
     def _reader(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = _connect(self.path)
+            conn = self._local.conn = connect(self.path)
         return conn
 
     def query(self, sql: str, params: Any = ()) -> list[dict]:
