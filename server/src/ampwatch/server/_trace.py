@@ -19,8 +19,9 @@ Kinds of line (times: ``t`` the Unix time it began, durations in ms):
 - ``cpu``: per 10 ms, the CPU each of the process's threads used (``threads``: name -> ms, from
   ``/proc/self/task/*/schedstat``), and how late the sampling thread woke (``late``: mostly waiting for the GIL).
 
-Off (the default), every hook is one test of a module global. On, lines are kept in memory and written at
-shutdown (and every 50,000 lines), so that the writing does not land among the timings it reports.
+Off (the default), every hook is a test of a module global or a context-variable lookup. On, lines are kept in
+memory and written at shutdown (and every 50,000 lines), so that the writing does not land among the timings it
+reports.
 """
 
 from __future__ import annotations
