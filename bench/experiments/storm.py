@@ -39,6 +39,7 @@ import time
 import urllib.request
 
 from ampwatch.agent._schedule import NEWS_SPREAD
+from ampwatch.server._trace import TRACE_ENV
 from bench._before_after import ROOT, print_and_store, source_of
 from bench.experiments.fleet import first_skip_delays, ms_summary, seconds_summary, warm_seconds
 
@@ -121,6 +122,9 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, serv
             raise RuntimeError(f"the simulated job failed (exit {sim.returncode})")
         with open(out) as f:
             job = json.load(f)
+        if trace := os.environ.get(TRACE_ENV):  # the collector's own timings: the job's beside them
+            with open(trace + ".job.json", "w") as f:
+                json.dump({"bounds": bounds, "latency": job["latency"]}, f)
         peak = stats.memory_kib()["VmHWM"]
         storm_end = t["storm_end"] + 2 * iteration_s  # the batches carrying the storm's last skips
         rows, body = db.execute("SELECT count(*), coalesce(sum(length(body)), 0) FROM events "
@@ -134,6 +138,7 @@ def measure(ranks: int, minutes: float, storm_s: float, iteration_s: float, serv
 def _summary(ranks: int, iteration_s: float, bounds: dict, job: dict, scrapes: list[dict], samples: dict,
              rss_empty: int, peak: int, rows: int, body: int, kinds: dict) -> dict:
     latency = {p: [seconds for _, seconds in pairs] for p, pairs in job["latency"].items()}
+    latency["storm+recovery"] = latency.get("storm", []) + latency.get("recovery", [])  # issue 41's target
     ends = {"warm": "healthy", "healthy": "storm", "storm": "recovery", "recovery": "hold", "hold": "end"}
     metrics: dict[str, dict] = {}
     for phase in PHASES:
@@ -176,6 +181,8 @@ def _summary(ranks: int, iteration_s: float, bounds: dict, job: dict, scrapes: l
 
 
 def _side(args: argparse.Namespace, path: str | None) -> dict:
+    if args.trace:
+        os.environ[TRACE_ENV] = os.path.abspath(f"{args.trace}.{'before' if path else 'after'}")
     # Only the collector runs the earlier commit's code (with its contract); the job and the measuring are this tree's.
     code = ("import sys, json; from bench.experiments.storm import measure;"
             "r = measure(int(sys.argv[1]), *map(float, sys.argv[2:5]), sys.argv[5], float(sys.argv[6]));"
@@ -200,7 +207,7 @@ def _line(name: str, r: dict) -> str:
 
     return "\n".join([
         f"{name:>6}: ingest p50/p99/max healthy {spread('healthy')}, storm {spread('storm')}, "
-        f"recovery {spread('recovery')}",
+        f"recovery {spread('recovery')}, storm+recovery {spread('storm+recovery')}",
         f"{'':>8}/metrics median ms plain/gzip: healthy {scrape('healthy', 'plain')}/{scrape('healthy', 'gzip')}, "
         f"storm {scrape('storm', 'plain')}/{scrape('storm', 'gzip')}; RSS {r['rss_mib']['empty']} -> "
         f"{r['rss_mib']['end']} MiB after {r['minutes']} min ({r['kib_per_rank']} KiB/rank, peak "
@@ -219,7 +226,25 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the widest spread of the job's news, seconds, on both sides (default: the agent's "
                              f"NEWS_SPREAD, {NEWS_SPREAD}; 0.95 was the agent's up to issue 26)")
     parser.add_argument("--out", help=f"also store the result under {KEY!r} in this JSON file")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="with --only after: run it N times one after the other (each on a fresh collector), "
+                             f"stored under {KEY + '_runs'!r}")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="each side's collector writes its own timings to FILE.before / FILE.after "
+                             "(AMPWATCH_SERVER_TRACE, docs/collector.md; a side whose code has none writes nothing), "
+                             "the job's answers beside them (FILE.after.job.json): read them with "
+                             "python -m bench.experiments.storm_trace FILE.after")
     args = parser.parse_args(argv)
+    if args.repeat > 1:
+        if args.only != "after":
+            parser.error("--repeat needs --only after")
+        if args.trace:
+            parser.error("--repeat takes no --trace (each run would overwrite it)")
+        runs = {f"after {i + 1}": _side(args, None) for i in range(args.repeat)}
+        p99 = ", ".join(str(r["latency"]["storm+recovery"]["p99_ms"]) for r in runs.values())
+        result = print_and_store({"runs": list(runs.values())}, KEY + "_runs", args.out, _line, rows=runs.items())
+        print(f"storm+recovery p99 of each run: {p99} ms")
+        return result
     result: dict = {}
     if args.only != "after":
         with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from ampwatch.server import _store
+from ampwatch.server._checkpoints import Checkpointer
 from ampwatch.server._store import Store, Writes
+from ampwatch_support.patience import wait_until
 
 SERVER = pathlib.Path(__file__).resolve().parents[1]
 
@@ -173,3 +175,32 @@ def test_the_store_writes_on_the_oldest_python_the_collector_declares(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["(1300,", "1,", "1300)"]
+
+
+def _write_megabytes(store: Store, megabytes: int) -> None:
+    """Commit ``megabytes`` of event rows, 200 KB a commit."""
+    body = "x" * 2000
+
+    async def run() -> None:
+        for k in range(5 * megabytes):
+            await store.submit(Writes(events=[_event(0, 100 * k + i, body) for i in range(100)]))
+    asyncio.run(run())
+
+
+def test_commits_never_checkpoint_and_the_checkpoint_thread_copies_the_wal_into_the_database(tmp_path):
+    # 6 MB of WAL: past the 1,000 pages (4 MB) at which SQLite's own checkpoint would run in a COMMIT. Only a
+    # checkpoint writes the database file itself (WAL mode), so its size says whether one ran.
+    alone = Store(str(tmp_path / "alone.db"))
+    try:
+        _write_megabytes(alone, 6)
+        assert os.path.getsize(alone.path) < 1 << 20  # no COMMIT copied the WAL into it
+    finally:
+        alone.close()
+    store = Store(str(tmp_path / "store.db"))
+    checkpoints = Checkpointer(store)
+    try:
+        _write_megabytes(store, 6)
+        wait_until(lambda: os.path.getsize(store.path) > 5 << 20, what="the checkpoint thread copying the WAL")
+    finally:
+        checkpoints.close()
+        store.close()

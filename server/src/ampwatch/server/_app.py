@@ -14,7 +14,9 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from . import _trace
 from ._access import AccessGuard, AccessMetrics
+from ._checkpoints import Checkpointer
 from ._config import ServerConfig
 from ._evidence import prune_evidence_job
 from ._fleet import Fleet
@@ -118,7 +120,10 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        trace = _trace.start()  # AMPWATCH_SERVER_TRACE: off unless set
         store = Store(config.db)
+        checkpoints = Checkpointer(store)
+        store.trace = trace.add if trace is not None else None
         state = CollectorState(config)
         horizon = clock() - max(config.expire_after, config.run_retention)
         state.stored = await asyncio.to_thread(stored_ranks, store)
@@ -156,6 +161,7 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         fleet = app.state.fleet = Fleet(config.advertise_url, config.peers, config.read_token) \
             if config.peers and config.advertise_url else None
         fleet_task = asyncio.create_task(fleet.run()) if fleet is not None else None
+        lag_task = asyncio.create_task(trace.watch_loop()) if trace is not None else None
         app.state.ready = True
         log.info("state rebuilt from %s: %d runs, %d ranks", store.path, len(state.runs), state.rank_count())
         try:
@@ -177,7 +183,11 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
             with contextlib.suppress(asyncio.CancelledError):
                 await alert_task
             await asyncio.to_thread(alerts.close)
+            await asyncio.to_thread(checkpoints.close)
             await asyncio.to_thread(store.close)
+            if lag_task is not None:
+                lag_task.cancel()
+            _trace.stop()
 
     # /docs (Swagger UI) makes the browser fetch scripts from a public CDN: off unless asked for (--api-docs).
     app = _CollectorApp(title="ampwatch collector", version=VERSION, lifespan=lifespan,
@@ -216,7 +226,8 @@ def create_app(config: ServerConfig, *, clock: Callable[[], float] = time.time) 
         """Render every series from the current state; gzip it when the scraper accepts it (Prometheus does)."""
         # Rendered in a worker thread (about 1 s at the default max_ranks_per_run): the event loop goes on applying
         # batches meanwhile, and the render reads each rank's immutable view, so it never sees half a batch.
-        render = request.app.state.exposition.render
+        exposition = request.app.state.exposition
+        render = exposition.render if _trace.active is None else lambda: _trace.timed("render", exposition.render)
         if not accepts_gzip(request.headers.get("accept-encoding", "")):
             body = await run_in_threadpool(lambda: render().encode())
             response = Response(body, media_type=CONTENT_TYPE, headers={"Vary": "Accept-Encoding"})

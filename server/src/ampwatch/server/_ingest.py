@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from ampwatch.contract.node_batch import NODE_PROTOCOL_VERSION, is_node_batch, split_node_batch
 from ampwatch.contract.protocol import LISTED_EVENT_KINDS
 
+from . import _trace
 from ._access import bearer_matches
 from ._batch_parse import LARGE_BODY_BYTES, BatchError, parse_batch, parse_large_batch
 from ._client_budget import ClientBudget
@@ -29,9 +29,10 @@ from ._outliers import Outlier, OutlierJudge, local_spikes
 from ._ownership import beside, claimants
 from ._plausibility import implausible_rise
 from ._recovery import load_ranks
+from ._refusals import Refused, failure_answer, refuse_browsers
 from ._schema import Batch
 from ._state import CollectorState, LimitExceeded, RankState
-from ._store import Store, StoreClosed
+from ._store import Store, Writes
 from ._stored_form import stored_event
 
 __all__ = ["IngestService"]
@@ -43,36 +44,6 @@ log = logging.getLogger("ampwatch.server")
 _APPLIED = json.dumps({"applied": True, "kinds": list(LISTED_EVENT_KINDS)}).encode()
 _DUPLICATE = json.dumps({"applied": False, "duplicate": True, "kinds": list(LISTED_EVENT_KINDS)}).encode()
 _MAX_STORED_RAW = 16_384  # bytes; a batch of 16 optimizers without events is ~6 KiB
-
-
-class _Refused(Exception):
-    """A refusal: its status, reason label, message, and whether the very same batch may pass later."""
-
-    def __init__(self, status: int, reason: str, message: str, detail: list[str] | None = None, *,
-                 retry: bool = False, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message, self.detail = status, reason, message, detail
-        self.retry, self.retry_after = retry, retry_after
-
-
-def _refuse_browsers(headers: dict[bytes, bytes]) -> None:
-    """Refuse what a web page could send: a non-JSON body, or a request from a page of another origin.
-
-    A page may POST ``text/plain`` or form data anywhere without a CORS preflight
-    (a "simple request"), so any site a user opens could write into a collector on
-    their machine. Agents send ``application/json`` and no ``Origin``; browsers
-    always send ``Origin`` on cross-site POSTs.
-    """
-    content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-    if content_type != b"application/json":
-        raise _Refused(415, "content_type", "ingest takes only 'Content-Type: application/json' (what ampwatch "
-                                            f"agents send), not {content_type.decode('latin-1')[:64]!r}")
-    origin = headers.get(b"origin")
-    if origin is not None:
-        host = headers.get(b"host", b"")
-        if origin.split(b"://", 1)[-1].rstrip(b"/").lower() != host.lower():
-            raise _Refused(403, "origin", "ingest refuses requests from web pages of another origin "
-                                          f"({origin.decode('latin-1')[:128]}); agents send no Origin header")
 
 
 class IngestService:
@@ -93,14 +64,18 @@ class IngestService:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Answer one ``POST /v1/ingest`` as a bare ASGI app (the hot path skips the framework's routing)."""
         started = time.perf_counter()
+        trace, status = _trace.active, 500
+        traced = trace.begin() if trace is not None else None
         self.in_flight += 1
         try:
-            await self._answer(scope, receive, send)
+            status = await self._answer(scope, receive, send)
         finally:
             self.in_flight -= 1
+            if traced is not None and trace is not None:
+                trace.end(traced, status)
         self.own.latency.observe(time.perf_counter() - started)
 
-    async def _answer(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _answer(self, scope: dict, receive: Callable, send: Callable) -> int:
         retry_after = None
         body: bytes | dict  # bytes ready to send, or an error to write as JSON
         # Every refusal says "retry": true (the very same batch may pass later: send it again) or false (it
@@ -109,7 +84,7 @@ class IngestService:
             client = (scope.get("client") or ("unknown", 0))[0]
             status, body = await self._ingest(dict(scope["headers"]), receive, client)
         except Exception as exc:
-            status, body, retry_after = self._failure(exc)
+            status, body, retry_after = failure_answer(exc, self.own)
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         if status == 401:
@@ -122,42 +97,26 @@ class IngestService:
         if counter is None:
             counter = self._requests_by_status[status] = self.own.requests.labels(str(status))
         counter.inc()
-
-    def _failure(self, exc: Exception) -> tuple[int, dict, int | None]:
-        """Return the status, error body and Retry-After for a request (v1) or one rank's batch (v2) that failed."""
-        if isinstance(exc, _Refused):
-            self.own.rejected.labels(exc.reason).inc()
-            body = {"error": exc.reason, "retry": exc.retry, "message": exc.message}
-            if exc.detail:
-                body["detail"] = exc.detail
-            return exc.status, body, exc.retry_after
-        if isinstance(exc, StoreClosed):
-            return 503, {"error": "unavailable", "retry": True, "message": f"{exc}; retry later"}, None
-        if isinstance(exc, sqlite3.DatabaseError):  # disk full, read-only, I/O error: logged once by the store
-            return 503, {"error": "storage", "retry": True,
-                         "message": f"the collector cannot write its database ({exc}); the batch is not "
-                         "applied: retry later. Operator: free disk space or make the database writable "
-                         "(see the collector's log)"}, None
-        log.error("ingest failed", exc_info=exc)
-        return 500, {"error": "internal", "retry": True,
-                     "message": "the collector failed to store the batch; retry later and check the "
-                                "collector's log"}, None
+        return status
 
     async def _ingest(self, headers: dict[bytes, bytes], receive: Callable, client: str) -> tuple[int, bytes]:
         self._authenticate(headers.get(b"authorization"))
-        _refuse_browsers(headers)
+        refuse_browsers(headers)
         body = await self._read_body(headers.get(b"content-length"), receive)
+        _trace.mark("read")
         if is_node_batch(body):
             return 200, await self._ingest_node(body, client)
-        return await self._apply_rank(await self._prepare(body), body, client)
+        parsed = await self._prepare(body)
+        _trace.mark("parse", rank=parsed[0].rank, events=len(parsed[1]))
+        return await self._apply_rank(parsed, body, client)
 
     async def _ingest_node(self, body: bytes, client: str) -> bytes:
         """Apply a protocol v2 node batch: each rank's batch on its own, answered per rank, committed together."""
         pieces = split_node_batch(body)
         if pieces is None:
-            raise _Refused(400, "json", "the protocol v2 body is not laid out as docs/protocol.md says "
-                                        '({"protocol":2,"lengths":[...],"batches":[...]}, no spaces, lengths in '
-                                        "bytes); send each rank's batch as protocol v1 instead")
+            raise Refused(400, "json", "the protocol v2 body is not laid out as docs/protocol.md says "
+                                       '({"protocol":2,"lengths":[...],"batches":[...]}, no spaces, lengths in '
+                                       "bytes); send each rank's batch as protocol v1 instead")
         # Concurrently, so the ranks' writes share one group commit; each rank still waits for its own turn.
         results = await asyncio.gather(*(self._apply_piece(piece, client) for piece in pieces))
         return json.dumps({"protocol": NODE_PROTOCOL_VERSION, "results": results}).encode()
@@ -171,7 +130,7 @@ class IngestService:
             status, answer = await self._apply_rank(parsed, piece, client)
             result = {"status": status, **json.loads(answer)}
         except Exception as exc:
-            status, error, retry_after = self._failure(exc)
+            status, error, retry_after = failure_answer(exc, self.own)
             result = {"status": status, **error}
             if retry_after is not None:
                 result["retry_after"] = retry_after
@@ -186,6 +145,7 @@ class IngestService:
         # One batch per rank at a time: the duplicate check and the install must see each other.
         key = (batch.run, batch.rank)
         done = await self._take(key)
+        _trace.mark("turn")
         try:
             answer = await self._apply(*parsed, body, client)
         finally:
@@ -239,8 +199,8 @@ class IngestService:
                 return
             counted = dataclasses.replace(process, gradient_outliers=process.gradient_outliers + 1)
             event, evidence = outlier.rows(process.batch, process.device, now)
-            await self.store.submit(self.store.write_incarnation(spike.run, spike.rank, counted.to_row(), [event],
-                                                                 [evidence]))
+            await self._stored(self.store.write_incarnation(spike.run, spike.rank, counted.to_row(), [event],
+                                                            [evidence]))
             rank.recount(counted)
         finally:
             self._give_back(key, done)
@@ -253,23 +213,23 @@ class IngestService:
         if self.config.token is None:
             return
         if not given:
-            raise _Refused(401, "auth", "this collector requires a token: set AMPWATCH_TOKEN on the agent "
-                                        "(sent as 'Authorization: Bearer <token>')")
+            raise Refused(401, "auth", "this collector requires a token: set AMPWATCH_TOKEN on the agent "
+                                       "(sent as 'Authorization: Bearer <token>')")
         if not bearer_matches(given, self.config.token):
-            raise _Refused(403, "auth", "the token is wrong: AMPWATCH_TOKEN on the agent must equal the "
-                                        "collector's --token / AMPWATCH_SERVER_TOKEN")
+            raise Refused(403, "auth", "the token is wrong: AMPWATCH_TOKEN on the agent must equal the "
+                                       "collector's --token / AMPWATCH_SERVER_TOKEN")
 
     async def _read_body(self, declared: bytes | None, receive: Callable) -> bytes:
         limit = self.config.max_body_bytes
-        too_large = _Refused(413, "too_large", f"the batch is larger than this collector's limit of {limit} "
-                                               f"bytes: send fewer events per batch or raise --max-body-bytes")
+        too_large = Refused(413, "too_large", f"the batch is larger than this collector's limit of {limit} "
+                                              f"bytes: send fewer events per batch or raise --max-body-bytes")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _Refused(400, "json", "the client disconnected before sending the whole body")
+                raise Refused(400, "json", "the client disconnected before sending the whole body")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -298,16 +258,16 @@ class IngestService:
             batch = parse(body)
         except BatchError as exc:
             if exc.malformed:
-                raise _Refused(400, "json", "the body is not valid JSON: " + exc.lines[0]) from None
-            raise _Refused(422, "schema", "the batch does not follow protocol v1 (docs/protocol.md)",
-                           exc.lines) from None
+                raise Refused(400, "json", "the body is not valid JSON: " + exc.lines[0]) from None
+            raise Refused(422, "schema", "the batch does not follow protocol v1 (docs/protocol.md)",
+                          exc.lines) from None
         return batch, [stored_event(e) for e in batch.events]
 
     async def _apply(self, batch: Batch, bodies: list[str], body: bytes, client: str) -> tuple[int, bytes]:
         if batch.process_key is None and self.config.require_process_key:
-            raise _Refused(422, "process_key", f"rank {batch.rank} of run {batch.run!r}: the batch has no "
-                                               "process_key, which this collector requires "
-                                               "(--require-process-key): upgrade the agent")
+            raise Refused(422, "process_key", f"rank {batch.rank} of run {batch.run!r}: the batch has no "
+                                              "process_key, which this collector requires "
+                                              "(--require-process-key): upgrade the agent")
         rank = self.state.get(batch.run, batch.rank)
         if rank is None and (batch.run, batch.rank) in self.state.stored:  # back after it left memory
             found = await asyncio.to_thread(load_ranks, self.store, run=batch.run, rank=batch.rank)
@@ -315,33 +275,33 @@ class IngestService:
         try:
             self.state.check_limits(batch, rank)
         except LimitExceeded as exc:
-            raise _Refused(exc.status, "cardinality", exc.message, retry=exc.retry,
-                           retry_after=exc.retry_after) from None
+            raise Refused(exc.status, "cardinality", exc.message, retry=exc.retry,
+                          retry_after=exc.retry_after) from None
         over = self.budget.refusal(client, batch.run not in self.state.runs, len(batch.events))
         if over is not None:
             reason, message, wait = over
-            raise _Refused(429, reason, message, retry=True, retry_after=wait)
+            raise Refused(429, reason, message, retry=True, retry_after=wait)
         events = [(batch.run, batch.rank, batch.incarnation, e.id, e.kind, e.time, e.iteration,
                    getattr(e, "optimizer", None), stored) for e, stored in zip(batch.events, bodies, strict=True)]
         old = rank.view.incarnations.get(batch.incarnation) if rank else None
         if old is not None and batch.process_key != old.batch.process_key:
             # The incarnation id is shown by the read API; the process key is not: a stranger's batch (counted,
             # not logged: a forger would fill the log).
-            raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r}: incarnation "
-                                            f"{batch.incarnation} belongs to another process. Each process sends its "
-                                            "own; if two jobs share this run id, relaunch this one with its own "
-                                            "(AMPWATCH_RUN)")
+            raise Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r}: incarnation "
+                                           f"{batch.incarnation} belongs to another process. Each process sends its "
+                                           "own; if two jobs share this run id, relaunch this one with its own "
+                                           "(AMPWATCH_RUN)")
         if old is not None and old.conflict_with is not None:
-            raise _Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
-                                            f"(incarnation {old.conflict_with}), which kept sending after this one "
-                                            "claimed it: two jobs share this run id. Relaunch this job with its own "
-                                            "run id (AMPWATCH_RUN)")
+            raise Refused(409, "conflict", f"rank {batch.rank} of run {batch.run!r} belongs to another process "
+                                           f"(incarnation {old.conflict_with}), which kept sending after this one "
+                                           "claimed it: two jobs share this run id. Relaunch this job with its own "
+                                           "run id (AMPWATCH_RUN)")
         if old is not None and batch.seq <= old.last_seq:
             # Already applied, or older than what was: counters stay; unseen events (a reordered batch) are kept.
             self.own.duplicates.inc()
             if events:
                 evidence = evidence_rows(batch, old.device, self.clock())
-                await self.store.submit(self.store.insert_events(events, evidence))
+                await self._stored(self.store.insert_events(events, evidence))
             return 200, _DUPLICATE
         now = self.clock()
         displaced: tuple[str, ...] = ()
@@ -351,13 +311,13 @@ class IngestService:
         # Judged on new's counters, and on the rank's totals over all its processes.
         implausible = implausible_rise(old, new, now, self.config.max_counter_rate, rank.view if rank else None)
         if implausible is not None:
-            raise _Refused(422, "implausible", implausible)
+            raise Refused(422, "implausible", implausible)
         # What the run view showed of it (a conflict changes it too).
         shown = rank.view.shown() if rank is not None else ()
         if rank is not None and old is not None and not batch.replayed:
             await self._record_conflicts(rank, old, now)
         evidence = evidence_rows(batch, new.device, now) if events else []
-        await self.store.submit(self.store.write_incarnation(
+        await self._stored(self.store.write_incarnation(
             batch.run, batch.rank, new.to_row(_as_stored(body, events)), events, evidence))
         if rank is None:
             rank = RankState(batch.run, batch.rank)
@@ -370,7 +330,15 @@ class IngestService:
         if self.on_applied is not None:
             self.on_applied(rank)
         self.own.batches.inc()
+        _trace.mark("after")
         return 200, _APPLIED
+
+    async def _stored(self, job: Writes) -> None:
+        """Submit ``job`` and wait for its group commit (traced: the wait split by :func:`._trace.stored`)."""
+        _trace.mark("apply")
+        future = self.store.submit(job)
+        await future
+        _trace.stored(self.store.timing_of(future))
 
     async def _record_conflicts(self, rank: RankState, live: Incarnation, now: float) -> None:
         """``live`` sends again for itself: every process that claimed the rank meanwhile is in conflict with it.
@@ -386,7 +354,7 @@ class IngestService:
                     "live_incarnation": live.id, "host": claimant.batch.host, "pid": claimant.batch.pid}
             event = (rank.run, rank.rank, claimant.id, 0, "rank_conflict", now, claimant.batch.state.iteration,
                      None, json.dumps(body))
-            await self.store.submit(self.store.write_incarnation(rank.run, rank.rank, claimant.to_row(), [event]))
+            await self._stored(self.store.write_incarnation(rank.run, rank.rank, claimant.to_row(), [event]))
             rank.exclude(claimant)
             log.warning("rank %d of run %r: incarnation %s (host %s, pid %d) claimed it while %s kept sending; "
                         "put out of the rank (rank_conflict)", rank.rank, rank.run, claimant.id,

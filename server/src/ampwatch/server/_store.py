@@ -11,10 +11,11 @@ import queue
 import sqlite3
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Store", "StoreClosed", "Writes", "prepare_database", "EVIDENCE_COLUMNS"]
+__all__ = ["Store", "StoreClosed", "Writes", "prepare_database", "connect", "EVIDENCE_COLUMNS", "WAL_BOUND_PAGES"]
 
 log = logging.getLogger("ampwatch.server")
 
@@ -71,6 +72,10 @@ _INSERT_EVIDENCE = "INSERT OR IGNORE INTO evidence ({columns}) VALUES {rows}"
 # insert of the same row again changes nothing), so that a table has 8 statements, each prepared once:
 # sqlite3 keeps the last 128 prepared, about 0.8 KiB per row, and one per group size held 54 MB.
 _ROWS_PER_STATEMENT = 128
+
+# No COMMIT checkpoints (._checkpoints does, in a thread of its own): SQLite's own checkpoint is kept only as a
+# bound, for a WAL that thread could not keep up with.
+WAL_BOUND_PAGES = 16_384  # 64 MiB at SQLite's default 4 KiB pages
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,7 +146,8 @@ def prepare_database(path: str) -> str:
     return path
 
 
-def _connect(path: str) -> sqlite3.Connection:
+def connect(path: str) -> sqlite3.Connection:
+    """A connection to the database at ``path`` as every connection of the collector opens it (WAL, FULL sync)."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
     # FULL: a COMMIT is on disk before we answer 2xx (NORMAL could lose the last commits on power loss).
@@ -156,15 +162,23 @@ class Store:
     def __init__(self, path: str, max_group: int = 512) -> None:
         self.path = prepare_database(path)
         self.max_group = max_group
+        self.trace: Callable[..., object] | None = None
+        """Set when the collector traces its timings (``_trace.Trace.add``): called with a line's kind, start time and
+        fields for each group commit and checkpoint (this module needs only the standard library)."""
         self.on_events_added: Callable[[int], object] | None = None
         """Called in the writer thread, after each COMMIT, with how many events it stored (duplicates not)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._writer = _connect(self.path)
+        self._writer = connect(self.path)
         self._writer.executescript(_SCHEMA)
+        self._writer.execute(f"PRAGMA wal_autocheckpoint={WAL_BOUND_PAGES}")
         self._local = threading.local()
         self._closed = False
         self.commits = 0  # transactions committed (a group commit counts once)
         self.failing: str | None = None  # the last write error, until a write succeeds again
+        self._last = (0.0, 0.0, False)  # traced only: the last COMMIT's start and end, whether it checkpointed
+        self._timings: dict[asyncio.Future, tuple[float, float, float, int]] = {}  # traced only (_trace)
+        self.last_commit = 0.0
+        """``time.monotonic()`` at the end of the last COMMIT."""
         self._thread = threading.Thread(target=self._write_loop, name="ampwatch-store-writer", daemon=True)
         self._thread.start()
 
@@ -207,8 +221,12 @@ class Store:
                     self._queue.put(None)
                     break
                 group.append(nxt)
+            trace = self.trace
+            began = time.perf_counter()
             try:
                 results = self._commit([job for job, _, _ in group])
+                if trace is not None:
+                    self._traced(trace, group, began)
             except Exception:
                 # Something in the group failed: run each job alone so one bad job cannot sink the others.
                 results = [self._commit_one(job) for job, _, _ in group]
@@ -221,6 +239,30 @@ class Store:
                 except RuntimeError:
                     pass  # the loop closed while we committed; nobody waits any more
         conn.close()
+
+    def _traced(self, trace: Callable[..., object], group: list, began: float) -> None:
+        """Log the group commit just made, and keep its timing for each of its requests (:meth:`timing_of`)."""
+        written, committed, checkpointed = self._last
+        timing = (began, written, committed, len(group))
+        for job, _, future in group:
+            if isinstance(job, Writes):
+                self._timings[future] = timing
+        trace("commit", time.time() - (time.perf_counter() - began), jobs=len(group),
+              write=round(1000 * (written - began), 2), commit=round(1000 * (committed - written), 2),
+              checkpoint=checkpointed)
+
+    def timing_of(self, future: asyncio.Future) -> tuple[float, float, float, int] | None:
+        """The group commit that resolved ``future`` (traced only): perf_counter at its begin, rows written and COMMIT
+        done, and its jobs."""
+        return self._timings.pop(future, None) if self._timings else None
+
+    def _main_file_state(self) -> tuple[int, int]:
+        """Size and modification time of the database file itself: only a checkpoint writes it (WAL mode)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return 0, 0
+        return st.st_size, st.st_mtime_ns
 
     def _commit(self, jobs: list[Job]) -> list[tuple[Any, BaseException | None]]:
         conn = self._writer
@@ -238,12 +280,17 @@ class Store:
                 rows = []
                 results.append((job(conn), None))
             added += self._write(rows)
+            written = time.perf_counter()
+            main_file = self._main_file_state() if self.trace is not None else None
             conn.execute("COMMIT")
+            if main_file is not None:
+                self._last = (written, time.perf_counter(), main_file != self._main_file_state())
         except BaseException:
             if conn.in_transaction:  # SQLite rolls back by itself on some errors (e.g. disk full)
                 conn.execute("ROLLBACK")
             raise
         self.commits += 1
+        self.last_commit = time.monotonic()
         if added and self.on_events_added is not None:
             self.on_events_added(added)
         if self.failing is not None:
@@ -294,7 +341,7 @@ class Store:
     def _reader(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = _connect(self.path)
+            conn = self._local.conn = connect(self.path)
         return conn
 
     def query(self, sql: str, params: Any = ()) -> list[dict]:

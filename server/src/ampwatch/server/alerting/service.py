@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ampwatch.contract.thresholds import DEFAULT_THRESHOLDS, AlertThresholds
 
+from .. import _trace
 from .._pacing import Pacer
 from .._state import CollectorState, RankState
 from .evaluator import BuiltinAlerts
@@ -78,7 +79,7 @@ class AlertService:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
-            await asyncio.to_thread(self.tick, state)
+            await asyncio.to_thread(_trace.timed, "pass", lambda: self.tick(state))
             await asyncio.sleep(max(0.0, self.period_s - (loop.time() - started)))
 
     def close(self, timeout_s: float = 5.0) -> None:
