@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
-import signal
 from collections.abc import Iterator
 
 import pytest
@@ -24,9 +23,9 @@ import pytest
 from ampwatch.contract import placement
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import fewer_requests, requests_and_batches, samples, scrape, value
-from ampwatch_support.patience import SETTLE_S, START_S
+from ampwatch_support.patience import START_S
 from ampwatch_support.ports import free_port
-from ampwatch_support.rank_processes import RankProcess, check_rank_truth, spawn_rank, wait_for
+from ampwatch_support.rank_processes import RankProcess, check_rank_truth, kill_all, spawn_rank, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -100,11 +99,7 @@ def _job(urls: list[str], run: str, tmp: pathlib.Path, world: int,
     try:
         yield ranks
     finally:
-        for proc in ranks.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.wait(SETTLE_S)
+        kill_all(ranks.values())
 
 
 def _finish(ranks: dict[int, RankProcess], tmp: pathlib.Path) -> dict[int, dict]:

@@ -20,7 +20,7 @@ from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import fewer_requests, requests_and_batches, scrape, value
 from ampwatch_support.older_collector import V1_ONLY, older_collector
 from ampwatch_support.patience import SETTLE_S, START_S
-from ampwatch_support.rank_processes import RankProcess, check_rank_truth, spawn_rank, wait_for
+from ampwatch_support.rank_processes import RankProcess, check_rank_truth, kill_all, spawn_rank, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +51,7 @@ def _ranks(url: str, run: str, tmp: pathlib.Path, world: int,
     try:
         yield ranks
     finally:
-        for proc in ranks.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)  # one the test stopped
-                proc.kill()
-                proc.wait(SETTLE_S)
+        kill_all(ranks.values())
 
 
 def _finish(ranks: dict[int, RankProcess], tmp: pathlib.Path, ended: Container[int] = ()) -> dict[int, dict]:

@@ -19,14 +19,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from ampwatch_support.exposition import value
 from ampwatch_support.patience import SETTLE_S, wait_until
 
-__all__ = ["RankProcess", "check_rank_truth", "spawn_rank", "wait_for"]
+__all__ = ["RankProcess", "check_rank_truth", "kill_all", "spawn_rank", "wait_for"]
 
 # What every rank imports first, done once in the fork server: torch, and what its first optimizer pulls in.
 _PRELOAD = ["torch", "torch._dynamo", "ampwatch.agent"]
@@ -101,6 +101,15 @@ def spawn_rank(script: str, *args: str, rank: int = 0, world_size: int = 1,
     environ.pop("AMPWATCH_SPOOL_DIR", None)
     environ.update(env or {})
     return RankProcess(textwrap.dedent(script), list(args), environ)
+
+
+def kill_all(ranks: Iterable[RankProcess]) -> None:
+    """Kill every rank still running (one a test stopped with SIGSTOP too), and reap it: a test's teardown."""
+    for proc in ranks:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(SETTLE_S)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = SETTLE_S, what: str = "the ranks") -> None:

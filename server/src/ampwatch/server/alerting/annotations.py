@@ -55,7 +55,28 @@ def diagnosis_texts(diagnosis: tuple | None) -> dict[str, str]:
     return texts
 
 
-class AlertTexts(Mapping[str, str]):
+class _RenderedTexts(Mapping[str, str]):
+    """Annotations rendered when first read (:meth:`_rendered`, written by each subclass), then read as a mapping."""
+
+    __slots__ = ()
+
+    def _rendered(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> str:
+        return self._rendered()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rendered())
+
+    def __len__(self) -> int:
+        return len(self._rendered())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._rendered()!r})"
+
+
+class AlertTexts(_RenderedTexts):
     """The annotations of one alert instance, rendered by :func:`annotations_for` when first read, then kept.
 
     An alert that keeps firing is re-judged on every batch its rank sends (in a storm, thousands a
@@ -78,20 +99,8 @@ class AlertTexts(Mapping[str, str]):
             self._args = self._diagnosis = None  # the labels may belong to a caller; keep only the texts
         return self._texts
 
-    def __getitem__(self, key: str) -> str:
-        return self._rendered()[key]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._rendered())
-
-    def __len__(self) -> int:
-        return len(self._rendered())
-
-    def __repr__(self) -> str:
-        return f"AlertTexts({self._rendered()!r})"
-
-
-class BlockTexts(Mapping[str, str]):
+class BlockTexts(_RenderedTexts):
     """An alert's annotations with what its split run adds (``_placement_view.RunPlacement.texts``): the ``block`` this
     collector holds, the ``other_blocks`` with their replicas' pages, and a sentence each at the end of the summary
     and the description. Merged when first read, as :class:`AlertTexts` renders."""
@@ -109,18 +118,6 @@ class BlockTexts(Mapping[str, str]):
                 merged[key] = merged[key] + text if key in ("summary", "description") and key in merged else text
             self._merged = merged
         return self._merged
-
-    def __getitem__(self, key: str) -> str:
-        return self._rendered()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._rendered())
-
-    def __len__(self) -> int:
-        return len(self._rendered())
-
-    def __repr__(self) -> str:
-        return f"BlockTexts({self._rendered()!r})"
 
 
 def _number(value: float) -> str:
