@@ -7,6 +7,7 @@ alerts recorded into the side's figures; :func:`replica` the same targets for on
 
 from __future__ import annotations
 
+from ampwatch.server._rank_ranges import rank_ranges
 from bench._servers import Usage
 
 __all__ = ["VISIBLE_WITHIN_S", "first_skip_delays", "ms_summary", "replica", "seconds_summary", "streak_alert_delays",
@@ -110,7 +111,7 @@ def replica(job: dict, timeline: dict, index: int, scrapes: list[dict], firing: 
         shown |= set((scraped["each"][index] if "each" in scraped else scraped)["counts"])
     latency = job["latency_by_collector"][index]
     return {"index": index, "url": url, "ranks": len(mine), "first_rank": min(map(int, mine)),
-            "last_rank": max(map(int, mine)),
+            "last_rank": max(map(int, mine)), "rank_ranges": rank_ranges(sorted(map(int, mine))),
             "pinned_to": cores,
             "healthy_latency": ms_summary(latency["healthy"]), "storm_latency": ms_summary(latency["storm"]),
             "storm_ranks": len(storm), "first_skip_to_metrics": seconds_summary(visible),

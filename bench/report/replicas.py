@@ -25,6 +25,13 @@ def _all_within(figures: dict, missing: int) -> tuple[str, bool]:
     return f"{fmt(seen)} of {fmt(figures['n'] + missing)}", seen == figures["n"] + missing and figures["n"] > 0
 
 
+def _held(replica: dict) -> str:
+    """The ranks a replica held: its blocks' ranges (a run's blocks are dealt out in turn, so not one range)."""
+    if "rank_ranges" in replica:
+        return f"ranks {replica['rank_ranges']}"
+    return f"{fmt(replica['ranks'])} ranks in {fmt(replica['first_rank'])}-{fmt(replica['last_rank'])}"
+
+
 def targets(side: dict) -> list[tuple[str, str, bool]]:
     """Issue 41's targets on one side, together and for each replica: ``(target, measured, met)``."""
     out = []
@@ -32,7 +39,7 @@ def targets(side: dict) -> list[tuple[str, str, bool]]:
     parts = [] if len(side.get("replicas", [])) == 1 else [  # replica 0 alone: its figures are the side's
         ("together", side["healthy"]["latency"], storm["first_skip_to_metrics"],
          storm["first_skips_not_visible_by_end"], storm["rung16_to_builtin_alert"], storm["streak_alerts_missing"])]
-    parts += [(f"replica {r['index']} (ranks {fmt(r['first_rank'])}-{fmt(r['last_rank'])})", r["healthy_latency"],
+    parts += [(f"replica {r['index']} ({_held(r)})", r["healthy_latency"],
                r["first_skip_to_metrics"], r["first_skips_not_visible_by_end"], r["rung16_to_builtin_alert"],
                r["streak_alerts_missing"]) for r in side.get("replicas", [])]
     for who, healthy, seen, unseen, alert, no_alert in parts:
