@@ -25,8 +25,6 @@ Each side fires the same, but for the instance label; and no rank is exposed by 
 from __future__ import annotations
 
 import concurrent.futures
-import http.server
-import json
 import os
 import re
 import sys
@@ -35,7 +33,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -46,7 +43,7 @@ from ampwatch.contract.metrics import METRICS
 from ampwatch.contract.thresholds import AlertThresholds
 from ampwatch.dashboards.dashboard import VARIABLES_AT_ALL, dashboard_json, panel_queries
 from ampwatch.dashboards.rules import render_rules
-from ampwatch_support.batches import OptimizerRun, make_batch, post_batch
+from ampwatch_support.batches import SimulatedRank, post_batch
 from ampwatch_support.patience import SETTLE_S
 from ampwatch_support.prometheus_stack import (
     Processes,
@@ -58,7 +55,7 @@ from ampwatch_support.prometheus_stack import (
     wait_for_scrapes,
     wait_until,
 )
-from ampwatch_support.webhook_receiver import free_port
+from ampwatch_support.webhook_receiver import WebhookReceiver, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -91,40 +88,19 @@ ONE_RUN_FIRES = {("AmpConsecutiveSkippedSteps", "1", "gen", "warning"),
 GRAFANA_VARIABLES = {**VARIABLES_AT_ALL, "$__rate_interval": "4s", "$__range": "30s"}
 
 
-class _Receiver:
-    """Record the JSON payloads Alertmanager's webhook POSTs to a loopback HTTP server."""
+class _Receiver(WebhookReceiver):
+    """What Alertmanager's webhook POSTed, read as the alerts the payloads carry."""
 
-    def __init__(self) -> None:
-        self.payloads: list[dict] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with receiver.lock:
-                    receiver.payloads.append(json.loads(body))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def received(self) -> list[dict]:
+        return [alert for request in list(self.requests) for alert in request["body"]["alerts"]]
 
     def alerts(self, alertname: str, status: str, **labels: str) -> list[dict]:
-        with self.lock:
-            return [a for p in self.payloads for a in p["alerts"]
-                    if a["labels"].get("alertname") == alertname and a["status"] == status
-                    and all(a["labels"].get(k) == v for k, v in labels.items())]
+        return [a for a in self.received() if a["labels"].get("alertname") == alertname and a["status"] == status
+                and all(a["labels"].get(k) == v for k, v in labels.items())]
 
     def summary(self) -> str:
-        with self.lock:
-            return "; ".join(f'{a["status"]} {a["labels"].get("alertname")} run={a["labels"].get("run")} '
-                             f'optimizer={a["labels"].get("optimizer")}'
-                             for p in self.payloads for a in p["alerts"]) or "nothing received"
+        return "; ".join(f'{a["status"]} {a["labels"].get("alertname")} run={a["labels"].get("run")} '
+                         f'optimizer={a["labels"].get("optimizer")}' for a in self.received()) or "nothing received"
 
 
 def _start_collector(processes: Processes, folder: Path, name: str, port: int, *args: str) -> str:
@@ -139,7 +115,7 @@ def stack(tmp_path_factory):
     replicas' simulated runs; yield what the tests need."""
     tmp = tmp_path_factory.mktemp("e2e")
     processes = Processes(tmp)
-    receiver = _Receiver()
+    receiver = _Receiver().start()
     stop = threading.Event()
     sender = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
@@ -153,7 +129,8 @@ def stack(tmp_path_factory):
         (tmp / "alertmanager.yml").write_text(yaml.safe_dump({
             "route": {"receiver": "test", "group_by": ["alertname", "run", "optimizer"],
                       "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
-            "receivers": [{"name": "test", "webhook_configs": [{"url": receiver.url, "send_resolved": True}]}],
+            "receivers": [{"name": "test",
+                           "webhook_configs": [{"url": receiver.url + "/alerts", "send_resolved": True}]}],
         }))
         processes.start("alertmanager", [binary("prometheus-alertmanager"),
                                          f"--config.file={tmp / 'alertmanager.yml'}",
@@ -203,7 +180,7 @@ def stack(tmp_path_factory):
         stop.set()
         sender.shutdown(wait=True)
         processes.stop_all()
-        receiver.server.shutdown()
+        receiver.stop()
 
 
 def _wait_for_jobs(stack: dict) -> None:
@@ -265,8 +242,6 @@ def _ranks_held(collector: str, run: str) -> set[str]:
 def _run_split_across(first: str, second: str) -> str:
     """Return the run of the backoff job, whose rank 0 and rank 1 the contract's placement puts on different
     collectors in blocks of one rank (the job's AMPWATCH_BLOCK_RANKS)."""
-    # Until the agent places ranks by ampwatch.contract.placement, it pins them by a hash of run and rank, which
-    # splits this run too.
     run = "e2e-split-5"
     placed = {placement.collector_for(run, rank, 2, [first, second], block_ranks=1) for rank in (0, 1)}
     assert placed == {first, second}
@@ -302,42 +277,11 @@ def test_every_metric_the_rules_and_panels_read_is_exposed_by_the_collector(stac
     assert read - exposed == set()
 
 
-class _SimulatedRank:
-    """One rank of a simulated run as its agent reports it: each batch ITERATIONS_PER_BATCH iterations of one
-    optimizer, ``gen``, each a step or a skip (which backs the scale off, as GradScaler does)."""
-
-    def __init__(self, run: str, rank: int, world_size: int, scale: float = 2.0 ** 16) -> None:
-        self.run, self.rank, self.world_size = run, rank, world_size
-        self.gen, self.scale = OptimizerRun(), scale
-        self.seq = self.iteration = self.backoffs = self.spikes = 0
-
-    def batch(self, skipping: bool, spike: bool, closed: bool) -> dict:
-        """Advance a batch's iterations (each a skip while ``skipping``) and return the batch; ``spike``: a loss and
-        a gradient-norm spike among them."""
-        for _ in range(ITERATIONS_PER_BATCH):
-            self.iteration += 1
-            if skipping:
-                self.gen.skip(self.iteration)
-                self.backoffs += 1
-                self.scale /= 2
-            else:
-                self.gen.step()
-        self.spikes += spike
-        self.seq += 1
-        counters = self.gen.counters() | ({"grad_norm_spikes": self.spikes} if self.spikes else {})
-        batch = make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
-                           seq=self.seq, incarnation=f"simulated-{self.run}-{self.rank}", sent_at=time.time(),
-                           iteration=self.iteration, backoffs=self.backoffs, loss_scale=self.scale,
-                           optimizers={"gen": counters}, closed=closed)
-        if self.spikes:  # the agent sends it once it moved
-            batch["state"]["loss_spikes"] = self.spikes
-        return batch
-
-
 def _stream_runs(replicas: list[str], alone: str, stop: threading.Event) -> float:
     """Post the simulated runs' batches, PERIOD_S apart, each to the replica the contract's placement names and to
     the collector alone; return the time the last ones (the ranks closing) were answered."""
-    ranks = [_SimulatedRank(run, rank, size, 2.0 ** 14 if run == DESYNC_RUN and rank >= BLOCK_RANKS else 2.0 ** 16)
+    ranks = [SimulatedRank(run, rank, size, ITERATIONS_PER_BATCH,
+                           2.0 ** 14 if run == DESYNC_RUN and rank >= BLOCK_RANKS else 2.0 ** 16)
              for run, size in RANKS.items() for rank in range(size)]
     placed = {rank: placement.collector_for(rank.run, rank.rank, rank.world_size, replicas, BLOCK_RANKS)
               for rank in ranks}
@@ -381,10 +325,9 @@ def _fired(stack: dict) -> dict[str, list[dict[str, str]]]:
                        f"no alert of the simulated runs pending in the Prometheus of the {side} side")
 
         def in_alertmanager(side: str) -> set[tuple]:
-            with stack["receiver"].lock:
-                return {_identity(a["labels"]) for p in stack["receiver"].payloads for a in p["alerts"]
-                        if a["status"] == "firing" and a["labels"].get("scraper") == side
-                        and a["labels"].get("run") in RANKS}
+            return {_identity(a["labels"]) for a in stack["receiver"].received()
+                    if a["status"] == "firing" and a["labels"].get("scraper") == side
+                    and a["labels"].get("run") in RANKS}
 
         def in_prometheus(prometheus: str) -> set[tuple]:
             return {_identity(s["metric"]) for s in query_range(prometheus, f'ALERTS{{alertstate="firing", {runs}}}',

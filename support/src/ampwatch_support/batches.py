@@ -2,7 +2,8 @@
 simulated ranks (the real agent is tested against the same contract).
 
 ``optimizer`` gives an optimizer's counters, every one the contract declares; :class:`OptimizerRun` advances them a
-step or a skip at a time, as the agent counts them; ``post_batch`` sends a batch to a real collector.
+step or a skip at a time, as the agent counts them, and :class:`SimulatedRank` a rank's batches from them;
+``post_batch`` sends a batch to a real collector.
 
 >>> batch = make_batch(run="exp-1", optimizers={"gen": optimizer(steps=10, skipped=1)}, events=[skip_event(1)])
 >>> batch["state"]["optimizers"]["gen"]["skipped"], batch["events"][0]["kind"]
@@ -28,8 +29,8 @@ from ampwatch.contract.batch import (
 from ampwatch.contract.protocol import LISTED_EVENT_KINDS, MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
 __all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OPTIMIZER_LEVELS", "RANK_LEVELS", "SENT_WHEN_SET",
-           "OptimizerRun", "make_batch", "optimizer", "post_batch", "samples", "signal_level", "skip_event",
-           "spike_event"]
+           "OptimizerRun", "SimulatedRank", "make_batch", "optimizer", "post_batch", "samples", "signal_level",
+           "skip_event", "spike_event"]
 
 APPLIED: dict[str, Any] = {"applied": True, "kinds": list(LISTED_EVENT_KINDS)}
 """A collector's answer to a batch it applied: it lists the event kinds it takes that protocol 1 added later
@@ -113,6 +114,39 @@ class OptimizerRun:
                 "longest_streak": self.longest, "streaks": self.streaks,
                 "streaks_reached": {str(n): c for n, c in zip(STREAK_LADDER, self.reached, strict=True) if c},
                 "scheduler_steps_after_skip": self.scheduler_steps_after_skip, "poisoned_steps": self.poisoned_steps}
+
+
+class SimulatedRank:
+    """One rank of a simulated run as its agent reports it: each batch ``iterations_per_batch`` iterations of one
+    optimizer, ``gen``, each a step or a skip (which backs the scale off, as GradScaler does)."""
+
+    def __init__(self, run: str, rank: int, world_size: int, iterations_per_batch: int,
+                 scale: float = 2.0 ** 16) -> None:
+        self.run, self.rank, self.world_size, self.iterations_per_batch = run, rank, world_size, iterations_per_batch
+        self.gen, self.scale = OptimizerRun(), scale
+        self.seq = self.iteration = self.backoffs = self.spikes = 0
+
+    def batch(self, skipping: bool, spike: bool, closed: bool) -> dict[str, Any]:
+        """Advance a batch's iterations (each a skip while ``skipping``) and return the batch; ``spike``: a loss and
+        a gradient-norm spike among them."""
+        for _ in range(self.iterations_per_batch):
+            self.iteration += 1
+            if skipping:
+                self.gen.skip(self.iteration)
+                self.backoffs += 1
+                self.scale /= 2
+            else:
+                self.gen.step()
+        self.spikes += spike
+        self.seq += 1
+        counters = self.gen.counters() | ({"grad_norm_spikes": self.spikes} if self.spikes else {})
+        batch = make_batch(run=self.run, rank=self.rank, world_size=self.world_size, local_rank=self.rank,
+                           seq=self.seq, incarnation=f"simulated-{self.run}-{self.rank}", sent_at=time.time(),
+                           iteration=self.iteration, backoffs=self.backoffs, loss_scale=self.scale,
+                           optimizers={"gen": counters}, closed=closed)
+        if self.spikes:  # the agent sends it once it moved
+            batch["state"]["loss_spikes"] = self.spikes
+        return batch
 
 
 def signal_level(mean: float, std: float) -> dict[str, float]:
