@@ -35,7 +35,7 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable
 
-__all__ = ["BLOCK_RANKS", "Block", "normalize", "ranking", "blocks", "block_of", "collector_for"]
+__all__ = ["BLOCK_RANKS", "Block", "normalize", "ranking", "blocks", "block_of", "block_collector", "collector_for"]
 
 BLOCK_RANKS = 4_096
 """Ranks of one run a single collector holds before the run is split into blocks: the most at which one
@@ -83,6 +83,11 @@ def ranking(run: str, collectors: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(unique, key=lambda url: (_weight(run, url), url), reverse=True))
 
 
+def block_collector(order: tuple[str, ...], index: int) -> str:
+    """The collector of block ``index`` of a run whose :func:`ranking` is ``order``: blocks are dealt out in turn."""
+    return order[index % len(order)]
+
+
 def _check(world_size: int, block_ranks: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a whole number of ranks >= 1, got {world_size!r}")
@@ -107,7 +112,7 @@ def blocks(run: str, world_size: int, collectors: Iterable[str], block_ranks: in
         raise ValueError("no collector configured: set AMPWATCH_URL or pass collector=")
     if world_size <= block_ranks:
         return (Block(0, 0, world_size - 1, order[0]),)
-    return tuple(Block(index, first, min(first + block_ranks, world_size) - 1, order[index % len(order)])
+    return tuple(Block(index, first, min(first + block_ranks, world_size) - 1, block_collector(order, index))
                  for index, first in enumerate(range(0, world_size, block_ranks)))
 
 
@@ -118,4 +123,4 @@ def collector_for(run: str, rank: int, world_size: int, collectors: Iterable[str
     order = ranking(run, collectors)
     if not order:
         raise ValueError("no collector configured: set AMPWATCH_URL or pass collector=")
-    return order[index % len(order)]
+    return block_collector(order, index)

@@ -22,7 +22,7 @@ import logging
 import urllib.parse
 from collections.abc import Collection, Mapping
 
-from ampwatch.contract.placement import Block, block_of, collector_for, ranking
+from ampwatch.contract.placement import Block, block_collector, block_of, collector_for, ranking
 
 __all__ = ["RunPlacement", "Placements", "BLOCKS_LISTED"]
 
@@ -42,9 +42,8 @@ class RunPlacement:
     block_ranks: int
     here: str
     """This collector's URL (``--advertise-url``, resolved)."""
-    place: int
-    """This collector's position in the run's ranking: block ``b`` is here when ``b % collectors == place``."""
-    collectors: int
+    order: tuple[str, ...]
+    """The collectors in the run's ranking (:func:`~ampwatch.contract.placement.ranking`)."""
     block_count: int
     blocks: tuple[Block, ...]
     """The first :data:`BLOCKS_LISTED` blocks, in rank order, each with its collector."""
@@ -53,10 +52,9 @@ class RunPlacement:
     def of(cls, run: str, world_size: int, peers: Collection[str], here: str, block_ranks: int) -> RunPlacement:
         order = ranking(run, peers)
         count = 1 if world_size <= block_ranks else -(-world_size // block_ranks)
-        blocks = tuple(Block(index, first, min(first + block_ranks, world_size) - 1,
-                             collector_for(run, first, world_size, peers, block_ranks))
-                       for index, first in ((i, i * block_ranks) for i in range(min(count, BLOCKS_LISTED))))
-        return cls(run, world_size, block_ranks, here, order.index(here), len(order), count, blocks)
+        blocks = tuple(Block(index, index * block_ranks, min((index + 1) * block_ranks, world_size) - 1,
+                             block_collector(order, index)) for index in range(min(count, BLOCKS_LISTED)))
+        return cls(run, world_size, block_ranks, here, order, count, blocks)
 
     @property
     def split(self) -> bool:
@@ -65,16 +63,16 @@ class RunPlacement:
     @property
     def held_ranks(self) -> int:
         """How many of the run's ranks the rule places here (over every block, listed or not)."""
-        count, n, size = self.block_count, self.collectors, self.block_ranks
-        if self.place >= count:
+        count, n, size, place = self.block_count, len(self.order), self.block_ranks, self.order.index(self.here)
+        if place >= count:
             return 0
-        blocks_here = (count - 1 - self.place) // n + 1
+        blocks_here = (count - 1 - place) // n + 1  # blocks place, place + n, ... (block_collector)
         short = count * size - self.world_size  # the last block's missing ranks
-        return blocks_here * size - (short if (count - 1) % n == self.place else 0)
+        return blocks_here * size - (short if block_collector(self.order, count - 1) == self.here else 0)
 
     def holds(self, rank: int) -> bool:
         """Whether ``rank`` (of this world size) belongs here by the rule."""
-        return block_of(rank, self.world_size, self.block_ranks) % self.collectors == self.place
+        return block_collector(self.order, block_of(rank, self.world_size, self.block_ranks)) == self.here
 
     def to_json(self, misplaced: int) -> dict:
         """The ``placement`` object of ``GET /v1/runs/{run}`` (docs/collector.md)."""
