@@ -16,6 +16,7 @@ on are poisoned.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -60,6 +61,12 @@ class EveryRankLogger(Logger):
 def main(out_dir: str, *kinds: str) -> None:
     for kind in kinds or ("ddp",):
         fit_one(out_dir, kind)
+    # Lightning leaves the process group up after a fit. The fits' modules and trainers, left in
+    # reference cycles, would be freed at interpreter exit with it still up, and gloo then aborts
+    # the rank now and then ('terminate called without an active exception'): free them first.
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def fit_one(out_dir: str, kind: str) -> None:
