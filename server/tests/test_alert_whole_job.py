@@ -124,9 +124,10 @@ def _stands_out(rank, at: float) -> list:
 
 def test_in_a_run_of_several_ranks_the_pass_alone_fires_and_resolves_a_ranks_own_streak_alert():
     """A rank's batch in a run of several ranks leaves the alerts a run-wide one may speak for to the pass (which
-    reads the whole run): it neither fires nor resolves them, and does not even read them. One rank that
-    stands out with a streak fires at the second pass that finds it and resolves at the first pass after
-    its streak's window, not at the batch that showed it over."""
+    reads the whole run): it neither fires nor resolves them, and does not even read them (but for a streak
+    alert whose streak began well before the last pass, ``alerting.early``: here all 20 skips come in one batch).
+    One rank that stands out with a streak fires at the second pass that finds it and resolves at the first pass
+    after its streak's window, not at the batch that showed it over."""
     t = dataclasses.replace(T, skip_streak_window_s=60)
     alerts = BuiltinAlerts(t)
     ranks = healthy_job(alerts, 4)

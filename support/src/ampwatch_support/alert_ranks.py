@@ -30,6 +30,7 @@ class FakeRank:
         self.iteration = self.backoffs = self.growths = 0
         self.scale = scale
         self.steps = self.skipped = self.streak = 0
+        self.streaks = 0  # skip streaks begun
         self.reached: dict[int, int] = {}
         self.scheduler = self.poisoned = 0
         self.origins = 0  # skipped iterations this rank started (DDP's all-reduce hook)
@@ -45,6 +46,7 @@ class FakeRank:
         if skipped:
             self.skipped += 1
             self.streak += 1
+            self.streaks += self.streak == 1
             if self.streak in STREAK_LADDER:
                 self.reached[self.streak] = self.reached.get(self.streak, 0) + 1
             self.backoffs += 1
@@ -62,7 +64,8 @@ class FakeRank:
         setattr(self, KEPT_IN[name], value)
 
     def snapshot(self, now: float) -> RankSnapshot:
-        opt = OptimizerTotals(steps=self.steps, skipped=self.skipped, streaks_reached=ladder(self.reached),
+        opt = OptimizerTotals(steps=self.steps, skipped=self.skipped, streaks=self.streaks,
+                              streaks_reached=ladder(self.reached),
                               scheduler_steps_after_skip=self.scheduler, poisoned_steps=self.poisoned,
                               grad_norm_spikes=self.grad_norm_spikes)
         return RankSnapshot(run=self.run, rank=self.rank, last_seen=now, iteration=self.iteration,

@@ -18,7 +18,7 @@ __all__ = [
     "MAX_BATCH_EVENTS", "EVENT_KINDS", "LISTED_EVENT_KINDS",
     "COLLECTOR_EVENT_KINDS",
     "SCALE_CAUSES", "DELIVERY_COUNTERS", "COLLECTOR_DEFAULTS", "is_rung", "HEARTBEAT_INTERVAL_S",
-    "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "NO_SCALER_KIND", "LEVEL_HEARTBEATS",
+    "KEEP_ALIVE_S", "MAX_HEARTBEAT_INTERVAL_S", "NEWS_WITHIN_S", "NO_SCALER_KIND", "LEVEL_HEARTBEATS",
 ]
 
 PROTOCOL_VERSION = 1
@@ -103,6 +103,13 @@ scrapes every 15-30 s, so a scrape rarely sees a stale count; the silence thresh
 (``thresholds.silent_after_s``) is a multiple of it. A job too big for one collector to take every
 rank's heartbeat that often gets a longer one by default, up to
 :data:`MAX_HEARTBEAT_INTERVAL_S` (the agent's ``_schedule.default_heartbeat``)."""
+
+NEWS_WITHIN_S = 2.0
+"""Seconds: an agent sends a rank's news (a streak beginning or reaching a rung, a poisoned step, a warning, the
+close) within this of it happening, whatever its job's size: its hold and its job's spread (the agent's
+``_schedule``, 1.55 s) fit in it with room for the answer. A collector leans on it: a pass of its built-in alerts
+that starts this long (twice over, for a loaded collector) after a rank's streak began has seen every rank whose
+streak began with it (``server.alerting.early``)."""
 
 LEVEL_HEARTBEATS = 4
 """An agent sends its rolling levels (``batch.RANK_LEVELS``, ``batch.OPTIMIZER_LEVELS``) in a batch at most once

@@ -13,6 +13,7 @@ from .._state import RankSnapshot
 from .alert import Alert
 from .annotations import BlockTexts
 from .conditions import evaluate_with_facts, rank_alerts, unspoken_rank_alerts
+from .early import EarlyStreaks
 from .history import HistoryLayout, RankHistory
 from .rank_conditions import ActiveAlert, spoken_key
 from .states import AlertStates
@@ -42,7 +43,9 @@ class BuiltinAlerts:
     high skip ratio, a collapsed scale) are decided by the pass, which fires them once two passes in
     a row found one, and ``storm_edge_for_s`` after the run-wide alert last held it
     back, and resolves them (:meth:`observe` does not read them). A whole-job storm is
-    then one alert, not one per rank, from its first batches to its last.
+    then one alert, not one per rank, from its first batches to its last. One exception: a rank's streak
+    alert fires with its batch when the last pass found the run calm long enough after the streak began
+    (:mod:`.early`, whose table is the rule).
     """
 
     def __init__(self, thresholds: AlertThresholds = DEFAULT_THRESHOLDS, *, resolved_retention_s: float = 900.0,
@@ -73,6 +76,8 @@ class BuiltinAlerts:
         self._waiting: set[tuple] = set()  # per-rank alerts the last pass held for a second look
         # per-rank alert (its conditions.spoken_key) -> when a pass last held it back (a run-wide one held)
         self._spoken: dict[tuple, float] = {}
+        self._early = EarlyStreaks(thresholds)
+        self._early_during: set[tuple] = set()  # alerts batches fired (.early) while evaluate() runs
 
     def _outward(self, a: ActiveAlert) -> tuple[Mapping[str, str], Mapping[str, str]]:
         """The labels and annotations alert ``a`` fires with: its own, and of a split run its block's."""
@@ -92,15 +97,21 @@ class BuiltinAlerts:
                 history = self._ranks[key] = RankHistory(snapshot.run, snapshot.rank, self._layout,
                                                          self._resolution_s)
                 self._run_sizes[snapshot.run] = self._run_sizes.get(snapshot.run, 0) + 1
+            previous = history.current
             history.record(snapshot, self.thresholds.calibration_iterations)
+            self._early.seen(snapshot)
             group = (snapshot.run, str(snapshot.rank))
             if self._observed_during is not None:
                 self._observed_during.add(group)
             if self._run_sizes[snapshot.run] == 1:
                 return self._states.advance(rank_alerts(history, now, self.thresholds), now, group)
             # In a run of several ranks the pass decides the alerts a run-wide one may speak for (fires and
-            # resolves them): they are not even read here, which in a whole-job storm is most of the work.
-            return self._states.advance(unspoken_rank_alerts(history, now, self.thresholds), now, group,
+            # resolves them): they are not even read here, which in a whole-job storm is most of the work. But for
+            # a streak alert whose run the last pass found calm (.early).
+            early = self._early.alerts(history, previous, now)
+            if early and self._observed_during is not None:
+                self._early_during.update(a.key for a in early)
+            return self._states.advance(unspoken_rank_alerts(history, now, self.thresholds) + early, now, group,
                                         leave_names=_FOLDABLE)
 
     def evaluate(self, now: float | None = None) -> list[Alert]:
@@ -118,17 +129,23 @@ class BuiltinAlerts:
         with self._lock:
             histories = list(self._ranks.values())
             self._observed_during = observed = set[tuple[str, str]]()
+            self._early_during = early = set[tuple]()
         try:
-            found, _, held = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
-                                                 between=self._pacer() if self._pacer else lambda: None)
+            found, by_run, held = evaluate_with_facts(histories, now, self.thresholds, hold=lambda: self._lock,
+                                                      between=self._pacer() if self._pacer else lambda: None)
             with self._lock:
                 self._observed_during = None
                 found = self._judged_whole(found, held, now)
+                self._early.judge(by_run, {key[1] for key in self._spoken}, now)
                 if observed:
                     found = [a for a in found if a.group not in observed or self._pass_decides(a.name, a.group)]
-                return self._states.advance(found, now, keep=observed, unless=self._pass_decides)
+                # A streak alert a batch fired meanwhile (.early) saw newer data than this pass: kept.
+                return self._states.advance(found, now, keep=observed,
+                                            unless=lambda key, group: self._pass_decides(key[0], group)
+                                            and key not in early)
         finally:
             self._observed_during = None  # also when the pass failed
+            self._early_during = set()
 
     def _pass_decides(self, name: str, group: tuple) -> bool:
         """Whether only the pass judges alert ``name`` of evaluation group ``group``: one a run-wide alert may speak
@@ -157,6 +174,7 @@ class BuiltinAlerts:
         now = self._clock() if now is None else now
         with self._lock:
             if self._ranks.pop((run, rank), None) is not None:
+                self._early.forget(run, rank)
                 self._run_sizes[run] -= 1
                 if not self._run_sizes[run]:
                     del self._run_sizes[run]

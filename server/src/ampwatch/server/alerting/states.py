@@ -40,14 +40,15 @@ class AlertStates:
 
     def advance(self, active: Iterable[ActiveAlert], now: float, group: tuple | None = None,
                 keep: Set[tuple] = frozenset(), leave_names: Set[str] = frozenset(),
-                unless: Callable[[str, tuple], bool] = lambda name, group: False) -> list[Alert]:
+                unless: Callable[[tuple, tuple], bool] = lambda key, group: False) -> list[Alert]:
         """Apply one evaluation and return the alerts that started firing or resolved.
 
         ``group`` is the one evaluation group (``(run, rank)`` or ``(run,)``) that was
         evaluated; alerts of other groups are left as they are. None: all of them, but for
         the groups in ``keep`` (observed anew while a pass ran: the pass's reading is older), except the
-        alerts, pending or firing, for which ``unless(name, group)`` is true (judged by this evaluation alone: one
-        it no longer finds ends, as a pending one must, or it would fire later on its first finding's time).
+        alerts, pending or firing, for which ``unless(key, group)`` is true (``key[0]`` is the name; judged by this
+        evaluation alone: one it no longer finds ends, as a pending one must, or it would fire later on its first
+        finding's time).
         ``leave_names``: alerts this evaluation of one group does not judge (left as they are; ``active`` holds none).
         """
         changes: list[Alert] = []
@@ -77,9 +78,9 @@ class AlertStates:
                 self._pending[key] = (since, a)
         if group is None:
             gone = [k for k, (_, a) in self._pending.items()
-                    if k not in seen and (a.group not in keep or unless(a.name, a.group))] + \
+                    if k not in seen and (a.group not in keep or unless(k, a.group))] + \
                    [k for k in self._firing
-                    if k not in seen and (self._groups[k] not in keep or unless(k[0], self._groups[k]))]
+                    if k not in seen and (self._groups[k] not in keep or unless(k, self._groups[k]))]
         else:
             gone = [k for k in self._by_group.get(group, ()) if k not in seen and k[0] not in leave_names]
         for key in gone:
