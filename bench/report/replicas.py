@@ -79,8 +79,9 @@ _EXTRA = (
 
 
 def _block_size(res: dict) -> list[str]:
-    """What the figures say of ``BLOCK_RANKS``: did each replica, holding one block, meet the targets?"""
+    """What the figures say of ``BLOCK_RANKS``: did each replica, holding its blocks, meet the targets?"""
     block, sides = res["settings"]["block_ranks"], res["sides"]
+    held = max((s["ranks_per_collector"] for s in sides.values() if s.get("replicas")), default=block)
     verdicts = []
     for name in ("replicas", "alone", "replicas_lockstep", "alone_lockstep"):
         if name in sides:
@@ -89,7 +90,9 @@ def _block_size(res: dict) -> list[str]:
                             "per-replica targets met")
     if not verdicts:
         return []
-    return [f"Block size: each replica held one block of {fmt(block)} ranks of this job ({'; '.join(verdicts)}). "
+    blocks = f"one block of {fmt(block)} ranks" if held <= block else \
+        f"{fmt(held // block)} blocks of {fmt(block)} ranks ({fmt(held)} ranks)"
+    return [f"Block size: each replica held {blocks} of this job ({'; '.join(verdicts)}). "
             "`BLOCK_RANKS` is the size one replica holds within the targets: where a replica misses one here, "
             "a smaller block (more replicas per job) is what the figures ask for, unless the misses come from "
             "cores the simulation or other jobs took (the *cores used* rows)."]

@@ -108,36 +108,27 @@ def test_row_3_a_storms_share_in_a_streak_at_the_last_pass_leaves_the_streak_to_
     assert changes == [(STREAK, "firing", "1", "warning", 26.5)]
 
 
-def test_row_3_streaks_begun_since_the_last_pass_count_as_troubled():
-    """Rank 3 has been in a streak since t=5; at t=20 the other three begin one, and rank 3's 16th skip lands after
-    their batches and before the next pass: a storm's share troubled since the pass, so its batch fires nothing
-    and the pass decides. Rank 3 alone holds the alert until the others reach 16, so the pass fires it at the
-    second pass that found it (21.5), and resolves it when the storm speaks for every rank."""
+@pytest.mark.parametrize("rank_3, fired_at", [("last", 21.5), ("first", 20.0)])
+def test_row_3_streaks_begun_since_the_last_pass_count_as_troubled_once_their_news_is_in(rank_3, fired_at):
+    """Rank 3 has been in a streak since t=5; at t=20 the other three begin one, the batch of rank 3's 16th skip
+    lands in the same second.
+
+    - ``last``: after the others' first news, a storm's share troubled since the pass: its batch fires nothing
+      and the pass decides. Rank 3 alone holds the alert until the others reach 16, so the pass fires it at the
+      second pass that found it (21.5).
+    - ``first``: before any of the others' news, the edge the table leaves to the pass's judgement after the
+      fact: its batch fires it (its streak is its own).
+
+    Either way it resolves at the pass that finds the storm, which speaks for every rank."""
     alerts = BuiltinAlerts(T)
     ranks = healthy_job(alerts, 4)
     transitions = []
     for now in range(1, 40):
-        for r in ranks:  # rank 3 last, after the others' first skips at t=20
+        for r in (ranks if rank_3 == "last" else reversed(ranks)):
             r.iterate(skipped=(r.rank == 3 and now >= 5) or now >= 20)
             transitions += r.send(float(now))
         transitions += alerts.evaluate(now + 0.5)
-    assert _streaks(transitions) == [(STREAK, "firing", "3", "warning", 21.5),
-                                     ("AmpRunSkipStorm", "firing", "", "warning", 35.5),
-                                     (STREAK, "resolved", "3", "warning", 35.5)]
-
-
-def test_row_3_but_a_storms_first_news_after_the_lone_streaks_16th_fires_it_then_the_storm_holds_it_back():
-    """The edge the table leaves to the pass: rank 3's 16th skip's batch lands before the whole job's first
-    news. Its alert fires (its streak is its own), and resolves at the pass that finds the storm speaking for it."""
-    alerts = BuiltinAlerts(T)
-    ranks = healthy_job(alerts, 4)
-    transitions = []
-    for now in range(1, 40):
-        for r in reversed(ranks):  # rank 3 first
-            r.iterate(skipped=(r.rank == 3 and now >= 5) or now >= 20)
-            transitions += r.send(float(now))
-        transitions += alerts.evaluate(now + 0.5)
-    assert _streaks(transitions) == [(STREAK, "firing", "3", "warning", 20.0),
+    assert _streaks(transitions) == [(STREAK, "firing", "3", "warning", fired_at),
                                      ("AmpRunSkipStorm", "firing", "", "warning", 35.5),
                                      (STREAK, "resolved", "3", "warning", 35.5)]
 

@@ -40,7 +40,7 @@ __all__ = ["BLOCK_RANKS", "Block", "normalize", "ranking", "blocks", "block_of",
 BLOCK_RANKS = 4_096
 """Ranks of one run a single collector holds before the run is split into blocks: the most at which one
 collector, on one core of this project's 2-core machine, still shows every rank's first skip of a whole-job
-storm in ``/metrics`` within 2 s (4,096: p99 1.71 s; 8,192: 5,411 of 8,191 ranks within 2 s, p99 3.04 s;
+storm in ``/metrics`` within 2 s (4,096: p99 1.62 s; 8,192: 4,662 of 8,191 ranks within 2 s, p99 3.45 s;
 docs/benchmarks.md, "9b. A 16,384-rank job on 2 replicas"), so a run is split only where one replica could not
 take its storm whole."""
 
