@@ -22,12 +22,13 @@ import uuid
 import httpx
 
 from ampwatch.contract.placement import blocks, collector_for
-from ampwatch_support.batches import make_batch, optimizer, post_batch
+from ampwatch_support.batches import make_batch, optimizer, post_batch, samples, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.headless_browser import needs_browser, open_page
 from ampwatch_support.headless_browser import wait_until as page_wait_until
 from ampwatch_support.patience import wait_until
 from ampwatch_support.ports import free_port
+from ampwatch_support.skipping_jobs import SkippingJobs, unique
 from ampwatch_support.webhook_receiver import WebhookReceiver
 
 BLOCK_RANKS = 2
@@ -150,6 +151,41 @@ def test_a_split_runs_storm_fires_once_per_replica_naming_its_block_and_a_whole_
             assert run["placement"]["misplaced_ranks"] == len(astray), run["placement"]
             log = open(by_url[astray_at].log_path).read()
             assert log.count(f"of run '{ASTRAY}'") == 1 and "misplaced_ranks" in log, log[-2000:]
+
+
+def test_a_replica_judges_a_split_runs_suspects_over_the_ranks_it_holds(tmp_path):
+    """docs/suspects.md rules 4 and 5 compare an event's origin set with the run's ranks: a replica holding a block
+    sees only its ranks' evidence, so it compares with those. A 3-rank run in blocks of 2: ranks 0-1 on one
+    replica, rank 2 alone on the other.
+
+    - Three whole-job overflows (every rank's own gradients, ``origin: true`` everywhere): no suspect on either
+      replica. Compared with the world size, rank 2 would be the sole origin of three (a suspect device), and the
+      id ranks 0 and 1 both trained on each time a suspect sample.
+    - In another such run, rank 0 alone is the origin of three: its replica still finds its device."""
+    ports = free_port(), free_port()
+    peers = [f"http://127.0.0.1:{port}" for port in ports]
+    args = ["--peers", ",".join(peers), "--block-ranks", str(BLOCK_RANKS)]
+    with CollectorProcess(str(tmp_path / "a.db"), port=ports[0], args=args), \
+            CollectorProcess(str(tmp_path / "b.db"), port=ports[1], args=args):
+        jobs = {url: SkippingJobs(url) for url in peers}
+        for run, origins in (("whole-3", {0, 1, 2}), ("faulty-3", {0})):
+            for iteration in (5, 6, 7):
+                for rank in range(3):
+                    ids = ["shared", *unique(f"{run}-{iteration}-r{rank}")] if rank < 2 else \
+                        unique(f"{run}-{iteration}-r{rank}")
+                    jobs[collector_for(run, rank, 3, peers, BLOCK_RANKS)].post(
+                        run, rank, [skip_event(0, iteration=iteration, origin=rank in origins,
+                                               samples=samples(ids))], world_size=3, host=f"{run}-host")
+        first, second = blocks("whole-3", 3, peers, BLOCK_RANKS)
+        assert (first.last_rank - first.first_rank, second.first_rank, second.last_rank) == (1, 2, 2)
+        assert first.collector != second.collector
+        found = {}
+        for url, job in jobs.items():
+            judged = wait_until(lambda url=url, job=job: (body := httpx.get(url + "/v1/suspects", timeout=30).json())
+                                ["evidence_rows"] == job.rows and body, what=f"{url}'s evidence judged")
+            found[url] = ([d["device"] for d in judged["devices"]], [x["id"] for x in judged["samples"]])
+        faulty_at = blocks("faulty-3", 3, peers, BLOCK_RANKS)[0].collector
+        assert found == {url: (["faulty-3-host:0"] if url == faulty_at else [], []) for url in peers}
 
 
 @needs_browser

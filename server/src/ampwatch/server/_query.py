@@ -243,7 +243,8 @@ def suspect_judge(state: Any) -> SuspectJudge:
     if getattr(state, "suspect_judge", None) is None:
         config = state.config
         state.suspect_judge = SuspectJudge(state.store.query, SuspectSettings(
-            config.suspect_events, config.suspect_max_origins, config.suspect_stand_out_ratio))
+            config.suspect_events, config.suspect_max_origins, config.suspect_stand_out_ratio),
+            ranks_judged=state.placements.ranks_judged)
     return state.suspect_judge
 
 

@@ -86,8 +86,12 @@ def _one_per_rank(rows: list[_Row]) -> list[_Row]:
     return [r for r in rows if r.kind != "gradient_outlier" or r.rank not in sent]
 
 
-def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
-    """Return ``{"devices": [...], "samples": [...], "settings": {...}}`` judged over evidence ``rows``."""
+def judge(rows: Iterable[dict], settings: SuspectSettings,
+          ranks_judged: Callable[[str, int], int] = lambda run, world_size: world_size) -> dict[str, Any]:
+    """Return ``{"devices": [...], "samples": [...], "settings": {...}}`` judged over evidence ``rows``.
+
+    ``ranks_judged(run, world_size)``: the ranks of a run an origin set is compared with (rules 4 and 5): its world
+    size, but for a run split over several collectors the ranks this one holds (it sees only their evidence)."""
     occurrences: dict[tuple[str, int, str], list[_Row]] = defaultdict(list)
     devices: dict[str, _Row] = {}  # each device's latest row: its host, local rank and identity
     run_devices: dict[str, set[str]] = defaultdict(set)
@@ -106,10 +110,11 @@ def judge(rows: Iterable[dict], settings: SuspectSettings) -> dict[str, Any]:
             continue  # the scaler settling: evidence of nothing
         origins = _origin_set(found)
         ranks = {r.rank for r in origins}
-        if len(ranks) >= max(r.world_size for r in found) and any(r.origin is not None for r in found):
+        job = ranks_judged(found[0].run, max(r.world_size for r in found))
+        if len(ranks) >= job and any(r.origin is not None for r in found):
             continue  # every rank's own gradients overflowed: the job's cause (scale, learning rate), no sample's
         origin_rows += (row for row in origins if row.samples)
-        if 0 < len(ranks) <= settings.max_origins and len(ranks) < max(r.world_size for r in found):
+        if 0 < len(ranks) <= settings.max_origins and len(ranks) < job:
             for row in origins:
                 sole[row.key].append(row)
     # Samples and devices explain events each other's way (rules 6, 8 and 12): the samples first, then the devices
@@ -243,8 +248,10 @@ class SuspectJudge:
     WAIT_FACTOR = 5.0
 
     def __init__(self, query: Callable[..., list[dict]], settings: SuspectSettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.query, self.settings, self.clock = query, settings, clock
+                 clock: Callable[[], float] = time.monotonic,
+                 ranks_judged: Callable[[str, int], int] = lambda run, world_size: world_size) -> None:
+        """``ranks_judged``: as :func:`judge` takes it (a split run's ranks here)."""
+        self.query, self.settings, self.clock, self.ranks_judged = query, settings, clock, ranks_judged
         self._lock = threading.Lock()
         self._body: dict[str, Any] | None = None
         self._version: tuple | None = None
@@ -255,7 +262,8 @@ class SuspectJudge:
             version = tuple(self.query(_VERSION)[0].values())
             if self._body is None or (version != self._version and self.clock() >= self._next):
                 started = self.clock()
-                self._body = dict(judge(self.query(_READ), self.settings), evidence_rows=version[0])
+                self._body = dict(judge(self.query(_READ), self.settings, self.ranks_judged),
+                                  evidence_rows=version[0])
                 self._version = version
                 self._next = self.clock() + self.WAIT_FACTOR * (self.clock() - started)
             return self._body
