@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import sys
 import time
 
@@ -28,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ampwatch import agent
+from ampwatch_support.ports import free_port
 
 
 def _iterations(spec: str) -> set[int]:
@@ -90,10 +90,7 @@ def main() -> int:
     if args.overflow_sleep is None:
         args.overflow_sleep = args.sleep
     torch.set_num_threads(1)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_rank, args=(port, args), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), args), nprocs=2, join=True)
     return 0
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ampwatch.agent._identity import launcher_run_id, resolve_identity
+from ampwatch_support.ports import free_port
 
 
 def test_rank_world_size_and_local_rank_come_from_the_environment():
@@ -92,9 +93,7 @@ def _agree(rank: int, world_size: int, port: int, queue) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_without_any_run_id_agree_on_rank_zeros_over_torch_distributed():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     context = mp.start_processes(_agree, args=(2, port, queue), nprocs=2, join=False, start_method="spawn")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import random
 import socket
 import threading
 import time
@@ -12,9 +13,36 @@ from ampwatch_support.patience import SETTLE_S
 __all__ = ["LoopbackServer", "free_port"]
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections and ``bind(0)`` (Linux: 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_LOW = _ephemeral_low()
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range.
+
+    A port is free between this call and whoever binds it (a collector, a DDP job's rendezvous, seconds later
+    while its ranks import torch). From the ephemeral range, any outgoing connection meanwhile (every batch an
+    agent posts, gloo's own) could take it: a DDP job's store then failed with EADDRINUSE in CI. Below it only
+    another such pick can, one in about 12,000.
+    """
+    low = max(1024, _LOW - 12_000)
+    for _ in range(200):
+        port = random.randrange(low, _LOW)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that whole stretch in use: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
