@@ -32,15 +32,24 @@ DOCKERFILE = (REPO / "server" / "Dockerfile").read_text()
 TOKEN_SECRET = "ampwatch-collector-token"
 
 
-@pytest.fixture(scope="module")
-def objects() -> list[dict]:
-    """Return the objects `kubectl kustomize deploy/kubernetes` renders."""
+def _kubectl() -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("kubectl is not installed: run .ci/run (it installs Debian's kubernetes-client)")
-    result = subprocess.run([kubectl, "kustomize", str(KUSTOMIZATION)], capture_output=True, text=True, timeout=120)
+    return kubectl
+
+
+def _kustomize(folder: Path) -> list[dict]:
+    """Return the objects `kubectl kustomize FOLDER` renders."""
+    result = subprocess.run([_kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[dict]:
+    """Return the objects `kubectl kustomize deploy/kubernetes` renders."""
+    return _kustomize(KUSTOMIZATION)
 
 
 def _one(objects: list[dict], kind: str, name: str) -> dict:
@@ -198,10 +207,7 @@ def test_a_real_collector_configured_as_the_manifest_says_answers_the_probes_and
 
 
 def test_the_overlay_of_the_docs_sets_namespace_image_replicas_labels_and_prometheus_url(tmp_path):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is not installed: run .ci/run (it installs Debian's kubernetes-client)")
-    version = subprocess.run([kubectl, "version", "--client"], capture_output=True, text=True, timeout=60).stdout
+    version = subprocess.run([_kubectl(), "version", "--client"], capture_output=True, text=True, timeout=60).stdout
     if "Kustomize Version: v" not in version:  # kubectl before 1.21 (Debian 12's) embeds kustomize v2
         pytest.skip(f"the documented overlay needs kubectl 1.21 or later; this one: {version.strip()}")
     docs = (REPO / "docs" / "collector.md").read_text()
@@ -209,10 +215,7 @@ def test_the_overlay_of_the_docs_sets_namespace_image_replicas_labels_and_promet
     (tmp_path / "my-overlay").mkdir()
     (tmp_path / "my-overlay" / "kustomization.yaml").write_text(overlay)
     (tmp_path / "deploy").symlink_to(REPO / "deploy")
-    result = subprocess.run([kubectl, "kustomize", str(tmp_path / "my-overlay")],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    rendered = _kustomize(tmp_path / "my-overlay")
     assert {o["metadata"].get("namespace") for o in rendered} == {"ampwatch"}
     statefulset = _one(rendered, "StatefulSet", "ampwatch-collector")
     assert statefulset["spec"]["replicas"] == 2
@@ -231,15 +234,6 @@ def test_the_overlay_of_the_docs_sets_namespace_image_replicas_labels_and_promet
 
 
 CENTRAL_OVERLAY = REPO / "deploy" / "overlays" / "central"
-
-
-def _kustomize(folder: Path) -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is not installed: run .ci/run (it installs Debian's kubernetes-client)")
-    result = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 def _vmagent_args(objects: list[dict]) -> dict[str, str]:

@@ -10,21 +10,9 @@ import urllib.request
 
 import pytest
 
-from ampwatch_support.batches import make_batch, optimizer, skip_event
+from ampwatch_support.batches import ingest_status, make_batch, optimizer, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.exposition import value
-
-
-def _post(url: str, batch: dict) -> int:
-    request = urllib.request.Request(url + "/v1/ingest", data=json.dumps(batch).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as answer:
-            return answer.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0  # no answer: the collector is down
 
 
 def _batch(rank: int, seq: int) -> dict:
@@ -49,7 +37,7 @@ def test_sigkill_mid_stream_then_restart_on_the_same_database_loses_and_doubles_
             # Like the agent: resend the same seq until acknowledged, then move on.
             seq = 1
             while seq <= batches:
-                if _post(collector.url, _batch(rank, seq)) == 200:
+                if ingest_status(collector.url, _batch(rank, seq), timeout=5) == 200:
                     acked[rank] = seq
                     seq += 1
                     if rank == 0 and seq == batches // 2:
@@ -66,7 +54,7 @@ def test_sigkill_mid_stream_then_restart_on_the_same_database_loses_and_doubles_
             t.join(60)
         assert acked == {0: batches, 1: batches}
         # Resending everything after the restart changes nothing either.
-        assert _post(collector.url, _batch(1, batches)) == 200
+        assert ingest_status(collector.url, _batch(1, batches), timeout=5) == 200
         with urllib.request.urlopen(collector.url + "/metrics", timeout=5) as answer:
             text = answer.read().decode()
         skipped = batches // 3

@@ -12,21 +12,11 @@ import urllib.request
 from ampwatch.server import ServerConfig, _trace
 from ampwatch.server._state import CollectorState
 from ampwatch.server.alerting.service import AlertService
-from ampwatch_support.batches import make_batch, post_batch, skip_event
+from ampwatch_support.batches import ingest_status, make_batch, post_batch, skip_event
 from ampwatch_support.collector_process import CollectorProcess
 from ampwatch_support.patience import wait_until
 
 _APPLIED_PHASES = {"read", "parse", "turn", "apply", "queue", "write", "commit", "resume", "after", "send"}
-
-
-def _post_raw(url: str, body: bytes) -> int:
-    request = urllib.request.Request(url + "/v1/ingest", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return answer.status
-    except urllib.error.HTTPError as error:
-        return error.code
 
 
 def test_a_traced_collector_writes_a_line_per_request_with_its_phases_and_one_per_commit_and_render(tmp_path):
@@ -36,7 +26,7 @@ def test_a_traced_collector_writes_a_line_per_request_with_its_phases_and_one_pe
         for batch in batches:
             post_batch(collector.url, batch)
         post_batch(collector.url, batches[1])  # a duplicate: answered, not applied again
-        assert _post_raw(collector.url, b"{not json") == 400
+        assert ingest_status(collector.url, b"{not json") == 400
         with urllib.request.urlopen(collector.url + "/metrics", timeout=30) as answer:
             answer.read()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -29,8 +30,8 @@ from ampwatch.contract.batch import (
 from ampwatch.contract.protocol import LISTED_EVENT_KINDS, MAX_SAMPLE_IDS, PROTOCOL_VERSION, STREAK_LADDER, is_rung
 
 __all__ = ["APPLIED", "DUPLICATE", "BASE", "CLEAN_DELIVERY", "OPTIMIZER_LEVELS", "RANK_LEVELS", "SENT_WHEN_SET",
-           "OptimizerRun", "SimulatedRank", "make_batch", "optimizer", "post_batch", "samples", "signal_level",
-           "skip_event", "spike_event"]
+           "OptimizerRun", "SimulatedRank", "ingest_status", "make_batch", "optimizer", "post_batch", "samples",
+           "signal_level", "skip_event", "spike_event"]
 
 APPLIED: dict[str, Any] = {"applied": True, "kinds": list(LISTED_EVENT_KINDS)}
 """A collector's answer to a batch it applied: it lists the event kinds it takes that protocol 1 added later
@@ -204,6 +205,20 @@ def samples(ids: list[int | str]) -> dict[str, Any]:
     (2, True)
     """
     return {"ids": list(ids[:MAX_SAMPLE_IDS]), "count": len(ids), "digest": samples_digest(ids)}
+
+
+def ingest_status(url: str, body: dict[str, Any] | bytes, timeout: float = 10.0) -> int:
+    """POST a batch (or raw ``body`` bytes) to the collector at ``url``; return its status, 0 without an answer."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + "/v1/ingest", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0  # no answer: the collector is down
 
 
 def post_batch(url: str, batch: dict[str, Any], timeout: float = 10.0) -> None:
