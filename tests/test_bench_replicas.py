@@ -72,3 +72,14 @@ def test_the_100000_gpu_model_in_collector_md_is_what_the_model_prints_from_the_
     figures = model_100k.model(100_000)
     urls = [f"http://c{i}:9457" for i in range(figures["blocks"])]
     assert len({b.collector for b in blocks("big", 100_000, urls)}) == figures["blocks"] == -(-100_000 // BLOCK_RANKS)
+
+
+def test_the_block_size_line_says_how_many_blocks_each_replica_held():
+    """The run of record (docs/benchmarks.json): 16,384 ranks in blocks of 4,096 on 2 replicas, 2 blocks each."""
+    import json
+
+    with open(os.path.join(ROOT, "docs", "benchmarks.json")) as f:
+        result = json.load(f)["replicas"]
+    assert result["settings"]["ranks"] == 16_384 and result["settings"]["block_ranks"] == BLOCK_RANKS == 4_096
+    page = "\n".join(report.section(result))
+    assert "Block size: each replica held 2 blocks of 4,096 ranks (8,192 ranks) of this job (2 replicas:" in page
